@@ -1,0 +1,73 @@
+"""Frozen configuration dataclasses for the engine and the server, and CLI flags built from them."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+
+def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine process needs. Flag names follow SGLang's where one exists."""
+
+    model_path: str | None = _opt(None, "HF directory (config.json + *.safetensors) or a .gguf file; "
+                                        "default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF")
+    dtype: str = _opt("float32", "compute and KV dtype", ("float32", "bfloat16"))
+    page_size: int = _opt(16, "KV page size in tokens")
+    max_total_tokens: int | None = _opt(None, "KV capacity in tokens (overrides --kv-cache-memory-gb)")
+    kv_cache_memory_gb: float = _opt(1.0, "KV capacity in GiB when --max-total-tokens is not set")
+    chunked_prefill_size: int = _opt(1024, "token budget of one step (decode tokens + prefill chunk)")
+    max_running_requests: int = _opt(128, "most requests decoding at once")
+    schedule_policy: str = _opt("fcfs", "order of admission from the waiting queue", ("fcfs", "lpm"))
+    lpm_queue_threshold: int = _opt(128, "lpm falls back to fcfs when more requests than this wait")
+    disable_radix_cache: bool = _opt(False, "turn off prefix reuse across requests")
+    context_length: int | None = _opt(None, "override the model's context length in tokens")
+    num_threads: int | None = _opt(None, "torch intra-op threads (default: all cores)")
+    random_seed: int = _opt(0, "seed for requests that bring none")
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.chunked_prefill_size < self.page_size:
+            raise ValueError("chunked_prefill_size must be >= page_size")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
+            raise ValueError("max_total_tokens must hold at least two pages")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP-side settings of one worker."""
+
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(30000, "port to listen on")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on /v1 routes")
+    served_model_name: str | None = _opt(None, "model id reported by /v1/models (default: file name)")
+    log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
+    max_queued_requests: int = _opt(1024, "requests waiting beyond this get 503")
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one `--field-name` flag per dataclass field, typed and documented from the field."""
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        meta = f.metadata
+        if hint is bool:
+            parser.add_argument(flag, action="store_true", help=meta.get("help"))
+            continue
+        kind = next((t for t in (int, float) if hint is t or t in getattr(hint, "__args__", ())), str)
+        parser.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"),
+                            help=f"{meta.get('help')} (default: {f.default})")
+
+
+def from_args(cls: type, args: argparse.Namespace) -> Any:
+    """Build `cls` from the parsed flags that `add_dataclass_args` added."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

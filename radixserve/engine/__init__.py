@@ -1,0 +1,1 @@
+"""Engine core: requests, KV pages, radix prefix cache, scheduler. Pure Python except engine.py."""

@@ -1,0 +1,81 @@
+"""The contract between the scheduler and the model runner: what one step computes and returns.
+
+Index map of one sequence in a step (P = page_size):
+
+    positions   0 ............ start_pos ........ start_pos+len(input_ids)-1
+    KV          [ already in the KV cache ][ written by this step      ]
+    page_ids    page_ids[i] holds the KV of positions [i*P, (i+1)*P)
+
+The runner writes the KV of `input_ids` into the slots given by `page_ids`, attends over
+positions [0, start_pos + len(input_ids)), and, when `sample` is set, samples one token from
+the logits of the last position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from radixserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One request's share of a step."""
+
+    request_id: str
+    input_ids: list[int]          # tokens whose KV this step computes (a prefill chunk, or 1 for decode)
+    start_pos: int                # position of input_ids[0] in the sequence
+    page_ids: list[int]           # page table covering positions [0, start_pos + len(input_ids))
+    sample: bool                  # sample a token from the last position's logits
+    params: SamplingParams
+    seed: int                     # request seed; the runner seeds step k with (seed, num_output_ids)
+    prompt_ids: list[int]         # whole prompt (repetition penalty reads it)
+    output_ids: list[int]         # tokens generated so far (penalties; len() is the sampling step)
+    min_tokens_left: int          # > 0: eos and stop_token_ids are masked out of this sample
+    prompt_logprob_start: int | None  # when set, return logprobs of input_ids[i+1] at each position
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    """All work of one step; `seqs` keeps the scheduler's order (decodes first, then prefills)."""
+
+    seqs: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.input_ids) for s in self.seqs)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log-probability (natural log, model distribution before any warper) of one token."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the k most likely (token_id, logprob), most likely first
+
+
+@dataclass(frozen=True, slots=True)
+class SeqResult:
+    """What the runner returns for one ScheduledSeq."""
+
+    request_id: str
+    token: TokenLogprob | None                 # sampled token (None when sample=False)
+    prompt_logprobs: list[TokenLogprob] | None  # for positions start_pos+1 .. end of chunk
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    results: list[SeqResult]  # same order as ScheduledBatch.seqs
+
+
+class Runner(Protocol):
+    """What the engine needs from a model runner (the real one lives in radixserve.runner)."""
+
+    num_pages: int          # KV capacity in pages
+    page_size: int
+    max_context_len: int    # positions the model supports
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+    def run(self, batch: ScheduledBatch) -> RunnerOutput: ...

@@ -1,0 +1,55 @@
+"""Errors radixserve raises at its boundaries, each mapped to an HTTP status and OpenAI error type."""
+from __future__ import annotations
+
+
+class RadixServeError(Exception):
+    """Base class. `status` is the HTTP status code, `type` the OpenAI error type."""
+
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def to_dict(self) -> dict:
+        """OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code or self.status}}
+
+
+class InvalidRequest(RadixServeError):
+    """The request is malformed or a value is out of range (HTTP 400)."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Prompt tokens + max_tokens exceed the model's context or the KV capacity (HTTP 400)."""
+
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(RadixServeError):
+    """The `model` field names a model this server does not serve (HTTP 404)."""
+
+    status = 404
+    type = "not_found_error"
+    code = "model_not_found"
+
+
+class Overloaded(RadixServeError):
+    """The request queue is full (HTTP 503)."""
+
+    status = 503
+    type = "server_overloaded"
+
+
+class EngineDead(RadixServeError):
+    """The engine process has died or wedged; the worker cannot serve (HTTP 503)."""
+
+    status = 503
+    type = "engine_dead"

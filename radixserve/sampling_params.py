@@ -1,0 +1,107 @@
+"""SamplingParams: how one request samples and when it stops, validated once at the boundary."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from radixserve.errors import InvalidRequest
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling and stopping settings (OpenAI / vLLM meanings).
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    max_tokens None means "up to the context length". logprobs=k returns the chosen token's
+    logprob plus the k most likely tokens per generated position (k=0: chosen only);
+    prompt_logprobs=k does the same for prompt positions. Logprobs always come from the model's
+    own distribution (log-softmax of the raw logits, before penalties, temperature and
+    top-k/top-p/min-p), so truncation never shortens or zeroes them (field case C18).
+    seed makes sampling deterministic per request whatever else is batched.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers; store tuples so the object stays hashable and immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Check every field's range. Raises InvalidRequest naming the offending field."""
+        def bad(param: str, why: str) -> InvalidRequest:
+            return InvalidRequest(f"{param} {why}", param=param)
+
+        def finite(name: str, value: float) -> None:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            finite(name, getattr(self, name))
+        if not isinstance(self.n, int) or not 1 <= self.n <= 128:
+            raise bad("n", f"must be an integer in [1, 128], got {self.n!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+            raise bad("max_tokens", f"must be a non-negative integer, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > 16:
+            raise bad("stop", f"allows at most 16 strings, got {len(self.stop)}")
+        for tid in self.stop_token_ids:
+            if not isinstance(tid, int) or tid < 0 or (vocab_size is not None and tid >= vocab_size):
+                raise bad("stop_token_ids", f"contains an invalid token id {tid!r}")
