@@ -32,7 +32,11 @@ class ScheduledSeq:
     prompt_ids: list[int]         # whole prompt (repetition penalty reads it)
     output_ids: list[int]         # tokens generated so far (penalties; len() is the sampling step)
     min_tokens_left: int          # > 0: eos and stop_token_ids are masked out of this sample
-    prompt_logprob_start: int | None  # when set, return logprobs of input_ids[i+1] at each position
+    # When set (== start_pos), return prompt logprobs for this chunk: one TokenLogprob for each
+    # prompt position q in [start_pos + 1, min(start_pos + len(input_ids), len(prompt_ids) - 1)],
+    # taken from the logits at position q - 1 (token id = prompt_ids[q], top-k with
+    # k = params.prompt_logprobs). A chunk's last position thus scores the next chunk's first token.
+    prompt_logprob_start: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +65,7 @@ class SeqResult:
 
     request_id: str
     token: TokenLogprob | None                 # sampled token (None when sample=False)
-    prompt_logprobs: list[TokenLogprob] | None  # for positions start_pos+1 .. end of chunk
+    prompt_logprobs: list[TokenLogprob] | None  # see ScheduledSeq.prompt_logprob_start
 
 
 @dataclass(frozen=True, slots=True)

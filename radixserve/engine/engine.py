@@ -1,0 +1,188 @@
+"""Engine: add_request / abort / step() = schedule -> run -> update, over any Runner."""
+from __future__ import annotations
+
+import random
+import time
+
+from radixserve.config import EngineConfig
+from radixserve.engine.kv_manager import KVManager
+from radixserve.engine.request import Request, Status
+from radixserve.engine.runner_api import Runner, RunnerOutput, ScheduledBatch, ScheduledSeq
+from radixserve.engine.scheduler import Scheduled, Scheduler
+from radixserve.errors import ContextLengthExceeded, InvalidRequest
+from radixserve.outputs import EngineOutput
+from radixserve.sampling_params import SamplingParams
+
+
+class Engine:
+    """Continuous-batching engine. Single-threaded: call every method from one thread.
+
+    `step()` returns one EngineOutput per request that gained tokens, finished, or has
+    prompt logprobs ready. Stop strings are not the engine's business: the front end
+    detokenizes, and calls `abort(request_id)` when one matches.
+    """
+
+    def __init__(self, config: EngineConfig, runner: Runner):
+        self.config = config
+        self.runner = runner
+        self.page_size = runner.page_size
+        self.max_context_len = runner.max_context_len
+        self.kv = KVManager(runner.num_pages, runner.page_size, not config.disable_radix_cache)
+        self.scheduler = Scheduler(config, self.kv)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.random_seed)
+        self.counters = {"num_prompt_tokens": 0, "num_cached_tokens": 0, "num_generated_tokens": 0,
+                         "num_finished_requests": 0, "num_aborted_requests": 0}
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Longest sequence (prompt + output) one request may reach, in tokens."""
+        return min(self.max_context_len, self.kv.num_pages * self.page_size)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises InvalidRequest for bad ids or params and
+        ContextLengthExceeded when prompt + max_tokens cannot fit in one sequence."""
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        params.validate(self.runner.vocab_size)
+        if params.n != 1:
+            raise InvalidRequest("the engine takes n=1; fan out choices before add_request", param="n")
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty: at least one token is required", param="prompt")
+        vocab = self.runner.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        limit = self.max_request_tokens
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > limit or max_tokens < 0:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(prompt_ids) + max(max_tokens, 0)} tokens ({len(prompt_ids)} in the prompt, "
+                f"{max(max_tokens, 0)} for the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens" if params.max_tokens else "prompt")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(request_id, list(prompt_ids), params, seed, max_tokens, time.monotonic())
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> EngineOutput | None:
+        """Stop a request at any point; its really computed KV stays in the radix cache and
+        everything else returns to the pool. Returns its final output, or None if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        self.counters["num_aborted_requests"] += 1
+        self._count_prompt(req)
+        return self._output(req, [], None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- step -------------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        """Run one scheduler iteration and one forward pass."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        batch = ScheduledBatch([self._seq(s) for s in scheduled])
+        output = self.runner.run(batch)
+        return self._update(scheduled, batch, output)
+
+    def _seq(self, s: Scheduled) -> ScheduledSeq:
+        req = s.req
+        end = s.start + s.num_tokens
+        in_prompt = s.start < len(req.prompt_ids)
+        return ScheduledSeq(
+            request_id=req.request_id, input_ids=req.all_ids[s.start:end], start_pos=s.start,
+            page_ids=req.page_ids[:self.kv.pages_for(end)],
+            sample=s.completes_sequence and req.max_tokens > 0,
+            params=req.params, seed=req.seed, prompt_ids=req.prompt_ids,
+            output_ids=req.output_ids,
+            min_tokens_left=max(req.params.min_tokens - len(req.output_ids), 0),
+            prompt_logprob_start=s.start if in_prompt and req.wants_prompt_logprobs else None)
+
+    def _update(self, scheduled: list[Scheduled], batch: ScheduledBatch,
+                output: RunnerOutput) -> list[EngineOutput]:
+        outs: list[EngineOutput] = []
+        for s, seq, res in zip(scheduled, batch.seqs, output.results):
+            req = s.req
+            if req.status is not Status.RUNNING:
+                continue
+            req.num_computed_tokens = s.start + s.num_tokens
+            if seq.prompt_logprob_start is not None and res.prompt_logprobs is not None:
+                req.prompt_logprobs = (req.prompt_logprobs or []) + res.prompt_logprobs
+            if not s.completes_sequence:
+                self.kv.commit(req)  # chunk done: share it with others and keep it on preemption
+                continue
+            if res.token is None:  # max_tokens == 0: prompt scored, nothing to sample
+                outs.append(self._finish(req, [], None, "length"))
+                continue
+            token = res.token.token_id
+            req.output_ids.append(token)
+            self.counters["num_generated_tokens"] += 1
+            reason = self._finish_reason(req, token)
+            logprobs = [res.token] if req.params.logprobs is not None else None
+            if reason is not None:
+                outs.append(self._finish(req, [token], logprobs, reason))
+            else:
+                outs.append(self._output(req, [token], logprobs))
+        return outs
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if len(req.output_ids) > p.min_tokens or p.min_tokens == 0:
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.runner.eos_token_ids):
+                req.stop_token_id = token
+                return "stop"
+        if len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_request_tokens:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, new_ids: list[int], logprobs, reason: str) -> EngineOutput:
+        self.scheduler.finish(req, reason)
+        del self.requests[req.request_id]
+        self.counters["num_finished_requests"] += 1
+        self._count_prompt(req)
+        return self._output(req, new_ids, logprobs)
+
+    def _count_prompt(self, req: Request) -> None:
+        # Hit rate counts admitted requests once, at their end (recompute is never a hit).
+        if req.num_cached_tokens >= 0:
+            self.counters["num_prompt_tokens"] += len(req.prompt_ids)
+            self.counters["num_cached_tokens"] += req.num_cached_tokens
+
+    def _output(self, req: Request, new_ids: list[int], logprobs) -> EngineOutput:
+        prompt_lp = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and not req.is_prefilling:
+            prompt_lp, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        finished = req.status is Status.FINISHED
+        return EngineOutput(
+            request_id=req.request_id, new_token_ids=new_ids, new_logprobs=logprobs,
+            finished=finished, finish_reason=req.finish_reason if finished else None,
+            stop_token_id=req.stop_token_id, num_prompt_tokens=len(req.prompt_ids),
+            num_cached_tokens=max(req.num_cached_tokens, 0), prompt_logprobs=prompt_lp)
+
+    # ---- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Pool usage, queue sizes and cumulative counters (hit rate = cached / prompt tokens)."""
+        kv, c = self.kv, self.counters
+        used = kv.num_pages - kv.pool.num_free - kv.cache.num_evictable_pages
+        return {
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            "num_pages": kv.num_pages, "page_size": self.page_size,
+            "num_free_pages": kv.pool.num_free, "num_cached_pages": kv.cache.num_cached_pages,
+            "num_evictable_pages": kv.cache.num_evictable_pages,
+            "token_usage": used / kv.num_pages,
+            "cache_hit_rate": c["num_cached_tokens"] / c["num_prompt_tokens"] if c["num_prompt_tokens"] else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions, **c,
+        }
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix. Refused (False) while requests hold KV."""
+        return not self.has_unfinished() and self.kv.flush()
+
+    def check_invariants(self) -> None:
+        """Assert page ownership (free + cached + private == total) and tree structure."""
+        self.kv.check_invariants(self.scheduler.running + list(self.scheduler.waiting))

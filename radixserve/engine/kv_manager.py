@@ -1,0 +1,132 @@
+"""KVManager: the one façade the scheduler uses for KV pages: match, allocate, commit, free."""
+from __future__ import annotations
+
+from radixserve.engine.page_pool import PagePool
+from radixserve.engine.radix_cache import RadixCache
+from radixserve.engine.request import Request
+
+
+class KVManager:
+    """Owns the page pool and the radix cache and moves pages between them and requests.
+
+    Every page has exactly one owner: the free list, the radix tree, or one request's private
+    tail (`request.page_ids[request.num_tree_pages:]`). `check_invariants` verifies it.
+    With `enable_cache=False` nothing is ever matched or kept after a request ends.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, enable_cache: bool = True):
+        self.page_size = page_size
+        self.pool = PagePool(num_pages)
+        self.cache = RadixCache(page_size)
+        self.enable_cache = enable_cache
+
+    # ---- capacity ---------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def num_available_pages(self) -> int:
+        """Free pages plus pages the tree could give up by eviction."""
+        return self.pool.num_free + self.cache.num_evictable_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def match_len(self, req: Request) -> int:
+        """Tokens of req's prompt the cache could serve now (read-only; for policies)."""
+        if not self._may_match(req):
+            return 0
+        return self.cache.match_len(req.all_ids[:req.num_tokens - 1])
+
+    # ---- match / allocate / commit / free ---------------------------------------------------
+    def match(self, req: Request) -> int:
+        """Attach the longest cached prefix to a request that holds no pages; lock it.
+
+        At least one token is always left to compute (its logits are needed), so the match
+        is capped at num_tokens - 1, rounded down to pages. Returns the matched tokens.
+        """
+        assert not req.page_ids and req.last_node is None, "match on a request holding pages"
+        if not self._may_match(req):
+            return 0
+        result = self.cache.match(req.all_ids[:req.num_tokens - 1])
+        self.cache.lock(result.node)
+        req.page_ids = list(result.page_ids)
+        req.num_tree_pages = len(result.page_ids)
+        req.last_node = result.node
+        req.num_computed_tokens = len(result.page_ids) * self.page_size
+        return req.num_computed_tokens
+
+    def allocate(self, req: Request, num_tokens: int) -> bool:
+        """Make req's page table cover num_tokens positions, evicting unlocked cache leaves
+        if needed. Returns False (and changes nothing) when the pages cannot be had."""
+        need = self.pages_for(num_tokens) - len(req.page_ids)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            self.pool.free(self.cache.evict(need - self.pool.num_free))
+        pages = self.pool.allocate(need)
+        if pages is None:
+            return False
+        req.page_ids.extend(pages)
+        return True
+
+    def commit(self, req: Request) -> None:
+        """Hand the full pages of req's computed tokens to the radix tree (after a prefill
+        chunk, and before releasing). Duplicates of pages the tree already holds are freed and
+        req's page table is rewritten to the tree's pages; the lock moves to the new path."""
+        if not self.enable_cache:
+            return
+        num_full = req.num_computed_tokens // self.page_size
+        if num_full <= req.num_tree_pages:
+            return
+        key = req.all_ids[:num_full * self.page_size]
+        result = self.cache.insert(key, req.page_ids[:num_full])
+        overlap = result.num_overlap_tokens // self.page_size
+        dup = req.page_ids[req.num_tree_pages:overlap]
+        self.pool.free([p for p, t in zip(dup, result.page_ids[req.num_tree_pages:overlap]) if p != t])
+        req.page_ids[:num_full] = result.page_ids
+        self.cache.lock(result.node)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.last_node = result.node
+        req.num_tree_pages = num_full
+
+    def free(self, req: Request) -> None:
+        """Release all of req's KV: computed full pages go to the tree (when caching), the
+        private tail to the free list, and the path is unlocked. req holds no pages after."""
+        self.commit(req)
+        self.pool.free(req.page_ids[req.num_tree_pages:])
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.page_ids, req.num_tree_pages, req.last_node = [], 0, None
+
+    def flush(self) -> bool:
+        """Drop the whole cache when no request holds a lock. Returns whether it flushed."""
+        if self.cache.num_locked_pages:
+            return False
+        self.pool.free(self.cache.reset())
+        return True
+
+    def _may_match(self, req: Request) -> bool:
+        # Prompt-logprob requests recompute the prompt: logits of cached positions are never
+        # stored, so they bypass the cache (field case C02, documented alternative).
+        return self.enable_cache and not req.wants_prompt_logprobs
+
+    # ---- invariants -------------------------------------------------------------------------
+    def check_invariants(self, requests: list[Request]) -> None:
+        """Assert every page has exactly one owner: free list, tree, or one request's tail,
+        and that their sizes add up to the pool. Cheap enough to call at idle in debug mode."""
+        self.cache.check()
+        free = self.pool.free_ids()
+        tree = self.cache.all_page_ids()
+        private = [p for r in requests for p in r.page_ids[r.num_tree_pages:]]
+        owned = free + tree + private
+        assert len(owned) == len(set(owned)), "a page has two owners"
+        assert len(owned) == self.num_pages, (
+            f"free {len(free)} + cached {len(tree)} + private {len(private)} != {self.num_pages}")
+        tree_set = set(tree)
+        for r in requests:
+            assert all(p in tree_set for p in r.page_ids[:r.num_tree_pages]), "request maps an uncached page"
+        if not any(r.page_ids for r in requests):
+            assert self.cache.num_locked_pages == 0, "locked pages with no request holding KV"

@@ -1,0 +1,68 @@
+"""Request: one sequence's state inside the engine (tokens, progress, pages, finish reason).
+
+Lifecycle:
+
+    WAITING --admit--> RUNNING --finish/abort--> FINISHED
+       ^                  |
+       +----preempt-------+   (KV released; computed prefix stays in the radix cache)
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from radixserve.engine.runner_api import TokenLogprob
+from radixserve.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Mutable per-request state owned by the scheduler thread.
+
+    token ids:   [ prompt_ids .................. ][ output_ids ...... ]
+    KV:          [ 0 ......... num_computed_tokens )   (the last sampled token has no KV yet)
+    pages:       page_ids[:num_tree_pages] belong to the radix tree (locked via `last_node`),
+                 page_ids[num_tree_pages:] are this request's private tail.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_tokens: int                       # resolved: never None inside the engine
+    arrival_s: float
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1           # prefix-cache hit at first admission; -1 = not yet admitted
+    page_ids: list[int] = field(default_factory=list)
+    num_tree_pages: int = 0
+    last_node: object | None = None       # radix node locked for page_ids[:num_tree_pages]
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs_sent: bool = False
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while the KV of some known token other than the newest is missing."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent

@@ -1,0 +1,147 @@
+"""Scheduler: token-budget continuous batching with chunked prefill, policies and preemption.
+
+One mechanism for everything (as in vLLM v1): each step hands out a budget of
+`chunked_prefill_size` tokens. Running requests come first (one token each when decoding,
+the next chunk when still prefilling), then waiting requests are admitted in policy order
+while budget, `max_running_requests` and pages allow. Running out of pages is handled by
+evicting unlocked radix leaves (inside KVManager.allocate) and then preempting the newest
+running request; its computed prefix stays in the radix cache, so recompute is cheap.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from radixserve.config import EngineConfig
+from radixserve.engine.kv_manager import KVManager
+from radixserve.engine.request import Request, Status
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    """One request's work in a step: compute KV for tokens [start, start + num_tokens)."""
+
+    req: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when after this step every known token has KV, so a token can be sampled."""
+        return self.start + self.num_tokens == self.req.num_tokens
+
+
+class Scheduler:
+    """Decides each step's batch. Owns the waiting queue and the running list."""
+
+    def __init__(self, config: EngineConfig, kv: KVManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- schedule ---------------------------------------------------------------------------
+    def schedule(self) -> list[Scheduled]:
+        """Pick this step's work. Never raises for lack of memory: it preempts instead."""
+        budget = self.config.chunked_prefill_size
+        batch: list[Scheduled] = []
+        num_preemptions = self.num_preemptions
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._allocate_or_preempt(req, n, batch):
+                batch.append(Scheduled(req, req.num_computed_tokens, n))
+                budget -= n
+        # Admitting new work right after a preemption would only thrash the pages.
+        if budget > 0 and self.num_preemptions == num_preemptions:
+            self._admit(budget, batch)
+        return batch
+
+    def _allocate_or_preempt(self, req: Request, n: int, batch: list[Scheduled]) -> bool:
+        """Get pages for n more tokens of req, preempting the newest other running requests
+        that are not yet in this step's batch. False when req itself had to be preempted."""
+        in_batch = {id(s.req) for s in batch}
+        while not self.kv.allocate(req, req.num_computed_tokens + n):
+            victims = [r for r in self.running if r is not req and id(r) not in in_batch]
+            self.preempt(victims[-1] if victims else req)
+            if not victims:
+                return False
+        return True
+
+    def _admit(self, budget: int, batch: list[Scheduled]) -> None:
+        prefilling = [r for r in self.running if r.is_prefilling]
+        for req in self._policy_order():
+            if len(self.running) >= self.config.max_running_requests:
+                break
+            cached = self.kv.match(req)
+            if self._shares_uncached_prefix(req, prefilling):
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            # Headroom: leave one page per running request for its next decode steps.
+            reserve = len(self.running)
+            fits = self.kv.pages_for(req.num_computed_tokens + n) - len(req.page_ids) + reserve
+            if fits > self.kv.num_available_pages or not self.kv.allocate(req, req.num_computed_tokens + n):
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                break
+            self.waiting.remove(req)
+            if req.num_cached_tokens < 0:  # a recompute after preemption is not a cache hit
+                req.num_cached_tokens = cached
+            req.status = Status.RUNNING
+            self.running.append(req)
+            prefilling.append(req)
+            batch.append(Scheduled(req, req.num_computed_tokens, n))
+            budget -= n
+            if budget <= 0:
+                break
+
+    def _policy_order(self) -> list[Request]:
+        waiting = list(self.waiting)
+        if self.config.schedule_policy == "lpm" and len(waiting) <= self.config.lpm_queue_threshold:
+            # Longest prefix match first; stable sort keeps FCFS among equals.
+            waiting.sort(key=lambda r: -self.kv.match_len(r))
+        return waiting
+
+    def _shares_uncached_prefix(self, req: Request, prefilling: list[Request]) -> bool:
+        """In-batch prefix sharing: True when another request is still prefilling the same
+        next page(s) that req would compute, so req waits and then hits the cache instead."""
+        if not self.kv.enable_cache:
+            return False
+        end = req.num_computed_tokens + self.kv.page_size
+        if end > req.num_tokens - 1:
+            return False
+        head = req.all_ids[:end]
+        return any(r.num_tokens >= end and r.all_ids[:end] == head for r in prefilling)
+
+    # ---- preemption and release -------------------------------------------------------------
+    def preempt(self, req: Request) -> None:
+        """Release req's KV (its computed prefix stays cached) and put it first in line."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End req: its computed KV goes to the radix cache, the rest back to the pool."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason

@@ -1,0 +1,72 @@
+"""A scripted Runner for engine tests: paged 'KV' that stores token ids, deterministic tokens.
+
+The fake KV holds (token, position) per slot. Every step writes the input tokens into the
+slots the page table names and reads the whole context back through the page table, so a
+wrong page table, a page freed too early, or a page shared by mistake changes the output or
+trips an assertion. The next token is a hash of the context: any corruption shows.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from radixserve.engine.runner_api import (RunnerOutput, ScheduledBatch, SeqResult,
+                                          TokenLogprob)
+
+
+def reference_next_token(context: list[int], vocab_size: int, eos: int | None = None,
+                         eos_every: int = 0) -> int:
+    """The token the fake model emits after `context` (what a correct engine must return)."""
+    digest = hashlib.blake2b(repr(context).encode(), digest_size=8).digest()
+    value = int.from_bytes(digest, "little")
+    if eos is not None and eos_every and value % eos_every == 0:
+        return eos
+    token = value % vocab_size
+    return token if token != eos else (token + 1) % vocab_size
+
+
+class FakeRunner:
+    """Runner protocol implementation with no tensors (see module docstring)."""
+
+    def __init__(self, num_pages: int = 64, page_size: int = 4, vocab_size: int = 1000,
+                 max_context_len: int = 4096, eos: int | None = None, eos_every: int = 0):
+        self.num_pages, self.page_size, self.vocab_size = num_pages, page_size, vocab_size
+        self.max_context_len = max_context_len
+        self.eos, self.eos_every = eos, eos_every
+        self.eos_token_ids = frozenset([eos] if eos is not None else [])
+        self.slots: list[tuple[int, int] | None] = [None] * (num_pages * page_size)
+        self.steps: list[ScheduledBatch] = []
+
+    def slot(self, page_ids: list[int], pos: int) -> int:
+        return page_ids[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def run(self, batch: ScheduledBatch) -> RunnerOutput:
+        self.steps.append(batch)
+        seen_pages: dict[int, str] = {}
+        results = []
+        for seq in batch.seqs:
+            end = seq.start_pos + len(seq.input_ids)
+            assert len(seq.page_ids) * self.page_size >= end, "page table too short"
+            for i, tok in enumerate(seq.input_ids):
+                pos = seq.start_pos + i
+                page = seq.page_ids[pos // self.page_size]
+                # Two sequences writing one page in one step would corrupt each other.
+                assert seen_pages.setdefault(page, seq.request_id) == seq.request_id, "page written twice"
+                self.slots[self.slot(seq.page_ids, pos)] = (tok, pos)
+            context = []
+            for pos in range(end):
+                entry = self.slots[self.slot(seq.page_ids, pos)]
+                assert entry is not None and entry[1] == pos, f"stale KV at position {pos}"
+                context.append(entry[0])
+            token = None
+            if seq.sample:
+                tid = reference_next_token(context, self.vocab_size, self.eos, self.eos_every)
+                if seq.min_tokens_left > 0 and tid in self.eos_token_ids | set(seq.params.stop_token_ids):
+                    tid = (tid + 1) % self.vocab_size
+                token = TokenLogprob(tid, -0.5, [(tid, -0.5)])
+            prompt_lp = None
+            if seq.prompt_logprob_start is not None:
+                last = min(end, len(seq.prompt_ids) - 1)
+                prompt_lp = [TokenLogprob(seq.prompt_ids[q], -1.0, [])
+                             for q in range(seq.start_pos + 1, last + 1)]
+            results.append(SeqResult(seq.request_id, token, prompt_lp))
+        return RunnerOutput(results)
