@@ -113,8 +113,9 @@ class Engine:
             req.num_computed_tokens = s.start + s.num_tokens
             if seq.prompt_logprob_start is not None and res.prompt_logprobs is not None:
                 req.prompt_logprobs = (req.prompt_logprobs or []) + res.prompt_logprobs
+            if s.num_tokens > 1:
+                self.kv.commit(req)  # prefill work: share it with others, keep it on preemption
             if not s.completes_sequence:
-                self.kv.commit(req)  # chunk done: share it with others and keep it on preemption
                 continue
             if res.token is None:  # max_tokens == 0: prompt scored, nothing to sample
                 outs.append(self._finish(req, [], None, "length"))
