@@ -22,9 +22,13 @@ class Engine:
     detokenizes, and calls `abort(request_id)` when one matches.
     """
 
-    def __init__(self, config: EngineConfig, runner: Runner):
+    def __init__(self, config: EngineConfig, runner: Runner,
+                 eos_token_ids: frozenset[int] | None = None):
+        """eos_token_ids: tokens that end a request (default: the runner's, from the model);
+        pass the tokenizer's end-of-turn ids too so chat turns stop where HF generate stops."""
         self.config = config
         self.runner = runner
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else runner.eos_token_ids)
         self.page_size = runner.page_size
         self.max_context_len = runner.max_context_len
         self.kv = KVManager(runner.num_pages, runner.page_size, not config.disable_radix_cache)
@@ -134,7 +138,7 @@ class Engine:
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
         if len(req.output_ids) > p.min_tokens or p.min_tokens == 0:
-            if token in p.stop_token_ids or (not p.ignore_eos and token in self.runner.eos_token_ids):
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
                 req.stop_token_id = token
                 return "stop"
         if len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_request_tokens:

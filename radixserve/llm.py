@@ -1,0 +1,108 @@
+"""Offline API: LLM.generate / LLM.chat run the engine in-process, with a progress bar."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from radixserve.config import EngineConfig
+from radixserve.engine.engine import Engine
+from radixserve.outputs import RequestOutput
+from radixserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model and generate from it in this process.
+
+        llm = LLM()                                   # embedded SmolLM2-135M-Instruct
+        outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+        print(outs[0].outputs[0].text)
+
+    model_path: HF directory or .gguf file (None = embedded default). Other keyword
+    arguments are EngineConfig fields (page_size, dtype, max_total_tokens, ...).
+    """
+
+    def __init__(self, model_path: str | None = None, **engine_kwargs):
+        from radixserve.runner.model_runner import ModelRunner
+        from radixserve.tokenizer.tokenizer import Tokenizer
+        from radixserve.weights.loader import resolve_model_path
+
+        self.config = EngineConfig(model_path=model_path, **engine_kwargs)
+        self.tokenizer = Tokenizer.load(resolve_model_path(model_path))
+        runner = ModelRunner.from_config(self.config)
+        self.engine = Engine(self.config, runner, runner.eos_token_ids | self.tokenizer.eos_token_ids)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for text prompts or token-id prompts; results keep the input order.
+
+        Raises InvalidRequest / ContextLengthExceeded (before anything runs) for bad input.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        items = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                items.append((prompt, self.tokenizer.encode(prompt)))
+            else:
+                items.append((None, list(prompt)))
+        return self._run(items, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        items = [(None, self.tokenizer.apply_chat_template(conv)) for conv in conversations]
+        return self._run(items, sampling_params, use_tqdm)
+
+    def stats(self) -> dict:
+        """Engine counters: hit rate, pool usage (see Engine.stats)."""
+        return self.engine.stats()
+
+    def _run(self, items, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        from radixserve.tokenizer.output_processor import RequestTracker
+
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(items)
+        if len(sampling_params) != len(items):
+            raise ValueError("sampling_params must be one object or one per prompt")
+        trackers: list[tuple[RequestTracker, str | None]] = []
+        owner: dict[str, RequestTracker] = {}
+        try:
+            for (text, ids), params in zip(items, sampling_params):
+                params.validate(self.engine.runner.vocab_size)
+                tracker = RequestTracker(str(next(self._ids)), ids, params, self.tokenizer)
+                trackers.append((tracker, text))
+                for child_id, child_params in tracker.child_requests():
+                    self.engine.add_request(child_id, ids, child_params)
+                    owner[child_id] = tracker
+            self._drive(owner, len(trackers), use_tqdm)
+        finally:
+            for child_id in list(owner):  # on error, leave no request behind in the engine
+                self.engine.abort(child_id)
+        results = []
+        for tracker, text in trackers:
+            result = tracker.result()
+            result.prompt = text
+            results.append(result)
+        return results
+
+    def _drive(self, owner: dict, num_requests: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=num_requests, desc="generate", disable=not use_tqdm)
+        done: set[int] = set()
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                tracker = owner.get(out.request_id)
+                if tracker is None:
+                    continue
+                update = tracker.process(out)
+                if update.abort_child is not None:
+                    self.engine.abort(update.abort_child)
+                if tracker.finished and id(tracker) not in done:
+                    done.add(id(tracker))
+                    bar.update(1)
+        bar.close()

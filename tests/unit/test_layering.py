@@ -1,0 +1,51 @@
+"""The design's layering rules, enforced by walking imports (ARCHITECTURE.md §2)."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "radixserve"
+
+# package (folder or module) -> radixserve subpackages it must not import
+FORBIDDEN = {
+    "engine": {"runner", "models", "layers", "weights", "server", "tokenizer"},
+    "layers": {"runner", "models", "weights", "engine", "server", "tokenizer"},
+    "models": {"runner", "engine", "server", "tokenizer"},
+    "server": {"runner", "models", "layers", "weights"},
+}
+NO_TORCH = {"engine"}  # except engine/engine.py, which may (it does not today)
+
+
+def imports_of(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def files_of(package: str):
+    folder = ROOT / package
+    return sorted(folder.rglob("*.py")) if folder.is_dir() else []
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_layering(package):
+    for path in files_of(package):
+        for name in imports_of(path):
+            parts = name.split(".")
+            if parts[0] == "radixserve" and len(parts) > 1:
+                assert parts[1] not in FORBIDDEN[package], f"{path.name} imports {name}"
+            if package in NO_TORCH and path.name != "engine.py":
+                assert parts[0] != "torch", f"{path.name} imports torch"
+
+
+def test_every_module_has_a_docstring():
+    for path in ROOT.rglob("*.py"):
+        if path.stat().st_size:
+            assert ast.get_docstring(ast.parse(path.read_text())), f"{path} has no module docstring"
