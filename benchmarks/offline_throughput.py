@@ -114,9 +114,9 @@ def main() -> None:
             items = shared_prefix_workload(rng, vocab, 8 // min(scale, 2), 8, 768, 64, 64)
         elif wl == "batch1":
             bw = bandwidth_gbs()
+            # Bytes read per decode step: every block weight plus the (tied) lm_head matrix once;
+            # the embedding lookup reads one row (perf.md §4.1).
             weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
-            if hf.config.tie_word_embeddings:  # lm_head reads the embedding matrix once more
-                weight_bytes += hf.get_input_embeddings().weight.numel() * (4 if dtype == torch.float32 else 2)
             roof = bw * 1e9 / weight_bytes
             tps = batch1_decode(llm)
             print(f"[batch1] decode {tps:.1f} tok/s; bandwidth {bw:.1f} GB/s, weights "
