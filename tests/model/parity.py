@@ -1,0 +1,66 @@
+"""Helpers for token-for-token parity against Hugging Face transformers (greedy, fp32)."""
+from __future__ import annotations
+
+import torch
+
+from radixserve.engine.engine import Engine
+from radixserve.sampling_params import SamplingParams
+
+TIE_GAP = 1e-4  # a top-2 logit gap below this is a numerical tie: either token is right
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy continuation with transformers' own KV cache; returns tokens and the logits
+    each token was chosen from (for the tie rule)."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens, logits = [], []
+    for _ in range(num_tokens):
+        step_logits = out.logits[0, -1].float()
+        token = int(step_logits.argmax())
+        tokens.append(token)
+        logits.append(step_logits)
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, logits
+
+
+def top2_gap(logits: torch.Tensor) -> float:
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def assert_parity(ours: list[int], ref: list[int], ref_logits: list[torch.Tensor], label: str) -> None:
+    """Equal token ids, or a first difference at a true tie (gap < TIE_GAP)."""
+    if ours == ref:
+        return
+    i = next((k for k, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    assert i < len(ref) and i < len(ours), f"{label}: lengths differ ({len(ours)} vs {len(ref)})"
+    gap = top2_gap(ref_logits[i])
+    print(f"{label}: first difference at output position {i}: ours {ours[i]}, transformers "
+          f"{ref[i]}, top-2 logit gap {gap:.3g}")
+    assert gap < TIE_GAP, f"{label}: output differs at position {i} (top-2 gap {gap:.3g} is no tie)"
+
+
+def engine_generate(engine: Engine, prompts: list[list[int]], num_tokens: int,
+                    at_once: bool = True) -> tuple[list[list[int]], list[int]]:
+    """Greedy generation of num_tokens per prompt (eos ignored). Returns the tokens and the
+    cached-token count of each request; checks the page invariant after every step."""
+    params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    base = len(engine.counters) and engine.counters["num_finished_requests"]
+    order = []
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending and (at_once or not engine.has_unfinished()):
+            batch, pending = (pending, []) if at_once else (pending[:1], pending[1:])
+            for i, prompt in batch:
+                rid = f"p{base}-{i}"
+                order.append(rid)
+                engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                cached[out.request_id] = out.num_cached_tokens
+        engine.check_invariants()
+    return [tokens[r] for r in order], [cached[r] for r in order]
