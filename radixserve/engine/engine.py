@@ -99,7 +99,7 @@ class Engine:
         end = s.start + s.num_tokens
         in_prompt = s.start < len(req.prompt_ids)
         return ScheduledSeq(
-            request_id=req.request_id, input_ids=req.all_ids[s.start:end], start_pos=s.start,
+            request_id=req.request_id, input_ids=req.token_slice(s.start, end), start_pos=s.start,
             page_ids=req.page_ids[:self.kv.pages_for(end)],
             sample=s.completes_sequence and req.max_tokens > 0,
             params=req.params, seed=req.seed, prompt_ids=req.prompt_ids,

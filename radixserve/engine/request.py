@@ -58,6 +58,13 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids in [start, end) without copying the whole sequence (hot path: decode)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:end] + self.output_ids[:max(end - n, 0)]
+
     @property
     def is_prefilling(self) -> bool:
         """True while the KV of some known token other than the newest is missing."""
