@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: FastAPI process in front of a ZMQ-connected engine process."""

@@ -1,0 +1,284 @@
+"""The HTTP process's side of the engine: spawns the engine process, sends it work over ZMQ and
+routes its outputs to per-request asyncio queues."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import uuid
+from typing import Any, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixserve.config import EngineConfig
+from radixserve.errors import (ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound,
+                               Overloaded, RadixServeError)
+from radixserve.outputs import EngineOutput
+from radixserve.server.engine_proc import (AddReq, Abort, Call, CallResult, EngineInfo, Fatal,
+                                           FromEngine, Outputs, Ready, Shutdown, Submit, Submitted,
+                                           WireError, build_engine, run_engine_process)
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL_S = 0.5
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class _Dead:
+    """Queue item telling a waiting request that the engine is gone."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def error_from_wire(err: WireError) -> RadixServeError:
+    """Rebuild the exception the engine raised, so the HTTP layer maps it like its own."""
+    by_type: dict[str, type[RadixServeError]] = {
+        "not_found_error": ModelNotFound, "server_overloaded": Overloaded, "engine_dead": EngineDead}
+    if err.code == ContextLengthExceeded.code:
+        cls: type[RadixServeError] = ContextLengthExceeded
+    elif err.status == 400:
+        cls = InvalidRequest
+    else:
+        cls = by_type.get(err.type, RadixServeError)
+    return cls(err.message, param=err.param)
+
+
+class RequestStream:
+    """Events of one submitted group of engine requests (all choices of one HTTP request).
+
+    `await accepted()` first (raises the engine's rejection), then `await get()` for each
+    EngineOutput. `close()` aborts whatever has not finished; call it in a `finally`.
+    """
+
+    def __init__(self, client: EngineClient, group_id: str, request_ids: list[str]):
+        self.client = client
+        self.group_id = group_id
+        self.unfinished = set(request_ids)
+        self.queue: asyncio.Queue[EngineOutput | Submitted | _Dead] = asyncio.Queue()
+
+    async def accepted(self) -> None:
+        item = await self.queue.get()
+        if isinstance(item, _Dead):
+            raise EngineDead(item.reason)
+        assert isinstance(item, Submitted), f"first event of a group must be Submitted, got {item!r}"
+        if item.error is not None:
+            self.unfinished.clear()  # the engine added none of them
+            raise error_from_wire(item.error)
+
+    async def get(self) -> EngineOutput:
+        """The next output of a request still unfinished (outputs of aborted ones are dropped)."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, _Dead):
+                raise EngineDead(item.reason)
+            assert isinstance(item, EngineOutput), f"unexpected event {item!r}"
+            if item.request_id not in self.unfinished:
+                continue
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+            return item
+
+    def abort(self, request_id: str) -> None:
+        """Stop one request early (its stop string matched); later outputs of it are dropped."""
+        if request_id in self.unfinished:
+            self.unfinished.discard(request_id)
+            self.client.unroute([request_id])
+            self.client.abort([request_id])
+
+    def close(self) -> None:
+        leftover = sorted(self.unfinished)
+        self.unfinished.clear()
+        self.client.release(self, leftover)
+
+
+class EngineClient:
+    """Owns the engine process and the two sockets. Create with `await EngineClient.launch(...)`."""
+
+    def __init__(self, proc: multiprocessing.process.BaseProcess, tmpdir: str,
+                 push: zmq.Socket, pull: zmq.asyncio.Socket, sync_ctx: zmq.Context,
+                 async_ctx: zmq.asyncio.Context):
+        self.proc = proc
+        self.tmpdir = tmpdir
+        self.push = push
+        self.pull = pull
+        self._sync_ctx = sync_ctx
+        self._async_ctx = async_ctx
+        self.info: EngineInfo | None = None
+        self.dead_reason: str | None = None
+        self._streams: dict[str, RequestStream] = {}      # group id -> stream
+        self._routes: dict[str, RequestStream] = {}       # engine request id -> stream
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromEngine)
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    async def launch(cls, config: EngineConfig, log_level: str = "info",
+                     builder: Callable[[EngineConfig], tuple[Any, EngineInfo]] = build_engine
+                     ) -> EngineClient:
+        """Spawn the engine process and wait until it has loaded the model.
+        Raises RuntimeError when the engine fails to start."""
+        tmpdir = tempfile.mkdtemp(prefix="radixserve-")
+        to_engine, from_engine = f"ipc://{tmpdir}/to_engine", f"ipc://{tmpdir}/from_engine"
+        sync_ctx, async_ctx = zmq.Context(), zmq.asyncio.Context()
+        push = sync_ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)   # never block the event loop; the watchdog catches death
+        push.setsockopt(zmq.LINGER, 0)
+        push.bind(to_engine)
+        pull = async_ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.bind(from_engine)
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_process, args=(config, to_engine, from_engine, log_level, builder),
+            name="radixserve-engine", daemon=True)
+        proc.start()
+        client = cls(proc, tmpdir, push, pull, sync_ctx, async_ctx)
+        try:
+            client.info = await client._wait_ready()
+        except BaseException:
+            await client.close()
+            raise
+        client._tasks = [asyncio.create_task(client._receive_loop(), name="engine-receiver"),
+                         asyncio.create_task(client._watchdog(), name="engine-watchdog")]
+        return client
+
+    async def _wait_ready(self) -> EngineInfo:
+        while True:
+            if await self.pull.poll(int(WATCHDOG_INTERVAL_S * 1000)):
+                msg = self._decoder.decode(await self.pull.recv())
+                if isinstance(msg, Ready):
+                    return msg.info
+                if isinstance(msg, Fatal):
+                    raise RuntimeError(f"engine failed to start:\n{msg.message}")
+                logger.warning("ignoring %s before the engine is ready", type(msg).__name__)
+            elif not self.proc.is_alive():
+                raise RuntimeError(f"engine process exited with code {self.proc.exitcode} "
+                                   "before it was ready")
+
+    # ---- state ----------------------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._streams)
+
+    # ---- requests -------------------------------------------------------------------------
+    def submit(self, adds: list[AddReq]) -> RequestStream:
+        """Send all engine requests of one HTTP request; raises EngineDead when the engine is gone."""
+        if self.dead_reason is not None:
+            raise EngineDead(self.dead_reason)
+        stream = RequestStream(self, uuid.uuid4().hex, [a.request_id for a in adds])
+        self._streams[stream.group_id] = stream
+        for add in adds:
+            self._routes[add.request_id] = stream
+        self._send(Submit(stream.group_id, adds))
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        if self.dead_reason is None and request_ids:
+            self._send(Abort(request_ids))
+
+    def unroute(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._routes.pop(rid, None)
+
+    def release(self, stream: RequestStream, leftover: list[str]) -> None:
+        """Forget a closed stream; abort the requests it left unfinished."""
+        self._streams.pop(stream.group_id, None)
+        self.unroute(leftover)
+        self.abort(leftover)
+
+    async def call(self, method: str, timeout_s: float = 60.0) -> Any:
+        """Run `method` ("flush_cache", "stats", "check_invariants") in the engine process."""
+        if self.dead_reason is not None:
+            raise EngineDead(self.dead_reason)
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._send(Call(call_id, method))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _send(self, msg: Any) -> None:
+        self.push.send(self._encoder.encode(msg), zmq.NOBLOCK)
+
+    # ---- background tasks -----------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        while True:
+            msg = self._decoder.decode(await self.pull.recv())
+            if isinstance(msg, Outputs):
+                for out in msg.outputs:
+                    stream = self._routes.get(out.request_id)
+                    if stream is None:
+                        continue  # aborted or released: nobody is waiting for it
+                    if out.finished:
+                        del self._routes[out.request_id]
+                    stream.queue.put_nowait(out)
+            elif isinstance(msg, Submitted):
+                stream = self._streams.get(msg.group_id)
+                if stream is not None:
+                    if msg.error is not None:
+                        self.unroute(sorted(stream.unfinished))
+                    stream.queue.put_nowait(msg)
+            elif isinstance(msg, CallResult):
+                self._resolve_call(msg)
+            elif isinstance(msg, Fatal):
+                self._die(f"engine crashed: {msg.message.strip().splitlines()[-1]}")
+                logger.error("engine crashed:\n%s", msg.message)
+
+    def _resolve_call(self, msg: CallResult) -> None:
+        fut = self._calls.get(msg.call_id)
+        if fut is None or fut.done():
+            return
+        if msg.error is not None:
+            fut.set_exception(RuntimeError(msg.error))
+        else:
+            fut.set_result(msg.value)
+
+    async def _watchdog(self) -> None:
+        while self.dead_reason is None:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            if not self.proc.is_alive():
+                self._die(f"engine process exited with code {self.proc.exitcode}")
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error("engine is dead: %s", reason)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(_Dead(reason))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDead(reason))
+
+    async def close(self) -> None:
+        """Stop the engine process (politely, then by force) and release the sockets."""
+        for task in self._tasks:
+            task.cancel()
+        if self.proc.is_alive():
+            try:
+                self._send(Shutdown())
+            except zmq.ZMQError:
+                pass
+            await asyncio.to_thread(self.proc.join, SHUTDOWN_TIMEOUT_S)
+            if self.proc.is_alive():
+                logger.warning("engine did not stop in %.0f s; terminating it", SHUTDOWN_TIMEOUT_S)
+                self.proc.terminate()
+                await asyncio.to_thread(self.proc.join, 5.0)
+        self.push.close(0)
+        self.pull.close(0)
+        self._sync_ctx.term()
+        self._async_ctx.term()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)

@@ -1,0 +1,269 @@
+"""The engine process: builds the model runner and Engine, then loops drain-messages -> step -> push outputs.
+
+Wire protocol (msgpack via msgspec, one PUSH/PULL socket per direction, the HTTP process binds
+both ipc:// endpoints):
+
+    HTTP -> engine   Submit(group_id, adds)     all choices of one HTTP request, added atomically
+                     Abort(request_ids)         fire and forget; the final output is not sent back
+                     Call(call_id, method)      flush_cache | stats | check_invariants
+                     Shutdown()
+    engine -> HTTP   Ready(info)                once, after the model is loaded
+                     Submitted(group_id, error) one per Submit, before any output of its requests
+                     Outputs(outputs)           one per step that produced any
+                     CallResult(call_id, value, error)
+                     Fatal(message)             the engine loop crashed; the process exits
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import time
+import traceback
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from radixserve.config import EngineConfig
+from radixserve.errors import RadixServeError
+from radixserve.outputs import EngineOutput
+from radixserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500        # how often an idle engine checks that its parent is alive
+SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hanging forever
+CALL_METHODS = ("flush_cache", "stats", "check_invariants")
+
+
+# ---- messages -------------------------------------------------------------------------------
+class AddReq(msgspec.Struct, frozen=True):
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Submit(msgspec.Struct, frozen=True, tag=True):
+    group_id: str
+    adds: list[AddReq]
+
+
+class Abort(msgspec.Struct, frozen=True, tag=True):
+    request_ids: list[str]
+
+
+class Call(msgspec.Struct, frozen=True, tag=True):
+    call_id: int
+    method: str
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """What the HTTP process learns about the engine at start-up."""
+
+    max_context_len: int      # effective limit on prompt + output tokens of one request
+    vocab_size: int
+    eos_token_ids: list[int]
+    page_size: int
+    load_s: float
+
+
+class WireError(msgspec.Struct, frozen=True):
+    """A RadixServeError in transit: enough to rebuild the OpenAI error body."""
+
+    status: int
+    type: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+    @classmethod
+    def from_exc(cls, exc: Exception) -> WireError:
+        if isinstance(exc, RadixServeError):
+            code = exc.code if isinstance(exc.code, str) else None
+            return cls(exc.status, exc.type, exc.message, exc.param, code)
+        return cls(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+
+class Ready(msgspec.Struct, frozen=True, tag=True):
+    info: EngineInfo
+
+
+class Submitted(msgspec.Struct, frozen=True, tag=True):
+    group_id: str
+    error: WireError | None = None
+
+
+class Outputs(msgspec.Struct, frozen=True, tag=True):
+    outputs: list[EngineOutput]
+
+
+class CallResult(msgspec.Struct, frozen=True, tag=True):
+    call_id: int
+    value: Any = None
+    error: str | None = None
+
+
+class Fatal(msgspec.Struct, frozen=True, tag=True):
+    message: str
+
+
+ToEngine = Submit | Abort | Call | Shutdown
+FromEngine = Ready | Submitted | Outputs | CallResult | Fatal
+
+
+# ---- engine construction --------------------------------------------------------------------
+def build_engine(config: EngineConfig) -> tuple[Any, EngineInfo]:
+    """Load the model and build the Engine (the default `builder` of `run_engine_process`)."""
+    from radixserve.engine.engine import Engine
+    from radixserve.runner.model_runner import ModelRunner
+
+    t0 = time.monotonic()
+    runner = ModelRunner.from_config(config)
+    engine = Engine(config, runner)
+    info = EngineInfo(max_context_len=engine.max_request_tokens, vocab_size=runner.vocab_size,
+                      eos_token_ids=sorted(runner.eos_token_ids), page_size=runner.page_size,
+                      load_s=time.monotonic() - t0)
+    return engine, info
+
+
+# ---- the loop -------------------------------------------------------------------------------
+class EngineLoop:
+    """Owns the two sockets and the Engine; `run()` returns when told to shut down or when the
+    parent process is gone."""
+
+    def __init__(self, engine: Any, inbox: zmq.Socket, outbox: zmq.Socket):
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.decoder = msgspec.msgpack.Decoder(ToEngine)
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self.running = True
+
+    def send(self, msg: FromEngine) -> None:
+        data = self.encoder.encode(msg)
+        while True:
+            try:
+                self.outbox.send(data)
+                return
+            except zmq.Again:
+                if not _parent_alive():
+                    raise SystemExit(0) from None
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        while self.running:
+            busy = self.engine.has_unfinished()
+            if busy or poller.poll(IDLE_POLL_MS):
+                self.drain()
+            elif not _parent_alive():
+                logger.info("parent process is gone; engine exits")
+                return
+            if self.running and self.engine.has_unfinished():
+                outputs = self.engine.step()
+                if outputs:
+                    self.send(Outputs(outputs))
+
+    def drain(self) -> None:
+        """Handle every message already queued, without blocking."""
+        while self.running:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle(self.decoder.decode(data))
+
+    def handle(self, msg: ToEngine) -> None:
+        if isinstance(msg, Submit):
+            self.submit(msg)
+        elif isinstance(msg, Abort):
+            for rid in msg.request_ids:
+                self.engine.abort(rid)
+        elif isinstance(msg, Call):
+            self.call(msg)
+        elif isinstance(msg, Shutdown):
+            self.running = False
+
+    def submit(self, msg: Submit) -> None:
+        """Add all requests of a group or none of them."""
+        added: list[str] = []
+        try:
+            for add in msg.adds:
+                self.engine.add_request(add.request_id, add.prompt_ids, add.params)
+                added.append(add.request_id)
+        except Exception as exc:  # a client error must not kill the engine; bugs are logged
+            if not isinstance(exc, RadixServeError):
+                logger.exception("add_request failed for group %s", msg.group_id)
+            for rid in added:
+                self.engine.abort(rid)
+            self.send(Submitted(msg.group_id, WireError.from_exc(exc)))
+            return
+        self.send(Submitted(msg.group_id))
+
+    def call(self, msg: Call) -> None:
+        if msg.method not in CALL_METHODS:
+            self.send(CallResult(msg.call_id, error=f"unknown method {msg.method!r}"))
+            return
+        try:
+            value = getattr(self.engine, msg.method)()
+        except Exception as exc:
+            logger.exception("engine call %s failed", msg.method)
+            self.send(CallResult(msg.call_id, error=f"{type(exc).__name__}: {exc}"))
+            return
+        self.send(CallResult(msg.call_id, value=value))
+
+
+def _enc_hook(obj: Any) -> Any:
+    """Encode what msgpack lacks (numpy scalars in stats, sets, ...) as plain values."""
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    return str(obj)
+
+
+def _parent_alive() -> bool:
+    parent = multiprocessing.parent_process()
+    return parent is None or parent.is_alive()
+
+
+def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_addr: str,
+                       log_level: str = "info",
+                       builder: Callable[[EngineConfig], tuple[Any, EngineInfo]] = build_engine) -> None:
+    """Entry point of the spawned engine process."""
+    # Ctrl-C reaches the whole process group; the HTTP process decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(to_engine_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+    outbox.setsockopt(zmq.LINGER, 1000)
+    outbox.connect(from_engine_addr)
+    loop: EngineLoop | None = None
+    try:
+        engine, info = builder(config)
+        loop = EngineLoop(engine, inbox, outbox)
+        loop.send(Ready(info))
+        loop.run()
+    except SystemExit:
+        raise
+    except BaseException:
+        message = traceback.format_exc()
+        logger.error("engine failed:\n%s", message)
+        try:
+            outbox.send(msgspec.msgpack.encode(Fatal(message)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            logger.error("could not report the failure to the HTTP process")
+        raise SystemExit(1) from None
+    finally:
+        inbox.close(0)
+        outbox.close()
+        ctx.term()

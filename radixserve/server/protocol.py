@@ -1,0 +1,263 @@
+"""OpenAI request and response schemas (pydantic), and the bounded rendering of validation errors."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from radixserve.errors import InvalidRequest
+from radixserve.sampling_params import SamplingParams
+
+MAX_ERROR_DETAILS = 3        # validation errors quoted in one message
+MAX_ERROR_MESSAGE_CHARS = 2000
+
+
+class _Strict(BaseModel):
+    """Strict JSON types ("10" is not an int, "yes" is not a bool); unknown fields are ignored,
+    as OpenAI clients send fields this server has no use for (user, metadata, ...)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions, including the vLLM/SGLang
+    extras (top_k, min_p, ...)."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # extras
+    top_k: int = -1
+    min_p: float = 0.0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None) -> SamplingParams:
+        """The SamplingParams of one choice, validated (raises InvalidRequest)."""
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        params = SamplingParams(
+            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
+            seed=self.seed, repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+        params.validate()
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    # Order matters for the union: token arrays before lists of strings.
+    prompt: str | list[int] | list[list[int]] | list[str]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+# ---- responses ------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI legacy logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: dict[str, str]           # {"role": ...} and/or {"content": ...}; absent keys stay absent
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "radixserve"
+    root: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+# ---- validation errors ----------------------------------------------------------------------
+def validation_error(err: ValidationError) -> InvalidRequest:
+    """Turn a pydantic ValidationError into one InvalidRequest whose message stays bounded
+    whatever the input size (field case C11): quote at most a few errors, never the input."""
+    details = err.errors(include_url=False, include_input=False, include_context=False)
+    return InvalidRequest(*render_details(details))
+
+
+def render_details(details: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for a list of pydantic-style error dicts with "loc" and "msg"."""
+    if not details:
+        return "invalid request body", None
+    parts = []
+    for d in details[:MAX_ERROR_DETAILS]:
+        loc = ".".join(str(x) for x in d.get("loc", ()) if x != "body")
+        msg = str(d.get("msg", "invalid value"))[:200]
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    message = "; ".join(parts)
+    if len(details) > MAX_ERROR_DETAILS:
+        message += f" (and {len(details) - MAX_ERROR_DETAILS} more errors)"
+    first_loc = [str(x) for x in details[0].get("loc", ()) if x != "body"]
+    param = ".".join(first_loc)[:200] or None
+    return message[:MAX_ERROR_MESSAGE_CHARS], param

@@ -1,0 +1,120 @@
+"""The ZMQ transport between the HTTP process and the engine process, over the real Engine and a
+scripted runner (no model, no HTTP)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from radixserve.config import EngineConfig
+from radixserve.errors import ContextLengthExceeded, EngineDead, InvalidRequest
+from radixserve.sampling_params import SamplingParams
+from radixserve.server.engine_client import EngineClient
+from radixserve.server.engine_proc import AddReq
+from tests.api.fake_engine import (FAKE_CONTEXT, build_crashing_engine, build_failing_engine,
+                                   build_fake_engine)
+from tests.unit.fake_runner import reference_next_token
+
+CONFIG = EngineConfig(page_size=4, chunked_prefill_size=64, max_running_requests=8)
+
+
+async def collect(stream) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while stream.unfinished:
+        out = await asyncio.wait_for(stream.get(), 10)
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(reference_next_token(ids, 1000))
+    return ids[len(prompt):]
+
+
+@pytest.fixture
+async def client():
+    c = await EngineClient.launch(CONFIG, log_level="warning", builder=build_fake_engine)
+    yield c
+    await c.close()
+
+
+async def test_ready_info_and_generation(client):
+    assert client.info.max_context_len == FAKE_CONTEXT
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    prompt = [1, 2, 3, 4, 5, 6]
+    stream = client.submit([AddReq("a-0", prompt, params), AddReq("a-1", prompt + [7], params)])
+    await stream.accepted()
+    tokens = await collect(stream)
+    stream.close()
+    assert tokens == {"a-0": expected(prompt, 5), "a-1": expected(prompt + [7], 5)}
+    assert client.num_open_requests == 0
+
+
+async def test_concurrent_groups_do_not_mix(client):
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompts = {f"g{i}": [i + 1] * (i + 3) for i in range(6)}
+    streams = [client.submit([AddReq(rid, p, params)]) for rid, p in prompts.items()]
+    for s in streams:
+        await s.accepted()
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    for s, got in zip(streams, results):
+        s.close()
+        ((rid, ids),) = got.items()
+        assert ids == expected(prompts[rid], 8)
+
+
+async def test_rejection_is_atomic_and_typed(client):
+    ok = SamplingParams(max_tokens=4)
+    stream = client.submit([AddReq("r-0", [1, 2], ok),
+                            AddReq("r-1", [1] * 10, SamplingParams(max_tokens=FAKE_CONTEXT))])
+    with pytest.raises(ContextLengthExceeded) as err:
+        await stream.accepted()
+    assert str(FAKE_CONTEXT) in err.value.message
+    stream.close()
+    stream = client.submit([AddReq("r-0", [], ok)])  # r-0 was rolled back, so its id is free
+    with pytest.raises(InvalidRequest):
+        await stream.accepted()
+    stream.close()
+    stats = await client.call("stats")
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+async def test_abort_on_close_frees_the_engine(client):
+    stream = client.submit([AddReq("long", [5, 6, 7], SamplingParams(max_tokens=400))])
+    await stream.accepted()
+    await stream.get()
+    stream.close()
+    for _ in range(100):
+        stats = await client.call("stats")
+        if stats["num_running"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    await client.call("check_invariants")
+    assert await client.call("flush_cache") is True
+
+
+async def test_unknown_call_is_an_error(client):
+    with pytest.raises(RuntimeError, match="unknown method"):
+        await client.call("step")
+
+
+async def test_engine_crash_fails_waiting_requests():
+    client = await EngineClient.launch(CONFIG, log_level="critical", builder=build_crashing_engine)
+    try:
+        stream = client.submit([AddReq("x", [1, 2, 3], SamplingParams(max_tokens=50))])
+        await stream.accepted()
+        with pytest.raises(EngineDead):
+            await collect(stream)
+        assert not client.is_alive
+        with pytest.raises(EngineDead):
+            client.submit([AddReq("y", [1], SamplingParams())])
+    finally:
+        await client.close()
+
+
+async def test_engine_load_failure_raises():
+    with pytest.raises(RuntimeError, match="model.gguf"):
+        await EngineClient.launch(CONFIG, log_level="critical", builder=build_failing_engine)
