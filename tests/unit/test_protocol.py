@@ -1,0 +1,102 @@
+"""OpenAI request schemas: accepted shapes, strict types, sampling-param mapping, bounded errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from radixserve.errors import InvalidRequest
+from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, render_details,
+                                        validation_error)
+
+
+def completion(**fields) -> CompletionRequest:
+    return CompletionRequest.model_validate_json(json.dumps({"prompt": "hi", **fields}))
+
+
+def error_of(cls, body: str) -> InvalidRequest:
+    with pytest.raises(ValidationError) as err:
+        cls.model_validate_json(body)
+    return validation_error(err.value)
+
+
+@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]], [], [[]]])
+def test_prompt_shapes(prompt):
+    assert CompletionRequest.model_validate_json(json.dumps({"prompt": prompt})).prompt == prompt
+
+
+def test_defaults():
+    req = completion()
+    assert req.max_tokens == 16 and req.n == 1 and not req.stream and not req.echo
+    chat = ChatCompletionRequest.model_validate_json('{"messages": [{"role": "user", "content": "x"}]}')
+    assert chat.max_tokens is None and chat.max_completion_tokens is None and not chat.include_usage
+
+
+@pytest.mark.parametrize("body, param", [
+    ('{"prompt": "x", "max_tokens": "10"}', "max_tokens"),
+    ('{"prompt": "x", "stream": "yes"}', "stream"),
+    ('{"prompt": {"a": 1}}', "prompt"),
+    ('{"prompt": "x", "stop": 5}', "stop"),
+    ('{"prompt": "x", "n": 1.5}', "n"),
+    ('{}', "prompt"),
+    ('not json', None),
+    ('{"prompt": "x"', None),
+])
+def test_completion_type_errors(body, param):
+    err = error_of(CompletionRequest, body)
+    assert err.status == 400 and err.type == "invalid_request_error"
+    assert (err.param or "").split(".")[0] == (param or "")
+
+
+@pytest.mark.parametrize("body", [
+    '{"messages": []}',
+    '{"messages": "hi"}',
+    '{"messages": [{"role": "user", "content": 5}]}',
+    '{"messages": [{"role": "robot", "content": "x"}]}',
+    '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+])
+def test_chat_shape_errors(body):
+    assert error_of(ChatCompletionRequest, body).param.startswith("messages")
+
+
+def test_content_parts_join():
+    chat = ChatCompletionRequest.model_validate_json(
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
+        ' {"type": "text", "text": "b"}]}]}')
+    assert chat.messages[0].text() == "ab"
+
+
+def test_error_body_is_bounded_for_huge_inputs():
+    big = json.dumps({"messages": [{"role": "robot", "content": "x" * 1000}] * 5000})
+    err = error_of(ChatCompletionRequest, big)
+    assert len(json.dumps(err.to_dict())) < 4096
+    assert "4997 more errors" in err.message and "xxxx" not in err.message
+
+
+def test_render_details_without_errors():
+    assert render_details([]) == ("invalid request body", None)
+
+
+def test_sampling_params_mapping():
+    req = completion(temperature=0, top_p=0.5, stop="END", seed=3, top_k=5, min_p=0.1,
+                     repetition_penalty=1.1, stop_token_ids=[7], ignore_eos=True, min_tokens=2,
+                     include_stop_str_in_output=True, skip_special_tokens=False)
+    p = req.sampling_params(12, 2, None)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.0, 0.5, 5, 0.1, 3)
+    assert p.stop == ("END",) and p.stop_token_ids == (7,) and p.ignore_eos and p.min_tokens == 2
+    assert p.max_tokens == 12 and p.logprobs == 2 and p.prompt_logprobs is None
+    assert p.include_stop_str_in_output and not p.skip_special_tokens
+    assert completion().sampling_params(16, None, None).temperature == 1.0
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"n": 0}, "n"),
+    ({"max_tokens": -1}, "max_tokens"), ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+    ({"stop": [""]}, "stop"), ({"logprobs": 50}, "logprobs"),
+])
+def test_sampling_params_range_errors(fields, param):
+    req = completion(**fields)
+    with pytest.raises(InvalidRequest) as err:
+        req.sampling_params(req.max_tokens, req.logprobs, None)
+    assert err.value.param == param
