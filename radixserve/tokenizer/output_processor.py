@@ -1,0 +1,190 @@
+"""RequestTracker: fans a request out into n engine children and turns EngineOutputs into choice updates."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from radixserve.engine.runner_api import TokenLogprob
+from radixserve.outputs import CompletionOutput, EngineOutput, RequestOutput
+from radixserve.sampling_params import SamplingParams
+from radixserve.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from radixserve.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    """What one EngineOutput changed for one choice.
+
+    text: new text to send (may be ""). token_ids / logprobs: the new tokens kept (tokens after
+    a stop-string match are dropped; logprobs is None unless the request asked for them).
+    finish_reason: "stop" | "length" | "abort" on the one update that ends the choice, else None.
+    stop_reason: the matched stop string, or the eos / stop token id that ended the choice.
+    abort_child: set when a stop string ended the choice while the engine is still generating:
+    the caller must abort that engine request. error: the engine's message for an abort.
+    An update for a choice that had already finished is empty (`is_empty`) and must be ignored.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    abort_child: str | None = None
+    error: str | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.text and not self.token_ids and self.finish_reason is None
+
+
+@dataclass(slots=True)
+class _Choice:
+    """Per-choice state: detokenizer, stop matcher and what has been kept so far."""
+
+    child_id: str
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+
+
+class RequestTracker:
+    """One client request with n choices, shared by the offline API and the HTTP server.
+
+    Usage: submit every `child_requests()` entry to the engine, pass each EngineOutput of those
+    children to `process()`, send the returned updates, abort `update.abort_child` when set,
+    and stop once `finished`. The engine knows nothing of stop strings; this class finds them,
+    trims text and tokens, and ignores whatever the engine sends for a child after its end.
+    """
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 tokenizer: Tokenizer, prompt: str | None = None):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.prompt = prompt
+        self.params = params
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        self._choices = [
+            _Choice(child_id=f"{request_id}-{i}",
+                    detok=IncrementalDetokenizer(tokenizer, params.skip_special_tokens),
+                    stops=StopStringMatcher(params.stop, params.include_stop_str_in_output))
+            for i in range(params.n)]
+        self._index = {c.child_id: i for i, c in enumerate(self._choices)}
+
+    def child_requests(self) -> list[tuple[str, SamplingParams]]:
+        """(child request id, params) per choice: ids f"{request_id}-{i}", n=1, and
+        seed = params.seed + i when a seed is given (None otherwise), so choices differ."""
+        out = []
+        for i, choice in enumerate(self._choices):
+            seed = None if self.params.seed is None else self.params.seed + i
+            out.append((choice.child_id, dataclasses.replace(self.params, n=1, seed=seed)))
+        return out
+
+    def process(self, out: EngineOutput) -> ChoiceUpdate:
+        """Fold one engine output into its choice. Raises KeyError for a foreign request id.
+
+        Tokens are detokenized one at a time so a stop string is attributed to the token that
+        completed it; later tokens in the same output are dropped. The eos / stop token that
+        ended a choice (out.stop_token_id) is kept in token_ids and counted, but never decoded
+        into text.
+        """
+        index = self._index.get(out.request_id)
+        if index is None:
+            raise KeyError(f"{out.request_id!r} is not a child of request {self.request_id!r}")
+        choice = self._choices[index]
+        update = ChoiceUpdate(index=index)
+        if choice.finish_reason is not None:
+            return update  # late output for a finished choice (e.g. before our abort landed)
+        if index == 0:
+            choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
+        if self.prompt_logprobs is None and out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+
+        ids = list(out.new_token_ids)
+        num_text_ids = len(ids)
+        if out.finished and out.stop_token_id is not None and ids and ids[-1] == out.stop_token_id:
+            num_text_ids -= 1
+        parts: list[str] = []
+        num_kept = len(ids)
+        for k in range(num_text_ids):
+            check = choice.stops.feed(choice.detok.add(ids[k:k + 1]))
+            parts.append(check.text)
+            if check.matched is not None:
+                num_kept = k + 1
+                self._finish(choice, update, "stop", check.matched)
+                if not out.finished:
+                    update.abort_child = choice.child_id
+                break
+        if choice.finish_reason is None and out.finished:
+            check = choice.stops.feed(choice.detok.finish())
+            parts.append(check.text)
+            if check.matched is not None:
+                self._finish(choice, update, "stop", check.matched)
+            else:
+                parts.append(choice.stops.flush())
+                reason = out.finish_reason or "stop"
+                self._finish(choice, update, reason, out.stop_token_id if reason == "stop" else None)
+                update.error = out.error
+
+        update.text = "".join(parts)
+        update.token_ids = ids[:num_kept]
+        choice.text_parts.append(update.text)
+        choice.token_ids.extend(update.token_ids)
+        if self.params.logprobs is not None:
+            update.logprobs = list(out.new_logprobs or [])[:num_kept]
+            choice.logprobs.extend(update.logprobs)
+        return update
+
+    @staticmethod
+    def _finish(choice: _Choice, update: ChoiceUpdate, reason: str, stop_reason: str | int | None) -> None:
+        choice.finish_reason = update.finish_reason = reason
+        choice.stop_reason = update.stop_reason = stop_reason
+
+    # ------------------------------------------------------------------------------- accounting
+    @property
+    def finished(self) -> bool:
+        """True once every choice has finished."""
+        return all(c.finish_reason is not None for c in self._choices)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length in tokens, counted once whatever n is (field case C05)."""
+        return len(self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens kept, summed over choices (nothing after a stop-string match counts)."""
+        return sum(len(c.token_ids) for c in self._choices)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, from choice 0 only (<= prompt_tokens)."""
+        return min(self._choices[0].num_cached_tokens, self.prompt_tokens)
+
+    def child_ids(self) -> list[str]:
+        """Engine request ids of all choices (to abort them all, e.g. on client disconnect)."""
+        return [c.child_id for c in self._choices]
+
+    def unfinished_child_ids(self) -> list[str]:
+        """Engine request ids of choices that have not finished yet."""
+        return [c.child_id for c in self._choices if c.finish_reason is None]
+
+    def result(self) -> RequestOutput:
+        """The offline API's RequestOutput with one CompletionOutput per choice, in index order."""
+        want_logprobs = self.params.logprobs is not None
+        outputs = [CompletionOutput(index=i, text="".join(c.text_parts), token_ids=list(c.token_ids),
+                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                    logprobs=list(c.logprobs) if want_logprobs else None)
+                   for i, c in enumerate(self._choices)]
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=list(self.prompt_ids), outputs=outputs,
+                             num_cached_tokens=self.cached_tokens, prompt_logprobs=self.prompt_logprobs,
+                             finished=self.finished)
