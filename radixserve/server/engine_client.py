@@ -9,7 +9,7 @@ import multiprocessing
 import shutil
 import tempfile
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -20,8 +20,8 @@ from radixserve.errors import (ContextLengthExceeded, EngineDead, InvalidRequest
                                Overloaded, RadixServeError)
 from radixserve.outputs import EngineOutput
 from radixserve.server.engine_proc import (AddReq, Abort, Call, CallResult, EngineInfo, Fatal,
-                                           FromEngine, Outputs, Ready, Shutdown, Submit, Submitted,
-                                           WireError, build_engine, run_engine_process)
+                                           EngineBuilder, FromEngine, Outputs, Ready, Shutdown,
+                                           Submit, Submitted, WireError, run_engine_process)
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +118,12 @@ class EngineClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
         self._tasks: list[asyncio.Task] = []
+        self._closed = False
 
     @classmethod
-    async def launch(cls, config: EngineConfig, log_level: str = "info",
-                     builder: Callable[[EngineConfig], tuple[Any, EngineInfo]] = build_engine
-                     ) -> EngineClient:
-        """Spawn the engine process and wait until it has loaded the model.
+    async def launch(cls, config: EngineConfig, builder: EngineBuilder,
+                     log_level: str = "info") -> EngineClient:
+        """Spawn the engine process, which calls `builder(config)`, and wait until it is ready.
         Raises RuntimeError when the engine fails to start."""
         tmpdir = tempfile.mkdtemp(prefix="radixserve-")
         to_engine, from_engine = f"ipc://{tmpdir}/to_engine", f"ipc://{tmpdir}/from_engine"
@@ -264,7 +264,11 @@ class EngineClient:
                 fut.set_exception(EngineDead(reason))
 
     async def close(self) -> None:
-        """Stop the engine process (politely, then by force) and release the sockets."""
+        """Stop the engine process (politely, then by force) and release the sockets.
+        Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
         for task in self._tasks:
             task.cancel()
         if self.proc.is_alive():

@@ -117,18 +117,10 @@ FromEngine = Ready | Submitted | Outputs | CallResult | Fatal
 
 
 # ---- engine construction --------------------------------------------------------------------
-def build_engine(config: EngineConfig) -> tuple[Any, EngineInfo]:
-    """Load the model and build the Engine (the default `builder` of `run_engine_process`)."""
-    from radixserve.engine.engine import Engine
-    from radixserve.runner.model_runner import ModelRunner
-
-    t0 = time.monotonic()
-    runner = ModelRunner.from_config(config)
-    engine = Engine(config, runner)
-    info = EngineInfo(max_context_len=engine.max_request_tokens, vocab_size=runner.vocab_size,
-                      eos_token_ids=sorted(runner.eos_token_ids), page_size=runner.page_size,
-                      load_s=time.monotonic() - t0)
-    return engine, info
+# A builder is `builder(config) -> (engine, EngineInfo)`, a module-level function (it is pickled
+# by reference into the spawned process). The real one, which loads the model, lives in
+# radixserve.cli: the server package never imports the runner (ARCHITECTURE.md §2).
+EngineBuilder = Callable[[EngineConfig], "tuple[Any, EngineInfo]"]
 
 
 # ---- the loop -------------------------------------------------------------------------------
@@ -233,8 +225,7 @@ def _parent_alive() -> bool:
 
 
 def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_addr: str,
-                       log_level: str = "info",
-                       builder: Callable[[EngineConfig], tuple[Any, EngineInfo]] = build_engine) -> None:
+                       log_level: str, builder: EngineBuilder) -> None:
     """Entry point of the spawned engine process."""
     # Ctrl-C reaches the whole process group; the HTTP process decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -42,3 +42,4 @@ def build_crashing_engine(config: EngineConfig):
 def build_failing_engine(config: EngineConfig):
     """Builder that fails while loading, like a missing model file."""
     raise FileNotFoundError(os.path.join("/nonexistent", "model.gguf"))
+

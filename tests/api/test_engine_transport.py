@@ -35,7 +35,7 @@ def expected(prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture
 async def client():
-    c = await EngineClient.launch(CONFIG, log_level="warning", builder=build_fake_engine)
+    c = await EngineClient.launch(CONFIG, build_fake_engine, "warning")
     yield c
     await c.close()
 
@@ -102,7 +102,7 @@ async def test_unknown_call_is_an_error(client):
 
 
 async def test_engine_crash_fails_waiting_requests():
-    client = await EngineClient.launch(CONFIG, log_level="critical", builder=build_crashing_engine)
+    client = await EngineClient.launch(CONFIG, build_crashing_engine, "critical")
     try:
         stream = client.submit([AddReq("x", [1, 2, 3], SamplingParams(max_tokens=50))])
         await stream.accepted()
@@ -117,4 +117,4 @@ async def test_engine_crash_fails_waiting_requests():
 
 async def test_engine_load_failure_raises():
     with pytest.raises(RuntimeError, match="model.gguf"):
-        await EngineClient.launch(CONFIG, log_level="critical", builder=build_failing_engine)
+        await EngineClient.launch(CONFIG, build_failing_engine, "critical")

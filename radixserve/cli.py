@@ -1,0 +1,85 @@
+"""Command line: `radixserve serve ...` (one worker: HTTP process + engine process)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from typing import Any
+
+from radixserve.config import EngineConfig, ServerConfig, add_dataclass_args, from_args
+
+
+def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="run an OpenAI-compatible server",
+        description="Serve one model over an OpenAI-compatible HTTP API "
+                    "(/v1/completions, /v1/chat/completions, /v1/models, /health).")
+    server = parser.add_argument_group("server")
+    add_dataclass_args(server, ServerConfig)
+    engine = parser.add_argument_group("engine")
+    add_dataclass_args(engine, EngineConfig)
+    parser.set_defaults(func=run_serve)
+
+
+def build_engine(config: EngineConfig) -> tuple[Any, Any]:
+    """Load the model and build the Engine; runs inside the engine process.
+
+    Returns (engine, EngineInfo). The engine stops on the model's eos ids and on the
+    tokenizer's (the chat template's end-of-turn token included), as the offline API does.
+    """
+    from radixserve.engine.engine import Engine
+    from radixserve.runner.model_runner import ModelRunner
+    from radixserve.server.engine_proc import EngineInfo
+    from radixserve.tokenizer.tokenizer import Tokenizer
+    from radixserve.weights.loader import resolve_model_path
+
+    t0 = time.monotonic()
+    runner = ModelRunner.from_config(config)
+    tokenizer = Tokenizer.load(resolve_model_path(config.model_path))
+    engine = Engine(config, runner, runner.eos_token_ids | tokenizer.eos_token_ids)
+    info = EngineInfo(max_context_len=engine.max_request_tokens, vocab_size=runner.vocab_size,
+                      eos_token_ids=sorted(engine.eos_token_ids), page_size=runner.page_size,
+                      load_s=time.monotonic() - t0)
+    return engine, info
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from radixserve.server.app import serve
+    from radixserve.weights.loader import resolve_model_path
+
+    server_config = from_args(ServerConfig, args)
+    try:
+        engine_config = from_args(EngineConfig, args)
+    except ValueError as exc:
+        print(f"radixserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=server_config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        model_path = resolve_model_path(engine_config.model_path)
+        asyncio.run(serve(engine_config, server_config, build_engine, model_path))
+    except KeyboardInterrupt:
+        pass
+    except (RuntimeError, FileNotFoundError, OSError) as exc:
+        logging.getLogger("radixserve").error("%s", exc)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixserve",
+                                     description="LLM serving with a radix-tree prefix cache.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_serve_command(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

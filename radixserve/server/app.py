@@ -1,0 +1,275 @@
+"""The FastAPI application (routes, auth, OpenAI error bodies) and `serve()`, which runs one worker."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable, Iterator, TypeVar
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radixserve.config import EngineConfig, ServerConfig
+from radixserve.errors import EngineDead, InvalidRequest, RadixServeError
+from radixserve.sampling_params import SamplingParams
+from radixserve.server import responses
+from radixserve.server.engine_client import EngineClient
+from radixserve.server.engine_proc import AddReq, EngineBuilder
+from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
+                                        ModelList, new_id, now_s, render_details, validation_error)
+from radixserve.server.serving import (ClientDisconnected, GenerationRun, ServingContext,
+                                       chat_prompt, check_context, completion_prompts,
+                                       race_disconnect)
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+Req = TypeVar("Req", bound=BaseModel)
+
+
+class Unauthorized(RadixServeError):
+    """Missing or wrong API key (HTTP 401)."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class BodyTooLarge(InvalidRequest):
+    status = 413
+
+
+async def parse_body(request: Request, model: type[Req]) -> Req:
+    """Validate a JSON body against `model`; every failure is an InvalidRequest (400)."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise InvalidRequest("Content-Type must be application/json", param="content-type")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BodyTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise BodyTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _error_response(exc: RadixServeError) -> JSONResponse:
+    return JSONResponse(exc.to_dict(), status_code=exc.status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI error body; a 500 only for real bugs (logged)."""
+
+    @app.exception_handler(RadixServeError)
+    async def on_radixserve_error(request: Request, exc: RadixServeError) -> Response:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _error_response(InvalidRequest(*render_details(list(exc.errors()))))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        body = {"error": {"message": str(exc.detail), "type": kind, "param": None,
+                          "code": exc.status_code}}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        body = {"error": {"message": f"internal server error: {type(exc).__name__}",
+                          "type": "internal_error", "param": None, "code": 500}}
+        return JSONResponse(body, status_code=500)
+
+
+def api_key_check(api_key: str | None) -> Callable[[Request], Any]:
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise Unauthorized("Incorrect or missing API key (send 'Authorization: Bearer KEY').")
+    return check
+
+
+async def _respond(request: Request, run: GenerationRun, stream: bool, full: Any, chunks: Any,
+                   req: Any, rid: str) -> Response:
+    """Submit the run, then stream it or collect it. Any rejection raises before a byte is sent
+    (field case C10); a client that goes away aborts the run (C06)."""
+    created = now_s()
+    await run.__aenter__()
+    if stream:
+        return StreamingResponse(chunks(run.ctx, run, req, rid, created),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        result = await race_disconnect(request.receive, full(run.ctx, run, req, rid, created))
+    finally:
+        run.close()
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
+def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(server_config.api_key))])
+    created = now_s()
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        req = await parse_body(request, CompletionRequest)
+        ctx.check_model(req.model)
+        if req.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+        prompt_logprobs = req.logprobs if req.echo else None
+        params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs)
+        prompts = await completion_prompts(ctx, req)
+        for prompt in prompts:
+            check_context(ctx, len(prompt.ids), req.max_tokens)
+        ctx.check_capacity()
+        rid = new_id("cmpl")
+        run = GenerationRun(ctx, rid, prompts, params)
+        return await _respond(request, run, req.stream, responses.completion_response,
+                              responses.completion_chunks, req, rid)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await parse_body(request, ChatCompletionRequest)
+        ctx.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
+        max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                      else req.max_tokens)
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                     None)
+        prompt = chat_prompt(ctx, req)
+        check_context(ctx, len(prompt.ids), max_tokens)
+        ctx.check_capacity()
+        rid = new_id("chatcmpl")
+        run = GenerationRun(ctx, rid, [prompt], params)
+        return await _respond(request, run, req.stream, responses.chat_response,
+                              responses.chat_chunks, req, rid)
+
+    @v1.get("/models")
+    async def models() -> Response:
+        card = ModelCard(id=ctx.model_name, created=created, root=ctx.model_path,
+                         max_model_len=ctx.max_context_len)
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not ctx.client.is_alive:
+            raise EngineDead(f"engine is dead: {ctx.client.dead_reason}")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """200 once the engine has generated one token for a tiny request."""
+        ids = ctx.tokenizer.encode("Hi") or [0]
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        stream = ctx.client.submit([AddReq(new_id("health"), ids[:1], params)])
+        try:
+            await asyncio.wait_for(stream.accepted(), HEALTH_GENERATE_TIMEOUT_S)
+            await asyncio.wait_for(stream.get(), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineDead("engine did not generate a token in time") from None
+        finally:
+            stream.close()
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        if not await ctx.client.call("flush_cache"):
+            raise InvalidRequest("the cache cannot be flushed while requests are running")
+        return JSONResponse({"flushed": True})
+
+    @app.get("/server_info")
+    async def server_info() -> Response:
+        return JSONResponse({"model": ctx.model_name, "model_path": ctx.model_path,
+                             "max_context_len": ctx.max_context_len,
+                             "num_open_requests": ctx.client.num_open_requests,
+                             "engine_pid": ctx.client.proc.pid,
+                             "engine": await ctx.client.call("stats")})
+
+    return app
+
+
+async def serve(engine_config: EngineConfig, server_config: ServerConfig, builder: EngineBuilder,
+                model_path: str) -> None:
+    """Start the engine process (`builder` loads the model there), load the tokenizer of
+    `model_path` here meanwhile, then serve HTTP until stopped."""
+    from radixserve.tokenizer.tokenizer import Tokenizer
+
+    t0 = time.monotonic()
+    launch = asyncio.create_task(EngineClient.launch(engine_config, builder, server_config.log_level))
+    try:
+        tokenizer = await asyncio.to_thread(Tokenizer.load, model_path)
+    except BaseException:
+        launch.cancel()
+        raise
+    client = await launch
+    try:
+        name = server_config.served_model_name or os.path.basename(model_path.rstrip("/"))
+        max_open = engine_config.max_running_requests + server_config.max_queued_requests
+        ctx = ServingContext(client, tokenizer, name, model_path, max_open)
+        app = build_app(ctx, server_config)
+        config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                                log_level=server_config.log_level,
+                                access_log=server_config.log_level == "debug",
+                                timeout_graceful_shutdown=5, lifespan="off")
+        server = uvicorn.Server(config)
+        announce = asyncio.create_task(_announce(server, ctx, server_config, time.monotonic() - t0))
+        with _quiet_signals():
+            try:
+                await server.serve()
+            finally:
+                announce.cancel()
+                await client.close()
+    finally:
+        await client.close()
+
+
+@contextlib.contextmanager
+def _quiet_signals() -> Iterator[None]:
+    """uvicorn stops on SIGINT/SIGTERM and then re-raises the signal to the handler it found
+    installed; make that handler a no-op, so that the engine process is still shut down in
+    order and the exit code is 0."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def note(sig: int, frame: object) -> None:
+        logger.info("stopping on signal %d", sig)
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+async def _announce(server: uvicorn.Server, ctx: ServingContext, config: ServerConfig,
+                    load_s: float) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    print(f"radixserve: serving {ctx.model_name} (context {ctx.max_context_len} tokens, "
+          f"loaded in {load_s:.1f} s) on http://{config.host}:{config.port}", flush=True)

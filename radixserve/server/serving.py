@@ -1,0 +1,271 @@
+"""From OpenAI requests to engine requests and back: prompts, limits, one run's updates, usage, logprobs."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from radixserve.engine.runner_api import TokenLogprob
+from radixserve.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded
+from radixserve.sampling_params import SamplingParams
+from radixserve.server.engine_client import EngineClient, RequestStream
+from radixserve.server.engine_proc import AddReq
+from radixserve.server.protocol import (ChatCompletionRequest, ChatLogprobs, ChatTokenLogprob,
+                                        CompletionLogprobs, CompletionRequest, PromptTokensDetails,
+                                        TopLogprob, Usage)
+from radixserve.tokenizer.output_processor import RequestTracker
+
+MAX_PROMPTS = 256           # prompts in one /v1/completions request
+LONG_TEXT_CHARS = 32_768    # tokenize longer texts in a worker thread
+
+
+@dataclass
+class ServingContext:
+    """What every route needs: the engine client, the tokenizer and the served model's names."""
+
+    client: EngineClient
+    tokenizer: Any
+    model_name: str
+    model_path: str
+    max_open_requests: int
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def max_context_len(self) -> int:
+        assert self.client.info is not None, "engine client is not started"
+        return self.client.info.max_context_len
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.client.info is not None, "engine client is not started"
+        return self.client.info.vocab_size
+
+    def check_model(self, model: str | None) -> None:
+        if model and model not in (self.model_name, self.model_path):
+            raise ModelNotFound(f"The model `{model}` does not exist; this server serves "
+                                f"`{self.model_name}`.", param="model")
+
+    def check_capacity(self) -> None:
+        if self.client.num_open_requests >= self.max_open_requests:
+            raise Overloaded("The server is overloaded: too many requests in flight; retry later.")
+
+    async def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; long texts are tokenized off the event loop."""
+        if len(text) < LONG_TEXT_CHARS:
+            return self.tokenizer.encode(text)
+        return await asyncio.to_thread(self.tokenizer.encode, text)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (for logprobs), special tokens included."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its token ids and, when the client sent text, that text (echo returns it)."""
+
+    ids: list[int]
+    text: str | None
+
+
+# ---- inputs -------------------------------------------------------------------------------
+async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prompt]:
+    """Tokenize the `prompt` field (string, strings, token ids, or lists of token ids)."""
+    raw = req.prompt
+    if isinstance(raw, str):
+        items: list[str | list[int]] = [raw]
+    elif raw and isinstance(raw[0], int):
+        items = [raw]  # one token-id prompt
+    else:
+        items = list(raw)
+    if not items:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    if len(items) > MAX_PROMPTS:
+        raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            prompt = Prompt(await ctx.encode(item), item)
+        else:
+            bad = next((t for t in item if not 0 <= t < ctx.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(f"prompt token id {bad} is out of range [0, {ctx.vocab_size})",
+                                     param="prompt")
+            prompt = Prompt(list(item), None)
+        if not prompt.ids:
+            raise InvalidRequest("prompt must contain at least one token", param="prompt")
+        prompts.append(prompt)
+    return prompts
+
+
+def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> Prompt:
+    """Render the chat template over `messages` into token ids."""
+    if req.tools:
+        raise InvalidRequest("tools are not supported by this server", param="tools")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise InvalidRequest(f"response_format type {req.response_format.type!r} is not supported",
+                             param="response_format")
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+    if not ids:
+        raise InvalidRequest("the messages render to an empty prompt", param="messages")
+    return Prompt(list(ids), None)
+
+
+def check_context(ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    """Reject prompt + max_tokens over the engine's effective limit, quoting the real numbers
+    (field case C09). max_tokens None ("up to the context") needs room for one token."""
+    limit = ctx.max_context_len
+    wanted = max_tokens if max_tokens is not None else 1
+    if num_prompt_tokens + wanted <= limit:
+        return
+    what = (f"{max_tokens} for the completion" if max_tokens is not None
+            else "at least 1 for the completion")
+    raise ContextLengthExceeded(
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the prompt, {what}). "
+        "Please reduce the length of the prompt or max_tokens.",
+        param="max_tokens" if num_prompt_tokens < limit and max_tokens else "prompt")
+
+
+# ---- one run --------------------------------------------------------------------------------
+@dataclass
+class Update:
+    """One choice's news, with its index over all prompts (prompt i, choice j -> i * n + j)."""
+
+    index: int
+    prompt_index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+class GenerationRun:
+    """All engine requests of one HTTP request: a RequestTracker per prompt, fanned out to n
+    engine requests each, added to the engine as one group. Use as an async context manager;
+    leaving it aborts whatever has not finished (client gone, error)."""
+
+    def __init__(self, ctx: ServingContext, base_id: str, prompts: list[Prompt],
+                 params: SamplingParams):
+        self.ctx = ctx
+        self.prompts = prompts
+        self.n = params.n
+        self.trackers = [RequestTracker(f"{base_id}-{i}", p.ids, params, ctx.tokenizer, p.text)
+                         for i, p in enumerate(prompts)]
+        self._owner: dict[str, int] = {}
+        self._adds: list[AddReq] = []
+        for i, (prompt, tracker) in enumerate(zip(prompts, self.trackers)):
+            for child_id, child_params in tracker.child_requests():
+                self._owner[child_id] = i
+                self._adds.append(AddReq(child_id, prompt.ids, child_params))
+        self.stream: RequestStream | None = None
+
+    async def __aenter__(self) -> GenerationRun:
+        """Submit to the engine and wait for it to accept (raises its rejection)."""
+        self.stream = self.ctx.client.submit(self._adds)
+        try:
+            await self.stream.accepted()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+
+    async def updates(self) -> AsyncIterator[Update]:
+        """Yield every choice update until all choices have finished."""
+        assert self.stream is not None, "use `async with run:` first"
+        while self.stream.unfinished:
+            out = await self.stream.get()
+            prompt_index = self._owner[out.request_id]
+            u = self.trackers[prompt_index].process(out)
+            if u.abort_child is not None:
+                self.stream.abort(u.abort_child)
+            if u.is_empty:
+                continue
+            yield Update(prompt_index * self.n + u.index, prompt_index, u.text, u.token_ids,
+                         u.logprobs, u.finish_reason, u.stop_reason)
+
+    def usage(self) -> Usage:
+        prompt = sum(t.prompt_tokens for t in self.trackers)
+        completion = sum(t.completion_tokens for t in self.trackers)
+        cached = sum(t.cached_tokens for t in self.trackers)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    def prompt_text(self, prompt_index: int) -> str:
+        prompt = self.prompts[prompt_index]
+        if prompt.text is not None:
+            return prompt.text
+        return self.ctx.tokenizer.decode(prompt.ids)
+
+    def prompt_logprobs(self, prompt_index: int) -> list[TokenLogprob | None]:
+        """Per prompt position: None for the first token, then the model's logprob of each."""
+        lps = self.trackers[prompt_index].prompt_logprobs or []
+        return [None, *lps]
+
+
+async def until_disconnected(receive: Any) -> None:
+    """Return when the HTTP client goes away (the body has been read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+async def race_disconnect(receive: Any, work: Any) -> Any:
+    """Await `work` unless the client disconnects first; then cancel it and raise
+    ClientDisconnected (the caller closes the run, which aborts the engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnected(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise ClientDisconnected()
+
+
+# ---- logprobs formats ---------------------------------------------------------------------
+def completion_logprobs(ctx: ServingContext, ids: list[int], entries: list[TokenLogprob | None],
+                        text_offset: int) -> CompletionLogprobs:
+    """OpenAI legacy format; `ids[i]` is the token at position i and `entries[i]` its logprob."""
+    out = CompletionLogprobs()
+    for tid, lp in zip(ids, entries):
+        text = ctx.token_text(tid)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob if lp is not None else None)
+        out.top_logprobs.append({ctx.token_text(t): v for t, v in lp.top} if lp is not None else None)
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+    return out
+
+
+def chat_logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogprobs:
+    """OpenAI chat format: one entry per generated token, each with its top alternatives."""
+    content = []
+    for lp in entries:
+        text = ctx.token_text(lp.token_id)
+        top = [TopLogprob(token=ctx.token_text(t), logprob=v,
+                          bytes=list(ctx.token_text(t).encode())) for t, v in lp.top]
+        content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()),
+                                        top_logprobs=top))
+    return ChatLogprobs(content=content)

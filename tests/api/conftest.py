@@ -1,0 +1,150 @@
+"""API test fixtures: real `radixserve serve` subprocesses on free loopback ports, shared per session."""
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import build_tiny_llama
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 300.0
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One server subprocess; `args` are the flags after `serve`. Output goes to a log file
+    that is printed when start-up fails."""
+
+    def __init__(self, args: list[str], api_key: str | None = None):
+        self.port = free_port()
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "radixserve", "serve", *args, "--host", "127.0.0.1",
+               "--port", str(self.port), "--log-level", "warning"]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="radixserve-server-", suffix=".log",
+                                               delete=False)
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=120)
+
+    def wait_ready(self) -> ServerProcess:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode} during start-up:\n"
+                            f"{self.output()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    self.model = self.get("/v1/models").json()["data"][0]["id"]
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        pytest.fail(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return pathlib.Path(self.log.name).read_text()[-8000:]
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "none",
+                             max_retries=0, timeout=kwargs.pop("timeout", 120), **kwargs)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "none",
+                                  max_retries=0, timeout=120)
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return self.http.get(path, **kwargs)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return self.http.post(path, **kwargs)
+
+    def assert_alive(self) -> None:
+        """GET /health is 200 and a trivial completion comes back within 10 s."""
+        assert self.get("/health").status_code == 200, self.output()
+        r = self.post("/v1/completions", timeout=10,
+                      json={"model": self.model, "prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+    def stats(self) -> dict:
+        return self.get("/server_info").json()["engine"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.http.close()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_gguf):
+    from radixserve.tokenizer.tokenizer import Tokenizer
+    return Tokenizer.load(str(default_gguf))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_tokenizer) -> pathlib.Path:
+    """Tiny random-weight Llama with the default model's tokenizer saved next to it. The model's
+    vocabulary must be the tokenizer's (49152): smaller and prompt ids index past the embedding,
+    larger and the model samples ids that decode to nothing."""
+    folder = tmp_path_factory.mktemp("tiny-llama-api")
+    hf = default_tokenizer.hf
+    # Untied lm_head: with tied embeddings a random model's greedy output repeats its input token.
+    build_tiny_llama(folder, vocab_size=len(hf), bos_token_id=hf.bos_token_id,
+                     eos_token_id=hf.eos_token_id, tie_word_embeddings=False)
+    hf.save_pretrained(folder)
+    return folder
+
+
+TINY_CONTEXT = 512
+
+
+def start_tiny_server(request, args: list[str], api_key: str | None = None) -> ServerProcess:
+    """A server over the tiny random-weight model with extra flags `args`."""
+    model_dir = request.getfixturevalue("tiny_model_dir")
+    return ServerProcess(["--model-path", str(model_dir), *args], api_key=api_key).wait_ready()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(request):
+    """Tiny random-weight model, context 512, page size 16, an API key: fast, text meaningless."""
+    server = start_tiny_server(request, ["--context-length", str(TINY_CONTEXT),
+                                         "--max-total-tokens", "16384", "--page-size", "16",
+                                         "--served-model-name", "tiny"], api_key=API_KEY)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gguf_server():
+    """The embedded default model (SmolLM2-135M-Instruct): for tests where the text matters."""
+    server = ServerProcess(["--max-total-tokens", "16384", "--context-length", "2048"])
+    yield server.wait_ready()
+    server.stop()
