@@ -1,0 +1,1 @@
+"""Tensor building blocks shared by the models: norms, RoPE, linear, embedding, activation, sampler."""

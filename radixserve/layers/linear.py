@@ -1,0 +1,98 @@
+"""Linear layers (plain and fused QKV / gate-up) with CPU fast paths for skinny inputs.
+
+Why fast paths: on CPU, MKL's GEMV/small-M GEMM runs on one thread and reaches about half
+the memory bandwidth (perf.md §3.1 and our own probes: `F.linear` at M=1 on the 538 MB of
+SmolLM2 weights takes ~46 ms, the split-bmm below ~12 ms). So after loading:
+- M == 1 (batch-1 decode): the weight is viewed as `(s, out/s, in)` and multiplied with one
+  `bmm`, which MKL parallelises over the s slices.
+- M > 1: a oneDNN prepacked weight (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's
+  freezing uses) avoids per-call reorders; 2-2.5x faster than `F.linear` at M = 2..64.
+Both fall back to `F.linear` where unavailable (non-CPU, no oneDNN).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+class Linear(torch.nn.Module):
+    """y = x @ weight.T (+ bias). weight: (out_features, in_features); x: (M, in) -> (M, out).
+
+    `shards` names row ranges of a fused weight, e.g. {"q": (0, 576), "k": (576, 192), ...};
+    a checkpoint tensor for one shard is copied into its rows by `load(tensor, shard)`.
+    Call `prepare()` once after the final weights and dtype are in place.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 shards: dict[str, tuple[int, int]] | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = (torch.nn.Parameter(torch.zeros(out_features), requires_grad=False)
+                     if bias else None)
+        self.shards = shards or {}
+        self._split: torch.Tensor | None = None    # (s, out/s, in) view for M == 1
+        self._packed: torch.Tensor | None = None   # oneDNN-layout weight for M > 1
+
+    def load(self, tensor: torch.Tensor, shard: str | None = None, is_bias: bool = False) -> None:
+        """Copy a checkpoint tensor ((rows, in) or (rows,) for a bias) into the weight or one shard."""
+        target = self.bias if is_bias else self.weight
+        assert target is not None, "checkpoint has a bias this layer was built without"
+        if shard is not None:
+            offset, size = self.shards[shard]
+            target = target.narrow(0, offset, size)
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs parameter "
+                             f"{tuple(target.shape)} (shard {shard!r})")
+        target.copy_(tensor)
+
+    def tie(self, weight: torch.nn.Parameter) -> None:
+        """Share another module's weight (tied input embedding and LM head)."""
+        assert tuple(weight.shape) == (self.out_features, self.in_features), "tied shapes differ"
+        self.weight = weight
+
+    def prepare(self) -> None:
+        """Build the CPU fast paths for the current weight (see module docstring)."""
+        self._split, self._packed = None, None
+        w = self.weight.data
+        if w.device.type != "cpu":
+            return
+        splits = next((s for s in (4, 2) if self.out_features % s == 0), 0)
+        if splits and w.dtype == torch.float32:
+            self._split = w.view(splits, self.out_features // splits, self.in_features)
+        if torch.backends.mkldnn.is_available():
+            try:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+            except (RuntimeError, AttributeError) as exc:  # older/odd builds: plain F.linear
+                logger.warning("oneDNN weight prepacking unavailable (%s); using F.linear", exc)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self._split is not None:
+            s = self._split.shape[0]
+            y = torch.bmm(self._split, x.t().unsqueeze(0).expand(s, -1, 1)).view(1, self.out_features)
+            return y if self.bias is None else y.add_(self.bias)
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVLinear(Linear):
+    """Fused q/k/v projection: out rows [q (H*D) | k (KV*D) | v (KV*D)], shards "q", "k", "v"."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool = False):
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, q + 2 * kv, bias,
+                         {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)})
+
+
+class GateUpLinear(Linear):
+    """Fused SwiGLU input projection: out rows [gate (I) | up (I)], shards "gate", "up"."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__(hidden_size, 2 * intermediate_size, bias,
+                         {"gate": (0, intermediate_size), "up": (intermediate_size, intermediate_size)})

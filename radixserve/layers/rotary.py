@@ -1,0 +1,59 @@
+"""Rotary position embedding (RoPE, Su et al. 2021) in the rotate-half layout, with linear and llama3 scaling."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_type: str | None = None, factor: float = 1.0,
+                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                  original_max_position: int | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] fp32, computed like transformers' rope init functions
+    (default, `linear`, `llama3`) so positions map to bit-identical angles."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        old_len = original_max_position
+        low_wavelen, high_wavelen = old_len / low_freq_factor, old_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    assert rope_type is None, f"unknown rope type {rope_type!r}"
+    return inv_freq
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Precomputed cos / signed-sin tables for positions [0, max_position).
+
+    `cos_sin(positions)` is called once per step; `apply` once per layer.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        pos = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = pos[:, None] * inv_freq[None, :]                   # (P, D/2), as transformers does
+        emb = torch.cat((freqs, freqs), dim=-1)                    # (P, D)
+        half = head_dim // 2
+        sin = emb.sin()
+        sin[:, :half] = -sin[:, :half]                            # rotate_half's sign folded in
+        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_cache", sin.to(dtype), persistent=False)
+        self.half = half
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (T,) int64 -> cos, sin: (T, 1, D) in the model dtype (broadcast over heads)."""
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: (T, heads, D), any strides -> rotated (T, heads, D) contiguous.
+
+        out = x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1]; the minus sign
+        lives in the sin table, so rotate_half is a plain roll by D/2.
+        """
+        return torch.addcmul(x * cos, torch.roll(x, self.half, dims=-1), sin)

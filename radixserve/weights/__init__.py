@@ -1,0 +1,1 @@
+"""Checkpoint readers (safetensors, GGUF) and the name-mapping weight loader."""

@@ -1,0 +1,34 @@
+"""Read an HF model directory: config.json and *.safetensors tensors, lazily one at a time."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+
+def read_hf_config(folder: str) -> dict:
+    """The parsed config.json of an HF model directory; FileNotFoundError if absent."""
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def safetensors_files(folder: str) -> list[str]:
+    """Sorted *.safetensors paths in `folder`; ValueError when there are none."""
+    files = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {folder}")
+    return files
+
+
+def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, tensor in its stored dtype) for every tensor of every file.
+
+    Files are memory-mapped by safe_open; only the tensor being yielded is materialised.
+    """
+    for path in safetensors_files(folder):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
