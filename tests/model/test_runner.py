@@ -170,3 +170,19 @@ def test_decode_batch_of_different_lengths(gqa_dir):
     for _ in range(3):
         h.step([(s, s.chunk()) for s in seqs])
     assert all(len(s.output) == 4 for s in seqs)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+    {"rope_type": "linear", "factor": 2.0},
+])
+def test_rope_scaling(tmp_path, rope):
+    folder = build_tiny_llama(tmp_path, vocab_size=256, rope_scaling=rope, rope_theta=500.0, seed=4)
+    h = Harness(folder, 16)
+    assert h.runner.model_config.rope_scaling.rope_type == rope["rope_type"]
+    seq = h.new_seq("a", 70)
+    h.step([(seq, seq.chunk(40))])
+    for _ in range(4):
+        h.step([(seq, seq.chunk())])
+    assert len(seq.output) == 4

@@ -1,0 +1,144 @@
+"""GGUF loading: llama.cpp's q/k permutation undone, dequantized weights cached, and the embedded
+default model's greedy continuation equal to transformers loading the same GGUF."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.config import EngineConfig
+from radixserve.engine.runner_api import ScheduledBatch, ScheduledSeq
+from radixserve.runner.model_runner import ModelRunner
+from radixserve.sampling_params import SamplingParams
+from radixserve.weights import gguf as gguf_weights
+from radixserve.weights.loader import load_checkpoint, resolve_model_path
+from tests.conftest import build_tiny_llama
+
+GREEDY = SamplingParams(temperature=0, max_tokens=64)
+
+
+def greedy(runner: ModelRunner, prompt: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
+    """Prefill + decode through the runner; returns tokens and each step's logprob."""
+    pages = list(range(1, 1 + -(-(len(prompt) + num_tokens) // runner.page_size)))
+    out, lps = [], []
+    start, ids = 0, prompt
+    for _ in range(num_tokens):
+        seq = ScheduledSeq("g", ids, start, pages, True, GREEDY, 0, prompt, list(out), 0, None)
+        token = runner.run(ScheduledBatch([seq])).results[0].token
+        start += len(ids)
+        out.append(token.token_id)
+        lps.append(token.logprob)
+        ids = [token.token_id]
+    return out, lps
+
+
+def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's q/k row permutation (the inverse of what we undo)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(hf_dir, path) -> None:
+    """Convert a tiny HF Llama to GGUF the way llama.cpp does (F32, q/k permuted, tied)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from radixserve.weights.safetensors import read_hf_config
+
+    cfg = read_hf_config(str(hf_dir))
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_eos_token_id(2)
+    names = {v: k for k, v in gguf_weights._LAYER_NAMES.items()}
+    for name, t in tensors.items():
+        a = t.float().numpy()
+        if name.startswith("model.layers."):
+            _, _, i, part = name.split(".", 3)
+            module, kind = part.rsplit(".", 1)
+            if module == "self_attn.q_proj":
+                a = _permute(a, cfg["num_attention_heads"])
+            elif module == "self_attn.k_proj":
+                a = _permute(a, cfg["num_key_value_heads"])
+            gname = f"blk.{i}.{names[module]}.{kind}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
+        w.add_tensor(gname, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_tiny_gguf_matches_safetensors_and_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf_dir = build_tiny_llama(tmp_path / "hf", vocab_size=256, num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(hf_dir, path)
+    config, weights = load_checkpoint(str(path))
+    ref_config, ref_weights = load_checkpoint(str(hf_dir))
+    assert (config.num_heads, config.num_kv_heads, config.vocab_size, config.tie_word_embeddings) == (4, 2, 256, True)
+    got, ref = dict(weights), dict(ref_weights)
+    assert set(got) == set(ref)
+    for name, t in ref.items():
+        assert torch.equal(got[name], t.float()), name   # permutation undone exactly
+    assert os.path.exists(gguf_weights.cache_path(str(path)))
+
+    def no_dequantize(_path):
+        raise AssertionError("the second load must come from the cache")
+
+    monkeypatch.setattr(gguf_weights, "_dequantized", no_dequantize)
+    cached_config, cached = load_checkpoint(str(path))
+    assert cached_config == config
+    assert all(torch.equal(t, got[n]) for n, t in cached)
+    runner = ModelRunner.from_config(EngineConfig(model_path=str(path), page_size=4, max_total_tokens=256))
+    ref_runner = ModelRunner.from_config(EngineConfig(model_path=str(hf_dir), page_size=4, max_total_tokens=256))
+    assert greedy(runner, [5, 6, 7, 8, 9], 6) == greedy(ref_runner, [5, 6, 7, 8, 9], 6)
+
+
+def _hf_gguf_model(folder: str, name: str):
+    """transformers' own GGUF loading (dequantize + un-permute) into LlamaForCausalLM, fp32.
+    `from_pretrained(gguf_file=...)` needs `accelerate`; without it, the same loader function."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(folder, gguf_file=name)).float().eval()
+    state = load_gguf_checkpoint(os.path.join(folder, name), return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model
+
+
+def test_default_gguf_greedy_matches_transformers():
+    path = resolve_model_path(None)
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(folder, gguf_file=name).encode("The capital of France is")
+    runner = ModelRunner.from_config(EngineConfig(page_size=16, max_total_tokens=1024))
+    assert runner.vocab_size == 49152 and 2 in runner.eos_token_ids
+    ours, _ = greedy(runner, prompt, 16)
+    hf = _hf_gguf_model(folder, name)
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)
+    theirs = ref.sequences[0, len(prompt):].tolist()
+    if ours != theirs:
+        i = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+        top = torch.topk(ref.logits[i][0].float(), 2).values
+        pytest.fail(f"first difference at output position {i}: ours {ours[i]}, transformers "
+                    f"{theirs[i]}, top-2 logit gap {float(top[0] - top[1]):.3g}")
