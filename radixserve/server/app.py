@@ -110,6 +110,23 @@ def api_key_check(api_key: str | None) -> Callable[[Request], Any]:
     return check
 
 
+class _EventStream(StreamingResponse):
+    """SSE response that closes its run however the response ends, even when the client is
+    gone before the first event (then the event generator never starts, so its own cleanup
+    would never run)."""
+
+    def __init__(self, events: Any, run: GenerationRun):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.run = run
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
+
+
 async def _respond(request: Request, run: GenerationRun, stream: bool, full: Any, chunks: Any,
                    req: Any, rid: str) -> Response:
     """Submit the run, then stream it or collect it. Any rejection raises before a byte is sent
@@ -117,9 +134,7 @@ async def _respond(request: Request, run: GenerationRun, stream: bool, full: Any
     created = now_s()
     await run.__aenter__()
     if stream:
-        return StreamingResponse(chunks(run.ctx, run, req, rid, created),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _EventStream(chunks(run.ctx, run, req, rid, created), run)
     try:
         result = await race_disconnect(request.receive, full(run.ctx, run, req, rid, created))
     finally:
@@ -130,7 +145,8 @@ async def _respond(request: Request, run: GenerationRun, stream: bool, full: Any
 def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(server_config.api_key))])
+    auth = [Depends(api_key_check(server_config.api_key))]
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
     created = now_s()
 
     @v1.post("/completions")
@@ -160,7 +176,7 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
                       else req.max_tokens)
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                      None)
-        prompt = chat_prompt(ctx, req)
+        prompt = await chat_prompt(ctx, req)
         check_context(ctx, len(prompt.ids), max_tokens)
         ctx.check_capacity()
         rid = new_id("chatcmpl")
@@ -197,13 +213,13 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
             stream.close()
         return JSONResponse({"status": "ok"})
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", dependencies=auth)
     async def flush_cache() -> Response:
         if not await ctx.client.call("flush_cache"):
             raise InvalidRequest("the cache cannot be flushed while requests are running")
         return JSONResponse({"flushed": True})
 
-    @app.get("/server_info")
+    @app.get("/server_info", dependencies=auth)
     async def server_info() -> Response:
         return JSONResponse({"model": ctx.model_name, "model_path": ctx.model_path,
                              "max_context_len": ctx.max_context_len,

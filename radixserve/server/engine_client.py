@@ -215,27 +215,35 @@ class EngineClient:
 
     # ---- background tasks -----------------------------------------------------------------
     async def _receive_loop(self) -> None:
-        while True:
-            msg = self._decoder.decode(await self.pull.recv())
-            if isinstance(msg, Outputs):
-                for out in msg.outputs:
-                    stream = self._routes.get(out.request_id)
-                    if stream is None:
-                        continue  # aborted or released: nobody is waiting for it
-                    if out.finished:
-                        del self._routes[out.request_id]
-                    stream.queue.put_nowait(out)
-            elif isinstance(msg, Submitted):
-                stream = self._streams.get(msg.group_id)
-                if stream is not None:
-                    if msg.error is not None:
-                        self.unroute(sorted(stream.unfinished))
-                    stream.queue.put_nowait(msg)
-            elif isinstance(msg, CallResult):
-                self._resolve_call(msg)
-            elif isinstance(msg, Fatal):
-                self._die(f"engine crashed: {msg.message.strip().splitlines()[-1]}")
-                logger.error("engine crashed:\n%s", msg.message)
+        try:
+            while True:
+                self._dispatch(self._decoder.decode(await self.pull.recv()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # without this task no request can finish: fail them all
+            logger.exception("engine receiver failed")
+            self._die(f"engine receiver failed: {type(exc).__name__}: {exc}")
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, Outputs):
+            for out in msg.outputs:
+                stream = self._routes.get(out.request_id)
+                if stream is None:
+                    continue  # aborted or released: nobody is waiting for it
+                if out.finished:
+                    del self._routes[out.request_id]
+                stream.queue.put_nowait(out)
+        elif isinstance(msg, Submitted):
+            stream = self._streams.get(msg.group_id)
+            if stream is not None:
+                if msg.error is not None:
+                    self.unroute(sorted(stream.unfinished))
+                stream.queue.put_nowait(msg)
+        elif isinstance(msg, CallResult):
+            self._resolve_call(msg)
+        elif isinstance(msg, Fatal):
+            logger.error("engine crashed:\n%s", msg.message)
+            self._die(f"engine crashed: {msg.message.strip().splitlines()[-1]}")
 
     def _resolve_call(self, msg: CallResult) -> None:
         fut = self._calls.get(msg.call_id)

@@ -1,4 +1,4 @@
-"""From OpenAI requests to engine requests and back: prompts, limits, one run's updates, usage, logprobs."""
+"""From OpenAI requests to engine requests and back: prompts, limits, runs, usage, logprobs."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +15,7 @@ from radixserve.server.protocol import (ChatCompletionRequest, ChatLogprobs, Cha
                                         TopLogprob, Usage)
 from radixserve.tokenizer.output_processor import RequestTracker
 
-MAX_PROMPTS = 256           # prompts in one /v1/completions request
+MAX_CHOICES = 256           # prompts x n in one request
 LONG_TEXT_CHARS = 32_768    # tokenize longer texts in a worker thread
 
 
@@ -84,8 +84,9 @@ async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
         items = list(raw)
     if not items:
         raise InvalidRequest("prompt must not be empty", param="prompt")
-    if len(items) > MAX_PROMPTS:
-        raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
+    if len(items) * req.n > MAX_CHOICES:
+        raise InvalidRequest(f"at most {MAX_CHOICES} choices (prompts x n) per request, "
+                             f"got {len(items) * req.n}", param="prompt")
     prompts = []
     for item in items:
         if isinstance(item, str):
@@ -102,15 +103,19 @@ async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
     return prompts
 
 
-def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> Prompt:
-    """Render the chat template over `messages` into token ids."""
+async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> Prompt:
+    """Render the chat template over `messages` into token ids (raises InvalidRequest)."""
     if req.tools:
         raise InvalidRequest("tools are not supported by this server", param="tools")
     if req.response_format is not None and req.response_format.type != "text":
         raise InvalidRequest(f"response_format type {req.response_format.type!r} is not supported",
                              param="response_format")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+    render = ctx.tokenizer.apply_chat_template
+    if sum(len(m["content"]) for m in messages) < LONG_TEXT_CHARS:
+        ids = render(messages, add_generation_prompt=req.add_generation_prompt)
+    else:
+        ids = await asyncio.to_thread(render, messages, req.add_generation_prompt)
     if not ids:
         raise InvalidRequest("the messages render to an empty prompt", param="messages")
     return Prompt(list(ids), None)
@@ -209,7 +214,7 @@ class GenerationRun:
         prompt = self.prompts[prompt_index]
         if prompt.text is not None:
             return prompt.text
-        return self.ctx.tokenizer.decode(prompt.ids)
+        return self.ctx.tokenizer.decode(prompt.ids, skip_special_tokens=False)
 
     def prompt_logprobs(self, prompt_index: int) -> list[TokenLogprob | None]:
         """Per prompt position: None for the first token, then the model's logprob of each."""

@@ -30,7 +30,8 @@ def idle(server) -> bool:
 @pytest.fixture(scope="module")
 def long_server(request):
     """Context 2048, so that an unaborted request would keep the engine busy for seconds."""
-    server = start_tiny_server(request, ["--max-total-tokens", "8192", "--context-length", "2048"])
+    server = start_tiny_server(request, ["--max-total-tokens", "8192", "--context-length", "2048",
+                                         "--max-running-requests", "2", "--max-queued-requests", "1"])
     yield server
     server.stop()
 
@@ -60,6 +61,24 @@ def test_non_stream_disconnect_aborts(long_server):
                    timeout=httpx.Timeout(10, read=0.5))
     assert wait_for(lambda: idle(long_server), 5), long_server.stats()
     assert long_server.stats()["num_aborted_requests"] == before + 2
+    long_server.assert_alive()
+
+
+def test_overload_is_503_and_recovers(long_server):
+    """With 2 running + 1 queued allowed, a 4th concurrent request is refused with 503."""
+    body = {"model": long_server.model, "prompt": "Go on", "max_tokens": 2000,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=long_server.base_url, timeout=30) as http:
+        streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(3)]
+        responses = [s.__enter__() for s in streams]
+        try:
+            assert [r.status_code for r in responses] == [200, 200, 200]
+            r = http.post("/v1/completions", json={**body, "stream": False})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "server_overloaded"
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    assert wait_for(lambda: idle(long_server), 5), long_server.stats()
     long_server.assert_alive()
 
 
