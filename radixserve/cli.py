@@ -62,8 +62,10 @@ def run_serve(args: argparse.Namespace) -> int:
         asyncio.run(serve(engine_config, server_config, build_engine, model_path))
     except KeyboardInterrupt:
         pass
-    except (RuntimeError, FileNotFoundError, OSError) as exc:
-        logging.getLogger("radixserve").error("%s", exc)
+    except Exception as exc:  # start-up failures: bad model path, engine failed to load, port in use
+        log = logging.getLogger("radixserve")
+        log.debug("serve failed", exc_info=True)
+        log.error("%s: %s (run with --log-level debug for the traceback)", type(exc).__name__, exc)
         return 1
     return 0
 

@@ -62,9 +62,10 @@ class ServerProcess:
         self.stop()
         pytest.fail(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{self.output()}")
 
-    def output(self) -> str:
+    def output(self, tail_chars: int | None = 8000) -> str:
         self.log.flush()
-        return pathlib.Path(self.log.name).read_text()[-8000:]
+        text = pathlib.Path(self.log.name).read_text()
+        return text[-tail_chars:] if tail_chars else text
 
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "none",
@@ -89,6 +90,12 @@ class ServerProcess:
 
     def stats(self) -> dict:
         return self.get("/server_info").json()["engine"]
+
+    def assert_no_tracebacks(self) -> None:
+        """No request hit the catch-all 500 handler or crashed anything during the session."""
+        log = self.output(tail_chars=None)
+        at = max(log.find("Traceback"), log.find("unhandled error"))
+        assert at < 0, log[max(at - 2000, 0):at + 4000]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -139,7 +146,10 @@ def tiny_server(request):
                                          "--max-total-tokens", "16384", "--page-size", "16",
                                          "--served-model-name", "tiny"], api_key=API_KEY)
     yield server
-    server.stop()
+    try:
+        server.assert_no_tracebacks()
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -147,4 +157,7 @@ def gguf_server():
     """The embedded default model (SmolLM2-135M-Instruct): for tests where the text matters."""
     server = ServerProcess(["--max-total-tokens", "16384", "--context-length", "2048"])
     yield server.wait_ready()
-    server.stop()
+    try:
+        server.assert_no_tracebacks()
+    finally:
+        server.stop()
