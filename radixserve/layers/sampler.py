@@ -77,12 +77,15 @@ class Sampler:
         Sampled per row; top lists hold `params.logprobs` entries (0 when None)."""
         assert logits.shape[0] == len(rows), "one logits row per sample row"
         x = self._penalised(logits, rows)
-        tokens = torch.empty(len(rows), dtype=torch.long)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if greedy:
+        if not drawn:
+            tokens = x.argmax(dim=-1)
+        elif not greedy:
+            tokens = self._draw(x, rows)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.long)
             tokens[greedy] = x[greedy].argmax(dim=-1)
-        if drawn:
             tokens[drawn] = self._draw(x[drawn], [rows[i] for i in drawn])
         k = max((r.params.logprobs or 0) for r in rows)
         out = token_logprobs(logits, tokens, k)

@@ -97,7 +97,8 @@ class ModelRunner:
         sampled: list[Sampled] = []
         if sample_idx:
             rows = [s for s, r in zip(batch.seqs, step.sample_rows) if r is not None]
-            sampled = self.sampler.sample(logits[sample_idx], rows)
+            picked = logits if len(sample_idx) == logits.shape[0] else logits[sample_idx]
+            sampled = self.sampler.sample(picked, rows)
         results = []
         it = iter(sampled)
         for seq, sample_row, prompt in zip(batch.seqs, step.sample_rows, step.prompt_rows):

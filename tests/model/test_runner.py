@@ -14,6 +14,7 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.engine.runner_api import ScheduledBatch, ScheduledSeq
+from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 from tests.conftest import build_tiny_llama
@@ -163,8 +164,11 @@ def test_mixed_batch(mha_dir, decodes_first):
     assert len(d1.output) == 6 and len(cont.output) == 3 and len(fresh.output) == 3
 
 
-def test_decode_batch_of_different_lengths(gqa_dir):
+@pytest.mark.parametrize("chunk_bytes", [0, 1, 40_000])
+def test_decode_batch_of_different_lengths(gqa_dir, chunk_bytes):
+    """chunk_bytes: the backend's decode sub-batch budget (one, one-per-sequence, a few)."""
     h = Harness(gqa_dir, 16, seed=9)
+    h.runner.backend = TorchAttentionBackend(decode_chunk_bytes=chunk_bytes)
     seqs = [h.new_seq(f"s{i}", n) for i, n in enumerate([1, 15, 16, 17, 64, 3])]
     h.step([(s, s.chunk()) for s in seqs])
     for _ in range(3):
@@ -186,3 +190,19 @@ def test_rope_scaling(tmp_path, rope):
     for _ in range(4):
         h.step([(seq, seq.chunk())])
     assert len(seq.output) == 4
+
+
+def test_bfloat16_runs_close_to_float32(gqa_dir):
+    """bf16 weights, activations and KV: every greedy pick is (near-)best under fp32 transformers."""
+    h = Harness(gqa_dir, 16, seed=11)
+    runner = ModelRunner.from_config(EngineConfig(model_path=str(gqa_dir), page_size=16,
+                                                  max_total_tokens=4096, dtype="bfloat16"))
+    assert runner.kv.k_store[0].dtype == torch.bfloat16
+    seq = h.new_seq("a", 40)
+    for _ in range(5):
+        res = runner.run(ScheduledBatch([seq.chunk()])).results[0].token
+        seq.computed = len(seq.tokens)
+        ref = h.reference(seq.tokens)[-1]
+        assert float(ref.max() - ref[res.token_id]) < 0.05
+        assert abs(res.logprob - float(ref[res.token_id])) < 0.05
+        seq.output.append(res.token_id)
