@@ -1,6 +1,9 @@
 """Helpers for token-for-token parity against Hugging Face transformers (greedy, fp32)."""
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from radixserve.engine.engine import Engine
@@ -64,3 +67,19 @@ def engine_generate(engine: Engine, prompts: list[list[int]], num_tokens: int,
                 cached[out.request_id] = out.num_cached_tokens
         engine.check_invariants()
     return [tokens[r] for r in order], [cached[r] for r in order]
+
+
+def hf_gguf_model(folder: str, name: str):
+    """transformers' own GGUF loading (dequantize + un-permute) into LlamaForCausalLM, fp32.
+    `from_pretrained(gguf_file=...)` needs `accelerate`; without it, the same loader function."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(folder, gguf_file=name)).float().eval()
+    state = load_gguf_checkpoint(os.path.join(folder, name), return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model

@@ -2,7 +2,6 @@
 default model's greedy continuation equal to transformers loading the same GGUF."""
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
@@ -16,6 +15,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.weights import gguf as gguf_weights
 from radixserve.weights.loader import load_checkpoint, resolve_model_path
 from tests.conftest import build_tiny_llama
+from tests.model.parity import hf_gguf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
 
@@ -106,22 +106,6 @@ def test_tiny_gguf_matches_safetensors_and_is_cached(tmp_path, monkeypatch):
     assert greedy(runner, [5, 6, 7, 8, 9], 6) == greedy(ref_runner, [5, 6, 7, 8, 9], 6)
 
 
-def _hf_gguf_model(folder: str, name: str):
-    """transformers' own GGUF loading (dequantize + un-permute) into LlamaForCausalLM, fp32.
-    `from_pretrained(gguf_file=...)` needs `accelerate`; without it, the same loader function."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
-
-    if importlib.util.find_spec("accelerate") is not None:
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    model = LlamaForCausalLM(AutoConfig.from_pretrained(folder, gguf_file=name)).float().eval()
-    state = load_gguf_checkpoint(os.path.join(folder, name), return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict(state, strict=False)
-    model.tie_weights()
-    return model
-
-
 def test_default_gguf_greedy_matches_transformers():
     path = resolve_model_path(None)
     assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
@@ -132,7 +116,7 @@ def test_default_gguf_greedy_matches_transformers():
     runner = ModelRunner.from_config(EngineConfig(page_size=16, max_total_tokens=1024))
     assert runner.vocab_size == 49152 and 2 in runner.eos_token_ids
     ours, _ = greedy(runner, prompt, 16)
-    hf = _hf_gguf_model(folder, name)
+    hf = hf_gguf_model(folder, name)
     with torch.inference_mode():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
                           output_logits=True, return_dict_in_generate=True)

@@ -13,7 +13,7 @@ import pytest
 
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
-from tests.model.parity import assert_parity, engine_generate, hf_greedy
+from tests.model.parity import assert_parity, engine_generate, hf_gguf_model, hf_greedy
 
 NUM_NEW = 32
 
@@ -75,10 +75,10 @@ def test_tiny_llama_parity(tiny_llama_dir, tiny_case, name):
 
 @pytest.fixture(scope="module")
 def default_case(default_gguf):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     folder, name = str(default_gguf.parent), default_gguf.name
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32").eval()
+    hf = hf_gguf_model(folder, name)  # from_pretrained(gguf_file=...) needs accelerate
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     texts = ["What is the capital of France?", "def fibonacci(n):", "Once upon a time",
              "The three primary colors are", "1, 2, 3, 4,", "Translate to French: I like apples.",

@@ -59,8 +59,11 @@ class TorchStepAttention:
         kv, step = self.kv, self.step
         kv.write(layer_id, step.slot_mapping, k, v)
         num_heads, head_dim = q.shape[1], q.shape[2]
-        out = torch.empty(self.num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         d = step.decode
+        if d is not None and d.row_slice == (0, self.num_tokens) and len(self.chunks) == 1:
+            # Decode-only step in one sub-batch: SDPA's output is the result, no copy.
+            return self._decode_chunk(layer_id, q, 0, self.num_tokens).view(self.num_tokens, -1)
+        out = torch.empty(self.num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if d is not None:
             if d.row_slice is not None:
                 a, b = d.row_slice
@@ -75,21 +78,24 @@ class TorchStepAttention:
 
     def _decode(self, layer_id: int, q: torch.Tensor, out: torch.Tensor) -> None:
         """q: (B, H, D) of the decode group; writes attention output into out: (B, H, D)."""
-        d, kv = self.step.decode, self.kv
-        num_kv, head_dim, ctx = kv.num_kv_heads, kv.head_dim, d.max_pages * kv.page_size
         for start, end in self.chunks:
-            n = end - start
-            shape = (num_kv, n * d.max_pages, kv.page_size, head_dim)
-            k_buf = self.k_buf[:num_kv * n * d.max_pages * kv.page_size * head_dim].view(shape)
-            v_buf = self.v_buf[:k_buf.numel()].view(shape)
-            pages = d.page_table[start * d.max_pages:end * d.max_pages]
-            torch.index_select(kv.k_store[layer_id], 1, pages, out=k_buf)
-            torch.index_select(kv.v_store[layer_id], 1, pages, out=v_buf)
-            k_seq = k_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)                # (n, KV, L, D)
-            v_seq = v_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)
-            res = F.scaled_dot_product_attention(q[start:end].unsqueeze(2), k_seq, v_seq,
-                                                 attn_mask=d.mask[start:end], enable_gqa=True)
-            out[start:end] = res.squeeze(2)
+            out[start:end] = self._decode_chunk(layer_id, q[start:end], start, end)
+
+    def _decode_chunk(self, layer_id: int, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Decode sequences [start, end) of the group, q: (n, H, D) -> (n, H, D)."""
+        d, kv = self.step.decode, self.kv
+        n, num_kv, head_dim, ctx = end - start, kv.num_kv_heads, kv.head_dim, d.max_pages * kv.page_size
+        shape = (num_kv, n * d.max_pages, kv.page_size, head_dim)
+        k_buf = self.k_buf[:num_kv * n * ctx * head_dim].view(shape)
+        v_buf = self.v_buf[:k_buf.numel()].view(shape)
+        pages = d.page_table[start * d.max_pages:end * d.max_pages]
+        torch.index_select(kv.k_store[layer_id], 1, pages, out=k_buf)
+        torch.index_select(kv.v_store[layer_id], 1, pages, out=v_buf)
+        k_seq = k_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)                    # (n, KV, L, D)
+        v_seq = v_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)
+        res = F.scaled_dot_product_attention(q.unsqueeze(2), k_seq, v_seq,
+                                             attn_mask=d.mask[start:end], enable_gqa=True)
+        return res.squeeze(2)                                                            # (n, H, D)
 
     def _prefill(self, layer_id: int, p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One chunk: q rows [row_start, row_end) -> (n, H, D)."""
