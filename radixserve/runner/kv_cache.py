@@ -23,6 +23,7 @@ class KVCache:
         shape = (num_kv_heads, num_pages, page_size, head_dim)
         self.k_store = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_store = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._head_offsets = torch.arange(num_kv_heads, device=device) * num_pages
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -42,3 +43,19 @@ class KVCache:
         flat = (self.num_kv_heads, self.num_pages * self.page_size, self.head_dim)
         self.k_store[layer].view(flat).index_copy_(1, slots, k.transpose(0, 1))
         self.v_store[layer].view(flat).index_copy_(1, slots, v.transpose(0, 1))
+
+    def head_rows(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """(n,) int64 page ids -> (KV * n,) int64 rows of the `(KV * num_pages, page_size * D)`
+        view, head-major: all pages of head 0, then head 1, ..."""
+        return (self._head_offsets[:, None] + page_ids[None, :]).reshape(-1)
+
+    def gather(self, layer: int, rows: torch.Tensor, k_out: torch.Tensor | None = None,
+               v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy whole pages: rows from `head_rows` -> K and V, each (len(rows), page_size * D).
+
+        A row gather over a 2-D view is a plain memcpy per page, about 2x faster on CPU
+        than index_select along the page dim of the 4-D store."""
+        flat = (self.num_kv_heads * self.num_pages, self.page_size * self.head_dim)
+        k = torch.index_select(self.k_store[layer].view(flat), 0, rows, out=k_out)
+        v = torch.index_select(self.v_store[layer].view(flat), 0, rows, out=v_out)
+        return k, v

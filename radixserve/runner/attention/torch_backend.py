@@ -2,7 +2,7 @@
 
 Decode group, per layer (B sequences, P = max pages, S = page size, KV heads, D):
 
-    k_store (KV, num_pages, S, D) --index_select pages--> (KV, B*P, S, D)
+    k_store (KV, num_pages, S, D) --gather pages (KVCache.gather)--> (KV, B*P, S, D)
         -> view (KV, B, P*S, D) -> transpose -> (B, KV, P*S, D)   # each head a contiguous matrix
     SDPA(q (B, H, 1, D), k, v, mask (B, 1, 1, P*S), enable_gqa)   # GQA without expanding KV
 
@@ -51,6 +51,8 @@ class TorchStepAttention:
             seq_bytes = 2 * d.max_pages * kv.page_size * kv.num_kv_heads * kv.head_dim * store.element_size()
             per_chunk = max(1, decode_chunk_bytes // seq_bytes) if decode_chunk_bytes else batch
             self.chunks = [(s, min(s + per_chunk, batch)) for s in range(0, batch, per_chunk)]
+            rows = kv.head_rows(d.page_table).view(kv.num_kv_heads, -1)          # (KV, B * P)
+            self.chunk_rows = [rows[:, s * d.max_pages:e * d.max_pages].reshape(-1) for s, e in self.chunks]
             numel = kv.num_kv_heads * min(per_chunk, batch) * d.max_pages * kv.page_size * kv.head_dim
             self.k_buf = torch.empty(numel, dtype=store.dtype, device=store.device)
             self.v_buf = torch.empty(numel, dtype=store.dtype, device=store.device)
@@ -62,7 +64,7 @@ class TorchStepAttention:
         d = step.decode
         if d is not None and d.row_slice == (0, self.num_tokens) and len(self.chunks) == 1:
             # Decode-only step in one sub-batch: SDPA's output is the result, no copy.
-            return self._decode_chunk(layer_id, q, 0, self.num_tokens).view(self.num_tokens, -1)
+            return self._decode_chunk(layer_id, q, 0).view(self.num_tokens, -1)
         out = torch.empty(self.num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if d is not None:
             if d.row_slice is not None:
@@ -78,19 +80,18 @@ class TorchStepAttention:
 
     def _decode(self, layer_id: int, q: torch.Tensor, out: torch.Tensor) -> None:
         """q: (B, H, D) of the decode group; writes attention output into out: (B, H, D)."""
-        for start, end in self.chunks:
-            out[start:end] = self._decode_chunk(layer_id, q[start:end], start, end)
+        for i, (start, end) in enumerate(self.chunks):
+            out[start:end] = self._decode_chunk(layer_id, q[start:end], i)
 
-    def _decode_chunk(self, layer_id: int, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Decode sequences [start, end) of the group, q: (n, H, D) -> (n, H, D)."""
+    def _decode_chunk(self, layer_id: int, q: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Decode sequences of sub-batch `chunk`, q: (n, H, D) -> (n, H, D)."""
         d, kv = self.step.decode, self.kv
+        start, end = self.chunks[chunk]
         n, num_kv, head_dim, ctx = end - start, kv.num_kv_heads, kv.head_dim, d.max_pages * kv.page_size
-        shape = (num_kv, n * d.max_pages, kv.page_size, head_dim)
+        shape = (num_kv * n * d.max_pages, kv.page_size * head_dim)
         k_buf = self.k_buf[:num_kv * n * ctx * head_dim].view(shape)
         v_buf = self.v_buf[:k_buf.numel()].view(shape)
-        pages = d.page_table[start * d.max_pages:end * d.max_pages]
-        torch.index_select(kv.k_store[layer_id], 1, pages, out=k_buf)
-        torch.index_select(kv.v_store[layer_id], 1, pages, out=v_buf)
+        kv.gather(layer_id, self.chunk_rows[chunk], k_buf, v_buf)
         k_seq = k_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)                    # (n, KV, L, D)
         v_seq = v_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)
         res = F.scaled_dot_product_attention(q.unsqueeze(2), k_seq, v_seq,
@@ -107,8 +108,8 @@ class TorchStepAttention:
         else:
             kv = self.kv
             shape = (kv.num_kv_heads, -1, kv.head_dim)
-            kc = kv.k_store[layer_id].index_select(1, p.page_ids).view(shape)[:, :p.context_len]
-            vc = kv.v_store[layer_id].index_select(1, p.page_ids).view(shape)[:, :p.context_len]
+            kc, vc = kv.gather(layer_id, kv.head_rows(p.page_ids))
+            kc, vc = kc.view(shape)[:, :p.context_len], vc.view(shape)[:, :p.context_len]
             out = F.scaled_dot_product_attention(qc, kc.unsqueeze(0), vc.unsqueeze(0),
                                                  attn_mask=p.mask, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)                                             # (n, H, D)
