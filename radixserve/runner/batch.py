@@ -32,6 +32,9 @@ class DecodeGroup:
     page_table: torch.Tensor
     mask: torch.Tensor
     max_pages: int
+    request_ids: list[str]           # per sequence, for backends that keep state across steps
+    page_lists: list[list[int]]      # page ids covering [0, lens[i])
+    lens: list[int]                  # context length including the new token
 
 
 @dataclass(slots=True)
@@ -79,6 +82,7 @@ def build_step(batch: ScheduledBatch, page_size: int, dtype: torch.dtype = torch
     positions: list[int] = []
     slots: list[int] = []
     decode_rows: list[int] = []
+    decode_ids: list[str] = []
     decode_pages: list[list[int]] = []
     decode_lens: list[int] = []
     prefills: list[PrefillSeq] = []
@@ -96,6 +100,7 @@ def build_step(batch: ScheduledBatch, page_size: int, dtype: torch.dtype = torch
         slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
         if n == 1:
             decode_rows.append(row)
+            decode_ids.append(seq.request_id)
             decode_pages.append(pages[:num_pages])
             decode_lens.append(end)
         else:
@@ -114,7 +119,7 @@ def build_step(batch: ScheduledBatch, page_size: int, dtype: torch.dtype = torch
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
         slot_mapping=torch.tensor(slots, dtype=torch.long),
-        decode=_decode(decode_rows, decode_pages, decode_lens, page_size, dtype) if decode_rows else None,
+        decode=_decode(decode_rows, decode_ids, decode_pages, decode_lens, page_size, dtype) if decode_rows else None,
         prefills=prefills, logit_rows=torch.tensor(logit_rows, dtype=torch.long),
         sample_rows=sample_rows, prompt_rows=prompt_rows)
 
@@ -133,8 +138,8 @@ def _prefill(row: int, start: int, n: int, pages: list[int], dtype: torch.dtype)
                       _additive(visible, dtype))
 
 
-def _decode(rows: list[int], pages: list[list[int]], lens: list[int], page_size: int,
-            dtype: torch.dtype) -> DecodeGroup:
+def _decode(rows: list[int], request_ids: list[str], pages: list[list[int]], lens: list[int],
+            page_size: int, dtype: torch.dtype) -> DecodeGroup:
     max_pages = max(len(p) for p in pages)
     table = [p + [0] * (max_pages - len(p)) for p in pages]
     lens_t = torch.tensor(lens, dtype=torch.long)
@@ -143,4 +148,5 @@ def _decode(rows: list[int], pages: list[list[int]], lens: list[int], page_size:
     return DecodeGroup(rows=torch.tensor(rows, dtype=torch.long),
                        row_slice=(rows[0], rows[0] + len(rows)) if contiguous else None,
                        page_table=torch.tensor(table, dtype=torch.long).view(-1),
-                       mask=_additive(visible, dtype)[:, None, None, :], max_pages=max_pages)
+                       mask=_additive(visible, dtype)[:, None, None, :], max_pages=max_pages,
+                       request_ids=request_ids, page_lists=pages, lens=lens)

@@ -106,18 +106,6 @@ class Harness:
         assert full is not None or not got
 
 
-@pytest.fixture(scope="module")
-def gqa_dir(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("gqa"), vocab_size=384, num_attention_heads=4,
-                            num_key_value_heads=2)
-
-
-@pytest.fixture(scope="module")
-def mha_dir(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("mha"), vocab_size=384, num_attention_heads=4,
-                            num_key_value_heads=4, tie_word_embeddings=False, seed=3)
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_single_prefill_then_decode(gqa_dir, page_size):
     h = Harness(gqa_dir, page_size)

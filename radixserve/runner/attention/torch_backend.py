@@ -1,4 +1,8 @@
-"""Attention with torch ops only (CPU or any device): one padded gather + one SDPA per layer for decodes.
+"""Attention with torch ops only (CPU or any device): one SDPA per layer for all decodes, over a mirror or a gather.
+
+Decodes normally attend over the DecodeMirror (decode_mirror.py: contiguous per-sequence
+KV kept across steps, only the new token appended). Without it (disabled, or over its
+memory budget) they gather their pages every layer:
 
 Decode group, per layer (B sequences, P = max pages, S = page size, KV heads, D):
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from radixserve.runner.attention.decode_mirror import DecodeMirror, MirrorStep
 from radixserve.runner.batch import StepBatch
 from radixserve.runner.kv_cache import KVCache
 
@@ -25,27 +30,35 @@ from radixserve.runner.kv_cache import KVCache
 class TorchAttentionBackend:
     """AttentionBackend built from `torch.nn.functional.scaled_dot_product_attention`.
 
-    `decode_chunk_bytes`: the decode group is gathered and attended in sub-batches whose
-    gathered K + V stay under this many bytes, so SDPA reads them back from cache instead of
-    DRAM (0: one sub-batch).
+    `mirror_bytes`: memory the DecodeMirror may hold (0: always gather). Decode groups that do
+    not fit fall back to gathering pages, in sub-batches whose gathered K + V stay under
+    `decode_chunk_bytes` so SDPA reads them back from cache instead of DRAM (0: one sub-batch).
     """
 
-    def __init__(self, decode_chunk_bytes: int = 4 << 20):
+    def __init__(self, decode_chunk_bytes: int = 4 << 20, mirror_bytes: int = 2 << 30):
         self.decode_chunk_bytes = decode_chunk_bytes
+        self.mirror = DecodeMirror(mirror_bytes) if mirror_bytes else None
 
     def begin_step(self, kv: KVCache, step: StepBatch) -> TorchStepAttention:
-        return TorchStepAttention(kv, step, self.decode_chunk_bytes)
+        mirror_step = None
+        if self.mirror is not None:
+            if step.decode is None:
+                self.mirror.reset()
+            else:
+                mirror_step = self.mirror.plan(kv, step.decode)
+        return TorchStepAttention(kv, step, self.decode_chunk_bytes, mirror_step)
 
 
 class TorchStepAttention:
     """StepAttention for one step (see base.StepAttention)."""
 
-    def __init__(self, kv: KVCache, step: StepBatch, decode_chunk_bytes: int = 0):
-        self.kv, self.step = kv, step
+    def __init__(self, kv: KVCache, step: StepBatch, decode_chunk_bytes: int = 0,
+                 mirror_step: MirrorStep | None = None):
+        self.kv, self.step, self.mirror_step = kv, step, mirror_step
         self.num_tokens = step.input_ids.shape[0]
         d = step.decode
-        self.chunks: list[tuple[int, int]] = []
-        if d is not None:
+        self.chunks: list[tuple[int, int]] = [(0, d.mask.shape[0])] if d is not None else []
+        if d is not None and mirror_step is None:
             batch = d.mask.shape[0]
             store = kv.k_store[0]
             seq_bytes = 2 * d.max_pages * kv.page_size * kv.num_kv_heads * kv.head_dim * store.element_size()
@@ -62,17 +75,26 @@ class TorchStepAttention:
         kv.write(layer_id, step.slot_mapping, k, v)
         num_heads, head_dim = q.shape[1], q.shape[2]
         d = step.decode
+        ms = self.mirror_step
         if d is not None and d.row_slice == (0, self.num_tokens) and len(self.chunks) == 1:
-            # Decode-only step in one sub-batch: SDPA's output is the result, no copy.
-            return self._decode_chunk(layer_id, q, 0).view(self.num_tokens, -1)
+            # Decode-only step in one piece: the attention output is the result, no copy.
+            res = ms.attend(layer_id, q, k, v) if ms is not None else self._decode_chunk(layer_id, q, 0)
+            return res.view(self.num_tokens, -1)
         out = torch.empty(self.num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if d is not None:
             if d.row_slice is not None:
                 a, b = d.row_slice
-                self._decode(layer_id, q[a:b], out[a:b])
+                if ms is not None:
+                    out[a:b] = ms.attend(layer_id, q[a:b], k[a:b], v[a:b])
+                else:
+                    self._decode(layer_id, q[a:b], out[a:b])
             else:
-                res = torch.empty(d.rows.shape[0], num_heads, head_dim, dtype=q.dtype, device=q.device)
-                self._decode(layer_id, q.index_select(0, d.rows), res)
+                q_d = q.index_select(0, d.rows)
+                if ms is not None:
+                    res = ms.attend(layer_id, q_d, k.index_select(0, d.rows), v.index_select(0, d.rows))
+                else:
+                    res = torch.empty_like(q_d)
+                    self._decode(layer_id, q_d, res)
                 out.index_copy_(0, d.rows, res)
         for p in step.prefills:
             out[p.row_start:p.row_end] = self._prefill(layer_id, p, q, k, v)

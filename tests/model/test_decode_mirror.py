@@ -1,0 +1,112 @@
+"""DecodeMirror (contiguous per-sequence KV kept across steps) vs gathering pages every step.
+
+A random scenario drives one runner: sequences join (after a prefill), leave, skip steps,
+have their pages remapped with new content (what radix dedup or a recompute may do), and
+grow past the mirror's capacity; holes force out-of-order slots and compaction. Every step
+runs with the mirror, then again with the gather path (the reference: the paged cache is the
+source of truth); outputs must agree. A mirror over its byte budget must fall back.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.engine.runner_api import ScheduledBatch
+from radixserve.runner.attention.torch_backend import TorchAttentionBackend
+from tests.model.test_runner import Harness, Seq
+
+
+def run_both(h: Harness, mirror: TorchAttentionBackend, gather: TorchAttentionBackend,
+             items: list[tuple[Seq, object]]) -> None:
+    """One step through the gather path (the reference), then the same batch with the mirror
+    (rewriting the same KV): same tokens and logprobs."""
+    batch = ScheduledBatch([s for _, s in items])
+    h.runner.backend = gather
+    ref = h.runner.run(batch)
+    h.runner.backend = mirror
+    got = h.runner.run(batch)
+    for (seq, sched), r, g in zip(items, ref.results, got.results):
+        seq.computed = sched.start_pos + len(sched.input_ids)
+        if not sched.sample:
+            continue
+        assert g.token.token_id == r.token.token_id, f"{seq.rid}: mirror and gather disagree"
+        assert g.token.logprob == pytest.approx(r.token.logprob, abs=1e-5)
+        assert [t for t, _ in g.token.top] == [t for t, _ in r.token.top]
+        seq.output.append(g.token.token_id)
+
+
+def remap_pages(h: Harness, seq: Seq) -> None:
+    """Move a sequence's first page to a fresh page id with perturbed content (a recompute)."""
+    old, new = seq.pages[0], h.free.pop()
+    kv = h.runner.kv
+    for store in kv.k_store + kv.v_store:
+        store[:, new] = store[:, old] * 1.5
+    seq.pages = [new] + seq.pages[1:]
+
+
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_mirror_matches_gather_through_churn(gqa_dir, page_size):
+    h = Harness(gqa_dir, page_size, seed=page_size)
+    backend, gather = TorchAttentionBackend(), TorchAttentionBackend(mirror_bytes=0)
+    mirror = backend.mirror
+    a, b, c, d = h.new_seq("a", 20), h.new_seq("b", 9), h.new_seq("c", 1), h.new_seq("d", 12)
+
+    def step(*seqs: Seq) -> None:
+        run_both(h, backend, gather, [(s, s.chunk()) for s in seqs])
+
+    step(a, b, c)                     # prefills; c (1 token) already decodes
+    step(a, b, c)
+    step(a, b, c)
+    assert sorted(mirror.slots[r].index for r in "abc") == [0, 1, 2]
+    step(a, c, d)                     # b skips a step: its slot is freed; d prefills
+    assert "b" not in mirror.slots
+    step(d, a, b, c)                  # b and d re-enter: slots out of batch order
+    assert [mirror.slots[r].index for r in "dabc"] != [0, 1, 2, 3]
+    remap_pages(h, a)                 # a's first page moves and changes: a must be re-copied
+    step(d, a, b, c)
+    step(c, b)                        # a and d leave: holes
+    remap_pages(h, b)
+    step(b, c, a)
+    step(a, b, c, d)
+    assert len(a.output) == 8 and len(d.output) == 4
+
+
+def test_mirror_grows_and_compacts(gqa_dir):
+    h = Harness(gqa_dir, 16, seed=3)
+    mirror, gather = TorchAttentionBackend(), TorchAttentionBackend(mirror_bytes=0)
+    seqs = [h.new_seq(f"s{i}", 100 if i == 0 else 5, max_len=300) for i in range(8)]
+    run_both(h, mirror, gather, [(s, s.chunk()) for s in seqs])
+    for _ in range(2):
+        run_both(h, mirror, gather, [(s, s.chunk()) for s in seqs])
+    first_capacity = mirror.mirror.capacity
+    keep = [seqs[0], seqs[7]]                                                  # slots 0 and 7: holes
+    for _ in range(30):                                                        # seqs[0] passes 128
+        run_both(h, mirror, gather, [(s, s.chunk()) for s in keep])
+    assert mirror.mirror.capacity > first_capacity
+    assert max(slot.index for slot in mirror.mirror.slots.values()) < 2 + 4
+
+
+def test_mirror_over_budget_falls_back_to_gather(gqa_dir):
+    h = Harness(gqa_dir, 16, seed=4)
+    tiny = TorchAttentionBackend(mirror_bytes=1)
+    h.runner.backend = tiny
+    seqs = [h.new_seq(f"s{i}", n) for i, n in enumerate([3, 30])]
+    for _ in range(3):
+        h.step([(s, s.chunk()) for s in seqs])
+    assert tiny.mirror.num_slots == 0 and not tiny.mirror.slots
+    assert all(len(s.output) == 3 for s in seqs)
+
+
+def test_mirror_is_dropped_when_no_decode(gqa_dir):
+    h = Harness(gqa_dir, 16, seed=5)
+    backend = TorchAttentionBackend()
+    h.runner.backend = backend
+    a, b = h.new_seq("a", 10), h.new_seq("b", 20)
+    h.step([(a, a.chunk())])
+    h.step([(a, a.chunk())])                                                    # a decodes
+    assert set(backend.mirror.slots) == {"a"}
+    h.step([(b, b.chunk())])                                                    # prefill only
+    assert not backend.mirror.slots
+    h.step([(a, a.chunk()), (b, b.chunk())])
+    assert set(backend.mirror.slots) == {"a", "b"}
+    assert torch.all(torch.isfinite(backend.mirror.k[0]))
