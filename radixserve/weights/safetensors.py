@@ -10,9 +10,19 @@ from safetensors import safe_open
 
 
 def read_hf_config(folder: str) -> dict:
-    """The parsed config.json of an HF model directory; FileNotFoundError if absent."""
+    """The parsed config.json of an HF model directory (FileNotFoundError if absent), with
+    eos_token_id widened to a list that also holds generation_config.json's eos ids."""
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-        return json.load(f)
+        cfg = json.load(f)
+    gen_path = os.path.join(folder, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path, encoding="utf-8") as f:
+            gen_eos = json.load(f).get("eos_token_id")
+        eos = cfg.get("eos_token_id")
+        ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        ids += [e for e in (gen_eos if isinstance(gen_eos, list) else [gen_eos]) if e is not None and e not in ids]
+        cfg["eos_token_id"] = ids
+    return cfg
 
 
 def safetensors_files(folder: str) -> list[str]:

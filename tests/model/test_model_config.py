@@ -43,3 +43,14 @@ def test_gguf_metadata_and_json_round_trip():
     c = ModelConfig.from_gguf(meta, has_output_weight=False)
     assert (c.num_layers, c.head_dim, c.num_kv_heads, c.tie_word_embeddings, c.eos_token_ids) == (30, 64, 3, True, (2,))
     assert ModelConfig.from_json(c.to_json()) == c
+
+
+def test_generation_config_eos_ids_are_merged(tmp_path):
+    import json
+
+    from radixserve.weights.safetensors import read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "eos_token_id": 2}))
+    assert ModelConfig.from_hf(read_hf_config(str(tmp_path))).eos_token_ids == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9]}))
+    assert ModelConfig.from_hf(read_hf_config(str(tmp_path))).eos_token_ids == (2, 9)
