@@ -53,13 +53,13 @@ def step_seed(seed: int, step: int) -> int:
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> list[Sampled]:
     """Log-softmax of raw `logits` (R, V) fp32 at `token_ids` (R,) int64, plus the top_k
     most likely per row (top_k = 0: none)."""
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)                      # (R, 1)
-    chosen = (logits.gather(1, token_ids[:, None]) - lse).squeeze(1).tolist()
+    logprobs = torch.log_softmax(logits, dim=-1)             # (R, V); faster than logsumexp on CPU
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
     ids = token_ids.tolist()
     if top_k <= 0:
         return [Sampled(t, lp, []) for t, lp in zip(ids, chosen)]
-    vals, idx = torch.topk(logits, min(top_k, logits.shape[1]), dim=-1)
-    top_lp, top_ids = (vals - lse).tolist(), idx.tolist()
+    vals, idx = torch.topk(logprobs, min(top_k, logits.shape[1]), dim=-1)
+    top_lp, top_ids = vals.tolist(), idx.tolist()
     return [Sampled(t, lp, list(zip(ti, tl))) for t, lp, ti, tl in zip(ids, chosen, top_ids, top_lp)]
 
 
