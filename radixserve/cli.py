@@ -75,10 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="LLM serving with a radix-tree prefix cache.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_serve_command(subparsers)
+    # Listed for --help; `main` hands `bench ...` to radixserve.bench.cli, which has subcommands.
+    subparsers.add_parser("bench", help="benchmark a server: run, sweep, compare (see bench --help)",
+                          add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from radixserve.bench.cli import main as bench_main
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,1 @@
+"""Benchmark and trace replay against OpenAI-compatible servers (HTTP only; imports without torch)."""
