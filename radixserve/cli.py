@@ -59,15 +59,15 @@ def run_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         model_path = resolve_model_path(engine_config.model_path)
-        asyncio.run(serve(engine_config, server_config, build_engine, model_path))
+        code = asyncio.run(serve(engine_config, server_config, build_engine, model_path))
     except KeyboardInterrupt:
-        pass
+        code = 0
     except Exception as exc:  # start-up failures: bad model path, engine failed to load, port in use
         log = logging.getLogger("radixserve")
         log.debug("serve failed", exc_info=True)
         log.error("%s: %s (run with --log-level debug for the traceback)", type(exc).__name__, exc)
         return 1
-    return 0
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:

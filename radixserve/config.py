@@ -51,6 +51,11 @@ class ServerConfig:
     served_model_name: str | None = _opt(None, "model id reported by /v1/models (default: file name)")
     log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
     max_queued_requests: int = _opt(1024, "requests waiting beyond this get 503")
+    watchdog_timeout: float = _opt(300.0, "seconds without a word from the engine, while work is "
+                                          "pending, before it is declared wedged and killed")
+    stay_up_on_engine_death: bool = _opt(False, "keep serving 503s after the engine dies instead "
+                                               "of exiting with code 1")
+    enable_debug_endpoints: bool = _opt(False, "serve GET /debug/pages (page pool and invariant check)")
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:

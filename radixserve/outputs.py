@@ -24,6 +24,7 @@ class EngineOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None                # set when finish_reason == "abort" for a reason
+    queue_time_s: float | None = None       # arrival to first admission; None while still waiting
 
 
 @dataclass(slots=True)

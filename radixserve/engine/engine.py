@@ -167,7 +167,8 @@ class Engine:
             request_id=req.request_id, new_token_ids=new_ids, new_logprobs=logprobs,
             finished=finished, finish_reason=req.finish_reason if finished else None,
             stop_token_id=req.stop_token_id, num_prompt_tokens=len(req.prompt_ids),
-            num_cached_tokens=max(req.num_cached_tokens, 0), prompt_logprobs=prompt_lp)
+            num_cached_tokens=max(req.num_cached_tokens, 0), prompt_logprobs=prompt_lp,
+            queue_time_s=req.queue_time_s)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:

@@ -41,6 +41,7 @@ class Request:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1           # prefix-cache hit at first admission; -1 = not yet admitted
+    queue_time_s: float | None = None     # arrival to first admission (seconds); None = not yet admitted
     page_ids: list[int] = field(default_factory=list)
     num_tree_pages: int = 0
     last_node: object | None = None       # radix node locked for page_ids[:num_tree_pages]

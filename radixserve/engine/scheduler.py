@@ -9,6 +9,7 @@ running request; its computed prefix stays in the radix cache, so recompute is c
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -99,6 +100,7 @@ class Scheduler:
             self.waiting.remove(req)
             if req.num_cached_tokens < 0:  # a recompute after preemption is not a cache hit
                 req.num_cached_tokens = cached
+                req.queue_time_s = time.monotonic() - req.arrival_s
             req.status = Status.RUNNING
             self.running.append(req)
             prefilling.append(req)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -24,6 +25,8 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server import responses
 from radixserve.server.engine_client import EngineClient
 from radixserve.server.engine_proc import AddReq, EngineBuilder
+from radixserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                         ModelList, new_id, now_s, render_details, validation_error)
 from radixserve.server.serving import (ClientDisconnected, GenerationRun, ServingContext,
@@ -33,7 +36,9 @@ from radixserve.server.serving import (ClientDisconnected, GenerationRun, Servin
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20
+MAX_ADMIN_BODY_BYTES = 64 << 10
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+ENGINE_DEATH_GRACE_S = 1.0   # after engine death, answer 503s this long before exiting
 Req = TypeVar("Req", bound=BaseModel)
 
 
@@ -49,17 +54,26 @@ class BodyTooLarge(InvalidRequest):
     status = 413
 
 
-async def parse_body(request: Request, model: type[Req]) -> Req:
-    """Validate a JSON body against `model`; every failure is an InvalidRequest (400)."""
+class AbortRequest(BaseModel, extra="forbid"):
+    """Body of POST /abort_request: `rid` is the `id` of a completion or chat completion
+    (the response body's `id`, or any streamed chunk's); `abort_all` ends every open request."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BODY_BYTES) -> Req:
+    """Validate a JSON body against `model`; every failure is an InvalidRequest (400), a body
+    over `max_bytes` is 413."""
     content_type = request.headers.get("content-type", "")
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise InvalidRequest("Content-Type must be application/json", param="content-type")
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise BodyTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge(f"request body is larger than {max_bytes} bytes")
     body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise BodyTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
+    if len(body) > max_bytes:
+        raise BodyTooLarge(f"request body is larger than {max_bytes} bytes")
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
@@ -145,6 +159,8 @@ async def _respond(request: Request, run: GenerationRun, stream: bool, full: Any
 def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
+    if ctx.metrics is None:
+        ctx.metrics = ServerMetrics(ctx.model_name)
     auth = [Depends(api_key_check(server_config.api_key))]
     v1 = APIRouter(prefix="/v1", dependencies=auth)
     created = now_s()
@@ -219,25 +235,78 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
             raise InvalidRequest("the cache cannot be flushed while requests are running")
         return JSONResponse({"flushed": True})
 
-    @app.get("/server_info", dependencies=auth)
+    @app.post("/abort_request", dependencies=auth)
+    async def abort_request(request: Request) -> Response:
+        """End open requests with finish_reason "abort"; an unknown rid is not an error (it
+        may have just finished). Returns the ids aborted."""
+        body = await parse_body(request, AbortRequest, MAX_ADMIN_BODY_BYTES)
+        if not body.abort_all and not body.rid:
+            raise InvalidRequest("give a rid or abort_all: true", param="rid")
+        runs = list(ctx.runs.values()) if body.abort_all else [ctx.runs.get(body.rid)]
+        aborted = []
+        for run in runs:
+            if run is not None:
+                run.abort()
+                aborted.append(run.base_id)
+        return JSONResponse({"aborted": aborted})
+
     async def server_info() -> Response:
+        """Config, pool usage and hit rate (SGLang's /get_server_info; /server_info too)."""
         return JSONResponse({"model": ctx.model_name, "model_path": ctx.model_path,
                              "max_context_len": ctx.max_context_len,
+                             "page_size": ctx.client.info.page_size if ctx.client.info else None,
                              "num_open_requests": ctx.client.num_open_requests,
+                             "max_open_requests": ctx.max_open_requests,
                              "engine_pid": ctx.client.proc.pid,
+                             "engine_alive": ctx.client.is_alive,
+                             "server_config": dataclasses.asdict(server_config) | {"api_key": None},
                              "engine": await ctx.client.call("stats")})
+
+    for path in ("/get_server_info", "/server_info"):
+        app.add_api_route(path, server_info, methods=["GET"], dependencies=auth)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format; engine gauges and counters are read from the engine now."""
+        assert ctx.metrics is not None, "build_app sets ctx.metrics"
+        stats = await ctx.client.call("stats", timeout_s=5.0) if ctx.client.is_alive else None
+        return Response(ctx.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
+
+    if server_config.enable_debug_endpoints:
+        @app.get("/debug/pages", dependencies=auth)
+        async def debug_pages() -> Response:
+            """Page pool: free / cached (evictable) / in use, and whether the ownership
+            invariant (free + cached + private == total) holds right now."""
+            try:
+                await ctx.client.call("check_invariants")
+                invariant, error = True, None
+            except RuntimeError as exc:
+                invariant, error = False, str(exc)
+            stats = await ctx.client.call("stats")
+            in_use = stats["num_pages"] - stats["num_free_pages"] - stats["num_evictable_pages"]
+            return JSONResponse({
+                "num_pages": stats["num_pages"], "page_size": stats["page_size"],
+                "num_free_pages": stats["num_free_pages"],
+                "num_cached_pages": stats["num_cached_pages"],
+                "num_evictable_pages": stats["num_evictable_pages"],
+                "num_in_use_pages": in_use,
+                "num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
+                "invariant_holds": invariant, "invariant_error": error})
 
     return app
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig, builder: EngineBuilder,
-                model_path: str) -> None:
+                model_path: str) -> int:
     """Start the engine process (`builder` loads the model there), load the tokenizer of
-    `model_path` here meanwhile, then serve HTTP until stopped."""
+    `model_path` here meanwhile, then serve HTTP until stopped. Returns the exit code: 0 when
+    stopped by a signal, 1 when the engine died (after ENGINE_DEATH_GRACE_S of 503s, so that
+    in-flight requests get their error), unless `stay_up_on_engine_death`."""
     from radixserve.tokenizer.tokenizer import Tokenizer
 
     t0 = time.monotonic()
-    launch = asyncio.create_task(EngineClient.launch(engine_config, builder, server_config.log_level))
+    launch = asyncio.create_task(EngineClient.launch(engine_config, builder, server_config.log_level,
+                                                     server_config.watchdog_timeout))
     try:
         tokenizer = await asyncio.to_thread(Tokenizer.load, model_path)
     except BaseException:
@@ -255,14 +324,28 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, builde
                                 timeout_graceful_shutdown=5, lifespan="off")
         server = uvicorn.Server(config)
         announce = asyncio.create_task(_announce(server, ctx, server_config, time.monotonic() - t0))
+        stopper = asyncio.create_task(_exit_on_engine_death(server, client, server_config))
         with _quiet_signals():
             try:
                 await server.serve()
             finally:
                 announce.cancel()
+                stopper.cancel()
                 await client.close()
+        return 1 if client.dead_reason is not None and not server_config.stay_up_on_engine_death else 0
     finally:
         await client.close()
+
+
+async def _exit_on_engine_death(server: uvicorn.Server, client: EngineClient,
+                                config: ServerConfig) -> None:
+    await client.dead.wait()
+    if config.stay_up_on_engine_death:
+        logger.error("engine is dead; staying up (--stay-up-on-engine-death), /health says 503")
+        return
+    await asyncio.sleep(ENGINE_DEATH_GRACE_S)
+    logger.error("engine is dead; exiting with code 1")
+    server.should_exit = True
 
 
 @contextlib.contextmanager

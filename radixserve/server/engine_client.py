@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import shutil
 import tempfile
+import time
 import uuid
 from typing import Any
 
@@ -26,6 +27,7 @@ from radixserve.server.engine_proc import (AddReq, Abort, Call, CallResult, Engi
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.5
+DEFAULT_WATCHDOG_TIMEOUT_S = 300.0   # SGLang's --watchdog-timeout default
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
@@ -91,6 +93,16 @@ class RequestStream:
             self.client.unroute([request_id])
             self.client.abort([request_id])
 
+    def abort_all(self) -> None:
+        """Abort every unfinished request and queue a final "abort" output for each, so that
+        whoever reads this stream sees them end (the engine sends nothing back for an abort)."""
+        leftover = sorted(self.unfinished)
+        self.client.unroute(leftover)
+        self.client.abort(leftover)
+        for rid in leftover:
+            self.queue.put_nowait(EngineOutput(rid, [], finished=True, finish_reason="abort",
+                                               error="aborted by /abort_request"))
+
     def close(self) -> None:
         leftover = sorted(self.unfinished)
         self.unfinished.clear()
@@ -102,8 +114,12 @@ class EngineClient:
 
     def __init__(self, proc: multiprocessing.process.BaseProcess, tmpdir: str,
                  push: zmq.Socket, pull: zmq.asyncio.Socket, sync_ctx: zmq.Context,
-                 async_ctx: zmq.asyncio.Context):
+                 async_ctx: zmq.asyncio.Context,
+                 watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S):
         self.proc = proc
+        self.watchdog_timeout_s = watchdog_timeout_s
+        self.last_heard_s = time.monotonic()
+        self.dead = asyncio.Event()    # set once, when the engine is declared dead
         self.tmpdir = tmpdir
         self.push = push
         self.pull = pull
@@ -122,9 +138,12 @@ class EngineClient:
 
     @classmethod
     async def launch(cls, config: EngineConfig, builder: EngineBuilder,
-                     log_level: str = "info") -> EngineClient:
+                     log_level: str = "info",
+                     watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S) -> EngineClient:
         """Spawn the engine process, which calls `builder(config)`, and wait until it is ready.
-        Raises RuntimeError when the engine fails to start."""
+        Raises RuntimeError when the engine fails to start. Once running, an engine that sends
+        nothing (no output, no heartbeat) for `watchdog_timeout_s` while work is pending is
+        declared dead and killed: one step never ended."""
         tmpdir = tempfile.mkdtemp(prefix="radixserve-")
         to_engine, from_engine = f"ipc://{tmpdir}/to_engine", f"ipc://{tmpdir}/from_engine"
         sync_ctx, async_ctx = zmq.Context(), zmq.asyncio.Context()
@@ -139,7 +158,7 @@ class EngineClient:
             target=run_engine_process, args=(config, to_engine, from_engine, log_level, builder),
             name="radixserve-engine", daemon=True)
         proc.start()
-        client = cls(proc, tmpdir, push, pull, sync_ctx, async_ctx)
+        client = cls(proc, tmpdir, push, pull, sync_ctx, async_ctx, watchdog_timeout_s)
         try:
             client.info = await client._wait_ready()
         except BaseException:
@@ -217,7 +236,9 @@ class EngineClient:
     async def _receive_loop(self) -> None:
         try:
             while True:
-                self._dispatch(self._decoder.decode(await self.pull.recv()))
+                data = await self.pull.recv()
+                self.last_heard_s = time.monotonic()
+                self._dispatch(self._decoder.decode(data))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # without this task no request can finish: fail them all
@@ -259,11 +280,22 @@ class EngineClient:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             if not self.proc.is_alive():
                 self._die(f"engine process exited with code {self.proc.exitcode}")
+            elif self._work_pending() and self._silent_s() > self.watchdog_timeout_s:
+                self._die(f"engine sent nothing for {self._silent_s():.0f} s with work pending "
+                          "(a step never ended); killing it")
+                self.proc.kill()
+
+    def _work_pending(self) -> bool:
+        return bool(self._streams or self._calls)
+
+    def _silent_s(self) -> float:
+        return time.monotonic() - self.last_heard_s
 
     def _die(self, reason: str) -> None:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
+        self.dead.set()
         logger.error("engine is dead: %s", reason)
         for stream in self._streams.values():
             stream.queue.put_nowait(_Dead(reason))

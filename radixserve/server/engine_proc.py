@@ -12,6 +12,8 @@ both ipc:// endpoints):
                      Outputs(outputs)           one per step that produced any
                      CallResult(call_id, value, error)
                      Fatal(message)             the engine loop crashed; the process exits
+                     Heartbeat()                between steps, at most every HEARTBEAT_S; the HTTP
+                                                side's watchdog declares a silent engine wedged
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500        # how often an idle engine checks that its parent is alive
 SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hanging forever
+HEARTBEAT_S = 1.0         # the loop says it is alive at least this often (between steps)
 CALL_METHODS = ("flush_cache", "stats", "check_invariants")
 
 
@@ -112,8 +115,12 @@ class Fatal(msgspec.Struct, frozen=True, tag=True):
     message: str
 
 
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
 ToEngine = Submit | Abort | Call | Shutdown
-FromEngine = Ready | Submitted | Outputs | CallResult | Fatal
+FromEngine = Ready | Submitted | Outputs | CallResult | Fatal | Heartbeat
 
 
 # ---- engine construction --------------------------------------------------------------------
@@ -135,12 +142,14 @@ class EngineLoop:
         self.decoder = msgspec.msgpack.Decoder(ToEngine)
         self.encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         self.running = True
+        self.last_send_s = time.monotonic()
 
     def send(self, msg: FromEngine) -> None:
         data = self.encoder.encode(msg)
         while True:
             try:
                 self.outbox.send(data)
+                self.last_send_s = time.monotonic()
                 return
             except zmq.Again:
                 if not _parent_alive():
@@ -160,6 +169,8 @@ class EngineLoop:
                 outputs = self.engine.step()
                 if outputs:
                     self.send(Outputs(outputs))
+            if self.running and time.monotonic() - self.last_send_s >= HEARTBEAT_S:
+                self.send(Heartbeat())
 
     def drain(self) -> None:
         """Handle every message already queued, without blocking."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -10,6 +11,7 @@ from radixserve.errors import ContextLengthExceeded, InvalidRequest, ModelNotFou
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.engine_client import EngineClient, RequestStream
 from radixserve.server.engine_proc import AddReq
+from radixserve.server.metrics import RequestTimer, ServerMetrics
 from radixserve.server.protocol import (ChatCompletionRequest, ChatLogprobs, ChatTokenLogprob,
                                         CompletionLogprobs, CompletionRequest, PromptTokensDetails,
                                         TopLogprob, Usage)
@@ -28,6 +30,8 @@ class ServingContext:
     model_name: str
     model_path: str
     max_open_requests: int
+    metrics: ServerMetrics | None = None
+    runs: dict[str, GenerationRun] = field(default_factory=dict)   # response id -> open run
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -159,6 +163,7 @@ class GenerationRun:
     def __init__(self, ctx: ServingContext, base_id: str, prompts: list[Prompt],
                  params: SamplingParams):
         self.ctx = ctx
+        self.base_id = base_id
         self.prompts = prompts
         self.n = params.n
         self.trackers = [RequestTracker(f"{base_id}-{i}", p.ids, params, ctx.tokenizer, p.text)
@@ -170,10 +175,16 @@ class GenerationRun:
                 self._owner[child_id] = i
                 self._adds.append(AddReq(child_id, prompt.ids, child_params))
         self.stream: RequestStream | None = None
+        self._timers: dict[str, RequestTimer] = {}
 
     async def __aenter__(self) -> GenerationRun:
-        """Submit to the engine and wait for it to accept (raises its rejection)."""
+        """Submit to the engine and wait for it to accept (raises its rejection). While open,
+        the run is listed in `ctx.runs` under its response id (for /abort_request)."""
         self.stream = self.ctx.client.submit(self._adds)
+        self.ctx.runs[self.base_id] = self
+        if self.ctx.metrics is not None:
+            start = time.monotonic()
+            self._timers = {a.request_id: RequestTimer(self.ctx.metrics, start) for a in self._adds}
         try:
             await self.stream.accepted()
         except BaseException:
@@ -185,14 +196,31 @@ class GenerationRun:
         self.close()
 
     def close(self) -> None:
+        """Abort whatever has not finished; idempotent."""
+        if self.ctx.runs.get(self.base_id) is self:
+            del self.ctx.runs[self.base_id]
+        for timer in self._timers.values():
+            timer.on_end()  # ended by abort, disconnect or error: still one e2e sample (C19)
+        self._timers.clear()
         if self.stream is not None:
             self.stream.close()
+
+    def abort(self) -> None:
+        """End every unfinished choice now with finish_reason "abort" (POST /abort_request)."""
+        if self.stream is not None:
+            self.stream.abort_all()
 
     async def updates(self) -> AsyncIterator[Update]:
         """Yield every choice update until all choices have finished."""
         assert self.stream is not None, "use `async with run:` first"
         while self.stream.unfinished:
             out = await self.stream.get()
+            timer = self._timers.get(out.request_id)
+            if timer is not None:
+                timer.on_output(len(out.new_token_ids), out.queue_time_s)
+                if out.finished:
+                    timer.on_end()
+                    del self._timers[out.request_id]
             prompt_index = self._owner[out.request_id]
             u = self.trackers[prompt_index].process(out)
             if u.abort_child is not None:

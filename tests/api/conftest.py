@@ -91,6 +91,29 @@ class ServerProcess:
     def stats(self) -> dict:
         return self.get("/server_info").json()["engine"]
 
+    def metrics(self) -> dict[str, float]:
+        """GET /metrics as {sample name: value} (label sets dropped: one model per server);
+        histograms as `<name>_count` / `<name>_sum`."""
+        from prometheus_client.parser import text_string_to_metric_families
+        r = self.get("/metrics")
+        assert r.status_code == 200, r.text
+        return {s.name: s.value for fam in text_string_to_metric_families(r.text)
+                for s in fam.samples if not s.name.endswith("_bucket")}
+
+    def pages(self) -> dict:
+        """GET /debug/pages (servers started with --enable-debug-endpoints)."""
+        r = self.get("/debug/pages")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def assert_no_leak(self) -> None:
+        """Idle: nothing running, no page in use, free + evictable == total, invariant holds."""
+        p = self.pages()
+        assert p["invariant_holds"], p
+        assert p["num_running"] == 0 and p["num_waiting"] == 0, p
+        assert p["num_in_use_pages"] == 0, p
+        assert p["num_free_pages"] + p["num_evictable_pages"] == p["num_pages"], p
+
     def assert_no_tracebacks(self) -> None:
         """No request hit the catch-all 500 handler or crashed anything during the session."""
         log = self.output(tail_chars=None)
@@ -144,7 +167,8 @@ def tiny_server(request):
     """Tiny random-weight model, context 512, page size 16, an API key: fast, text meaningless."""
     server = start_tiny_server(request, ["--context-length", str(TINY_CONTEXT),
                                          "--max-total-tokens", "16384", "--page-size", "16",
-                                         "--served-model-name", "tiny"], api_key=API_KEY)
+                                         "--served-model-name", "tiny",
+                                         "--enable-debug-endpoints"], api_key=API_KEY)
     yield server
     try:
         server.assert_no_tracebacks()

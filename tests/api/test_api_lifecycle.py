@@ -84,14 +84,17 @@ def test_overload_is_503_and_recovers(long_server):
 
 def test_flush_cache_and_server_info(tiny_server):
     assert tiny_server.post("/flush_cache").json() == {"flushed": True}
-    info = tiny_server.get("/server_info").json()
+    info = tiny_server.get("/get_server_info").json()
     assert info["model"] == tiny_server.model and info["engine"]["num_running"] == 0
+    assert info["server_config"]["api_key"] is None and info["page_size"] == 16
+    assert set(tiny_server.get("/server_info").json()) == set(info)
     assert tiny_server.get("/health_generate").status_code == 200
 
 
 @pytest.fixture
 def own_server(request):
-    server = start_tiny_server(request, ["--max-total-tokens", "4096", "--context-length", "1024"])
+    server = start_tiny_server(request, ["--max-total-tokens", "4096", "--context-length", "1024",
+                                         "--stay-up-on-engine-death"])
     yield server
     server.stop()
 

@@ -1,0 +1,146 @@
+"""Prometheus metrics of one worker (`GET /metrics`), named after SGLang's with a `radixserve:` prefix.
+
+Where each number is measured:
+
+- Engine-side state and counters (running / queued requests, token usage, hit rate, prompt,
+  cached and generated tokens, finished, aborted and preempted requests) are pulled from
+  `Engine.stats()` once per scrape, so they are exact by construction: the engine counts a
+  request when it finishes or is aborted (whatever the cause: client gone, stop string,
+  /abort_request, error), and counts cached tokens only at first admission, so a recompute
+  after preemption is never a hit (field case C19). Counts are per engine request: a
+  request with n choices counts n times in num_requests_total; its prompt and cached tokens
+  count once per choice, as the engine computes them once per choice.
+- Latency histograms are observed in the HTTP process, where the client sees the tokens:
+  TTFT, inter-token latency (interval / new tokens of each delta), end-to-end latency (also
+  for requests that end by abort or error), and queue time (arrival to first admission,
+  measured by the engine and carried on its outputs). That is a few float operations per
+  delta; nothing per token.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "radixserve:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Bucket bounds in seconds (SGLang's ranges, fewer buckets).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 400)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2, 4, 8)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 300, 600, 1200, 2400)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 3000)
+
+# (metric name, stats key, help)
+ENGINE_GAUGES = (
+    ("num_running_reqs", "num_running", "Requests in the running batch."),
+    ("num_queue_reqs", "num_waiting", "Requests waiting for admission."),
+    ("token_usage", "token_usage", "Fraction of KV pages held by requests (not free, not evictable)."),
+    ("cache_hit_rate", "cache_hit_rate", "Cached prompt tokens / prompt tokens, cumulative."),
+)
+ENGINE_COUNTERS = (
+    ("prompt_tokens", "num_prompt_tokens", "Prompt tokens of finished and aborted requests."),
+    ("generation_tokens", "num_generated_tokens", "Tokens generated."),
+    ("cached_tokens", "num_cached_tokens", "Prompt tokens served from the prefix cache."),
+    ("num_aborted_requests", "num_aborted_requests", "Requests aborted before they finished."),
+    ("num_preempted_reqs", "num_preemptions", "Preemptions (KV released, request recomputed later)."),
+)
+
+
+class EngineCollector(Collector):
+    """Renders the last engine stats snapshot; `update(stats)` before each scrape."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: dict[str, Any] = {}
+        self._last: tuple[float, int] | None = None   # (time, generated tokens) at previous scrape
+        self.gen_throughput = 0.0
+
+    def update(self, stats: dict[str, Any]) -> None:
+        """Take a fresh snapshot; gen_throughput is generated tokens / s since the last one."""
+        now, generated = time.monotonic(), int(stats.get("num_generated_tokens", 0))
+        if self._last is not None and now > self._last[0]:
+            self.gen_throughput = max(generated - self._last[1], 0) / (now - self._last[0])
+        self._last = (now, generated)
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        if not self.stats:
+            return
+        labels = ["model_name"]
+        for name, key, doc in ENGINE_GAUGES:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric([self.model_name], float(self.stats[key]))
+            yield g
+        g = GaugeMetricFamily(PREFIX + "gen_throughput", "Generated tokens per second since the "
+                              "previous scrape.", labels=labels)
+        g.add_metric([self.model_name], self.gen_throughput)
+        yield g
+        for name, key, doc in ENGINE_COUNTERS:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric([self.model_name], float(self.stats[key]))
+            yield c
+        c = CounterMetricFamily(PREFIX + "num_requests", "Requests finished or aborted.",
+                                labels=labels)
+        c.add_metric([self.model_name], float(self.stats["num_finished_requests"]
+                                              + self.stats["num_aborted_requests"]))
+        yield c
+
+
+class ServerMetrics:
+    """All metrics of one worker, in a registry of its own (no process-wide globals)."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.engine = EngineCollector(model_name)
+        self.registry.register(self.engine)
+
+        def hist(name: str, doc: str, buckets: tuple) -> Any:
+            h = Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,
+                          buckets=buckets)
+            return h.labels(model_name=model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds",
+                        "Interval between deltas divided by the tokens they carry.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds",
+                        "Arrival to last output, aborted and failed requests included.", E2E_BUCKETS)
+        self.queue_time = hist("queue_time_seconds", "Arrival in the engine to first admission.",
+                               QUEUE_BUCKETS)
+
+    def render(self, stats: dict[str, Any] | None) -> bytes:
+        """Prometheus text format; `stats` is Engine.stats() (None when the engine is gone)."""
+        if stats is not None:
+            self.engine.update(stats)
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latency observations of one engine request (one choice), fed by the serving loop."""
+
+    __slots__ = ("metrics", "start_s", "last_s", "queue_seen")
+
+    def __init__(self, metrics: ServerMetrics, start_s: float):
+        self.metrics = metrics
+        self.start_s = start_s
+        self.last_s: float | None = None
+        self.queue_seen = False
+
+    def on_output(self, num_new_tokens: int, queue_time_s: float | None) -> None:
+        if queue_time_s is not None and not self.queue_seen:
+            self.queue_seen = True
+            self.metrics.queue_time.observe(queue_time_s)
+        if num_new_tokens <= 0:
+            return
+        now = time.monotonic()
+        if self.last_s is None:
+            self.metrics.ttft.observe(now - self.start_s)
+        else:
+            self.metrics.itl.observe((now - self.last_s) / num_new_tokens)
+        self.last_s = now
+
+    def on_end(self) -> None:
+        self.metrics.e2e.observe(time.monotonic() - self.start_s)
