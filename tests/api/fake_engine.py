@@ -43,3 +43,24 @@ def build_failing_engine(config: EngineConfig):
     """Builder that fails while loading, like a missing model file."""
     raise FileNotFoundError(os.path.join("/nonexistent", "model.gguf"))
 
+
+
+WEDGE_TOKEN = 999
+
+
+def build_wedging_engine(config: EngineConfig):
+    """Engine whose step() never returns once a request whose prompt starts with WEDGE_TOKEN is
+    running: a forward pass that hangs (the watchdog's case)."""
+    import time
+
+    engine, info = build_fake_engine(config)
+    real_step = engine.step
+
+    def step():
+        if any(r.prompt_ids[:1] == [WEDGE_TOKEN] for r in engine.requests.values()):
+            while True:
+                time.sleep(1)
+        return real_step()
+
+    engine.step = step
+    return engine, info

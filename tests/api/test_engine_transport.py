@@ -11,8 +11,8 @@ from radixserve.errors import ContextLengthExceeded, EngineDead, InvalidRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.engine_client import EngineClient
 from radixserve.server.engine_proc import AddReq
-from tests.api.fake_engine import (FAKE_CONTEXT, build_crashing_engine, build_failing_engine,
-                                   build_fake_engine)
+from tests.api.fake_engine import (FAKE_CONTEXT, WEDGE_TOKEN, build_crashing_engine,
+                                   build_failing_engine, build_fake_engine, build_wedging_engine)
 from tests.unit.fake_runner import reference_next_token
 
 CONFIG = EngineConfig(page_size=4, chunked_prefill_size=64, max_running_requests=8)
@@ -118,3 +118,27 @@ async def test_engine_crash_fails_waiting_requests():
 async def test_engine_load_failure_raises():
     with pytest.raises(RuntimeError, match="model.gguf"):
         await EngineClient.launch(CONFIG, build_failing_engine, "critical")
+
+
+async def test_watchdog_kills_a_wedged_engine():
+    """A step that never ends: heartbeats stop, the watchdog declares the engine dead after its
+    timeout, fails the waiting request and kills the process. An idle engine is never declared
+    dead, however long it stays idle (heartbeats keep coming)."""
+    client = await EngineClient.launch(CONFIG, build_wedging_engine, "critical",
+                                       watchdog_timeout_s=2.0)
+    try:
+        ok = client.submit([AddReq("ok", [1, 2, 3], SamplingParams(max_tokens=3))])
+        await ok.accepted()
+        await collect(ok)
+        ok.close()
+        await asyncio.sleep(3.0)  # idle past the timeout: still alive
+        assert client.is_alive
+        stream = client.submit([AddReq("x", [WEDGE_TOKEN, 2, 3], SamplingParams(max_tokens=5))])
+        await stream.accepted()
+        with pytest.raises(EngineDead, match="step never ended"):
+            await asyncio.wait_for(stream.get(), 30)
+        await asyncio.to_thread(client.proc.join, 10)
+        assert not client.proc.is_alive()
+    finally:
+        await client.close()
+
