@@ -123,7 +123,8 @@ def run_once(args: argparse.Namespace, workload, hf, max_concurrency: int | None
                     args.seed)
     bar = tqdm(total=len(workload.requests), disable=args.disable_progress, desc="requests")
     try:
-        results, t0, duration = asyncio.run(run_workload(workload, client, run, lambda: bar.update(1)))
+        results, t0, duration, metrics_hit_rate = asyncio.run(
+            run_workload(workload, client, run, lambda: bar.update(1)))
     finally:
         bar.close()
     for r in results:
@@ -136,7 +137,8 @@ def run_once(args: argparse.Namespace, workload, hf, max_concurrency: int | None
               "ignore_eos": args.ignore_eos, "seed": args.seed, "sharegpt_output_len": None,
               "random_input_len": None, "random_output_len": None, "random_range_ratio": None,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              **workload.info, **compute_metrics(results, duration, t0, slo)}
+              **workload.info, **compute_metrics(results, duration, t0, slo),
+              "metrics_cache_hit_rate": metrics_hit_rate}
     if args.output_details:
         record.update(input_lens=[r.prompt_len for r in results],
                       output_lens=[r.output_len for r in results],

@@ -136,11 +136,46 @@ async def flush_cache(http: httpx.AsyncClient) -> bool:
     return resp.status_code == 200
 
 
+def parse_cache_counters(text: str) -> tuple[float, float] | None:
+    """(prompt tokens, cached tokens) summed over label sets from a Prometheus text page, read from
+    radixserve's `radixserve:prompt_tokens_total` / `radixserve:cached_tokens_total` counters;
+    None when the page has neither (not a radixserve server)."""
+    totals = {"prompt_tokens": 0.0, "cached_tokens": 0.0}
+    seen = False
+    for line in text.splitlines():
+        if not line.startswith("radixserve:"):
+            continue
+        name, _, rest = line.partition(" ")
+        base = name.split("{", 1)[0].removeprefix("radixserve:").removesuffix("_total")
+        if base in totals and rest:
+            totals[base] += float(rest.split()[0])
+            seen = True
+    return (totals["prompt_tokens"], totals["cached_tokens"]) if seen else None
+
+
+async def scrape_cache_counters(http: httpx.AsyncClient) -> tuple[float, float] | None:
+    try:
+        resp = await http.get("/metrics")
+    except httpx.HTTPError as exc:
+        logger.info("no /metrics: %s", exc)
+        return None
+    return parse_cache_counters(resp.text) if resp.status_code == 200 else None
+
+
+def counter_hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """Hit rate over the run from /metrics counter deltas (None without counters or prompts)."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
+
+
 async def run_workload(workload: Workload, cfg: ClientConfig, run: RunConfig,
-                       on_done: Callable[[], None] | None = None) -> tuple[list[RequestResult], float, float]:
+                       on_done: Callable[[], None] | None = None
+                       ) -> tuple[list[RequestResult], float, float, float | None]:
     """Warm up (copies of the first request, max_tokens <= 32, concurrently), optionally flush the
     server's prefix cache, wait 1 s, then send every session from its scheduled offset; a session's
-    requests go one after another. Returns (results, t0, duration_s)."""
+    requests go one after another. Returns (results, t0, duration_s, hit rate from the server's
+    /metrics counters over the run or None)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers(cfg), limits=limits,
                                  timeout=httpx.Timeout(cfg.timeout_s, connect=30.0)) as http:
@@ -174,6 +209,8 @@ async def run_workload(workload: Workload, cfg: ClientConfig, run: RunConfig,
                 await one(req)
 
         offsets = schedule(workload, run.request_rate, run.seed)
+        before = await scrape_cache_counters(http)
         t0 = time.perf_counter()
         await asyncio.gather(*(session(off, s.requests) for off, s in zip(offsets, workload.sessions)))
-        return results, t0, time.perf_counter() - t0
+        duration = time.perf_counter() - t0
+        return results, t0, duration, counter_hit_rate(before, await scrape_cache_counters(http))

@@ -35,7 +35,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
 SUMMARY_KEYS = [
     "completed", "failed", "duration", "request_throughput", "input_throughput", "output_throughput",
     "total_throughput", "concurrency", "max_output_tokens_per_s", "max_concurrent_requests",
-    "cache_hit_rate", "theory_reuse", "request_goodput", "slo_attainment",
+    "cache_hit_rate", "metrics_cache_hit_rate", "theory_reuse", "request_goodput", "slo_attainment",
     "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
     "mean_itl_ms", "median_itl_ms", "p95_itl_ms", "p99_itl_ms", "max_itl_ms",
     "mean_e2e_latency_ms", "median_e2e_latency_ms", "std_e2e_latency_ms", "p90_e2e_latency_ms",

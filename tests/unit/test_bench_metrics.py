@@ -110,3 +110,16 @@ def test_bench_imports_without_torch():
             "radixserve.bench.datasets, radixserve.bench.sources, radixserve.cli; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hit_rate_from_prometheus_counters():
+    from radixserve.bench.client import counter_hit_rate, parse_cache_counters
+    page = ('# HELP radixserve:prompt_tokens_total Prompt tokens.\n'
+            'radixserve:prompt_tokens_total{model_name="m"} 1000.0\n'
+            'radixserve:cached_tokens_total{model_name="m"} 600.0\n'
+            'radixserve:cached_tokens_created{model_name="m"} 1.7e9\n'
+            'vllm:prompt_tokens_total 5\n')
+    assert parse_cache_counters(page) == (1000.0, 600.0)
+    assert parse_cache_counters("vllm:prompt_tokens_total 5\n") is None
+    assert counter_hit_rate((1000.0, 600.0), (1400.0, 900.0)) == pytest.approx(0.75)
+    assert counter_hit_rate(None, (1.0, 1.0)) is None
