@@ -152,6 +152,15 @@ class MirrorStep:
         v_all = m.v[layer][:, :self.num_used, :self.ctx].transpose(0, 1)
         if not self.in_order:
             q = torch.zeros(self.num_used, *q.shape[1:], dtype=q.dtype).index_copy_(0, self.slot_idx, q)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k_all, v_all, attn_mask=self.mask,
-                                             enable_gqa=True).squeeze(2)       # (S, H, D)
+        out = decode_attention(q, k_all, v_all, self.mask)                     # (S, H, D)
         return out if self.in_order and self.num_used == q.shape[0] else out.index_select(0, self.slot_idx)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One new token per sequence: q (B, H, D), k and v (B, KV, L, D), additive mask
+    (B, 1, 1, L) -> (B, H, D). The H / KV query heads sharing a KV head become that head's
+    query rows (B, KV, H/KV, D), so each KV head is read once (GQA without expanding KV;
+    a little faster on CPU than enable_gqa with one query row per head)."""
+    batch, num_heads, head_dim = q.shape
+    q = q.view(batch, k.shape[1], num_heads // k.shape[1], head_dim)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(batch, num_heads, head_dim)

@@ -8,7 +8,7 @@ Decode group, per layer (B sequences, P = max pages, S = page size, KV heads, D)
 
     k_store (KV, num_pages, S, D) --gather pages (KVCache.gather)--> (KV, B*P, S, D)
         -> view (KV, B, P*S, D) -> transpose -> (B, KV, P*S, D)   # each head a contiguous matrix
-    SDPA(q (B, H, 1, D), k, v, mask (B, 1, 1, P*S), enable_gqa)   # GQA without expanding KV
+    SDPA(q (B, KV, H/KV, D), k, v, mask (B, 1, 1, P*S))         # GQA without expanding KV
 
 The decode group is processed in sub-batches small enough that the gathered K/V are still
 in cache when SDPA reads them (the KV of 32 x 512 tokens is 25 MB a layer: gathering it all
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixserve.runner.attention.decode_mirror import DecodeMirror, MirrorStep
+from radixserve.runner.attention.decode_mirror import DecodeMirror, MirrorStep, decode_attention
 from radixserve.runner.batch import StepBatch
 from radixserve.runner.kv_cache import KVCache
 
@@ -116,9 +116,7 @@ class TorchStepAttention:
         kv.gather(layer_id, self.chunk_rows[chunk], k_buf, v_buf)
         k_seq = k_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)                    # (n, KV, L, D)
         v_seq = v_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)
-        res = F.scaled_dot_product_attention(q.unsqueeze(2), k_seq, v_seq,
-                                             attn_mask=d.mask[start:end], enable_gqa=True)
-        return res.squeeze(2)                                                            # (n, H, D)
+        return decode_attention(q, k_seq, v_seq, d.mask[start:end])                      # (n, H, D)
 
     def _prefill(self, layer_id: int, p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One chunk: q rows [row_start, row_end) -> (n, H, D)."""
