@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.runner.attention.decode_mirror import DecodeMirror, MirrorStep, decode_attention
-from radixserve.runner.batch import StepBatch
+from radixserve.runner.batch import PrefillSeq, StepBatch
 from radixserve.runner.kv_cache import KVCache
 
 
@@ -58,6 +58,8 @@ class TorchStepAttention:
         self.num_tokens = step.input_ids.shape[0]
         d = step.decode
         self.chunks: list[tuple[int, int]] = [(0, d.mask.shape[0])] if d is not None else []
+        # Rows of the pages each prefill chunk with a cached prefix gathers, once per step.
+        self.prefill_rows = [None if p.page_ids is None else kv.head_rows(p.page_ids) for p in step.prefills]
         if d is not None and mirror_step is None:
             batch = d.mask.shape[0]
             store = kv.k_store[0]
@@ -96,8 +98,8 @@ class TorchStepAttention:
                     res = torch.empty_like(q_d)
                     self._decode(layer_id, q_d, res)
                 out.index_copy_(0, d.rows, res)
-        for p in step.prefills:
-            out[p.row_start:p.row_end] = self._prefill(layer_id, p, q, k, v)
+        for p, rows in zip(step.prefills, self.prefill_rows):
+            out[p.row_start:p.row_end] = self._prefill(layer_id, p, rows, q, k, v)
         return out.view(self.num_tokens, num_heads * head_dim)
 
     def _decode(self, layer_id: int, q: torch.Tensor, out: torch.Tensor) -> None:
@@ -118,8 +120,9 @@ class TorchStepAttention:
         v_seq = v_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)
         return decode_attention(q, k_seq, v_seq, d.mask[start:end])                      # (n, H, D)
 
-    def _prefill(self, layer_id: int, p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One chunk: q rows [row_start, row_end) -> (n, H, D)."""
+    def _prefill(self, layer_id: int, p: PrefillSeq, rows: torch.Tensor | None, q: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One chunk: q rows [row_start, row_end) -> (n, H, D); `rows`: its pages' gather rows."""
         qc = q[p.row_start:p.row_end].transpose(0, 1).unsqueeze(0)                         # (1, H, n, D)
         if p.page_ids is None:
             kc = k[p.row_start:p.row_end].transpose(0, 1).unsqueeze(0)                     # (1, KV, n, D)
@@ -128,7 +131,7 @@ class TorchStepAttention:
         else:
             kv = self.kv
             shape = (kv.num_kv_heads, -1, kv.head_dim)
-            kc, vc = kv.gather(layer_id, kv.head_rows(p.page_ids))
+            kc, vc = kv.gather(layer_id, rows)
             kc, vc = kc.view(shape)[:, :p.context_len], vc.view(shape)[:, :p.context_len]
             out = F.scaled_dot_product_attention(qc, kc.unsqueeze(0), vc.unsqueeze(0),
                                                  attn_mask=p.mask, enable_gqa=True)
