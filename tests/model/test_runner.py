@@ -194,3 +194,24 @@ def test_bfloat16_runs_close_to_float32(gqa_dir):
         assert float(ref.max() - ref[res.token_id]) < 0.05
         assert abs(res.logprob - float(ref[res.token_id])) < 0.05
         seq.output.append(res.token_id)
+
+
+def test_qwen2_qkv_bias(tmp_path):
+    """Qwen2 = the Llama decoder plus q/k/v biases (a ModelConfig flag)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=False)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # random biases (they start at zero)
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    h = Harness(tmp_path, 16, seed=6)
+    assert h.runner.model_config.qkv_bias and not h.runner.model_config.o_bias
+    seq = h.new_seq("a", 30)
+    for _ in range(4):
+        h.step([(seq, seq.chunk())])
