@@ -87,6 +87,7 @@ async def send_request(http: httpx.AsyncClient, cfg: ClientConfig, req: BenchReq
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
+                now = time.perf_counter()  # before parsing, so client JSON work is not server time
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
@@ -94,7 +95,6 @@ async def send_request(http: httpx.AsyncClient, cfg: ClientConfig, req: BenchReq
                 if "error" in chunk:
                     result.error = str(chunk["error"])[:300]
                     return result
-                now = time.perf_counter()
                 if text := chunk_text(chunk, cfg.backend):
                     if not texts:
                         result.ttft_s = now - start
