@@ -72,9 +72,13 @@ class DecodeMirror:
         return MirrorStep(self, kv, slot_idx, d.lens)
 
     # ---- internals -----------------------------------------------------------------------------
+    @staticmethod
+    def _token_bytes(kv: KVCache) -> int:
+        """Mirror bytes of one token slot over all layers (K and V)."""
+        return 2 * len(kv.k_store) * kv.num_kv_heads * kv.head_dim * kv.k_store[0].element_size()
+
     def _fits(self, kv: KVCache, batch: int, longest: int) -> bool:
-        per_token = 2 * len(kv.k_store) * kv.num_kv_heads * kv.head_dim * kv.k_store[0].element_size()
-        return batch * _round(longest) * per_token <= self.max_bytes
+        return batch * _round(longest) * self._token_bytes(kv) <= self.max_bytes
 
     def _current(self, rid: str, d: DecodeGroup, i: int, page_size: int) -> bool:
         slot = self.slots.get(rid)
@@ -85,10 +89,9 @@ class DecodeMirror:
     def _allocate(self, kv: KVCache, batch: int, longest: int) -> None:
         capacity = max(_round(longest + longest // 4), self.capacity)   # headroom: growth re-copies all
         num_slots = max(batch + batch // 2, self.num_slots, 8)
-        per_slot = 2 * len(kv.k_store) * kv.num_kv_heads * kv.head_dim * kv.k_store[0].element_size()
-        while num_slots * capacity * per_slot > self.max_bytes and capacity > _round(longest):
+        while num_slots * capacity * self._token_bytes(kv) > self.max_bytes and capacity > _round(longest):
             capacity -= _ROUND
-        num_slots = max(batch, min(num_slots, self.max_bytes // (capacity * per_slot)))
+        num_slots = max(batch, min(num_slots, self.max_bytes // (capacity * self._token_bytes(kv))))
         self.slots.clear()
         if (num_slots, capacity) != (self.num_slots, self.capacity):
             store = kv.k_store[0]
