@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20
 MAX_ADMIN_BODY_BYTES = 64 << 10
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+METRICS_STATS_TIMEOUT_S = 5.0  # a wedged engine must not hang or 500 the scrape
 ENGINE_DEATH_GRACE_S = 1.0   # after engine death, answer 503s this long before exiting
 Req = TypeVar("Req", bound=BaseModel)
 
@@ -269,7 +270,12 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
     async def metrics() -> Response:
         """Prometheus text format; engine gauges and counters are read from the engine now."""
         assert ctx.metrics is not None, "build_app sets ctx.metrics"
-        stats = await ctx.client.call("stats", timeout_s=5.0) if ctx.client.is_alive else None
+        stats = None
+        if ctx.client.is_alive:
+            try:
+                stats = await ctx.client.call("stats", timeout_s=METRICS_STATS_TIMEOUT_S)
+            except (asyncio.TimeoutError, EngineDead):
+                logger.warning("engine stats unavailable; /metrics shows the last snapshot")
         return Response(ctx.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
     if server_config.enable_debug_endpoints:
