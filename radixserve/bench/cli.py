@@ -53,6 +53,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-clients", type=int, default=8, help="multi-turn")
     g.add_argument("--num-rounds", type=int, default=4, help="multi-turn")
     g.add_argument("--user-len", type=int, default=128, help="multi-turn")
+    g.add_argument("--client-system-len", type=int, default=0, help="multi-turn: per-client system prompt")
     g.add_argument("--num-sessions", type=int, default=4, help="agent")
     g.add_argument("--num-turns", type=int, default=6, help="agent")
     g.add_argument("--context-len", type=int, default=4096, help="agent: shared repository context")
@@ -89,8 +90,9 @@ def build_workload(args: argparse.Namespace, hf):
                                               args.system_prompt_len, args.question_len,
                                               args.output_len, args.seed)
     if name == "multi-turn":
-        return datasets.multi_turn_dataset(src, args.num_clients, args.num_rounds, 0,
-                                           args.user_len, args.output_len, args.seed)
+        return datasets.multi_turn_dataset(src, args.num_clients, args.num_rounds,
+                                           args.client_system_len, args.user_len, args.output_len,
+                                           args.seed)
     if name == "agent":
         return datasets.agent_dataset(src, args.num_sessions, args.num_turns, args.context_len,
                                       args.task_len, args.tool_len, args.output_len, args.seed)
