@@ -188,6 +188,7 @@ class GenerationRun:
         try:
             await self.stream.accepted()
         except BaseException:
+            self._timers.clear()  # rejected: never a request, so no latency sample either
             self.close()
             raise
         return self
