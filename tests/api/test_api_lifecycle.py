@@ -105,6 +105,7 @@ def test_engine_death_is_reported(own_server):
     engine_pid = own_server.get("/server_info").json()["engine_pid"]
     body = {"model": own_server.model, "prompt": "Go", "max_tokens": 900, "ignore_eos": True,
             "stream": True}
+    assert own_server.get("/metrics").status_code == 200  # a snapshot to show after death
     events: list[str] = []
 
     def read_stream() -> None:
@@ -122,6 +123,8 @@ def test_engine_death_is_reported(own_server):
     assert any('"error"' in e for e in events) and events[-1] == "data: [DONE]"
     assert wait_for(lambda: own_server.get("/health").status_code == 503, 5)
     assert own_server.get("/health").json()["error"]["type"] == "engine_dead"
+    scrape = own_server.get("/metrics")  # stays up (--stay-up-on-engine-death): last snapshot
+    assert scrape.status_code == 200 and "radixserve:num_requests_total" in scrape.text
     r = own_server.post("/v1/completions", json={"model": own_server.model, "prompt": "Hi"},
                         timeout=10)
     assert r.status_code == 503 and r.json()["error"]["type"] == "engine_dead"

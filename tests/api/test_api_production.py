@@ -130,7 +130,7 @@ def test_abort_request_by_response_id(prod_server):
             assert http.post("/abort_request", json={"rid": rid}).json() == {"aborted": [rid]}
             rest = [json.loads(l[6:]) for l in lines if l.startswith("data: {")]
     assert rest[-1]["choices"][0]["finish_reason"] == "abort"
-    assert wait_for(lambda: prod_server.pages()["num_running"] == 0, 5)
+    assert wait_for(lambda: prod_server.pages()["num_running"] == 0, 15)
     after = prod_server.metrics()
     assert delta(after, before, "num_aborted_requests_total") == 1
     assert delta(after, before, "num_requests_total") == 1
@@ -147,13 +147,13 @@ def test_abort_all_ends_a_non_streaming_request(prod_server):
 
     t = threading.Thread(target=call)
     t.start()
-    assert wait_for(lambda: prod_server.pages()["num_running"] == 1, 10)
+    assert wait_for(lambda: prod_server.pages()["num_running"] == 1, 15)
     aborted = prod_server.post("/abort_request", json={"abort_all": True}).json()["aborted"]
     t.join(30)
     assert len(aborted) == 1 and result["r"].status_code == 200
     out = result["r"].json()
     assert out["id"] == aborted[0] and out["choices"][0]["finish_reason"] == "abort"
-    assert wait_for(lambda: prod_server.pages()["num_running"] == 0, 5)
+    assert wait_for(lambda: prod_server.pages()["num_running"] == 0, 15)
     prod_server.assert_no_leak()
 
 
@@ -173,7 +173,7 @@ def test_disconnect_mid_prefill_returns_pages(prod_server, stream):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{prod_server.base_url}/v1/completions", json=body,
                        timeout=httpx.Timeout(30, read=0.2))
-    assert wait_for(lambda: prod_server.metrics()["radixserve:num_running_reqs"] == 0, 5)
+    assert wait_for(lambda: prod_server.metrics()["radixserve:num_running_reqs"] == 0, 15)
     after = prod_server.metrics()
     assert delta(after, before, "num_aborted_requests_total") == 1
     assert delta(after, before, "num_requests_total") == 1
@@ -194,10 +194,10 @@ def test_disconnect_mid_stream_metrics_agree(prod_server, route):
         lines = r.iter_lines()
         for _ in range(5):
             first_chunk(lines)
-    assert wait_for(lambda: prod_server.metrics()["radixserve:num_running_reqs"] == 0, 5)
+    assert wait_for(lambda: prod_server.metrics()["radixserve:num_running_reqs"] == 0, 15)
     after = prod_server.metrics()
     assert delta(after, before, "num_aborted_requests_total") == 1
-    assert 5 <= delta(after, before, "generation_tokens_total") < 1900
+    assert 4 <= delta(after, before, "generation_tokens_total") < 1900  # chat: 1st chunk is the role
     assert prod_server.metrics()["radixserve:generation_tokens_total"] == \
         after["radixserve:generation_tokens_total"]
     prod_server.assert_no_leak()
@@ -239,7 +239,7 @@ def test_64_concurrent_streams_equal_sequential_and_leak_nothing(prod_server):
     for i, ((text, n_tokens), want, body) in enumerate(zip(results, sequential, bodies)):
         assert text == want, f"stream {i} differs"
         assert n_tokens == body["max_tokens"]
-    assert wait_for(lambda: prod_server.pages()["num_running"] == 0, 5)
+    assert wait_for(lambda: prod_server.pages()["num_running"] == 0, 15)
     prod_server.assert_no_leak()
     assert prod_server.pages()["num_cached_pages"] > 0
 
@@ -255,7 +255,7 @@ def test_c03_shared_prefix_then_idle_self_check(prod_server):
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda b: run_stream(prod_server.base_url, b), bodies))
     assert all(n == 16 for _, n in results)
-    assert wait_for(lambda: prod_server.pages()["num_running"] == 0, 5)
+    assert wait_for(lambda: prod_server.pages()["num_running"] == 0, 15)
     prod_server.assert_no_leak()
     m = prod_server.metrics()
     assert m["radixserve:num_running_reqs"] == 0 and m["radixserve:token_usage"] == 0
@@ -332,7 +332,7 @@ def test_engine_killed_under_load(small_server):
             statuses.append(0)  # already exited
         return statuses[-1] != 200
 
-    assert wait_for(health_not_ok, 5)
+    assert wait_for(health_not_ok, 10)
     for t in threads:
         t.join(30)
         assert not t.is_alive(), "a client hung after the engine died"
