@@ -33,7 +33,14 @@ class ModelRunner:
 
     Attributes: num_pages, page_size (KV capacity), max_context_len (positions the model
     takes: config.context_length or the model's max_position_embeddings), vocab_size,
-    eos_token_ids, model_config, model, kv (KVCache), dtype.
+    eos_token_ids, model_config, model, kv (KVCache), backend, dtype.
+
+    Memory: weights twice on CPU (plain + oneDNN-packed, see layers/linear.py), the KV cache
+    (config), and the default backend's DecodeMirror of decoding sequences (at most 2 GiB).
+
+    For tests, construct from a folder: `ModelRunner.from_config(EngineConfig(model_path=dir,
+    page_size=16, max_total_tokens=4096))`, then `run(ScheduledBatch([...]))` with page ids
+    in [0, num_pages).
     """
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
