@@ -159,11 +159,13 @@ def test_abort_all_ends_a_non_streaming_request(prod_server):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_mid_prefill_returns_pages(prod_server, stream):
-    """C06/C19 during prefill: a 1900-token prompt takes 30 steps of 64 tokens; the client
-    leaves as soon as the request is accepted. Pages return, the aborted counter rises by one,
-    the running gauge is 0 and the prompt is counted once."""
-    prompt = ids(random.Random(3 + stream), 1900)
-    body = {"model": prod_server.model, "prompt": prompt, "max_tokens": 50, "stream": stream}
+    """C06/C19 during prefill: a 1500-token prompt takes 24 steps of 64 tokens, then 540
+    decode steps (ignore_eos), far more than the client waits; the client leaves as soon as
+    the request is accepted. Pages return, the aborted counter rises by one, the running
+    gauge is 0 and the prompt is counted once."""
+    prompt = ids(random.Random(3 + stream), 1500)
+    body = {"model": prod_server.model, "prompt": prompt, "max_tokens": 540, "ignore_eos": True,
+            "stream": stream}
     before = prod_server.metrics()
     if stream:
         with httpx.stream("POST", f"{prod_server.base_url}/v1/completions", json=body,
@@ -177,7 +179,7 @@ def test_disconnect_mid_prefill_returns_pages(prod_server, stream):
     after = prod_server.metrics()
     assert delta(after, before, "num_aborted_requests_total") == 1
     assert delta(after, before, "num_requests_total") == 1
-    assert delta(after, before, "prompt_tokens_total") == 1900
+    assert delta(after, before, "prompt_tokens_total") == 1500
     assert after["radixserve:token_usage"] == 0
     prod_server.assert_no_leak()
 
