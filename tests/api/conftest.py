@@ -134,12 +134,6 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="session")
-def default_tokenizer(default_gguf):
-    from radixserve.tokenizer.tokenizer import Tokenizer
-    return Tokenizer.load(str(default_gguf))
-
-
-@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_tokenizer) -> pathlib.Path:
     """Tiny random-weight Llama with the default model's tokenizer saved next to it. The model's
     vocabulary must be the tokenizer's (49152): smaller and prompt ids index past the embedding,

