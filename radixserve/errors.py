@@ -33,6 +33,20 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class BodyTooLarge(InvalidRequest):
+    """The request body exceeds the server's size limit (HTTP 413)."""
+
+    status = 413
+
+
+class Unauthorized(RadixServeError):
+    """Missing or wrong API key (HTTP 401)."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
 class ModelNotFound(RadixServeError):
     """The `model` field names a model this server does not serve (HTTP 404)."""
 

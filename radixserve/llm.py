@@ -81,9 +81,10 @@ class LLM:
                     self.engine.add_request(child_id, ids, child_params)
                     owner[child_id] = tracker
             self._drive(owner, len(trackers), use_tqdm)
-        finally:
-            for child_id in list(owner):  # on error, leave no request behind in the engine
+        except BaseException:
+            for child_id in owner:  # leave no request behind in the engine
                 self.engine.abort(child_id)
+            raise
         results = []
         for tracker, text in trackers:
             result = tracker.result()

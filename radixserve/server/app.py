@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.config import EngineConfig, ServerConfig
-from radixserve.errors import EngineDead, InvalidRequest, RadixServeError
+from radixserve.errors import BodyTooLarge, EngineDead, InvalidRequest, RadixServeError, Unauthorized
 from radixserve.sampling_params import SamplingParams
 from radixserve.server import responses
 from radixserve.server.engine_client import EngineClient
@@ -41,18 +41,6 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 METRICS_STATS_TIMEOUT_S = 5.0  # a wedged engine must not hang or 500 the scrape
 ENGINE_DEATH_GRACE_S = 1.0   # after engine death, answer 503s this long before exiting
 Req = TypeVar("Req", bound=BaseModel)
-
-
-class Unauthorized(RadixServeError):
-    """Missing or wrong API key (HTTP 401)."""
-
-    status = 401
-    type = "authentication_error"
-    code = "invalid_api_key"
-
-
-class BodyTooLarge(InvalidRequest):
-    status = 413
 
 
 class AbortRequest(BaseModel, extra="forbid"):
