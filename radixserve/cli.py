@@ -1,4 +1,4 @@
-"""Command line: `radixserve serve ...` (one worker: HTTP process + engine process)."""
+"""Command line: `radixserve serve|route|fleet|agent|bench` (serve: one worker, HTTP + engine process)."""
 from __future__ import annotations
 
 import argparse
@@ -78,14 +78,24 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed for --help; `main` hands `bench ...` to radixserve.bench.cli, which has subcommands.
     subparsers.add_parser("bench", help="benchmark a server: run, sweep, compare (see bench --help)",
                           add_help=False)
+    for name, text in SUBCOMMANDS_HELP.items():
+        subparsers.add_parser(name, help=text, add_help=False)
     return parser
+
+
+# Subcommands with their own parsers, imported only when used (they import without torch).
+SUBCOMMANDS = {"bench": "radixserve.bench.cli", "route": "radixserve.router.cli",
+               "fleet": "radixserve.router.fleet", "agent": "radixserve.agent.cli"}
+SUBCOMMANDS_HELP = {"route": "cache-aware router in front of workers (see route --help)",
+                    "fleet": "start N workers and a router on this machine (see fleet --help)",
+                    "agent": "ops agent that watches a fleet and acts (see agent --help)"}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from radixserve.bench.cli import main as bench_main
-        return bench_main(argv[1:])
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        import importlib
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

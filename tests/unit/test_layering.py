@@ -14,8 +14,11 @@ FORBIDDEN = {
     "layers": {"runner", "models", "weights", "engine", "server", "tokenizer"},
     "models": {"runner", "engine", "server", "tokenizer"},
     "server": {"runner", "models", "layers", "weights"},
+    # router, agent and bench speak HTTP to workers; the router may load a tokenizer.
+    "router": {"runner", "models", "layers", "weights", "engine", "server", "agent", "bench"},
+    "agent": {"runner", "models", "layers", "weights", "engine", "server", "tokenizer", "bench"},
 }
-NO_TORCH = {"engine"}  # except engine/engine.py, which may (it does not today)
+NO_TORCH = {"engine", "router", "agent"}  # engine/engine.py may import torch (it does not today)
 
 
 def imports_of(path: pathlib.Path) -> set[str]:
