@@ -28,10 +28,12 @@ def free_port() -> int:
 
 class ServerProcess:
     """One server subprocess; `args` are the flags after `serve`. Output goes to a log file
-    that is printed when start-up fails."""
+    that is printed when start-up fails. `port`: a fixed port (a restart on the same address);
+    `new_session`: its own process group, so a test can SIGKILL it with its engine."""
 
-    def __init__(self, args: list[str], api_key: str | None = None):
-        self.port = free_port()
+    def __init__(self, args: list[str], api_key: str | None = None, port: int | None = None,
+                 new_session: bool = False):
+        self.port = port or free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "radixserve", "serve", *args, "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "warning"]
@@ -41,7 +43,7 @@ class ServerProcess:
                                                delete=False)
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=env)
+                                     env=env, start_new_session=new_session)
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=120)
