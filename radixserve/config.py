@@ -56,6 +56,10 @@ class ServerConfig:
     stay_up_on_engine_death: bool = _opt(False, "keep serving 503s after the engine dies instead "
                                                "of exiting with code 1")
     enable_debug_endpoints: bool = _opt(False, "serve GET /debug/pages (page pool and invariant check)")
+    enable_fault_injection: bool = _opt(False, "serve /admin/fault (inject latency, failures, hangs, "
+                                               "leaks, corrupt output); for tests and demos only")
+    disable_anomaly_guard: bool = _opt(False, "do not stop requests whose output looks broken "
+                                              "(repetition loops, garbled text, rare-char noise)")
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:

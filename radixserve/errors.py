@@ -67,3 +67,22 @@ class EngineDead(RadixServeError):
 
     status = 503
     type = "engine_dead"
+
+
+class OutputAnomaly(RadixServeError):
+    """The output-anomaly guard stopped a request whose text went wrong (HTTP 500, so a router
+    retries it elsewhere). `kind` is "repetition", "garbled" or "rare_chars"."""
+
+    type = "output_anomaly"
+    code = "output_anomaly"
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class InjectedFault(RadixServeError):
+    """A request failed on purpose by the "fail" fault (--enable-fault-injection; HTTP 500)."""
+
+    type = "injected_fault"
+    code = "injected_fault"
