@@ -52,7 +52,8 @@ class ApproxPrefixTree:
     Size is the sum of edge lengths (characters or tokens), i.e. what the tree holds.
     `insert` keeps it at or below `max_size`: past it, least-recently-used tenant leaves are
     dropped across all tenants down to 7/8 of `max_size` (so the cost is amortised; SGLang
-    runs the same eviction from a background thread). Entries unused for `ttl_s` seconds no
+    runs the same eviction from a background thread). Keys are cut to that 7/8 so the key
+    just inserted always survives its own eviction. Entries unused for `ttl_s` seconds no
     longer match and are dropped by the periodic sweep in `insert` or by `evict()`.
     `clock` returns seconds (monotonic); inject a fake one in tests.
 
@@ -88,8 +89,9 @@ class ApproxPrefixTree:
 
     def insert(self, key: Key, tenant: str) -> None:
         """Record that `key` was sent to `tenant` (refreshes access times along its path).
-        Keys longer than max_size are truncated to it. Evicts as described above."""
-        key = _normalise(key)[: self.max_size]
+        Keys are cut to 7/8 of max_size. Evicts as described above."""
+        low_water = self.max_size - self.max_size // 8
+        key = _normalise(key)[:low_water]
         now = self._clock()
         if now - self._last_sweep >= self.ttl_s / 2:
             self._expire(now)
@@ -109,7 +111,7 @@ class ApproxPrefixTree:
             child.tenants[tenant] = now
             node, i = child, i + len(child.edge)
         if self._size > self.max_size:
-            self._evict_lru(self.max_size - self.max_size // 8)
+            self._evict_lru(low_water)
 
     def match(self, key: Key) -> PrefixMatch:
         """Longest prefix of `key` recorded for each tenant (entries past ttl_s ignored).
