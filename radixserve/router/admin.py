@@ -1,0 +1,170 @@
+"""Router admin API (/admin/*): list, add, remove, drain, undrain and weigh workers; tune the policy."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from radixserve.errors import InvalidRequest, RadixServeError, Unauthorized
+from radixserve.router.worker import check_weight
+
+if TYPE_CHECKING:
+    from radixserve.router.app import RouterState
+
+logger = logging.getLogger(__name__)
+
+MAX_ADMIN_BODY_BYTES = 64 << 10
+POLICY_PARAMS = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
+
+
+class WorkerNotFound(RadixServeError):
+    """The URL names no registered worker (HTTP 404)."""
+
+    status = 404
+    type = "not_found_error"
+    code = "worker_not_found"
+
+
+def admin_key_check(admin_api_key: str | None) -> Callable[[Request], Any]:
+    """FastAPI dependency: `Authorization: Bearer <admin_api_key>` or Unauthorized (401).
+    No key configured: every admin call is allowed (app.py logs a warning at start)."""
+    async def check(request: Request) -> None:
+        if admin_api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {admin_api_key}".encode()):
+            raise Unauthorized("Incorrect or missing admin key (send 'Authorization: Bearer KEY').")
+    return check
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > MAX_ADMIN_BODY_BYTES:
+        raise InvalidRequest(f"admin body is larger than {MAX_ADMIN_BODY_BYTES} bytes")
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise InvalidRequest("body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("body must be a JSON object")
+    return body
+
+
+def _url(body: dict) -> str:
+    url = body.get("url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise InvalidRequest("url must be a string starting with http:// or https://", param="url")
+    return url.rstrip("/")
+
+
+def _number(body: dict, name: str) -> float:
+    value = body.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number", param=name)
+    return float(value)
+
+
+def validate_policy_params(body: dict) -> dict[str, float]:
+    """The policy parameters in `body`, checked: cache_threshold in [0, 1],
+    balance_abs_threshold >= 0, balance_rel_threshold >= 1. Raises InvalidRequest."""
+    unknown = set(body) - set(POLICY_PARAMS)
+    if unknown or not body:
+        raise InvalidRequest(f"give one or more of {', '.join(POLICY_PARAMS)}"
+                             + (f"; unknown: {', '.join(sorted(unknown))}" if unknown else ""))
+    params = {name: _number(body, name) for name in body}
+    if not 0.0 <= params.get("cache_threshold", 0.0) <= 1.0:
+        raise InvalidRequest("cache_threshold must be in [0, 1]", param="cache_threshold")
+    if params.get("balance_abs_threshold", 0.0) < 0:
+        raise InvalidRequest("balance_abs_threshold must be >= 0", param="balance_abs_threshold")
+    if params.get("balance_rel_threshold", 1.0) < 1.0:
+        raise InvalidRequest("balance_rel_threshold must be >= 1", param="balance_rel_threshold")
+    return params
+
+
+def build_admin_router(state: RouterState) -> APIRouter:
+    """The /admin routes over `state` (registry, policy, health monitor, metrics)."""
+    admin = APIRouter(prefix="/admin", dependencies=[Depends(admin_key_check(
+        state.config.admin_api_key))])
+    pending: set[asyncio.Task] = set()
+
+    def worker_of(body: dict) -> Any:
+        url = _url(body)
+        worker = state.registry.get(url)
+        if worker is None:
+            raise WorkerNotFound(f"no worker {url}", param="url")
+        return worker
+
+    def listing(worker: Any) -> Response:
+        return JSONResponse(worker.to_json(state.registry.clock()))
+
+    @admin.get("/workers")
+    async def list_workers() -> Response:
+        now = state.registry.clock()
+        return JSONResponse({"workers": [w.to_json(now) for w in state.registry.list()]})
+
+    @admin.post("/add_worker")
+    async def add_worker(request: Request) -> Response:
+        body = await _body(request)
+        url = _url(body)
+        try:
+            weight = check_weight(body.get("weight", 1.0))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="weight") from None
+        if state.registry.get(url) is not None:
+            raise InvalidRequest(f"worker {url} is already registered", param="url")
+        worker = state.add_worker(url, weight, healthy=False)
+        task = asyncio.create_task(state.monitor.check(worker))  # traffic once it passes
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        logger.info("admin: added worker %s (weight %s)", url, weight)
+        return listing(worker)
+
+    @admin.post("/remove_worker")
+    async def remove_worker(request: Request) -> Response:
+        worker = worker_of(await _body(request))
+        state.remove_worker(worker.url)
+        logger.info("admin: removed worker %s (%d in flight finish)", worker.url, worker.in_flight)
+        return JSONResponse({"removed": worker.url, "in_flight": worker.in_flight})
+
+    @admin.post("/drain")
+    async def drain(request: Request) -> Response:
+        worker = worker_of(await _body(request))
+        worker.draining = True
+        logger.info("admin: draining %s (%d in flight)", worker.url, worker.in_flight)
+        return listing(worker)
+
+    @admin.post("/undrain")
+    async def undrain(request: Request) -> Response:
+        worker = worker_of(await _body(request))
+        worker.draining = False
+        logger.info("admin: undrained %s", worker.url)
+        return listing(worker)
+
+    @admin.post("/set_weight")
+    async def set_weight(request: Request) -> Response:
+        body = await _body(request)
+        worker = worker_of(body)
+        try:
+            worker.weight = check_weight(body.get("weight"))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="weight") from None
+        logger.info("admin: weight of %s set to %s", worker.url, worker.weight)
+        return listing(worker)
+
+    @admin.post("/set_policy_params")
+    async def set_policy_params(request: Request) -> Response:
+        params = validate_policy_params(await _body(request))
+        logger.info("admin: policy parameters %s", params)
+        return JSONResponse(state.set_policy_params(params))
+
+    @admin.get("/policy")
+    async def policy() -> Response:
+        return JSONResponse(state.policy_params())
+
+    return admin

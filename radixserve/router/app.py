@@ -1,0 +1,270 @@
+"""The router's FastAPI app: OpenAI routes relayed to workers, GETs from a healthy worker, /health, /metrics, admin."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radixserve.errors import InvalidRequest, RadixServeError
+from radixserve.router.admin import build_admin_router
+from radixserve.router.config import RouterConfig
+from radixserve.router.health import HealthMonitor
+from radixserve.router.metrics import CONTENT_TYPE, RouterMetrics
+from radixserve.router.policy import Policy, RouteKey, make_policy
+from radixserve.router.prefix_tree import ApproxPrefixTree
+from radixserve.router.proxy import Forwarder, error_body
+from radixserve.router.worker import WorkerRegistry, WorkerState
+
+logger = logging.getLogger(__name__)
+
+# Client request headers passed on to workers (the client's API key included).
+FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+MAX_KEEPALIVE_CONNECTIONS = 256
+
+
+@dataclass
+class RouterState:
+    """Everything one router holds: workers, prefix tree, policy, metrics, the shared HTTP
+    client, the health monitor and the forwarder. `tokenizer` (radixserve Tokenizer or None)
+    keys the tree by token ids."""
+
+    config: RouterConfig
+    registry: WorkerRegistry
+    tree: ApproxPrefixTree
+    policy: Policy
+    metrics: RouterMetrics
+    http: httpx.AsyncClient
+    monitor: HealthMonitor
+    forwarder: Forwarder
+    tokenizer: Any = None
+
+    def add_worker(self, url: str, weight: float = 1.0, healthy: bool = False) -> WorkerState:
+        """Register a worker, unhealthy until its first check passes. Raises ValueError if
+        it is already there or the weight is bad."""
+        worker = self.registry.add(url, weight, healthy=healthy)
+        worker.breaker.on_transition = lambda old, new: self.metrics.on_transition(url, old, new)
+        self.metrics.set_breaker_state(url, worker.breaker.state)
+        self.monitor.expect_new(url)
+        return worker
+
+    def remove_worker(self, url: str) -> WorkerState:
+        """Deregister a worker (its tree entries go too). Raises KeyError if unknown."""
+        worker = self.registry.remove(url)
+        self.metrics.forget(url)
+        return worker
+
+    def policy_params(self) -> dict:
+        """{"policy": name, cache_threshold, balance_abs_threshold, balance_rel_threshold}."""
+        return {"policy": self.policy.name, **self.policy.params()}
+
+    def set_policy_params(self, params: dict[str, float]) -> dict:
+        """Change the policy's tunable parameters; returns policy_params()."""
+        self.policy.set_params(**params)
+        return self.policy_params()
+
+    def refresh_gauges(self) -> None:
+        """Per-worker gauges read from the registry at scrape time."""
+        for w in self.registry.list():
+            self.metrics.in_flight.labels(w.url).set(w.in_flight)
+            self.metrics.healthy.labels(w.url).set(1 if w.healthy else 0)
+            self.metrics.set_breaker_state(w.url, w.breaker.state)
+
+
+def build_state(config: RouterConfig, worker_urls: list[str], tokenizer: Any = None) -> RouterState:
+    """A RouterState over `worker_urls` (trailing slashes dropped; duplicates are an error)."""
+    registry = WorkerRegistry(config)
+    tree = ApproxPrefixTree(config.max_tree_size, config.tree_ttl_s)
+    policy = make_policy(config, registry, tree)
+    metrics = RouterMetrics()
+    c = config
+    http = httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=c.connect_timeout_s, read=c.silence_timeout_s,
+                              write=c.silence_timeout_s, pool=c.connect_timeout_s),
+        limits=httpx.Limits(max_connections=None,
+                            max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS),
+        trust_env=False)
+    monitor = HealthMonitor(config, registry, metrics, http)
+    state = RouterState(config, registry, tree, policy, metrics, http, monitor,
+                        Forwarder(config, registry, policy, metrics, http), tokenizer)
+    for url in worker_urls:
+        state.add_worker(url.rstrip("/"))
+    return state
+
+
+def render_messages(messages: Any) -> str:
+    """Chat messages as routing text: role and content of each, in order (content parts of
+    type text joined). Anything malformed contributes nothing (the worker rejects it)."""
+    out = []
+    for m in messages if isinstance(messages, list) else []:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content
+                              if isinstance(p, dict) and isinstance(p.get("text"), str))
+        out.append(f"{m.get('role')}\n{content if isinstance(content, str) else ''}\n")
+    return "".join(out)
+
+
+def route_key(path: str, body: dict, tokenizer: Any, session: str | None) -> RouteKey:
+    """The routing key of a request: completions: the prompt (a batch: its first prompt) as
+    token ids when it is ids or a tokenizer is set, else its text; chat: the chat template's
+    ids with a tokenizer, else render_messages() text."""
+    if path == "/v1/completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and all(type(i) is int for i in prompt):
+            return RouteKey(prompt, session)
+        if not isinstance(prompt, str):
+            return RouteKey("", session)
+        return RouteKey(tokenizer.encode(prompt) if tokenizer else prompt, session)
+    messages = body.get("messages")
+    if tokenizer is not None:
+        try:
+            return RouteKey(tokenizer.apply_chat_template(messages), session)
+        except InvalidRequest as exc:  # the worker will answer with the same 400
+            logger.debug("chat not tokenizable (%s); routing by text", exc)
+    return RouteKey(render_messages(messages), session)
+
+
+async def race_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Await `work` unless the client disconnects first; then cancel it (which closes the
+    upstream request, so the worker aborts) and answer 499 to nobody."""
+    task = asyncio.ensure_future(work)
+
+    async def client_gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # its cleanup has run
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Router-made errors leave as OpenAI error bodies; a 500 only for real bugs (logged)."""
+
+    @app.exception_handler(RadixServeError)
+    async def on_error(request: Request, exc: RadixServeError) -> Response:
+        return JSONResponse(exc.to_dict(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind, exc.status_code),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(f"internal router error: {type(exc).__name__}",
+                                       "internal_error", 500), status_code=500)
+
+
+def build_app(state: RouterState) -> FastAPI:
+    """The router app over `state`; its lifespan runs one health sweep before serving, then
+    the health and load loops, and closes the HTTP client at shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if state.config.admin_api_key is None:
+            logger.warning("no --admin-api-key: the /admin routes are open to anyone")
+        await state.monitor.check_all()
+        state.monitor.start()
+        try:
+            yield
+        finally:
+            await state.monitor.stop()
+            await state.http.aclose()
+
+    app = FastAPI(title="radixserve router", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.router = state
+    install_error_handlers(app)
+    app.include_router(build_admin_router(state))
+
+    async def relay_post(request: Request, path: str) -> Response:
+        t_start = time.perf_counter()
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise InvalidRequest("request body must be a JSON object")
+        session = request.headers.get(state.config.session_header) or body.get("user")
+        key = route_key(path, body, state.tokenizer, session if isinstance(session, str) else None)
+        headers = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
+        work = state.forwarder.forward(path, raw, headers, key, body.get("stream") is True, t_start)
+        return await race_disconnect(request, work)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await relay_post(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await relay_post(request, "/v1/chat/completions")
+
+    @app.get("/health")
+    async def health() -> Response:
+        n = len(state.registry.routable())
+        if n == 0:
+            return JSONResponse(error_body("no routable worker", "no_worker_available", 503),
+                                status_code=503)
+        return JSONResponse({"status": "ok", "num_routable_workers": n,
+                             "num_workers": len(state.registry)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.refresh_gauges()
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/{path:path}")
+    async def relay_get(request: Request, path: str) -> Response:
+        return await get_from_healthy(state, request, "/" + path)
+
+    return app
+
+
+async def get_from_healthy(state: RouterState, request: Request, path: str) -> Response:
+    """Answer a GET (/v1/models and any other) from a worker: routable ones first, then
+    other healthy ones, then the rest; a transport error or 5xx moves to the next (C20)."""
+    workers = state.registry.list()
+    order = sorted(workers, key=lambda w: (not w.is_routable(), not w.healthy))
+    auth = request.headers.get("authorization") or (
+        f"Bearer {state.config.worker_api_key}" if state.config.worker_api_key else None)
+    headers = {"authorization": auth} if auth else {}
+    last: Response | None = None
+    for worker in order:
+        try:
+            r = await state.http.get(worker.url + path, params=request.query_params,
+                                     headers=headers, timeout=state.config.health_check_timeout_s)
+        except httpx.TransportError as exc:
+            logger.info("GET %s from %s failed: %r", path, worker.url, exc)
+            continue
+        reply = Response(r.content, status_code=r.status_code,
+                         media_type=r.headers.get("content-type"))
+        if r.status_code < 500:
+            return reply
+        last = reply
+    return last or JSONResponse(error_body("no worker available", "no_worker_available", 503),
+                                status_code=503)

@@ -1,0 +1,90 @@
+"""`radixserve route --worker-urls URL... [flags]`: run the cache-aware router in front of workers."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from typing import Iterator
+
+from radixserve.config import add_dataclass_args, from_args
+from radixserve.router.config import RouterConfig
+
+logger = logging.getLogger("radixserve.router")
+
+
+def build_parser(prog: str = "radixserve route") -> argparse.ArgumentParser:
+    """Parser of `route`: --worker-urls plus one flag per RouterConfig field."""
+    parser = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False,
+        description="Route OpenAI requests to radixserve workers by prefix affinity and load, "
+                    "with retries, circuit breakers, health checks and an admin API.")
+    parser.add_argument("--worker-urls", nargs="*", default=[], metavar="URL",
+                        help="worker base URLs (http://host:port); more can be added through "
+                             "POST /admin/add_worker")
+    add_dataclass_args(parser.add_argument_group("router"), RouterConfig)
+    return parser
+
+
+def load_tokenizer(path: str | None) -> object | None:
+    """The radixserve Tokenizer at `path` (HF folder or .gguf), or None without a path."""
+    if path is None:
+        return None
+    from radixserve.tokenizer.tokenizer import Tokenizer
+    return Tokenizer.load(path)
+
+
+def run(config: RouterConfig, worker_urls: list[str]) -> int:
+    """Serve the router until SIGINT/SIGTERM. Returns 0, or 1 if start-up failed."""
+    import uvicorn
+
+    from radixserve.router.app import build_app, build_state
+
+    try:
+        tokenizer = load_tokenizer(config.tokenizer_path)
+        state = build_state(config, worker_urls, tokenizer)
+    except (OSError, ValueError) as exc:
+        logger.error("router start-up failed: %s: %s", type(exc).__name__, exc)
+        return 1
+    app = build_app(state)
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                        access_log=config.log_level == "debug", timeout_graceful_shutdown=5)
+    print(f"radixserve: routing ({config.policy}) over {len(worker_urls)} worker(s) on "
+          f"http://{config.host}:{config.port}", flush=True)
+    with quiet_signals():
+        uvicorn.Server(uv).run()
+    return 0
+
+
+@contextlib.contextmanager
+def quiet_signals() -> Iterator[None]:
+    """uvicorn stops on SIGINT/SIGTERM, then re-raises the signal to the handler it found
+    installed; make that a logged no-op so the process exits 0 after a clean shutdown."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(sig: int, frame: object) -> None:
+        logger.info("stopping on signal %d", sig)
+
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `radixserve route`. Returns the exit code (2 on bad flags)."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = from_args(RouterConfig, args)
+    except ValueError as exc:
+        print(f"radixserve route: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(config, args.worker_urls)

@@ -1,0 +1,106 @@
+"""Background tasks of the router: active health checks and load polling of every worker."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+
+from radixserve.router.config import RouterConfig
+from radixserve.router.metrics import RouterMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class HealthMonitor:
+    """Probes each worker's health endpoint every health_check_interval_s and reads its load
+    (GET /get_server_info) every load_poll_interval_s.
+
+    Health (SGLang router §1.5, the Kubernetes readiness 3/2 rule): a worker turns unhealthy
+    after health_failure_threshold consecutive failed checks and healthy again after
+    health_success_threshold consecutive passes (WorkerState.record_health). A check fails on
+    a transport error, a timeout (health_check_timeout_s) or any status but 200. A worker
+    added unchecked (healthy=False, never probed) is promoted by its first passed check:
+    there is no history to confirm against, and the router should not wait two intervals
+    to serve at start-up.
+    """
+
+    def __init__(self, config: RouterConfig, registry: Any, metrics: RouterMetrics,
+                 http: httpx.AsyncClient):
+        self.config, self.registry, self.metrics, self.http = config, registry, metrics, http
+        self.headers = ({"Authorization": f"Bearer {config.worker_api_key}"}
+                        if config.worker_api_key else {})
+        self._tasks: list[asyncio.Task] = []
+        self._never_checked: set[str] = set()
+
+    def expect_new(self, url: str) -> None:
+        """Mark `url` as never checked: its first passed check makes it healthy."""
+        self._never_checked.add(url)
+
+    def start(self) -> None:
+        """Start both loops as tasks of the running event loop."""
+        self._tasks = [asyncio.create_task(self._loop(self.check_all,
+                                                      self.config.health_check_interval_s)),
+                       asyncio.create_task(self._loop(self.poll_all,
+                                                      self.config.load_poll_interval_s))]
+
+    async def stop(self) -> None:
+        """Cancel both loops and wait for them."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def _loop(self, step: Any, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await step()
+            except Exception:  # a bug in one sweep must not stop health checking for good
+                logger.exception("router background sweep %s failed", step.__name__)
+
+    async def check_all(self) -> None:
+        """One health check of every worker, concurrently."""
+        await asyncio.gather(*(self.check(w) for w in self.registry.list()))
+
+    async def check(self, worker: Any) -> bool:
+        """Probe one worker; count the result; returns whether the check passed."""
+        url = worker.url
+        try:
+            r = await self.http.get(url + self.config.health_check_endpoint, headers=self.headers,
+                                    timeout=self.config.health_check_timeout_s)
+            ok, why = r.status_code == 200, f"status {r.status_code}"
+        except httpx.TransportError as exc:
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        if self.registry.get(url) is not worker:
+            return ok  # removed (or replaced) while the probe was out
+        self.metrics.health_checks.labels(url, "pass" if ok else "fail").inc()
+        if ok and url in self._never_checked:
+            worker.healthy = True
+        else:
+            worker.record_health(ok, self.config.health_failure_threshold,
+                                 self.config.health_success_threshold)
+        self._never_checked.discard(url)
+        if not ok:
+            logger.info("health check of %s failed (%s); %d in a row", url, why,
+                        worker.health_failures)
+        return ok
+
+    async def poll_all(self) -> None:
+        """One load reading of every healthy worker, concurrently."""
+        await asyncio.gather(*(self.poll(w) for w in self.registry.list() if w.healthy))
+
+    async def poll(self, worker: Any) -> None:
+        """Read GET /get_server_info of one worker into WorkerState.report. A failed read
+        leaves the old reading, which turns stale (busy) after load_stale_s."""
+        try:
+            r = await self.http.get(worker.url + "/get_server_info", headers=self.headers,
+                                    timeout=self.config.health_check_timeout_s)
+            r.raise_for_status()
+            engine = r.json()["engine"]
+            worker.report(int(engine["num_running"]), int(engine["num_waiting"]),
+                          float(engine["token_usage"]), float(engine.get("cache_hit_rate", 0.0)),
+                          self.registry.clock())
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            logger.debug("load poll of %s failed: %r", worker.url, exc)
