@@ -1,0 +1,184 @@
+"""Snapshots of a fleet: each worker's /health, /metrics, /get_server_info and the router's view, kept as short histories."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from radixserve.router.client import AsyncRouterAdminClient
+
+logger = logging.getLogger("radixserve.agent")
+
+PROBE_PROMPT = "The quick brown fox jumps over the lazy dog. Count: one two three"
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One recovery probe: the same greedy request sent to the worker and to a routable peer
+    at once; latencies in s (None when the request failed or timed out)."""
+
+    latency_s: float | None
+    peer_url: str | None
+    peer_latency_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    """What one sweep saw of one worker. `t` is monotonic s. `metrics` maps Prometheus sample
+    names (`radixserve:num_requests_total`, histograms as `_sum` / `_count`) to values summed
+    over label sets; empty when the scrape failed. `router` is the router's entry for it."""
+
+    url: str
+    t: float
+    health_ok: bool
+    health_error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    info: dict | None = None
+    router: dict | None = None
+    probe: Probe | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    """One sweep: every worker the router lists, the router's policy, GPU readings (None when
+    NVML is absent or there is no GPU)."""
+
+    t: float
+    workers: dict[str, WorkerSnapshot]
+    router_error: str | None = None
+    policy: dict | None = None
+    gpus: list[dict] | None = None
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over label sets}; buckets dropped.
+    Raises ValueError on text the parser rejects."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") or sample.name.endswith("_created"):
+                continue
+            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out
+
+
+class History:
+    """The last `maxlen` snapshots of each worker, oldest first."""
+
+    def __init__(self, maxlen: int):
+        self.maxlen = maxlen
+        self._by_url: dict[str, deque[WorkerSnapshot]] = {}
+
+    def add(self, fleet: FleetSnapshot) -> None:
+        for url in list(self._by_url):
+            if url not in fleet.workers:
+                del self._by_url[url]
+        for url, snap in fleet.workers.items():
+            self._by_url.setdefault(url, deque(maxlen=self.maxlen)).append(snap)
+
+    def reset(self, url: str) -> None:
+        """Forget a worker's past (after a restart or a return, old rates no longer apply)."""
+        self._by_url.pop(url, None)
+
+    def of(self, url: str) -> list[WorkerSnapshot]:
+        return list(self._by_url.get(url, ()))
+
+    def all(self) -> dict[str, list[WorkerSnapshot]]:
+        return {url: list(snaps) for url, snaps in self._by_url.items()}
+
+
+class Observer:
+    """Reads a fleet once per sweep. Each read has `timeout_s`; a worker that does not answer
+    is recorded as such, never raised. GPU readings come from NVML when importable."""
+
+    def __init__(self, admin: AsyncRouterAdminClient, timeout_s: float,
+                 worker_api_key: str | None = None):
+        self.admin = admin
+        headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
+        self.http = httpx.AsyncClient(timeout=timeout_s, headers=headers)
+        self.gpu_note = ""
+
+    async def collect(self, probe_urls: set[str] | None = None,
+                      probe_timeout_s: float = 30.0, probe_max_tokens: int = 16) -> FleetSnapshot:
+        """One sweep over every worker the router lists, plus recovery probes of `probe_urls`."""
+        try:
+            entries = await self.admin.list_workers()
+            policy = await self.admin.get_policy()
+        except Exception as exc:  # router down or answering errors: record it, do not raise
+            logger.warning("router view unavailable: %s", exc)
+            return FleetSnapshot(time.monotonic(), {}, router_error=f"{type(exc).__name__}: {exc}")
+        routable = [e["url"] for e in entries
+                    if e.get("healthy") and not e.get("draining") and e["url"] not in (probe_urls or ())]
+        probes = {url: self.probe(url, routable[0] if routable else None, probe_timeout_s,
+                                  probe_max_tokens) for url in (probe_urls or ())}
+        snaps = await asyncio.gather(*(self.worker(e, probes.pop(e["url"], None)) for e in entries))
+        for leftover in probes.values():
+            leftover.close()
+        return FleetSnapshot(time.monotonic(), {s.url: s for s in snaps}, policy=policy,
+                             gpus=self.read_gpus())
+
+    async def worker(self, entry: dict, probe: Any = None) -> WorkerSnapshot:
+        url = entry["url"].rstrip("/")
+        health, metrics, info, probed = await asyncio.gather(
+            self._get(url + "/health"), self._get(url + "/metrics"),
+            self._get(url + "/get_server_info"), probe if probe is not None else _none())
+        ok = isinstance(health, httpx.Response) and health.status_code == 200
+        error = None if ok else (f"status {health.status_code}"
+                                 if isinstance(health, httpx.Response) else health)
+        parsed: dict[str, float] = {}
+        if isinstance(metrics, httpx.Response) and metrics.status_code == 200:
+            try:
+                parsed = parse_metrics(metrics.text)
+            except ValueError as exc:
+                logger.warning("%s: unparsable /metrics: %s", url, exc)
+        info_json = (info.json() if isinstance(info, httpx.Response) and info.status_code == 200
+                     else None)
+        return WorkerSnapshot(entry["url"], time.monotonic(), ok, error, parsed, info_json,
+                              entry, probed)
+
+    async def _get(self, url: str) -> httpx.Response | str:
+        try:
+            return await self.http.get(url)
+        except httpx.TimeoutException:
+            return "timeout"
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    async def probe(self, url: str, peer: str | None, timeout_s: float,
+                    max_tokens: int) -> Probe:
+        """Send the same greedy completion to `url` and `peer` at once (s, None on failure)."""
+        mine, theirs = await asyncio.gather(
+            self._timed(url, timeout_s, max_tokens),
+            self._timed(peer, timeout_s, max_tokens) if peer else _none())
+        return Probe(mine, peer, theirs)
+
+    async def _timed(self, url: str, timeout_s: float, max_tokens: int) -> float | None:
+        body = {"prompt": PROBE_PROMPT, "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True}
+        t0 = time.monotonic()
+        try:
+            r = await self.http.post(url.rstrip("/") + "/v1/completions", json=body,
+                                     timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            logger.info("probe of %s failed: %s", url, exc)
+            return None
+        return time.monotonic() - t0 if r.status_code == 200 else None
+
+    def read_gpus(self) -> list[dict] | None:
+        """NVML readings per GPU, or None (and `gpu_note` says why) without NVML or a GPU."""
+        from radixserve.agent.gpu import read_nvml
+        readings, self.gpu_note = read_nvml()
+        return readings
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+async def _none() -> None:
+    return None

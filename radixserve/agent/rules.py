@@ -1,0 +1,318 @@
+"""Findings: pure functions from recorded worker snapshots (oldest first) to findings with evidence.
+
+Every rule reads only its arguments, so it is tested on recorded or synthetic histories.
+Rates are taken over the last `window_sweeps` sweeps from counter differences (a counter
+that went down means the worker restarted, and that window is skipped). Thresholds are in
+RuleConfig, with their sources (Envoy outlier detection, research/routers.md §5.1, §8).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from radixserve.agent.config import RuleConfig
+from radixserve.agent.observe import WorkerSnapshot
+
+P = "radixserve:"
+TTFT = (P + "time_to_first_token_seconds_sum", P + "time_to_first_token_seconds_count")
+ITL = (P + "inter_token_latency_seconds_sum", P + "inter_token_latency_seconds_count")
+QUEUE, KV_USAGE = P + "num_queue_reqs", P + "token_usage"
+PREEMPTED, REQUESTS = P + "num_preempted_reqs_total", P + "num_requests_total"
+PROMPT, CACHED = P + "prompt_tokens_total", P + "cached_tokens_total"
+GENERATED, ANOMALIES = P + "generation_tokens_total", P + "num_anomalies_total"
+RSS = "process_resident_memory_bytes"
+MIB = 1024.0 * 1024.0
+
+History = Sequence[WorkerSnapshot]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A rule that fired: `kind`, the worker (None for fleet-level), the numbers behind it."""
+
+    kind: str
+    url: str | None
+    text: str
+    evidence: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "url": self.url, "text": self.text, "evidence": self.evidence}
+
+
+# ---- window helpers --------------------------------------------------------------------
+
+def _value(snap: WorkerSnapshot, key: str) -> float | None:
+    """A metric sample, or a router counter when `key` starts with 'router.'."""
+    if key.startswith("router."):
+        v = (snap.router or {}).get(key[7:])
+        return float(v) if isinstance(v, (int, float)) else None
+    return snap.metrics.get(key)
+
+
+def _delta(a: WorkerSnapshot, b: WorkerSnapshot, key: str) -> float | None:
+    va, vb = _value(a, key), _value(b, key)
+    if va is None or vb is None or vb < va:  # missing, or the counter reset (restart)
+        return None
+    return vb - va
+
+
+def _window(hist: History, sweeps: int) -> History:
+    return hist[-(sweeps + 1):]
+
+
+def _window_delta(hist: History, key: str, sweeps: int) -> float | None:
+    w = _window(hist, sweeps)
+    return _delta(w[0], w[-1], key) if len(w) >= 2 else None
+
+
+def window_mean(hist: History, pair: tuple[str, str], sweeps: int) -> tuple[float, float] | None:
+    """(mean s, samples) of a histogram over the window: delta sum / delta count."""
+    total, count = _window_delta(hist, pair[0], sweeps), _window_delta(hist, pair[1], sweeps)
+    if total is None or not count:
+        return None
+    return total / count, count
+
+
+def _hit_rate(a: WorkerSnapshot, b: WorkerSnapshot) -> tuple[float, float] | None:
+    cached, prompt = _delta(a, b, CACHED), _delta(a, b, PROMPT)
+    return None if cached is None or not prompt else (cached / prompt, prompt)
+
+
+# ---- per-worker rules ------------------------------------------------------------------
+
+def unresponsive(hist: History, cfg: RuleConfig) -> Finding | None:
+    """/health failed (error status, timeout, refused) on each of the last N sweeps."""
+    recent = hist[-cfg.unresponsive_sweeps:]
+    if len(recent) < cfg.unresponsive_sweeps or any(s.health_ok for s in recent):
+        return None
+    errors = [s.health_error for s in recent]
+    return Finding("unresponsive", hist[-1].url, f"/health failed on the last {len(recent)} "
+                   f"sweeps ({errors[-1]})", {"errors": errors})
+
+
+def error_rate(hist: History, cfg: RuleConfig) -> Finding | None:
+    """Failure share of what the router sent the worker in the window, with a minimum
+    request volume (Envoy failure_percentage); or, when the router's breaker for it is open,
+    at least `error_consecutive` failures (Envoy consecutive_5xx)."""
+    reqs = _window_delta(hist, "router.num_requests", cfg.window_sweeps)
+    fails = _window_delta(hist, "router.num_failures", cfg.window_sweeps)
+    if reqs is None or fails is None:
+        return None
+    share = fails / reqs if reqs else 0.0
+    breaker = (hist[-1].router or {}).get("breaker")
+    evidence = {"requests": reqs, "failures": fails, "share": round(share, 3), "breaker": breaker}
+    if reqs >= cfg.error_min_requests and share >= cfg.error_share:
+        return Finding("error_rate", hist[-1].url, f"{fails:.0f} of {reqs:.0f} requests failed "
+                       f"in the window ({share:.0%})", evidence)
+    if breaker == "open" and fails >= cfg.error_consecutive:
+        return Finding("error_rate", hist[-1].url, f"breaker open after {fails:.0f} failures "
+                       "in the window", evidence)
+    return None
+
+
+def latency_outlier(url: str, fleet: dict[str, History], cfg: RuleConfig,
+                    which: str) -> Finding | None:
+    """`which` in {"ttft", "itl"}: the worker's window mean is above `latency_ratio` x the
+    median of its peers' means (and above it by an absolute floor), each with a minimum
+    sample count (Envoy's success-rate detector, on latency; median, not a fixed number).
+    A worker that also got far more requests than its peers is a hot spot, not slow: that is
+    fleet_ttft_spread's case, so it is left alone here."""
+    pair, min_samples, floor = ((TTFT, cfg.ttft_min_samples, cfg.ttft_min_abs_s) if which == "ttft"
+                                else (ITL, cfg.itl_min_samples, cfg.itl_min_abs_s))
+    means = {u: window_mean(h, pair, cfg.window_sweeps) for u, h in fleet.items()}
+    mine = means.get(url)
+    peers = [m[0] for u, m in means.items() if u != url and m and m[1] >= min_samples]
+    if mine is None or mine[1] < min_samples or len(peers) < max(cfg.min_peers, 1):
+        return None
+    median = statistics.median(peers)
+    if mine[0] <= cfg.latency_ratio * median or mine[0] - median < floor:
+        return None
+    reqs = {u: _window_delta(h, "router.num_requests", cfg.window_sweeps) for u, h in fleet.items()}
+    peer_reqs = [r for u, r in reqs.items() if u != url and r is not None]
+    if reqs.get(url) and peer_reqs and reqs[url] >= cfg.imbalance_ratio * max(
+            statistics.median(peer_reqs), 1.0):
+        return None
+    return Finding(f"{which}_outlier", url, f"mean {which.upper()} {mine[0] * 1e3:.0f} ms over "
+                   f"{mine[1]:.0f} samples vs peers' median {median * 1e3:.0f} ms",
+                   {"mean_s": mine[0], "samples": mine[1], "peers_median_s": median,
+                    "ratio": mine[0] / median if median else None})
+
+
+def queue_building(hist: History, cfg: RuleConfig) -> Finding | None:
+    """Queue non-decreasing over the last 4 sweeps to at least `queue_min`, while generated
+    tokens/s in the window's second half fell below `throughput_drop` x its first half."""
+    w = _window(hist, cfg.window_sweeps)
+    queues = [s.metrics.get(QUEUE) for s in w]
+    if len(w) < 5 or any(q is None for q in queues[-4:]):
+        return None
+    last = queues[-4:]
+    if any(b < a for a, b in zip(last, last[1:])) or last[-1] < cfg.queue_min or last[-1] == last[0]:
+        return None
+    mid = len(w) // 2
+    rates = []
+    for a, b in ((w[0], w[mid]), (w[mid], w[-1])):
+        tokens = _delta(a, b, GENERATED)
+        rates.append(None if tokens is None or b.t <= a.t else tokens / (b.t - a.t))
+    early, late = rates
+    if not early or late is None or late >= cfg.throughput_drop * early:
+        return None
+    return Finding("queue_building", hist[-1].url, f"queue {last[0]:.0f} -> {last[-1]:.0f} while "
+                   f"throughput fell {early:.1f} -> {late:.1f} tok/s",
+                   {"queue": last, "tokens_per_s": [early, late]})
+
+
+def kv_pressure(hist: History, cfg: RuleConfig) -> Finding | None:
+    """KV usage at or above `kv_usage` on the last two sweeps and preemptions rising."""
+    usage = [s.metrics.get(KV_USAGE) for s in hist[-2:]]
+    if len(usage) < 2 or any(u is None or u < cfg.kv_usage for u in usage):
+        return None
+    preempted = _window_delta(hist, PREEMPTED, cfg.window_sweeps)
+    if preempted is None or preempted < cfg.kv_min_preemptions:
+        return None
+    return Finding("kv_pressure", hist[-1].url, f"KV {usage[-1]:.0%} full, {preempted:.0f} "
+                   "preemptions in the window", {"token_usage": usage, "preemptions": preempted})
+
+
+def hit_rate_collapsed(hist: History, cfg: RuleConfig) -> Finding | None:
+    """Hit rate over the window fell below `hit_collapse_ratio` x the worker's own rate over
+    the older part of its history (both with enough prompt tokens)."""
+    n = cfg.window_sweeps
+    if len(hist) < n + 3:
+        return None
+    base, recent = _hit_rate(hist[0], hist[-n - 1]), _hit_rate(hist[-n - 1], hist[-1])
+    if not _collapsed(base, recent, cfg):
+        return None
+    return Finding("hit_rate_collapsed", hist[-1].url, f"hit rate {recent[0]:.0%} vs "
+                   f"{base[0]:.0%} before", {"baseline": base[0], "recent": recent[0]})
+
+
+def _collapsed(base: tuple[float, float] | None, recent: tuple[float, float] | None,
+               cfg: RuleConfig) -> bool:
+    if base is None or recent is None or min(base[1], recent[1]) < cfg.hit_min_prompt_tokens:
+        return False
+    return base[0] >= cfg.hit_min_baseline and recent[0] < cfg.hit_collapse_ratio * base[0]
+
+
+def anomaly_rate(hist: History, cfg: RuleConfig) -> Finding | None:
+    """Output anomalies (radixserve:num_anomalies_total) in the window: at least
+    `anomaly_min` and at least `anomaly_share` of the worker's requests."""
+    anomalies = _window_delta(hist, ANOMALIES, cfg.window_sweeps)
+    if anomalies is None or anomalies < cfg.anomaly_min:
+        return None
+    reqs = _window_delta(hist, REQUESTS, cfg.window_sweeps) or 0.0
+    share = anomalies / max(reqs, anomalies, 1.0)
+    if share < cfg.anomaly_share:
+        return None
+    return Finding("anomaly_rate", hist[-1].url, f"{anomalies:.0f} output anomalies in "
+                   f"{reqs:.0f} requests", {"anomalies": anomalies, "requests": reqs})
+
+
+def memory_growth(hist: History, cfg: RuleConfig) -> Finding | None:
+    """Resident memory monotone (no fall above `memory_dip_mb`) over the last
+    `memory_window_sweeps`, with a least-squares slope above the threshold and enough growth."""
+    w = [(s.t, s.metrics[RSS]) for s in _window(hist, cfg.memory_window_sweeps) if RSS in s.metrics]
+    if len(w) < cfg.memory_window_sweeps + 1:
+        return None
+    if any(b[1] < a[1] - cfg.memory_dip_mb * MIB for a, b in zip(w, w[1:])):
+        return None
+    ts, rss = [t for t, _ in w], [r for _, r in w]
+    t_mean, r_mean = statistics.fmean(ts), statistics.fmean(rss)
+    var = sum((t - t_mean) ** 2 for t in ts)
+    slope = sum((t - t_mean) * (r - r_mean) for t, r in w) / var if var else 0.0
+    growth = rss[-1] - rss[0]
+    if slope < cfg.memory_slope_mb_per_s * MIB or growth < cfg.memory_min_growth_mb * MIB:
+        return None
+    return Finding("memory_growth", hist[-1].url, f"resident memory +{growth / MIB:.0f} MiB at "
+                   f"{slope / MIB:.2f} MiB/s", {"growth_mb": growth / MIB, "slope_mb_per_s": slope / MIB})
+
+
+WORKER_RULES = (unresponsive, error_rate, queue_building, kv_pressure, hit_rate_collapsed,
+                anomaly_rate, memory_growth)
+
+
+# ---- fleet-level rules -----------------------------------------------------------------
+
+def fleet_hit_rate_collapsed(fleet: dict[str, History], cfg: RuleConfig) -> Finding | None:
+    """The fleet's hit rate (all workers' cached / prompt tokens) collapsed against its own
+    past while requests were spread evenly (max/min <= even_ratio): affinity is too weak."""
+    n = cfg.window_sweeps
+    hists = [h for h in fleet.values() if len(h) >= n + 3]
+    if len(hists) < 2:
+        return None
+    sums = [[0.0, 0.0], [0.0, 0.0]]  # [baseline, recent] x [cached, prompt]
+    for h in hists:
+        for i, (a, b) in enumerate(((h[0], h[-n - 1]), (h[-n - 1], h[-1]))):
+            cached, prompt = _delta(a, b, CACHED), _delta(a, b, PROMPT)
+            if cached is None or prompt is None:
+                return None
+            sums[i][0] += cached
+            sums[i][1] += prompt
+    base, recent = [(c / p, p) if p else None for c, p in sums]
+    reqs = [_window_delta(h, "router.num_requests", n) for h in hists]
+    if not _collapsed(base, recent, cfg) or any(r is None or r < 1 for r in reqs):
+        return None
+    if max(reqs) > cfg.even_ratio * min(reqs):
+        return None
+    return Finding("fleet_hit_rate_collapsed", None, f"fleet hit rate {recent[0]:.0%} vs "
+                   f"{base[0]:.0%} before, requests even", {"baseline": base[0],
+                                                            "recent": recent[0], "requests": reqs})
+
+
+def fleet_ttft_spread(fleet: dict[str, History], cfg: RuleConfig) -> Finding | None:
+    """Slowest / fastest worker mean TTFT >= spread_ratio, and the slowest got at least
+    imbalance_ratio x the requests of the least-used worker: affinity made a hot spot."""
+    means = {u: window_mean(h, TTFT, cfg.window_sweeps) for u, h in fleet.items()}
+    means = {u: m for u, m in means.items() if m and m[1] >= cfg.ttft_min_samples}
+    if len(means) < 2:
+        return None
+    slow, fast = max(means, key=lambda u: means[u][0]), min(means, key=lambda u: means[u][0])
+    if means[slow][0] < cfg.spread_ratio * means[fast][0] or means[slow][0] - means[fast][0] < cfg.ttft_min_abs_s:
+        return None
+    reqs = {u: _window_delta(h, "router.num_requests", cfg.window_sweeps) or 0.0
+            for u, h in fleet.items()}
+    if reqs[slow] < cfg.imbalance_ratio * max(min(reqs.values()), 1.0):
+        return None
+    return Finding("fleet_ttft_spread", None, f"TTFT {means[slow][0] * 1e3:.0f} ms on {slow} "
+                   f"(got {reqs[slow]:.0f} requests) vs {means[fast][0] * 1e3:.0f} ms on {fast}",
+                   {"slowest": slow, "fastest": fast, "requests": reqs,
+                    "ttft_s": {u: m[0] for u, m in means.items()}})
+
+
+def gpu_unhealthy(gpus: list[dict] | None) -> list[Finding]:
+    """NVML readings: uncorrected volatile ECC errors, pending retired pages, or a PCIe link
+    narrower than its maximum (AIBrix diagnose, research/routers.md §8 item 20)."""
+    findings = []
+    for g in gpus or ():
+        problems = [p for p, bad in (
+            ("uncorrected ECC errors", (g.get("ecc_uncorrected") or 0) > 0),
+            ("retired pages pending", bool(g.get("retired_pages_pending"))),
+            ("PCIe link degraded", None not in (g.get("pcie_width"), g.get("pcie_width_max"))
+             and g["pcie_width"] < g["pcie_width_max"])) if bad]
+        if problems:
+            findings.append(Finding("gpu_unhealthy", None, f"GPU {g['index']}: "
+                                    + ", ".join(problems), g))
+    return findings
+
+
+def evaluate(fleet: dict[str, History], cfg: RuleConfig,
+             gpus: list[dict] | None = None) -> list[Finding]:
+    """Every rule over every worker's history, then the fleet-level rules."""
+    findings: list[Finding] = []
+    for url, hist in fleet.items():
+        if not hist:
+            continue
+        findings += [f for rule in WORKER_RULES if (f := rule(hist, cfg))]
+        findings += [f for which in ("ttft", "itl") if (f := latency_outlier(url, fleet, cfg, which))]
+    findings += [f for rule in (fleet_hit_rate_collapsed, fleet_ttft_spread) if (f := rule(fleet, cfg))]
+    return findings + gpu_unhealthy(gpus)
+
+
+def probe_recovered(hist: History, cfg: RuleConfig) -> bool:
+    """The last `recover_sweeps` probes of a drained worker each finished within
+    `recover_ratio` x its peer's latency (hysteresis: the drain needed `latency_ratio`)."""
+    probes = [s.probe for s in hist[-cfg.recover_sweeps:]]
+    if len(probes) < cfg.recover_sweeps:
+        return False
+    return all(p is not None and p.latency_s is not None and p.peer_latency_s is not None
+               and p.latency_s <= cfg.recover_ratio * p.peer_latency_s for p in probes)
