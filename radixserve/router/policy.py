@@ -63,8 +63,9 @@ class Policy:
         return dict(self._params)
 
     def set_params(self, **kw: float) -> dict[str, float]:
-        """Set any of cache_threshold ([0, 1]), balance_abs_threshold (>= 0, requests) and
-        balance_rel_threshold (>= 1); all or nothing. Returns the params in force.
+        """Set any of cache_threshold ([0, 1]), balance_abs_threshold (>= 0, requests; also the
+        load a stale reading adds) and balance_rel_threshold (>= 1); all or nothing.
+        Returns the params in force.
         Raises ValueError on an unknown name or a bad value."""
         new = dict(self._params)
         for name, value in kw.items():
@@ -81,6 +82,7 @@ class Policy:
         if new["balance_rel_threshold"] < 1.0:
             raise ValueError("balance_rel_threshold must be >= 1")
         self._params = new
+        self.registry.set_stale_penalty(new["balance_abs_threshold"])
         return self.params()
 
     def loads(self, candidates: list[WorkerState]) -> dict[str, float]:

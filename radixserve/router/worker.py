@@ -152,6 +152,8 @@ class WorkerRegistry:
 
     `on_remove` callbacks (url) run when a worker is removed (the policy drops its tree
     entries). `clock` returns seconds (monotonic); policies read `now` from it.
+    `stale_penalty` (requests) is what a stale load reading adds; it follows the dead-band
+    width, balance_abs_threshold, also when the policy changes it at runtime.
     """
 
     def __init__(self, config: RouterConfig | None = None,
@@ -160,6 +162,13 @@ class WorkerRegistry:
         self.clock = clock
         self._workers: dict[str, WorkerState] = {}
         self.on_remove: list[Callable[[str], None]] = []
+        self.stale_penalty = self.config.balance_abs_threshold
+
+    def set_stale_penalty(self, penalty: float) -> None:
+        """Set the load a stale reading adds (requests), on every worker now and later."""
+        self.stale_penalty = penalty
+        for worker in self._workers.values():
+            worker.stale_penalty = penalty
 
     def add(self, url: str, weight: float = 1.0, healthy: bool = True) -> WorkerState:
         """Add a worker (healthy=False: it gets traffic once health checks pass).
@@ -172,7 +181,7 @@ class WorkerRegistry:
                                  disabled=cfg.disable_circuit_breaker, name=url)
         worker = WorkerState(url, weight=check_weight(weight), healthy=healthy,
                              breaker=breaker, stale_s=cfg.load_stale_s,
-                             stale_penalty=cfg.balance_abs_threshold,
+                             stale_penalty=self.stale_penalty,
                              smoothing=cfg.load_smoothing)
         self._workers[url] = worker
         return worker

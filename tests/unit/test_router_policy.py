@@ -198,6 +198,11 @@ def test_set_params_validates_and_changes_behaviour():
         with pytest.raises(ValueError):
             pol.set_params(**bad)
     assert pol.params()["cache_threshold"] == 0.3  # all or nothing
+    pol.set_params(balance_abs_threshold=8)
+    assert [w.stale_penalty for w in reg.list()] == [8.0, 8.0]
+    assert reg.add("http://late").stale_penalty == 8.0
+    reg.remove("http://late")
+    pol.set_params(balance_abs_threshold=16)
     owner = route(reg, pol, SYSTEM + "a").worker
     owner.in_flight = 1
     assert route(reg, pol, SYSTEM + "b").reason == "prefix_hit"
