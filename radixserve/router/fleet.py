@@ -1,0 +1,187 @@
+"""`radixserve fleet --num-workers N [router flags] [worker flags]`: N workers plus a router on one machine."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import IO, Any
+
+import httpx
+
+from radixserve.config import add_dataclass_args, from_args
+from radixserve.router.config import RouterConfig
+
+logger = logging.getLogger("radixserve.fleet")
+
+STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL of the process group after this long
+PR_SET_PDEATHSIG = 1
+
+
+class Stop(Exception):
+    """SIGINT or SIGTERM arrived while the fleet was starting."""
+
+
+@dataclass
+class WorkerProc:
+    """One worker subprocess, leader of its own process group (its engine is in it too)."""
+
+    url: str
+    argv: list[str]
+    log_path: str
+    proc: subprocess.Popen
+    log: IO[Any]
+
+    def to_json(self) -> dict:
+        return {"url": self.url, "pid": self.proc.pid, "argv": self.argv, "log": self.log_path}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Fleet flags and the router's; anything else is passed to every worker."""
+    parser = argparse.ArgumentParser(
+        prog="radixserve fleet", allow_abbrev=False,
+        description="Start N `radixserve serve` workers and a router in front of them; flags "
+                    "not listed here go to every worker (e.g. --model-path). Ctrl-C or SIGTERM "
+                    "stops them all.")
+    fleet = parser.add_argument_group("fleet")
+    fleet.add_argument("--num-workers", type=int, required=True, help="workers to start")
+    fleet.add_argument("--worker-base-port", type=int, default=31000,
+                       help="worker i listens on this + i (default: 31000)")
+    fleet.add_argument("--worker-host", default="127.0.0.1", help="workers' listen address")
+    fleet.add_argument("--manifest", default=None,
+                       help="write {router_url, workers: [{url, pid, argv, log}]} here (JSON) "
+                            "once every worker is healthy")
+    fleet.add_argument("--log-dir", default=None,
+                       help="folder for worker logs (default: a new temporary folder)")
+    fleet.add_argument("--startup-timeout-s", type=float, default=600.0,
+                       help="most seconds to wait for every worker's /health (default: 600)")
+    add_dataclass_args(parser.add_argument_group("router"), RouterConfig)
+    return parser
+
+
+def _die_with_parent() -> None:
+    """Child-side (preexec): own process group, and SIGTERM if the fleet process dies
+    (Linux prctl PR_SET_PDEATHSIG), so a killed fleet leaves no orphans."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn_worker(argv: list[str], url: str, log_path: str) -> WorkerProc:
+    """Start one worker with `argv`; stdout and stderr go to `log_path`."""
+    log = open(log_path, "ab")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+    return WorkerProc(url, argv, log_path, proc, log)
+
+
+def wait_healthy(workers: list[WorkerProc], timeout_s: float) -> None:
+    """Block until every worker's GET /health is 200. Raises RuntimeError if one exits or
+    the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(workers)
+    while pending:
+        for w in list(pending):
+            if w.proc.poll() is not None:
+                raise RuntimeError(f"worker {w.url} exited with {w.proc.returncode} during "
+                                   f"start-up; see {w.log_path}")
+            try:
+                if httpx.get(w.url + "/health", timeout=2.0).status_code == 200:
+                    pending.remove(w)
+            except httpx.TransportError:
+                pass  # not listening yet
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"workers not healthy after {timeout_s} s: "
+                               f"{[w.url for w in pending]}")
+        if pending:
+            time.sleep(0.5)
+
+
+def stop_workers(workers: list[WorkerProc]) -> None:
+    """SIGTERM every worker's process group, wait up to STOP_GRACE_S, then SIGKILL."""
+    for w in workers:
+        _signal_group(w, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for w in workers:
+        try:
+            w.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("worker %s ignored SIGTERM; killing it", w.url)
+        _signal_group(w, signal.SIGKILL)  # also reaps an engine left behind by its server
+        w.proc.wait()
+        w.log.close()
+
+
+def _signal_group(w: WorkerProc, sig: int) -> None:
+    try:
+        os.killpg(w.proc.pid, sig)
+    except ProcessLookupError:
+        logger.debug("worker %s process group already gone", w.url)
+
+
+def write_manifest(path: str, router_url: str, workers: list[WorkerProc]) -> None:
+    """Write the manifest atomically (a reader never sees half a file)."""
+    body = {"router_url": router_url, "workers": [w.to_json() for w in workers]}
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(body, f, indent=2)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `radixserve fleet`. Returns 0 after a clean stop, 1 if start-up
+    failed, 2 on bad flags."""
+    from radixserve.router.cli import run
+
+    parser = build_parser()
+    args, worker_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = from_args(RouterConfig, args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.num_workers < 1:
+        parser.error("--num-workers must be >= 1")
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="radixserve-fleet-")
+    os.makedirs(log_dir, exist_ok=True)
+
+    def on_signal(sig: int, frame: object) -> None:
+        raise Stop(f"signal {sig}")
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    workers: list[WorkerProc] = []
+    try:
+        for i in range(args.num_workers):
+            port = args.worker_base_port + i
+            url = f"http://{args.worker_host}:{port}"
+            cmd = [sys.executable, "-m", "radixserve", "serve", *worker_args,
+                   "--host", args.worker_host, "--port", str(port), "--log-level", config.log_level]
+            workers.append(spawn_worker(cmd, url, os.path.join(log_dir, f"worker-{i}.log")))
+        wait_healthy(workers, args.startup_timeout_s)
+        router_url = f"http://{config.host}:{config.port}"
+        if args.manifest:
+            write_manifest(args.manifest, router_url, workers)
+        logger.info("fleet: %d workers healthy (logs in %s); router on %s",
+                    len(workers), log_dir, router_url)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        return run(config, [w.url for w in workers])
+    except Stop as exc:
+        logger.info("fleet: stopping during start-up (%s)", exc)
+        return 0
+    except RuntimeError as exc:
+        logger.error("fleet: %s", exc)
+        return 1
+    finally:
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        stop_workers(workers)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
