@@ -3,70 +3,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import logging
 import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.config import EngineConfig, ServerConfig
-from radixserve.errors import BodyTooLarge, EngineDead, InvalidRequest, RadixServeError, Unauthorized
+from radixserve.errors import EngineDead, InvalidRequest, RadixServeError, Unauthorized
 from radixserve.sampling_params import SamplingParams
 from radixserve.server import responses
+from radixserve.server.admin_routes import install_admin_routes
+from radixserve.server.anomaly import GuardConfig
 from radixserve.server.engine_client import EngineClient
 from radixserve.server.engine_proc import AddReq, EngineBuilder
 from radixserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                        ModelList, new_id, now_s, render_details, validation_error)
-from radixserve.server.serving import (ClientDisconnected, GenerationRun, ServingContext,
-                                       chat_prompt, check_context, completion_prompts,
-                                       race_disconnect)
+                                        ModelList, new_id, now_s, render_details)
+from radixserve.server.responses import ClientDisconnected
+from radixserve.server.serving import (GenerationRun, ServingContext, chat_prompt, check_context,
+                                       completion_prompts, parse_body)
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 << 20
-MAX_ADMIN_BODY_BYTES = 64 << 10
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 METRICS_STATS_TIMEOUT_S = 5.0  # a wedged engine must not hang or 500 the scrape
 ENGINE_DEATH_GRACE_S = 1.0   # after engine death, answer 503s this long before exiting
-Req = TypeVar("Req", bound=BaseModel)
-
-
-class AbortRequest(BaseModel, extra="forbid"):
-    """Body of POST /abort_request: `rid` is the `id` of a completion or chat completion
-    (the response body's `id`, or any streamed chunk's); `abort_all` ends every open request."""
-
-    rid: str = ""
-    abort_all: bool = False
-
-
-async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BODY_BYTES) -> Req:
-    """Validate a JSON body against `model`; every failure is an InvalidRequest (400), a body
-    over `max_bytes` is 413."""
-    content_type = request.headers.get("content-type", "")
-    if content_type.split(";")[0].strip().lower() != "application/json":
-        raise InvalidRequest("Content-Type must be application/json", param="content-type")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise BodyTooLarge(f"request body is larger than {max_bytes} bytes")
-    body = await request.body()
-    if len(body) > max_bytes:
-        raise BodyTooLarge(f"request body is larger than {max_bytes} bytes")
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
 
 
 def _error_response(exc: RadixServeError) -> JSONResponse:
@@ -113,43 +84,13 @@ def api_key_check(api_key: str | None) -> Callable[[Request], Any]:
     return check
 
 
-class _EventStream(StreamingResponse):
-    """SSE response that closes its run however the response ends, even when the client is
-    gone before the first event (then the event generator never starts, so its own cleanup
-    would never run)."""
-
-    def __init__(self, events: Any, run: GenerationRun):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        self.run = run
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.run.close()
-
-
-async def _respond(request: Request, run: GenerationRun, stream: bool, full: Any, chunks: Any,
-                   req: Any, rid: str) -> Response:
-    """Submit the run, then stream it or collect it. Any rejection raises before a byte is sent
-    (field case C10); a client that goes away aborts the run (C06)."""
-    created = now_s()
-    await run.__aenter__()
-    if stream:
-        return _EventStream(chunks(run.ctx, run, req, rid, created), run)
-    try:
-        result = await race_disconnect(request.receive, full(run.ctx, run, req, rid, created))
-    finally:
-        run.close()
-    return Response(result.model_dump_json(), media_type="application/json")
-
-
 def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     if ctx.metrics is None:
         ctx.metrics = ServerMetrics(ctx.model_name)
+    if not server_config.disable_anomaly_guard:
+        ctx.guard = GuardConfig()
     auth = [Depends(api_key_check(server_config.api_key))]
     v1 = APIRouter(prefix="/v1", dependencies=auth)
     created = now_s()
@@ -168,8 +109,8 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         ctx.check_capacity()
         rid = new_id("cmpl")
         run = GenerationRun(ctx, rid, prompts, params)
-        return await _respond(request, run, req.stream, responses.completion_response,
-                              responses.completion_chunks, req, rid)
+        return await responses.respond(request, run, req.stream, responses.completion_response,
+                                       responses.completion_chunks, req, rid)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -186,8 +127,8 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         ctx.check_capacity()
         rid = new_id("chatcmpl")
         run = GenerationRun(ctx, rid, [prompt], params)
-        return await _respond(request, run, req.stream, responses.chat_response,
-                              responses.chat_chunks, req, rid)
+        return await responses.respond(request, run, req.stream, responses.chat_response,
+                                       responses.chat_chunks, req, rid)
 
     @v1.get("/models")
     async def models() -> Response:
@@ -218,42 +159,6 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
             stream.close()
         return JSONResponse({"status": "ok"})
 
-    @app.post("/flush_cache", dependencies=auth)
-    async def flush_cache() -> Response:
-        if not await ctx.client.call("flush_cache"):
-            raise InvalidRequest("the cache cannot be flushed while requests are running")
-        return JSONResponse({"flushed": True})
-
-    @app.post("/abort_request", dependencies=auth)
-    async def abort_request(request: Request) -> Response:
-        """End open requests with finish_reason "abort"; an unknown rid is not an error (it
-        may have just finished). Returns the ids aborted."""
-        body = await parse_body(request, AbortRequest, MAX_ADMIN_BODY_BYTES)
-        if not body.abort_all and not body.rid:
-            raise InvalidRequest("give a rid or abort_all: true", param="rid")
-        runs = list(ctx.runs.values()) if body.abort_all else [ctx.runs.get(body.rid)]
-        aborted = []
-        for run in runs:
-            if run is not None:
-                run.abort()
-                aborted.append(run.base_id)
-        return JSONResponse({"aborted": aborted})
-
-    async def server_info() -> Response:
-        """Config, pool usage and hit rate (SGLang's /get_server_info; /server_info too)."""
-        return JSONResponse({"model": ctx.model_name, "model_path": ctx.model_path,
-                             "max_context_len": ctx.max_context_len,
-                             "page_size": ctx.client.info.page_size if ctx.client.info else None,
-                             "num_open_requests": ctx.client.num_open_requests,
-                             "max_open_requests": ctx.max_open_requests,
-                             "engine_pid": ctx.client.proc.pid,
-                             "engine_alive": ctx.client.is_alive,
-                             "server_config": dataclasses.asdict(server_config) | {"api_key": None},
-                             "engine": await ctx.client.call("stats")})
-
-    for path in ("/get_server_info", "/server_info"):
-        app.add_api_route(path, server_info, methods=["GET"], dependencies=auth)
-
     @app.get("/metrics")
     async def metrics() -> Response:
         """Prometheus text format; engine gauges and counters are read from the engine now."""
@@ -266,27 +171,7 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
                 logger.warning("engine stats unavailable; /metrics shows the last snapshot")
         return Response(ctx.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
-    if server_config.enable_debug_endpoints:
-        @app.get("/debug/pages", dependencies=auth)
-        async def debug_pages() -> Response:
-            """Page pool: free / cached (evictable) / in use, and whether the ownership
-            invariant (free + cached + private == total) holds right now."""
-            try:
-                await ctx.client.call("check_invariants")
-                invariant, error = True, None
-            except RuntimeError as exc:
-                invariant, error = False, str(exc)
-            stats = await ctx.client.call("stats")
-            in_use = stats["num_pages"] - stats["num_free_pages"] - stats["num_evictable_pages"]
-            return JSONResponse({
-                "num_pages": stats["num_pages"], "page_size": stats["page_size"],
-                "num_free_pages": stats["num_free_pages"],
-                "num_cached_pages": stats["num_cached_pages"],
-                "num_evictable_pages": stats["num_evictable_pages"],
-                "num_in_use_pages": in_use,
-                "num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
-                "invariant_holds": invariant, "invariant_error": error})
-
+    install_admin_routes(app, ctx, server_config, auth)
     return app
 
 

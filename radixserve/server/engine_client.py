@@ -216,14 +216,16 @@ class EngineClient:
         self.unroute(leftover)
         self.abort(leftover)
 
-    async def call(self, method: str, timeout_s: float = 60.0) -> Any:
-        """Run `method` ("flush_cache", "stats", "check_invariants") in the engine process."""
+    async def call(self, method: str, timeout_s: float = 60.0,
+                   args: dict[str, Any] | None = None) -> Any:
+        """Run `method(**args)` in the engine process (engine_proc.CALL_METHODS, LOOP_METHODS).
+        Raises EngineDead, asyncio.TimeoutError, or RuntimeError with the engine's error."""
         if self.dead_reason is not None:
             raise EngineDead(self.dead_reason)
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._send(Call(call_id, method))
+        self._send(Call(call_id, method, args or {}))
         try:
             return await asyncio.wait_for(fut, timeout_s)
         finally:

@@ -5,7 +5,8 @@ both ipc:// endpoints):
 
     HTTP -> engine   Submit(group_id, adds)     all choices of one HTTP request, added atomically
                      Abort(request_ids)         fire and forget; the final output is not sent back
-                     Call(call_id, method)      flush_cache | stats | check_invariants
+                     Call(call_id, method, args) flush_cache | stats | check_invariants (Engine
+                                                methods) | set_step_latency (the loop's own)
                      Shutdown()
     engine -> HTTP   Ready(info)                once, after the model is loaded
                      Submitted(group_id, error) one per Submit, before any output of its requests
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import random
 import signal
 import time
 import traceback
@@ -37,7 +39,8 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500        # how often an idle engine checks that its parent is alive
 SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hanging forever
 HEARTBEAT_S = 1.0         # the loop says it is alive at least this often (between steps)
-CALL_METHODS = ("flush_cache", "stats", "check_invariants")
+CALL_METHODS = ("flush_cache", "stats", "check_invariants")   # Engine methods
+LOOP_METHODS = ("set_step_latency",)                          # EngineLoop methods
 
 
 # ---- messages -------------------------------------------------------------------------------
@@ -59,6 +62,7 @@ class Abort(msgspec.Struct, frozen=True, tag=True):
 class Call(msgspec.Struct, frozen=True, tag=True):
     call_id: int
     method: str
+    args: dict[str, Any] = {}
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag=True):
@@ -143,6 +147,7 @@ class EngineLoop:
         self.encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         self.running = True
         self.last_send_s = time.monotonic()
+        self.step_latency: StepLatency | None = None
 
     def send(self, msg: FromEngine) -> None:
         data = self.encoder.encode(msg)
@@ -166,6 +171,8 @@ class EngineLoop:
                 logger.info("parent process is gone; engine exits")
                 return
             if self.running and self.engine.has_unfinished():
+                if self.step_latency is not None:
+                    self.step_latency = self.step_latency.sleep()
                 outputs = self.engine.step()
                 if outputs:
                     self.send(Outputs(outputs))
@@ -209,16 +216,41 @@ class EngineLoop:
         self.send(Submitted(msg.group_id))
 
     def call(self, msg: Call) -> None:
-        if msg.method not in CALL_METHODS:
+        if msg.method not in CALL_METHODS + LOOP_METHODS:
             self.send(CallResult(msg.call_id, error=f"unknown method {msg.method!r}"))
             return
+        target = self if msg.method in LOOP_METHODS else self.engine
         try:
-            value = getattr(self.engine, msg.method)()
+            value = getattr(target, msg.method)(**msg.args)
         except Exception as exc:
             logger.exception("engine call %s failed", msg.method)
             self.send(CallResult(msg.call_id, error=f"{type(exc).__name__}: {exc}"))
             return
         self.send(CallResult(msg.call_id, value=value))
+
+
+    def set_step_latency(self, latency_ms: float, jitter_ms: float = 0.0,
+                         duration_s: float | None = None) -> None:
+        """Fault injection: sleep latency_ms (uniform +- jitter_ms, floored at 0) before each
+        step for duration_s (None: until set to 0 again)."""
+        ends_s = None if duration_s is None else time.monotonic() + duration_s
+        self.step_latency = (StepLatency(latency_ms / 1000, jitter_ms / 1000, ends_s)
+                             if latency_ms > 0 or jitter_ms > 0 else None)
+
+
+class StepLatency(msgspec.Struct, frozen=True):
+    """An injected per-step delay (seconds) until `ends_s` (time.monotonic(); None: no end)."""
+
+    latency_s: float
+    jitter_s: float
+    ends_s: float | None
+
+    def sleep(self) -> StepLatency | None:
+        """Sleep once; returns self, or None once expired."""
+        if self.ends_s is not None and time.monotonic() >= self.ends_s:
+            return None
+        time.sleep(max(self.latency_s + random.uniform(-self.jitter_s, self.jitter_s), 0.0))
+        return self
 
 
 def _enc_hook(obj: Any) -> Any:

@@ -15,15 +15,19 @@ Where each number is measured:
   for requests that end by abort or error), and queue time (arrival to first admission,
   measured by the engine and carried on its outputs). That is a few float operations per
   delta; nothing per token.
+- Output anomalies (num_anomalies_total{kind}) are counted in the HTTP process, where the
+  guard runs; process_* (resident memory, CPU, open fds) describe the HTTP process.
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from radixserve.server.anomaly import KINDS as ANOMALY_KINDS
 
 PREFIX = "radixserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -110,6 +114,16 @@ class ServerMetrics:
                         "Arrival to last output, aborted and failed requests included.", E2E_BUCKETS)
         self.queue_time = hist("queue_time_seconds", "Arrival in the engine to first admission.",
                                QUEUE_BUCKETS)
+        self.model_name = model_name
+        self.anomalies = Counter(PREFIX + "num_anomalies", "Requests stopped by the output-anomaly "
+                                 "guard, by detector.", ["model_name", "kind"], registry=self.registry)
+        for kind in ANOMALY_KINDS:   # every kind shows up, at 0, from the first scrape
+            self.anomalies.labels(model_name=model_name, kind=kind)
+        ProcessCollector(registry=self.registry)   # process_resident_memory_bytes, ...
+
+    def count_anomaly(self, kind: str) -> None:
+        """One request stopped by the guard's `kind` detector."""
+        self.anomalies.labels(model_name=self.model_name, kind=kind).inc()
 
     def render(self, stats: dict[str, Any] | None) -> bytes:
         """Prometheus text format; `stats` is Engine.stats() (None when the engine is gone)."""

@@ -1,4 +1,4 @@
-"""OpenAI completion and chat responses from one GenerationRun: collected, or as SSE chunks.
+"""OpenAI completion and chat responses from one GenerationRun: collected, or as SSE chunks, and their delivery.
 
 SSE framing (field case C17), per choice index: chat sends one role delta first; content
 chunks carry no finish_reason; then exactly one chunk with an empty delta and the
@@ -9,21 +9,24 @@ come from the same RequestTracker updates.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from radixserve.engine.runner_api import TokenLogprob
 from radixserve.errors import RadixServeError
 from radixserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                        ChatCompletionResponse, ChatMessageOut, ChatStreamChoice,
-                                        CompletionChoice, CompletionChunk, CompletionLogprobs,
-                                        CompletionRequest, CompletionResponse)
-from radixserve.server.serving import (GenerationRun, ServingContext, chat_logprobs,
-                                       completion_logprobs)
+                                        ChatCompletionResponse, ChatLogprobs, ChatMessageOut,
+                                        ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
+                                        CompletionChunk, CompletionLogprobs, CompletionRequest,
+                                        CompletionResponse, TopLogprob, now_s)
+from radixserve.server.serving import GenerationRun, ServingContext
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,33 @@ async def collect(run: GenerationRun) -> list[ChoiceResult]:
         if u.finish_reason is not None:
             r.finish_reason, r.stop_reason = u.finish_reason, u.stop_reason
     return results
+
+
+# ---- logprobs formats ---------------------------------------------------------------------
+def completion_logprobs(ctx: ServingContext, ids: list[int], entries: list[TokenLogprob | None],
+                        text_offset: int) -> CompletionLogprobs:
+    """OpenAI legacy format; `ids[i]` is the token at position i and `entries[i]` its logprob."""
+    out = CompletionLogprobs()
+    for tid, lp in zip(ids, entries):
+        text = ctx.token_text(tid)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob if lp is not None else None)
+        out.top_logprobs.append({ctx.token_text(t): v for t, v in lp.top} if lp is not None else None)
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+    return out
+
+
+def chat_logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogprobs:
+    """OpenAI chat format: one entry per generated token, each with its top alternatives."""
+    content = []
+    for lp in entries:
+        text = ctx.token_text(lp.token_id)
+        top = [TopLogprob(token=ctx.token_text(t), logprob=v,
+                          bytes=list(ctx.token_text(t).encode())) for t, v in lp.top]
+        content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()),
+                                        top_logprobs=top))
+    return ChatLogprobs(content=content)
 
 
 # ---- /v1/completions ------------------------------------------------------------------------
@@ -172,8 +202,76 @@ async def chat_chunks(ctx: ServingContext, run: GenerationRun, req: ChatCompleti
     yield DONE
 
 
+# ---- delivery ---------------------------------------------------------------------------
+async def until_disconnected(receive: Any) -> None:
+    """Return when the HTTP client goes away (the body has been read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+async def race_disconnect(receive: Any, work: Any) -> Any:
+    """Await `work` unless the client disconnects first; then cancel it and raise
+    ClientDisconnected (the caller closes the run, which aborts the engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnected(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise ClientDisconnected()
+
+
+class _EventStream(StreamingResponse):
+    """SSE response that closes its run however the response ends, even when the client is
+    gone before the first event (then the event generator never starts, so its own cleanup
+    would never run)."""
+
+    def __init__(self, events: Any, run: GenerationRun):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.run = run
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
+
+
+async def respond(request: Request, run: GenerationRun, stream: bool, full: Any, chunks: Any,
+                  req: Any, rid: str) -> Response:
+    """Submit the run, then stream it or collect it. Any rejection raises before a byte is sent
+    (field case C10), as does an injected "fail" fault; a client that goes away aborts the
+    run (C06)."""
+    created = now_s()
+    await run.__aenter__()
+    if run.ctx.faults is not None:
+        try:
+            await run.ctx.faults.on_accepted()
+        except BaseException:
+            run.close()
+            raise
+    if stream:
+        return _EventStream(chunks(run.ctx, run, req, rid, created), run)
+    try:
+        result = await race_disconnect(request.receive, full(run.ctx, run, req, rid, created))
+    finally:
+        run.close()
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
 def _error_event(exc: Exception) -> str:
-    """An error after the 200 went out (engine died mid-stream): the only way left to say so."""
+    """An error after the 200 went out (engine died mid-stream, output anomaly): the only way
+    left to say so."""
     if isinstance(exc, RadixServeError):
         body = exc.to_dict()
     else:

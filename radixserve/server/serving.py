@@ -1,24 +1,34 @@
-"""From OpenAI requests to engine requests and back: prompts, limits, runs, usage, logprobs."""
+"""From OpenAI requests to engine requests and back: prompts, limits, runs (guarded), usage."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
 
 from radixserve.engine.runner_api import TokenLogprob
-from radixserve.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded
+from radixserve.errors import (BodyTooLarge, ContextLengthExceeded, InvalidRequest, ModelNotFound,
+                               OutputAnomaly, Overloaded)
 from radixserve.sampling_params import SamplingParams
+from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
 from radixserve.server.engine_client import EngineClient, RequestStream
 from radixserve.server.engine_proc import AddReq
+from radixserve.server.faults import FaultInjector
 from radixserve.server.metrics import RequestTimer, ServerMetrics
-from radixserve.server.protocol import (ChatCompletionRequest, ChatLogprobs, ChatTokenLogprob,
-                                        CompletionLogprobs, CompletionRequest, PromptTokensDetails,
-                                        TopLogprob, Usage)
+from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                        PromptTokensDetails, Usage, validation_error)
 from radixserve.tokenizer.output_processor import RequestTracker
 
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20
 MAX_CHOICES = 256           # prompts x n in one request
 LONG_TEXT_CHARS = 32_768    # tokenize longer texts in a worker thread
+Req = TypeVar("Req", bound=BaseModel)
 
 
 @dataclass
@@ -31,6 +41,8 @@ class ServingContext:
     model_path: str
     max_open_requests: int
     metrics: ServerMetrics | None = None
+    guard: GuardConfig | None = None        # None: the output-anomaly guard is off
+    faults: FaultInjector | None = None     # None: fault injection is off
     runs: dict[str, GenerationRun] = field(default_factory=dict)   # response id -> open run
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -141,6 +153,24 @@ def check_context(ctx: ServingContext, num_prompt_tokens: int, max_tokens: int |
         param="max_tokens" if num_prompt_tokens < limit and max_tokens else "prompt")
 
 
+async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BODY_BYTES) -> Req:
+    """Validate a JSON body against `model`; every failure is an InvalidRequest (400), a body
+    over `max_bytes` is 413."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise InvalidRequest("Content-Type must be application/json", param="content-type")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge(f"request body is larger than {max_bytes} bytes")
+    body = await request.body()
+    if len(body) > max_bytes:
+        raise BodyTooLarge(f"request body is larger than {max_bytes} bytes")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
 # ---- one run --------------------------------------------------------------------------------
 @dataclass
 class Update:
@@ -158,7 +188,11 @@ class Update:
 class GenerationRun:
     """All engine requests of one HTTP request: a RequestTracker per prompt, fanned out to n
     engine requests each, added to the engine as one group. Use as an async context manager;
-    leaving it aborts whatever has not finished (client gone, error)."""
+    leaving it aborts whatever has not finished (client gone, error).
+
+    Each choice's text deltas pass the corrupt fault (when it picked this run) and then the
+    output-anomaly guard (when on); a detection ends the whole run (`updates` raises
+    OutputAnomaly after an "abort" update for that choice)."""
 
     def __init__(self, ctx: ServingContext, base_id: str, prompts: list[Prompt],
                  params: SamplingParams):
@@ -176,6 +210,9 @@ class GenerationRun:
                 self._adds.append(AddReq(child_id, prompt.ids, child_params))
         self.stream: RequestStream | None = None
         self._timers: dict[str, RequestTimer] = {}
+        num_choices = len(prompts) * self.n
+        self._guards = [AnomalyGuard(ctx.guard) for _ in range(num_choices)] if ctx.guard else []
+        self._corrupter = ctx.faults.corrupter() if ctx.faults is not None else None
 
     async def __aenter__(self) -> GenerationRun:
         """Submit to the engine and wait for it to accept (raises its rejection). While open,
@@ -228,8 +265,24 @@ class GenerationRun:
                 self.stream.abort(u.abort_child)
             if u.is_empty:
                 continue
-            yield Update(prompt_index * self.n + u.index, prompt_index, u.text, u.token_ids,
-                         u.logprobs, u.finish_reason, u.stop_reason)
+            index = prompt_index * self.n + u.index
+            text = u.text if self._corrupter is None else self._corrupter.apply(index, u.text)
+            if self._guards:
+                detection = self._guards[index].feed(GuardInput(text, u.token_ids))
+                if detection is not None:
+                    yield Update(index, prompt_index, "", [], None, "abort", None)
+                    raise self._anomaly(index, detection.kind, detection.detail)
+            yield Update(index, prompt_index, text, u.token_ids, u.logprobs, u.finish_reason,
+                         u.stop_reason)
+
+    def _anomaly(self, index: int, kind: str, detail: str) -> OutputAnomaly:
+        """Count and log a detection; the caller raises it and closing the run aborts every
+        choice in the engine (their pages are freed)."""
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.count_anomaly(kind)
+        logger.warning("output anomaly (%s) in %s choice %d: %s", kind, self.base_id, index, detail)
+        return OutputAnomaly(f"The output of choice {index} looked broken ({kind}: {detail}); "
+                             "the request was stopped. Retrying it may succeed.", kind)
 
     def usage(self) -> Usage:
         prompt = sum(t.prompt_tokens for t in self.trackers)
@@ -249,57 +302,3 @@ class GenerationRun:
         """Per prompt position: None for the first token, then the model's logprob of each."""
         lps = self.trackers[prompt_index].prompt_logprobs or []
         return [None, *lps]
-
-
-async def until_disconnected(receive: Any) -> None:
-    """Return when the HTTP client goes away (the body has been read already)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its response was ready."""
-
-
-async def race_disconnect(receive: Any, work: Any) -> Any:
-    """Await `work` unless the client disconnects first; then cancel it and raise
-    ClientDisconnected (the caller closes the run, which aborts the engine requests)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(until_disconnected(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    raise ClientDisconnected()
-
-
-# ---- logprobs formats ---------------------------------------------------------------------
-def completion_logprobs(ctx: ServingContext, ids: list[int], entries: list[TokenLogprob | None],
-                        text_offset: int) -> CompletionLogprobs:
-    """OpenAI legacy format; `ids[i]` is the token at position i and `entries[i]` its logprob."""
-    out = CompletionLogprobs()
-    for tid, lp in zip(ids, entries):
-        text = ctx.token_text(tid)
-        out.tokens.append(text)
-        out.token_logprobs.append(lp.logprob if lp is not None else None)
-        out.top_logprobs.append({ctx.token_text(t): v for t, v in lp.top} if lp is not None else None)
-        out.text_offset.append(text_offset)
-        text_offset += len(text)
-    return out
-
-
-def chat_logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogprobs:
-    """OpenAI chat format: one entry per generated token, each with its top alternatives."""
-    content = []
-    for lp in entries:
-        text = ctx.token_text(lp.token_id)
-        top = [TopLogprob(token=ctx.token_text(t), logprob=v,
-                          bytes=list(ctx.token_text(t).encode())) for t, v in lp.top]
-        content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()),
-                                        top_logprobs=top))
-    return ChatLogprobs(content=content)

@@ -1,0 +1,234 @@
+"""Online output-anomaly detectors over one choice's generated text: runaway repetition, garbled text, rare-character noise.
+
+Each detector sees every text delta once, character by character, and keeps O(1) state, so
+a delta costs O(len(delta) * max_period_chars) at most (repetition) and O(len(delta)) for
+the others; nothing is ever re-scanned. Pure Python (`unicodedata`), no torch.
+
+    AnomalyGuard(config)                one per choice
+      .feed(GuardInput(text, ...))      -> Detection | None   (the first detection sticks)
+        RepetitionDetector   "repetition"  the tail is one short period repeated many times
+        GarbledDetector      "garbled"     U+FFFD, lone surrogates, C1 controls, mojibake,
+                                           words mixing alphabets (Latin+Cyrillic, ...)
+        RareCharDetector     "rare_chars"  private-use, unassigned, control and format
+                                           characters, symbols from rarely used blocks
+
+Slot for a speculative-decoding detector: `GuardInput` carries `num_draft_tokens` and
+`num_accepted_tokens` (None while the engine does not speculate). A detector of a collapsed
+acceptance rate (the target model suddenly disagreeing with its draft, e.g. corrupted
+weights or KV) implements `Detector`, reads those two fields, and is passed to
+`AnomalyGuard(config, extra_detectors=[...])`; its `kind` becomes a new label value of
+radixserve:num_anomalies_total.
+
+Thresholds (GuardConfig defaults) were set against ordinary generations of the default
+model and of the tiny random test model; docs/anomaly_guard.md has the measured rates.
+"""
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple, Protocol
+
+KINDS = ("repetition", "garbled", "rare_chars")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Detector thresholds. Counts are in characters (str items) unless named otherwise."""
+
+    max_period_chars: int = 80       # loops of up to ~20 tokens of English text
+    min_loop_chars: int = 256        # a loop must cover at least this much of the tail ...
+    min_loop_repeats: int = 8        # ... and repeat its period at least this often
+    min_bad_chars: int = 6           # garbled: U+FFFD / surrogates / C1 / mojibake pairs ...
+    min_bad_fraction: float = 0.03   # ... and at least this share of the text
+    min_mixed_words: int = 4         # garbled: words mixing two alphabets ...
+    min_mixed_fraction: float = 0.15  # ... and at least this share of the words
+    min_rare_chars: int = 3          # rare_chars: at least this many ...
+    min_rare_fraction: float = 0.01  # ... and at least this share of the text
+
+
+class Detection(NamedTuple):
+    """What fired: `kind` in KINDS (or an extra detector's kind) and a human-readable reason."""
+
+    kind: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class GuardInput:
+    """One delta of one choice: its new text and token ids; the speculative-decoding fields
+    (tokens drafted / accepted in the steps behind this delta) are None without speculation."""
+
+    text: str
+    token_ids: Sequence[int] = ()
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
+
+
+class Detector(Protocol):
+    """An online detector: `feed` each delta in order; a non-None return ends the request."""
+
+    kind: str
+
+    def feed(self, delta: GuardInput) -> Detection | None: ...
+
+
+class RepetitionDetector:
+    """Runaway repetition: the output's tail is periodic with a period p <= max_period_chars
+    covering >= min_loop_chars and >= min_loop_repeats * p characters.
+
+    runs[p-1] counts the trailing characters equal to the character p positions before
+    them, so the periodic tail of period p is runs[p-1] + p long (the classic incremental
+    period test; each new character updates all periods in O(max_period_chars)).
+    """
+
+    kind = "repetition"
+
+    def __init__(self, config: GuardConfig):
+        num = config.max_period_chars
+        self._recent: list[str | None] = [None] * num       # recent[i] = text[-1 - i]
+        self._runs = [0] * num
+        # runs[p-1] must reach need[p-1] for period p to count as a runaway loop
+        self._need = [max(config.min_loop_chars, config.min_loop_repeats * p) - p
+                      for p in range(1, num + 1)]
+
+    def feed(self, delta: GuardInput) -> Detection | None:
+        runs, recent = self._runs, self._recent
+        for c in delta.text:
+            runs = [r + 1 if prev == c else 0 for r, prev in zip(runs, recent)]
+            recent.pop()
+            recent.insert(0, c)
+        self._runs = runs
+        for p, (run, need) in enumerate(zip(runs, self._need), 1):
+            if run >= need:
+                loop = "".join(c for c in reversed(recent[:p]) if c is not None)
+                return Detection(self.kind, f"a {p}-character period repeated over the last "
+                                            f"{run + p} characters: {loop!r}")
+        return None
+
+
+@lru_cache(maxsize=65536)
+def script_of(c: str) -> str:
+    """The script of a letter from its Unicode name ("LATIN", "CYRILLIC", ...); Han, kana,
+    Hangul and Bopomofo are one group "CJK" (they mix with each other and with Latin in
+    normal text)."""
+    name = unicodedata.name(c, "")
+    head = name.split(" ", 1)[0]
+    if head in ("CJK", "HIRAGANA", "KATAKANA", "HANGUL", "BOPOMOFO", "HALFWIDTH", "FULLWIDTH"):
+        return "CJK"
+    return head
+
+
+# Letter scripts whose mixing inside one word is normal: Latin with CJK ("Python编程",
+# "Python을") and Latin with Greek (math and units: "Δx", "μm").
+COMPATIBLE_SCRIPTS = frozenset({frozenset({"LATIN", "CJK"}), frozenset({"LATIN", "GREEK"})})
+MOJIBAKE_LEADS = frozenset("ÃÂ")   # UTF-8 read as Latin-1: "Ã©" for "é", "Â " for NBSP
+
+
+def is_bad_char(c: str, prev: str) -> bool:
+    """U+FFFD, a lone surrogate, a C1 control, or the second half of a mojibake pair."""
+    o = ord(c)
+    return (c == "\ufffd" or 0xD800 <= o <= 0xDFFF or 0x80 <= o <= 0x9F
+            or (prev in MOJIBAKE_LEADS and 0xA0 <= o <= 0xBF))
+
+
+class GarbledDetector:
+    """Garbled text: replacement characters and invalid sequences above min_bad_chars and
+    min_bad_fraction of the text, or words mixing incompatible alphabets ("hеllo" with a
+    Cyrillic е) above min_mixed_words and min_mixed_fraction of the words."""
+
+    kind = "garbled"
+
+    def __init__(self, config: GuardConfig):
+        self.config = config
+        self.num_chars = self.num_bad = 0
+        self.num_words = self.num_mixed = 0
+        self._prev = ""
+        self._word_scripts: set[str] = set()
+
+    def feed(self, delta: GuardInput) -> Detection | None:
+        for c in delta.text:
+            self.num_chars += 1
+            if is_bad_char(c, self._prev):
+                self.num_bad += 1
+            if c.isalpha():
+                self._word_scripts.add(script_of(c))
+            elif self._word_scripts:
+                self._end_word()
+            self._prev = c
+        cfg = self.config
+        if self.num_bad >= cfg.min_bad_chars and self.num_bad >= cfg.min_bad_fraction * self.num_chars:
+            return Detection(self.kind, f"{self.num_bad} invalid or replacement characters in "
+                                        f"{self.num_chars}")
+        if (self.num_mixed >= cfg.min_mixed_words
+                and self.num_mixed >= cfg.min_mixed_fraction * self.num_words):
+            return Detection(self.kind, f"{self.num_mixed} of {self.num_words} words mix alphabets")
+        return None
+
+    def _end_word(self) -> None:
+        scripts = self._word_scripts
+        self.num_words += 1
+        if len(scripts) > 1 and not (len(scripts) == 2 and frozenset(scripts) in COMPATIBLE_SCRIPTS):
+            self.num_mixed += 1
+        self._word_scripts = set()
+
+
+# Blocks almost never seen in model output, whatever the language: control pictures and
+# OCR, Braille, Yijing hexagrams, Yi radicals, Byzantine and Western musical symbols.
+RARE_BLOCKS = ((0x2400, 0x245F), (0x2800, 0x28FF), (0x4DC0, 0x4DFF), (0xA490, 0xA4CF),
+               (0x1D000, 0x1D1FF))
+NORMAL_FORMAT_CHARS = frozenset("\u200c\u200d\u00ad\u2060")   # ZWNJ, ZWJ (emoji), soft hyphen, WJ
+
+
+@lru_cache(maxsize=65536)
+def is_rare_char(c: str) -> bool:
+    """Private use, unassigned, control (but tab and newlines), format (but ZWJ and friends),
+    or a character from RARE_BLOCKS. Emoji, CJK, box drawing, math and arrows are normal."""
+    cat = unicodedata.category(c)
+    if cat in ("Co", "Cn"):
+        return True
+    if cat == "Cc":
+        return c not in "\t\n\r"
+    if cat == "Cf":
+        return c not in NORMAL_FORMAT_CHARS
+    o = ord(c)
+    return any(lo <= o <= hi for lo, hi in RARE_BLOCKS)
+
+
+class RareCharDetector:
+    """Rare-character noise: at least min_rare_chars rare characters (`is_rare_char`) and at
+    least min_rare_fraction of the text."""
+
+    kind = "rare_chars"
+
+    def __init__(self, config: GuardConfig):
+        self.config = config
+        self.num_chars = self.num_rare = 0
+
+    def feed(self, delta: GuardInput) -> Detection | None:
+        self.num_chars += len(delta.text)
+        self.num_rare += sum(1 for c in delta.text if not c.isascii() or c < " " or c == "\x7f"
+                             if is_rare_char(c))
+        cfg = self.config
+        if self.num_rare >= cfg.min_rare_chars and self.num_rare >= cfg.min_rare_fraction * self.num_chars:
+            return Detection(self.kind, f"{self.num_rare} rare characters in {self.num_chars}")
+        return None
+
+
+class AnomalyGuard:
+    """All detectors of one choice. `feed` returns the first Detection (and the same one on
+    every later call: a choice that went wrong stays wrong)."""
+
+    def __init__(self, config: GuardConfig, extra_detectors: Sequence[Detector] = ()):
+        self.detectors: list[Detector] = [RepetitionDetector(config), GarbledDetector(config),
+                                          RareCharDetector(config), *extra_detectors]
+        self.detection: Detection | None = None
+
+    def feed(self, delta: GuardInput) -> Detection | None:
+        if self.detection is None:
+            for detector in self.detectors:
+                self.detection = detector.feed(delta)
+                if self.detection is not None:
+                    break
+        return self.detection

@@ -1,0 +1,257 @@
+"""Fault injection for tests and demos (--enable-fault-injection): slow steps or first tokens, failed requests, hangs, memory leaks, corrupted output.
+
+One FaultInjector per worker holds the active faults, at most one per kind (a new one of a
+kind replaces the old). Each expires after its `duration_s` (None: until cleared):
+
+    step_latency         {latency_ms, jitter_ms}  the engine process sleeps latency_ms
+                                                  (uniform +- jitter_ms) before each step
+    first_token_latency  {latency_ms}             a request's response starts that much later
+    fail                 {fraction}               that share of requests gets a 500
+                                                  ("injected_fault") once the engine holds it
+    hang                 {}                       every route but /admin/fault* waits until the
+                                                  fault ends (HangMiddleware)
+    leak_memory          {mb_per_s, max_mb}       the HTTP process allocates and holds memory
+    corrupt              {mode, fraction}         that share of requests has its text altered
+                                                  before the anomaly guard sees it (Corrupter)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from radixserve.errors import InjectedFault, InvalidRequest
+from radixserve.server.engine_client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+FAULT_PATH_PREFIX = "/admin/fault"
+LEAK_TICK_S = 0.25
+KIND_PARAMS = {"step_latency": ("latency_ms", "jitter_ms"), "first_token_latency": ("latency_ms",),
+               "fail": ("fraction",), "hang": (), "leak_memory": ("mb_per_s", "max_mb"),
+               "corrupt": ("mode", "fraction")}
+
+
+class FaultSpec(BaseModel, extra="forbid"):
+    """Body of POST /admin/fault; a parameter the kind does not take is a 400."""
+
+    kind: Literal["step_latency", "first_token_latency", "fail", "hang", "leak_memory", "corrupt"]
+    duration_s: float | None = Field(None, gt=0)
+    latency_ms: float | None = Field(None, ge=0, le=600_000)
+    jitter_ms: float = Field(0.0, ge=0, le=600_000)
+    fraction: float = Field(1.0, ge=0, le=1)
+    mb_per_s: float | None = Field(None, gt=0, le=4096)
+    max_mb: float = Field(4096, gt=0, le=65536)   # safety cap on a leak, MiB
+    mode: Literal["garble", "repeat", "noise"] | None = None
+
+    def params(self) -> dict[str, Any]:
+        """The parameters of this kind, checked (raises InvalidRequest for a missing one)."""
+        allowed = KIND_PARAMS[self.kind]
+        unexpected = sorted(set(self.model_fields_set) - set(allowed) - {"kind", "duration_s"})
+        if unexpected:
+            raise InvalidRequest(f"fault {self.kind!r} takes no {unexpected[0]!r}", param=unexpected[0])
+        params = {name: getattr(self, name) for name in allowed}
+        missing = [name for name, value in params.items() if value is None]
+        if missing:
+            raise InvalidRequest(f"fault {self.kind!r} needs {missing[0]!r}", param=missing[0])
+        return params
+
+
+@dataclass
+class Fault:
+    """One active fault; `started_s` and `ends_s` are time.monotonic() values."""
+
+    kind: str
+    params: dict[str, Any]
+    duration_s: float | None
+    started_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def ends_s(self) -> float | None:
+        return None if self.duration_s is None else self.started_s + self.duration_s
+
+    def is_active(self, now_s: float) -> bool:
+        return self.ends_s is None or now_s < self.ends_s
+
+    def to_json(self, now_s: float) -> dict[str, Any]:
+        ends = self.ends_s
+        return {"kind": self.kind, **self.params, "duration_s": self.duration_s,
+                "elapsed_s": round(now_s - self.started_s, 3),
+                "remaining_s": None if ends is None else round(max(ends - now_s, 0.0), 3)}
+
+
+class FaultInjector:
+    """The worker's active faults and the hooks the serving path calls (see module doc)."""
+
+    def __init__(self, client: EngineClient, rng: random.Random | None = None):
+        self.client = client
+        self.rng = rng or random.Random()
+        self._faults: dict[str, Fault] = {}
+        self._hang_over = asyncio.Event()
+        self._hang_over.set()
+        self._leak_task: asyncio.Task | None = None
+        self._leaked: list[bytes] = []
+
+    # ---- admin -----------------------------------------------------------------------------
+    async def inject(self, spec: FaultSpec) -> Fault:
+        """Start a fault (replacing one of the same kind). Raises InvalidRequest for bad
+        parameters and EngineDead when step_latency cannot reach the engine."""
+        fault = Fault(spec.kind, spec.params(), spec.duration_s)
+        await self.clear(fault.kind)
+        if fault.kind == "step_latency":
+            await self.client.call("set_step_latency", args={
+                "latency_ms": fault.params["latency_ms"], "jitter_ms": fault.params["jitter_ms"],
+                "duration_s": fault.duration_s})
+        elif fault.kind == "hang":
+            self._hang_over = asyncio.Event()
+        elif fault.kind == "leak_memory":
+            self._leak_task = asyncio.create_task(self._leak(fault), name="fault-leak-memory")
+        self._faults[fault.kind] = fault
+        logger.warning("fault injected: %s", fault.to_json(time.monotonic()))
+        return fault
+
+    async def clear(self, kind: str | None = None) -> list[str]:
+        """End one kind of fault, or all; returns the kinds that were active (expired ones
+        included: their side effects are undone here too)."""
+        kinds = [k for k in self._faults if kind is None or k == kind]
+        for k in kinds:
+            del self._faults[k]
+            if k == "step_latency":
+                try:
+                    await self.client.call("set_step_latency", args={"latency_ms": 0.0})
+                except Exception:   # EngineDead or a timeout: nothing left to slow down
+                    logger.warning("could not clear step latency in the engine", exc_info=True)
+            elif k == "hang":
+                self._hang_over.set()
+            elif k == "leak_memory":
+                self._stop_leak()
+        if kinds:
+            logger.warning("faults cleared: %s", ", ".join(kinds))
+        return kinds
+
+    def active(self) -> list[Fault]:
+        """Faults in force now (expired ones are left out)."""
+        now = time.monotonic()
+        return [f for f in self._faults.values() if f.is_active(now)]
+
+    def get(self, kind: str) -> Fault | None:
+        fault = self._faults.get(kind)
+        return fault if fault is not None and fault.is_active(time.monotonic()) else None
+
+    # ---- hooks -----------------------------------------------------------------------------
+    async def wait_while_hung(self) -> None:
+        """Return once no hang fault is in force (cleared or expired)."""
+        fault = self.get("hang")
+        if fault is None:
+            return
+        ends = fault.ends_s
+        timeout = None if ends is None else max(ends - time.monotonic(), 0.0)
+        try:
+            await asyncio.wait_for(self._hang_over.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass  # the hang expired: answer normally
+
+    async def on_accepted(self) -> None:
+        """Called once the engine holds a request, before its response starts: sleeps for
+        first_token_latency; raises InjectedFault for the "fail" share (the caller closes the
+        run, which aborts it and frees its pages)."""
+        fail = self.get("fail")
+        if fail is not None and self.rng.random() < fail.params["fraction"]:
+            raise InjectedFault("injected fault: this request failed on purpose (fault 'fail')")
+        slow = self.get("first_token_latency")
+        if slow is not None:
+            await asyncio.sleep(slow.params["latency_ms"] / 1000)
+
+    def corrupter(self) -> Corrupter | None:
+        """A Corrupter for a new request when the corrupt fault picks it, else None."""
+        fault = self.get("corrupt")
+        if fault is None or self.rng.random() >= fault.params["fraction"]:
+            return None
+        return Corrupter(fault.params["mode"], random.Random(self.rng.random()))
+
+    # ---- leak ------------------------------------------------------------------------------
+    async def _leak(self, fault: Fault) -> None:
+        """Hold mb_per_s MiB more every second (touched, so it is resident) up to max_mb."""
+        chunk = int(fault.params["mb_per_s"] * LEAK_TICK_S * (1 << 20))
+        limit = int(fault.params["max_mb"] * (1 << 20))
+        while fault.is_active(time.monotonic()):
+            if chunk * (len(self._leaked) + 1) <= limit:
+                self._leaked.append(b"\xa5" * chunk)
+            await asyncio.sleep(LEAK_TICK_S)
+        self._leaked.clear()   # expired: give it back as clearing would
+
+    def _stop_leak(self) -> None:
+        if self._leak_task is not None:
+            self._leak_task.cancel()
+            self._leak_task = None
+        self._leaked.clear()
+
+    @property
+    def leaked_bytes(self) -> int:
+        return sum(len(b) for b in self._leaked)
+
+
+class HangMiddleware:
+    """ASGI middleware: while a hang fault is in force, HTTP requests to any path but
+    /admin/fault* wait (no byte is sent) until it is cleared or expires."""
+
+    def __init__(self, app: Any, faults: FaultInjector):
+        self.app = app
+        self.faults = faults
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and not scope["path"].startswith(FAULT_PATH_PREFIX):
+            await self.faults.wait_while_hung()
+        await self.app(scope, receive, send)
+
+
+# Characters the "noise" mode sprinkles in: private use, controls, unassigned code points,
+# Braille and control pictures (see anomaly.is_rare_char).
+NOISE_CHARS = "\ue000\ue0a7\uf8ff\x01\x07\x1b\x7f\u0378\u0380\u2801\u28ff\u2400\u241b\U000f0001"
+
+
+class Corrupter:
+    """Alters one request's text deltas, per choice index (modes in the module doc):
+
+    garble  flips bits in ~1 of 4 UTF-8 bytes and decodes with replacement: U+FFFD and
+            stray characters, as when bytes go bad on the way out
+    repeat  after the first delta, every delta is copies of a short n-gram taken from the
+            first one (a forced repetition loop)
+    noise   inserts a rare character after ~1 in 8 characters
+    """
+
+    def __init__(self, mode: str, rng: random.Random):
+        self.mode = mode
+        self.rng = rng
+        self._seen: dict[int, str] = {}   # choice index -> text so far (repeat mode)
+
+    def apply(self, index: int, text: str) -> str:
+        if not text:
+            return text
+        if self.mode == "garble":
+            data = bytearray(text.encode())
+            for i in range(len(data)):
+                if self.rng.random() < 0.25:
+                    data[i] ^= 0x80 | self.rng.randrange(1, 0x80)
+            return data.decode(errors="replace")
+        if self.mode == "noise":
+            return "".join(c + self.rng.choice(NOISE_CHARS) if self.rng.random() < 0.125 else c
+                           for c in text)
+        seen = self._seen.get(index)
+        if seen is None:
+            self._seen[index] = text
+            return text
+        return self._ngram(seen)
+
+    @staticmethod
+    def _ngram(seen: str) -> str:
+        """The loop unit: the first two words (" the" if none), at most 24 characters, sent
+        as many times as makes >= 12 characters, so each delta moves the loop along."""
+        words = seen.split()
+        gram = (" " + " ".join(words[:2]) if words else " the")[:24]
+        return gram * -(-12 // len(gram))

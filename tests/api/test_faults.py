@@ -1,0 +1,184 @@
+"""Fault injection (/admin/fault) and the output-anomaly guard through a real tiny-model worker."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.api.conftest import API_KEY, TINY_CONTEXT, start_tiny_server
+
+WAIT_S = 60.0   # generous: only to avoid hanging a broken run, never a pass/fail threshold
+KIND_OF_MODE = {"garble": "garbled", "repeat": "repetition", "noise": "rare_chars"}
+
+
+@pytest.fixture(scope="module")
+def server(request):
+    server = start_tiny_server(request, ["--context-length", str(TINY_CONTEXT),
+                                         "--max-total-tokens", "16384", "--page-size", "16",
+                                         "--enable-debug-endpoints", "--enable-fault-injection"])
+    yield server
+    try:
+        server.assert_no_tracebacks()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_faults_left(request):
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").http.delete("/admin/fault")
+
+
+def wait_for(check, what: str):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"gave up waiting for {what}")
+
+
+def inject(server, **body) -> dict:
+    r = server.post("/admin/fault", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["fault"]
+
+
+def faults(server) -> dict[str, dict]:
+    r = server.get("/admin/fault")
+    assert r.status_code == 200, r.text
+    return {f["kind"]: f for f in r.json()["faults"]}
+
+
+def anomalies(server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = server.get("/metrics").text
+    return {s.labels["kind"]: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "radixserve:num_anomalies_total"}
+
+
+def rss(server) -> float:
+    return server.metrics()["process_resident_memory_bytes"]
+
+
+def completion(server, stream: bool = False, max_tokens: int = 64) -> httpx.Response:
+    return server.post("/v1/completions", json={"model": server.model, "prompt": "Tell me",
+                                                "max_tokens": max_tokens, "ignore_eos": True,
+                                                "stream": stream})
+
+
+def no_pages_in_use(server) -> bool:
+    p = server.pages()
+    return p["invariant_holds"] and p["num_in_use_pages"] == 0 and p["num_running"] == 0
+
+
+def test_fault_routes_are_404_without_the_flag(tiny_server):
+    for method in ("GET", "POST", "DELETE"):
+        r = tiny_server.http.request(method, "/admin/fault", json={"kind": "hang"})
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["type"] == "not_found_error"
+
+
+def test_inject_list_validate_and_clear(server):
+    got = inject(server, kind="step_latency", latency_ms=5, jitter_ms=2, duration_s=600)
+    assert got["kind"] == "step_latency" and got["latency_ms"] == 5 and got["jitter_ms"] == 2
+    inject(server, kind="first_token_latency", latency_ms=10)
+    listed = faults(server)
+    assert set(listed) == {"step_latency", "first_token_latency"}
+    assert listed["first_token_latency"]["remaining_s"] is None
+    assert 0 < listed["step_latency"]["remaining_s"] <= 600
+    assert completion(server, max_tokens=4).status_code == 200   # slowed, still served
+    for bad in ({"kind": "fail", "latency_ms": 3}, {"kind": "step_latency"},
+                {"kind": "explode"}, {"kind": "corrupt", "mode": "shout"},
+                {"kind": "fail", "fraction": 2}, {"kind": "hang", "duration_s": -1}):
+        r = server.post("/admin/fault", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", bad
+    assert server.http.delete("/admin/fault", params={"kind": "step_latency"}).json() == {
+        "cleared": ["step_latency"]}
+    assert set(faults(server)) == {"first_token_latency"}
+    assert server.http.delete("/admin/fault").json() == {"cleared": ["first_token_latency"]}
+    assert faults(server) == {}
+
+
+def test_fail_gives_500_bodies_and_frees_pages(server):
+    inject(server, kind="fail", fraction=1.0)
+    for stream in (False, True):
+        r = completion(server, stream=stream)
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["type"] == "injected_fault"
+    r = server.post("/v1/chat/completions", json={
+        "model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "injected_fault"
+    wait_for(lambda: no_pages_in_use(server), "pages of failed requests to be freed")
+    server.assert_no_leak()
+
+
+def test_fault_expires_after_its_duration(server):
+    inject(server, kind="fail", fraction=1.0, duration_s=0.5)
+    wait_for(lambda: faults(server) == {}, "the fail fault to expire")
+    assert completion(server, max_tokens=2).status_code == 200
+
+
+def test_hang_stops_every_route_until_cleared(server):
+    inject(server, kind="hang")
+    for path in ("/health", "/metrics", "/v1/models"):
+        with pytest.raises(httpx.ReadTimeout):
+            server.get(path, timeout=1.0)
+    assert set(faults(server)) == {"hang"}          # /admin/fault still answers
+    server.http.delete("/admin/fault")
+    assert server.get("/health").status_code == 200
+    server.assert_alive()
+
+
+def test_leak_memory_grows_resident_memory_until_cleared(server):
+    base = rss(server)
+    inject(server, kind="leak_memory", mb_per_s=200, max_mb=300)
+    wait_for(lambda: rss(server) > base + 250e6, "resident memory to grow by 250 MB")
+    server.http.delete("/admin/fault")
+    wait_for(lambda: rss(server) < base + 100e6, "the leaked memory to be freed")
+
+
+@pytest.mark.parametrize("mode", sorted(KIND_OF_MODE))
+def test_corrupt_output_is_caught_by_the_guard(server, mode):
+    kind = KIND_OF_MODE[mode]
+    before = anomalies(server)
+    inject(server, kind="corrupt", mode=mode)
+    r = completion(server)
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["type"] == "output_anomaly"
+    assert r.json()["error"]["code"] == "output_anomaly"
+    assert kind in r.json()["error"]["message"]
+    after = anomalies(server)
+    assert after[kind] == before[kind] + 1
+    assert sum(after.values()) == sum(before.values()) + 1
+    wait_for(lambda: no_pages_in_use(server), "pages of the stopped request to be freed")
+    server.assert_no_leak()
+
+
+def test_streamed_corruption_ends_with_an_error_event(server):
+    inject(server, kind="corrupt", mode="noise")
+    r = server.post("/v1/chat/completions", json={
+        "model": server.model, "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 64, "ignore_eos": True, "stream": True})
+    assert r.status_code == 200
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "output_anomaly" and error["code"] == "output_anomaly"
+    finishes = [c["finish_reason"] for e in events[:-2] for c in json.loads(e)["choices"]
+                if c.get("finish_reason")]
+    assert finishes == ["abort"]
+
+
+def test_guard_is_quiet_on_ordinary_tiny_model_output(server):
+    """Sampled (temperature 1) output of the random model is token soup, not an anomaly."""
+    before = anomalies(server)
+    for _ in range(6):
+        r = server.post("/v1/completions", json={"model": server.model, "prompt": "Once",
+                                                 "max_tokens": 128, "ignore_eos": True, "n": 2})
+        assert r.status_code == 200, r.text
+    assert anomalies(server) == before
