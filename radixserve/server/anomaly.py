@@ -1,8 +1,8 @@
 """Online output-anomaly detectors over one choice's generated text: runaway repetition, garbled text, rare-character noise.
 
-Each detector sees every text delta once, character by character, and keeps O(1) state, so
-a delta costs O(len(delta) * max_period_chars) at most (repetition) and O(len(delta)) for
-the others; nothing is ever re-scanned. Pure Python (`unicodedata`), no torch.
+Each detector sees every text delta once and keeps O(1) state: garbled and rare_chars look
+at each new character once; repetition looks at a bounded tail (a few hundred characters,
+C-level string search and compare) per delta. Pure Python (`unicodedata`), no torch.
 
     AnomalyGuard(config)                one per choice
       .feed(GuardInput(text, ...))      -> Detection | None   (the first detection sticks)
@@ -75,36 +75,44 @@ class Detector(Protocol):
 
 
 class RepetitionDetector:
-    """Runaway repetition: the output's tail is periodic with a period p <= max_period_chars
-    covering >= min_loop_chars and >= min_loop_repeats * p characters.
+    """Runaway repetition: the output's last need(p) = max(min_loop_chars, min_loop_repeats * p)
+    characters are periodic with a period p <= max_period_chars.
 
-    runs[p-1] counts the trailing characters equal to the character p positions before
-    them, so the periodic tail of period p is runs[p-1] + p long (the classic incremental
-    period test; each new character updates all periods in O(max_period_chars)).
+    After each delta, over the last max need(p) characters kept: every earlier occurrence of
+    the last KEY_CHARS characters within max_period_chars gives a candidate period p (any
+    real loop of period p is among them, since need(p) >= p + KEY_CHARS), and a candidate
+    counts when buf[-need(p):-p] == buf[-need(p)+p:] (a string is p-periodic iff it equals
+    itself shifted by p). Normal text has no candidate, so a delta costs one C-level rfind
+    over ~max_period_chars characters plus the copy of the kept tail.
     """
 
     kind = "repetition"
+    KEY_CHARS = 8
 
     def __init__(self, config: GuardConfig):
-        num = config.max_period_chars
-        self._recent: list[str | None] = [None] * num       # recent[i] = text[-1 - i]
-        self._runs = [0] * num
-        # runs[p-1] must reach need[p-1] for period p to count as a runaway loop
-        self._need = [max(config.min_loop_chars, config.min_loop_repeats * p) - p
-                      for p in range(1, num + 1)]
+        self.max_period = config.max_period_chars
+        self._need = [max(config.min_loop_chars, config.min_loop_repeats * p)
+                      for p in range(1, self.max_period + 1)]
+        assert min(n - p for p, n in enumerate(self._need, 1)) >= self.KEY_CHARS, \
+            "min_loop_chars must exceed max_period_chars + KEY_CHARS"
+        self._keep = max(self._need)
+        self._tail = ""
 
     def feed(self, delta: GuardInput) -> Detection | None:
-        runs, recent = self._runs, self._recent
-        for c in delta.text:
-            runs = [r + 1 if prev == c else 0 for r, prev in zip(runs, recent)]
-            recent.pop()
-            recent.insert(0, c)
-        self._runs = runs
-        for p, (run, need) in enumerate(zip(runs, self._need), 1):
-            if run >= need:
-                loop = "".join(c for c in reversed(recent[:p]) if c is not None)
+        if not delta.text:
+            return None
+        buf = self._tail = (self._tail + delta.text)[-self._keep:]
+        n, k = len(buf), self.KEY_CHARS
+        if n < self._need[0]:
+            return None
+        key, lo, hi = buf[n - k:], max(n - k - self.max_period, 0), n - 1
+        while (pos := buf.rfind(key, lo, hi)) >= 0:
+            p = n - k - pos                  # nearest occurrence first: smallest period first
+            need = self._need[p - 1]
+            if n >= need and buf[n - need + p:] == buf[n - need:n - p]:
                 return Detection(self.kind, f"a {p}-character period repeated over the last "
-                                            f"{run + p} characters: {loop!r}")
+                                            f"{need} characters (at least): {buf[n - p:]!r}")
+            hi = pos + k - 1
         return None
 
 
