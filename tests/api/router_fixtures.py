@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -16,7 +17,7 @@ from typing import Any, Callable
 import httpx
 import pytest
 
-from tests.api.conftest import API_KEY, REPO, STARTUP_TIMEOUT_S, free_port
+from tests.api.conftest import API_KEY, REPO, STARTUP_TIMEOUT_S
 
 ADMIN_KEY = "admin-key"
 WAIT_S = 60.0  # generous bound on every wait for a state change (never a pass/fail timing)
@@ -32,17 +33,20 @@ def tiny_worker_flags(model_dir: pathlib.Path) -> list[str]:
             "16384", "--page-size", "16", "--served-model-name", "tiny", "--api-key", API_KEY]
 
 
-def free_port_pair() -> int:
-    """A port p with p and p+1 both free (fleet workers listen on base + i)."""
-    for _ in range(50):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-                return p
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")
+def free_ports(n: int) -> int:
+    """A port p with p .. p+n-1 all free now, below the kernel's ephemeral range (where the
+    local ends of outgoing connections would otherwise take them before our servers bind)."""
+    rng = random.Random()
+    for _ in range(200):
+        p = rng.randrange(20000, 32000 - n)
+        try:
+            for port in range(p, p + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
@@ -70,9 +74,10 @@ class Fleet:
     def __init__(self, model_dir: pathlib.Path, router_flags: list[str] = ROUTER_FLAGS):
         self.tmp = tempfile.mkdtemp(prefix="radixserve-router-test-")
         self.manifest_path = os.path.join(self.tmp, "manifest.json")
-        self.port = free_port()
+        base = free_ports(3)  # router, worker 0, worker 1
+        self.port = base
         cmd = [sys.executable, "-m", "radixserve", "fleet", "--num-workers", "2",
-               "--worker-base-port", str(free_port_pair()), "--port", str(self.port),
+               "--worker-base-port", str(base + 1), "--port", str(self.port),
                "--manifest", self.manifest_path, "--log-dir", self.tmp, *router_flags,
                *tiny_worker_flags(model_dir)]
         self.log = open(os.path.join(self.tmp, "fleet.log"), "w+")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import threading
 
 import httpx
@@ -145,6 +146,36 @@ def test_stream_relayed_equals_direct_text(fleet):
     assert events[-1] == "[DONE]"
     streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
     assert streamed == direct["choices"][0]["message"]["content"]
+
+
+def worker_metric(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    r = httpx.get(url + "/metrics", trust_env=False)
+    return sum(s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples
+               if s.name == name)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_aborts_upstream_and_releases_load(fleet, stream):
+    """A client that leaves mid-request: the router cancels the upstream request (the worker
+    aborts it, field case C06 through the router) and releases its in-flight count."""
+    aborted = "radixserve:num_aborted_requests_total"
+    before = sum(worker_metric(u, aborted) for u in fleet.urls)
+    body = json.dumps({"model": "tiny", "prompt": "Leave early", "max_tokens": 480,
+                       "ignore_eos": True, "stream": stream}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+            f"{API_KEY}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+            "\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", fleet.port)) as sock:
+        sock.sendall(head + body)
+        wait_for(lambda: sum(w["in_flight"] for w in fleet.workers().values()) == 1,
+                 "the request in flight")
+        if stream:
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    wait_for(lambda: sum(w["in_flight"] for w in fleet.workers().values()) == 0,
+             "the in-flight count released")
+    wait_for(lambda: sum(worker_metric(u, aborted) for u in fleet.urls) == before + 1,
+             "the worker to abort the request")
 
 
 def test_admin_drain_weight_and_membership(fleet):
