@@ -49,8 +49,8 @@ class RouterMetrics:
                                          "Policy decisions by reason (prefix_hit, load_fallback, "
                                          "imbalance, ...)", ["reason"], registry=r)
         self.added_latency = Histogram(PREFIX + "added_latency_seconds",
-                                       "Router time before the upstream request is sent plus "
-                                       "relay overhead, per request (s)",
+                                       "Router time from a request's arrival to its first "
+                                       "upstream send: parsing, routing key, policy (s)",
                                        buckets=ADDED_LATENCY_BUCKETS, registry=r)
         self.no_worker = Counter(PREFIX + "no_worker_available_total",
                                  "Requests answered 503 because no worker was routable",

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+import anyio
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -114,7 +115,10 @@ class Relay:
             return
         self._closed = True
         try:
-            await self.upstream.aclose()  # closing mid-body drops the connection: the worker aborts
+            # Shielded: on client disconnect this runs inside a cancelled (anyio, level-triggered)
+            # scope, where an unshielded await would be cut short and leave the worker running.
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()  # mid-body: drops the connection, the worker aborts
         finally:
             if self.outcome is not None:  # None: the client left; nothing to hold against the worker
                 self.forwarder.record(self.lease.worker, *self.outcome)
@@ -169,7 +173,7 @@ class Forwarder:
         tried: set[str] = set()
         last: Failure | None = None
         for attempt in range(self.max_attempts):
-            if attempt:
+            if attempt and self.registry.routable(exclude=tried):
                 await asyncio.sleep(self.backoff_s(attempt))
             candidates = self.registry.routable(exclude=tried)
             if not candidates:
@@ -224,7 +228,8 @@ class Forwarder:
                 return Failure(worker.url, None, f"{worker.url}: {type(exc).__name__}: {exc}")
         finally:
             if upstream is not None:
-                await upstream.aclose()
+                with anyio.CancelScope(shield=True):  # see Relay.close
+                    await upstream.aclose()
         status = upstream.status_code
         self.record(worker, status, False)
         content_type = upstream.headers.get("content-type", "application/json")

@@ -177,3 +177,44 @@ def test_route_key_with_tokenizer(default_tokenizer):
         tok.apply_chat_template(messages)
     # Malformed chat: routed by text; the worker gives the 400.
     assert route_key("/v1/chat/completions", {"messages": []}, tok, None).key == ""
+
+
+def test_health_checks_use_consecutive_thresholds_and_poll_load():
+    """C21 through the router: a worker whose /health says 503 (dead engine) leaves rotation
+    after health_failure_threshold checks and returns after health_success_threshold passes."""
+    from radixserve.router.health import HealthMonitor
+
+    status = {"http://w0": 200}
+    info = {"engine": {"num_running": 3, "num_waiting": 2, "token_usage": 0.5,
+                       "cache_hit_rate": 0.25}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/get_server_info":
+            return httpx.Response(200, json=info)
+        return httpx.Response(status["http://w0"], json={})
+
+    cfg = RouterConfig(health_failure_threshold=2, health_success_threshold=2)
+    registry = WorkerRegistry(cfg)
+    worker = registry.add("http://w0", healthy=False)
+
+    async def scenario() -> list[bool]:
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        monitor = HealthMonitor(cfg, registry, RouterMetrics(), http)
+        monitor.expect_new("http://w0")
+        seen = []
+        await monitor.check(worker)  # never checked: one pass is enough
+        seen.append(worker.healthy)
+        await monitor.poll(worker)
+        status["http://w0"] = 503
+        for _ in range(2):
+            await monitor.check(worker)
+            seen.append(worker.healthy)
+        status["http://w0"] = 200
+        for _ in range(2):
+            await monitor.check(worker)
+            seen.append(worker.healthy)
+        await http.aclose()
+        return seen
+
+    assert asyncio.run(scenario()) == [True, True, False, False, True]
+    assert (worker.num_running, worker.num_queue, worker.token_usage) == (3, 2, 0.5)
