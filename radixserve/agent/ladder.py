@@ -226,9 +226,9 @@ class Ladder:
                 return [self._move(t, "restart", "restarted", now, found, "still not answering "
                                    "after its ejection: restart")]
             t.out_until = now + self.ejection_s(t.ejections)
-        wait = max(t.out_until - now, 0.0)
         return self._note(t.url, Decision("none", t.url, f"{t.state}: did nothing because "
-                                          + (f"its ejection has {wait:.0f} s left" if wait > 0
+                                          + (f"its {self.ejection_s(t.ejections):.0f} s ejection "
+                                             "is not over" if now < t.out_until
                                              else "/health does not answer yet"),
                                           t.state, t.state, tuple(found)))
 

@@ -93,21 +93,29 @@ def unresponsive(hist: History, cfg: RuleConfig) -> Finding | None:
 
 def error_rate(hist: History, cfg: RuleConfig) -> Finding | None:
     """Failure share of what the router sent the worker in the window, with a minimum
-    request volume (Envoy failure_percentage); or, when the router's breaker for it is open,
-    at least `error_consecutive` failures (Envoy consecutive_5xx)."""
+    request volume (Envoy failure_percentage); or the router's breaker for it open or
+    half-open on each of the last `breaker_sweeps` sweeps, with a failure somewhere in the
+    history (reset when the worker returns, so an idle breaker waiting in half-open for a
+    probe does not eject a healed worker again): the breaker is the router's consecutive-
+    failure detector (Envoy consecutive_5xx), and once it opens the worker gets only
+    probes, so the window alone would never see the volume."""
     reqs = _window_delta(hist, "router.num_requests", cfg.window_sweeps)
     fails = _window_delta(hist, "router.num_failures", cfg.window_sweeps)
     if reqs is None or fails is None:
         return None
     share = fails / reqs if reqs else 0.0
-    breaker = (hist[-1].router or {}).get("breaker")
-    evidence = {"requests": reqs, "failures": fails, "share": round(share, 3), "breaker": breaker}
+    breakers = [(s.router or {}).get("breaker") for s in hist[-cfg.breaker_sweeps:]]
+    evidence = {"requests": reqs, "failures": fails, "share": round(share, 3),
+                "breaker": breakers[-1]}
     if reqs >= cfg.error_min_requests and share >= cfg.error_share:
         return Finding("error_rate", hist[-1].url, f"{fails:.0f} of {reqs:.0f} requests failed "
                        f"in the window ({share:.0%})", evidence)
-    if breaker == "open" and fails >= cfg.error_consecutive:
-        return Finding("error_rate", hist[-1].url, f"breaker open after {fails:.0f} failures "
-                       "in the window", evidence)
+    held = len(breakers) == cfg.breaker_sweeps and None not in breakers and "closed" not in breakers
+    if held and (_delta(hist[0], hist[-1], "router.num_failures") or 0.0) >= 1:
+        total = (hist[-1].router or {}).get("num_failures")
+        return Finding("error_rate", hist[-1].url, f"router breaker {breakers[-1]} for "
+                       f"{len(breakers)} sweeps ({total} failures in all)",
+                       evidence | {"failures_total": total})
     return None
 
 

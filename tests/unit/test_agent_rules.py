@@ -52,14 +52,20 @@ def test_error_rate_needs_a_share_and_a_volume():
     assert rules.evaluate(trickle, CFG) == []   # 100% but 6 requests: below the volume
 
 
-def test_error_rate_fires_on_an_open_breaker_with_consecutive_failures():
-    def broke(k):
-        return Load(requests=1, failures=1, breaker="open") if k >= N - 6 else Load()
-    hist = history("http://w0", [broke(k) for k in range(N)])
-    assert rules.error_rate(hist, CFG).kind == "error_rate"
-    few = history("http://w0", [Load(requests=1, failures=1 if k == N - 1 else 0,
-                                     breaker="open") for k in range(N)])
-    assert rules.error_rate(few, CFG) is None
+def test_error_rate_fires_on_a_breaker_held_open():
+    """Once the router's breaker opens the worker gets only probes: the volume rule cannot
+    see it, the breaker can."""
+    def broke(open_from):
+        return [Load(requests=0.4, failures=1 if k == open_from else 0,
+                     breaker="half_open" if k % 2 else "open") if k >= open_from else Load()
+                for k in range(N)]
+    f = rules.error_rate(history("http://w0", broke(N - 3)), CFG)
+    assert f.kind == "error_rate" and "breaker" in f.text
+    assert rules.error_rate(history("http://w0", broke(N - 2)), CFG) is None   # 2 sweeps only
+    closed_again = broke(N - 6)[:-1] + [Load(requests=0.4)]
+    assert rules.error_rate(history("http://w0", closed_again), CFG) is None
+    no_new_failure = history("http://w0", broke(N - 6))[-5:]   # history reset on return
+    assert rules.error_rate(no_new_failure, CFG) is None
 
 
 @pytest.mark.parametrize("which,slow", [("ttft", Load(ttft_s=0.5, requests=12)),

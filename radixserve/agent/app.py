@@ -1,0 +1,116 @@
+"""The agent's HTTP side: /metrics (`radixserve_agent:`), /status (fleet table and recent decisions as JSON), /status.html."""
+from __future__ import annotations
+
+import asyncio
+import html
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Response
+from fastapi.responses import HTMLResponse, JSONResponse
+
+from radixserve.agent import rules
+from radixserve.agent.agent import Agent
+
+logger = logging.getLogger("radixserve.agent")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _mean_ms(hist: list, pair: tuple[str, str], sweeps: int) -> float | None:
+    m = rules.window_mean(hist, pair, sweeps)
+    return round(m[0] * 1e3, 1) if m else None
+
+
+def fleet_table(agent: Agent) -> list[dict]:
+    """One row per worker: ladder state, what the last sweep saw, window latencies (ms)."""
+    rows = []
+    snap = agent.last
+    hists = agent.history.all()
+    for url, track in agent.ladder.tracks.items():
+        s = snap.workers.get(url) if snap else None
+        router = (s.router if s else None) or {}
+        metrics = s.metrics if s else {}
+        hist = hists.get(url, [])
+        rows.append({
+            "url": url, "state": track.state, "fault": track.fault,
+            "ejections": track.ejections, "health_ok": s.health_ok if s else None,
+            "health_error": s.health_error if s else None,
+            "router_healthy": router.get("healthy"), "draining": router.get("draining"),
+            "breaker": router.get("breaker"), "in_flight": router.get("in_flight"),
+            "queue": metrics.get(rules.QUEUE), "token_usage": metrics.get(rules.KV_USAGE),
+            "cache_hit_rate": metrics.get("radixserve:cache_hit_rate"),
+            "ttft_ms": _mean_ms(hist, rules.TTFT, agent.rule_cfg.window_sweeps),
+            "itl_ms": _mean_ms(hist, rules.ITL, agent.rule_cfg.window_sweeps),
+            "findings": [f.kind for f in agent.findings if f.url == url]})
+    return rows
+
+
+def status_json(agent: Agent) -> dict:
+    last = agent.last
+    return {"router": agent.router_url, "sweeps": agent.num_sweeps,
+            "sweep_interval_s": agent.cfg.sweep_interval_s, "dry_run": agent.cfg.dry_run,
+            "supervise": agent.cfg.supervise, "panic": agent.ladder.panic,
+            "gpu": agent.observer.gpu_note or "not read yet",
+            "router_error": last.router_error if last else None,
+            "policy": last.policy if last else None,
+            "workers": fleet_table(agent), "findings": [f.to_json() for f in agent.findings],
+            "recent_decisions": list(agent.recent)[-50:]}
+
+
+def status_html(status: dict) -> str:
+    """A small self-refreshing page of the same content."""
+    def table(rows: list[dict], cols: list[str]) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r.get(c, '')))}</td>" for c in cols)
+                       + "</tr>" for r in rows)
+        return f"<table border=1 cellpadding=3><tr>{head}</tr>{body}</table>"
+    workers = table(status["workers"], ["url", "state", "fault", "ejections", "health_ok",
+                                        "breaker", "in_flight", "queue", "token_usage",
+                                        "ttft_ms", "itl_ms", "findings"])
+    decisions = table(list(reversed(status["recent_decisions"])),
+                      ["time", "action", "worker", "reason", "result"])
+    flags = (f"router {status['router']} · sweep {status['sweeps']} every "
+             f"{status['sweep_interval_s']} s · dry-run {status['dry_run']} · supervise "
+             f"{status['supervise']} · panic {status['panic']} · {status['gpu']}")
+    return (f"<!doctype html><html><head><meta http-equiv=refresh content=5><title>radixserve "
+            f"agent</title></head><body><h2>radixserve ops agent</h2><p>{html.escape(flags)}</p>"
+            f"<h3>Fleet</h3>{workers}<h3>Recent decisions</h3>{decisions}</body></html>")
+
+
+def build_app(agent: Agent, run_loop: bool = True) -> FastAPI:
+    """The agent's app; with `run_loop` its lifespan runs the sweep loop."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(agent.run()) if run_loop else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    logger.debug("sweep loop stopped")
+            await agent.aclose()
+
+    app = FastAPI(title="radixserve agent", lifespan=lifespan)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(agent.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/status")
+    async def status() -> Response:
+        return JSONResponse(status_json(agent))
+
+    @app.get("/status.html")
+    async def status_page() -> Response:
+        return HTMLResponse(status_html(status_json(agent)))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok", "sweeps": agent.num_sweeps})
+
+    return app
