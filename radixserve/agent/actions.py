@@ -16,8 +16,6 @@ from radixserve.router.client import AsyncRouterAdminClient
 
 logger = logging.getLogger("radixserve.agent")
 
-KILL_GRACE_S = 5.0   # SIGTERM, then SIGKILL: a hung worker may never finish a graceful stop
-
 
 def _url_key(url: str) -> str:
     return url.rstrip("/")
@@ -54,8 +52,9 @@ class Actions:
     process group (or process, when it leads none) and re-spawn its argv. Errors:
     RouterAdminError / httpx errors from the router, OSError or KeyError from a restart."""
 
-    def __init__(self, admin: AsyncRouterAdminClient, manifest_path: str | None):
-        self.admin = admin
+    def __init__(self, admin: AsyncRouterAdminClient, manifest_path: str | None,
+                 kill_grace_s: float = 5.0):
+        self.admin, self.kill_grace_s = admin, kill_grace_s
         self.manifest = Manifest(manifest_path) if manifest_path else None
         self.children: dict[int, subprocess.Popen] = {}   # workers this agent re-spawned
 
@@ -82,7 +81,7 @@ class Actions:
         raise ValueError(f"not an acting decision: {d.action}")
 
     async def restart(self, url: str, engine_pid: int | None) -> dict:
-        """Stop the worker (SIGTERM, SIGKILL after KILL_GRACE_S; its engine too) and start
+        """Stop the worker (SIGTERM, SIGKILL after `kill_grace_s`; its engine too) and start
         its argv again with output appended to its log; the manifest gets the new pid."""
         if self.manifest is None:
             raise RuntimeError("not supervising: no fleet manifest")
@@ -105,11 +104,11 @@ class Actions:
 
     async def _stop(self, pid: int, engine_pid: int | None) -> None:
         _signal(pid, signal.SIGTERM)
-        deadline = time.monotonic() + KILL_GRACE_S
+        deadline = time.monotonic() + self.kill_grace_s
         while time.monotonic() < deadline and self._alive(pid):
             await asyncio.sleep(0.1)
         if self._alive(pid):
-            logger.warning("pid %d did not stop in %.0f s: SIGKILL", pid, KILL_GRACE_S)
+            logger.warning("pid %d did not stop in %.1f s: SIGKILL", pid, self.kill_grace_s)
             _signal(pid, signal.SIGKILL)
             if engine_pid:  # it would exit on its own once its parent is gone; do not wait
                 _signal(engine_pid, signal.SIGKILL, group=False)

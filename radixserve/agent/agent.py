@@ -48,7 +48,8 @@ class Agent:
         self.observer = Observer(self.admin, cfg.request_timeout_s, cfg.worker_api_key)
         self.history = History(cfg.history_sweeps)
         self.ladder = Ladder(ladder_cfg or LadderConfig())
-        self.actions = Actions(self.admin, cfg.fleet_manifest if cfg.supervise else None)
+        self.actions = Actions(self.admin, cfg.fleet_manifest if cfg.supervise else None,
+                               cfg.kill_grace_s)
         self.log = DecisionLog(cfg.decision_log)
         self.recent: deque[dict] = deque(maxlen=200)
         self.metrics = AgentMetrics(self.state)
@@ -120,9 +121,8 @@ class Agent:
         if d.acts and self.cfg.dry_run:
             result = "dry-run"
         elif d.acts:
-            info = snap.workers[d.worker].info if d.worker in snap.workers else None
             try:
-                answer = await self.actions.apply(d, (info or {}).get("engine_pid"))
+                answer = await self.actions.apply(d, self._engine_pid(d.worker))
                 result = f"ok: {json.dumps(answer, default=str)[:200]}"
             except Exception as exc:  # the router or the restart failed: undo, log, go on
                 logger.warning("%s %s failed: %s", d.action, d.worker, exc)
@@ -132,6 +132,13 @@ class Agent:
         if d.action in ("restart", "undrain") and d.worker and not result.startswith("failed"):
             self.history.reset(d.worker)  # its old rates no longer describe it
         return self._record(d, result, snap)
+
+    def _engine_pid(self, url: str | None) -> int | None:
+        """The engine pid the worker last reported (a hung worker does not answer now)."""
+        for snap in reversed(self.history.of(url) if url else []):
+            if snap.info and snap.info.get("engine_pid"):
+                return int(snap.info["engine_pid"])
+        return None
 
     def _record(self, d: Decision, result: str = "-", snap: FleetSnapshot | None = None) -> dict:
         record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),

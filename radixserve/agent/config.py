@@ -107,9 +107,12 @@ class AgentConfig:
     host: str = _opt("127.0.0.1", "address of the agent's /metrics and /status")
     port: int = _opt(30090, "port of the agent's /metrics and /status")
     sweep_interval_s: float = _opt(5.0, "seconds between sweeps (Envoy interval: 10 s)")
+    kill_grace_s: float = _opt(5.0, "a restart sends SIGTERM, then SIGKILL after this (s): a "
+                                    "hung worker may never finish a graceful stop")
     request_timeout_s: float = _opt(2.0, "timeout of each health, metrics and info read (s); "
                                          "a hung worker costs one timeout per sweep")
-    probe_timeout_s: float = _opt(30.0, "timeout of a recovery probe request (s)")
+    probe_timeout_s: float = _opt(10.0, "timeout of a recovery probe request (s); a sweep waits "
+                                        "for its probes")
     probe_max_tokens: int = _opt(16, "tokens a recovery probe generates")
     history_sweeps: int = _opt(36, "snapshots kept per worker")
     worker_api_key: str | None = _opt(None, "key sent to workers (/get_server_info, probes)")

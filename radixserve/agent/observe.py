@@ -103,6 +103,7 @@ class Observer:
         headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
         self.http = httpx.AsyncClient(timeout=timeout_s, headers=headers)
         self.gpu_note = ""
+        self._nvml_absent = False
 
     async def collect(self, probe_urls: set[str] | None = None,
                       probe_timeout_s: float = 30.0, probe_max_tokens: int = 16) -> FleetSnapshot:
@@ -137,8 +138,12 @@ class Observer:
                 parsed = parse_metrics(metrics.text)
             except ValueError as exc:
                 logger.warning("%s: unparsable /metrics: %s", url, exc)
-        info_json = (info.json() if isinstance(info, httpx.Response) and info.status_code == 200
-                     else None)
+        info_json = None
+        if isinstance(info, httpx.Response) and info.status_code == 200:
+            try:
+                info_json = info.json()
+            except ValueError as exc:
+                logger.warning("%s: /get_server_info is not JSON: %s", url, exc)
         return WorkerSnapshot(entry["url"], time.monotonic(), ok, error, parsed, info_json,
                               entry, probed)
 
@@ -173,7 +178,10 @@ class Observer:
     def read_gpus(self) -> list[dict] | None:
         """NVML readings per GPU, or None (and `gpu_note` says why) without NVML or a GPU."""
         from radixserve.agent.gpu import read_nvml
+        if self._nvml_absent:   # not installed: do not search for it every sweep
+            return None
         readings, self.gpu_note = read_nvml()
+        self._nvml_absent = "not installed" in self.gpu_note
         return readings
 
     async def aclose(self) -> None:

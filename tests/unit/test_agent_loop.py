@@ -1,0 +1,106 @@
+"""The agent's loop in-process against a fake router and fake workers (httpx.MockTransport): acts, logs, dry-run, status."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from radixserve.agent.agent import Agent
+from radixserve.agent.app import status_html, status_json
+from radixserve.agent.config import AgentConfig
+
+ROUTER = "http://router"
+URLS = ["http://w0", "http://w1", "http://w2"]
+METRICS = ("# TYPE radixserve:num_requests counter\n"
+           "radixserve:num_requests_total{model_name=\"m\"} 5.0\n")
+
+
+class FakeFleet:
+    """Answers the router's admin API and each worker's reads; `hung` workers time out."""
+
+    def __init__(self, hung: set[str]):
+        self.hung = hung
+        self.draining: set[str] = set()
+        self.posts: list[tuple[str, dict]] = []
+
+    def entry(self, url: str) -> dict:
+        return {"url": url, "healthy": url not in self.hung, "draining": url in self.draining,
+                "in_flight": 0, "breaker": "closed", "num_requests": 10, "num_failures": 0}
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        base, path = f"{request.url.scheme}://{request.url.host}", request.url.path
+        if base == ROUTER:
+            if request.method == "POST":
+                body = json.loads(request.content)
+                self.posts.append((path, body))
+                if path == "/admin/drain":
+                    self.draining.add(body["url"])
+                return httpx.Response(200, json=self.entry(body["url"]))
+            if path == "/admin/policy":
+                return httpx.Response(200, json={"policy": "cache_aware", "cache_threshold": 0.3})
+            return httpx.Response(200, json={"workers": [self.entry(u) for u in URLS]})
+        if base in self.hung:
+            raise httpx.ReadTimeout("hung", request=request)
+        if path == "/metrics":
+            return httpx.Response(200, text=METRICS)
+        if path == "/get_server_info":
+            return httpx.Response(200, json={"engine_pid": 1234, "engine": {}})
+        return httpx.Response(200, json={"status": "ok"})
+
+
+def make_agent(tmp_path, fake: FakeFleet, **cfg) -> Agent:
+    agent = Agent(ROUTER, AgentConfig(decision_log=str(tmp_path / "d.jsonl"), **cfg))
+    transport = httpx.MockTransport(fake)
+    agent.admin.http = httpx.AsyncClient(transport=transport, base_url=ROUTER)
+    agent.observer.http = httpx.AsyncClient(transport=transport)
+    return agent
+
+
+def sweeps(agent: Agent, n: int) -> list[dict]:
+    async def go():
+        out = []
+        for _ in range(n):
+            out += await agent.sweep()
+        await agent.aclose()
+        return out
+    return asyncio.run(go())
+
+
+def test_a_hung_worker_is_isolated_and_every_step_is_logged(tmp_path):
+    fake = FakeFleet(hung={"http://w1"})
+    agent = make_agent(tmp_path, fake)
+    records = sweeps(agent, 6)
+    assert fake.posts == [("/admin/drain", {"url": "http://w1"})]
+    actions = [r["action"] for r in records if r["worker"] == "http://w1"]
+    assert actions[:2] == ["suspect", "isolate"] and "none" in actions  # then waits, logged
+    iso = next(r for r in records if r["action"] == "isolate")
+    assert iso["result"].startswith("ok") and iso["findings"][0]["kind"] == "unresponsive"
+    assert iso["observed"]["health_error"] == "timeout"
+    logged = [json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert logged == records
+    assert records[0]["action"] == "none" and "no rule fired" in records[0]["reason"]
+
+
+def test_dry_run_logs_the_decision_and_does_not_act(tmp_path):
+    fake = FakeFleet(hung={"http://w1"})
+    agent = make_agent(tmp_path, fake, dry_run=True)
+    records = sweeps(agent, 6)
+    assert fake.posts == []
+    iso = [r for r in records if r["action"] == "isolate"]
+    assert len(iso) == 1 and iso[0]["result"] == "dry-run" and iso[0]["dry_run"]
+
+
+def test_status_and_metrics_describe_the_fleet(tmp_path):
+    fake = FakeFleet(hung={"http://w2"})
+    agent = make_agent(tmp_path, fake)
+    sweeps(agent, 5)
+    status = status_json(agent)
+    rows = {r["url"]: r for r in status["workers"]}
+    assert rows["http://w2"]["state"] == "isolated" and rows["http://w0"]["state"] == "observe"
+    assert status["recent_decisions"] and "GPU" in status["gpu"]   # read, or why not
+    page = status_html(status)
+    assert "<table" in page and "http://w2" in page
+    text = agent.metrics.render().decode()
+    assert 'radixserve_agent:worker_state{state="isolated",worker="http://w2"} 1.0' in text
+    assert 'radixserve_agent:decisions_total{action="isolate"} 1.0' in text
