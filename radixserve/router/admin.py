@@ -91,17 +91,26 @@ def build_admin_router(state: RouterState) -> APIRouter:
     """The /admin routes over `state` (registry, policy, health monitor, metrics)."""
     admin = APIRouter(prefix="/admin", dependencies=[Depends(admin_key_check(
         state.config.admin_api_key))])
-    pending: set[asyncio.Task] = set()
+    _membership_routes(admin, state)
+    _worker_routes(admin, state)
+    _policy_routes(admin, state)
+    return admin
 
-    def worker_of(body: dict) -> Any:
-        url = _url(body)
-        worker = state.registry.get(url)
-        if worker is None:
-            raise WorkerNotFound(f"no worker {url}", param="url")
-        return worker
 
-    def listing(worker: Any) -> Response:
-        return JSONResponse(worker.to_json(state.registry.clock()))
+def _worker_of(state: RouterState, body: dict) -> Any:
+    url = _url(body)
+    worker = state.registry.get(url)
+    if worker is None:
+        raise WorkerNotFound(f"no worker {url}", param="url")
+    return worker
+
+
+def _listing(state: RouterState, worker: Any) -> Response:
+    return JSONResponse(worker.to_json(state.registry.clock()))
+
+
+def _membership_routes(admin: APIRouter, state: RouterState) -> None:
+    pending: set[asyncio.Task] = set()  # first health checks of added workers
 
     @admin.get("/workers")
     async def list_workers() -> Response:
@@ -123,40 +132,44 @@ def build_admin_router(state: RouterState) -> APIRouter:
         pending.add(task)
         task.add_done_callback(pending.discard)
         logger.info("admin: added worker %s (weight %s)", url, weight)
-        return listing(worker)
+        return _listing(state, worker)
 
     @admin.post("/remove_worker")
     async def remove_worker(request: Request) -> Response:
-        worker = worker_of(await _body(request))
+        worker = _worker_of(state, await _body(request))
         state.remove_worker(worker.url)
         logger.info("admin: removed worker %s (%d in flight finish)", worker.url, worker.in_flight)
         return JSONResponse({"removed": worker.url, "in_flight": worker.in_flight})
 
+
+def _worker_routes(admin: APIRouter, state: RouterState) -> None:
     @admin.post("/drain")
     async def drain(request: Request) -> Response:
-        worker = worker_of(await _body(request))
+        worker = _worker_of(state, await _body(request))
         worker.draining = True
         logger.info("admin: draining %s (%d in flight)", worker.url, worker.in_flight)
-        return listing(worker)
+        return _listing(state, worker)
 
     @admin.post("/undrain")
     async def undrain(request: Request) -> Response:
-        worker = worker_of(await _body(request))
+        worker = _worker_of(state, await _body(request))
         worker.draining = False
         logger.info("admin: undrained %s", worker.url)
-        return listing(worker)
+        return _listing(state, worker)
 
     @admin.post("/set_weight")
     async def set_weight(request: Request) -> Response:
         body = await _body(request)
-        worker = worker_of(body)
+        worker = _worker_of(state, body)
         try:
             worker.weight = check_weight(body.get("weight"))
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="weight") from None
         logger.info("admin: weight of %s set to %s", worker.url, worker.weight)
-        return listing(worker)
+        return _listing(state, worker)
 
+
+def _policy_routes(admin: APIRouter, state: RouterState) -> None:
     @admin.post("/set_policy_params")
     async def set_policy_params(request: Request) -> Response:
         params = validate_policy_params(await _body(request))
@@ -166,5 +179,3 @@ def build_admin_router(state: RouterState) -> APIRouter:
     @admin.get("/policy")
     async def policy() -> Response:
         return JSONResponse(state.policy_params())
-
-    return admin

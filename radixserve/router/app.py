@@ -179,9 +179,9 @@ def install_error_handlers(app: FastAPI) -> None:
                                        "internal_error", 500), status_code=500)
 
 
-def build_app(state: RouterState) -> FastAPI:
-    """The router app over `state`; its lifespan runs one health sweep before serving, then
-    the health and load loops, and closes the HTTP client at shutdown."""
+def lifespan_of(state: RouterState) -> Any:
+    """Lifespan: one health sweep before serving, then the health and load loops; at
+    shutdown the loops stop and the HTTP client closes."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -194,9 +194,13 @@ def build_app(state: RouterState) -> FastAPI:
         finally:
             await state.monitor.stop()
             await state.http.aclose()
+    return lifespan
 
+
+def build_app(state: RouterState) -> FastAPI:
+    """The router app over `state` (lifespan: lifespan_of)."""
     app = FastAPI(title="radixserve router", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+                  lifespan=lifespan_of(state))
     app.state.router = state
     install_error_handlers(app)
     app.include_router(build_admin_router(state))
