@@ -5,7 +5,9 @@
 One run starts `radixserve fleet --num-workers 2` (a cache_aware router keyed by token ids)
 and a second router with --policy round_robin over the same two workers. For each dataset and
 policy it flushes both workers' prefix caches and runs `radixserve bench` through that
-router (chat backend, fixed output lengths). Then it measures the router's added latency:
+router (chat backend, fixed output lengths), in ABBA order (cache_aware, round_robin,
+round_robin, cache_aware; --rounds 1: AB) so that drift of a shared machine hits both
+policies alike; the tables show each policy's mean over its runs. Then it measures the router's added latency:
 the same 1-token completions sent alternately straight to worker 0 and through the
 cache_aware router, paired. Prints markdown tables with cache_aware / round_robin ratios.
 Default model: the embedded SmolLM2-135M-Instruct GGUF, one torch thread per worker.
@@ -120,15 +122,27 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "n/a"
 
 
+METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+           "cache_hit_rate")
+
+
+def mean_record(runs: list[dict]) -> dict:
+    """Each metric of METRICS averaged over `runs`, plus the per-run request throughputs."""
+    out = {k: statistics.fmean(r[k] or 0.0 for r in runs) for k in METRICS}
+    out["runs"] = " / ".join(f"{r['request_throughput']:.2f}" for r in runs)
+    return out
+
+
 def print_tables(results: dict, latency: dict, n: int) -> None:
-    print("\n| dataset | policy | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | hit rate |")
+    print("\n| dataset | policy | req/s (runs) | output tok/s | TTFT p50 ms | TTFT p99 ms | hit rate |")
     print("|---|---|---|---|---|---|---|")
     for name, by_policy in results.items():
-        for policy, r in by_policy.items():
-            print(f"| {name} | {policy} | {r['request_throughput']:.2f} | "
+        means = {policy: mean_record(runs) for policy, runs in by_policy.items()}
+        for policy, r in means.items():
+            print(f"| {name} | {policy} | {r['request_throughput']:.2f} ({r['runs']}) | "
                   f"{r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} | "
-                  f"{r['p99_ttft_ms']:.0f} | {100 * (r['cache_hit_rate'] or 0):.1f} % |")
-        ca, rr = by_policy["cache_aware"], by_policy["round_robin"]
+                  f"{r['p99_ttft_ms']:.0f} | {100 * r['cache_hit_rate']:.1f} % |")
+        ca, rr = means["cache_aware"], means["round_robin"]
         print(f"| {name} | **cache_aware / round_robin** | "
               f"**{ratio(ca['request_throughput'], rr['request_throughput'])}** | "
               f"{ratio(ca['output_throughput'], rr['output_throughput'])} | "
@@ -147,6 +161,7 @@ def main() -> int:
     p.add_argument("--model-path", default=None, help="HF folder or .gguf (default: embedded)")
     p.add_argument("--quick", action="store_true", help="smaller workloads")
     p.add_argument("--latency-requests", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=2, help="2: ABBA order; 1: AB")
     p.add_argument("--output-file", default=os.path.join(tempfile.gettempdir(),
                                                          "router_bench.jsonl"))
     args, worker_extra = p.parse_known_args()
@@ -173,12 +188,14 @@ def main() -> int:
         for name, flags in DATASETS.items():
             if args.quick:
                 flags = [QUICK.get(prev, f) for prev, f in zip([None, *flags], flags)]
-            results[name] = {}
-            for policy, url in routers.items():
+            results[name] = {policy: [] for policy in routers}
+            order = (["cache_aware", "round_robin", "round_robin", "cache_aware"] * args.rounds)
+            for i, policy in enumerate(order[:2 * args.rounds]):
                 flush(workers)
-                results[name][policy] = bench(url, model, flags, args.output_file,
-                                              f"router/{name}/{policy}")
-                print(f"{name} {policy}: done", flush=True)
+                results[name][policy].append(bench(routers[policy], model, flags,
+                                                   args.output_file, f"router/{name}/{policy}/{i}"))
+                print(f"{name} {policy} run {i}: "
+                      f"{results[name][policy][-1]['request_throughput']:.2f} req/s", flush=True)
         latency = added_latency(workers[0], routers["cache_aware"], args.latency_requests)
         print_tables(results, latency, args.latency_requests)
     finally:
