@@ -73,8 +73,10 @@ class LadderConfig:
     clear_sweeps: int = _opt(2, "quiet sweeps before a suspect is cleared (hysteresis)")
     reintegrate_sweeps: int = _opt(3, "quiet sweeps after a return before a worker counts as "
                                       "healthy again (a finding in that time re-ejects it longer)")
-    base_ejection_s: float = _opt(30.0, "time out of rotation after an isolation or restart; "
-                                        "x the number of ejections (Envoy base_ejection_time 30 s)")
+    base_ejection_s: float = _opt(30.0, "time out of rotation after an isolation, x the number "
+                                        "of ejections (Envoy base_ejection_time 30 s); a restarted "
+                                        "worker returns once healthy, a repeat offender after "
+                                        "(n-1) x this")
     max_ejection_s: float = _opt(300.0, "cap on the escalated ejection time (Envoy 300 s); also "
                                         "the quiet time after which one ejection is forgiven")
     max_ejection_share: float = _opt(0.1, "most of the fleet out of rotation at once, at least "
@@ -109,8 +111,9 @@ class AgentConfig:
     sweep_interval_s: float = _opt(5.0, "seconds between sweeps (Envoy interval: 10 s)")
     kill_grace_s: float = _opt(5.0, "a restart sends SIGTERM, then SIGKILL after this (s): a "
                                     "hung worker may never finish a graceful stop")
-    request_timeout_s: float = _opt(2.0, "timeout of each health, metrics and info read (s); "
-                                         "a hung worker costs one timeout per sweep")
+    request_timeout_s: float = _opt(5.0, "timeout of each health, metrics and info read (s; "
+                                         "SGLang's health check: 5); a hung worker costs one "
+                                         "timeout per sweep")
     probe_timeout_s: float = _opt(10.0, "timeout of a recovery probe request (s); a sweep waits "
                                         "for its probes")
     probe_max_tokens: int = _opt(16, "tokens a recovery probe generates")

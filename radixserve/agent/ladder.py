@@ -90,7 +90,9 @@ class Ladder:
         self._noted: dict[str, str] = {}
 
     def ejection_s(self, n: int) -> float:
-        """Envoy: base_ejection_time x times ejected, capped at max_ejection_time (s)."""
+        """Envoy: base_ejection_time x times ejected, capped at max_ejection_time (s). An
+        isolation lasts ejection_s(n); after a restart the worker returns once healthy the
+        first time, and after ejection_s(n - 1) when it is a repeat offender."""
         return min(self.cfg.base_ejection_s * max(n, 1), self.cfg.max_ejection_s)
 
     def step(self, now: float, view: FleetView, findings: list[Finding]) -> list[Decision]:
@@ -147,9 +149,12 @@ class Ladder:
                                                   t.state, t.state, tuple(found)))
             in_flight = view.in_flight.get(t.url, 0)
             if in_flight == 0 or now - t.since >= self.cfg.drain_timeout_s:
-                t.out_until = now + self.ejection_s(t.ejections)
+                # a fresh process returns once healthy; a repeat offender waits (n-1) x base
+                hold = self.ejection_s(t.ejections - 1) if t.ejections > 1 else 0.0
+                t.out_until = now + hold
                 return [self._move(t, "restart", "restarted", now, found,
-                                   f"drained ({in_flight} still in flight): restarting")]
+                                   f"drained ({in_flight} still in flight): restarting, then "
+                                   f"out for at least {hold:.0f} s")]
             return self._note(t.url, Decision("none", t.url, f"draining before restart: did nothing "
                                               f"because {in_flight} requests are in flight",
                                               t.state, t.state, tuple(found)))

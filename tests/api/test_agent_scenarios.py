@@ -26,7 +26,7 @@ AGENT_FLAGS = ["--sweep-interval-s", "0.5", "--request-timeout-s", "1", "--windo
                "--unresponsive-sweeps", "2", "--confirm-sweeps", "2", "--base-ejection-s", "1",
                "--drain-timeout-s", "2", "--ttft-min-samples", "2", "--itl-min-samples", "5",
                "--error-min-requests", "5", "--probe-max-tokens", "4", "--probe-timeout-s", "10",
-               "--heartbeat-sweeps", "1000"]
+               "--heartbeat-sweeps", "1000", "--kill-grace-s", "1"]
 
 
 def wait_for(check, what: str, timeout_s: float = WAIT_S):
@@ -86,7 +86,7 @@ class Fleet:
 
     def stop_agent(self) -> None:
         if self.agent_proc and self.agent_proc.poll() is None:
-            self.agent_proc.send_signal(signal.SIGINT)
+            self.agent_proc.send_signal(signal.SIGTERM)
             self.agent_proc.wait(30)
 
     def fault(self, i: int, **body) -> None:
@@ -105,13 +105,16 @@ class Fleet:
         self.router.terminate()
         self.router.wait(30)
         pids = [w["pid"] for w in json.loads(self.manifest.read_text())["workers"]]
-        for w in self.workers:
-            w.stop()
+        for w in self.workers:   # all at once, then wait
+            if w.proc.poll() is None:
+                w.proc.terminate()
         for pid in pids:   # workers the agent re-spawned are not the fixture's children
             try:
                 os.killpg(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        for w in self.workers:
+            w.stop()
 
 
 def decisions(log: pathlib.Path) -> list[dict]:

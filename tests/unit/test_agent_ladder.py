@@ -63,7 +63,23 @@ def test_hung_supervised_worker_is_drained_then_restarted_then_returned():
     out = ladder.step(15, hung, [f("unresponsive")])   # drain_timeout_s passed
     assert acts(out) == [("restart", "http://w0")]
     assert acts(ladder.step(20, hung, [])) == []      # not answering yet
-    assert acts(ladder.step(50, view(supervised=sup), [])) == [("undrain", "http://w0")]
+    assert acts(ladder.step(25, view(supervised=sup), [])) == [("undrain", "http://w0")]
+
+
+def test_a_restarted_repeat_offender_stays_out_longer():
+    ladder = Ladder(CFG)
+    sup = frozenset(URLS)
+    hung = view(responsive=URLS[1:], supervised=sup)
+    now = 0.0
+    for n in (1, 2, 3):
+        out = run(ladder, [[f("unresponsive")]] * 3, start=now, v=hung)
+        assert acts(out) == [("drain", "http://w0"), ("restart", "http://w0")]
+        restarted_at = now + 10
+        hold = 0 if n == 1 else 30 * (n - 1)
+        assert ladder.tracks["http://w0"].out_until == restarted_at + hold
+        now = restarted_at + hold
+        assert acts(ladder.step(now, view(supervised=sup), [])) == [("undrain", "http://w0")]
+        now += 5
 
 
 def test_hung_worker_without_supervision_is_isolated_for_the_ejection_time():
