@@ -103,7 +103,7 @@ class Agent:
         probed = self.ladder.wants_probe()
         return FleetView(
             urls=tuple(snap.workers),
-            responsive=frozenset(u for u, s in snap.workers.items() if s.health_ok),
+            responsive=frozenset(u for u in snap.workers if rules.answering(hists.get(u, []))),
             in_flight={u: int((s.router or {}).get("in_flight") or 0)
                        for u, s in snap.workers.items()},
             recovered=frozenset(u for u in probed if rules.probe_recovered(hists.get(u, []),

@@ -81,13 +81,29 @@ def _hit_rate(a: WorkerSnapshot, b: WorkerSnapshot) -> tuple[float, float] | Non
 
 # ---- per-worker rules ------------------------------------------------------------------
 
+def answering(hist: History) -> bool:
+    """Whether the last sweep saw the worker alive: /health answered 200, or it timed out
+    while /metrics answered with more tokens generated than the sweep before (a worker too
+    busy to answer in time is not hung; health flapping under load is a known failure of
+    routers, research/routers.md §6.3 item 4). An error status (503: engine dead) is final."""
+    if not hist:
+        return False
+    last = hist[-1]
+    if last.health_ok:
+        return True
+    if last.health_error and last.health_error.startswith("status"):
+        return False
+    return len(hist) >= 2 and bool(_delta(hist[-2], last, GENERATED))
+
+
 def unresponsive(hist: History, cfg: RuleConfig) -> Finding | None:
-    """/health failed (error status, timeout, refused) on each of the last N sweeps."""
-    recent = hist[-cfg.unresponsive_sweeps:]
-    if len(recent) < cfg.unresponsive_sweeps or any(s.health_ok for s in recent):
+    """Not `answering` on each of the last N sweeps: /health failed (error status, or a
+    timeout or refusal without progress in /metrics)."""
+    n = cfg.unresponsive_sweeps
+    if len(hist) < n or any(answering(hist[:len(hist) - k]) for k in range(n)):
         return None
-    errors = [s.health_error for s in recent]
-    return Finding("unresponsive", hist[-1].url, f"/health failed on the last {len(recent)} "
+    errors = [s.health_error for s in hist[-n:]]
+    return Finding("unresponsive", hist[-1].url, f"/health failed on the last {n} "
                    f"sweeps ({errors[-1]})", {"errors": errors})
 
 

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from radixserve.agent.observe import parse_metrics
 from tests.api.conftest import REPO, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
@@ -93,6 +94,11 @@ class Fleet:
         r = httpx.post(self.urls[i] + "/admin/fault", json=body, timeout=10)
         assert r.status_code == 200, r.text
 
+    def anomalies(self, i: int) -> float:
+        """radixserve:num_anomalies_total of worker i, summed over its kinds."""
+        text = httpx.get(self.urls[i] + "/metrics", timeout=10).text
+        return parse_metrics(text).get("radixserve:num_anomalies_total", 0.0)
+
     def clear(self) -> None:
         for url in self.urls:
             httpx.delete(url + "/admin/fault", timeout=10)
@@ -166,14 +172,14 @@ def fleet(tiny_model_dir):
 def test_corrupted_output_is_caught_retried_and_the_client_sees_correct_text(fleet):
     fleet.clear()
     fleet.fault(0, kind="corrupt", mode="garble")
-    before = fleet.workers[0].metrics().get("radixserve:num_anomalies_total", 0.0)
+    before = fleet.anomalies(0)
     for n in range(12):
         body = {"prompt": f"corruption check {n}", "max_tokens": 8, "temperature": 0}
         direct = httpx.post(fleet.urls[1] + "/v1/completions", json=body, timeout=60)
         routed = fleet.http.post("/v1/completions", json=body)
         assert routed.status_code == 200, routed.text
         assert routed.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
-    after = fleet.workers[0].metrics().get("radixserve:num_anomalies_total", 0.0)
+    after = fleet.anomalies(0)
     assert after > before, "no request reached the corrupting worker"
     fleet.clear()
 

@@ -27,6 +27,8 @@ class Load:
     token_usage: float = 0.3
     rss_mb: float = 300.0
     health_ok: bool = True
+    health_error: str = "timeout"        # when not health_ok
+    metrics_answer: bool = False         # /metrics still answers while /health does not
     breaker: str = "closed"
     extra: dict = field(default_factory=dict)
 
@@ -71,7 +73,8 @@ class WorkerSim:
         self.m.update(load.extra)
         router = dict(self.router, url=self.url, breaker=load.breaker)
         if not load.health_ok:
-            return WorkerSnapshot(self.url, self.t, False, "timeout", {}, None, router)
+            metrics = dict(self.m) if load.metrics_answer else {}
+            return WorkerSnapshot(self.url, self.t, False, load.health_error, metrics, None, router)
         return WorkerSnapshot(self.url, self.t, True, None, dict(self.m), {}, router)
 
 

@@ -43,6 +43,20 @@ def test_unresponsive_fires_after_consecutive_failed_health_checks_only():
     assert f.evidence["errors"] == ["timeout"] * 3
 
 
+def test_a_busy_worker_is_not_unresponsive_but_a_dead_engine_is():
+    """/health timing out while /metrics shows tokens still being generated: busy, not hung.
+    /health 503 (engine dead) with /metrics answering a frozen snapshot: unresponsive."""
+    busy = fleet(3, N, special={0: lambda k: Load(health_ok=k < N - 5, metrics_answer=True)})
+    assert rules.evaluate(busy, CFG) == []
+    assert rules.answering(busy["http://w0"])
+
+    def dead(k):
+        return Load(health_ok=False, health_error="status 503", metrics_answer=True,
+                    requests=0) if k >= N - 3 else Load()
+    found = rules.evaluate(fleet(3, N, special={0: dead}), CFG)
+    assert ("unresponsive", "http://w0") in kinds(found)
+
+
 def test_error_rate_needs_a_share_and_a_volume():
     failing = fleet(3, N, special={0: fault_from(N - 6, Load(failures=15))})
     found = rules.evaluate(failing, CFG)
