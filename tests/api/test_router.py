@@ -44,6 +44,27 @@ def flush(url: str) -> None:
     assert r.status_code == 200, r.text
 
 
+def send_groups(fleet: Fleet, prompts: list[tuple[int, str]], base_url: str | None = None,
+                placed: dict[int, set[str]] | None = None) -> list[httpx.Response]:
+    """The first prompt of every group at once (long outputs, so all are in flight together:
+    the router's in-flight counts spread the groups), then the rest one by one; `placed`
+    collects the worker of each later request by group."""
+    groups = len({g for g, _ in prompts})
+    first = fleet.complete_all([p for _, p in prompts[:groups]], max_tokens=32, ignore_eos=True,
+                               base_url=base_url)
+    rest = []
+    for g, prompt in prompts[groups:]:
+        if placed is None:
+            rest.append(fleet.complete(prompt, base_url=base_url))
+            continue
+        worker, r = fleet.served_by(lambda: fleet.complete(prompt))
+        placed.setdefault(g, set()).add(worker)
+        rest.append(r)
+    responses = first + rest
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    return responses
+
+
 def test_shared_prefix_groups_stay_on_one_worker_with_single_worker_hit_rate(fleet):
     rng = random.Random(5)
     systems = [f"System prompt of group {g}: " + text(rng, 150) for g in range(4)]
@@ -52,16 +73,12 @@ def test_shared_prefix_groups_stay_on_one_worker_with_single_worker_hit_rate(fle
                for j in range(6) for g in range(4)]
     for url in fleet.urls:
         flush(url)
-    placed: dict[int, set[str]] = {g: set() for g in range(4)}
-    routed = []
-    for g, prompt in prompts:
-        worker, r = fleet.served_by(lambda: fleet.complete(prompt))
-        assert r.status_code == 200, r.text
-        placed[g].add(worker)
-        routed.append(r)
+    placed: dict[int, set[str]] = {}
+    routed = send_groups(fleet, prompts, placed=placed)
     assert all(len(workers) == 1 for workers in placed.values()), placed
+    assert set().union(*placed.values()) == set(fleet.urls), placed  # both workers serve groups
     flush(fleet.urls[0])
-    direct = [fleet.complete(prompt, base_url=fleet.urls[0]) for _, prompt in prompts]
+    direct = send_groups(fleet, prompts, base_url=fleet.urls[0])
     single, through_router = usage_rate(direct), usage_rate(routed)
     assert single > 0.5, single  # the workload does share prefixes
     assert abs(through_router - single) <= 0.1 * single, (through_router, single)
