@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
+import types
 
 import pytest
 
@@ -200,3 +202,33 @@ def test_parse_metrics_sums_label_sets_and_drops_buckets():
             'radixserve:ttft_count 5.0\nradixserve:ttft_sum 1.5\n')
     assert parse_metrics(text) == {"radixserve:num_anomalies_total": 5.0,
                                    "radixserve:ttft_count": 5.0, "radixserve:ttft_sum": 1.5}
+
+
+def test_nvml_readings_feed_the_gpu_rule(monkeypatch):
+    """read_nvml through a stand-in pynvml (no GPU here): one healthy GPU, one with
+    uncorrected ECC errors and an unsupported query; without pynvml: skipped, with a note."""
+    from radixserve.agent.gpu import read_nvml
+
+    class NVMLError(Exception):
+        pass
+
+    def unsupported(handle):
+        raise NVMLError("not supported")
+
+    fake = types.SimpleNamespace(
+        NVMLError=NVMLError, NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1, NVML_VOLATILE_ECC=0,
+        NVML_TEMPERATURE_GPU=0, nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 2, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetName=lambda h: "H200",
+        nvmlDeviceGetTotalEccErrors=lambda h, kind, counter: 3 * h,
+        nvmlDeviceGetRetiredPagesPendingStatus=unsupported,
+        nvmlDeviceGetCurrPcieLinkWidth=lambda h: 16, nvmlDeviceGetMaxPcieLinkWidth=lambda h: 16,
+        nvmlDeviceGetTemperature=lambda h, sensor: 40)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    readings, note = read_nvml()
+    assert note == "2 GPU(s) read through NVML"
+    assert readings[1]["ecc_uncorrected"] == 3 and readings[1]["retired_pages_pending"] is None
+    found = rules.gpu_unhealthy(readings)
+    assert [f.evidence["index"] for f in found] == [1]
+    monkeypatch.setitem(sys.modules, "pynvml", None)   # import fails
+    assert read_nvml() == (None, "GPU checks skipped: nvidia-ml-py (pynvml) is not installed")
