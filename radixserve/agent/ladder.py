@@ -138,8 +138,12 @@ class Ladder:
         if t.state in ("observe", "reintegrating", "suspect"):
             return self._watch(t, found, fault, now, view, gate)
         if t.state == "draining":
-            if fault == "hung" and t.fault == "slow":
-                t.fault, t.since = "hung", now  # a slow worker that stopped answering
+            if fault == "hung" and t.fault == "slow":  # a slow worker that stopped answering
+                t.fault, t.since = "hung", now
+                if t.url not in view.supervised:
+                    t.out_until = now + self.ejection_s(t.ejections)
+                    return [self._move(t, "isolate", "isolated", now, found, "drained slow "
+                                       "worker stopped answering: isolate (not supervising)")]
             if t.fault == "slow":
                 if t.url in view.recovered:
                     return [self._move(t, "undrain", "reintegrating", now, found,

@@ -168,3 +168,12 @@ def test_undo_restores_the_state_when_the_action_failed():
     ladder.undo(drain)
     assert ladder.tracks["http://w0"].state == "suspect"
     assert acts(ladder.step(10, view(), [f("ttft_outlier")])) == [("drain", "http://w0")]
+
+
+def test_a_drained_slow_worker_that_stops_answering_is_restarted_or_isolated():
+    for supervised, action in ((frozenset(URLS), "restart"), (frozenset(), "isolate")):
+        ladder = Ladder(CFG)
+        run(ladder, [[f("itl_outlier")]] * 2, v=view(supervised=supervised))
+        hung = view(responsive=URLS[1:], supervised=supervised)
+        out = run(ladder, [[f("unresponsive")]] * 2, start=10, v=hung)
+        assert acts(out) == [(action, "http://w0")]
