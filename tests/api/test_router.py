@@ -282,6 +282,11 @@ def test_killed_worker_loses_no_request_and_rejoins_after_health_checks(fleet):
     """Issue 5 and field case C20: SIGKILL a worker mid-run, GETs through the router, restart."""
     a, b = fleet.urls
     rng = random.Random(11)
+
+    def affine_to_b() -> str | None:  # a prompt the router placed on b (ties are random)
+        prompt = "Affinity " + text(rng, 60)
+        return prompt if fleet.served_by(lambda: fleet.complete(prompt))[0] == b else None
+    s_prompt = wait_for(affine_to_b, "a prompt placed on b")
     prompts = [text(rng, 20) for _ in range(16)]
     results: list[httpx.Response] = []
     run = threading.Thread(target=lambda: results.extend(
@@ -296,6 +301,11 @@ def test_killed_worker_loses_no_request_and_rejoins_after_health_checks(fleet):
     assert fleet.http.get("/v1/models").json()["data"][0]["id"] == "tiny"
     assert fleet.http.get("/health").status_code == 200
     wait_for(lambda: not fleet.workers()[a]["healthy"], "a marked unhealthy")
+    worker, r = fleet.served_by(lambda: fleet.complete(s_prompt))  # affinity kept (C20)
+    assert worker == b and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    with fleet.http.stream("POST", "/v1/completions", json={
+            "model": "tiny", "prompt": s_prompt, "max_tokens": 4, "stream": True}) as stream:
+        assert stream.status_code == 200 and read_events(stream)[-1] == "[DONE]"
     before = fleet.counts()
     assert all(fleet.complete(text(rng, 10)).status_code == 200 for _ in range(6))
     assert fleet.counts()[a] == before[a]  # nothing more sent to the dead worker
