@@ -113,8 +113,10 @@ class Agent:
     def _quiet_reason(self, snap: FleetSnapshot) -> str:
         if self.findings:
             return "did nothing new: " + "; ".join(f.text for f in self.findings)
-        return (f"did nothing because no rule fired ({len(snap.workers)} workers, "
-                f"{sum(s.health_ok for s in snap.workers.values())} answering /health)")
+        healthy = sum(s.health_ok for s in snap.workers.values())
+        alive = sum(rules.answering(self.history.of(u)) for u in snap.workers)
+        return (f"did nothing because no rule fired ({len(snap.workers)} workers, {healthy} "
+                f"answering /health in time, {alive} alive)")
 
     async def _apply(self, d: Decision, snap: FleetSnapshot) -> dict:
         result = "-"
