@@ -271,6 +271,10 @@ class Ladder:
         found = spread or collapsed
         if not found or not view.policy or "cache_threshold" not in view.policy:
             return decisions
+        if view.policy.get("policy", "cache_aware") != "cache_aware":
+            return decisions + self._note("policy", Decision(
+                "none", None, f"did nothing because the router's policy is "
+                f"{view.policy['policy']}, not cache_aware", findings=tuple(found)))
         current = float(view.policy["cache_threshold"])
         step = self.cfg.cache_threshold_step
         target = (min(current + step, self.cfg.cache_threshold_max) if spread

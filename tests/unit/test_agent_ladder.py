@@ -159,6 +159,8 @@ def test_policy_steps_with_cooldown_and_limits():
     assert acts(out) == [] and "limit" in out[0].reason
     out = ladder.step(200, view(policy={"cache_threshold": 0.4}), [collapse])
     assert out[0].params == {"cache_threshold": 0.3}
+    rr = ladder.step(400, view(policy={"policy": "round_robin", "cache_threshold": 0.3}), [collapse])
+    assert acts(rr) == [] and "round_robin" in rr[0].reason
 
 
 def test_undo_restores_the_state_when_the_action_failed():
