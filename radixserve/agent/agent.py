@@ -143,7 +143,8 @@ class Agent:
         return None
 
     def _record(self, d: Decision, result: str = "-", snap: FleetSnapshot | None = None) -> dict:
-        record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+        now = datetime.datetime.now(datetime.timezone.utc)
+        record = {"time": now.isoformat(timespec="milliseconds"),
                   "sweep": self.num_sweeps, "dry_run": self.cfg.dry_run, "result": result,
                   **d.to_json()}
         if d.worker and snap and d.worker in snap.workers:

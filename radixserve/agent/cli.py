@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg, rule_cfg, ladder_cfg = (from_args(c, args) for c in (AgentConfig, RuleConfig, LadderConfig))
+        cfg, rule_cfg, ladder_cfg = (from_args(c, args)
+                                     for c in (AgentConfig, RuleConfig, LadderConfig))
     except ValueError as exc:
         parser.error(str(exc))
     if cfg.supervise and not cfg.fleet_manifest:

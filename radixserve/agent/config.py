@@ -23,7 +23,8 @@ class RuleConfig:
                                        "failure share counts (Envoy request_volume 50; a small "
                                        "fleet sees fewer)")
     error_share: float = _opt(0.5, "failure share (5xx and transport errors, as the router "
-                                   "counts them) that fires (Envoy failure_percentage 85 percent; lower "
+                                   "counts them) that fires (Envoy failure_percentage 85 "
+                                   "percent; lower "
                                    "because each retried failure already costs latency)")
     breaker_sweeps: int = _opt(3, "sweeps in a row the router's breaker for a worker is open or "
                                   "half-open before that alone fires (the router opens it after "
@@ -82,7 +83,8 @@ class LadderConfig:
     max_ejection_share: float = _opt(0.1, "most of the fleet out of rotation at once, at least "
                                           "one worker (Envoy max_ejection_percent 10 percent)")
     panic_share: float = _opt(0.5, "below this share of workers answering /health the agent "
-                                   "stops acting and alerts (Envoy healthy_panic_threshold 50 percent)")
+                                   "stops acting and alerts (Envoy healthy_panic_threshold "
+                                   "50 percent)")
     drain_timeout_s: float = _opt(10.0, "most time a hung worker is drained before its restart "
                                         "(its in-flight requests may never finish)")
     restart_timeout_s: float = _opt(300.0, "a restarted worker not healthy by then raises an "

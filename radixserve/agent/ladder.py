@@ -198,14 +198,16 @@ class Ladder:
         if gate.panic:
             why = "panic (too few workers answer /health)"
         elif gate.out >= gate.allowed:
-            why = f"max share out of rotation reached ({gate.out} of {len(view.urls)} out, at most {gate.allowed})"
+            why = (f"max share out of rotation reached ({gate.out} of {len(view.urls)} out, "
+                   f"at most {gate.allowed})")
         elif gate.actions_left <= 0:
             why = "one new action per sweep; it waits for the next"
         elif fault == "leak" and t.url not in view.supervised:
             why = "not supervising this worker, so it cannot be restarted"
         if why:
             kind = "alert" if gate.panic or fault == "leak" else "none"
-            return self._note(t.url, Decision(kind, t.url, f"{fault} confirmed: did nothing because {why}",
+            return self._note(t.url, Decision(kind, t.url,
+                                              f"{fault} confirmed: did nothing because {why}",
                                               t.state, t.state, tuple(found)))
         gate.out, gate.actions_left = gate.out + 1, gate.actions_left - 1
         t.fault, t.ejections = fault, t.ejections + 1

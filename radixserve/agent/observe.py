@@ -114,10 +114,11 @@ class Observer:
         except Exception as exc:  # router down or answering errors: record it, do not raise
             logger.warning("router view unavailable: %s", exc)
             return FleetSnapshot(time.monotonic(), {}, router_error=f"{type(exc).__name__}: {exc}")
+        probe_urls = probe_urls or set()
         routable = [e["url"] for e in entries
-                    if e.get("healthy") and not e.get("draining") and e["url"] not in (probe_urls or ())]
+                    if e.get("healthy") and not e.get("draining") and e["url"] not in probe_urls]
         probes = {url: self.probe(url, routable[0] if routable else None, probe_timeout_s,
-                                  probe_max_tokens) for url in (probe_urls or ())}
+                                  probe_max_tokens) for url in probe_urls}
         snaps = await asyncio.gather(*(self.worker(e, probes.pop(e["url"], None)) for e in entries))
         for leftover in probes.values():
             leftover.close()
@@ -125,6 +126,7 @@ class Observer:
                              gpus=self.read_gpus())
 
     async def worker(self, entry: dict, probe: Any = None) -> WorkerSnapshot:
+        """Read one worker (router entry `entry`) and await its probe coroutine, if any."""
         url = entry["url"].rstrip("/")
         health, metrics, info, probed = await asyncio.gather(
             self._get(url + "/health"), self._get(url + "/metrics"),

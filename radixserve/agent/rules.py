@@ -248,7 +248,8 @@ def memory_growth(hist: History, cfg: RuleConfig) -> Finding | None:
     if slope < cfg.memory_slope_mb_per_s * MIB or growth < cfg.memory_min_growth_mb * MIB:
         return None
     return Finding("memory_growth", hist[-1].url, f"resident memory +{growth / MIB:.0f} MiB at "
-                   f"{slope / MIB:.2f} MiB/s", {"growth_mb": growth / MIB, "slope_mb_per_s": slope / MIB})
+                   f"{slope / MIB:.2f} MiB/s",
+                   {"growth_mb": growth / MIB, "slope_mb_per_s": slope / MIB})
 
 
 WORKER_RULES = (unresponsive, error_rate, queue_building, kv_pressure, hit_rate_collapsed,
@@ -291,7 +292,8 @@ def fleet_ttft_spread(fleet: dict[str, History], cfg: RuleConfig) -> Finding | N
     if len(means) < 2:
         return None
     slow, fast = max(means, key=lambda u: means[u][0]), min(means, key=lambda u: means[u][0])
-    if means[slow][0] < cfg.spread_ratio * means[fast][0] or means[slow][0] - means[fast][0] < cfg.ttft_min_abs_s:
+    slowest, fastest = means[slow][0], means[fast][0]
+    if slowest < cfg.spread_ratio * fastest or slowest - fastest < cfg.ttft_min_abs_s:
         return None
     reqs = {u: _window_delta(h, "router.num_requests", cfg.window_sweeps) or 0.0
             for u, h in fleet.items()}
@@ -327,8 +329,10 @@ def evaluate(fleet: dict[str, History], cfg: RuleConfig,
         if not hist:
             continue
         findings += [f for rule in WORKER_RULES if (f := rule(hist, cfg))]
-        findings += [f for which in ("ttft", "itl") if (f := latency_outlier(url, fleet, cfg, which))]
-    findings += [f for rule in (fleet_hit_rate_collapsed, fleet_ttft_spread) if (f := rule(fleet, cfg))]
+        findings += [f for which in ("ttft", "itl")
+                     if (f := latency_outlier(url, fleet, cfg, which))]
+    findings += [f for rule in (fleet_hit_rate_collapsed, fleet_ttft_spread)
+                 if (f := rule(fleet, cfg))]
     return findings + gpu_unhealthy(gpus)
 
 
