@@ -283,10 +283,12 @@ def test_killed_worker_loses_no_request_and_rejoins_after_health_checks(fleet):
     a, b = fleet.urls
     rng = random.Random(11)
 
-    def affine_to_b() -> str | None:  # a prompt the router placed on b (ties are random)
-        prompt = "Affinity " + text(rng, 60)
-        return prompt if fleet.served_by(lambda: fleet.complete(prompt))[0] == b else None
-    s_prompt = wait_for(affine_to_b, "a prompt placed on b")
+    s_prompt = "Affinity " + text(rng, 60)
+    fleet.admin("POST", "/admin/drain", json={"url": a})  # S is placed on b
+    try:
+        assert fleet.served_by(lambda: fleet.complete(s_prompt))[0] == b
+    finally:
+        fleet.admin("POST", "/admin/undrain", json={"url": a})
     prompts = [text(rng, 20) for _ in range(16)]
     results: list[httpx.Response] = []
     run = threading.Thread(target=lambda: results.extend(
@@ -312,11 +314,13 @@ def test_killed_worker_loses_no_request_and_rejoins_after_health_checks(fleet):
     fleet.restart(a)
     wait_for(lambda: fleet.workers()[a]["healthy"], "a healthy again")
 
-    def a_takes_one() -> bool:
+    def a_takes_some() -> bool:  # at once, so in-flight counts (not idle load ties) decide
         before = fleet.counts()[a]
-        assert fleet.complete(text(rng, 10)).status_code == 200
+        batch = fleet.complete_all([text(rng, 10) for _ in range(6)], max_tokens=16,
+                                   ignore_eos=True)
+        assert all(r.status_code == 200 for r in batch)
         return fleet.counts()[a] > before
-    wait_for(a_takes_one, "a request routed to the restarted worker")
+    wait_for(a_takes_some, "requests routed to the restarted worker")
 
 
 def test_worker_death_mid_stream_ends_with_error_event_not_replay(fleet):
