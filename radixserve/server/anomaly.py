@@ -226,10 +226,19 @@ class RareCharDetector:
 
 class AnomalyGuard:
     """All detectors of one choice. `feed` returns the first Detection (and the same one on
-    every later call: a choice that went wrong stays wrong)."""
+    every later call: a choice that went wrong stays wrong).
 
-    def __init__(self, config: GuardConfig, extra_detectors: Sequence[Detector] = ()):
-        self.detectors: list[Detector] = [RepetitionDetector(config), GarbledDetector(config),
+    `greedy`: the choice is decoded greedily, so repetition is not judged. A loop under
+    greedy decoding is the model's own deterministic answer, the same on every healthy
+    worker (small models fall into them: 2.3 % of greedy SmolLM2-135M answers,
+    docs/anomaly_guard.md); stopping it would turn that answer into an error that no retry
+    can fix. Garbled text and rare characters are judged either way.
+    """
+
+    def __init__(self, config: GuardConfig, extra_detectors: Sequence[Detector] = (),
+                 greedy: bool = False):
+        repetition: list[Detector] = [] if greedy else [RepetitionDetector(config)]
+        self.detectors: list[Detector] = [*repetition, GarbledDetector(config),
                                           RareCharDetector(config), *extra_detectors]
         self.detection: Detection | None = None
 

@@ -146,15 +146,13 @@ class FaultInjector:
     # ---- hooks -----------------------------------------------------------------------------
     async def wait_while_hung(self) -> None:
         """Return once no hang fault is in force (cleared or expired)."""
-        fault = self.get("hang")
-        if fault is None:
-            return
-        ends = fault.ends_s
-        timeout = None if ends is None else max(ends - time.monotonic(), 0.0)
-        try:
-            await asyncio.wait_for(self._hang_over.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass  # the hang expired: answer normally
+        while (fault := self.get("hang")) is not None:   # again: a new hang may replace it
+            ends = fault.ends_s
+            timeout = None if ends is None else max(ends - time.monotonic(), 0.0)
+            try:
+                await asyncio.wait_for(self._hang_over.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass  # the hang expired: get() says so on the next check
 
     async def on_accepted(self) -> None:
         """Called once the engine holds a request, before its response starts: sleeps for
@@ -190,10 +188,6 @@ class FaultInjector:
             self._leak_task.cancel()
             self._leak_task = None
         self._leaked.clear()
-
-    @property
-    def leaked_bytes(self) -> int:
-        return sum(len(b) for b in self._leaked)
 
 
 class HangMiddleware:

@@ -211,7 +211,9 @@ class GenerationRun:
         self.stream: RequestStream | None = None
         self._timers: dict[str, RequestTimer] = {}
         num_choices = len(prompts) * self.n
-        self._guards = [AnomalyGuard(ctx.guard) for _ in range(num_choices)] if ctx.guard else []
+        greedy = params.is_greedy
+        self._guards = ([AnomalyGuard(ctx.guard, greedy=greedy) for _ in range(num_choices)]
+                        if ctx.guard else [])
         self._corrupter = ctx.faults.corrupter() if ctx.faults is not None else None
 
     async def __aenter__(self) -> GenerationRun:

@@ -152,3 +152,12 @@ def test_every_corruption_mode_is_caught_by_its_detector(mode, kind):
         if found:
             break
     assert found is not None and found.kind == kind
+
+
+def test_greedy_choices_are_not_judged_for_repetition():
+    """A greedy loop is the model's deterministic answer; garbling still counts."""
+    loop = "The water flows,\n" * 40
+    assert AnomalyGuard(CONFIG).feed(GuardInput(loop)).kind == "repetition"
+    assert AnomalyGuard(CONFIG, greedy=True).feed(GuardInput(loop)) is None
+    garbled = AnomalyGuard(CONFIG, greedy=True).feed(GuardInput("ok \ufffd\ufffd\ufffd\ufffd\ufffd\ufffd"))
+    assert garbled is not None and garbled.kind == "garbled"
