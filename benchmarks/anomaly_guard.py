@@ -11,7 +11,8 @@ temperature 0.7 and half greedy, max_tokens drawn from 64..128, `--concurrency` 
 1. ordinary: every HTTP 500 "output_anomaly" is a false positive (the worker's
    radixserve:num_anomalies_total{kind} must agree);
 2. per corrupt mode (garble, repeat, noise; POST /admin/fault {"kind": "corrupt", "mode"}):
-   the share of requests stopped with the kind that mode should trigger;
+   the share of requests stopped with the kind that mode should trigger, and of the greedy
+   ones (repetition is not judged under greedy decoding: anomaly.AnomalyGuard);
 3. the guard's cost per character, re-running it on the ordinary texts in 4-character deltas.
 
 Writes ordinary.jsonl (every text and verdict) and summary.json under --out.
@@ -155,7 +156,7 @@ def run(url: str, args: argparse.Namespace) -> dict:
                              if r in fired and b["temperature"] == 0.0),
         "other_errors": sum(r["status"] not in (200, 500) or (r["status"] == 500 and r not in fired)
                             for r in results),
-        "mean_chars": sum(len(r.get("text", "")) for r in results) / len(results),
+        "mean_chars": sum(len(r.get("text", "")) for r in results) / max(len(results), 1),
         "elapsed_s": round(elapsed, 1)}}
     texts = [r["text"] for r in results if r["status"] == 200]
     summary["guard_us_per_char"] = round(guard_cost_us_per_char(texts), 2)
@@ -167,10 +168,14 @@ def run(url: str, args: argparse.Namespace) -> dict:
             res = asyncio.run(send_all(url, items, args.concurrency))
         finally:
             httpx.delete(f"{url}/admin/fault", timeout=60)
-        caught = [r for r in res if r.get("error") == "output_anomaly"]
+        caught = [r.get("error") == "output_anomaly" for r in res]
+        greedy = [b["temperature"] == 0.0 for b in items]
         summary["corrupt"][mode] = {
-            "num": len(res), "num_detected": len(caught),
-            "num_detected_as_expected_kind": sum(kind_in(r["message"]) == kind for r in caught),
+            "num": len(res), "num_detected": sum(caught),
+            "num_detected_as_expected_kind": sum(c and kind_in(r["message"]) == kind
+                                                 for c, r in zip(caught, res)),
+            "num_greedy": sum(greedy),
+            "num_greedy_detected": sum(c and g for c, g in zip(caught, greedy)),
             "missed_chars": [len(r["text"]) for r in res if r["status"] == 200]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

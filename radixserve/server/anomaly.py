@@ -166,7 +166,8 @@ class GarbledDetector:
                 self._end_word()
             self._prev = c
         cfg = self.config
-        if self.num_bad >= cfg.min_bad_chars and self.num_bad >= cfg.min_bad_fraction * self.num_chars:
+        bad = self.num_bad
+        if bad >= cfg.min_bad_chars and bad >= cfg.min_bad_fraction * self.num_chars:
             return Detection(self.kind, f"{self.num_bad} invalid or replacement characters in "
                                         f"{self.num_chars}")
         if (self.num_mixed >= cfg.min_mixed_words
@@ -177,7 +178,8 @@ class GarbledDetector:
     def _end_word(self) -> None:
         scripts = self._word_scripts
         self.num_words += 1
-        if len(scripts) > 1 and not (len(scripts) == 2 and frozenset(scripts) in COMPATIBLE_SCRIPTS):
+        compatible = len(scripts) == 2 and frozenset(scripts) in COMPATIBLE_SCRIPTS
+        if len(scripts) > 1 and not compatible:
             self.num_mixed += 1
         self._word_scripts = set()
 
@@ -219,7 +221,8 @@ class RareCharDetector:
         self.num_rare += sum(1 for c in delta.text if not c.isascii() or c < " " or c == "\x7f"
                              if is_rare_char(c))
         cfg = self.config
-        if self.num_rare >= cfg.min_rare_chars and self.num_rare >= cfg.min_rare_fraction * self.num_chars:
+        rare = self.num_rare
+        if rare >= cfg.min_rare_chars and rare >= cfg.min_rare_fraction * self.num_chars:
             return Detection(self.kind, f"{self.num_rare} rare characters in {self.num_chars}")
         return None
 

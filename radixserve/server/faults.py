@@ -54,7 +54,8 @@ class FaultSpec(BaseModel, extra="forbid"):
         allowed = KIND_PARAMS[self.kind]
         unexpected = sorted(set(self.model_fields_set) - set(allowed) - {"kind", "duration_s"})
         if unexpected:
-            raise InvalidRequest(f"fault {self.kind!r} takes no {unexpected[0]!r}", param=unexpected[0])
+            name = unexpected[0]
+            raise InvalidRequest(f"fault {self.kind!r} takes no {name!r}", param=name)
         params = {name: getattr(self, name) for name in allowed}
         missing = [name for name, value in params.items() if value is None]
         if missing:

@@ -159,5 +159,5 @@ def test_greedy_choices_are_not_judged_for_repetition():
     loop = "The water flows,\n" * 40
     assert AnomalyGuard(CONFIG).feed(GuardInput(loop)).kind == "repetition"
     assert AnomalyGuard(CONFIG, greedy=True).feed(GuardInput(loop)) is None
-    garbled = AnomalyGuard(CONFIG, greedy=True).feed(GuardInput("ok \ufffd\ufffd\ufffd\ufffd\ufffd\ufffd"))
+    garbled = AnomalyGuard(CONFIG, greedy=True).feed(GuardInput("ok " + "\ufffd" * 6))
     assert garbled is not None and garbled.kind == "garbled"
