@@ -15,6 +15,10 @@ REASONS = ("prefix_hit", "load_fallback", "imbalance", "round_robin", "random",
            "power_of_two", "session")
 PARAMS = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
 VIRTUAL_NODES = 160  # points per worker on the session hash ring (ketama's count)
+# Loads this close to the minimum (requests) count as tied: the smoothed external load decays
+# towards 0 but never reaches it, and a residue of 0.01 must not send every idle request to
+# the same worker (production-stack picks among workers "within +1 of the minimum").
+LOAD_TIE = 0.5
 
 
 class RouteKey(NamedTuple):
@@ -91,9 +95,10 @@ class Policy:
         return {w.url: w.load(now) / w.weight for w in candidates}
 
     def least_loaded(self, candidates: list[WorkerState], loads: dict[str, float]) -> WorkerState:
-        """The lowest-load candidate; ties broken at random (no herd onto the first)."""
+        """A lowest-load candidate: one at random among those within LOAD_TIE of the minimum
+        (no herd onto the first)."""
         low = min(loads[w.url] for w in candidates)
-        return self.rng.choice([w for w in candidates if loads[w.url] == low])
+        return self.rng.choice([w for w in candidates if loads[w.url] <= low + LOAD_TIE])
 
 
 class CacheAwarePolicy(Policy):

@@ -229,3 +229,19 @@ def test_no_candidates_and_unknown_policy():
     config = replace(RouterConfig(), policy="fastest")
     with pytest.raises(ValueError):
         make_policy(config, reg, tree)
+
+
+def test_idle_requests_spread_despite_a_decaying_external_load_residue():
+    """A worker once busy with direct traffic keeps a smoothed residue (0.01 requests here)
+    for a while; idle unrelated requests must still spread, not all go to the other worker."""
+    reg, _, pol, clock = setup(n=2)
+    w0, w1 = reg.list()
+    w0.report(num_running=1, num_queue=0, token_usage=0.0, cache_hit_rate=0.0, now=clock())
+    for _ in range(7):
+        w0.report(num_running=0, num_queue=0, token_usage=0.0, cache_hit_rate=0.0, now=clock())
+        w1.report(num_running=0, num_queue=0, token_usage=0.0, cache_hit_rate=0.0, now=clock())
+    assert 0 < w0.load(clock()) - w1.load(clock()) < 0.5
+    rng = random.Random(1)
+    prompts = ["".join(rng.choices("abcdefghij", k=20)) for _ in range(40)]  # no shared prefix
+    chosen = Counter(route(reg, pol, p).worker.url for p in prompts)
+    assert set(chosen) == {w0.url, w1.url}, chosen
