@@ -106,23 +106,56 @@ def wait_healthy(workers: list[WorkerProc], timeout_s: float) -> None:
 def stop_workers(workers: list[WorkerProc]) -> None:
     """SIGTERM every worker's process group, wait up to STOP_GRACE_S, then SIGKILL."""
     for w in workers:
-        _signal_group(w, signal.SIGTERM)
+        _kill_group(w.proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
     for w in workers:
         try:
             w.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             logger.warning("worker %s ignored SIGTERM; killing it", w.url)
-        _signal_group(w, signal.SIGKILL)  # also reaps an engine left behind by its server
+        _kill_group(w.proc.pid, signal.SIGKILL)  # also reaps an engine left behind by its server
         w.proc.wait()
         w.log.close()
 
 
-def _signal_group(w: WorkerProc, sig: int) -> None:
+def stop_adopted(manifest_path: str | None, workers: list[WorkerProc]) -> None:
+    """Stop workers the manifest lists under a pid this fleet did not start: the ops agent
+    restarts a worker in a new process group and writes its pid to the manifest, so without
+    this a fleet stop would leave it running. SIGTERM to each group, SIGKILL after
+    STOP_GRACE_S."""
+    if not manifest_path or not os.path.exists(manifest_path):
+        return
     try:
-        os.killpg(w.proc.pid, sig)
-    except ProcessLookupError:
-        logger.debug("worker %s process group already gone", w.url)
+        with open(manifest_path) as f:
+            entries = json.load(f).get("workers", [])
+    except (OSError, ValueError) as exc:
+        logger.warning("fleet: cannot read manifest %s to stop restarted workers: %r",
+                       manifest_path, exc)
+        return
+    ours = {w.proc.pid for w in workers}
+    adopted = [int(e["pid"]) for e in entries if e.get("pid") and int(e["pid"]) not in ours]
+    for pid in adopted:
+        _kill_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for pid in adopted:
+        while time.monotonic() < deadline and _group_alive(pid):
+            time.sleep(0.1)
+        _kill_group(pid, signal.SIGKILL)
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        logger.debug("process group %d already gone", pid)
+
+
+def _group_alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def write_manifest(path: str, router_url: str, workers: list[WorkerProc]) -> None:
@@ -182,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in previous:
             signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        stop_adopted(args.manifest, workers)
         stop_workers(workers)
         for s, handler in previous.items():
             signal.signal(s, handler)

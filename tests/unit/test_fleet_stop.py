@@ -1,0 +1,46 @@
+"""`radixserve fleet` stops workers the ops agent restarted (their pids are only in the manifest)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from radixserve.router.fleet import stop_adopted
+
+
+def test_stop_adopted_kills_workers_listed_under_pids_the_fleet_did_not_start(tmp_path):
+    # Started by someone else (as the agent's restarts are): a grandchild in its own session.
+    spawn = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
+             "'import time; time.sleep(600)'], start_new_session=True, "
+             "stdout=subprocess.DEVNULL); print(p.pid)")
+    pid = int(subprocess.check_output([sys.executable, "-c", spawn], text=True))
+    manifest = tmp_path / "fleet.json"
+    manifest.write_text(json.dumps({"router_url": "http://127.0.0.1:1", "workers": [
+        {"url": "http://127.0.0.1:2", "pid": pid, "argv": [], "log": None}]}))
+    try:
+        stop_adopted(str(manifest), workers=[])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.05)
+        assert not _alive(pid)
+    finally:
+        if _alive(pid):
+            os.kill(pid, 9)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_stop_adopted_without_a_manifest_or_with_a_bad_one_does_nothing(tmp_path):
+    stop_adopted(None, workers=[])
+    stop_adopted(str(tmp_path / "missing.json"), workers=[])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    stop_adopted(str(bad), workers=[])
