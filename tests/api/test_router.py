@@ -206,6 +206,10 @@ def test_admin_drain_weight_and_membership(fleet):
             assert key in listing[a], key
         # A long request pinned to a (b drained), then a drained while it runs.
         admin.drain(b)
+        # Slow a's steps so the long request is surely still running while we look at it.
+        slow = httpx.post(f"{a}/admin/fault", headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"kind": "step_latency", "latency_ms": 100, "duration_s": 60})
+        assert slow.status_code == 200, slow.text
         result: list[httpx.Response] = []
         long = threading.Thread(target=lambda: result.append(
             fleet.complete("Long one", max_tokens=48, ignore_eos=True)))
@@ -217,6 +221,7 @@ def test_admin_drain_weight_and_membership(fleet):
         before = fleet.counts()
         assert all(r.status_code == 200 for r in fleet.complete_all(["x", "y", "z", "w"]))
         assert fleet.counts()[a] == before[a]  # a took nothing new
+        httpx.delete(f"{a}/admin/fault", headers={"Authorization": f"Bearer {API_KEY}"})
         long.join(120)
         assert result and result[0].status_code == 200, result  # in-flight finished
         assert fleet.workers()[a]["in_flight"] == 0
@@ -236,6 +241,7 @@ def test_admin_drain_weight_and_membership(fleet):
         wait_for(lambda: fleet.all_healthy(), "the re-added worker to be healthy")
         assert admin.get_policy()["policy"] == "cache_aware"
     finally:
+        httpx.delete(f"{a}/admin/fault", headers={"Authorization": f"Bearer {API_KEY}"})
         for url in (a, b):
             if url in fleet.workers():
                 admin.undrain(url)
