@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -11,7 +10,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixserve.errors import InvalidRequest, RadixServeError, Unauthorized
+from radixserve.errors import InvalidRequest, RadixServeError
+from radixserve.http_common import bearer_key_check
 from radixserve.router.worker import check_weight
 
 if TYPE_CHECKING:
@@ -34,13 +34,7 @@ class WorkerNotFound(RadixServeError):
 def admin_key_check(admin_api_key: str | None) -> Callable[[Request], Any]:
     """FastAPI dependency: `Authorization: Bearer <admin_api_key>` or Unauthorized (401).
     No key configured: every admin call is allowed (app.py logs a warning at start)."""
-    async def check(request: Request) -> None:
-        if admin_api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {admin_api_key}".encode()):
-            raise Unauthorized("Incorrect or missing admin key (send 'Authorization: Bearer KEY').")
-    return check
+    return bearer_key_check(admin_api_key, "admin key")
 
 
 async def _body(request: Request) -> dict:

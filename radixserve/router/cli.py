@@ -2,14 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import signal
 import sys
-import threading
-from typing import Iterator
 
 from radixserve.config import add_dataclass_args, from_args
+from radixserve.http_common import quiet_signals
 from radixserve.router.config import RouterConfig
 
 logger = logging.getLogger("radixserve.router")
@@ -56,25 +53,6 @@ def run(config: RouterConfig, worker_urls: list[str]) -> int:
     with quiet_signals():
         uvicorn.Server(uv).run()
     return 0
-
-
-@contextlib.contextmanager
-def quiet_signals() -> Iterator[None]:
-    """uvicorn stops on SIGINT/SIGTERM, then re-raises the signal to the handler it found
-    installed; make that a logged no-op so the process exits 0 after a clean shutdown."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def note(sig: int, frame: object) -> None:
-        logger.info("stopping on signal %d", sig)
-
-    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:

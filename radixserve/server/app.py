@@ -2,14 +2,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hmac
 import logging
 import os
-import signal
-import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -18,7 +14,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.config import EngineConfig, ServerConfig
-from radixserve.errors import EngineDead, InvalidRequest, RadixServeError, Unauthorized
+from radixserve.errors import EngineDead, InvalidRequest, RadixServeError
+from radixserve.http_common import bearer_key_check, quiet_signals
 from radixserve.sampling_params import SamplingParams
 from radixserve.server import responses
 from radixserve.server.admin_routes import install_admin_routes
@@ -75,13 +72,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def api_key_check(api_key: str | None) -> Callable[[Request], Any]:
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise Unauthorized("Incorrect or missing API key (send 'Authorization: Bearer KEY').")
-    return check
+    """The worker's `--api-key` check (FastAPI dependency; 401 without the key)."""
+    return bearer_key_check(api_key, "API key")
 
 
 def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
@@ -204,7 +196,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, builde
         server = uvicorn.Server(config)
         announce = asyncio.create_task(_announce(server, ctx, server_config, time.monotonic() - t0))
         stopper = asyncio.create_task(_exit_on_engine_death(server, client, server_config))
-        with _quiet_signals():
+        with quiet_signals():
             try:
                 await server.serve()
             finally:
@@ -225,24 +217,6 @@ async def _exit_on_engine_death(server: uvicorn.Server, client: EngineClient,
     await asyncio.sleep(ENGINE_DEATH_GRACE_S)
     logger.error("engine is dead; exiting with code 1")
     server.should_exit = True
-
-
-@contextlib.contextmanager
-def _quiet_signals() -> Iterator[None]:
-    """uvicorn stops on SIGINT/SIGTERM and then re-raises the signal to the handler it found
-    installed; make that handler a no-op, so that the engine process is still shut down in
-    order and the exit code is 0."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    def note(sig: int, frame: object) -> None:
-        logger.info("stopping on signal %d", sig)
-    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 async def _announce(server: uvicorn.Server, ctx: ServingContext, config: ServerConfig,

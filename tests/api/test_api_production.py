@@ -10,7 +10,6 @@ import os
 import random
 import signal
 import threading
-import time
 
 import httpx
 import pytest

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.api.conftest import API_KEY, TINY_CONTEXT, start_tiny_server
+from tests.api.conftest import TINY_CONTEXT, start_tiny_server
 
 WAIT_S = 60.0   # generous: only to avoid hanging a broken run, never a pass/fail threshold
 KIND_OF_MODE = {"garble": "garbled", "repeat": "repetition", "noise": "rare_chars"}

@@ -1,0 +1,47 @@
+"""Pieces every HTTP process shares (worker, router, agent): bearer-key checks and quiet signals."""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import signal
+import threading
+from typing import Any, Callable, Iterator
+
+from starlette.requests import Request
+
+from radixserve.errors import Unauthorized
+
+logger = logging.getLogger(__name__)
+
+
+def bearer_key_check(key: str | None, what: str = "API key") -> Callable[[Request], Any]:
+    """FastAPI dependency: the request must carry `Authorization: Bearer <key>`, compared in
+    constant time; raises Unauthorized (401) otherwise. `key` None: every request passes."""
+    async def check(request: Request) -> None:  # the annotation makes FastAPI inject it
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise Unauthorized(f"Incorrect or missing {what} (send 'Authorization: Bearer KEY').")
+    return check
+
+
+@contextlib.contextmanager
+def quiet_signals() -> Iterator[None]:
+    """uvicorn stops on SIGINT/SIGTERM and then re-raises the signal to the handler it found
+    installed; make that handler a logged no-op, so the caller's own shutdown runs in order
+    and the exit code is 0. Off the main thread (tests) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(sig: int, frame: object) -> None:
+        logger.info("stopping on signal %d", sig)
+
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
