@@ -138,8 +138,9 @@ class Agent:
     def _engine_pid(self, url: str | None) -> int | None:
         """The engine pid the worker last reported (a hung worker does not answer now)."""
         for snap in reversed(self.history.of(url) if url else []):
-            if snap.info and snap.info.get("engine_pid"):
-                return int(snap.info["engine_pid"])
+            pid = (snap.info or {}).get("engine_pid")
+            if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+                return pid
         return None
 
     def _record(self, d: Decision, result: str = "-", snap: FleetSnapshot | None = None) -> dict:

@@ -17,6 +17,16 @@ logger = logging.getLogger("radixserve.agent")
 
 PROBE_PROMPT = "The quick brown fox jumps over the lazy dog. Count: one two three"
 
+#: What one read of one worker may raise: transport and protocol errors, and a URL httpx cannot
+#: parse (httpx.InvalidURL, e.g. "http://[::1", is not an httpx.HTTPError).
+READ_ERRORS = (httpx.HTTPError, httpx.InvalidURL)
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as "Type: message", never empty (a ReadTimeout's message often is)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else repr(exc)
+
 
 @dataclass(frozen=True, slots=True)
 class Probe:
@@ -112,18 +122,30 @@ class Observer:
             entries = await self.admin.list_workers()
             policy = await self.admin.get_policy()
         except Exception as exc:  # router down or answering errors: record it, do not raise
-            logger.warning("router view unavailable: %s", exc)
-            return FleetSnapshot(time.monotonic(), {}, router_error=f"{type(exc).__name__}: {exc}")
+            reason = describe(exc)
+            logger.warning("router view unavailable: %s", reason)
+            return FleetSnapshot(time.monotonic(), {}, router_error=reason)
         probe_urls = probe_urls or set()
         routable = [e["url"] for e in entries
                     if e.get("healthy") and not e.get("draining") and e["url"] not in probe_urls]
         probes = {url: self.probe(url, routable[0] if routable else None, probe_timeout_s,
                                   probe_max_tokens) for url in probe_urls}
-        snaps = await asyncio.gather(*(self.worker(e, probes.pop(e["url"], None)) for e in entries))
+        snaps = await asyncio.gather(*(self._isolated(e, probes.pop(e["url"], None))
+                                       for e in entries))
         for leftover in probes.values():
             leftover.close()
         return FleetSnapshot(time.monotonic(), {s.url: s for s in snaps}, policy=policy,
                              gpus=self.read_gpus())
+
+    async def _isolated(self, entry: dict, probe: Any) -> WorkerSnapshot:
+        """`worker`, but an error reading this worker is recorded as it being unreadable (not
+        answering /health) instead of aborting the sweep for the whole fleet."""
+        try:
+            return await self.worker(entry, probe)
+        except Exception as exc:  # one worker's error must not blind the agent to the others
+            logger.warning("%s: unreadable this sweep", entry["url"], exc_info=True)
+            return WorkerSnapshot(entry["url"], time.monotonic(), False,
+                                  f"unreadable: {describe(exc)}", router=entry)
 
     async def worker(self, entry: dict, probe: Any = None) -> WorkerSnapshot:
         """Read one worker (router entry `entry`) and await its probe coroutine, if any."""
@@ -146,6 +168,9 @@ class Observer:
                 info_json = info.json()
             except ValueError as exc:
                 logger.warning("%s: /get_server_info is not JSON: %s", url, exc)
+            if info_json is not None and not isinstance(info_json, dict):
+                logger.warning("%s: /get_server_info is not a JSON object", url)
+                info_json = None
         return WorkerSnapshot(entry["url"], time.monotonic(), ok, error, parsed, info_json,
                               entry, probed)
 
@@ -154,8 +179,8 @@ class Observer:
             return await self.http.get(url)
         except httpx.TimeoutException:
             return "timeout"
-        except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}"
+        except READ_ERRORS as exc:
+            return describe(exc)
 
     async def probe(self, url: str, peer: str | None, timeout_s: float,
                     max_tokens: int) -> Probe:
@@ -172,8 +197,8 @@ class Observer:
         try:
             r = await self.http.post(url.rstrip("/") + "/v1/completions", json=body,
                                      timeout=timeout_s)
-        except httpx.HTTPError as exc:
-            logger.info("probe of %s failed: %s", url, exc)
+        except READ_ERRORS as exc:
+            logger.info("probe of %s failed: %s", url, describe(exc))
             return None
         return time.monotonic() - t0 if r.status_code == 200 else None
 

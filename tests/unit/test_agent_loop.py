@@ -19,8 +19,10 @@ METRICS = ("# TYPE radixserve:num_requests counter\n"
 class FakeFleet:
     """Answers the router's admin API and each worker's reads; `hung` workers time out."""
 
-    def __init__(self, hung: set[str]):
+    def __init__(self, hung: set[str], urls: list[str] | None = None):
         self.hung = hung
+        self.urls = urls or URLS
+        self.router_down = False
         self.draining: set[str] = set()
         self.posts: list[tuple[str, dict]] = []
 
@@ -30,7 +32,11 @@ class FakeFleet:
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         base, path = f"{request.url.scheme}://{request.url.host}", request.url.path
+        if not request.url.host:   # what httpx's real transport says to "http:"
+            raise httpx.UnsupportedProtocol("Request URL is missing a host", request=request)
         if base == ROUTER:
+            if self.router_down:
+                raise httpx.ReadTimeout("", request=request)   # httpx gives no message
             if request.method == "POST":
                 body = json.loads(request.content)
                 self.posts.append((path, body))
@@ -39,7 +45,7 @@ class FakeFleet:
                 return httpx.Response(200, json=self.entry(body["url"]))
             if path == "/admin/policy":
                 return httpx.Response(200, json={"policy": "cache_aware", "cache_threshold": 0.3})
-            return httpx.Response(200, json={"workers": [self.entry(u) for u in URLS]})
+            return httpx.Response(200, json={"workers": [self.entry(u) for u in self.urls]})
         if base in self.hung:
             raise httpx.ReadTimeout("hung", request=request)
         if path == "/metrics":
@@ -104,3 +110,64 @@ def test_status_and_metrics_describe_the_fleet(tmp_path):
     text = agent.metrics.render().decode()
     assert 'radixserve_agent:worker_state{state="isolated",worker="http://w2"} 1.0' in text
     assert 'radixserve_agent:decisions_total{action="isolate"} 1.0' in text
+
+
+BAD_URLS = ["http://[::1", "http://127.0.0.1:abc", "http:"]   # InvalidURL x2, UnsupportedProtocol
+
+
+def test_a_worker_with_a_bad_url_is_unreadable_and_the_rest_of_the_fleet_is_still_read(tmp_path):
+    fake = FakeFleet(hung=set(), urls=BAD_URLS + URLS)
+    agent = make_agent(tmp_path, fake, dry_run=True)
+    records = sweeps(agent, 4)      # raised httpx.InvalidURL out of every sweep before
+    snap = agent.last
+    assert agent.metrics.sweeps._value.get() == 4
+    for url in URLS:
+        assert snap.workers[url].health_ok and snap.workers[url].metrics
+        assert snap.workers[url].info == {"engine_pid": 1234, "engine": {}}
+    errors = {u: snap.workers[u].health_error for u in BAD_URLS}
+    assert not any(snap.workers[u].health_ok for u in BAD_URLS), errors
+    assert "InvalidURL" in errors["http://[::1"] and "UnsupportedProtocol" in errors["http:"]
+    flagged = {f.url for f in agent.findings if f.kind == "unresponsive"}
+    assert flagged == set(BAD_URLS)          # each bad URL is its own unresponsive worker
+    suspects = {r["worker"] for r in records if r["action"] == "suspect"}
+    assert suspects and suspects <= set(BAD_URLS)
+
+
+def test_a_probe_against_a_bad_peer_url_records_no_peer_latency(tmp_path):
+    agent = make_agent(tmp_path, FakeFleet(hung=set()))
+
+    async def go():
+        try:
+            return await agent.observer.probe("http://w0", "http://[::1", 5.0, 4)
+        finally:
+            await agent.aclose()
+    probe = asyncio.run(go())
+    assert probe.latency_s is not None and probe.peer_latency_s is None
+
+
+def test_bad_worker_answers_are_unreadable_not_fatal(tmp_path):
+    class Odd(FakeFleet):
+        def __call__(self, request):
+            if request.url.host == "w1" and request.url.path == "/get_server_info":
+                return httpx.Response(200, json=[1, 2])            # JSON, not an object
+            if request.url.host == "w1" and request.url.path == "/metrics":
+                return httpx.Response(200, text="not { prometheus")
+            if request.url.host == "w2" and request.url.path == "/get_server_info":
+                return httpx.Response(200, json={"engine_pid": "abc"})
+            return super().__call__(request)
+    agent = make_agent(tmp_path, Odd(hung=set()))
+    sweeps(agent, 2)
+    w1 = agent.last.workers["http://w1"]
+    assert w1.health_ok and w1.info is None and w1.metrics == {}
+    assert agent._engine_pid("http://w2") is None and agent._engine_pid("http://w0") == 1234
+
+
+def test_a_router_read_timeout_is_logged_with_its_type(tmp_path, caplog):
+    fake = FakeFleet(hung=set())
+    fake.router_down = True
+    agent = make_agent(tmp_path, fake)
+    with caplog.at_level("WARNING", logger="radixserve.agent"):
+        records = sweeps(agent, 2)
+    lines = [r.getMessage() for r in caplog.records if "router view unavailable" in r.getMessage()]
+    assert lines and all("ReadTimeout" in line for line in lines), lines
+    assert len(records) == 1 and "ReadTimeout" in records[0]["reason"]
