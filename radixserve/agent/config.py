@@ -59,6 +59,10 @@ class RuleConfig:
     memory_min_growth_mb: float = _opt(32.0, "... adding at least this much (MiB) over the window")
     memory_dip_mb: float = _opt(2.0, "a fall larger than this (MiB) between sweeps breaks the "
                                      "monotone growth")
+    memory_segments: int = _opt(3, "the memory window is cut into this many consecutive parts and "
+                                   "each, the most recent included, must grow at half the slope "
+                                   "threshold or more: a leak keeps growing, a one-time step (one "
+                                   "large request) does not")
     spread_ratio: float = _opt(3.0, "fleet: slowest / fastest worker mean TTFT at or above this ...")
     imbalance_ratio: float = _opt(2.0, "... while the slowest worker got this x the requests of "
                                        "the least-used one: affinity made a hot spot")

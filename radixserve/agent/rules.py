@@ -233,8 +233,13 @@ def anomaly_rate(hist: History, cfg: RuleConfig) -> Finding | None:
 
 
 def memory_growth(hist: History, cfg: RuleConfig) -> Finding | None:
-    """Resident memory monotone (no fall above `memory_dip_mb`) over the last
-    `memory_window_sweeps`, with a least-squares slope above the threshold and enough growth."""
+    """Resident memory growing over the last `memory_window_sweeps`, sustained: no fall above
+    `memory_dip_mb` between sweeps (a GC sawtooth), a least-squares slope of at least
+    `memory_slope_mb_per_s` adding `memory_min_growth_mb`, and each of `memory_segments`
+    consecutive parts of the window (the most recent one included) growing at half that slope
+    or more. The last test tells a leak from a one-time step: one large request can raise RSS
+    by hundreds of MiB once (the allocator keeps the pages), which gives a steep fitted slope
+    but leaves every part of the window after the step flat."""
     w = [(s.t, s.metrics[RSS]) for s in _window(hist, cfg.memory_window_sweeps) if RSS in s.metrics]
     if len(w) < cfg.memory_window_sweeps + 1:
         return None
@@ -247,9 +252,23 @@ def memory_growth(hist: History, cfg: RuleConfig) -> Finding | None:
     growth = rss[-1] - rss[0]
     if slope < cfg.memory_slope_mb_per_s * MIB or growth < cfg.memory_min_growth_mb * MIB:
         return None
+    rates = _segment_rates(w, cfg.memory_segments)
+    if min(rates) < 0.5 * cfg.memory_slope_mb_per_s * MIB:
+        return None
     return Finding("memory_growth", hist[-1].url, f"resident memory +{growth / MIB:.0f} MiB at "
-                   f"{slope / MIB:.2f} MiB/s",
-                   {"growth_mb": growth / MIB, "slope_mb_per_s": slope / MIB})
+                   f"{slope / MIB:.2f} MiB/s, growing in each part of the window",
+                   {"growth_mb": growth / MIB, "slope_mb_per_s": slope / MIB,
+                    "segment_mb_per_s": [round(r / MIB, 3) for r in rates]})
+
+
+def _segment_rates(w: list[tuple[float, float]], parts: int) -> list[float]:
+    """Growth rate (bytes/s) of each of `parts` consecutive, equal parts of the samples `w`
+    ((t s, value) pairs); neighbouring parts share their boundary sample."""
+    n = len(w) - 1
+    parts = max(1, min(parts, n))
+    cuts = [w[round(i * n / parts)] for i in range(parts + 1)]
+    return [(rb - ra) / (tb - ta) if tb > ta else 0.0
+            for (ta, ra), (tb, rb) in zip(cuts, cuts[1:])]
 
 
 WORKER_RULES = (unresponsive, error_rate, queue_building, kv_pressure, hit_rate_collapsed,

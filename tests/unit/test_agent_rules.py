@@ -165,6 +165,32 @@ def test_memory_growing_without_bound():
     assert rules.evaluate(slow, CFG) == []
 
 
+def test_a_one_time_memory_step_is_not_a_leak():
+    # One rejected 10 MB request: RSS 386 -> 1038 MiB once, then flat (QA run); at every
+    # position of the step in the window and on several noise seeds
+    for seed in range(5):
+        for at in range(N):
+            step = history("http://w0", [Load(rss_mb=386 if k < at else 1038) for k in range(N)],
+                           seed=seed)
+            for end in range(1, N + 1):
+                assert rules.memory_growth(step[:end], CFG) is None, (seed, at, end)
+    two = history("http://w0", [Load(rss_mb=300 + 200 * (k >= 25) + 200 * (k >= 29))
+                                for k in range(N)])
+    assert rules.memory_growth(two, CFG) is None    # two big requests are not a leak either
+
+
+def test_memory_growing_in_steps_or_slowly_is_a_leak():
+    for every in (2, 3, 4):      # a staircase: +40 MiB each `every` sweeps, never flat for long
+        stairs = history("http://w0", [Load(rss_mb=300 + 40 * (k // every)) for k in range(N)])
+        found = rules.memory_growth(stairs, CFG)
+        assert found is not None and min(found.evidence["segment_mb_per_s"]) > 0, every
+    for seed in range(10):       # just above the slope threshold (0.6 MiB/s), with noise
+        slow = history("http://w0", [Load(rss_mb=300 + 3 * k) for k in range(N)], seed=seed)
+        assert rules.memory_growth(slow, CFG) is not None, seed
+    stopped = history("http://w0", [Load(rss_mb=300 + 5 * min(k, N - 5)) for k in range(N)])
+    assert rules.memory_growth(stopped, CFG) is None   # it grew, but no longer does
+
+
 def test_a_restart_resets_counters_without_a_false_finding():
     hist = fleet(3, N)
     w0 = hist["http://w0"]
