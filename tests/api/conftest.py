@@ -49,6 +49,15 @@ class ServerProcess:
         self.http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=120)
 
     def wait_ready(self) -> ServerProcess:
+        """Wait for /health and read the model id; on any failure the server is stopped
+        before the error propagates (a failed start-up must not leave a server running)."""
+        try:
+            return self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> ServerProcess:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -56,12 +65,13 @@ class ServerProcess:
                             f"{self.output()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    self.model = self.get("/v1/models").json()["data"][0]["id"]
+                    models = self.get("/v1/models")
+                    assert models.status_code == 200, models.text
+                    self.model = models.json()["data"][0]["id"]
                     return self
             except httpx.TransportError:
                 pass
             time.sleep(0.3)
-        self.stop()
         pytest.fail(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{self.output()}")
 
     def output(self, tail_chars: int | None = 8000) -> str:
@@ -123,6 +133,9 @@ class ServerProcess:
         assert at < 0, log[max(at - 2000, 0):at + 4000]
 
     def stop(self) -> None:
+        """Terminate (kill after 30 s) and delete the log; a second call does nothing."""
+        if self.log.closed:
+            return
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
