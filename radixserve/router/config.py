@@ -69,8 +69,9 @@ class RouterConfig:
     silence_timeout_s: float = _opt(300.0, "a worker silent this long mid-request is a fault")
     admin_api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on /admin routes; "
                                            "unset: admin routes are open (a warning is logged)")
-    worker_api_key: str | None = _opt(None, "key sent to workers on health, load and GET routes "
-                                            "(client requests carry their own header through)")
+    worker_api_key: str | None = _opt(None, "key sent to workers on the router's own health "
+                                            "checks and load polls only (client requests carry "
+                                            "their own header through)")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:
