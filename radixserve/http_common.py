@@ -45,3 +45,14 @@ def quiet_signals() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def setup_logging(level: str) -> None:
+    """Root logging at `level` ("debug", "info", ...). httpx logs one INFO line per request,
+    which for the router's health and load polls and the agent's sweeps buries every real
+    event, so its loggers stay at WARNING unless `level` is debug."""
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level.lower() != "debug":
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)

@@ -6,7 +6,7 @@ import logging
 import sys
 
 from radixserve.config import add_dataclass_args, from_args
-from radixserve.http_common import quiet_signals
+from radixserve.http_common import quiet_signals, setup_logging
 from radixserve.router.config import RouterConfig
 
 logger = logging.getLogger("radixserve.router")
@@ -63,6 +63,5 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"radixserve route: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level)
     return run(config, args.worker_urls)

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import glob
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +19,7 @@ from typing import IO, Any
 import httpx
 
 from radixserve.config import add_dataclass_args, from_args
+from radixserve.http_common import setup_logging
 from radixserve.router.config import RouterConfig
 
 logger = logging.getLogger("radixserve.fleet")
@@ -54,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--num-workers", type=int, required=True, help="workers to start")
     fleet.add_argument("--worker-base-port", type=int, default=31000,
                        help="worker i listens on this + i (default: 31000)")
-    fleet.add_argument("--worker-host", default="127.0.0.1", help="workers' listen address")
+    fleet.add_argument("--worker-host", default="127.0.0.1",
+                       help="workers' listen address (default: 127.0.0.1)")
     fleet.add_argument("--manifest", default=None,
                        help="write {router_url, workers: [{url, pid, argv, log}]} here (JSON) "
                             "once every worker is healthy")
@@ -151,11 +155,28 @@ def _kill_group(pid: int, sig: int) -> None:
 
 
 def _group_alive(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+    """Whether process group `pid` has a member that is not a zombie. A zombie leader (an
+    exited worker its parent, e.g. the agent, has not reaped yet) makes os.killpg(pid, 0)
+    succeed, so /proc is read instead."""
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended while we looked
+        if int(fields[2]) == pid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            return True
+    return False
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises RuntimeError when nothing can listen on host:port now (the router's port)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise RuntimeError(f"the router cannot listen on {host}:{port}: {exc}") from None
 
 
 def write_manifest(path: str, router_url: str, workers: list[WorkerProc]) -> None:
@@ -180,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.num_workers < 1:
         parser.error("--num-workers must be >= 1")
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="radixserve-fleet-")
     os.makedirs(log_dir, exist_ok=True)
 
@@ -191,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     workers: list[WorkerProc] = []
     try:
+        check_port_free(config.host, config.port)  # before minutes of worker start-up
         for i in range(args.num_workers):
             port = args.worker_base_port + i
             url = f"http://{args.worker_host}:{port}"

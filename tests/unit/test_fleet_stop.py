@@ -1,13 +1,16 @@
-"""`radixserve fleet` stops workers the ops agent restarted (their pids are only in the manifest)."""
+"""`radixserve fleet` start-up and stop: port check, and workers the ops agent restarted (pids only in the manifest)."""
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 
-from radixserve.router.fleet import stop_adopted
+import pytest
+
+from radixserve.router.fleet import _group_alive, check_port_free, stop_adopted
 
 
 def test_stop_adopted_kills_workers_listed_under_pids_the_fleet_did_not_start(tmp_path):
@@ -44,3 +47,35 @@ def test_stop_adopted_without_a_manifest_or_with_a_bad_one_does_nothing(tmp_path
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     stop_adopted(str(bad), workers=[])
+
+
+def test_a_zombie_group_leader_counts_as_stopped():
+    """A worker that exited but was not reaped yet (the agent's restarted child after the
+    fleet's SIGTERM) must not hold the fleet's stop for the whole grace period."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _state(child.pid) != "Z":
+        time.sleep(0.05)
+    assert _state(child.pid) == "Z"  # exited, not reaped: os.killpg(pid, 0) still succeeds
+    assert not _group_alive(child.pid)
+    child.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)
+    try:
+        assert _group_alive(live.pid)
+    finally:
+        live.kill()
+        live.wait()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_check_port_free_refuses_a_taken_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="cannot listen"):
+            check_port_free("127.0.0.1", taken.getsockname()[1])
