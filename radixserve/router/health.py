@@ -9,6 +9,7 @@ import httpx
 
 from radixserve.router.config import RouterConfig
 from radixserve.router.metrics import RouterMetrics
+from radixserve.router.proxy import UNREACHABLE
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,8 @@ class HealthMonitor:
     Health (SGLang router §1.5, the Kubernetes readiness 3/2 rule): a worker turns unhealthy
     after health_failure_threshold consecutive failed checks and healthy again after
     health_success_threshold consecutive passes (WorkerState.record_health). A check fails on
-    a transport error, a timeout (health_check_timeout_s) or any status but 200. A worker
+    a transport error, a timeout (health_check_timeout_s), a URL httpx refuses or any status
+    but 200. A worker
     added unchecked (healthy=False, never probed) is promoted by its first passed check:
     there is no history to confirm against, and the router should not wait two intervals
     to serve at start-up.
@@ -71,7 +73,7 @@ class HealthMonitor:
             r = await self.http.get(url + self.config.health_check_endpoint, headers=self.headers,
                                     timeout=self.config.health_check_timeout_s)
             ok, why = r.status_code == 200, f"status {r.status_code}"
-        except httpx.TransportError as exc:
+        except UNREACHABLE as exc:
             ok, why = False, f"{type(exc).__name__}: {exc}"
         if self.registry.get(url) is not worker:
             return ok  # removed (or replaced) while the probe was out
@@ -102,5 +104,5 @@ class HealthMonitor:
             worker.report(int(engine["num_running"]), int(engine["num_waiting"]),
                           float(engine["token_usage"]), float(engine.get("cache_hit_rate", 0.0)),
                           self.registry.clock())
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        except (*UNREACHABLE, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             logger.debug("load poll of %s failed: %r", worker.url, exc)

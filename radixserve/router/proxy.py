@@ -21,6 +21,19 @@ logger = logging.getLogger(__name__)
 
 # Response headers of a worker that are relayed to the client (hop-by-hop ones are not).
 RELAYED_HEADERS = ("content-type", "cache-control", "x-request-id")
+# A worker that cannot be reached: a transport error, or a URL httpx refuses (the admin API
+# validates URLs; this keeps a bad one from turning into a 500 if one ever gets through).
+UNREACHABLE = (httpx.TransportError, httpx.InvalidURL)
+
+
+def wire_header(headers: httpx.Headers, name: str) -> str | None:
+    """The first `name` header (lower-case) as its bytes on the wire decoded latin-1, which
+    Starlette encodes back to the same bytes (httpx may decode it as UTF-8 instead, and a
+    character beyond latin-1 would then fail to encode: a 500). None if absent."""
+    for key, value in headers.raw:
+        if key.lower() == name.encode():
+            return value.decode("latin-1")
+    return None
 
 
 def error_body(message: str, type_: str, code: int | str) -> dict:
@@ -130,7 +143,7 @@ class RelayResponse(StreamingResponse):
     event (then the event generator never starts and its own cleanup never runs)."""
 
     def __init__(self, relay: Relay):
-        headers = {k: v for k in RELAYED_HEADERS if (v := relay.upstream.headers.get(k))}
+        headers = {k: v for k in RELAYED_HEADERS if (v := wire_header(relay.upstream.headers, k))}
         super().__init__(relay.events(), status_code=relay.upstream.status_code, headers=headers)
         self.relay = relay
 
@@ -165,9 +178,10 @@ class Forwarder:
         worker.record(classify(status, transport_error).breaker)
         self.metrics.requests.labels(worker.url, outcome_label(status, transport_error)).inc()
 
-    async def forward(self, path: str, body: bytes, headers: dict[str, str], key: Any,
+    async def forward(self, path: str, body: bytes, headers: dict[str, bytes], key: Any,
                       stream: bool, t_start: float) -> Response:
-        """POST `body` to `path` on a worker chosen for `key` (a policy RouteKey); retries
+        """POST `body` to `path` on a worker chosen for `key` (a policy RouteKey) with the
+        client's `headers` (values as received, bytes); retries
         on transport errors, 408, 429 and 5xx on other workers. Returns the relayed
         response, a worker's error, or 503 when no worker could be tried."""
         tried: set[str] = set()
@@ -204,17 +218,18 @@ class Forwarder:
         logger.warning("request failed on %d worker(s): last %s", len(tried), last.message)
         return last.to_response()
 
-    async def _attempt(self, lease: Lease, path: str, body: bytes, headers: dict[str, str],
+    async def _attempt(self, lease: Lease, path: str, body: bytes, headers: dict[str, bytes],
                        stream: bool) -> Response | Failure:
         """One attempt on `lease.worker`. Returns the response for the client (a RelayResponse
         for a stream, which then owns the lease and the upstream response) or a retryable
         Failure. The upstream response is closed on every other way out, cancellation included
         (closing it mid-body drops the connection, so the worker aborts the request)."""
         worker = lease.worker
-        request = self.http.build_request("POST", worker.url + path, content=body, headers=headers)
         upstream: httpx.Response | None = None
         try:
             try:
+                request = self.http.build_request("POST", worker.url + path, content=body,
+                                                  headers=headers)
                 upstream = await self.http.send(request, stream=True)
                 if stream and upstream.status_code == 200:
                     chunks = upstream.aiter_raw()
@@ -222,7 +237,7 @@ class Forwarder:
                     relay, upstream = Relay(self, lease, upstream, chunks, first), None
                     return RelayResponse(relay)
                 content = await upstream.aread()
-            except httpx.TransportError as exc:
+            except UNREACHABLE as exc:
                 self.record(worker, None, True)
                 logger.info("attempt on %s failed: %r", worker.url, exc)
                 return Failure(worker.url, None, f"{worker.url}: {type(exc).__name__}: {exc}")
@@ -232,7 +247,7 @@ class Forwarder:
                     await upstream.aclose()
         status = upstream.status_code
         self.record(worker, status, False)
-        content_type = upstream.headers.get("content-type", "application/json")
+        content_type = wire_header(upstream.headers, "content-type") or "application/json"
         if classify(status, False).retry:
             return Failure(worker.url, status, f"{worker.url} answered {status}", content,
                            content_type)
