@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 from typing import TYPE_CHECKING, Any, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixserve.errors import InvalidRequest, RadixServeError
+from radixserve.errors import BodyTooLarge, InvalidRequest, RadixServeError
 from radixserve.http_common import bearer_key_check
+from radixserve.router.validate import finite_number, json_object, worker_url
 from radixserve.router.worker import check_weight
 
 if TYPE_CHECKING:
@@ -40,28 +39,22 @@ def admin_key_check(admin_api_key: str | None) -> Callable[[Request], Any]:
 async def _body(request: Request) -> dict:
     raw = await request.body()
     if len(raw) > MAX_ADMIN_BODY_BYTES:
-        raise InvalidRequest(f"admin body is larger than {MAX_ADMIN_BODY_BYTES} bytes")
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise InvalidRequest("body must be a JSON object") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("body must be a JSON object")
-    return body
+        raise BodyTooLarge(f"admin body is larger than {MAX_ADMIN_BODY_BYTES} bytes")
+    return json_object(raw, "body")
 
 
 def _url(body: dict) -> str:
-    url = body.get("url")
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise InvalidRequest("url must be a string starting with http:// or https://", param="url")
-    return url.rstrip("/")
+    try:
+        return worker_url(body.get("url"))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="url") from None
 
 
 def _number(body: dict, name: str) -> float:
-    value = body.get(name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequest(f"{name} must be a finite number", param=name)
-    return float(value)
+    try:
+        return finite_number(body.get(name), name)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param=name) from None
 
 
 def validate_policy_params(body: dict) -> dict[str, float]:

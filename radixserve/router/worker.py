@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from radixserve.router.breaker import CircuitBreaker
 from radixserve.router.config import RouterConfig
+from radixserve.router.validate import finite_number
 
 logger = logging.getLogger(__name__)
 
@@ -140,11 +140,12 @@ class WorkerState:
 
 
 def check_weight(weight: float) -> float:
-    """Return `weight` as a float; raise ValueError unless it is finite and >= 0."""
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
-            or not math.isfinite(weight) or weight < 0:
-        raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
-    return float(weight)
+    """Return `weight` as a float; raise ValueError unless it is a finite number >= 0
+    (validate.finite_number: an integer too large for a float is refused too)."""
+    value = finite_number(weight, "weight")
+    if value < 0:
+        raise ValueError(f"weight must be a finite number >= 0, got {value}")
+    return value
 
 
 class WorkerRegistry:

@@ -1,0 +1,92 @@
+"""Checks of what clients and operators hand the router: JSON bodies, worker URLs, finite numbers."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from radixserve.errors import InvalidRequest
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+# A DNS name or an IPv4 address: dot-separated labels (underscores allowed: container
+# service names use them).
+LABEL = r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?"
+HOST_NAME = re.compile(rf"{LABEL}(\.{LABEL})*")
+
+
+def json_object(raw: bytes, what: str = "request body") -> dict:
+    """`raw` parsed as a JSON object. Raises InvalidRequest (400) if it is not JSON, not an
+    object, or nested deeper than the parser's recursion limit (json raises RecursionError
+    there, not ValueError)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"{what} must be a JSON object ({type(exc).__name__})") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"{what} must be a JSON object")
+    return body
+
+
+def finite_number(value: Any, name: str) -> float:
+    """`value` as a float. Raises ValueError unless it is a JSON number (not a bool) whose
+    float is finite: NaN, +-Infinity and integers beyond the float range (1e400 written out
+    in digits, which float() turns into OverflowError) are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a finite number")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number (this one is too large)") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number")
+    return number
+
+
+def worker_url(url: Any) -> str:
+    """The canonical form of a worker base URL: `scheme://host:port`, scheme http or https,
+    scheme and host lower-case, the port always written (80 / 443 when absent), IPv6 hosts
+    in brackets. So `http://LOCALHOST:8000/` and `http://localhost:8000` are one worker.
+    Raises ValueError for anything else: no host, a bad port, a path other than "/", a
+    query, a fragment, user info, whitespace or control characters."""
+    if not isinstance(url, str):
+        raise ValueError("worker url must be a string like http://host:port")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise ValueError(f"worker url {url!r} contains whitespace or control characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError when not a number or out of 0-65535
+    except ValueError as exc:
+        raise ValueError(f"worker url {url!r} is malformed: {exc}") from None
+    scheme = parts.scheme.lower()
+    if scheme not in DEFAULT_PORTS:
+        raise ValueError(f"worker url {url!r} must start with http:// or https://")
+    if "@" in parts.netloc or "?" in url or "#" in url or parts.path not in ("", "/"):
+        raise ValueError(f"worker url {url!r} must be scheme://host[:port] only "
+                         "(no user info, path, query or fragment)")
+    host = _host(parts.hostname or "", url)
+    if port == 0:
+        raise ValueError(f"worker url {url!r} has port 0")
+    canonical = f"{scheme}://{host}:{port or DEFAULT_PORTS[scheme]}"
+    try:
+        httpx.URL(canonical)  # what the router will build requests from
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"worker url {url!r} is not usable: {exc}") from None
+    return canonical
+
+
+def _host(host: str, url: str) -> str:
+    """`host` (urlsplit's hostname: lower-case, brackets gone) as it goes into a URL."""
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"worker url {url!r} has a bad IPv6 address") from None
+        return f"[{host}]"
+    if not HOST_NAME.fullmatch(host):
+        raise ValueError(f"worker url {url!r} has no valid host")
+    return host
