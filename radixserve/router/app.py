@@ -3,31 +3,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixserve.errors import InvalidRequest, RadixServeError
+from radixserve.errors import InvalidRequest, ModelNotFound, RadixServeError
 from radixserve.router.admin import build_admin_router
 from radixserve.router.config import RouterConfig
 from radixserve.router.health import HealthMonitor
 from radixserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from radixserve.router.policy import Policy, RouteKey, make_policy
 from radixserve.router.prefix_tree import ApproxPrefixTree
-from radixserve.router.proxy import Forwarder, error_body
+from radixserve.router.proxy import UNREACHABLE, Forwarder, error_body, wire_header
+from radixserve.router.validate import json_object, worker_url
 from radixserve.router.worker import WorkerRegistry, WorkerState
 
 logger = logging.getLogger(__name__)
 
 # Client request headers passed on to workers (the client's API key included).
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+GET_FORWARDED_HEADERS = ("authorization", "accept", "x-request-id")
 MAX_KEEPALIVE_CONNECTIONS = 256
 
 
@@ -80,7 +82,8 @@ class RouterState:
 
 
 def build_state(config: RouterConfig, worker_urls: list[str], tokenizer: Any = None) -> RouterState:
-    """A RouterState over `worker_urls` (trailing slashes dropped; duplicates are an error)."""
+    """A RouterState over `worker_urls`, each in validate.worker_url's canonical form.
+    Raises ValueError on a malformed URL or a duplicate (after canonicalisation)."""
     registry = WorkerRegistry(config)
     tree = ApproxPrefixTree(config.max_tree_size, config.tree_ttl_s)
     policy = make_policy(config, registry, tree)
@@ -96,7 +99,7 @@ def build_state(config: RouterConfig, worker_urls: list[str], tokenizer: Any = N
     state = RouterState(config, registry, tree, policy, metrics, http, monitor,
                         Forwarder(config, registry, policy, metrics, http), tokenizer)
     for url in worker_urls:
-        state.add_worker(url.rstrip("/"))
+        state.add_worker(worker_url(url))
     return state
 
 
@@ -208,15 +211,10 @@ def build_app(state: RouterState) -> FastAPI:
     async def relay_post(request: Request, path: str) -> Response:
         t_start = time.perf_counter()
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            raise InvalidRequest("request body must be a JSON object")
+        body = json_object(raw)
         session = request.headers.get(state.config.session_header) or body.get("user")
         key = route_key(path, body, state.tokenizer, session if isinstance(session, str) else None)
-        headers = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
+        headers = forwarded_headers(request, FORWARDED_HEADERS)
         work = state.forwarder.forward(path, raw, headers, key, body.get("stream") is True, t_start)
         return await race_disconnect(request, work)
 
@@ -228,7 +226,7 @@ def build_app(state: RouterState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await relay_post(request, "/v1/chat/completions")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         n = len(state.registry.routable())
         if n == 0:
@@ -242,31 +240,47 @@ def build_app(state: RouterState) -> FastAPI:
         state.refresh_gauges()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/{path:path}")
-    async def relay_get(request: Request, path: str) -> Response:
-        return await get_from_healthy(state, request, "/" + path)
+    # Only these GETs are relayed: a catch-all would open the workers' own routes
+    # (/admin/fault, /get_server_info, ...) to the router's clients.
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    async def models(request: Request) -> Response:
+        return await get_from_healthy(state, request, "/v1/models")
+
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    async def model(request: Request, model_id: str) -> Response:
+        segment = quote(model_id, safe="")  # one segment: "a/../../admin" stays in /v1/models/
+        if segment in ("", ".", ".."):
+            raise ModelNotFound(f"model {model_id!r} not found", param="model")
+        return await get_from_healthy(state, request, "/v1/models/" + segment)
 
     return app
 
 
+def forwarded_headers(request: Request, names: tuple[str, ...]) -> dict[str, bytes]:
+    """The client's headers among `names` (lower-case), values as the bytes received: a
+    latin-1 byte passes unchanged, as it would reach the worker from a direct client
+    (httpx refuses non-ASCII str values). Never adds a header of the router's own."""
+    return {name: value for key, value in request.headers.raw
+            if (name := key.decode("latin-1").lower()) in names}
+
+
 async def get_from_healthy(state: RouterState, request: Request, path: str) -> Response:
-    """Answer a GET (/v1/models and any other) from a worker: routable ones first, then
-    other healthy ones, then the rest; a transport error or 5xx moves to the next (C20)."""
+    """Answer a GET of an allowed path (/v1/models...) from a worker: routable ones first,
+    then other healthy ones, then the rest; a transport error or 5xx moves to the next (C20).
+    The client's own Authorization is passed on; the router's worker key never is."""
     workers = state.registry.list()
     order = sorted(workers, key=lambda w: (not w.is_routable(), not w.healthy))
-    auth = request.headers.get("authorization") or (
-        f"Bearer {state.config.worker_api_key}" if state.config.worker_api_key else None)
-    headers = {"authorization": auth} if auth else {}
+    headers = forwarded_headers(request, GET_FORWARDED_HEADERS)
     last: Response | None = None
     for worker in order:
         try:
             r = await state.http.get(worker.url + path, params=request.query_params,
                                      headers=headers, timeout=state.config.health_check_timeout_s)
-        except httpx.TransportError as exc:
+        except UNREACHABLE as exc:
             logger.info("GET %s from %s failed: %r", path, worker.url, exc)
             continue
         reply = Response(r.content, status_code=r.status_code,
-                         media_type=r.headers.get("content-type"))
+                         media_type=wire_header(r.headers, "content-type"))
         if r.status_code < 500:
             return reply
         last = reply
