@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from radixserve.config import EngineConfig, ServerConfig
 from radixserve.errors import EngineDead, InvalidRequest, RadixServeError
@@ -60,7 +61,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(ClientDisconnected)
-    async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
+    @app.exception_handler(ClientDisconnect)   # left while its body was read (parse_body)
+    async def on_disconnect(request: Request, exc: Exception) -> Response:
+        logger.debug("client left %s %s before its response", request.method, request.url.path)
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
