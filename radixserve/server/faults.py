@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.errors import InjectedFault, InvalidRequest
 from radixserve.server.engine_client import EngineClient
@@ -37,8 +37,12 @@ KIND_PARAMS = {"step_latency": ("latency_ms", "jitter_ms"), "first_token_latency
                "corrupt": ("mode", "fraction")}
 
 
-class FaultSpec(BaseModel, extra="forbid"):
-    """Body of POST /admin/fault; a parameter the kind does not take is a 400."""
+class FaultSpec(BaseModel):
+    """Body of POST /admin/fault; a parameter the kind does not take is a 400, and so is a
+    number that is not a finite JSON number (strict: no "5", no true; no Infinity, NaN or 1e400,
+    which would be installed and then break every JSON reply that lists the fault)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     kind: Literal["step_latency", "first_token_latency", "fail", "hang", "leak_memory", "corrupt"]
     duration_s: float | None = Field(None, gt=0)

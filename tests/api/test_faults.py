@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
@@ -102,6 +103,47 @@ def test_inject_list_validate_and_clear(server):
     assert set(faults(server)) == {"first_token_latency"}
     assert server.http.delete("/admin/fault").json() == {"cleared": ["first_token_latency"]}
     assert faults(server) == {}
+
+
+BASE = {"duration_s": {"kind": "fail", "fraction": 0}, "latency_ms": {"kind": "step_latency"},
+        "jitter_ms": {"kind": "step_latency", "latency_ms": 1}, "fraction": {"kind": "fail"},
+        "mb_per_s": {"kind": "leak_memory"}, "max_mb": {"kind": "leak_memory", "mb_per_s": 1}}
+
+
+@pytest.mark.parametrize("param", sorted(BASE))
+def test_every_number_param_must_be_a_finite_json_number(server, param):
+    """Infinity/NaN/1e400 used to be installed and then 500 every JSON reply (GET included);
+    "5" and true used to be coerced to numbers. Each is a 400 naming the param, nothing set."""
+    for value in ("Infinity", "-Infinity", "NaN", "1e400", '"5"', "true", "[1]"):
+        raw = json.dumps(BASE[param])[:-1] + f', "{param}": {value}}}'
+        r = server.post("/admin/fault", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (raw, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param, raw
+        if value in ("Infinity", "-Infinity", "NaN", "1e400"):
+            assert "finite" in error["message"], error
+        assert faults(server) == {}, raw          # GET answers, and nothing was installed
+    assert inject(server, **BASE[param], **{param: 1})[param] == 1   # a JSON int is a number
+
+
+def partial_upload(server, path: str) -> None:
+    """Send the headers and a part of the declared body, then close the connection."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  "Content-Length: 100\r\n\r\n{\"model\":".encode())
+
+
+def test_a_client_leaving_mid_upload_is_not_an_error(server):
+    """starlette's ClientDisconnect from request.body() is the ordinary disconnect path (499,
+    no ERROR line, no traceback), on the OpenAI routes and the admin ones alike."""
+    for path in ("/v1/completions", "/v1/chat/completions", "/admin/fault"):
+        partial_upload(server, path)
+    assert server.get("/health").status_code == 200      # the server went on serving
+    deadline = time.monotonic() + 1.0   # the disconnect is handled at once; give it a moment
+    while time.monotonic() < deadline and "unhandled error" not in server.output():
+        time.sleep(0.05)
+    server.assert_no_tracebacks()
+    assert completion(server, max_tokens=2).status_code == 200
 
 
 def test_fail_gives_500_bodies_and_frees_pages(server):
