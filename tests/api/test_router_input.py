@@ -102,6 +102,8 @@ def test_non_ascii_header_bytes_pass_through_unchanged():
                 assert dict(r.headers.raw)[b"x-request-id"] == "\u20ac".encode()
         r = await client.get("/v1/models", headers=sent)
         assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+        r = await client.get("/admin/workers", headers={"authorization": b"Bearer \xe9"})
+        assert_error(r, 401, "authentication_error")
         forwarded = [h for _, p, h in workers.seen if p in (b"/v1/completions", b"/v1/models")]
         assert len(forwarded) == 3
         for headers in forwarded:
