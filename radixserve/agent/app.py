@@ -7,8 +7,9 @@ import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.agent import rules
 from radixserve.agent.agent import Agent
@@ -78,6 +79,29 @@ def status_html(status: dict) -> str:
             f"<h3>Fleet</h3>{workers}<h3>Recent decisions</h3>{decisions}</body></html>")
 
 
+def error_response(message: str, type_: str, status: int,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """An OpenAI error body {"error": {"message", "type", "param", "code"}}, as the worker
+    and the router answer."""
+    return JSONResponse({"error": {"message": message, "type": type_, "param": None,
+                                   "code": status}}, status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """404 / 405 and bugs (500, logged) leave as OpenAI error bodies, not FastAPI's detail."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(str(exc.detail), kind, exc.status_code, exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(f"internal agent error: {type(exc).__name__}",
+                              "internal_error", 500)
+
+
 def build_app(agent: Agent, run_loop: bool = True) -> FastAPI:
     """The agent's app; with `run_loop` its lifespan runs the sweep loop."""
 
@@ -95,21 +119,24 @@ def build_app(agent: Agent, run_loop: bool = True) -> FastAPI:
                     logger.debug("sweep loop stopped")
             await agent.aclose()
 
-    app = FastAPI(title="radixserve agent", lifespan=lifespan)
+    app = FastAPI(title="radixserve agent", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    install_error_handlers(app)
+    read = ["GET", "HEAD"]   # uvicorn sends no body on HEAD
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=read)
     async def metrics() -> Response:
         return Response(agent.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/status")
+    @app.api_route("/status", methods=read)
     async def status() -> Response:
         return JSONResponse(status_json(agent))
 
-    @app.get("/status.html")
+    @app.api_route("/status.html", methods=read)
     async def status_page() -> Response:
         return HTMLResponse(status_html(status_json(agent)))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=read)
     async def health() -> Response:
         return JSONResponse({"status": "ok", "sweeps": agent.num_sweeps})
 

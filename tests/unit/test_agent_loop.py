@@ -171,3 +171,25 @@ def test_a_router_read_timeout_is_logged_with_its_type(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "router view unavailable" in r.getMessage()]
     assert lines and all("ReadTimeout" in line for line in lines), lines
     assert len(records) == 1 and "ReadTimeout" in records[0]["reason"]
+
+
+def test_the_agent_app_answers_openai_errors_and_serves_no_docs(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from radixserve.agent.app import build_app
+    agent = make_agent(tmp_path, FakeFleet(hung=set()))
+    with TestClient(build_app(agent, run_loop=False)) as client:
+        for method, path, status in (("POST", "/status", 405), ("DELETE", "/health", 405),
+                                     ("GET", "/nope", 404), ("GET", "/docs", 404),
+                                     ("GET", "/openapi.json", 404), ("GET", "/redoc", 404)):
+            r = client.request(method, path)
+            assert r.status_code == status, (method, path, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+            assert error["type"] == ("not_found_error" if status == 404
+                                     else "invalid_request_error")
+        assert "GET" in client.post("/status").headers["allow"]
+        for path in ("/status", "/health", "/metrics", "/status.html"):
+            assert client.get(path).status_code == 200, path
+            head = client.head(path)
+            assert head.status_code == 200 and head.content == b"", path
