@@ -5,6 +5,7 @@ import asyncio
 import datetime
 import json
 import logging
+import math
 import pathlib
 import time
 from collections import deque
@@ -18,6 +19,13 @@ from radixserve.agent.observe import FleetSnapshot, History, Observer
 from radixserve.router.client import AsyncRouterAdminClient
 
 logger = logging.getLogger("radixserve.agent")
+
+
+def _count(value: object) -> int:
+    """A count the router reported; 0 when it is missing or not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return 0
+    return int(value)
 
 
 class DecisionLog:
@@ -104,7 +112,7 @@ class Agent:
         return FleetView(
             urls=tuple(snap.workers),
             responsive=frozenset(u for u in snap.workers if rules.answering(hists.get(u, []))),
-            in_flight={u: int((s.router or {}).get("in_flight") or 0)
+            in_flight={u: _count((s.router or {}).get("in_flight"))
                        for u, s in snap.workers.items()},
             recovered=frozenset(u for u in probed if rules.probe_recovered(hists.get(u, []),
                                                                            self.rule_cfg)),

@@ -78,6 +78,17 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def router_entries(listing: Any) -> list[dict]:
+    """The router's /admin/workers list, checked: raises ValueError when it is not a list; an
+    entry that is not an object with a string "url" is skipped (logged), the others kept."""
+    if not isinstance(listing, list):
+        raise ValueError(f"/admin/workers is not a list: {type(listing).__name__}")
+    entries = [e for e in listing if isinstance(e, dict) and isinstance(e.get("url"), str)]
+    if len(entries) < len(listing):
+        logger.warning("skipped %d malformed /admin/workers entries", len(listing) - len(entries))
+    return entries
+
+
 class History:
     """The last `maxlen` snapshots of each worker, oldest first."""
 
@@ -119,7 +130,7 @@ class Observer:
                       probe_timeout_s: float = 30.0, probe_max_tokens: int = 16) -> FleetSnapshot:
         """One sweep over every worker the router lists, plus recovery probes of `probe_urls`."""
         try:
-            entries = await self.admin.list_workers()
+            entries = router_entries(await self.admin.list_workers())
             policy = await self.admin.get_policy()
         except Exception as exc:  # router down or answering errors: record it, do not raise
             reason = describe(exc)
@@ -134,7 +145,8 @@ class Observer:
                                        for e in entries))
         for leftover in probes.values():
             leftover.close()
-        return FleetSnapshot(time.monotonic(), {s.url: s for s in snaps}, policy=policy,
+        return FleetSnapshot(time.monotonic(), {s.url: s for s in snaps},
+                             policy=policy if isinstance(policy, dict) else None,
                              gpus=self.read_gpus())
 
     async def _isolated(self, entry: dict, probe: Any) -> WorkerSnapshot:

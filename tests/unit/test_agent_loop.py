@@ -193,3 +193,24 @@ def test_the_agent_app_answers_openai_errors_and_serves_no_docs(tmp_path):
             assert client.get(path).status_code == 200, path
             head = client.head(path)
             assert head.status_code == 200 and head.content == b"", path
+
+
+def test_a_malformed_router_listing_is_a_router_error_or_skipped_entries(tmp_path):
+    """The shapes a broken router answered in QA; each used to fail the sweep with a TypeError,
+    KeyError, AttributeError or ValueError out of the agent's own code."""
+    shapes = iter([{"status": "ok"}, [], None, {"workers": None}, {"workers": [1, "x", None]},
+                   {"workers": [{"url": 5}]}, {"workers": [{"nourl": 1}]},
+                   {"workers": [{"url": "http://w0", "healthy": "yes", "in_flight": "many",
+                                 "breaker": 7}, {"url": "http://w1", "in_flight": [1]}]}])
+
+    class Broken(FakeFleet):
+        def __call__(self, request):
+            if request.url.host == "router" and request.url.path == "/admin/workers":
+                return httpx.Response(200, json=next(shapes))
+            if request.url.host == "router" and request.url.path == "/admin/policy":
+                return httpx.Response(200, json="cache_aware")        # not an object
+            return super().__call__(request)
+    agent = make_agent(tmp_path, Broken(hung=set()))
+    sweeps(agent, 8)           # raised out of the sweep for five of these shapes before
+    assert agent.num_sweeps == 8 and agent.metrics.sweeps._value.get() == 4
+    assert set(agent.last.workers) == {"http://w0", "http://w1"} and agent.last.policy is None
