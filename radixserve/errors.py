@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 
+def error_body(message: str, type_: str, code: int | str, param: str | None = None) -> dict:
+    """OpenAI-style error body: {"error": {"message", "type", "param", "code"}} (worker,
+    router and agent all answer errors with it)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 class RadixServeError(Exception):
     """Base class. `status` is the HTTP status code, `type` the OpenAI error type."""
 
@@ -15,9 +21,8 @@ class RadixServeError(Exception):
         self.param = param
 
     def to_dict(self) -> dict:
-        """OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code or self.status}}
+        """This error as an OpenAI-style body (see error_body)."""
+        return error_body(self.message, self.type, self.code or self.status, self.param)
 
 
 class InvalidRequest(RadixServeError):

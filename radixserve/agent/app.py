@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.agent import rules
 from radixserve.agent.agent import Agent
+from radixserve.errors import error_body
 
 logger = logging.getLogger("radixserve.agent")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -83,8 +84,7 @@ def error_response(message: str, type_: str, status: int,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """An OpenAI error body {"error": {"message", "type", "param", "code"}}, as the worker
     and the router answer."""
-    return JSONResponse({"error": {"message": message, "type": type_, "param": None,
-                                   "code": status}}, status_code=status, headers=headers)
+    return JSONResponse(error_body(message, type_, status), status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -14,14 +14,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixserve.errors import InvalidRequest, ModelNotFound, RadixServeError
+from radixserve.errors import InvalidRequest, ModelNotFound, RadixServeError, error_body
 from radixserve.router.admin import build_admin_router
 from radixserve.router.config import RouterConfig
 from radixserve.router.health import HealthMonitor
 from radixserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from radixserve.router.policy import Policy, RouteKey, make_policy
 from radixserve.router.prefix_tree import ApproxPrefixTree
-from radixserve.router.proxy import UNREACHABLE, Forwarder, error_body, wire_header
+from radixserve.router.proxy import UNREACHABLE, Forwarder, wire_header
 from radixserve.router.validate import json_object, worker_url
 from radixserve.router.worker import WorkerRegistry, WorkerState
 

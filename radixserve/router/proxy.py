@@ -13,6 +13,7 @@ import anyio
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from radixserve.errors import error_body
 from radixserve.router.config import RouterConfig
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.outcome import classify
@@ -34,11 +35,6 @@ def wire_header(headers: httpx.Headers, name: str) -> str | None:
         if key.lower() == name.encode():
             return value.decode("latin-1")
     return None
-
-
-def error_body(message: str, type_: str, code: int | str) -> dict:
-    """OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
 
 
 def outcome_label(status: int | None, transport_error: bool) -> str:

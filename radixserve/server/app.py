@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from radixserve.config import EngineConfig, ServerConfig
-from radixserve.errors import EngineDead, InvalidRequest, RadixServeError
+from radixserve.errors import EngineDead, InvalidRequest, RadixServeError, error_body
 from radixserve.http_common import bearer_key_check, quiet_signals
 from radixserve.sampling_params import SamplingParams
 from radixserve.server import responses
@@ -56,9 +56,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        body = {"error": {"message": str(exc.detail), "type": kind, "param": None,
-                          "code": exc.status_code}}
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(error_body(str(exc.detail), kind, exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(ClientDisconnected)
     @app.exception_handler(ClientDisconnect)   # left while its body was read (parse_body)
@@ -69,9 +67,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        body = {"error": {"message": f"internal server error: {type(exc).__name__}",
-                          "type": "internal_error", "param": None, "code": 500}}
-        return JSONResponse(body, status_code=500)
+        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}",
+                                       "internal_error", 500), status_code=500)
 
 
 def api_key_check(api_key: str | None) -> Callable[[Request], Any]:

@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from radixserve.engine.runner_api import TokenLogprob
-from radixserve.errors import RadixServeError
+from radixserve.errors import RadixServeError, error_body
 from radixserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatLogprobs, ChatMessageOut,
                                         ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
@@ -276,6 +276,5 @@ def _error_event(exc: Exception) -> str:
         body = exc.to_dict()
     else:
         logger.exception("streaming failed")
-        body = {"error": {"message": "internal server error", "type": "internal_error",
-                          "param": None, "code": 500}}
+        body = error_body("internal server error", "internal_error", 500)
     return f"data: {json.dumps(body)}\n\n"
