@@ -115,6 +115,12 @@ class Actions:
         while self._alive(pid):
             await asyncio.sleep(0.05)
 
+    def reap(self) -> None:
+        """Collect restarted workers that have exited (stopped by the fleet, or crashed), so
+        none lingers as a zombie, which the fleet's stop would take for a live worker."""
+        for pid in list(self.children):
+            self._alive(pid)
+
     def _alive(self, pid: int) -> bool:
         child = self.children.get(pid)
         if child is not None:

@@ -83,6 +83,7 @@ class Agent:
         """One sweep; returns the decision records it logged."""
         t0 = time.monotonic()
         self.num_sweeps += 1
+        self.actions.reap()
         snap = await self.observer.collect(self.ladder.wants_probe(), self.cfg.probe_timeout_s,
                                            self.cfg.probe_max_tokens)
         self.last = snap

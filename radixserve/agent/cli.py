@@ -8,6 +8,9 @@ import sys
 
 from radixserve.agent.config import AgentConfig, LadderConfig, RuleConfig
 from radixserve.config import add_dataclass_args, from_args
+from radixserve.http_common import setup_logging
+
+logger = logging.getLogger("radixserve.agent")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,8 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if cfg.supervise and not cfg.fleet_manifest:
         parser.error("--supervise needs --fleet-manifest (the restart recipe of each worker)")
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.log_level)
     import uvicorn
 
     from radixserve.agent.agent import Agent
@@ -43,8 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     agent = Agent(args.router, cfg, rule_cfg, ladder_cfg)
     server = uvicorn.Server(uvicorn.Config(build_app(agent), host=cfg.host, port=cfg.port,
                                            log_level="warning"))
+    mode = "dry run (decides and logs, never acts)" if cfg.dry_run else (
+        "supervising (restarts from the fleet manifest)" if cfg.supervise else "acting (no restarts)")
+    logger.info("watching router %s every %.1f s, %s; /status on http://%s:%d",
+                args.router, cfg.sweep_interval_s, mode, cfg.host, cfg.port)
     try:
         asyncio.run(server.serve())
     except KeyboardInterrupt:
-        return 0
+        pass
+    logger.info("agent stopped")
     return 0

@@ -156,9 +156,10 @@ class Ladder:
                 # a fresh process returns once healthy; a repeat offender waits (n-1) x base
                 hold = self.ejection_s(t.ejections - 1) if t.ejections > 1 else 0.0
                 t.out_until = now + hold
+                back = (f"kept out {hold:.0f} s more (repeat offender)" if hold else
+                        "back in rotation once /health answers")
                 return [self._move(t, "restart", "restarted", now, found,
-                                   f"drained ({in_flight} still in flight): restarting, then "
-                                   f"out for at least {hold:.0f} s")]
+                                   f"drained ({in_flight} still in flight): restarting, {back}")]
             return self._note(t.url, Decision("none", t.url, f"draining before restart: did nothing "
                                               f"because {in_flight} requests are in flight",
                                               t.state, t.state, tuple(found)))

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import time
 
 import httpx
 
+from radixserve.agent.actions import Actions
 from radixserve.agent.agent import Agent
 from radixserve.agent.app import status_html, status_json
 from radixserve.agent.config import AgentConfig
@@ -214,3 +218,17 @@ def test_a_malformed_router_listing_is_a_router_error_or_skipped_entries(tmp_pat
     sweeps(agent, 8)           # raised out of the sweep for five of these shapes before
     assert agent.num_sweeps == 8 and agent.metrics.sweeps._value.get() == 4
     assert set(agent.last.workers) == {"http://w0", "http://w1"} and agent.last.policy is None
+
+
+def test_actions_reap_exited_restarted_workers():
+    """A restarted worker that exits (the fleet stopped it) is reaped at the next sweep, not
+    left a zombie that a fleet stop would wait on."""
+    actions = Actions(admin=None, manifest_path=None)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    actions.children[child.pid] = child
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and child.pid in actions.children:
+        actions.reap()
+        time.sleep(0.05)
+    assert child.pid not in actions.children
+    assert child.returncode == 0  # waited for: no zombie left
