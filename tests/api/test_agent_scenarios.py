@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from radixserve.agent.observe import parse_metrics
-from tests.api.conftest import REPO, ServerProcess, free_port
+from radixserve.bench.launch import free_port
+from tests.api.conftest import REPO, ServerProcess
 
 pytestmark = pytest.mark.slow
 WAIT_S = 90.0   # generous limits against hangs only; nothing here asserts a duration

@@ -1,0 +1,51 @@
+"""Starting servers for benchmark runs: free loopback ports and waiting for /health."""
+from __future__ import annotations
+
+import random
+import socket
+import subprocess
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    """A loopback port free now (chosen by the kernel)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int, low: int = 20000, high: int = 32000) -> int:
+    """First of n consecutive loopback ports free now, in [low, high): below the kernel's
+    ephemeral range, where outgoing connections' local ends could take them before our
+    servers bind. Random starting points, so runs side by side rarely pick the same ones.
+    Raises RuntimeError when 200 tries find none."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(low, high - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports in [{low}, {high})")
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600.0,
+                 name: str = "server") -> None:
+    """Poll `url`/health every 0.5 s until it answers 200. Raises RuntimeError when `proc`
+    exits first or `timeout_s` (s) passes; the caller decides what to stop."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} ({url}) exited with {proc.returncode} during start-up")
+        try:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{name} ({url}) not healthy after {timeout_s} s")
