@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
@@ -17,7 +18,15 @@ class EngineConfig:
 
     model_path: str | None = _opt(None, "HF directory (config.json + *.safetensors) or a .gguf file; "
                                         "default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF")
-    dtype: str = _opt("float32", "compute and KV dtype", ("float32", "bfloat16"))
+    dtype: str = _opt("float32", "compute dtype (and KV dtype unless --kv-cache-dtype)", ("float32", "bfloat16"))
+    device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda when torch sees a GPU, else cpu)")
+    attention_backend: str = _opt("auto", "attention backend (auto: chosen by device)", ("auto", "torch"))
+    kv_cache_dtype: str = _opt("auto", "KV storage dtype (auto: the compute dtype); fp8 stores K/V "
+                                       "scaled per layer and KV head", ("auto", "float32", "bfloat16",
+                                                                       "fp8_e4m3", "fp8_e5m2"))
+    quantization_param_path: str | None = _opt(
+        None, "JSON file of FP8 KV scales {\"k_scale\": [...], \"v_scale\": [...]}, one per layer "
+              "(default: the checkpoint's k_scale/v_scale, else calibrated at start-up)")
     page_size: int = _opt(16, "KV page size in tokens")
     max_total_tokens: int | None = _opt(None, "KV capacity in tokens (overrides --kv-cache-memory-gb)")
     kv_cache_memory_gb: float = _opt(1.0, "KV capacity in GiB when --max-total-tokens is not set")
@@ -39,6 +48,8 @@ class EngineConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError("max_total_tokens must hold at least two pages")
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ class Sampler:
         elif not greedy:
             tokens = self._draw(x, rows)
         else:
-            tokens = torch.empty(len(rows), dtype=torch.long)
+            tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
             tokens[greedy] = x[greedy].argmax(dim=-1)
             tokens[drawn] = self._draw(x[drawn], [rows[i] for i in drawn])
         k = max((r.params.logprobs or 0) for r in rows)
@@ -103,11 +103,11 @@ class Sampler:
             if x is logits:
                 x = logits.clone()
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long)
+                seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=x.device)
                 vals = x[i, seen]
                 x[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
-                counts = torch.bincount(torch.tensor(r.output_ids, dtype=torch.long),
+                counts = torch.bincount(torch.tensor(r.output_ids, dtype=torch.long, device=x.device),
                                         minlength=self.vocab_size)[: self.vocab_size].to(x.dtype)
                 x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
             if masked:
@@ -117,9 +117,9 @@ class Sampler:
 
     def _draw(self, x: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         """x: (n, V) penalised logits of non-greedy rows -> (n,) int64 sampled token ids."""
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype)
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype, device=x.device)
         x = x / temps[:, None]
-        min_p = torch.tensor([r.params.min_p for r in rows], dtype=x.dtype)
+        min_p = torch.tensor([r.params.min_p for r in rows], dtype=x.dtype, device=x.device)
         if bool((min_p > 0).any()):
             probs = torch.softmax(x, dim=-1)
             keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -127,19 +127,21 @@ class Sampler:
         top_k = [r.params.top_k if 0 < r.params.top_k < x.shape[1] else 0 for r in rows]
         if any(top_k):
             kth = torch.topk(x, max(top_k), dim=-1).values                      # (n, kmax)
-            idx = torch.tensor([k - 1 if k else 0 for k in top_k])
+            idx = torch.tensor([k - 1 if k else 0 for k in top_k], device=x.device)
             cut = kth.gather(1, idx[:, None])
-            cut[torch.tensor(top_k) == 0] = float("-inf")
+            cut[torch.tensor(top_k, device=x.device) == 0] = float("-inf")
             x = x.masked_fill(x < cut, float("-inf"))                           # ties at the k-th stay
         top_p = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
         if top_p:
-            x[top_p] = self._top_p(x[top_p], torch.tensor([rows[i].params.top_p for i in top_p], dtype=x.dtype))
+            top_p_values = torch.tensor([rows[i].params.top_p for i in top_p], dtype=x.dtype, device=x.device)
+            x[top_p] = self._top_p(x[top_p], top_p_values)
         probs = torch.softmax(x, dim=-1)
         cdf = torch.cumsum(probs, dim=-1)                                      # (n, V)
-        u = torch.empty(len(rows), 1, dtype=x.dtype)
-        for i, r in enumerate(rows):
+        draws = []
+        for r in rows:  # a CPU generator on every device: the same seed gives the same draw
             self._generator.manual_seed(step_seed(r.seed, len(r.output_ids)))
-            u[i, 0] = torch.rand((), generator=self._generator, dtype=torch.float64).item()
+            draws.append(torch.rand((), generator=self._generator, dtype=torch.float64).item())
+        u = torch.tensor(draws, dtype=x.dtype, device=x.device)[:, None]
         # First index whose cdf exceeds u * total: never a zero-probability (masked) token.
         picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
         return picked.clamp_(max=x.shape[1] - 1)

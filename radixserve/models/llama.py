@@ -1,29 +1,19 @@
 """The generic Llama-family decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP, fused QKV and gate-up.
 
-Attention over the paged KV cache is not done here: each layer hands q, k, v to an
-`AttentionFn` the runner passes in (runner/attention/), so models never import the runner.
+Attention over the paged KV cache is not done here: each layer hands q, k, v to the
+`Attention` the runner passes in (layers/attention.py), so models never import the runner.
 """
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 
 from radixserve.layers.activation import silu_and_mul
+from radixserve.layers.attention import Attention
 from radixserve.layers.embedding import VocabEmbedding
 from radixserve.layers.linear import GateUpLinear, Linear, QKVLinear
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding, rope_inv_freq
 from radixserve.models.model_config import ModelConfig
-
-
-class AttentionFn(Protocol):
-    """Writes k, v of this step into layer `layer_id`'s KV cache and attends.
-
-    q: (T, H, D), k and v: (T, KV, D) (any strides) -> (T, H * D) contiguous, q's dtype.
-    """
-
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 class LlamaAttention(torch.nn.Module):
@@ -36,7 +26,7 @@ class LlamaAttention(torch.nn.Module):
         self.o_proj = Linear(c.q_size, c.hidden_size, c.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                rotary: RotaryEmbedding, attn: AttentionFn) -> torch.Tensor:
+                rotary: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         num_tokens = x.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -67,7 +57,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                rotary: RotaryEmbedding, attn: AttentionFn) -> torch.Tensor:
+                rotary: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         """residual: (T, hidden), updated in place and returned."""
         residual.add_(self.self_attn(self.input_layernorm(residual), cos, sin, rotary, attn))
         residual.add_(self.mlp(self.post_attention_layernorm(residual)))
@@ -107,17 +97,17 @@ class LlamaForCausalLM(torch.nn.Module):
                                  if s else None)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, inv_freq)
 
-    def prepare(self, dtype: torch.dtype) -> None:
-        """After loading: cast to the compute dtype, rebuild the RoPE tables in it, and build
-        the linear layers' fast paths."""
-        self.to(dtype)
-        self.rotary.cos_cache = self.rotary.cos_cache.to(dtype)
-        self.rotary.sin_cache = self.rotary.sin_cache.to(dtype)
+    def prepare(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        """After loading: move to `device` in the compute dtype, rebuild the RoPE tables in it,
+        and build the linear layers' fast paths (CPU only)."""
+        self.to(device=device, dtype=dtype)
+        self.rotary.cos_cache = self.rotary.cos_cache.to(device=device, dtype=dtype)
+        self.rotary.sin_cache = self.rotary.sin_cache.to(device=device, dtype=dtype)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: (T,) int64; logit_rows: (R,) int64 token rows whose logits
         are wanted (None: all). Returns logits (R, vocab_size) fp32."""

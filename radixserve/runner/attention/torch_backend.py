@@ -23,60 +23,69 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.runner.attention.decode_mirror import DecodeMirror, MirrorStep, decode_attention
-from radixserve.runner.batch import PrefillSeq, StepBatch
+from radixserve.runner.attention.torch_metadata import DecodeGroup, PrefillSeq, split_step
+from radixserve.runner.batch import StepBatch
 from radixserve.runner.kv_cache import KVCache
 
 
 class TorchAttentionBackend:
-    """AttentionBackend built from `torch.nn.functional.scaled_dot_product_attention`.
+    """AttentionBackend over `kv` built from `torch.nn.functional.scaled_dot_product_attention`.
 
     `mirror_bytes`: memory the DecodeMirror may hold (0: always gather). Decode groups that do
     not fit fall back to gathering pages, in sub-batches whose gathered K + V stay under
     `decode_chunk_bytes` so SDPA reads them back from cache instead of DRAM (0: one sub-batch).
     """
 
-    def __init__(self, decode_chunk_bytes: int = 4 << 20, mirror_bytes: int = 2 << 30):
+    name = "torch"
+
+    def __init__(self, kv: KVCache, decode_chunk_bytes: int = 4 << 20, mirror_bytes: int = 2 << 30):
+        self.kv = kv
         self.decode_chunk_bytes = decode_chunk_bytes
         self.mirror = DecodeMirror(mirror_bytes) if mirror_bytes else None
 
-    def begin_step(self, kv: KVCache, step: StepBatch) -> TorchStepAttention:
+    def prepare(self, step: StepBatch) -> TorchStepAttention:
+        """The step's decode group and prefill chunks with masks in the compute dtype, and
+        the DecodeMirror brought up to date (see module docstring)."""
+        decode, prefills = split_step(step, self.kv.page_size, self.kv.compute_dtype)
         mirror_step = None
         if self.mirror is not None:
-            if step.decode is None:
+            if decode is None:
                 self.mirror.reset()
             else:
-                mirror_step = self.mirror.plan(kv, step.decode)
-        return TorchStepAttention(kv, step, self.decode_chunk_bytes, mirror_step)
+                mirror_step = self.mirror.plan(self.kv, decode)
+        return TorchStepAttention(self.kv, step, decode, prefills, self.decode_chunk_bytes, mirror_step)
 
 
 class TorchStepAttention:
-    """StepAttention for one step (see base.StepAttention)."""
+    """The torch backend's metadata for one step, callable as the model's `Attention`."""
 
-    def __init__(self, kv: KVCache, step: StepBatch, decode_chunk_bytes: int = 0,
+    def __init__(self, kv: KVCache, step: StepBatch, decode: DecodeGroup | None,
+                 prefills: list[PrefillSeq], decode_chunk_bytes: int = 0,
                  mirror_step: MirrorStep | None = None):
         self.kv, self.step, self.mirror_step = kv, step, mirror_step
-        self.num_tokens = step.input_ids.shape[0]
-        d = step.decode
+        self.decode, self.prefills = decode, prefills
+        self.num_tokens = step.num_tokens
+        d = decode
         self.chunks: list[tuple[int, int]] = [(0, d.mask.shape[0])] if d is not None else []
         # Rows of the pages each prefill chunk with a cached prefix gathers, once per step.
-        self.prefill_rows = [None if p.page_ids is None else kv.head_rows(p.page_ids) for p in step.prefills]
+        self.prefill_rows = [None if p.page_ids is None else kv.head_rows(p.page_ids) for p in prefills]
         if d is not None and mirror_step is None:
             batch = d.mask.shape[0]
-            store = kv.k_store[0]
-            seq_bytes = 2 * d.max_pages * kv.page_size * kv.num_kv_heads * kv.head_dim * store.element_size()
+            itemsize = torch.empty((), dtype=kv.compute_dtype).element_size()
+            seq_bytes = 2 * d.max_pages * kv.page_size * kv.num_kv_heads * kv.head_dim * itemsize
             per_chunk = max(1, decode_chunk_bytes // seq_bytes) if decode_chunk_bytes else batch
             self.chunks = [(s, min(s + per_chunk, batch)) for s in range(0, batch, per_chunk)]
             rows = kv.head_rows(d.page_table).view(kv.num_kv_heads, -1)          # (KV, B * P)
             self.chunk_rows = [rows[:, s * d.max_pages:e * d.max_pages].reshape(-1) for s, e in self.chunks]
             numel = kv.num_kv_heads * min(per_chunk, batch) * d.max_pages * kv.page_size * kv.head_dim
-            self.k_buf = torch.empty(numel, dtype=store.dtype, device=store.device)
-            self.v_buf = torch.empty(numel, dtype=store.dtype, device=store.device)
+            self.k_buf = torch.empty(numel, dtype=kv.compute_dtype, device=kv.device)
+            self.v_buf = torch.empty(numel, dtype=kv.compute_dtype, device=kv.device)
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv, step = self.kv, self.step
         kv.write(layer_id, step.slot_mapping, k, v)
         num_heads, head_dim = q.shape[1], q.shape[2]
-        d = step.decode
+        d = self.decode
         ms = self.mirror_step
         if d is not None and d.row_slice == (0, self.num_tokens) and len(self.chunks) == 1:
             # Decode-only step in one piece: the attention output is the result, no copy.
@@ -98,7 +107,7 @@ class TorchStepAttention:
                     res = torch.empty_like(q_d)
                     self._decode(layer_id, q_d, res)
                 out.index_copy_(0, d.rows, res)
-        for p, rows in zip(step.prefills, self.prefill_rows):
+        for p, rows in zip(self.prefills, self.prefill_rows):
             out[p.row_start:p.row_end] = self._prefill(layer_id, p, rows, q, k, v)
         return out.view(self.num_tokens, num_heads * head_dim)
 
@@ -109,7 +118,7 @@ class TorchStepAttention:
 
     def _decode_chunk(self, layer_id: int, q: torch.Tensor, chunk: int) -> torch.Tensor:
         """Decode sequences of sub-batch `chunk`, q: (n, H, D) -> (n, H, D)."""
-        d, kv = self.step.decode, self.kv
+        d, kv = self.decode, self.kv
         start, end = self.chunks[chunk]
         n, num_kv, head_dim, ctx = end - start, kv.num_kv_heads, kv.head_dim, d.max_pages * kv.page_size
         shape = (num_kv * n * d.max_pages, kv.page_size * head_dim)
@@ -125,8 +134,10 @@ class TorchStepAttention:
         """One chunk: q rows [row_start, row_end) -> (n, H, D); `rows`: its pages' gather rows."""
         qc = q[p.row_start:p.row_end].transpose(0, 1).unsqueeze(0)                         # (1, H, n, D)
         if p.page_ids is None:
-            kc = k[p.row_start:p.row_end].transpose(0, 1).unsqueeze(0)                     # (1, KV, n, D)
-            vc = v[p.row_start:p.row_end].transpose(0, 1).unsqueeze(0)
+            # The chunk's own k, v as the cache now holds them, so a lossy KV dtype (FP8) gives
+            # the same result whether the prompt arrives in one chunk or several.
+            kc, vc = self.kv.round_trip(layer_id, k[p.row_start:p.row_end], v[p.row_start:p.row_end])
+            kc, vc = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)       # (1, KV, n, D)
             out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
         else:
             kv = self.kv

@@ -1,0 +1,115 @@
+"""FP8 KV scales per (layer, KV head): from the checkpoint, from a scales file, or calibrated at start-up -- never silently 1.0.
+
+Stored value = clamp(x / scale, ±fp8_max); a read returns stored * scale (see kv_cache.py).
+Sources, first found wins:
+1. checkpoint tensors `model.layers.N.self_attn.k_scale` / `v_scale` (the names FP8 checkpoints
+   from llm-compressor / vLLM use; a scalar or one value per KV head);
+2. `--quantization-param-path FILE` (SGLang's flag): JSON `{"k_scale": [...], "v_scale": [...]}`,
+   one entry per layer, each a number or a list with one number per KV head;
+3. calibration: one forward over CALIBRATION_TOKENS pseudo-random tokens in the compute
+   dtype records each (layer, KV head)'s max |k| and |v|; scale = HEADROOM * amax / fp8_max, so
+   values up to HEADROOM times the calibrated maximum are stored without clipping. Logged once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_TOKENS = 512
+HEADROOM = 2.0
+_SCALE_NAME = re.compile(r"layers\.(\d+)\..*\b([kv])_scale$")
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """k, v: (num_layers, num_kv_heads) fp32 on the CPU; source: "checkpoint", "file" or "calibration"."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    source: str
+
+    def describe(self) -> dict:
+        """JSON-able summary for /get_server_info: source and per-layer scales (max over heads)."""
+        return {"source": self.source,
+                "k_scale": [round(x, 6) for x in self.k.amax(dim=1).tolist()],
+                "v_scale": [round(x, 6) for x in self.v.amax(dim=1).tolist()]}
+
+
+def is_scale_name(name: str) -> bool:
+    """True for checkpoint tensor names that carry a KV cache scale."""
+    return _SCALE_NAME.search(name) is not None
+
+
+def from_checkpoint(tensors: dict[str, torch.Tensor], num_layers: int, num_kv_heads: int) -> KVScales | None:
+    """Scales from checkpoint tensors named like `model.layers.N.self_attn.k_scale`; None when
+    there are none. Raises ValueError when only some layers carry them."""
+    if not tensors:
+        return None
+    k, v = torch.full((num_layers, num_kv_heads), float("nan")), torch.full((num_layers, num_kv_heads), float("nan"))
+    for name, tensor in tensors.items():
+        match = _SCALE_NAME.search(name)
+        layer, kind = int(match.group(1)), match.group(2)
+        (k if kind == "k" else v)[layer] = tensor.float().reshape(-1).expand(num_kv_heads) \
+            if tensor.numel() == 1 else tensor.float().reshape(num_kv_heads)
+    return _checked(k, v, "checkpoint")
+
+
+def from_file(path: str, num_layers: int, num_kv_heads: int) -> KVScales:
+    """Scales from a JSON file (module docstring). Raises ValueError on a malformed file."""
+    with open(path) as f:
+        data = json.load(f)
+    tensors = []
+    for key in ("k_scale", "v_scale"):
+        rows = data.get(key) if isinstance(data, dict) else None
+        if not isinstance(rows, list) or len(rows) != num_layers:
+            raise ValueError(f"{path}: {key!r} must list one entry per layer ({num_layers})")
+        tensors.append(torch.tensor([[float(r)] * num_kv_heads if not isinstance(r, list) else
+                                     [float(x) for x in r] for r in rows]))
+        if tensors[-1].shape != (num_layers, num_kv_heads):
+            raise ValueError(f"{path}: {key!r} per-head lists must have {num_kv_heads} entries")
+    return _checked(tensors[0], tensors[1], "file")
+
+
+def _checked(k: torch.Tensor, v: torch.Tensor, source: str) -> KVScales:
+    for name, t in (("k_scale", k), ("v_scale", v)):
+        if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
+            raise ValueError(f"KV {name} from the {source} must be finite and positive for every "
+                             f"layer and head, got {t.tolist()}")
+    return KVScales(k, v, source)
+
+
+class _Recorder:
+    """An `Attention` that records max |k|, |v| per (layer, KV head) and attends causally."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int):
+        self.k_amax = torch.zeros(num_layers, num_kv_heads)
+        self.v_amax = torch.zeros(num_layers, num_kv_heads)
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.k_amax[layer_id] = k.abs().float().amax(dim=(0, 2)).cpu()        # (KV,)
+        self.v_amax[layer_id] = v.abs().float().amax(dim=(0, 2)).cpu()
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(q.shape[0], -1)                  # (T, H * D)
+
+
+@torch.inference_mode()
+def calibrate(model: torch.nn.Module, num_layers: int, num_kv_heads: int, vocab_size: int,
+              max_positions: int, fp8_dtype: torch.dtype, device: torch.device) -> KVScales:
+    """Scales from one forward over pseudo-random tokens (seeded, so every start-up agrees)."""
+    n = min(CALIBRATION_TOKENS, max_positions)
+    ids = torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(0)).to(device)
+    recorder = _Recorder(num_layers, num_kv_heads)
+    model(ids, torch.arange(n, device=device), recorder, torch.tensor([n - 1], device=device))
+    fp8_max = torch.finfo(fp8_dtype).max
+    tiny = torch.finfo(torch.float32).tiny
+    k = (recorder.k_amax * HEADROOM / fp8_max).clamp_(min=tiny)
+    v = (recorder.v_amax * HEADROOM / fp8_max).clamp_(min=tiny)
+    return _checked(k, v, "calibration")
