@@ -52,6 +52,8 @@ def run_serve(args: argparse.Namespace) -> int:
     server_config = from_args(ServerConfig, args)
     try:
         engine_config = from_args(EngineConfig, args)
+        from radixserve.runner.device import resolve_device
+        resolve_device(engine_config.device)   # a missing GPU is a usage error, not a traceback
     except ValueError as exc:
         print(f"radixserve serve: error: {exc}", file=sys.stderr)
         return 2

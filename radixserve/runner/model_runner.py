@@ -87,6 +87,7 @@ class ModelRunner:
         """Resolve config.model_path (None: the embedded default GGUF), read its ModelConfig and
         weights, and allocate the KV cache. Sets torch's thread count from config.num_threads."""
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        resolve_device(config.device)  # fail before loading anything
         path = resolve_model_path(config.model_path)
         start = time.perf_counter()
         model_config, weights = load_checkpoint(path)
