@@ -12,12 +12,16 @@ Compute stays fp32; only the stored KV differs. Reference: fp32 KV.
 2. Multi-turn: a 5-round chat (reference replies of 96 tokens, fp32 KV); round r's reply is
    scored through each dtype with the conversation so far served from the radix cache (the
    earlier rounds' KV stays as the dtype stored it), mean |Δ logprob| per round.
+   "fp8_e4m3 per-layer" is the calibrated fp8_e4m3 with one scale per layer (max over KV
+   heads) instead of one per (layer, KV head).
 3. Capacity: KV tokens that fit in --kv-cache-memory-gb for fp32, bf16, fp8.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import tempfile
 
 from radixserve import LLM, SamplingParams
 from radixserve.config import EngineConfig
@@ -106,6 +110,12 @@ def main() -> None:
     common = dict(max_total_tokens=16384, chunked_prefill_size=512)
     ref = LLM(**common)
     runs = {d: LLM(kv_cache_dtype=d, **common) for d in args.kv_dtypes.split(",")}
+    if "fp8_e4m3" in runs:  # the same calibration with one scale per layer (max over KV heads)
+        scales = runs["fp8_e4m3"].engine.runner.kv_scales
+        path = os.path.join(tempfile.mkdtemp(), "per_layer.json")
+        with open(path, "w") as f:
+            json.dump({"k_scale": scales.k.amax(1).tolist(), "v_scale": scales.v.amax(1).tolist()}, f)
+        runs["fp8_e4m3 per-layer"] = LLM(kv_cache_dtype="fp8_e4m3", quantization_param_path=path, **common)
     print(f"load {os.getloadavg()[0]:.2f}; fp8 scales: " +
           "; ".join(f"{d} {llm.engine.runner.info().get('kv_scales', {}).get('source')}" for d, llm in runs.items()))
     long_outputs(ref, runs, args.max_tokens)
