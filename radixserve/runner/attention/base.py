@@ -32,10 +32,10 @@ class AttentionBackend(Protocol):
 
 def create_backend(name: str, kv: KVCache, device: torch.device) -> AttentionBackend:
     """`name`: "auto" or one of BACKENDS. auto = triton on CUDA devices when triton is installed,
-    else torch (whose CPU-only fast path, DecodeMirror, is on only for CPU). triton on a CPU
-    device runs only under the Triton interpreter (TRITON_INTERPRET=1, for tests). Raises
-    ValueError for unknown names and for triton where it cannot run (not installed or not
-    importable, or CPU without the interpreter)."""
+    else torch (whose CPU-only fast paths, DecodeMirror and cache-sized decode sub-batches, are
+    on only for CPU). triton on a CPU device runs only under the Triton interpreter
+    (TRITON_INTERPRET=1, for tests). Raises ValueError for unknown names and for triton where it
+    cannot run (not installed or not importable, or CPU without the interpreter)."""
     if name not in ("auto", *KNOWN_BACKENDS):
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(KNOWN_BACKENDS)}")
     if name == "auto":
@@ -44,8 +44,10 @@ def create_backend(name: str, kv: KVCache, device: torch.device) -> AttentionBac
         return _triton_backend(kv, device)
     from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 
-    mirror_bytes = 2 << 30 if device.type == "cpu" else 0
-    return TorchAttentionBackend(kv, mirror_bytes=mirror_bytes)
+    if device.type == "cpu":
+        return TorchAttentionBackend(kv, mirror_bytes=2 << 30)
+    # Elsewhere no mirror, and one decode sub-batch: the sub-batch budget is a CPU-cache size.
+    return TorchAttentionBackend(kv, decode_chunk_bytes=0, mirror_bytes=0)
 
 
 def _triton_backend(kv: KVCache, device: torch.device) -> AttentionBackend:
