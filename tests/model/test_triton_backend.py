@@ -5,8 +5,8 @@ on CPU tensors: slow, so a few steps per scenario); with one they run natively o
 Skipped where triton is not installed (CI).
 
 Every Attention call runs both backends over the same KVCache (DualBackend): their outputs
-must agree per layer (fp32: 1e-5), and the triton output carries on, so the Harness's checks
-against transformers (greedy id, top-5 logprobs within 1e-4) are checks of the triton backend.
+must agree per layer (fp32: 1e-5 on CPU, 5e-5 on CUDA), and the triton output carries on, so
+the Harness's checks against transformers (greedy id, top-5 logprobs within 1e-4) are checks of the triton backend.
 FP8 KV (non-unit scales) is compared with the torch backend only: per layer on the same FP8
 cache, and end to end (tokens, logprobs within 1e-4) against a torch-backend runner.
 """
@@ -33,6 +33,7 @@ from radixserve.runner.model_runner import ModelRunner  # noqa: E402
 from tests.model.test_runner import Harness, Seq  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LAYER_ATOL = 1e-5 if DEVICE == "cpu" else 5e-5   # fp32, per layer; GPU kernels sum in other orders
 
 
 class DualBackend:
@@ -61,7 +62,7 @@ class DualBackend:
         return attend
 
 
-def harness(folder, page_size: int, seed: int = 0, atol: float = 1e-5, **config) -> Harness:
+def harness(folder, page_size: int, seed: int = 0, atol: float = LAYER_ATOL, **config) -> Harness:
     h = Harness(folder, page_size, seed, device=DEVICE, attention_backend="triton", **config)
     assert h.runner.backend.name == "triton"
     h.runner.backend = DualBackend(h.runner.kv, atol)
@@ -151,7 +152,7 @@ def test_fp8_kv_equals_torch_backend(gqa_dir, tmp_path, kv_dtype):
     scales = tmp_path / "scales.json"
     scales.write_text(json.dumps({"k_scale": [0.02, 0.05], "v_scale": [0.01, 0.03]}))
     runners = {b: fp8_runner(gqa_dir, str(scales), b, kv_dtype) for b in ("torch", "triton")}
-    runners["triton"].backend = DualBackend(runners["triton"].kv, 1e-5)      # per layer, same cache
+    runners["triton"].backend = DualBackend(runners["triton"].kv, LAYER_ATOL)   # per layer, same cache
     for runner in runners.values():   # distinct scales per KV head too (the file gives one per layer)
         assert torch.allclose(runner.kv.k_scale.cpu(), torch.tensor([[0.02, 0.02], [0.05, 0.05]]))
         runner.kv.k_scale.mul_(torch.tensor([[1.0, 2.0], [0.5, 1.5]], device=DEVICE))
