@@ -25,28 +25,25 @@ class TritonAttentionBackend:
     """AttentionBackend over `kv` with the paged decode and extend kernels of triton_kernels.py
     (paged attention: Kwon et al. 2023; online softmax: Milakov & Gimelshein 2018; tiling:
     FlashAttention, Dao et al. 2022). Reads any stored dtype of the cache (fp32, bf16, FP8 with
-    per-(layer, KV head) scales) and computes in fp32; output in q's dtype.
-
-    Kernel tiles: `block_n` keys per iteration, `block_m` query rows per extend program."""
+    per-(layer, KV head) scales) and computes in fp32; output in q's dtype. Tile sizes are
+    chosen per launch in triton_kernels.py."""
 
     name = "triton"
 
-    def __init__(self, kv: KVCache, block_m: int = 64, block_n: int = 64):
+    def __init__(self, kv: KVCache):
         self.kv = kv
-        self.block_m, self.block_n = block_m, block_n
 
     def prepare(self, step: StepBatch) -> TritonStepAttention:
         """The step's decode and prefill index tensors (see module docstring), built once."""
         # CUDA graphs for decode-only steps would capture TritonStepAttention here (not built yet).
-        return TritonStepAttention(self.kv, step, self.block_m, self.block_n)
+        return TritonStepAttention(self.kv, step)
 
 
 class TritonStepAttention:
     """The triton backend's metadata for one step, callable as the model's `Attention`."""
 
-    def __init__(self, kv: KVCache, step: StepBatch, block_m: int, block_n: int):
+    def __init__(self, kv: KVCache, step: StepBatch):
         self.kv, self.step = kv, step
-        self.block_m, self.block_n = block_m, block_n
         device = step.input_ids.device
         decodes = [i for i, n in enumerate(step.query_lens) if n == 1]
         extends = [i for i, n in enumerate(step.query_lens) if n > 1]
@@ -70,9 +67,8 @@ class TritonStepAttention:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if self.decode_seqs is not None:
             paged_decode(q, view.k, view.v, view.k_scale, view.v_scale, out, step.page_table,
-                         step.context_lens, self.decode_seqs, self.decode_rows, block_n=self.block_n)
+                         step.context_lens, self.decode_seqs, self.decode_rows)
         if self.extend_seqs is not None:
             paged_extend(q, view.k, view.v, view.k_scale, view.v_scale, out, step.page_table,
-                         step.context_lens, step.cu_seqlens_q, self.extend_seqs, self.max_extend_len,
-                         block_m=self.block_m, block_n=self.block_n)
+                         step.context_lens, step.cu_seqlens_q, self.extend_seqs, self.max_extend_len)
         return out.view(num_tokens, num_heads * head_dim)

@@ -153,10 +153,15 @@ def _dot_fp32(q: torch.Tensor) -> bool:
     return q.dtype == torch.float32 or q.device.type == "cpu"
 
 
+def _block_n(q: torch.Tensor, head_dim: int) -> int:
+    """Keys per iteration: 64, or 32 for fp32 products at head_dim > 64 (fp32 tiles of 64 x 128
+    would take twice the registers and shared memory of bf16 ones)."""
+    return 32 if _dot_fp32(q) and q.device.type != "cpu" and head_dim > 64 else 64
+
+
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
                  v_scale: torch.Tensor, out: torch.Tensor, page_table: torch.Tensor,
-                 context_lens: torch.Tensor, seq_idx: torch.Tensor, q_rows: torch.Tensor,
-                 block_n: int = 64) -> None:
+                 context_lens: torch.Tensor, seq_idx: torch.Tensor, q_rows: torch.Tensor) -> None:
     """Decode attention for `seq_idx` (n,) int32 sequences whose one query token is row
     `q_rows` (n,) int32 of q: (T, H, D) (last dim contiguous); writes those rows of out:
     (T, H, D). k, v: (KV, num_pages, page_size, D) stored dtype; k_scale, v_scale: (KV,) fp32;
@@ -167,23 +172,25 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: tor
         q, k, v, k_scale, v_scale, out, page_table, context_lens, seq_idx, q_rows, head_dim ** -0.5,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), k.stride(2),
         page_table.stride(0), PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=_block_d(head_dim),
-        DOT_FP32=_dot_fp32(q))
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=_block_n(q, head_dim),
+        BLOCK_D=_block_d(head_dim), DOT_FP32=_dot_fp32(q), num_warps=4, num_stages=2)
 
 
 def paged_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
                  v_scale: torch.Tensor, out: torch.Tensor, page_table: torch.Tensor,
                  context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_idx: torch.Tensor,
-                 max_q_len: int, block_m: int = 64, block_n: int = 64) -> None:
+                 max_q_len: int) -> None:
     """Causal attention of the prefill chunks `seq_idx` (n,) int32, whose rows of q: (T, H, D)
     are [cu_seqlens_q[s], cu_seqlens_q[s + 1]), over their whole context in the paged cache;
     writes those rows of out: (T, H, D). `max_q_len`: the longest chunk (sizes the grid).
     Other arguments as in `paged_decode`."""
     num_kv, _, page_size, head_dim = k.shape
     num_heads = q.shape[1]
+    block_m = block_n = _block_n(q, head_dim)
     grid = (seq_idx.shape[0], num_heads, triton.cdiv(max_q_len, block_m))
     extend_kernel[grid](
         q, k, v, k_scale, v_scale, out, page_table, context_lens, cu_seqlens_q, seq_idx, head_dim ** -0.5,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), k.stride(2),
         page_table.stride(0), PAGE_SIZE=page_size, GROUP=num_heads // num_kv, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim), DOT_FP32=_dot_fp32(q))
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim), DOT_FP32=_dot_fp32(q),
+        num_warps=4, num_stages=2)
