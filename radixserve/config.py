@@ -20,7 +20,8 @@ class EngineConfig:
                                         "default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF")
     dtype: str = _opt("float32", "compute dtype (and KV dtype unless --kv-cache-dtype)", ("float32", "bfloat16"))
     device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda when torch sees a GPU, else cpu)")
-    attention_backend: str = _opt("auto", "attention backend (auto: chosen by device)", ("auto", "torch"))
+    attention_backend: str = _opt("auto", "attention backend (auto: triton on CUDA when installed, else torch)",
+                                  ("auto", "torch", "triton"))
     kv_cache_dtype: str = _opt("auto", "KV storage dtype (auto: the compute dtype); fp8 stores K/V "
                                        "scaled per layer and KV head", ("auto", "float32", "bfloat16",
                                                                        "fp8_e4m3", "fp8_e5m2"))

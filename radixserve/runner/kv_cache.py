@@ -39,6 +39,20 @@ class KVPages:
     side: dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True, slots=True)
+class KernelView:
+    """One layer's raw storage for kernels that read pages themselves (KVCache.kernel_view).
+
+    k, v: (num_kv_heads, num_pages, page_size, head_dim) stored dtype, contiguous, on the
+    cache's device; a key's value is `k[h, page, offset] * k_scale[h]` (likewise v).
+    k_scale, v_scale: (num_kv_heads,) fp32, 1.0 unless the storage is FP8."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+
 class KVCache:
     """K/V (and side-buffer) storage for `num_layers` layers. Zero-initialised: padding reads stay finite.
 
@@ -158,6 +172,13 @@ class KVCache:
         k, v = self.gather(layer, self.head_rows(page_ids))
         shape = (self.num_kv_heads, -1, self.head_dim)
         return k.view(shape), v.view(shape)
+
+    def kernel_view(self, layer: int) -> KernelView:
+        """`layer`'s raw K/V storage and scales (see KernelView), after its readiness wait.
+        For kernels that index pages through the page table themselves; read-only by contract:
+        writes go through `write`."""
+        self.wait_ready(layer)
+        return KernelView(self._k[layer], self._v[layer], self.k_scale[layer], self.v_scale[layer])
 
     # ---- side buffers (per-slot state a model adds: an indexer cache, extra scales) -----------
     def add_side_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:

@@ -47,12 +47,13 @@ class Seq:
 class Harness:
     """Runs batches and checks every sampled token against transformers."""
 
-    def __init__(self, folder, page_size: int, seed: int = 0):
+    def __init__(self, folder, page_size: int, seed: int = 0, **config):
+        """`config`: further EngineConfig fields (device, attention_backend, ...)."""
         from transformers import AutoModelForCausalLM
 
         self.hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         self.runner = ModelRunner.from_config(EngineConfig(
-            model_path=str(folder), page_size=page_size, max_total_tokens=4096))
+            model_path=str(folder), page_size=page_size, max_total_tokens=4096, **config))
         self.page_size = page_size
         self.free = list(range(self.runner.num_pages))
         random.Random(seed).shuffle(self.free)  # non-contiguous page tables

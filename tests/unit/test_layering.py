@@ -62,3 +62,12 @@ def test_attention_backends_import_only_runner_and_the_attention_protocol():
         for name in imports_of(path):
             if name.startswith("radixserve"):
                 assert name.startswith(allowed), f"{path.name} imports {name}"
+
+
+def test_triton_is_imported_only_by_attention_backends():
+    """triton is optional (CUDA machines): only runner/attention may import it, and only the
+    triton backend's modules, which base.py imports lazily when that backend is chosen."""
+    for path in ROOT.rglob("*.py"):
+        if any(name.split(".")[0] == "triton" for name in imports_of(path)):
+            assert path.parent == ROOT / "runner" / "attention" and path.name.startswith("triton_"), (
+                f"{path} imports triton")

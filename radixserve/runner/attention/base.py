@@ -1,7 +1,9 @@
 """The attention backend interface and the choice of backend per device (`--attention-backend`)."""
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 from typing import Protocol
 
 import torch
@@ -12,7 +14,9 @@ from radixserve.runner.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("torch",)
+# triton when the package is installed (found without importing it: start-up stays light).
+BACKENDS = ("torch", "triton") if importlib.util.find_spec("triton") is not None else ("torch",)
+KNOWN_BACKENDS = ("torch", "triton")
 
 
 class AttentionBackend(Protocol):
@@ -27,11 +31,36 @@ class AttentionBackend(Protocol):
 
 
 def create_backend(name: str, kv: KVCache, device: torch.device) -> AttentionBackend:
-    """`name`: "auto" or one of BACKENDS. auto = torch on every device today (the torch backend's
-    CPU-only fast path, DecodeMirror, is on only for CPU). Raises ValueError for unknown names."""
+    """`name`: "auto" or one of BACKENDS. auto = triton on CUDA devices when triton is installed,
+    else torch (whose CPU-only fast paths, DecodeMirror and cache-sized decode sub-batches, are
+    on only for CPU). triton on a CPU device runs only under the Triton interpreter
+    (TRITON_INTERPRET=1, for tests). Raises ValueError for unknown names and for triton where it
+    cannot run (not installed or not importable, or CPU without the interpreter)."""
+    if name not in ("auto", *KNOWN_BACKENDS):
+        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(KNOWN_BACKENDS)}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and "triton" in BACKENDS else "torch"
+    if name == "triton":
+        return _triton_backend(kv, device)
     from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 
-    if name not in ("auto", *BACKENDS):
-        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
-    mirror_bytes = 2 << 30 if device.type == "cpu" else 0
-    return TorchAttentionBackend(kv, mirror_bytes=mirror_bytes)
+    if device.type == "cpu":
+        return TorchAttentionBackend(kv, mirror_bytes=2 << 30)
+    # Elsewhere no mirror, and one decode sub-batch: the sub-batch budget is a CPU-cache size.
+    return TorchAttentionBackend(kv, decode_chunk_bytes=0, mirror_bytes=0)
+
+
+def _triton_backend(kv: KVCache, device: torch.device) -> AttentionBackend:
+    if "triton" not in BACKENDS:
+        raise ValueError("attention backend 'triton' needs the triton package, which is not installed; "
+                         "use --attention-backend torch")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention backend 'triton' runs on CUDA devices; on cpu only under the Triton "
+                         "interpreter (TRITON_INTERPRET=1, for tests); use --attention-backend torch")
+    try:
+        from radixserve.runner.attention.triton_backend import TritonAttentionBackend
+    except ImportError as exc:
+        raise ValueError(f"attention backend 'triton': importing triton failed ({exc}); "
+                         f"use --attention-backend torch") from exc
+    logger.info("attention backend: triton (paged kernels) on %s", device)
+    return TritonAttentionBackend(kv)

@@ -1,0 +1,196 @@
+"""Triton kernels of paged attention: decode (one query token per sequence) and extend (a prefill chunk over its cached prefix).
+
+Both read K and V straight from the paged cache through the page table, inside the kernel
+(paged attention: Kwon et al. 2023, "Efficient Memory Management for Large Language Model
+Serving with PagedAttention"); no pages are gathered into a copy first. Keys are visited in
+blocks of BLOCK_N with an online softmax (Milakov & Gimelshein 2018, "Online normalizer
+calculation for softmax"), tiled as in FlashAttention (Dao et al. 2022): one pass over the
+keys, the running max `m`, sum `l` and output `acc` rescaled as each block arrives.
+
+Storage per layer, as KVCache.kernel_view gives it (head-major):
+
+    K, V: (KV, num_pages, page_size, D) stored dtype (fp32, bf16, fp8 e4m3 / e5m2)
+    key position p of sequence s, KV head h  ->  K[h, page_table[s, p // page_size], p % page_size, :]
+
+Stored values are dequantised as `stored * scale` with one fp32 scale per (layer, KV head);
+the K scale is folded into the score scale and the V scale into the final output, which is
+exact algebra (q.(s k) = s (q.k)) and saves a multiply per element. Scores, softmax and
+accumulation are fp32; the two matrix products take operands in q's dtype (fp32 products
+with input_precision="ieee", so no TF32 on GPUs; always fp32 under the CPU interpreter, see
+`_dot_fp32`), and the output is written in q's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The softmax uses exp2: e^x = 2^(x * log2(e)), log2(e) = 1.4426950408889634 folded into qk_scale.
+
+
+@triton.jit
+def _key_offsets(PageTable, seq, stride_pt, pos, valid, stride_kp, stride_kt, PAGE_SIZE: tl.constexpr):
+    """(BLOCK_N,) int64 element offsets of key positions `pos` inside one KV head's storage."""
+    page = tl.load(PageTable + seq * stride_pt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    return page * stride_kp + (pos % PAGE_SIZE).to(tl.int64) * stride_kt
+
+
+@triton.jit
+def decode_kernel(Q, K, V, KScale, VScale, Out, PageTable, ContextLens, SeqIdx, QRows, sm_scale,
+                  stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kp, stride_kt, stride_pt,
+                  PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One program per (decode sequence i, KV head): the GROUP query heads sharing that KV head
+    (GQA) attend over all `ContextLens[SeqIdx[i]]` keys. Grid: (num_decodes, num_kv_heads)."""
+    i = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(SeqIdx + i)
+    row = tl.load(QRows + i).to(tl.int64)
+    ctx = tl.load(ContextLens + seq)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_h
+    q_mask = h_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    if DOT_FP32:  # products in fp32 (q's dtype is what every operand is cast to)
+        q = q.to(tl.float32)
+    qk_scale = sm_scale * tl.load(KScale + kv_head) * 1.4426950408889634
+    k_base = K + kv_head.to(tl.int64) * stride_kh
+    v_base = V + kv_head.to(tl.int64) * stride_kh
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for start in range(0, ctx, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < ctx
+        tok = _key_offsets(PageTable, seq, stride_pt, pos, valid, stride_kp, stride_kt, PAGE_SIZE)
+        kt = tl.load(k_base + tok[None, :] + offs_d[:, None], mask=d_mask[:, None] & valid[None, :], other=0.0)
+        qk = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * qk_scale           # (BLOCK_H, BLOCK_N)
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + tok[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        m_i = m_new
+    out = acc / l_i[:, None] * tl.load(VScale + kv_head)
+    tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def extend_kernel(Q, K, V, KScale, VScale, Out, PageTable, ContextLens, CuSeqlensQ, SeqIdx, sm_scale,
+                  stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kp, stride_kt, stride_pt,
+                  PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One program per (prefill sequence i, query head, block of BLOCK_M query rows). Query row r
+    of the chunk sits at position prefix + r (prefix = context - chunk length) and sees keys at
+    positions <= prefix + r, all read from the paged cache (the chunk's own K/V were written
+    first), so a prompt gives the same result in one chunk or several, FP8 included.
+    Grid: (num_prefills, num_heads, cdiv(longest chunk, BLOCK_M))."""
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    block = tl.program_id(2)
+    seq = tl.load(SeqIdx + i)
+    q_start = tl.load(CuSeqlensQ + seq)
+    q_len = tl.load(CuSeqlensQ + seq + 1) - q_start
+    if block * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(ContextLens + seq)
+    prefix = ctx - q_len
+    kv_head = head // GROUP
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_mask = m_mask[:, None] & d_mask[None, :]
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    q_pos = prefix + offs_m
+    qk_scale = sm_scale * tl.load(KScale + kv_head) * 1.4426950408889634
+    k_base = K + kv_head.to(tl.int64) * stride_kh
+    v_base = V + kv_head.to(tl.int64) * stride_kh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    end = tl.minimum(ctx, prefix + (block + 1) * BLOCK_M)   # the block's last row sees up to here
+    for start in range(0, end, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < end
+        tok = _key_offsets(PageTable, seq, stride_pt, pos, valid, stride_kp, stride_kt, PAGE_SIZE)
+        kt = tl.load(k_base + tok[None, :] + offs_d[:, None], mask=d_mask[:, None] & valid[None, :], other=0.0)
+        qk = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * qk_scale           # (BLOCK_M, BLOCK_N)
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])                 # causal
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))   # finite: every row sees key 0 in the first block
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + tok[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        m_i = m_new
+    out = acc / l_i[:, None] * tl.load(VScale + kv_head)
+    tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=q_mask)
+
+
+def _block_d(head_dim: int) -> int:
+    """Head dim padded to a power of two, at least 16 (the smallest tl.dot operand on GPUs)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _dot_fp32(q: torch.Tensor) -> bool:
+    """Matrix products in fp32 for fp32 q, and on CPU: there only the Triton interpreter runs
+    kernels, and its tl.dot gives garbage for bf16 operands (numpy has no bf16; seen with
+    triton 3.9). Elsewhere bf16 products with fp32 accumulation, as FlashAttention does."""
+    return q.dtype == torch.float32 or q.device.type == "cpu"
+
+
+def _block_n(q: torch.Tensor, head_dim: int) -> int:
+    """Keys per iteration: 64, or 32 for fp32 products at head_dim > 64 (fp32 tiles of 64 x 128
+    would take twice the registers and shared memory of bf16 ones)."""
+    return 32 if _dot_fp32(q) and q.device.type != "cpu" and head_dim > 64 else 64
+
+
+def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
+                 v_scale: torch.Tensor, out: torch.Tensor, page_table: torch.Tensor,
+                 context_lens: torch.Tensor, seq_idx: torch.Tensor, q_rows: torch.Tensor) -> None:
+    """Decode attention for `seq_idx` (n,) int32 sequences whose one query token is row
+    `q_rows` (n,) int32 of q: (T, H, D) (last dim contiguous); writes those rows of out:
+    (T, H, D). k, v: (KV, num_pages, page_size, D) stored dtype; k_scale, v_scale: (KV,) fp32;
+    page_table: (B, max_pages) int32; context_lens: (B,) int32 keys per sequence."""
+    num_kv, _, page_size, head_dim = k.shape
+    group = q.shape[1] // num_kv
+    decode_kernel[(seq_idx.shape[0], num_kv)](
+        q, k, v, k_scale, v_scale, out, page_table, context_lens, seq_idx, q_rows, head_dim ** -0.5,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        page_table.stride(0), PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=_block_n(q, head_dim),
+        BLOCK_D=_block_d(head_dim), DOT_FP32=_dot_fp32(q), num_warps=4, num_stages=2)
+
+
+def paged_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
+                 v_scale: torch.Tensor, out: torch.Tensor, page_table: torch.Tensor,
+                 context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_idx: torch.Tensor,
+                 max_q_len: int) -> None:
+    """Causal attention of the prefill chunks `seq_idx` (n,) int32, whose rows of q: (T, H, D)
+    are [cu_seqlens_q[s], cu_seqlens_q[s + 1]), over their whole context in the paged cache;
+    writes those rows of out: (T, H, D). `max_q_len`: the longest chunk (sizes the grid).
+    Other arguments as in `paged_decode`."""
+    num_kv, _, page_size, head_dim = k.shape
+    num_heads = q.shape[1]
+    block_m = block_n = _block_n(q, head_dim)
+    grid = (seq_idx.shape[0], num_heads, triton.cdiv(max_q_len, block_m))
+    extend_kernel[grid](
+        q, k, v, k_scale, v_scale, out, page_table, context_lens, cu_seqlens_q, seq_idx, head_dim ** -0.5,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        page_table.stride(0), PAGE_SIZE=page_size, GROUP=num_heads // num_kv, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim), DOT_FP32=_dot_fp32(q),
+        num_warps=4, num_stages=2)
