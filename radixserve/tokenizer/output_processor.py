@@ -169,14 +169,6 @@ class RequestTracker:
         """Prompt tokens served from the prefix cache, from choice 0 only (<= prompt_tokens)."""
         return min(self._choices[0].num_cached_tokens, self.prompt_tokens)
 
-    def child_ids(self) -> list[str]:
-        """Engine request ids of all choices (to abort them all, e.g. on client disconnect)."""
-        return [c.child_id for c in self._choices]
-
-    def unfinished_child_ids(self) -> list[str]:
-        """Engine request ids of choices that have not finished yet."""
-        return [c.child_id for c in self._choices if c.finish_reason is None]
-
     def result(self) -> RequestOutput:
         """The offline API's RequestOutput with one CompletionOutput per choice, in index order."""
         want_logprobs = self.params.logprobs is not None

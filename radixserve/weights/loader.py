@@ -49,11 +49,6 @@ def load_checkpoint(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.T
     return ModelConfig.from_hf(read_hf_config(path)), iter_safetensors(path)
 
 
-def load_model_config(path: str) -> ModelConfig:
-    """Only the ModelConfig of a checkpoint (see load_checkpoint)."""
-    return load_checkpoint(path)[0]
-
-
 def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors (transformers names) into `model`'s parameters.
 
