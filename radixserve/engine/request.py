@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from radixserve.engine.runner_api import TokenLogprob
+from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
 

@@ -8,11 +8,11 @@ import time
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.engine.runner_api import (RunnerOutput, ScheduledBatch, SeqResult,
-                                          TokenLogprob)
-from radixserve.layers.sampler import Sampled, Sampler, token_logprobs
+from radixserve.engine.runner_api import RunnerOutput, ScheduledBatch, SeqResult
+from radixserve.layers.sampler import Sampler, token_logprobs
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.registry import model_class
+from radixserve.outputs import TokenLogprob
 from radixserve.runner.attention.base import AttentionBackend
 from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 from radixserve.runner.batch import build_step
@@ -22,10 +22,6 @@ from radixserve.weights.loader import load_checkpoint, load_weights, resolve_mod
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _token(s: Sampled) -> TokenLogprob:
-    return TokenLogprob(s.token_id, s.logprob, s.top)
 
 
 class ModelRunner:
@@ -101,7 +97,7 @@ class ModelRunner:
         attn = self.backend.begin_step(self.kv, step)
         logits = self.model(step.input_ids, step.positions, attn, step.logit_rows)   # (R, V) fp32
         sample_idx = [r for r in step.sample_rows if r is not None]
-        sampled: list[Sampled] = []
+        sampled: list[TokenLogprob] = []
         if sample_idx:
             rows = [s for s, r in zip(batch.seqs, step.sample_rows) if r is not None]
             picked = logits if len(sample_idx) == logits.shape[0] else logits[sample_idx]
@@ -109,13 +105,13 @@ class ModelRunner:
         results = []
         it = iter(sampled)
         for seq, sample_row, prompt in zip(batch.seqs, step.sample_rows, step.prompt_rows):
-            token = _token(next(it)) if sample_row is not None else None
+            token = next(it) if sample_row is not None else None
             prompt_lps = None
             if prompt is not None:
                 first, targets = prompt
                 rows = logits[first:first + len(targets)]
                 k = seq.params.prompt_logprobs or 0
-                prompt_lps = ([_token(s) for s in token_logprobs(rows, torch.tensor(targets), k)]
+                prompt_lps = (token_logprobs(rows, torch.tensor(targets), k)
                               if targets else [])
             results.append(SeqResult(seq.request_id, token, prompt_lps))
         return RunnerOutput(results)

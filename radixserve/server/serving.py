@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from radixserve.engine.runner_api import TokenLogprob
+from radixserve.outputs import TokenLogprob
 from radixserve.errors import (BodyTooLarge, ContextLengthExceeded, InvalidRequest, ModelNotFound,
                                OutputAnomaly, Overloaded)
 from radixserve.sampling_params import SamplingParams

@@ -5,7 +5,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from radixserve.engine.runner_api import TokenLogprob
+from radixserve.outputs import TokenLogprob
 from radixserve.outputs import CompletionOutput, EngineOutput, RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher

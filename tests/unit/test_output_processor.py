@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.engine.runner_api import TokenLogprob
+from radixserve.outputs import TokenLogprob
 from radixserve.outputs import EngineOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.tokenizer.output_processor import RequestTracker
