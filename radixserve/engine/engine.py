@@ -154,7 +154,7 @@ class Engine:
 
     def _count_prompt(self, req: Request) -> None:
         # Hit rate counts admitted requests once, at their end (recompute is never a hit).
-        if req.num_cached_tokens >= 0:
+        if req.is_admitted:
             self.counters["num_prompt_tokens"] += len(req.prompt_ids)
             self.counters["num_cached_tokens"] += req.num_cached_tokens
 
@@ -167,7 +167,7 @@ class Engine:
             request_id=req.request_id, new_token_ids=new_ids, new_logprobs=logprobs,
             finished=finished, finish_reason=req.finish_reason if finished else None,
             stop_token_id=req.stop_token_id, num_prompt_tokens=len(req.prompt_ids),
-            num_cached_tokens=max(req.num_cached_tokens, 0), prompt_logprobs=prompt_lp,
+            num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_lp,
             queue_time_s=req.queue_time_s)
 
     # ---- introspection ----------------------------------------------------------------------
