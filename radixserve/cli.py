@@ -31,7 +31,7 @@ def build_engine(config: EngineConfig) -> tuple[Any, Any]:
     """
     from radixserve.engine.engine import Engine
     from radixserve.runner.model_runner import ModelRunner
-    from radixserve.server.engine_proc import EngineInfo
+    from radixserve.engine.messages import EngineInfo
     from radixserve.tokenizer.tokenizer import Tokenizer
     from radixserve.weights.loader import resolve_model_path
 

@@ -15,6 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from radixserve.config import EngineConfig, ServerConfig
+from radixserve.engine.loop import EngineBuilder
+from radixserve.engine.messages import AddReq
 from radixserve.errors import EngineDead, InvalidRequest, RadixServeError, error_body
 from radixserve.http_common import bearer_key_check, quiet_signals
 from radixserve.sampling_params import SamplingParams
@@ -22,7 +24,6 @@ from radixserve.server import responses
 from radixserve.server.admin_routes import install_admin_routes
 from radixserve.server.anomaly import GuardConfig
 from radixserve.server.engine_client import EngineClient
-from radixserve.server.engine_proc import AddReq, EngineBuilder
 from radixserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,

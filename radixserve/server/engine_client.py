@@ -20,9 +20,10 @@ from radixserve.config import EngineConfig
 from radixserve.errors import (ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound,
                                Overloaded, RadixServeError)
 from radixserve.outputs import EngineOutput
-from radixserve.server.engine_proc import (AddReq, Abort, Call, CallResult, EngineInfo, Fatal,
-                                           EngineBuilder, FromEngine, Outputs, Ready, Shutdown,
-                                           Submit, Submitted, WireError, run_engine_process)
+from radixserve.engine.loop import EngineBuilder, run_engine_process
+from radixserve.engine.messages import (AddReq, Abort, Call, CallResult, EngineInfo, Fatal,
+                                        FromEngine, Outputs, Ready, Shutdown, Submit, Submitted,
+                                        WireError)
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class EngineClient:
 
     async def call(self, method: str, timeout_s: float = 60.0,
                    args: dict[str, Any] | None = None) -> Any:
-        """Run `method(**args)` in the engine process (engine_proc.CALL_METHODS, LOOP_METHODS).
+        """Run `method(**args)` in the engine process (engine/loop.py: CALL_METHODS, LOOP_METHODS).
         Raises EngineDead, asyncio.TimeoutError, or RuntimeError with the engine's error."""
         if self.dead_reason is not None:
             raise EngineDead(self.dead_reason)

@@ -10,13 +10,13 @@ from typing import Any, AsyncIterator, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from radixserve.outputs import TokenLogprob
+from radixserve.engine.messages import AddReq
 from radixserve.errors import (BodyTooLarge, ContextLengthExceeded, InvalidRequest, ModelNotFound,
                                OutputAnomaly, Overloaded)
+from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
 from radixserve.server.engine_client import EngineClient, RequestStream
-from radixserve.server.engine_proc import AddReq
 from radixserve.server.faults import FaultInjector
 from radixserve.server.metrics import RequestTimer, ServerMetrics
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from radixserve.config import EngineConfig
-from radixserve.server.engine_proc import EngineInfo
+from radixserve.engine.messages import EngineInfo
 
 FAKE_VOCAB = 1000
 FAKE_CONTEXT = 512

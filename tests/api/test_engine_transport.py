@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from radixserve.config import EngineConfig
+from radixserve.engine.messages import AddReq
 from radixserve.errors import ContextLengthExceeded, EngineDead, InvalidRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.engine_client import EngineClient
-from radixserve.server.engine_proc import AddReq
 from tests.api.fake_engine import (FAKE_CONTEXT, WEDGE_TOKEN, build_crashing_engine,
                                    build_failing_engine, build_fake_engine, build_wedging_engine)
 from tests.unit.fake_runner import reference_next_token
