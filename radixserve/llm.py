@@ -31,7 +31,7 @@ class LLM:
         self.config = EngineConfig(model_path=model_path, **engine_kwargs)
         self.tokenizer = Tokenizer.load(resolve_model_path(model_path))
         runner = ModelRunner.from_config(self.config)
-        self.engine = Engine(self.config, runner, runner.eos_token_ids | self.tokenizer.eos_token_ids)
+        self.engine = Engine(self.config, runner, self.tokenizer.eos_token_ids)
         self._ids = itertools.count()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

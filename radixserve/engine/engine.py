@@ -23,12 +23,12 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, runner: Runner,
-                 eos_token_ids: frozenset[int] | None = None):
-        """eos_token_ids: tokens that end a request (default: the runner's, from the model);
-        pass the tokenizer's end-of-turn ids too so chat turns stop where HF generate stops."""
+                 extra_eos_token_ids: frozenset[int] = frozenset()):
+        """A request ends on the runner's eos ids (the model's) and on `extra_eos_token_ids`:
+        pass the tokenizer's (end of turn included) so chat turns stop where HF generate stops."""
         self.config = config
         self.runner = runner
-        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else runner.eos_token_ids)
+        self.eos_token_ids = frozenset(runner.eos_token_ids) | frozenset(extra_eos_token_ids)
         self.page_size = runner.page_size
         self.max_context_len = runner.max_context_len
         self.kv = KVManager(runner.num_pages, runner.page_size, not config.disable_radix_cache)

@@ -1,5 +1,5 @@
-"""The engine process: builds the Engine, then loops drain-messages -> step -> push outputs
-(the wire messages are in engine/messages.py)."""
+"""The engine process: builds the Engine over a runner from a factory, then loops
+drain-messages -> step -> push outputs (the wire messages are in engine/messages.py)."""
 from __future__ import annotations
 
 import logging
@@ -14,9 +14,11 @@ import msgspec
 import zmq
 
 from radixserve.config import EngineConfig
+from radixserve.engine.engine import Engine
 from radixserve.engine.messages import (Abort, Call, CallResult, EngineInfo, Fatal, FromEngine,
                                         Heartbeat, Outputs, Ready, Shutdown, Submit, Submitted,
                                         ToEngine, WireError)
+from radixserve.engine.runner_api import Runner
 from radixserve.errors import RadixServeError
 
 logger = logging.getLogger(__name__)
@@ -29,10 +31,21 @@ LOOP_METHODS = ("set_step_latency",)                          # EngineLoop metho
 
 
 # ---- engine construction --------------------------------------------------------------------
-# A builder is `builder(config) -> (engine, EngineInfo)`, a module-level function (it is pickled
-# by reference into the spawned process). The real one, which loads the model, lives in
-# radixserve.cli: the server package never imports the runner (ARCHITECTURE.md §2).
-EngineBuilder = Callable[[EngineConfig], "tuple[Any, EngineInfo]"]
+# A runner factory is `factory(config) -> Runner`, a module-level function (it is pickled by
+# reference into the spawned process). The real one, which loads the model, is
+# radixserve.cli.build_runner: neither engine/ nor server/ imports the runner (ARCHITECTURE.md §2).
+RunnerFactory = Callable[[EngineConfig], Runner]
+
+
+def build_engine(config: EngineConfig, runner_factory: RunnerFactory,
+                 eos_token_ids: frozenset[int]) -> tuple[Engine, EngineInfo]:
+    """The Engine over `runner_factory(config)`, stopping on the model's eos ids plus
+    `eos_token_ids` (the tokenizer's, end of turn included, resolved by the HTTP process), and
+    the EngineInfo the HTTP process learns at start-up."""
+    engine = Engine(config, runner_factory(config), eos_token_ids)
+    info = EngineInfo(max_context_len=engine.max_request_tokens,
+                      vocab_size=engine.runner.vocab_size, page_size=engine.page_size)
+    return engine, info
 
 
 # ---- the loop -------------------------------------------------------------------------------
@@ -40,7 +53,7 @@ class EngineLoop:
     """Owns the two sockets and the Engine; `run()` returns when told to shut down or when the
     parent process is gone."""
 
-    def __init__(self, engine: Any, inbox: zmq.Socket, outbox: zmq.Socket):
+    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket):
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
@@ -169,8 +182,9 @@ def _parent_alive() -> bool:
 
 
 def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_addr: str,
-                       log_level: str, builder: EngineBuilder) -> None:
-    """Entry point of the spawned engine process."""
+                       log_level: str, runner_factory: RunnerFactory,
+                       eos_token_ids: frozenset[int]) -> None:
+    """Entry point of the spawned engine process (see build_engine for the last two arguments)."""
     # Ctrl-C reaches the whole process group; the HTTP process decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(),
@@ -184,7 +198,7 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
     outbox.connect(from_engine_addr)
     loop: EngineLoop | None = None
     try:
-        engine, info = builder(config)
+        engine, info = build_engine(config, runner_factory, eos_token_ids)
         loop = EngineLoop(engine, inbox, outbox)
         loop.send(Ready(info))
         loop.run()

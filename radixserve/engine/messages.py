@@ -56,9 +56,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
 
     max_context_len: int      # effective limit on prompt + output tokens of one request
     vocab_size: int
-    eos_token_ids: list[int]
-    page_size: int
-    load_s: float
+    page_size: int            # KV page size in tokens
 
 
 class WireError(msgspec.Struct, frozen=True):

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from radixserve.config import EngineConfig, ServerConfig
-from radixserve.engine.loop import EngineBuilder
+from radixserve.engine.loop import RunnerFactory
 from radixserve.engine.messages import AddReq
 from radixserve.errors import EngineDead, InvalidRequest, RadixServeError, error_body
 from radixserve.http_common import bearer_key_check, quiet_signals
@@ -168,23 +168,18 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
     return app
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig, builder: EngineBuilder,
-                model_path: str) -> int:
-    """Start the engine process (`builder` loads the model there), load the tokenizer of
-    `model_path` here meanwhile, then serve HTTP until stopped. Returns the exit code: 0 when
+async def serve(engine_config: EngineConfig, server_config: ServerConfig,
+                runner_factory: RunnerFactory, model_path: str) -> int:
+    """Load the tokenizer of `model_path`, start the engine process (`runner_factory` loads the
+    model there; the tokenizer's eos ids go with it), then serve HTTP until stopped. Returns the exit code: 0 when
     stopped by a signal, 1 when the engine died (after ENGINE_DEATH_GRACE_S of 503s, so that
     in-flight requests get their error), unless `stay_up_on_engine_death`."""
     from radixserve.tokenizer.tokenizer import Tokenizer
 
     t0 = time.monotonic()
-    launch = asyncio.create_task(EngineClient.launch(engine_config, builder, server_config.log_level,
-                                                     server_config.watchdog_timeout))
-    try:
-        tokenizer = await asyncio.to_thread(Tokenizer.load, model_path)
-    except BaseException:
-        launch.cancel()
-        raise
-    client = await launch
+    tokenizer = await asyncio.to_thread(Tokenizer.load, model_path)
+    client = await EngineClient.launch(engine_config, runner_factory, tokenizer.eos_token_ids,
+                                       server_config.log_level, server_config.watchdog_timeout)
     try:
         name = server_config.served_model_name or os.path.basename(model_path.rstrip("/"))
         max_open = engine_config.max_running_requests + server_config.max_queued_requests
