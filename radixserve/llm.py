@@ -74,7 +74,6 @@ class LLM:
         owner: dict[str, RequestTracker] = {}
         try:
             for (text, ids), params in zip(items, sampling_params):
-                params.validate(self.engine.runner.vocab_size)
                 tracker = RequestTracker(str(next(self._ids)), ids, params, self.tokenizer)
                 trackers.append((tracker, text))
                 for child_id, child_params in tracker.child_requests():

@@ -43,8 +43,7 @@ def build_engine(config: EngineConfig, runner_factory: RunnerFactory,
     `eos_token_ids` (the tokenizer's, end of turn included, resolved by the HTTP process), and
     the EngineInfo the HTTP process learns at start-up."""
     engine = Engine(config, runner_factory(config), eos_token_ids)
-    info = EngineInfo(max_context_len=engine.max_request_tokens,
-                      vocab_size=engine.runner.vocab_size, page_size=engine.page_size)
+    info = EngineInfo(max_context_len=engine.max_request_tokens, page_size=engine.page_size)
     return engine, info
 
 

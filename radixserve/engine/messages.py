@@ -55,7 +55,6 @@ class EngineInfo(msgspec.Struct, frozen=True):
     """What the HTTP process learns about the engine at start-up."""
 
     max_context_len: int      # effective limit on prompt + output tokens of one request
-    vocab_size: int
     page_size: int            # KV page size in tokens
 
 

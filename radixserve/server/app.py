@@ -29,7 +29,7 @@ from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                         ModelList, new_id, now_s, render_details)
 from radixserve.server.responses import ClientDisconnected
-from radixserve.server.serving import (GenerationRun, ServingContext, chat_prompt, check_context,
+from radixserve.server.serving import (GenerationRun, ServingContext, chat_prompt,
                                        completion_prompts, parse_body)
 
 logger = logging.getLogger(__name__)
@@ -97,8 +97,6 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         prompt_logprobs = req.logprobs if req.echo else None
         params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs)
         prompts = await completion_prompts(ctx, req)
-        for prompt in prompts:
-            check_context(ctx, len(prompt.ids), req.max_tokens)
         ctx.check_capacity()
         rid = new_id("cmpl")
         run = GenerationRun(ctx, rid, prompts, params)
@@ -116,7 +114,6 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                      None)
         prompt = await chat_prompt(ctx, req)
-        check_context(ctx, len(prompt.ids), max_tokens)
         ctx.check_capacity()
         rid = new_id("chatcmpl")
         run = GenerationRun(ctx, rid, [prompt], params)

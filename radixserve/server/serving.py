@@ -11,8 +11,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from radixserve.engine.messages import AddReq
-from radixserve.errors import (BodyTooLarge, ContextLengthExceeded, InvalidRequest, ModelNotFound,
-                               OutputAnomaly, Overloaded)
+from radixserve.errors import BodyTooLarge, InvalidRequest, ModelNotFound, OutputAnomaly, Overloaded
 from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
@@ -51,11 +50,6 @@ class ServingContext:
         assert self.client.info is not None, "engine client is not started"
         return self.client.info.max_context_len
 
-    @property
-    def vocab_size(self) -> int:
-        assert self.client.info is not None, "engine client is not started"
-        return self.client.info.vocab_size
-
     def check_model(self, model: str | None) -> None:
         if model and model not in (self.model_name, self.model_path):
             raise ModelNotFound(f"The model `{model}` does not exist; this server serves "
@@ -90,7 +84,8 @@ class Prompt:
 
 # ---- inputs -------------------------------------------------------------------------------
 async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prompt]:
-    """Tokenize the `prompt` field (string, strings, token ids, or lists of token ids)."""
+    """Tokenize the `prompt` field (string, strings, token ids, or lists of token ids). Token
+    ids and lengths are checked by the engine when the run is submitted."""
     raw = req.prompt
     if isinstance(raw, str):
         items: list[str | list[int]] = [raw]
@@ -106,16 +101,9 @@ async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
     prompts = []
     for item in items:
         if isinstance(item, str):
-            prompt = Prompt(await ctx.encode(item), item)
+            prompts.append(Prompt(await ctx.encode(item), item))
         else:
-            bad = next((t for t in item if not 0 <= t < ctx.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequest(f"prompt token id {bad} is out of range [0, {ctx.vocab_size})",
-                                     param="prompt")
-            prompt = Prompt(list(item), None)
-        if not prompt.ids:
-            raise InvalidRequest("prompt must contain at least one token", param="prompt")
-        prompts.append(prompt)
+            prompts.append(Prompt(list(item), None))
     return prompts
 
 
@@ -132,25 +120,7 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> Prompt
         ids = render(messages, add_generation_prompt=req.add_generation_prompt)
     else:
         ids = await asyncio.to_thread(render, messages, req.add_generation_prompt)
-    if not ids:
-        raise InvalidRequest("the messages render to an empty prompt", param="messages")
     return Prompt(list(ids), None)
-
-
-def check_context(ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | None) -> None:
-    """Reject prompt + max_tokens over the engine's effective limit, quoting the real numbers
-    (field case C09). max_tokens None ("up to the context") needs room for one token."""
-    limit = ctx.max_context_len
-    wanted = max_tokens if max_tokens is not None else 1
-    if num_prompt_tokens + wanted <= limit:
-        return
-    what = (f"{max_tokens} for the completion" if max_tokens is not None
-            else "at least 1 for the completion")
-    raise ContextLengthExceeded(
-        f"This model's maximum context length is {limit} tokens. However, you requested "
-        f"{num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the prompt, {what}). "
-        "Please reduce the length of the prompt or max_tokens.",
-        param="max_tokens" if num_prompt_tokens < limit and max_tokens else "prompt")
 
 
 async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BODY_BYTES) -> Req:

@@ -63,10 +63,12 @@ class RequestTracker:
     children to `process()`, send the returned updates, abort `update.abort_child` when set,
     and stop once `finished`. The engine knows nothing of stop strings; this class finds them,
     trims text and tokens, and ignores whatever the engine sends for a child after its end.
+    Raises InvalidRequest when params.n is out of range; the engine checks everything else.
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  tokenizer: Tokenizer, prompt: str | None = None):
+        params.check_n()
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.prompt = prompt

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.outputs import TokenLogprob
-from radixserve.outputs import EngineOutput
+from radixserve.errors import InvalidRequest
+from radixserve.outputs import EngineOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.tokenizer.output_processor import RequestTracker
 from radixserve.tokenizer.tokenizer import Tokenizer
@@ -187,3 +187,10 @@ def test_prompt_logprobs_taken_from_first_output_that_has_them(tok):
 def test_foreign_request_id_is_rejected(tok):
     with pytest.raises(KeyError):
         RequestTracker("r", [1], SamplingParams(), tok).process(out("other-0", [1]))
+
+
+@pytest.mark.parametrize("n", [0, 129])
+def test_n_out_of_range_is_rejected_before_fan_out(tok, n):
+    with pytest.raises(InvalidRequest) as err:
+        RequestTracker("r", [1, 2], SamplingParams(n=n), tok)
+    assert err.value.param == "n"
