@@ -4,15 +4,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from radixserve.engine.messages import AddReq
 from radixserve.errors import BodyTooLarge, InvalidRequest, ModelNotFound, OutputAnomaly, Overloaded
-from radixserve.outputs import TokenLogprob
+from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
 from radixserve.server.engine_client import EngineClient, RequestStream
@@ -20,7 +21,7 @@ from radixserve.server.faults import FaultInjector
 from radixserve.server.metrics import RequestTimer, ServerMetrics
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                         PromptTokensDetails, Usage, validation_error)
-from radixserve.tokenizer.output_processor import RequestTracker
+from radixserve.tokenizer.output_processor import ChoiceUpdate, RequestTracker
 
 logger = logging.getLogger(__name__)
 
@@ -142,27 +143,15 @@ async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BO
 
 
 # ---- one run --------------------------------------------------------------------------------
-@dataclass
-class Update:
-    """One choice's news, with its index over all prompts (prompt i, choice j -> i * n + j)."""
-
-    index: int
-    prompt_index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None
-    stop_reason: str | int | None
-
-
 class GenerationRun:
     """All engine requests of one HTTP request: a RequestTracker per prompt, fanned out to n
     engine requests each, added to the engine as one group. Use as an async context manager;
     leaving it aborts whatever has not finished (client gone, error).
 
-    Each choice's text deltas pass the corrupt fault (when it picked this run) and then the
-    output-anomaly guard (when on); a detection ends the whole run (`updates` raises
-    OutputAnomaly after an "abort" update for that choice)."""
+    Choices are numbered over all prompts: prompt i, choice j -> index i * n + j. Each choice's
+    text deltas pass the corrupt fault (when it picked this run; the trackers keep the altered
+    text) and then the output-anomaly guard (when on); a detection ends the whole run
+    (`updates` raises OutputAnomaly after an "abort" update for that choice)."""
 
     def __init__(self, ctx: ServingContext, base_id: str, prompts: list[Prompt],
                  params: SamplingParams):
@@ -170,8 +159,11 @@ class GenerationRun:
         self.base_id = base_id
         self.prompts = prompts
         self.n = params.n
-        self.trackers = [RequestTracker(f"{base_id}-{i}", p.ids, params, ctx.tokenizer, p.text)
-                         for i, p in enumerate(prompts)]
+        corrupter = ctx.faults.corrupter() if ctx.faults is not None else None
+        self.trackers = [
+            RequestTracker(f"{base_id}-{i}", p.ids, params, ctx.tokenizer, p.text,
+                           None if corrupter is None else _shifted(corrupter.apply, i * self.n))
+            for i, p in enumerate(prompts)]
         self._owner: dict[str, int] = {}
         self._adds: list[AddReq] = []
         for i, (prompt, tracker) in enumerate(zip(prompts, self.trackers)):
@@ -184,7 +176,6 @@ class GenerationRun:
         greedy = params.is_greedy
         self._guards = ([AnomalyGuard(ctx.guard, greedy=greedy) for _ in range(num_choices)]
                         if ctx.guard else [])
-        self._corrupter = ctx.faults.corrupter() if ctx.faults is not None else None
 
     async def __aenter__(self) -> GenerationRun:
         """Submit to the engine and wait for it to accept (raises its rejection). While open,
@@ -220,8 +211,9 @@ class GenerationRun:
         if self.stream is not None:
             self.stream.abort_all()
 
-    async def updates(self) -> AsyncIterator[Update]:
-        """Yield every choice update until all choices have finished."""
+    async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
+        """Yield (choice index over all prompts, update) for every non-empty choice update
+        until all choices have finished."""
         assert self.stream is not None, "use `async with run:` first"
         while self.stream.unfinished:
             out = await self.stream.get()
@@ -238,14 +230,19 @@ class GenerationRun:
             if u.is_empty:
                 continue
             index = prompt_index * self.n + u.index
-            text = u.text if self._corrupter is None else self._corrupter.apply(index, u.text)
             if self._guards:
-                detection = self._guards[index].feed(GuardInput(text, u.token_ids))
+                detection = self._guards[index].feed(GuardInput(u.text, u.token_ids))
                 if detection is not None:
-                    yield Update(index, prompt_index, "", [], None, "abort", None)
+                    yield index, ChoiceUpdate(u.index, finish_reason="abort")
                     raise self._anomaly(index, detection.kind, detection.detail)
-            yield Update(index, prompt_index, text, u.token_ids, u.logprobs, u.finish_reason,
-                         u.stop_reason)
+            yield index, u
+
+    async def results(self) -> list[RequestOutput]:
+        """Run to completion; one RequestOutput per prompt, read from its tracker (choice j of
+        prompt i has index i * n + j over the run)."""
+        async for _ in self.updates():
+            pass
+        return [t.result() for t in self.trackers]
 
     def _anomaly(self, index: int, kind: str, detail: str) -> OutputAnomaly:
         """Count and log a detection; the caller raises it and closing the run aborts every
@@ -274,3 +271,8 @@ class GenerationRun:
         """Per prompt position: None for the first token, then the model's logprob of each."""
         lps = self.trackers[prompt_index].prompt_logprobs or []
         return [None, *lps]
+
+
+def _shifted(rewrite: Callable[[int, str], str], offset: int) -> Callable[[int, str], str]:
+    """`rewrite` taking run-wide choice indexes, for a tracker whose choice 0 is `offset`."""
+    return lambda index, text: rewrite(offset + index, text)
