@@ -5,7 +5,6 @@ import argparse
 import asyncio
 import logging
 import sys
-import time
 from typing import Any
 
 from radixserve.config import EngineConfig, ServerConfig, add_dataclass_args, from_args
@@ -23,26 +22,12 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_serve)
 
 
-def build_engine(config: EngineConfig) -> tuple[Any, Any]:
-    """Load the model and build the Engine; runs inside the engine process.
-
-    Returns (engine, EngineInfo). The engine stops on the model's eos ids and on the
-    tokenizer's (the chat template's end-of-turn token included), as the offline API does.
-    """
-    from radixserve.engine.engine import Engine
+def build_runner(config: EngineConfig) -> Any:
+    """Load the model into a ModelRunner (the engine loop's runner factory; runs inside the
+    engine process, so torch is imported there only)."""
     from radixserve.runner.model_runner import ModelRunner
-    from radixserve.server.engine_proc import EngineInfo
-    from radixserve.tokenizer.tokenizer import Tokenizer
-    from radixserve.weights.loader import resolve_model_path
 
-    t0 = time.monotonic()
-    runner = ModelRunner.from_config(config)
-    tokenizer = Tokenizer.load(resolve_model_path(config.model_path))
-    engine = Engine(config, runner, runner.eos_token_ids | tokenizer.eos_token_ids)
-    info = EngineInfo(max_context_len=engine.max_request_tokens, vocab_size=runner.vocab_size,
-                      eos_token_ids=sorted(engine.eos_token_ids), page_size=runner.page_size,
-                      load_s=time.monotonic() - t0)
-    return engine, info
+    return ModelRunner.from_config(config)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -61,7 +46,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         model_path = resolve_model_path(engine_config.model_path)
-        code = asyncio.run(serve(engine_config, server_config, build_engine, model_path))
+        code = asyncio.run(serve(engine_config, server_config, build_runner, model_path))
     except KeyboardInterrupt:
         code = 0
     except Exception as exc:  # start-up failures: bad model path, engine failed to load, port in use

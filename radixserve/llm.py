@@ -31,7 +31,7 @@ class LLM:
         self.config = EngineConfig(model_path=model_path, **engine_kwargs)
         self.tokenizer = Tokenizer.load(resolve_model_path(model_path))
         runner = ModelRunner.from_config(self.config)
-        self.engine = Engine(self.config, runner, runner.eos_token_ids | self.tokenizer.eos_token_ids)
+        self.engine = Engine(self.config, runner, self.tokenizer.eos_token_ids)
         self._ids = itertools.count()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
@@ -74,7 +74,6 @@ class LLM:
         owner: dict[str, RequestTracker] = {}
         try:
             for (text, ids), params in zip(items, sampling_params):
-                params.validate(self.engine.runner.vocab_size)
                 tracker = RequestTracker(str(next(self._ids)), ids, params, self.tokenizer)
                 trackers.append((tracker, text))
                 for child_id, child_params in tracker.child_requests():

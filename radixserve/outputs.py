@@ -3,7 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.engine.runner_api import TokenLogprob
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token's natural-log probability under the raw model distribution (log-softmax of
+    the logits, before penalties and warpers), with the k most likely (token_id, logprob),
+    most likely first. The sampler makes them; the engine, server and offline API pass them on."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(frozen=True, slots=True)

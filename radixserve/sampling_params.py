@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from radixserve.errors import InvalidRequest
 
 MAX_TOP_LOGPROBS = 20
+MAX_N = 128                 # choices of one request
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,12 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
 
+    def check_n(self) -> None:
+        """Raise InvalidRequest unless n is an integer in [1, MAX_N]. Called by whoever fans a
+        request out into n engine requests of n=1 (RequestTracker), before it does."""
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequest(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", param="n")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
@@ -60,7 +67,8 @@ class SamplingParams:
                 or self.presence_penalty != 0.0)
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Check every field's range. Raises InvalidRequest naming the offending field."""
+        """Check every field's range but n (checked where choices fan out: check_n). Raises
+        InvalidRequest naming the offending field. Engine.add_request is its one caller."""
         def bad(param: str, why: str) -> InvalidRequest:
             return InvalidRequest(f"{param} {why}", param=param)
 
@@ -71,8 +79,6 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "frequency_penalty", "presence_penalty"):
             finite(name, getattr(self, name))
-        if not isinstance(self.n, int) or not 1 <= self.n <= 128:
-            raise bad("n", f"must be an integer in [1, 128], got {self.n!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
             raise bad("max_tokens", f"must be a non-negative integer, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:

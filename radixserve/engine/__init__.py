@@ -1,1 +1,1 @@
-"""Engine core: requests, KV pages, radix prefix cache, scheduler. Pure Python except engine.py."""
+"""Engine core: requests, KV pages, radix prefix cache, scheduler, and the engine-process loop (loop.py, messages.py: ZMQ). No torch."""

@@ -23,12 +23,12 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, runner: Runner,
-                 eos_token_ids: frozenset[int] | None = None):
-        """eos_token_ids: tokens that end a request (default: the runner's, from the model);
-        pass the tokenizer's end-of-turn ids too so chat turns stop where HF generate stops."""
+                 extra_eos_token_ids: frozenset[int] = frozenset()):
+        """A request ends on the runner's eos ids (the model's) and on `extra_eos_token_ids`:
+        pass the tokenizer's (end of turn included) so chat turns stop where HF generate stops."""
         self.config = config
         self.runner = runner
-        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else runner.eos_token_ids)
+        self.eos_token_ids = frozenset(runner.eos_token_ids) | frozenset(extra_eos_token_ids)
         self.page_size = runner.page_size
         self.max_context_len = runner.max_context_len
         self.kv = KVManager(runner.num_pages, runner.page_size, not config.disable_radix_cache)
@@ -45,8 +45,10 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises InvalidRequest for bad ids or params and
-        ContextLengthExceeded when prompt + max_tokens cannot fit in one sequence."""
+        """Queue a request. The one validator of what a client sends (the server and the
+        offline API check nothing of it themselves): raises InvalidRequest for bad ids or
+        params (SamplingParams.validate) and ContextLengthExceeded when prompt + max_tokens
+        cannot fit in one sequence. Nothing is queued when it raises."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         params.validate(self.runner.vocab_size)
@@ -55,20 +57,30 @@ class Engine:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty: at least one token is required", param="prompt")
         vocab = self.runner.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        limit = self.max_request_tokens
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(prompt_ids)
-        if len(prompt_ids) + max_tokens > limit or max_tokens < 0:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(prompt_ids) + max(max_tokens, 0)} tokens ({len(prompt_ids)} in the prompt, "
-                f"{max(max_tokens, 0)} for the completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens" if params.max_tokens else "prompt")
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token id {bad!r} is out of range [0, {vocab})", param="prompt")
+        max_tokens = self._max_tokens(len(prompt_ids), params.max_tokens)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, list(prompt_ids), params, seed, max_tokens, time.monotonic())
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """max_tokens resolved (None: up to the limit) after checking that the prompt plus
+        max_tokens (None: at least one token) fit in max_request_tokens; raises
+        ContextLengthExceeded quoting the real numbers (field case C09)."""
+        limit = self.max_request_tokens
+        wanted = max_tokens if max_tokens is not None else 1
+        if num_prompt_tokens + wanted <= limit:
+            return max_tokens if max_tokens is not None else limit - num_prompt_tokens
+        what = (f"{max_tokens} for the completion" if max_tokens is not None
+                else "at least 1 for the completion")
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the prompt, {what}). "
+            "Please reduce the length of the prompt or max_tokens.",
+            param="max_tokens" if num_prompt_tokens < limit and max_tokens else "prompt")
 
     def abort(self, request_id: str) -> EngineOutput | None:
         """Stop a request at any point; its really computed KV stays in the radix cache and
@@ -154,7 +166,7 @@ class Engine:
 
     def _count_prompt(self, req: Request) -> None:
         # Hit rate counts admitted requests once, at their end (recompute is never a hit).
-        if req.num_cached_tokens >= 0:
+        if req.is_admitted:
             self.counters["num_prompt_tokens"] += len(req.prompt_ids)
             self.counters["num_cached_tokens"] += req.num_cached_tokens
 
@@ -167,7 +179,7 @@ class Engine:
             request_id=req.request_id, new_token_ids=new_ids, new_logprobs=logprobs,
             finished=finished, finish_reason=req.finish_reason if finished else None,
             stop_token_id=req.stop_token_id, num_prompt_tokens=len(req.prompt_ids),
-            num_cached_tokens=max(req.num_cached_tokens, 0), prompt_logprobs=prompt_lp,
+            num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_lp,
             queue_time_s=req.queue_time_s)
 
     # ---- introspection ----------------------------------------------------------------------

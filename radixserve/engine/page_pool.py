@@ -21,9 +21,6 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int) -> list[int] | None:
         """Take n free page ids, or return None (and take nothing) when fewer are free."""
         if n > len(self._free):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from radixserve.engine.runner_api import TokenLogprob
+from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
 
@@ -40,7 +40,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1           # prefix-cache hit at first admission; -1 = not yet admitted
+    num_cached_tokens: int = 0            # prefix-cache hit at first admission (0 before it)
     queue_time_s: float | None = None     # arrival to first admission (seconds); None = not yet admitted
     page_ids: list[int] = field(default_factory=list)
     num_tree_pages: int = 0
@@ -65,6 +65,11 @@ class Request:
         if start >= n:
             return self.output_ids[start - n:end - n]
         return self.prompt_ids[start:end] + self.output_ids[:max(end - n, 0)]
+
+    @property
+    def is_admitted(self) -> bool:
+        """True once the scheduler has admitted the request (it stays True after a preemption)."""
+        return self.queue_time_s is not None
 
     @property
     def is_prefilling(self) -> bool:

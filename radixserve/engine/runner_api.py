@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
 
@@ -48,15 +49,6 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.input_ids) for s in self.seqs)
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """Log-probability (natural log, model distribution before any warper) of one token."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the k most likely (token_id, logprob), most likely first
 
 
 @dataclass(frozen=True, slots=True)

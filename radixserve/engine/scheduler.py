@@ -98,7 +98,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.waiting.remove(req)
-            if req.num_cached_tokens < 0:  # a recompute after preemption is not a cache hit
+            if not req.is_admitted:  # a recompute after preemption is not a cache hit
                 req.num_cached_tokens = cached
                 req.queue_time_s = time.monotonic() - req.arrival_s
             req.status = Status.RUNNING

@@ -12,11 +12,11 @@ never on what else is batched or on preemption.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -32,16 +32,6 @@ class SampleRow(Protocol):
     min_tokens_left: int
 
 
-@dataclass(frozen=True, slots=True)
-class Sampled:
-    """A chosen token with its natural-log probability under the raw model distribution, and
-    the `k` most likely (token_id, logprob), most likely first."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
 def step_seed(seed: int, step: int) -> int:
     """A 63-bit generator seed from (request seed, sampling step): splitmix64's finaliser."""
     z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -50,17 +40,17 @@ def step_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> list[Sampled]:
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> list[TokenLogprob]:
     """Log-softmax of raw `logits` (R, V) fp32 at `token_ids` (R,) int64, plus the top_k
     most likely per row (top_k = 0: none)."""
     logprobs = torch.log_softmax(logits, dim=-1)             # (R, V); faster than logsumexp on CPU
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
     ids = token_ids.tolist()
     if top_k <= 0:
-        return [Sampled(t, lp, []) for t, lp in zip(ids, chosen)]
+        return [TokenLogprob(t, lp, []) for t, lp in zip(ids, chosen)]
     vals, idx = torch.topk(logprobs, min(top_k, logits.shape[1]), dim=-1)
     top_lp, top_ids = vals.tolist(), idx.tolist()
-    return [Sampled(t, lp, list(zip(ti, tl))) for t, lp, ti, tl in zip(ids, chosen, top_ids, top_lp)]
+    return [TokenLogprob(t, lp, list(zip(ti, tl))) for t, lp, ti, tl in zip(ids, chosen, top_ids, top_lp)]
 
 
 class Sampler:
@@ -72,9 +62,9 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)
         self._generator = torch.Generator()
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sampled]:
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[TokenLogprob]:
         """logits: (R, V) fp32 raw model logits, one row per entry of `rows`. Returns one
-        Sampled per row; top lists hold `params.logprobs` entries (0 when None)."""
+        TokenLogprob per row; top lists hold `params.logprobs` entries (0 when None)."""
         assert logits.shape[0] == len(rows), "one logits row per sample row"
         x = self._penalised(logits, rows)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
@@ -89,7 +79,7 @@ class Sampler:
             tokens[drawn] = self._draw(x[drawn], [rows[i] for i in drawn])
         k = max((r.params.logprobs or 0) for r in rows)
         out = token_logprobs(logits, tokens, k)
-        return [Sampled(s.token_id, s.logprob, s.top[:r.params.logprobs or 0]) for s, r in zip(out, rows)]
+        return [TokenLogprob(s.token_id, s.logprob, s.top[:r.params.logprobs or 0]) for s, r in zip(out, rows)]
 
     # ---- logit processing ----------------------------------------------------------------
     def _penalised(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:

@@ -66,10 +66,6 @@ class ModelConfig:
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
     # ---- constructors ------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:

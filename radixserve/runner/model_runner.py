@@ -8,11 +8,11 @@ import time
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.engine.runner_api import (RunnerOutput, ScheduledBatch, SeqResult,
-                                          TokenLogprob)
-from radixserve.layers.sampler import Sampled, Sampler, token_logprobs
+from radixserve.engine.runner_api import RunnerOutput, ScheduledBatch, SeqResult
+from radixserve.layers.sampler import Sampler, token_logprobs
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.registry import model_class
+from radixserve.outputs import TokenLogprob
 from radixserve.runner import kv_scales
 from radixserve.runner.attention.base import AttentionBackend, create_backend
 from radixserve.runner.batch import build_step
@@ -29,10 +29,6 @@ KV_DTYPES = {**DTYPES, **FP8_DTYPES}
 def kv_storage_dtype(config: EngineConfig) -> torch.dtype:
     """The KV cache's stored dtype: --kv-cache-dtype, or the compute dtype for auto."""
     return DTYPES[config.dtype] if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
-
-
-def _token(s: Sampled) -> TokenLogprob:
-    return TokenLogprob(s.token_id, s.logprob, s.top)
 
 
 class ModelRunner:
@@ -147,7 +143,7 @@ class ModelRunner:
         attn = self.backend.prepare(step)
         logits = self.model(step.input_ids, step.positions, attn, step.logit_rows)   # (R, V) fp32
         sample_idx = [r for r in step.sample_rows if r is not None]
-        sampled: list[Sampled] = []
+        sampled: list[TokenLogprob] = []
         if sample_idx:
             rows = [s for s, r in zip(batch.seqs, step.sample_rows) if r is not None]
             picked = logits if len(sample_idx) == logits.shape[0] else logits[sample_idx]
@@ -155,13 +151,13 @@ class ModelRunner:
         results = []
         it = iter(sampled)
         for seq, sample_row, prompt in zip(batch.seqs, step.sample_rows, step.prompt_rows):
-            token = _token(next(it)) if sample_row is not None else None
+            token = next(it) if sample_row is not None else None
             prompt_lps = None
             if prompt is not None:
                 first, targets = prompt
                 rows = logits[first:first + len(targets)]
                 k = seq.params.prompt_logprobs or 0
-                prompt_lps = ([_token(s) for s in token_logprobs(rows, torch.tensor(targets, device=self.device), k)]
+                prompt_lps = (token_logprobs(rows, torch.tensor(targets, device=self.device), k)
                               if targets else [])
             results.append(SeqResult(seq.request_id, token, prompt_lps))
         return RunnerOutput(results)

@@ -15,6 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from radixserve.config import EngineConfig, ServerConfig
+from radixserve.engine.loop import RunnerFactory
+from radixserve.engine.messages import AddReq
 from radixserve.errors import EngineDead, InvalidRequest, RadixServeError, error_body
 from radixserve.http_common import bearer_key_check, quiet_signals
 from radixserve.sampling_params import SamplingParams
@@ -22,13 +24,12 @@ from radixserve.server import responses
 from radixserve.server.admin_routes import install_admin_routes
 from radixserve.server.anomaly import GuardConfig
 from radixserve.server.engine_client import EngineClient
-from radixserve.server.engine_proc import AddReq, EngineBuilder
 from radixserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                         ModelList, new_id, now_s, render_details)
 from radixserve.server.responses import ClientDisconnected
-from radixserve.server.serving import (GenerationRun, ServingContext, chat_prompt, check_context,
+from radixserve.server.serving import (GenerationRun, ServingContext, chat_prompt,
                                        completion_prompts, parse_body)
 
 logger = logging.getLogger(__name__)
@@ -96,8 +97,6 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         prompt_logprobs = req.logprobs if req.echo else None
         params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs)
         prompts = await completion_prompts(ctx, req)
-        for prompt in prompts:
-            check_context(ctx, len(prompt.ids), req.max_tokens)
         ctx.check_capacity()
         rid = new_id("cmpl")
         run = GenerationRun(ctx, rid, prompts, params)
@@ -115,7 +114,6 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                      None)
         prompt = await chat_prompt(ctx, req)
-        check_context(ctx, len(prompt.ids), max_tokens)
         ctx.check_capacity()
         rid = new_id("chatcmpl")
         run = GenerationRun(ctx, rid, [prompt], params)
@@ -167,23 +165,18 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
     return app
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig, builder: EngineBuilder,
-                model_path: str) -> int:
-    """Start the engine process (`builder` loads the model there), load the tokenizer of
-    `model_path` here meanwhile, then serve HTTP until stopped. Returns the exit code: 0 when
+async def serve(engine_config: EngineConfig, server_config: ServerConfig,
+                runner_factory: RunnerFactory, model_path: str) -> int:
+    """Load the tokenizer of `model_path`, start the engine process (`runner_factory` loads the
+    model there; the tokenizer's eos ids go with it), then serve HTTP until stopped. Returns the exit code: 0 when
     stopped by a signal, 1 when the engine died (after ENGINE_DEATH_GRACE_S of 503s, so that
     in-flight requests get their error), unless `stay_up_on_engine_death`."""
     from radixserve.tokenizer.tokenizer import Tokenizer
 
     t0 = time.monotonic()
-    launch = asyncio.create_task(EngineClient.launch(engine_config, builder, server_config.log_level,
-                                                     server_config.watchdog_timeout))
-    try:
-        tokenizer = await asyncio.to_thread(Tokenizer.load, model_path)
-    except BaseException:
-        launch.cancel()
-        raise
-    client = await launch
+    tokenizer = await asyncio.to_thread(Tokenizer.load, model_path)
+    client = await EngineClient.launch(engine_config, runner_factory, tokenizer.eos_token_ids,
+                                       server_config.log_level, server_config.watchdog_timeout)
     try:
         name = server_config.served_model_name or os.path.basename(model_path.rstrip("/"))
         max_open = engine_config.max_running_requests + server_config.max_queued_requests

@@ -20,9 +20,10 @@ from radixserve.config import EngineConfig
 from radixserve.errors import (ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound,
                                Overloaded, RadixServeError)
 from radixserve.outputs import EngineOutput
-from radixserve.server.engine_proc import (AddReq, Abort, Call, CallResult, EngineInfo, Fatal,
-                                           EngineBuilder, FromEngine, Outputs, Ready, Shutdown,
-                                           Submit, Submitted, WireError, run_engine_process)
+from radixserve.engine.loop import RunnerFactory, run_engine_process
+from radixserve.engine.messages import (AddReq, Abort, Call, CallResult, EngineInfo, Fatal,
+                                        FromEngine, Outputs, Ready, Shutdown, Submit, Submitted,
+                                        WireError)
 
 logger = logging.getLogger(__name__)
 
@@ -137,10 +138,12 @@ class EngineClient:
         self._closed = False
 
     @classmethod
-    async def launch(cls, config: EngineConfig, builder: EngineBuilder,
-                     log_level: str = "info",
+    async def launch(cls, config: EngineConfig, runner_factory: RunnerFactory,
+                     eos_token_ids: frozenset[int] = frozenset(), log_level: str = "info",
                      watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S) -> EngineClient:
-        """Spawn the engine process, which calls `builder(config)`, and wait until it is ready.
+        """Spawn the engine process, which builds its Engine over `runner_factory(config)`
+        stopping on the model's eos ids plus `eos_token_ids` (the tokenizer's, so the engine
+        process needs no tokenizer), and wait until it is ready.
         Raises RuntimeError when the engine fails to start. Once running, an engine that sends
         nothing (no output, no heartbeat) for `watchdog_timeout_s` while work is pending is
         declared dead and killed: one step never ended."""
@@ -155,7 +158,8 @@ class EngineClient:
         pull.setsockopt(zmq.LINGER, 0)
         pull.bind(from_engine)
         proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(config, to_engine, from_engine, log_level, builder),
+            target=run_engine_process, args=(config, to_engine, from_engine, log_level, runner_factory,
+                                               frozenset(eos_token_ids)),
             name="radixserve-engine", daemon=True)
         proc.start()
         client = cls(proc, tmpdir, push, pull, sync_ctx, async_ctx, watchdog_timeout_s)
@@ -169,10 +173,13 @@ class EngineClient:
         return client
 
     async def _wait_ready(self) -> EngineInfo:
+        """The engine's Ready, once our PUSH socket also has the engine as a peer: ZMQ connects
+        asynchronously, and a non-blocking send before that would fail (zmq.Again)."""
         while True:
             if await self.pull.poll(int(WATCHDOG_INTERVAL_S * 1000)):
                 msg = self._decoder.decode(await self.pull.recv())
                 if isinstance(msg, Ready):
+                    await self._wait_push_connected()
                     return msg.info
                 if isinstance(msg, Fatal):
                     raise RuntimeError(f"engine failed to start:\n{msg.message}")
@@ -180,6 +187,13 @@ class EngineClient:
             elif not self.proc.is_alive():
                 raise RuntimeError(f"engine process exited with code {self.proc.exitcode} "
                                    "before it was ready")
+
+    async def _wait_push_connected(self) -> None:
+        while not self.push.poll(0, zmq.POLLOUT):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"engine process exited with code {self.proc.exitcode} "
+                                   "right after it was ready")
+            await asyncio.sleep(0.01)
 
     # ---- state ----------------------------------------------------------------------------
     @property
@@ -218,7 +232,7 @@ class EngineClient:
 
     async def call(self, method: str, timeout_s: float = 60.0,
                    args: dict[str, Any] | None = None) -> Any:
-        """Run `method(**args)` in the engine process (engine_proc.CALL_METHODS, LOOP_METHODS).
+        """Run `method(**args)` in the engine process (engine/loop.py: CALL_METHODS, LOOP_METHODS).
         Raises EngineDead, asyncio.TimeoutError, or RuntimeError with the engine's error."""
         if self.dead_reason is not None:
             raise EngineDead(self.dead_reason)

@@ -52,7 +52,8 @@ class _GenerationRequest(_Strict):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
-        """The SamplingParams of one choice, validated (raises InvalidRequest)."""
+        """The SamplingParams of the request (n choices); raises InvalidRequest for an
+        unsupported field. Ranges are checked once, by the engine's add_request."""
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -66,7 +67,6 @@ class _GenerationRequest(_Strict):
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
-        params.validate()
         return params
 
     @property

@@ -4,22 +4,21 @@ SSE framing (field case C17), per choice index: chat sends one role delta first;
 chunks carry no finish_reason; then exactly one chunk with an empty delta and the
 finish_reason. A usage chunk (choices: []) follows all finish chunks when
 stream_options.include_usage is set, and `data: [DONE]` ends the stream exactly once.
-Streamed deltas joined per index equal the non-streaming text byte for byte, because both
-come from the same RequestTracker updates.
+Streamed deltas joined per index equal the non-streaming text byte for byte: the stream sends
+the RequestTracker updates, and a full response reads the tracker's result, their sum.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from radixserve.engine.runner_api import TokenLogprob
+from radixserve.outputs import TokenLogprob
 from radixserve.errors import RadixServeError, error_body
 from radixserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatLogprobs, ChatMessageOut,
@@ -35,31 +34,6 @@ DONE = "data: [DONE]\n\n"
 
 def sse(event: BaseModel) -> str:
     return f"data: {event.model_dump_json()}\n\n"
-
-
-@dataclass
-class ChoiceResult:
-    """One choice, accumulated from its updates."""
-
-    prompt_index: int = 0
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-async def collect(run: GenerationRun) -> list[ChoiceResult]:
-    """Run to completion; one ChoiceResult per choice index."""
-    results = [ChoiceResult(prompt_index=i // run.n) for i in range(len(run.prompts) * run.n)]
-    async for u in run.updates():
-        r = results[u.index]
-        r.text += u.text
-        r.token_ids += u.token_ids
-        r.logprobs += u.logprobs or []
-        if u.finish_reason is not None:
-            r.finish_reason, r.stop_reason = u.finish_reason, u.stop_reason
-    return results
 
 
 # ---- logprobs formats ---------------------------------------------------------------------
@@ -109,18 +83,21 @@ def _merge(a: CompletionLogprobs | None, b: CompletionLogprobs) -> CompletionLog
 async def completion_response(ctx: ServingContext, run: GenerationRun, req: CompletionRequest,
                               rid: str, created: int) -> CompletionResponse:
     choices = []
-    for index, r in enumerate(await collect(run)):
-        text, logprobs = r.text, None
-        offset = 0
-        if req.echo:
-            prompt_text = run.prompt_text(r.prompt_index)
-            text, offset = prompt_text + text, len(prompt_text)
+    for prompt_index, result in enumerate(await run.results()):
+        for c in result.outputs:
+            text, logprobs = c.text, None
+            offset = 0
+            if req.echo:
+                prompt_text = run.prompt_text(prompt_index)
+                text, offset = prompt_text + text, len(prompt_text)
+                if req.logprobs is not None:
+                    logprobs = _echo_logprobs(ctx, run, prompt_index)
             if req.logprobs is not None:
-                logprobs = _echo_logprobs(ctx, run, r.prompt_index)
-        if req.logprobs is not None:
-            logprobs = _merge(logprobs, completion_logprobs(ctx, r.token_ids, r.logprobs, offset))
-        choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                        finish_reason=r.finish_reason, stop_reason=r.stop_reason))
+                logprobs = _merge(logprobs, completion_logprobs(ctx, c.token_ids, c.logprobs or [],
+                                                                offset))
+            choices.append(CompletionChoice(index=prompt_index * run.n + c.index, text=text,
+                                            logprobs=logprobs, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason))
     return CompletionResponse(id=rid, created=created, model=ctx.model_name, choices=choices,
                               usage=run.usage())
 
@@ -137,22 +114,22 @@ async def completion_chunks(ctx: ServingContext, run: GenerationRun, req: Comple
     want_logprobs = req.logprobs is not None
     offsets: dict[int, int] = {}
     try:
-        async for u in run.updates():
-            if u.index not in offsets:
-                offsets[u.index] = 0
+        async for index, u in run.updates():
+            if index not in offsets:
+                offsets[index] = 0
                 if req.echo:
-                    prompt_text = run.prompt_text(u.prompt_index)
-                    lp = _echo_logprobs(ctx, run, u.prompt_index) if want_logprobs else None
-                    yield chunk(u.index, prompt_text, lp)
-                    offsets[u.index] = len(prompt_text)
+                    prompt_text = run.prompt_text(index // run.n)
+                    lp = _echo_logprobs(ctx, run, index // run.n) if want_logprobs else None
+                    yield chunk(index, prompt_text, lp)
+                    offsets[index] = len(prompt_text)
             if u.text or (want_logprobs and u.token_ids):
                 lp = None
                 if want_logprobs:
-                    lp = completion_logprobs(ctx, u.token_ids, u.logprobs or [], offsets[u.index])
-                    offsets[u.index] += sum(len(t) for t in lp.tokens)
-                yield chunk(u.index, u.text, lp)
+                    lp = completion_logprobs(ctx, u.token_ids, u.logprobs or [], offsets[index])
+                    offsets[index] += sum(len(t) for t in lp.tokens)
+                yield chunk(index, u.text, lp)
             if u.finish_reason is not None:
-                yield chunk(u.index, "", None, u.finish_reason, u.stop_reason)
+                yield chunk(index, "", None, u.finish_reason, u.stop_reason)
         if req.include_usage:
             yield sse(CompletionChunk(id=rid, created=created, model=ctx.model_name, choices=[],
                                       usage=run.usage()))
@@ -166,12 +143,13 @@ async def completion_chunks(ctx: ServingContext, run: GenerationRun, req: Comple
 # ---- /v1/chat/completions -------------------------------------------------------------------
 async def chat_response(ctx: ServingContext, run: GenerationRun, req: ChatCompletionRequest,
                         rid: str, created: int) -> ChatCompletionResponse:
+    (result,) = await run.results()  # chat has one prompt
     choices = []
-    for index, r in enumerate(await collect(run)):
-        logprobs = chat_logprobs(ctx, r.logprobs) if req.logprobs else None
-        choices.append(ChatChoice(index=index, message=ChatMessageOut(content=r.text),
-                                  logprobs=logprobs, finish_reason=r.finish_reason,
-                                  stop_reason=r.stop_reason))
+    for c in result.outputs:
+        logprobs = chat_logprobs(ctx, c.logprobs or []) if req.logprobs else None
+        choices.append(ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
+                                  logprobs=logprobs, finish_reason=c.finish_reason,
+                                  stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=rid, created=created, model=ctx.model_name, choices=choices,
                                   usage=run.usage())
 
@@ -186,12 +164,12 @@ async def chat_chunks(ctx: ServingContext, run: GenerationRun, req: ChatCompleti
     try:
         for index in range(run.n):
             yield chunk(ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""}))
-        async for u in run.updates():
+        async for index, u in run.updates():
             if u.text or (req.logprobs and u.logprobs):
                 lp = chat_logprobs(ctx, u.logprobs or []) if req.logprobs else None
-                yield chunk(ChatStreamChoice(index=u.index, delta={"content": u.text}, logprobs=lp))
+                yield chunk(ChatStreamChoice(index=index, delta={"content": u.text}, logprobs=lp))
             if u.finish_reason is not None:
-                yield chunk(ChatStreamChoice(index=u.index, delta={}, finish_reason=u.finish_reason))
+                yield chunk(ChatStreamChoice(index=index, delta={}, finish_reason=u.finish_reason))
         if req.include_usage:
             yield sse(ChatCompletionChunk(id=rid, created=created, model=ctx.model_name,
                                           choices=[], usage=run.usage()))

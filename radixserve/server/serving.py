@@ -4,24 +4,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from radixserve.engine.runner_api import TokenLogprob
-from radixserve.errors import (BodyTooLarge, ContextLengthExceeded, InvalidRequest, ModelNotFound,
-                               OutputAnomaly, Overloaded)
+from radixserve.engine.messages import AddReq
+from radixserve.errors import BodyTooLarge, InvalidRequest, ModelNotFound, OutputAnomaly, Overloaded
+from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
 from radixserve.server.engine_client import EngineClient, RequestStream
-from radixserve.server.engine_proc import AddReq
 from radixserve.server.faults import FaultInjector
 from radixserve.server.metrics import RequestTimer, ServerMetrics
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                         PromptTokensDetails, Usage, validation_error)
-from radixserve.tokenizer.output_processor import RequestTracker
+from radixserve.tokenizer.output_processor import ChoiceUpdate, RequestTracker
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +50,6 @@ class ServingContext:
     def max_context_len(self) -> int:
         assert self.client.info is not None, "engine client is not started"
         return self.client.info.max_context_len
-
-    @property
-    def vocab_size(self) -> int:
-        assert self.client.info is not None, "engine client is not started"
-        return self.client.info.vocab_size
 
     def check_model(self, model: str | None) -> None:
         if model and model not in (self.model_name, self.model_path):
@@ -90,7 +85,8 @@ class Prompt:
 
 # ---- inputs -------------------------------------------------------------------------------
 async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prompt]:
-    """Tokenize the `prompt` field (string, strings, token ids, or lists of token ids)."""
+    """Tokenize the `prompt` field (string, strings, token ids, or lists of token ids). Token
+    ids and lengths are checked by the engine when the run is submitted."""
     raw = req.prompt
     if isinstance(raw, str):
         items: list[str | list[int]] = [raw]
@@ -106,16 +102,9 @@ async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
     prompts = []
     for item in items:
         if isinstance(item, str):
-            prompt = Prompt(await ctx.encode(item), item)
+            prompts.append(Prompt(await ctx.encode(item), item))
         else:
-            bad = next((t for t in item if not 0 <= t < ctx.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequest(f"prompt token id {bad} is out of range [0, {ctx.vocab_size})",
-                                     param="prompt")
-            prompt = Prompt(list(item), None)
-        if not prompt.ids:
-            raise InvalidRequest("prompt must contain at least one token", param="prompt")
-        prompts.append(prompt)
+            prompts.append(Prompt(list(item), None))
     return prompts
 
 
@@ -132,25 +121,7 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> Prompt
         ids = render(messages, add_generation_prompt=req.add_generation_prompt)
     else:
         ids = await asyncio.to_thread(render, messages, req.add_generation_prompt)
-    if not ids:
-        raise InvalidRequest("the messages render to an empty prompt", param="messages")
     return Prompt(list(ids), None)
-
-
-def check_context(ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | None) -> None:
-    """Reject prompt + max_tokens over the engine's effective limit, quoting the real numbers
-    (field case C09). max_tokens None ("up to the context") needs room for one token."""
-    limit = ctx.max_context_len
-    wanted = max_tokens if max_tokens is not None else 1
-    if num_prompt_tokens + wanted <= limit:
-        return
-    what = (f"{max_tokens} for the completion" if max_tokens is not None
-            else "at least 1 for the completion")
-    raise ContextLengthExceeded(
-        f"This model's maximum context length is {limit} tokens. However, you requested "
-        f"{num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the prompt, {what}). "
-        "Please reduce the length of the prompt or max_tokens.",
-        param="max_tokens" if num_prompt_tokens < limit and max_tokens else "prompt")
 
 
 async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BODY_BYTES) -> Req:
@@ -172,27 +143,15 @@ async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BO
 
 
 # ---- one run --------------------------------------------------------------------------------
-@dataclass
-class Update:
-    """One choice's news, with its index over all prompts (prompt i, choice j -> i * n + j)."""
-
-    index: int
-    prompt_index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None
-    stop_reason: str | int | None
-
-
 class GenerationRun:
     """All engine requests of one HTTP request: a RequestTracker per prompt, fanned out to n
     engine requests each, added to the engine as one group. Use as an async context manager;
     leaving it aborts whatever has not finished (client gone, error).
 
-    Each choice's text deltas pass the corrupt fault (when it picked this run) and then the
-    output-anomaly guard (when on); a detection ends the whole run (`updates` raises
-    OutputAnomaly after an "abort" update for that choice)."""
+    Choices are numbered over all prompts: prompt i, choice j -> index i * n + j. Each choice's
+    text deltas pass the corrupt fault (when it picked this run; the trackers keep the altered
+    text) and then the output-anomaly guard (when on); a detection ends the whole run
+    (`updates` raises OutputAnomaly after an "abort" update for that choice)."""
 
     def __init__(self, ctx: ServingContext, base_id: str, prompts: list[Prompt],
                  params: SamplingParams):
@@ -200,8 +159,11 @@ class GenerationRun:
         self.base_id = base_id
         self.prompts = prompts
         self.n = params.n
-        self.trackers = [RequestTracker(f"{base_id}-{i}", p.ids, params, ctx.tokenizer, p.text)
-                         for i, p in enumerate(prompts)]
+        corrupter = ctx.faults.corrupter() if ctx.faults is not None else None
+        self.trackers = [
+            RequestTracker(f"{base_id}-{i}", p.ids, params, ctx.tokenizer, p.text,
+                           None if corrupter is None else _shifted(corrupter.apply, i * self.n))
+            for i, p in enumerate(prompts)]
         self._owner: dict[str, int] = {}
         self._adds: list[AddReq] = []
         for i, (prompt, tracker) in enumerate(zip(prompts, self.trackers)):
@@ -214,7 +176,6 @@ class GenerationRun:
         greedy = params.is_greedy
         self._guards = ([AnomalyGuard(ctx.guard, greedy=greedy) for _ in range(num_choices)]
                         if ctx.guard else [])
-        self._corrupter = ctx.faults.corrupter() if ctx.faults is not None else None
 
     async def __aenter__(self) -> GenerationRun:
         """Submit to the engine and wait for it to accept (raises its rejection). While open,
@@ -250,8 +211,9 @@ class GenerationRun:
         if self.stream is not None:
             self.stream.abort_all()
 
-    async def updates(self) -> AsyncIterator[Update]:
-        """Yield every choice update until all choices have finished."""
+    async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
+        """Yield (choice index over all prompts, update) for every non-empty choice update
+        until all choices have finished."""
         assert self.stream is not None, "use `async with run:` first"
         while self.stream.unfinished:
             out = await self.stream.get()
@@ -268,14 +230,19 @@ class GenerationRun:
             if u.is_empty:
                 continue
             index = prompt_index * self.n + u.index
-            text = u.text if self._corrupter is None else self._corrupter.apply(index, u.text)
             if self._guards:
-                detection = self._guards[index].feed(GuardInput(text, u.token_ids))
+                detection = self._guards[index].feed(GuardInput(u.text, u.token_ids))
                 if detection is not None:
-                    yield Update(index, prompt_index, "", [], None, "abort", None)
+                    yield index, ChoiceUpdate(u.index, finish_reason="abort")
                     raise self._anomaly(index, detection.kind, detection.detail)
-            yield Update(index, prompt_index, text, u.token_ids, u.logprobs, u.finish_reason,
-                         u.stop_reason)
+            yield index, u
+
+    async def results(self) -> list[RequestOutput]:
+        """Run to completion; one RequestOutput per prompt, read from its tracker (choice j of
+        prompt i has index i * n + j over the run)."""
+        async for _ in self.updates():
+            pass
+        return [t.result() for t in self.trackers]
 
     def _anomaly(self, index: int, kind: str, detail: str) -> OutputAnomaly:
         """Count and log a detection; the caller raises it and closing the run aborts every
@@ -304,3 +271,8 @@ class GenerationRun:
         """Per prompt position: None for the first token, then the model's logprob of each."""
         lps = self.trackers[prompt_index].prompt_logprobs or []
         return [None, *lps]
+
+
+def _shifted(rewrite: Callable[[int, str], str], offset: int) -> Callable[[int, str], str]:
+    """`rewrite` taking run-wide choice indexes, for a tracker whose choice 0 is `offset`."""
+    return lambda index, text: rewrite(offset + index, text)

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from radixserve.engine.runner_api import TokenLogprob
+from radixserve.outputs import TokenLogprob
 from radixserve.outputs import CompletionOutput, EngineOutput, RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -63,14 +64,22 @@ class RequestTracker:
     children to `process()`, send the returned updates, abort `update.abort_child` when set,
     and stop once `finished`. The engine knows nothing of stop strings; this class finds them,
     trims text and tokens, and ignores whatever the engine sends for a child after its end.
+    Raises InvalidRequest when params.n is out of range; the engine checks everything else.
+
+    Each choice's state (text, tokens, logprobs, finish) lives here once: streaming sends the
+    updates, a full response reads `result()`, which is exactly their sum. `rewrite_text`, when
+    given, maps (choice index, new text) to the text kept and sent (fault injection only).
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 tokenizer: Tokenizer, prompt: str | None = None):
+                 tokenizer: Tokenizer, prompt: str | None = None,
+                 rewrite_text: Callable[[int, str], str] | None = None):
+        params.check_n()
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.prompt = prompt
         self.params = params
+        self._rewrite_text = rewrite_text
         self.prompt_logprobs: list[TokenLogprob] | None = None
         self._choices = [
             _Choice(child_id=f"{request_id}-{i}",
@@ -135,6 +144,8 @@ class RequestTracker:
                 update.error = out.error
 
         update.text = "".join(parts)
+        if self._rewrite_text is not None and update.text:
+            update.text = self._rewrite_text(index, update.text)
         update.token_ids = ids[:num_kept]
         choice.text_parts.append(update.text)
         choice.token_ids.extend(update.token_ids)
@@ -169,16 +180,9 @@ class RequestTracker:
         """Prompt tokens served from the prefix cache, from choice 0 only (<= prompt_tokens)."""
         return min(self._choices[0].num_cached_tokens, self.prompt_tokens)
 
-    def child_ids(self) -> list[str]:
-        """Engine request ids of all choices (to abort them all, e.g. on client disconnect)."""
-        return [c.child_id for c in self._choices]
-
-    def unfinished_child_ids(self) -> list[str]:
-        """Engine request ids of choices that have not finished yet."""
-        return [c.child_id for c in self._choices if c.finish_reason is None]
-
     def result(self) -> RequestOutput:
-        """The offline API's RequestOutput with one CompletionOutput per choice, in index order."""
+        """The request so far as a RequestOutput, one CompletionOutput per choice in index order
+        (the offline API's result; the server's full responses are built from it)."""
         want_logprobs = self.params.logprobs is not None
         outputs = [CompletionOutput(index=i, text="".join(c.text_parts), token_ids=list(c.token_ids),
                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,

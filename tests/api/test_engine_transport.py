@@ -7,12 +7,12 @@ import asyncio
 import pytest
 
 from radixserve.config import EngineConfig
+from radixserve.engine.messages import AddReq
 from radixserve.errors import ContextLengthExceeded, EngineDead, InvalidRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.engine_client import EngineClient
-from radixserve.server.engine_proc import AddReq
-from tests.api.fake_engine import (FAKE_CONTEXT, WEDGE_TOKEN, build_crashing_engine,
-                                   build_failing_engine, build_fake_engine, build_wedging_engine)
+from tests.api.fake_runners import (FAKE_CONTEXT, WEDGE_TOKEN, crashing_runner, failing_runner,
+                                    fake_runner, wedging_runner)
 from tests.unit.fake_runner import reference_next_token
 
 CONFIG = EngineConfig(page_size=4, chunked_prefill_size=64, max_running_requests=8)
@@ -35,7 +35,7 @@ def expected(prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture
 async def client():
-    c = await EngineClient.launch(CONFIG, build_fake_engine, "warning")
+    c = await EngineClient.launch(CONFIG, fake_runner, log_level="warning")
     yield c
     await c.close()
 
@@ -50,6 +50,22 @@ async def test_ready_info_and_generation(client):
     stream.close()
     assert tokens == {"a-0": expected(prompt, 5), "a-1": expected(prompt + [7], 5)}
     assert client.num_open_requests == 0
+
+
+async def test_start_up_eos_ids_end_requests():
+    """The eos ids given at launch (the HTTP side's tokenizer ids) stop requests in the engine
+    process, which has no tokenizer: the fake model's third token is declared an eos."""
+    prompt = [1, 2, 3, 4, 5, 6]
+    eos = expected(prompt, 3)[2]
+    client = await EngineClient.launch(CONFIG, fake_runner, frozenset({eos}), "warning")
+    try:
+        stream = client.submit([AddReq("e", prompt, SamplingParams(max_tokens=10, temperature=0.0))])
+        await stream.accepted()
+        tokens = await collect(stream)
+        stream.close()
+    finally:
+        await client.close()
+    assert tokens == {"e": expected(prompt, 3)}
 
 
 async def test_concurrent_groups_do_not_mix(client):
@@ -102,7 +118,7 @@ async def test_unknown_call_is_an_error(client):
 
 
 async def test_engine_crash_fails_waiting_requests():
-    client = await EngineClient.launch(CONFIG, build_crashing_engine, "critical")
+    client = await EngineClient.launch(CONFIG, crashing_runner, log_level="critical")
     try:
         stream = client.submit([AddReq("x", [1, 2, 3], SamplingParams(max_tokens=50))])
         await stream.accepted()
@@ -117,14 +133,14 @@ async def test_engine_crash_fails_waiting_requests():
 
 async def test_engine_load_failure_raises():
     with pytest.raises(RuntimeError, match="model.gguf"):
-        await EngineClient.launch(CONFIG, build_failing_engine, "critical")
+        await EngineClient.launch(CONFIG, failing_runner, log_level="critical")
 
 
 async def test_watchdog_kills_a_wedged_engine():
     """A step that never ends: heartbeats stop, the watchdog declares the engine dead after its
     timeout, fails the waiting request and kills the process. An idle engine is never declared
     dead, however long it stays idle (heartbeats keep coming)."""
-    client = await EngineClient.launch(CONFIG, build_wedging_engine, "critical",
+    client = await EngineClient.launch(CONFIG, wedging_runner, log_level="critical",
                                        watchdog_timeout_s=2.0)
     try:
         ok = client.submit([AddReq("ok", [1, 2, 3], SamplingParams(max_tokens=3))])

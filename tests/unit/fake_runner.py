@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 
-from radixserve.engine.runner_api import (RunnerOutput, ScheduledBatch, SeqResult,
-                                          TokenLogprob)
+from radixserve.engine.runner_api import RunnerOutput, ScheduledBatch, SeqResult
+from radixserve.outputs import TokenLogprob
 
 
 def reference_next_token(context: list[int], vocab_size: int, eos: int | None = None,

@@ -251,6 +251,7 @@ def test_prompt_logprobs_bypass_cache():
     ([1], SamplingParams(n=2), InvalidRequest),
     ([1], SamplingParams(temperature=-1), InvalidRequest),
     ([1] * 10, SamplingParams(max_tokens=5000), ContextLengthExceeded),
+    ([1] * 4096, SamplingParams(max_tokens=None), ContextLengthExceeded),  # no room for one token
 ])
 def test_add_request_validation(prompt, params, error):
     engine = make_engine(num_pages=2048)

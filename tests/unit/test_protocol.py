@@ -92,11 +92,21 @@ def test_sampling_params_mapping():
 
 @pytest.mark.parametrize("fields, param", [
     ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"n": 0}, "n"),
-    ({"max_tokens": -1}, "max_tokens"), ({"logit_bias": {"1": 2.0}}, "logit_bias"),
-    ({"stop": [""]}, "stop"), ({"logprobs": 50}, "logprobs"),
+    ({"max_tokens": -1}, "max_tokens"), ({"stop": [""]}, "stop"), ({"logprobs": 50}, "logprobs"),
 ])
-def test_sampling_params_range_errors(fields, param):
+def test_out_of_range_fields_keep_their_name_for_the_engine_check(fields, param):
+    """Building params checks no ranges (the engine's add_request does, via validate, and the
+    fan-out checks n); each bad field is then reported under its own name."""
     req = completion(**fields)
+    params = req.sampling_params(req.max_tokens, req.logprobs, None)
+    with pytest.raises(InvalidRequest) as err:
+        params.check_n()
+        params.validate(vocab_size=1000)
+    assert err.value.param == param
+
+
+def test_unsupported_logit_bias_is_rejected_when_building_params():
+    req = completion(logit_bias={"1": 2.0})
     with pytest.raises(InvalidRequest) as err:
         req.sampling_params(req.max_tokens, req.logprobs, None)
-    assert err.value.param == param
+    assert err.value.param == "logit_bias"

@@ -12,7 +12,6 @@ from radixserve.sampling_params import SamplingParams
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"),
     ({"min_p": 2}, "min_p"),
-    ({"n": 0}, "n"),
     ({"max_tokens": -1}, "max_tokens"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -30,6 +29,19 @@ def test_invalid_values_name_the_field(kwargs, param):
         SamplingParams(**kwargs).validate(vocab_size=1000)
     assert err.value.param == param
     assert err.value.to_dict()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("n", [0, -1, 129, 2.0, True])
+def test_check_n_rejects_what_cannot_fan_out(n):
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(n=n).check_n()
+    assert err.value.param == "n"
+
+
+def test_check_n_accepts_the_range():
+    for n in (1, 2, 128):
+        SamplingParams(n=n).check_n()
+    SamplingParams(n=0).validate(1000)  # validate leaves n to check_n
 
 
 def test_defaults_and_normalisation():

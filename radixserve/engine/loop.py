@@ -1,21 +1,5 @@
-"""The engine process: builds the model runner and Engine, then loops drain-messages -> step -> push outputs.
-
-Wire protocol (msgpack via msgspec, one PUSH/PULL socket per direction, the HTTP process binds
-both ipc:// endpoints):
-
-    HTTP -> engine   Submit(group_id, adds)     all choices of one HTTP request, added atomically
-                     Abort(request_ids)         fire and forget; the final output is not sent back
-                     Call(call_id, method, args) flush_cache | stats | check_invariants (Engine
-                                                methods) | set_step_latency (the loop's own)
-                     Shutdown()
-    engine -> HTTP   Ready(info)                once, after the model is loaded
-                     Submitted(group_id, error) one per Submit, before any output of its requests
-                     Outputs(outputs)           one per step that produced any
-                     CallResult(call_id, value, error)
-                     Fatal(message)             the engine loop crashed; the process exits
-                     Heartbeat()                between steps, at most every HEARTBEAT_S; the HTTP
-                                                side's watchdog declares a silent engine wedged
-"""
+"""The engine process: builds the Engine over a runner from a factory, then loops
+drain-messages -> step -> push outputs (the wire messages are in engine/messages.py)."""
 from __future__ import annotations
 
 import logging
@@ -30,9 +14,12 @@ import msgspec
 import zmq
 
 from radixserve.config import EngineConfig
+from radixserve.engine.engine import Engine
+from radixserve.engine.messages import (Abort, Call, CallResult, EngineInfo, Fatal, FromEngine,
+                                        Heartbeat, Outputs, Ready, Shutdown, Submit, Submitted,
+                                        ToEngine, WireError)
+from radixserve.engine.runner_api import Runner
 from radixserve.errors import RadixServeError
-from radixserve.outputs import EngineOutput
-from radixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -43,95 +30,21 @@ CALL_METHODS = ("flush_cache", "stats", "check_invariants")   # Engine methods
 LOOP_METHODS = ("set_step_latency",)                          # EngineLoop methods
 
 
-# ---- messages -------------------------------------------------------------------------------
-class AddReq(msgspec.Struct, frozen=True):
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-
-
-class Submit(msgspec.Struct, frozen=True, tag=True):
-    group_id: str
-    adds: list[AddReq]
-
-
-class Abort(msgspec.Struct, frozen=True, tag=True):
-    request_ids: list[str]
-
-
-class Call(msgspec.Struct, frozen=True, tag=True):
-    call_id: int
-    method: str
-    args: dict[str, Any] = {}
-
-
-class Shutdown(msgspec.Struct, frozen=True, tag=True):
-    pass
-
-
-class EngineInfo(msgspec.Struct, frozen=True):
-    """What the HTTP process learns about the engine at start-up."""
-
-    max_context_len: int      # effective limit on prompt + output tokens of one request
-    vocab_size: int
-    eos_token_ids: list[int]
-    page_size: int
-    load_s: float
-
-
-class WireError(msgspec.Struct, frozen=True):
-    """A RadixServeError in transit: enough to rebuild the OpenAI error body."""
-
-    status: int
-    type: str
-    message: str
-    param: str | None = None
-    code: str | None = None
-
-    @classmethod
-    def from_exc(cls, exc: Exception) -> WireError:
-        if isinstance(exc, RadixServeError):
-            code = exc.code if isinstance(exc.code, str) else None
-            return cls(exc.status, exc.type, exc.message, exc.param, code)
-        return cls(500, "internal_error", f"{type(exc).__name__}: {exc}")
-
-
-class Ready(msgspec.Struct, frozen=True, tag=True):
-    info: EngineInfo
-
-
-class Submitted(msgspec.Struct, frozen=True, tag=True):
-    group_id: str
-    error: WireError | None = None
-
-
-class Outputs(msgspec.Struct, frozen=True, tag=True):
-    outputs: list[EngineOutput]
-
-
-class CallResult(msgspec.Struct, frozen=True, tag=True):
-    call_id: int
-    value: Any = None
-    error: str | None = None
-
-
-class Fatal(msgspec.Struct, frozen=True, tag=True):
-    message: str
-
-
-class Heartbeat(msgspec.Struct, frozen=True, tag=True):
-    pass
-
-
-ToEngine = Submit | Abort | Call | Shutdown
-FromEngine = Ready | Submitted | Outputs | CallResult | Fatal | Heartbeat
-
-
 # ---- engine construction --------------------------------------------------------------------
-# A builder is `builder(config) -> (engine, EngineInfo)`, a module-level function (it is pickled
-# by reference into the spawned process). The real one, which loads the model, lives in
-# radixserve.cli: the server package never imports the runner (ARCHITECTURE.md §2).
-EngineBuilder = Callable[[EngineConfig], "tuple[Any, EngineInfo]"]
+# A runner factory is `factory(config) -> Runner`, a module-level function (it is pickled by
+# reference into the spawned process). The real one, which loads the model, is
+# radixserve.cli.build_runner: neither engine/ nor server/ imports the runner (ARCHITECTURE.md §2).
+RunnerFactory = Callable[[EngineConfig], Runner]
+
+
+def build_engine(config: EngineConfig, runner_factory: RunnerFactory,
+                 eos_token_ids: frozenset[int]) -> tuple[Engine, EngineInfo]:
+    """The Engine over `runner_factory(config)`, stopping on the model's eos ids plus
+    `eos_token_ids` (the tokenizer's, end of turn included, resolved by the HTTP process), and
+    the EngineInfo the HTTP process learns at start-up."""
+    engine = Engine(config, runner_factory(config), eos_token_ids)
+    info = EngineInfo(max_context_len=engine.max_request_tokens, page_size=engine.page_size)
+    return engine, info
 
 
 # ---- the loop -------------------------------------------------------------------------------
@@ -139,7 +52,7 @@ class EngineLoop:
     """Owns the two sockets and the Engine; `run()` returns when told to shut down or when the
     parent process is gone."""
 
-    def __init__(self, engine: Any, inbox: zmq.Socket, outbox: zmq.Socket):
+    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket):
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
@@ -268,8 +181,9 @@ def _parent_alive() -> bool:
 
 
 def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_addr: str,
-                       log_level: str, builder: EngineBuilder) -> None:
-    """Entry point of the spawned engine process."""
+                       log_level: str, runner_factory: RunnerFactory,
+                       eos_token_ids: frozenset[int]) -> None:
+    """Entry point of the spawned engine process (see build_engine for the last two arguments)."""
     # Ctrl-C reaches the whole process group; the HTTP process decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(),
@@ -283,7 +197,7 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
     outbox.connect(from_engine_addr)
     loop: EngineLoop | None = None
     try:
-        engine, info = builder(config)
+        engine, info = build_engine(config, runner_factory, eos_token_ids)
         loop = EngineLoop(engine, inbox, outbox)
         loop.send(Ready(info))
         loop.run()
