@@ -195,6 +195,7 @@ class Engine:
             "token_usage": used / kv.num_pages,
             "cache_hit_rate": c["num_cached_tokens"] / c["num_prompt_tokens"] if c["num_prompt_tokens"] else 0.0,
             "num_preemptions": self.scheduler.num_preemptions, **c,
+            "runner": self.runner.info(),
         }
 
     def flush_cache(self) -> bool:

@@ -75,3 +75,7 @@ class Runner(Protocol):
     eos_token_ids: frozenset[int]
 
     def run(self, batch: ScheduledBatch) -> RunnerOutput: ...
+
+    def info(self) -> dict:
+        """JSON-able facts for /get_server_info (device, attention backend, KV dtype, ...)."""
+        ...

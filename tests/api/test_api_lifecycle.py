@@ -88,7 +88,30 @@ def test_flush_cache_and_server_info(tiny_server):
     assert info["model"] == tiny_server.model and info["engine"]["num_running"] == 0
     assert info["server_config"]["api_key"] is None and info["page_size"] == 16
     assert set(tiny_server.get("/server_info").json()) == set(info)
+    assert info["engine"]["runner"] == {"device": "cpu", "attention_backend": "torch",
+                                        "kv_cache_dtype": "float32"}
     assert tiny_server.get("/health_generate").status_code == 200
+
+
+def test_fp8_kv_server_serves_and_reports_its_scales(request):
+    """C37: /get_server_info names the scales' source and values; FP8 KV serves requests."""
+    server = start_tiny_server(request, ["--kv-cache-dtype", "fp8_e4m3", "--max-total-tokens", "4096",
+                                         "--enable-debug-endpoints"])
+    try:
+        runner = server.get("/get_server_info").json()["engine"]["runner"]
+        assert runner["kv_cache_dtype"] == "float8_e4m3fn"
+        assert runner["kv_scales"]["source"] == "calibration"
+        assert len(runner["kv_scales"]["k_scale"]) == 2 and 1.0 not in runner["kv_scales"]["k_scale"]
+        body = {"model": server.model, "prompt": "Hello there, " * 20, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}
+        first, second = (server.post("/v1/completions", json=body).json() for _ in range(2))
+        assert first["usage"]["completion_tokens"] == 8
+        assert first["choices"][0]["text"] == second["choices"][0]["text"]      # second from the cache
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        pages = server.get("/debug/pages").json()
+        assert pages["invariant_holds"] and pages["num_in_use_pages"] == 0
+    finally:
+        server.stop()
 
 
 @pytest.fixture

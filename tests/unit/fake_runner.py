@@ -36,6 +36,9 @@ class FakeRunner:
         self.slots: list[tuple[int, int] | None] = [None] * (num_pages * page_size)
         self.steps: list[ScheduledBatch] = []
 
+    def info(self) -> dict:
+        return {"device": "none (fake runner)"}
+
     def slot(self, page_ids: list[int], pos: int) -> int:
         return page_ids[pos // self.page_size] * self.page_size + pos % self.page_size
 
