@@ -180,12 +180,13 @@ class GenerationRun:
     async def __aenter__(self) -> GenerationRun:
         """Submit to the engine and wait for it to accept (raises its rejection). While open,
         the run is listed in `ctx.runs` under its response id (for /abort_request)."""
-        self.stream = self.ctx.client.submit(self._adds)
-        self.ctx.runs[self.base_id] = self
-        if self.ctx.metrics is not None:
-            start = time.monotonic()
-            self._timers = {a.request_id: RequestTimer(self.ctx.metrics, start) for a in self._adds}
-        try:
+        try:  # whatever fails from here until the engine accepts, close() unregisters the run
+            self.stream = self.ctx.client.submit(self._adds)
+            self.ctx.runs[self.base_id] = self
+            if self.ctx.metrics is not None:
+                start = time.monotonic()
+                self._timers = {a.request_id: RequestTimer(self.ctx.metrics, start)
+                                for a in self._adds}
             await self.stream.accepted()
         except BaseException:
             self._timers.clear()  # rejected: never a request, so no latency sample either

@@ -1,0 +1,57 @@
+"""Hostile requests from issue 11 against a server with few open-request slots: integer
+overflows are 400s that hold no slot, and the server keeps serving afterwards."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.api.conftest import start_tiny_server
+
+MAX_RUNNING, MAX_QUEUED = 1, 2
+SLOTS = MAX_RUNNING + MAX_QUEUED          # open requests the server admits
+
+
+@pytest.fixture(scope="module")
+def small_server(request):
+    """Three open-request slots, so that leaking even one per request shows within a few."""
+    server = start_tiny_server(request, ["--context-length", "512", "--max-total-tokens", "4096",
+                                         "--page-size", "16", "--enable-debug-endpoints",
+                                         "--max-running-requests", str(MAX_RUNNING),
+                                         "--max-queued-requests", str(MAX_QUEUED)])
+    yield server
+    try:
+        server.assert_no_tracebacks()
+    finally:
+        server.stop()
+
+
+def assert_400(r: httpx.Response, param: str) -> None:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"].split(".")[0] == param, err
+
+
+def open_requests(server) -> int:
+    return server.get("/get_server_info").json()["num_open_requests"]
+
+
+# The exact requests of the issue's finding 1 (raw JSON: Python's json would write them the same).
+OVERFLOWS = [
+    ("/v1/completions", '{"prompt": "Hi", "max_tokens": 4, "seed": 18446744073709551616}', "seed"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, '
+                             '"top_k": 18446744073709551616}', "top_k"),
+    ("/v1/completions", '{"prompt": "Hi", "max_tokens": 4, '
+                        '"stop_token_ids": [1000000000000000000000000000000]}', "stop_token_ids"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, '
+                             '"stream": true, "seed": 18446744073709551616}', "seed"),
+]
+
+
+@pytest.mark.parametrize("route, body, param", OVERFLOWS)
+def test_overflowing_integers_are_400_and_hold_no_slot(small_server, route, body, param):
+    for _ in range(3 * SLOTS):    # well past every slot: a leak would turn the next into 503s
+        r = small_server.post(route, content=body, headers={"content-type": "application/json"})
+        assert_400(r, param)
+    assert open_requests(small_server) == 0
+    small_server.assert_alive()
+    small_server.assert_no_leak()
