@@ -55,3 +55,25 @@ def test_overflowing_integers_are_400_and_hold_no_slot(small_server, route, body
     assert open_requests(small_server) == 0
     small_server.assert_alive()
     small_server.assert_no_leak()
+
+
+# ---- finding 2: underflowing sampling parameters --------------------------------------------
+def completion_text(server, **fields) -> str:
+    r = server.post("/v1/completions", json={"prompt": "The capital of France is",
+                                              "max_tokens": 8, "ignore_eos": True, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_underflowing_sampling_values_give_the_greedy_text(small_server):
+    """T=1e-38 and top_p=1e-300 made the float32 probabilities NaN and drew the last vocabulary
+    id; both are the greedy text now (T below 1e-5 is greedy; top_p keeps the top token)."""
+    greedy = completion_text(small_server, temperature=0)
+    assert completion_text(small_server, temperature=1e-38, seed=1) == greedy
+    assert completion_text(small_server, temperature=1.0, top_p=1e-300, seed=1) == greedy
+
+
+def test_unrepresentable_repetition_penalty_is_400(small_server):
+    r = small_server.post("/v1/completions", json={"prompt": "Hi", "repetition_penalty": 1e-300})
+    assert_400(r, "repetition_penalty")
+    assert "float32" in r.json()["error"]["message"]
