@@ -1,5 +1,6 @@
-"""Hostile requests from issue 11 against a server with few open-request slots: integer
-overflows are 400s that hold no slot, and the server keeps serving afterwards."""
+"""Hostile requests from issue 11 against a server with few open-request slots and a 12 MB body
+limit: integer overflows are 400s that hold no slot, underflowing sampling values give the
+greedy text, 10 MB texts are refused by their size, and the server keeps serving afterwards."""
 from __future__ import annotations
 
 import httpx
@@ -9,6 +10,8 @@ from tests.api.conftest import start_tiny_server
 
 MAX_RUNNING, MAX_QUEUED = 1, 2
 SLOTS = MAX_RUNNING + MAX_QUEUED          # open requests the server admits
+BODY_LIMIT = 12_000_000
+TEN_MB = 10_000_000
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +20,8 @@ def small_server(request):
     server = start_tiny_server(request, ["--context-length", "512", "--max-total-tokens", "4096",
                                          "--page-size", "16", "--enable-debug-endpoints",
                                          "--max-running-requests", str(MAX_RUNNING),
-                                         "--max-queued-requests", str(MAX_QUEUED)])
+                                         "--max-queued-requests", str(MAX_QUEUED),
+                                         "--max-request-body-bytes", str(BODY_LIMIT)])
     yield server
     try:
         server.assert_no_tracebacks()
@@ -77,3 +81,28 @@ def test_unrepresentable_repetition_penalty_is_400(small_server):
     r = small_server.post("/v1/completions", json={"prompt": "Hi", "repetition_penalty": 1e-300})
     assert_400(r, "repetition_penalty")
     assert "float32" in r.json()["error"]["message"]
+
+
+# ---- finding 3: size limits before work --------------------------------------------------------
+# The unit tests (tests/unit/test_text_bound.py) show these are refused without calling the
+# tokenizer; here: the HTTP status and body, and that the server is unharmed.
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "x" * TEN_MB}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * TEN_MB}]}),
+])
+def test_ten_megabyte_text_is_refused_by_size(small_server, route, body):
+    r = small_server.post(route, json={"max_tokens": 1, **body})
+    assert r.status_code == 400, r.text[:500]
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "bytes" in err["message"], err
+    small_server.assert_alive()
+
+
+def test_body_over_the_flag_is_413(small_server):
+    body = b'{"prompt": "' + b"x" * BODY_LIMIT + b'"}'
+    r = small_server.post("/v1/completions", content=body,
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text[:500]
+    assert "--max-request-body-bytes" in r.json()["error"]["message"]
+    small_server.assert_alive()
+    assert open_requests(small_server) == 0
