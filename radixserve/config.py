@@ -63,6 +63,8 @@ class ServerConfig:
     served_model_name: str | None = _opt(None, "model id reported by /v1/models (default: file name)")
     log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
     max_queued_requests: int = _opt(1024, "requests waiting beyond this get 503")
+    max_request_body_bytes: int = _opt(64 << 20, "largest /v1 request body in bytes; larger get 413 "
+                                                  "before any of it is parsed")
     watchdog_timeout: float = _opt(300.0, "seconds without a word from the engine, while work is "
                                           "pending, before it is declared wedged and killed")
     stay_up_on_engine_death: bool = _opt(False, "keep serving 503s after the engine dies instead "
@@ -72,6 +74,10 @@ class ServerConfig:
                                                "leaks, corrupt output); for tests and demos only")
     disable_anomaly_guard: bool = _opt(False, "do not stop requests whose output looks broken "
                                               "(repetition loops, garbled text, rare-char noise)")
+
+    def __post_init__(self) -> None:
+        if self.max_request_body_bytes < 1:
+            raise ValueError("max_request_body_bytes must be >= 1")
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:

@@ -8,13 +8,21 @@ from radixserve.errors import InvalidRequest
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128                 # choices of one request
+# Temperatures below this sample greedily (clamped to 0): the T -> 0 limit of sampling is the
+# argmax, and vLLM draws the same line (_SAMPLING_EPS). Smaller positive values would still be
+# safe in the sampler (it divides max-subtracted logits), but only ties would differ.
+MIN_TEMPERATURE = 1e-5
+# The smallest normal float32: a repetition penalty below it is 0 or subnormal in the float32
+# logits, and dividing by it is a division by zero (or an overflow to inf for every seen token).
+MIN_REPETITION_PENALTY = 1.1754943508222875e-38
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling and stopping settings (OpenAI / vLLM meanings).
 
-    temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    temperature 0 means greedy, and so does any temperature below MIN_TEMPERATURE (1e-5): it
+    is clamped to 0, the limit of sampling as T -> 0. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
     max_tokens None means "up to the context length". logprobs=k returns the chosen token's
     logprob plus the k most likely tokens per generated position (k=0: chosen only);
     prompt_logprobs=k does the same for prompt positions. Logprobs always come from the model's
@@ -59,7 +67,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -95,6 +103,10 @@ class SamplingParams:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if self.repetition_penalty < MIN_REPETITION_PENALTY:
+            raise bad("repetition_penalty",
+                      f"must be at least {MIN_REPETITION_PENALTY:.4g}, got {self.repetition_penalty:.4g}: "
+                      "float32 logits cannot represent a smaller penalty (rejected, not clamped)")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")

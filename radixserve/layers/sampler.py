@@ -8,11 +8,22 @@ CTRL / HF), frequency and presence penalties (over output ids, OpenAI formula
 top-k, top-p and draw one token by inverse CDF with a uniform from a torch.Generator seeded
 by hash(seed, number of output ids) -- so a row's draw depends only on its own request,
 never on what else is batched or on preemption.
+
+Numerical safety (issue 11): penalised logits are made finite-or-minus-infinity (NaN -> -inf,
++inf -> the float32 maximum, so an overflowing penalty saturates instead of poisoning the row);
+temperature divides max-subtracted logits (x - max <= 0, so any T > 0 gives values in [-inf, 0]
+and the max stays exactly 0: no overflow, no NaN); min-p compares in log space; top-p always
+keeps the most likely token. Whatever happens, a drawn token whose processed probability is
+zero or not finite (a degenerate row, float rounding past the end of the CDF) is replaced by
+the argmax of the processed logits: the sampled token always has probability > 0 under the
+distribution it was drawn from, and never falls through to the last vocabulary id.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+import math
 
 import torch
 
@@ -66,7 +77,7 @@ class Sampler:
         """logits: (R, V) fp32 raw model logits, one row per entry of `rows`. Returns one
         TokenLogprob per row; top lists hold `params.logprobs` entries (0 when None)."""
         assert logits.shape[0] == len(rows), "one logits row per sample row"
-        x = self._penalised(logits, rows)
+        x = finite_or_masked(self._penalised(logits, rows))
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not drawn:
@@ -106,41 +117,69 @@ class Sampler:
         return x
 
     def _draw(self, x: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        """x: (n, V) penalised logits of non-greedy rows -> (n,) int64 sampled token ids."""
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype, device=x.device)
-        x = x / temps[:, None]
-        min_p = torch.tensor([r.params.min_p for r in rows], dtype=x.dtype, device=x.device)
-        if bool((min_p > 0).any()):
-            probs = torch.softmax(x, dim=-1)
-            keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            x = x.masked_fill(~keep, float("-inf"))
-        top_k = [r.params.top_k if 0 < r.params.top_k < x.shape[1] else 0 for r in rows]
-        if any(top_k):
-            kth = torch.topk(x, max(top_k), dim=-1).values                      # (n, kmax)
-            idx = torch.tensor([k - 1 if k else 0 for k in top_k], device=x.device)
-            cut = kth.gather(1, idx[:, None])
-            cut[torch.tensor(top_k, device=x.device) == 0] = float("-inf")
-            x = x.masked_fill(x < cut, float("-inf"))                           # ties at the k-th stay
-        top_p = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
-        if top_p:
-            top_p_values = torch.tensor([rows[i].params.top_p for i in top_p], dtype=x.dtype, device=x.device)
-            x[top_p] = self._top_p(x[top_p], top_p_values)
-        probs = torch.softmax(x, dim=-1)
+        """x: (n, V) penalised logits of non-greedy rows -> (n,) int64 sampled token ids, each
+        with probability > 0 under the processed distribution (see the module docstring)."""
+        x = _processed(x, rows)
+        probs = torch.softmax(x, dim=-1)                                       # (n, V); max-subtracted
         cdf = torch.cumsum(probs, dim=-1)                                      # (n, V)
         draws = []
         for r in rows:  # a CPU generator on every device: the same seed gives the same draw
             self._generator.manual_seed(step_seed(r.seed, len(r.output_ids)))
             draws.append(torch.rand((), generator=self._generator, dtype=torch.float64).item())
         u = torch.tensor(draws, dtype=x.dtype, device=x.device)[:, None]
-        # First index whose cdf exceeds u * total: never a zero-probability (masked) token.
-        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
-        return picked.clamp_(max=x.shape[1] - 1)
+        # First index whose cdf exceeds u * total: never a zero-probability (masked) token,
+        # except when rounding puts u * total at or past the total; the check below catches it.
+        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=x.shape[1] - 1)
+        p_picked = probs.gather(1, picked)                                     # (n, 1)
+        degenerate = ~(p_picked > 0) | ~torch.isfinite(x.gather(1, picked))   # NaN-safe
+        picked = torch.where(degenerate, x.argmax(dim=-1, keepdim=True), picked)
+        return picked.squeeze(1)
 
     @staticmethod
     def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-        """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
+        """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one:
+        the most likely token stays whatever top_p, even one float32 rounds to 0)."""
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs                            # mass strictly above
-        sorted_x = sorted_x.masked_fill(before >= top_p[:, None], float("-inf"))
+        drop = before >= top_p[:, None]
+        drop[:, 0] = False
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+def finite_or_masked(x: torch.Tensor) -> torch.Tensor:
+    """x with NaN -> -inf (never drawn) and +inf -> the dtype's largest finite value (a
+    saturated logit still competes, and x - max stays defined). -inf entries stay masked."""
+    top = torch.finfo(x.dtype).max
+    x = x.masked_fill(torch.isnan(x), float("-inf"))
+    return x.masked_fill(x == float("inf"), top)
+
+
+def _processed(x: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """(n, V) penalised logits -> (n, V) log-probabilities up to a constant per row, each row's
+    maximum exactly 0 (or all -inf for a row with nothing left): temperature, min-p, top-k,
+    top-p applied. Takes finite or -inf logits (finite_or_masked); values come out <= 0, so
+    nothing overflows whatever the temperature."""
+    top = x.max(dim=-1, keepdim=True).values                                   # (n, 1)
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype, device=x.device)
+    x = (x - top.masked_fill(torch.isinf(top), 0.0)) / temps[:, None]          # (n, V) in [-inf, 0]
+    x = x.masked_fill(torch.isnan(x), float("-inf"))
+    min_p = [r.params.min_p for r in rows]
+    if any(p > 0 for p in min_p):
+        # p_j >= min_p * p_max  <=>  x_j - x_max >= log(min_p), and x_max is 0 here.
+        log_min_p = torch.tensor([math.log(p) if p > 0 else float("-inf") for p in min_p],
+                                 dtype=x.dtype, device=x.device)
+        x = x.masked_fill(x < log_min_p[:, None], float("-inf"))
+    top_k = [r.params.top_k if 0 < r.params.top_k < x.shape[1] else 0 for r in rows]
+    if any(top_k):
+        kth = torch.topk(x, max(top_k), dim=-1).values                          # (n, kmax)
+        idx = torch.tensor([k - 1 if k else 0 for k in top_k], device=x.device)
+        cut = kth.gather(1, idx[:, None])
+        cut[torch.tensor(top_k, device=x.device) == 0] = float("-inf")
+        x = x.masked_fill(x < cut, float("-inf"))                               # ties at the k-th stay
+    top_p = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
+    if top_p:
+        top_p_values = torch.tensor([rows[i].params.top_p for i in top_p], dtype=x.dtype, device=x.device)
+        x[top_p] = Sampler._top_p(x[top_p], top_p_values)
+    return x

@@ -90,7 +90,7 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        req = await parse_body(request, CompletionRequest)
+        req = await parse_body(request, CompletionRequest, ctx.max_body_bytes)
         ctx.check_model(req.model)
         if req.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
@@ -105,7 +105,7 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await parse_body(request, ChatCompletionRequest)
+        req = await parse_body(request, ChatCompletionRequest, ctx.max_body_bytes)
         ctx.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
@@ -180,7 +180,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     try:
         name = server_config.served_model_name or os.path.basename(model_path.rstrip("/"))
         max_open = engine_config.max_running_requests + server_config.max_queued_requests
-        ctx = ServingContext(client, tokenizer, name, model_path, max_open)
+        ctx = ServingContext(client, tokenizer, name, model_path, max_open,
+                             max_body_bytes=server_config.max_request_body_bytes)
         app = build_app(ctx, server_config)
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level,

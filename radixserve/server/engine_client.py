@@ -206,15 +206,37 @@ class EngineClient:
 
     # ---- requests -------------------------------------------------------------------------
     def submit(self, adds: list[AddReq]) -> RequestStream:
-        """Send all engine requests of one HTTP request; raises EngineDead when the engine is gone."""
+        """Send all engine requests of one HTTP request as one group.
+
+        Raises EngineDead when the engine is gone, InvalidRequest (400) when a field cannot be
+        encoded for the wire (an integer beyond msgpack's 64 bits that a schema bound missed).
+        All or nothing: if anything fails between registering the stream and the send (encode,
+        socket, a bug), the stream and its routes are unregistered before the error propagates,
+        so a failed submit never holds one of the server's open-request slots (issue 11)."""
         if self.dead_reason is not None:
             raise EngineDead(self.dead_reason)
         stream = RequestStream(self, uuid.uuid4().hex, [a.request_id for a in adds])
         self._streams[stream.group_id] = stream
-        for add in adds:
-            self._routes[add.request_id] = stream
-        self._send(Submit(stream.group_id, adds))
+        try:
+            for add in adds:
+                self._routes[add.request_id] = stream
+            self._send(Submit(stream.group_id, adds))
+        except (OverflowError, msgspec.EncodeError) as exc:
+            self._unregister(stream, adds)
+            raise InvalidRequest(f"a request field cannot be represented for the engine: {exc}") from None
+        except BaseException:
+            self._unregister(stream, adds)
+            raise
         return stream
+
+    def _unregister(self, stream: RequestStream, adds: list[AddReq]) -> None:
+        """Forget a stream the engine never received (nothing to abort there)."""
+        stream.unfinished.clear()
+        if self._streams.get(stream.group_id) is stream:
+            del self._streams[stream.group_id]
+        for add in adds:
+            if self._routes.get(add.request_id) is stream:
+                del self._routes[add.request_id]
 
     def abort(self, request_ids: list[str]) -> None:
         if self.dead_reason is None and request_ids:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -12,6 +12,17 @@ from radixserve.sampling_params import SamplingParams
 
 MAX_ERROR_DETAILS = 3        # validation errors quoted in one message
 MAX_ERROR_MESSAGE_CHARS = 2000
+
+# Wire bounds (issue 11): every integer that crosses to the engine process must be one msgpack
+# and torch can hold, or encoding fails after the request was registered. These are
+# representability bounds only; the engine's add_request (SamplingParams.validate, the prompt
+# and context checks) stays the one semantic validator, vocabulary included.
+INT64_MAX = 2**63 - 1
+TOKEN_ID_MAX = 2**31 - 1     # ids index int32/int64 tensors; no vocabulary comes near
+WireInt = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]    # counts: n, max_tokens, ...
+Seed = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]       # int64, as vLLM; -1 is common
+TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
+TopK = Annotated[int, Field(ge=-1, le=TOKEN_ID_MAX)]               # -1 disables; k > vocab keeps all
 
 
 class _Strict(BaseModel):
@@ -30,23 +41,23 @@ class _GenerationRequest(_Strict):
     extras (top_k, min_p, ...)."""
 
     model: str | None = None
-    n: int = 1
+    n: WireInt = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     # extras
-    top_k: int = -1
+    top_k: TopK = -1
     min_p: float = 0.0
-    min_tokens: int = 0
+    min_tokens: WireInt = 0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -76,10 +87,10 @@ class _GenerationRequest(_Strict):
 
 class CompletionRequest(_GenerationRequest):
     # Order matters for the union: token arrays before lists of strings.
-    prompt: str | list[int] | list[list[int]] | list[str]
-    max_tokens: int | None = 16
+    prompt: str | list[TokenId] | list[list[TokenId]] | list[str]
+    max_tokens: WireInt | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: WireInt | None = None
     suffix: str | None = None
 
 
@@ -107,10 +118,10 @@ class ResponseFormat(_Strict):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: WireInt | None = None
+    max_completion_tokens: WireInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: WireInt | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

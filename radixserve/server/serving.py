@@ -12,7 +12,8 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from radixserve.engine.messages import AddReq
-from radixserve.errors import BodyTooLarge, InvalidRequest, ModelNotFound, OutputAnomaly, Overloaded
+from radixserve.errors import (BodyTooLarge, ContextLengthExceeded, InvalidRequest, ModelNotFound,
+                               OutputAnomaly, Overloaded)
 from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
@@ -25,7 +26,7 @@ from radixserve.tokenizer.output_processor import ChoiceUpdate, RequestTracker
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 << 20
+MAX_BODY_BYTES = 64 << 20  # ServerConfig.max_request_body_bytes' default
 MAX_CHOICES = 256           # prompts x n in one request
 LONG_TEXT_CHARS = 32_768    # tokenize longer texts in a worker thread
 Req = TypeVar("Req", bound=BaseModel)
@@ -43,6 +44,7 @@ class ServingContext:
     metrics: ServerMetrics | None = None
     guard: GuardConfig | None = None        # None: the output-anomaly guard is off
     faults: FaultInjector | None = None     # None: fault injection is off
+    max_body_bytes: int = MAX_BODY_BYTES    # larger request bodies get 413
     runs: dict[str, GenerationRun] = field(default_factory=dict)   # response id -> open run
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -59,6 +61,22 @@ class ServingContext:
     def check_capacity(self) -> None:
         if self.client.num_open_requests >= self.max_open_requests:
             raise Overloaded("The server is overloaded: too many requests in flight; retry later.")
+
+    def check_text_fits(self, texts: list[str], param: str) -> None:
+        """Raise ContextLengthExceeded (400) when `texts` together need at least the whole
+        context in tokens (leaving none for the completion), by the tokenizer's bytes bound
+        (tokenizer/text_bound.py); called before tokenizing, so a 10 MB prompt costs no
+        tokenizer time. Does nothing when the tokenizer has no sound bound."""
+        bound = getattr(self.tokenizer, "text_bound", None)
+        if bound is None:
+            return
+        at_least = sum(bound.min_tokens(t) for t in texts)
+        if at_least >= self.max_context_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_context_len} tokens. However, "
+                f"your {param} takes at least {at_least} tokens by its size in bytes (no token "
+                f"covers more than {bound.bytes_per_token}). Please reduce its length.",
+                param=param)
 
     async def encode(self, text: str) -> list[int]:
         """Token ids of `text`; long texts are tokenized off the event loop."""
@@ -99,6 +117,9 @@ async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
     if len(items) * req.n > MAX_CHOICES:
         raise InvalidRequest(f"at most {MAX_CHOICES} choices (prompts x n) per request, "
                              f"got {len(items) * req.n}", param="prompt")
+    for item in items:  # all refused before any is tokenized
+        if isinstance(item, str):
+            ctx.check_text_fits([item], "prompt")
     prompts = []
     for item in items:
         if isinstance(item, str):
@@ -116,6 +137,9 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> Prompt
         raise InvalidRequest(f"response_format type {req.response_format.type!r} is not supported",
                              param="response_format")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    # Only user messages count toward the bytes bound: every template renders them verbatim,
+    # while others may be dropped (Qwen3 drops earlier assistant reasoning).
+    ctx.check_text_fits([m["content"] for m in messages if m["role"] == "user"], "messages")
     render = ctx.tokenizer.apply_chat_template
     if sum(len(m["content"]) for m in messages) < LONG_TEXT_CHARS:
         ids = render(messages, add_generation_prompt=req.add_generation_prompt)
@@ -130,12 +154,18 @@ async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BO
     content_type = request.headers.get("content-type", "")
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise InvalidRequest("Content-Type must be application/json", param="content-type")
+    too_large = BodyTooLarge(f"request body is larger than {max_bytes} bytes "
+                             "(--max-request-body-bytes)")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
-        raise BodyTooLarge(f"request body is larger than {max_bytes} bytes")
-    body = await request.body()
-    if len(body) > max_bytes:
-        raise BodyTooLarge(f"request body is larger than {max_bytes} bytes")
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():  # a body without Content-Length stops at the limit too
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    body = b"".join(chunks)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
@@ -180,12 +210,13 @@ class GenerationRun:
     async def __aenter__(self) -> GenerationRun:
         """Submit to the engine and wait for it to accept (raises its rejection). While open,
         the run is listed in `ctx.runs` under its response id (for /abort_request)."""
-        self.stream = self.ctx.client.submit(self._adds)
-        self.ctx.runs[self.base_id] = self
-        if self.ctx.metrics is not None:
-            start = time.monotonic()
-            self._timers = {a.request_id: RequestTimer(self.ctx.metrics, start) for a in self._adds}
-        try:
+        try:  # whatever fails from here until the engine accepts, close() unregisters the run
+            self.stream = self.ctx.client.submit(self._adds)
+            self.ctx.runs[self.base_id] = self
+            if self.ctx.metrics is not None:
+                start = time.monotonic()
+                self._timers = {a.request_id: RequestTimer(self.ctx.metrics, start)
+                                for a in self._adds}
             await self.stream.accepted()
         except BaseException:
             self._timers.clear()  # rejected: never a request, so no latency sample either

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from radixserve.errors import InvalidRequest
+from radixserve.tokenizer.text_bound import TextBound
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class Tokenizer:
             else empty (byte-level BPE such as SmolLM2's needs no special handling).
         vocab_size: number of ids the tokenizer knows (base vocabulary + added tokens).
         loaded_from_cache: True when a GGUF tokenizer came from the on-disk cache.
+        text_bound: the fewest tokens a text can take, from its bytes (text_bound.py), or None
+            when this tokenizer has no sound bound.
     """
 
     def __init__(self, hf: Any, eos_token_ids: Sequence[int] = (), loaded_from_cache: bool = False):
@@ -56,6 +59,7 @@ class Tokenizer:
         self.vocab_size: int = len(hf)
         self.byte_token_ids: frozenset[int] = _byte_fallback_ids(hf)
         self.loaded_from_cache = loaded_from_cache
+        self.text_bound: TextBound | None = TextBound.of(hf)
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod

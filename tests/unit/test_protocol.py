@@ -110,3 +110,36 @@ def test_unsupported_logit_bias_is_rejected_when_building_params():
     with pytest.raises(InvalidRequest) as err:
         req.sampling_params(req.max_tokens, req.logprobs, None)
     assert err.value.param == "logit_bias"
+
+
+# ---- wire bounds (issue 11): integers the engine process can be sent --------------------------
+INT64_MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"seed": 18446744073709551616}, "seed"), ({"seed": INT64_MAX + 1}, "seed"),
+    ({"seed": -INT64_MAX - 2}, "seed"), ({"top_k": 2**64}, "top_k"), ({"top_k": -2}, "top_k"),
+    ({"stop_token_ids": [2**70]}, "stop_token_ids"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"n": 2**64}, "n"), ({"max_tokens": 2**64}, "max_tokens"), ({"min_tokens": -2**64}, "min_tokens"),
+    ({"logprobs": 2**64}, "logprobs"), ({"prompt": [1, 2**64]}, "prompt"),
+    ({"prompt": [[1], [-1]]}, "prompt"), ({"prompt": [2**31]}, "prompt"),
+])
+def test_integers_beyond_the_wire_are_400_at_the_schema(fields, param):
+    err = error_of(CompletionRequest, json.dumps({"prompt": "hi", **fields}))
+    assert err.status == 400 and (err.param or "").split(".")[0] == param
+
+
+@pytest.mark.parametrize("fields", [
+    {"top_k": 2**64}, {"seed": 2**64}, {"max_completion_tokens": 2**64}, {"top_logprobs": 2**64},
+    {"stop_token_ids": [2**64]}, {"max_tokens": -2**64},
+])
+def test_chat_integers_beyond_the_wire_are_400(fields):
+    body = {"messages": [{"role": "user", "content": "Hi"}], **fields}
+    err = error_of(ChatCompletionRequest, json.dumps(body))
+    assert err.param.split(".")[0] == next(iter(fields))
+
+
+def test_wire_bound_edges_are_accepted():
+    req = completion(seed=INT64_MAX, top_k=2**31 - 1, stop_token_ids=[0, 2**31 - 1],
+                     max_tokens=INT64_MAX, prompt=[0, 2**31 - 1])
+    assert req.seed == INT64_MAX and completion(seed=-INT64_MAX - 1, top_k=-1).seed == -2**63
