@@ -165,7 +165,7 @@ class Observer:
         health, metrics, info, probed = await asyncio.gather(
             self._get(url + "/health"), self._get(url + "/metrics"),
             self._get(url + "/get_server_info"), probe if probe is not None else _none())
-        ok = isinstance(health, httpx.Response) and health.status_code == 200
+        ok = isinstance(health, httpx.Response) and (health.status_code == 200 or _is_degraded(health))
         error = None if ok else (f"status {health.status_code}"
                                  if isinstance(health, httpx.Response) else health)
         parsed: dict[str, float] = {}
@@ -229,3 +229,14 @@ class Observer:
 
 async def _none() -> None:
     return None
+
+
+def _is_degraded(health: httpx.Response) -> bool:
+    """A worker's 503 `degraded` /health: alive and busy (all request slots held), not sick."""
+    if health.status_code != 503:
+        return False
+    try:
+        body = health.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("status") == "degraded"

@@ -130,8 +130,14 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """200 `ok`; 503 `degraded` while every request slot is held (alive, but admits nothing
+        new: the router routes away, the ops agent must not treat it as sick); 503 `engine_dead`."""
         if not ctx.client.is_alive:
             raise EngineDead(f"engine is dead: {ctx.client.dead_reason}")
+        num_open = ctx.client.num_open_requests
+        if num_open >= ctx.max_open_requests:
+            return JSONResponse({"status": "degraded", "reason": f"all {ctx.max_open_requests} request "
+                                 f"slots are held", "num_open_requests": num_open}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/health_generate")
