@@ -38,10 +38,13 @@ def test_check_n_rejects_what_cannot_fan_out(n):
     assert err.value.param == "n"
 
 
-def test_check_n_accepts_the_range():
+def test_check_n_accepts_the_range_and_validate_leaves_n_to_it():
     for n in (1, 2, 128):
         SamplingParams(n=n).check_n()
-    SamplingParams(n=0).validate(1000)  # validate leaves n to check_n
+    bad = SamplingParams(n=0)
+    bad.validate(1000)  # the engine sees only n=1 children: n is check_n's alone
+    with pytest.raises(InvalidRequest):
+        bad.check_n()
 
 
 def test_defaults_and_normalisation():
