@@ -179,7 +179,10 @@ def test_corrupted_output_is_caught_retried_and_the_client_sees_correct_text(fle
     before = fleet.anomalies(0)
     try:
         for n in range(6):
-            body = {"prompt": f"Corruption check number {n}", "max_tokens": 8, "temperature": 0}
+            # 32 tokens: garble flips ~1 byte in 4 at random; over ~120 bytes the guard's 6
+            # bad characters are all but certain (over 8 tokens, ~1 run in 10 fell short).
+            body = {"prompt": f"Corruption check number {n}", "max_tokens": 32, "temperature": 0,
+                    "ignore_eos": True}
             direct = httpx.post(fleet.urls[1] + "/v1/completions", json=body, timeout=60)
             routed = fleet.http.post("/v1/completions", json=body)
             assert routed.status_code == 200, routed.text

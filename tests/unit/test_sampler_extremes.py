@@ -3,7 +3,6 @@ token outside what the processed distribution gives probability, greedy in the T
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 from radixserve.errors import InvalidRequest
 from radixserve.layers.sampler import Sampler, _processed, finite_or_masked
 from radixserve.sampling_params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
+from tests.unit.test_sampler import Row
 
 V = 64
 EOS = 2
@@ -21,13 +21,6 @@ EOS = 2
 MIN_LOGPROB = -104.0
 
 
-@dataclass
-class Row:
-    params: SamplingParams
-    seed: int = 0
-    prompt_ids: list[int] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    min_tokens_left: int = 0
 
 
 def processed_logprobs(s: Sampler, logits: torch.Tensor, row: Row) -> torch.Tensor:

@@ -36,6 +36,21 @@ def _key_offsets(PageTable, seq, stride_pt, pos, valid, stride_kp, stride_kt, PA
 
 
 @triton.jit
+def _online_softmax_block(q, kt, v, visible, qk_scale, m_i, l_i, acc):
+    """One block of keys into the running softmax: q (R, D), kt (D, N), v (N, D) stored values,
+    `visible` (R, N) or broadcastable; m_i, l_i (R,) running max and sum (base 2), acc (R, D)
+    fp32. Returns the updated (m_i, l_i, acc) (online softmax, Milakov & Gimelshein 2018)."""
+    qk = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * qk_scale            # (R, N)
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
 def decode_kernel(Q, K, V, KScale, VScale, Out, PageTable, ContextLens, SeqIdx, QRows, sm_scale,
                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kp, stride_kt, stride_pt,
                   PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -68,15 +83,8 @@ def decode_kernel(Q, K, V, KScale, VScale, Out, PageTable, ContextLens, SeqIdx, 
         valid = pos < ctx
         tok = _key_offsets(PageTable, seq, stride_pt, pos, valid, stride_kp, stride_kt, PAGE_SIZE)
         kt = tl.load(k_base + tok[None, :] + offs_d[:, None], mask=d_mask[:, None] & valid[None, :], other=0.0)
-        qk = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * qk_scale           # (BLOCK_H, BLOCK_N)
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + tok[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_block(q, kt, v, valid[None, :], qk_scale, m_i, l_i, acc)
     out = acc / l_i[:, None] * tl.load(VScale + kv_head)
     tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=q_mask)
@@ -126,16 +134,10 @@ def extend_kernel(Q, K, V, KScale, VScale, Out, PageTable, ContextLens, CuSeqlen
         valid = pos < end
         tok = _key_offsets(PageTable, seq, stride_pt, pos, valid, stride_kp, stride_kt, PAGE_SIZE)
         kt = tl.load(k_base + tok[None, :] + offs_d[:, None], mask=d_mask[:, None] & valid[None, :], other=0.0)
-        qk = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * qk_scale           # (BLOCK_M, BLOCK_N)
-        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])                 # causal
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))   # finite: every row sees key 0 in the first block
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + tok[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
-        m_i = m_new
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])                 # causal
+        # m_i stays finite: every row sees key 0 in the first block
+        m_i, l_i, acc = _online_softmax_block(q, kt, v, visible, qk_scale, m_i, l_i, acc)
     out = acc / l_i[:, None] * tl.load(VScale + kv_head)
     tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=q_mask)
