@@ -41,12 +41,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_stop_adopted_without_a_manifest_or_with_a_bad_one_does_nothing(tmp_path):
+def test_stop_adopted_without_a_manifest_or_with_a_bad_one_does_nothing(tmp_path, monkeypatch, caplog):
+    signalled: list[tuple[int, int]] = []
+    monkeypatch.setattr("radixserve.router.fleet._kill_group", lambda pid, sig: signalled.append((pid, sig)))
     stop_adopted(None, workers=[])
     stop_adopted(str(tmp_path / "missing.json"), workers=[])
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    stop_adopted(str(bad), workers=[])
+    with caplog.at_level("WARNING"):
+        stop_adopted(str(bad), workers=[])
+    assert signalled == []
+    assert any("cannot read manifest" in r.message for r in caplog.records)
 
 
 def test_a_zombie_group_leader_counts_as_stopped():
