@@ -42,22 +42,21 @@ class KVScales:
                 "v_scale": [round(x, 6) for x in self.v.amax(dim=1).tolist()]}
 
 
-def is_scale_name(name: str) -> bool:
-    """True for checkpoint tensor names that carry a KV cache scale."""
-    return _SCALE_NAME.search(name) is not None
-
-
 def from_checkpoint(tensors: dict[str, torch.Tensor], num_layers: int, num_kv_heads: int) -> KVScales | None:
     """Scales from checkpoint tensors named like `model.layers.N.self_attn.k_scale`; None when
-    there are none. Raises ValueError when only some layers carry them."""
+    there are none. Raises ValueError for an unplaceable name or shape, or when only some
+    layers carry them."""
     if not tensors:
         return None
     k, v = torch.full((num_layers, num_kv_heads), float("nan")), torch.full((num_layers, num_kv_heads), float("nan"))
     for name, tensor in tensors.items():
         match = _SCALE_NAME.search(name)
+        if match is None or int(match.group(1)) >= num_layers or tensor.numel() not in (1, num_kv_heads):
+            raise ValueError(f"checkpoint KV scale {name} {tuple(tensor.shape)}: expected "
+                             f"model.layers.N.*.k_scale / v_scale with N < {num_layers}, a scalar "
+                             f"or {num_kv_heads} values (one per KV head)")
         layer, kind = int(match.group(1)), match.group(2)
-        (k if kind == "k" else v)[layer] = tensor.float().reshape(-1).expand(num_kv_heads) \
-            if tensor.numel() == 1 else tensor.float().reshape(num_kv_heads)
+        (k if kind == "k" else v)[layer] = tensor.float().reshape(-1).expand(num_kv_heads)
     return _checked(k, v, "checkpoint")
 
 

@@ -169,3 +169,13 @@ def test_c38_decode_reads_what_prefill_reads(gqa_dir, tmp_path, kv_dtype):
         assert again.token_id == decoded[i].token_id
         assert abs(again.logprob - decoded[i].logprob) < 1e-3
         assert abs(again.logprob - gathered[i].logprob) < 1e-3
+
+
+def test_malformed_checkpoint_scales_are_refused():
+    from radixserve.runner import kv_scales
+    with pytest.raises(ValueError, match="one per KV head"):
+        kv_scales.from_checkpoint({"model.layers.0.self_attn.k_scale": torch.ones(3)}, 2, 2)
+    with pytest.raises(ValueError, match="N < 2"):
+        kv_scales.from_checkpoint({"model.layers.7.self_attn.k_scale": torch.tensor(0.1)}, 2, 2)
+    with pytest.raises(ValueError, match="finite and positive"):   # layer 1 and every v missing
+        kv_scales.from_checkpoint({"model.layers.0.self_attn.k_scale": torch.tensor(0.1)}, 2, 2)
