@@ -82,12 +82,16 @@ def _decode(step: StepBatch, members: list[int], page_size: int, dtype: torch.dt
     pages = [step.page_lists[i] for i in members]
     lens = [step.context_lens_host[i] for i in members]
     max_pages = max(len(p) for p in pages)
-    table = [p + [0] * (max_pages - len(p)) for p in pages]
-    lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+    if len(members) == len(step.query_lens):   # decode-only step: the StepBatch's table is ours
+        page_table, lens_t = step.page_table.long().view(-1), step.context_lens.long()
+    else:
+        table = [p + [0] * (max_pages - len(p)) for p in pages]
+        page_table = torch.tensor(table, dtype=torch.long, device=device).view(-1)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=device)
     visible = torch.arange(max_pages * page_size, device=device)[None, :] < lens_t[:, None]  # (B, max_len)
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     return DecodeGroup(rows=torch.tensor(rows, dtype=torch.long, device=device),
                        row_slice=(rows[0], rows[0] + len(rows)) if contiguous else None,
-                       page_table=torch.tensor(table, dtype=torch.long, device=device).view(-1),
+                       page_table=page_table,
                        mask=additive_mask(visible, dtype)[:, None, None, :], max_pages=max_pages,
                        request_ids=[step.request_ids[i] for i in members], page_lists=pages, lens=lens)
