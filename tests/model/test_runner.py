@@ -137,20 +137,26 @@ def test_prompt_logprobs_over_chunks(gqa_dir):
     h.step([(seq, seq.chunk(None, prompt_logprobs=True))])
 
 
-@pytest.mark.parametrize("decodes_first", [True, False])
-def test_mixed_batch(mha_dir, decodes_first):
-    h = Harness(mha_dir, 16, seed=5)
+def mixed_batch_scenario(h: Harness, decodes_first: bool, mixed_steps: int) -> None:
+    """Two decoding sequences share `mixed_steps` steps with prefill chunks (a fresh prompt in
+    20-token chunks, one with a 17-token cached prefix), in either order; then all decode."""
     d1, d2 = h.new_seq("d1", 20), h.new_seq("d2", 33)
     h.step([(d1, d1.chunk()), (d2, d2.chunk())])
     fresh, cont = h.new_seq("fresh", 50), h.new_seq("cont", 30)
     h.step([(cont, cont.chunk(17))])   # cont keeps a cached prefix of 17 tokens
-    for i in range(3):
+    for i in range(mixed_steps):
         decodes = [(d1, d1.chunk()), (d2, d2.chunk())]
-        prefills = [(fresh, fresh.chunk(20 if i < 2 else None))] + ([(cont, cont.chunk())] if i == 0 else [])
+        last = i == mixed_steps - 1
+        prefills = [(fresh, fresh.chunk(None if last else 20))] + ([(cont, cont.chunk())] if i == 0 else [])
         h.step(decodes + prefills if decodes_first else prefills + decodes)
     for _ in range(2):
         h.step([(s, s.chunk()) for s in (d1, cont, d2, fresh)])
-    assert len(d1.output) == 6 and len(cont.output) == 3 and len(fresh.output) == 3
+    assert len(d1.output) == mixed_steps + 3 and len(cont.output) == 3 and len(fresh.output) == 3
+
+
+@pytest.mark.parametrize("decodes_first", [True, False])
+def test_mixed_batch(mha_dir, decodes_first):
+    mixed_batch_scenario(Harness(mha_dir, 16, seed=5), decodes_first, mixed_steps=3)
 
 
 @pytest.mark.parametrize("chunk_bytes", [0, 1, 40_000])

@@ -30,7 +30,7 @@ from radixserve.runner.attention.torch_backend import TorchAttentionBackend  # n
 from radixserve.runner.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from radixserve.runner.kv_cache import KVCache  # noqa: E402
 from radixserve.runner.model_runner import ModelRunner  # noqa: E402
-from tests.model.test_runner import Harness, Seq  # noqa: E402
+from tests.model.test_runner import Harness, Seq, mixed_batch_scenario  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYER_ATOL = 1e-5 if DEVICE == "cpu" else 5e-5   # fp32, per layer; GPU kernels sum in other orders
@@ -102,17 +102,7 @@ def test_chunked_prefill_across_steps(gqa_dir, page_size):
 
 @pytest.mark.parametrize("decodes_first", [True, False])
 def test_mixed_batch_mha(mha_dir, decodes_first):
-    h = harness(mha_dir, 16, seed=5)
-    d1, d2 = h.new_seq("d1", 20), h.new_seq("d2", 33)
-    h.step([(d1, d1.chunk()), (d2, d2.chunk())])
-    fresh, cont = h.new_seq("fresh", 50), h.new_seq("cont", 30)
-    h.step([(cont, cont.chunk(17))])   # cont keeps a cached prefix of 17 tokens
-    for i in range(2):
-        decodes = [(d1, d1.chunk()), (d2, d2.chunk())]
-        prefills = [(fresh, fresh.chunk(20 if i == 0 else None))] + ([(cont, cont.chunk())] if i == 0 else [])
-        h.step(decodes + prefills if decodes_first else prefills + decodes)
-    h.step([(s, s.chunk()) for s in (d1, cont, d2, fresh)])
-    assert len(d1.output) == 4 and len(cont.output) == 2 and len(fresh.output) == 2
+    mixed_batch_scenario(harness(mha_dir, 16, seed=5), decodes_first, mixed_steps=2)
 
 
 def test_decodes_of_different_lengths(gqa_dir):
