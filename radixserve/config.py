@@ -39,6 +39,9 @@ class EngineConfig:
     context_length: int | None = _opt(None, "override the model's context length in tokens")
     num_threads: int | None = _opt(None, "torch intra-op threads (default: all cores)")
     random_seed: int = _opt(0, "seed for requests that bring none")
+    enable_deterministic_inference: bool = _opt(
+        False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
+               "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

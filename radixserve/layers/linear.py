@@ -8,6 +8,8 @@ SmolLM2 weights takes ~46 ms, the split-bmm below ~12 ms). So after loading:
 - M > 1: a oneDNN prepacked weight (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's
   freezing uses) avoids per-call reorders; 2-2.5x faster than `F.linear` at M = 2..64.
 Both fall back to `F.linear` where unavailable (non-CPU, no oneDNN).
+Batch-invariant mode (`prepare(batch_invariant=True)`, for --enable-deterministic-inference) uses
+the packed oneDNN path for every M, M == 1 included: see batch_invariant.py.
 """
 from __future__ import annotations
 
@@ -16,7 +18,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from radixserve.layers import batch_invariant as bi
+
 logger = logging.getLogger(__name__)
+_UNPACKABLE: set[torch.dtype] = set()   # dtypes whose prepacking failed (already logged)
 
 
 class Linear(torch.nn.Module):
@@ -55,10 +60,14 @@ class Linear(torch.nn.Module):
         assert tuple(weight.shape) == (self.out_features, self.in_features), "tied shapes differ"
         self.weight = weight
 
-    def prepare(self) -> None:
-        """Build the CPU fast paths for the current weight (see module docstring)."""
+    def prepare(self, batch_invariant: bool = False) -> None:
+        """Build the CPU fast paths for the current weight (see module docstring). With
+        `batch_invariant` every M takes the packed path; raises ValueError where it cannot."""
         self._split, self._packed = None, None
         w = self.weight.data
+        if batch_invariant:
+            self._packed = bi.pack(w)
+            return
         if w.device.type != "cpu":
             return
         splits = next((s for s in (4, 2) if self.out_features % s == 0), 0)
@@ -66,9 +75,12 @@ class Linear(torch.nn.Module):
             self._split = w.view(splits, self.out_features // splits, self.in_features)
         if torch.backends.mkldnn.is_available():
             try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
-            except (RuntimeError, AttributeError) as exc:  # older/odd builds: plain F.linear
-                logger.warning("oneDNN weight prepacking unavailable (%s); using F.linear", exc)
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w, bi.PACK_BATCH_HINT)
+            except (RuntimeError, AttributeError) as exc:  # older/odd builds, bf16 without AVX-512
+                if w.dtype not in _UNPACKABLE:   # one line per dtype, not one per layer
+                    _UNPACKABLE.add(w.dtype)
+                    logger.warning("oneDNN weight prepacking unavailable for %s (%s); using F.linear",
+                                   str(w.dtype).removeprefix("torch."), exc)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and self._split is not None:
@@ -76,7 +88,7 @@ class Linear(torch.nn.Module):
             y = torch.bmm(self._split, x.t().unsqueeze(0).expand(s, -1, 1)).view(1, self.out_features)
             return y if self.bias is None else y.add_(self.bias)
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+            return bi.matmul(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -97,15 +97,17 @@ class LlamaForCausalLM(torch.nn.Module):
                                  if s else None)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, inv_freq)
 
-    def prepare(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def prepare(self, dtype: torch.dtype, device: torch.device | str = "cpu",
+                batch_invariant: bool = False) -> None:
         """After loading: move to `device` in the compute dtype, rebuild the RoPE tables in it,
-        and build the linear layers' fast paths (CPU only)."""
+        and build the linear layers' fast paths (CPU only), or their batch-invariant form
+        (layers/batch_invariant.py; raises ValueError where it cannot be built)."""
         self.to(device=device, dtype=dtype)
         self.rotary.cos_cache = self.rotary.cos_cache.to(device=device, dtype=dtype)
         self.rotary.sin_cache = self.rotary.sin_cache.to(device=device, dtype=dtype)
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepare()
+                module.prepare(batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:

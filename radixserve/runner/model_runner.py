@@ -9,6 +9,7 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.engine.runner_api import RunnerOutput, ScheduledBatch, SeqResult
+from radixserve.layers.batch_invariant import check_row_invariance
 from radixserve.layers.sampler import Sampler, token_logprobs
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.registry import model_class
@@ -53,7 +54,8 @@ class ModelRunner:
         """`model`: loaded weights (CPU), not yet prepared. Moves it to the device and allocates
         the KV cache from `config`; FP8 KV takes its scales from `checkpoint_kv_scales` (tensor
         name -> scale, see kv_scales.py), the scales file, or calibration. Raises ValueError for
-        a missing device, bad scales or a context longer than the model's."""
+        a missing device, bad scales, a context longer than the model's, or deterministic
+        inference where this machine has no batch-invariant matmul."""
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
@@ -66,7 +68,10 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.model = model
-        self.model.prepare(self.dtype, self.device)
+        deterministic = config.enable_deterministic_inference
+        if deterministic:
+            check_row_invariance(self.dtype, self.device)
+        self.model.prepare(self.dtype, self.device, batch_invariant=deterministic)
         self.model.eval()
         self.num_pages = self._num_pages(config, model_config)
         kv_dtype = kv_storage_dtype(config)
@@ -75,7 +80,8 @@ class ModelRunner:
         self.kv = KVCache(mc.num_layers, self.num_pages, self.page_size, mc.num_kv_heads, mc.head_dim,
                           kv_dtype, self.device, self.dtype,
                           *((self.kv_scales.k, self.kv_scales.v) if self.kv_scales else ()))
-        self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device)
+        self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device,
+                                                        batch_invariant=deterministic)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
 
     @classmethod
@@ -118,7 +124,8 @@ class ModelRunner:
     def info(self) -> dict:
         """What /get_server_info shows of the runner: device, backend, KV dtype, FP8 scales."""
         out = {"device": str(self.device), "attention_backend": self.backend.name,
-               "kv_cache_dtype": str(self.kv.dtype).removeprefix("torch.")}
+               "kv_cache_dtype": str(self.kv.dtype).removeprefix("torch."),
+               "deterministic_inference": self.config.enable_deterministic_inference}
         if self.kv_scales is not None:
             out["kv_scales"] = self.kv_scales.describe()
         return out

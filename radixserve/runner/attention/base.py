@@ -30,14 +30,23 @@ class AttentionBackend(Protocol):
     def prepare(self, step: StepBatch) -> Attention: ...
 
 
-def create_backend(name: str, kv: KVCache, device: torch.device) -> AttentionBackend:
-    """`name`: "auto" or one of BACKENDS. auto = triton on CUDA devices when triton is installed,
-    else torch (whose CPU-only fast paths, DecodeMirror and cache-sized decode sub-batches, are
+def create_backend(name: str, kv: KVCache, device: torch.device,
+                   batch_invariant: bool = False) -> AttentionBackend:
+    """`name`: "auto" or one of BACKENDS. `batch_invariant` (deterministic inference, name
+    "auto" only): the batch-invariant backend (batch_invariant.py). auto = triton on CUDA
+    devices when triton is installed, else torch (whose CPU-only fast paths, DecodeMirror and cache-sized decode sub-batches, are
     on only for CPU). triton on a CPU device runs only under the Triton interpreter
     (TRITON_INTERPRET=1, for tests). Raises ValueError for unknown names and for triton where it
     cannot run (not installed or not importable, or CPU without the interpreter)."""
     if name not in ("auto", *KNOWN_BACKENDS):
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(KNOWN_BACKENDS)}")
+    if batch_invariant:
+        if name != "auto":
+            raise ValueError(f"--enable-deterministic-inference uses its own batch-invariant attention; "
+                             f"leave --attention-backend at auto (got {name!r})")
+        from radixserve.runner.attention.batch_invariant import BatchInvariantBackend
+
+        return BatchInvariantBackend(kv)
     if name == "auto":
         name = "triton" if device.type == "cuda" and "triton" in BACKENDS else "torch"
     if name == "triton":

@@ -1,0 +1,61 @@
+"""Batch-invariant matmul for `--enable-deterministic-inference`: row i of X @ W.T has the same bits whatever the other rows of X are.
+
+Why a separate path: on CPU, MKL's sgemm (`F.linear`, `torch.matmul`) picks its kernel and
+blocking by the number of rows M, so one token's activations differ in the last bits between
+M = 1 and M = 4. Sampling turns such 1e-6 differences into different tokens (a seeded draw
+near a CDF boundary, a near-tie under greedy), so a request's output would depend on what else
+was batched. oneDNN's matmul over a weight prepacked by `torch.ops.mkldnn._reorder_linear_weight`
+takes its blocking from the packed weight instead: on torch 2.13 (AVX2 EPYC, fp32) every row of
+every M in 1..700, at every row position, for every layer shape we serve and for K/V matrices
+packed per call, was bit-identical to the same row computed alone (MKL differed for every M >= 2).
+Row-wise ops (softmax, log-softmax, cumsum, sort, RMSNorm, elementwise) were row-invariant in
+the same probe and need nothing.
+
+That is an empirical property of a library build on a CPU, so `check_row_invariance` verifies it
+at start-up for the dtype at hand and deterministic mode is refused where it does not hold.
+
+Source of the idea (batch-invariant matmul, attention and norms): Horace He and Thinking Machines
+Lab, "Defeating Nondeterminism in LLM Inference" (2025); SGLang's `--enable-deterministic-inference`.
+"""
+from __future__ import annotations
+
+import torch
+
+PACK_BATCH_HINT = 32   # oneDNN's batch-size hint for the packed layout; constant so layouts never vary
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight (N, K) on the CPU -> an opaque oneDNN-packed weight for `matmul`.
+    Raises ValueError where oneDNN cannot pack it (not CPU, no oneDNN, bf16 without AVX-512/AVX-NE)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        raise ValueError(f"batch-invariant matmul needs oneDNN on the CPU (weight on {weight.device})")
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
+    except (RuntimeError, AttributeError) as exc:
+        raise ValueError(f"batch-invariant matmul: oneDNN cannot pack a {weight.dtype} weight here ({exc})") from exc
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ W.T (+ bias) -> (M, N) in x's dtype, W packed by `pack`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def check_row_invariance(dtype: torch.dtype, device: torch.device) -> None:
+    """Verify on this machine that `matmul` rows do not depend on the batch: a row computed
+    alone must equal the same row inside batches of several sizes, at several positions.
+    Raises ValueError naming what failed (deterministic inference must then be refused)."""
+    if device.type != "cpu":
+        raise ValueError(f"--enable-deterministic-inference runs on the CPU only (device {device}); "
+                         f"no batch-invariant kernels exist here for other devices yet")
+    gen = torch.Generator().manual_seed(0)
+    for k, n in ((64, 17), (96, 200), (576, 960)):
+        weight = torch.randn(n, k, generator=gen).to(dtype)
+        rows = torch.randn(70, k, generator=gen).to(dtype)
+        packed = pack(weight)
+        alone = matmul(rows[:1], packed)
+        for m in (2, 5, 33, 70):
+            for pos in (0, m // 2, m - 1):
+                batch = torch.cat([rows[1:1 + pos], rows[:1], rows[1 + pos:m]])
+                if not torch.equal(matmul(batch, packed)[pos:pos + 1], alone):
+                    raise ValueError(f"--enable-deterministic-inference: oneDNN matmul is not batch-"
+                                     f"invariant on this CPU for {dtype} ({k}x{n}, M={m}, row {pos})")
