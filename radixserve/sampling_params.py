@@ -28,7 +28,9 @@ class SamplingParams:
     prompt_logprobs=k does the same for prompt positions. Logprobs always come from the model's
     own distribution (log-softmax of the raw logits, before penalties, temperature and
     top-k/top-p/min-p), so truncation never shortens or zeroes them (field case C18).
-    seed makes sampling deterministic per request whatever else is batched.
+    seed fixes the request's uniform draws whatever else is batched. The logits they are
+    compared against are bit-identical across batches only with --enable-deterministic-inference
+    (docs/runner.md, "Deterministic inference"); without it a draw near a CDF boundary can flip.
     """
 
     n: int = 1

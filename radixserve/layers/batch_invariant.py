@@ -6,13 +6,14 @@ M = 1 and M = 4. Sampling turns such 1e-6 differences into different tokens (a s
 near a CDF boundary, a near-tie under greedy), so a request's output would depend on what else
 was batched. oneDNN's matmul over a weight prepacked by `torch.ops.mkldnn._reorder_linear_weight`
 takes its blocking from the packed weight instead: on torch 2.13 (AVX2 EPYC, fp32) every row of
-every M in 1..700, at every row position, for every layer shape we serve and for K/V matrices
-packed per call, was bit-identical to the same row computed alone (MKL differed for every M >= 2).
+every M in 1..700, at every row position and for every layer shape we serve, was bit-identical to the same row computed alone (MKL differed for every M >= 2).
 Row-wise ops (softmax, log-softmax, cumsum, sort, RMSNorm, elementwise) were row-invariant in
-the same probe and need nothing.
+the same probe and need nothing. Batched matmul (`torch.bmm`) whose items all have one shape
+gave each item the same bits whatever the number of items, the item's position, and whether an
+operand was stacked or expanded from one tensor; the batch-invariant attention relies on that.
 
-That is an empirical property of a library build on a CPU, so `check_row_invariance` verifies it
-at start-up for the dtype at hand and deterministic mode is refused where it does not hold.
+These are empirical properties of a library build on a CPU, so `check_row_invariance` verifies
+them at start-up for the dtype at hand and deterministic mode is refused where they do not hold.
 
 Source of the idea (batch-invariant matmul, attention and norms): Horace He and Thinking Machines
 Lab, "Defeating Nondeterminism in LLM Inference" (2025); SGLang's `--enable-deterministic-inference`.
@@ -41,8 +42,9 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def check_row_invariance(dtype: torch.dtype, device: torch.device) -> None:
-    """Verify on this machine that `matmul` rows do not depend on the batch: a row computed
-    alone must equal the same row inside batches of several sizes, at several positions.
+    """Verify on this machine that `matmul` rows and `torch.bmm` items do not depend on the
+    batch: a row (item) computed alone must equal the same row (item) inside batches of several
+    sizes, at several positions, and for bmm with the operand expanded instead of stacked.
     Raises ValueError naming what failed (deterministic inference must then be refused)."""
     if device.type != "cpu":
         raise ValueError(f"--enable-deterministic-inference runs on the CPU only (device {device}); "
@@ -59,3 +61,16 @@ def check_row_invariance(dtype: torch.dtype, device: torch.device) -> None:
                 if not torch.equal(matmul(batch, packed)[pos:pos + 1], alone):
                     raise ValueError(f"--enable-deterministic-inference: oneDNN matmul is not batch-"
                                      f"invariant on this CPU for {dtype} ({k}x{n}, M={m}, row {pos})")
+    # bmm in the layouts the batch-invariant attention uses: keys (L, D) row-major read transposed.
+    for group, dim, keys in ((1, 64, 64), (4, 64, 320), (3, 128, 128)):
+        q = torch.randn(70, group, dim, generator=gen).to(dtype)
+        k = torch.randn(keys, dim, generator=gen).to(dtype)
+        alone = torch.bmm(q[:1], k.t()[None])
+        for m in (2, 5, 33, 70):
+            stacked = torch.randn(m, keys, dim, generator=gen).to(dtype)
+            stacked[m // 2] = k
+            expanded = torch.bmm(q[:m], k.t().expand(m, dim, keys))
+            mixed = torch.bmm(torch.cat([q[1:1 + m // 2], q[:1], q[1 + m // 2:m]]), stacked.transpose(1, 2))
+            if not (torch.equal(expanded[:1], alone) and torch.equal(mixed[m // 2:m // 2 + 1], alone)):
+                raise ValueError(f"--enable-deterministic-inference: torch.bmm is not batch-invariant "
+                                 f"on this CPU for {dtype} ({group}x{dim} @ {dim}x{keys}, {m} items)")

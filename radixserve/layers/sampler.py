@@ -6,8 +6,9 @@ CTRL / HF), frequency and presence penalties (over output ids, OpenAI formula
 `logit -= freq * count + pres * (count > 0)`), eos + stop ids masked while
 `min_tokens_left > 0`; greedy rows take the argmax, other rows apply temperature, min-p,
 top-k, top-p and draw one token by inverse CDF with a uniform from a torch.Generator seeded
-by hash(seed, number of output ids) -- so a row's draw depends only on its own request,
-never on what else is batched or on preemption.
+by hash(seed, number of output ids) -- so a row's uniform draw depends only on its own
+request, never on what else is batched or on preemption. (The logits themselves are
+batch-invariant only under --enable-deterministic-inference; see docs/runner.md.)
 
 Numerical safety (issue 11): penalised logits are made finite-or-minus-infinity (NaN -> -inf,
 +inf -> the float32 maximum, so an overflowing penalty saturates instead of poisoning the row);

@@ -67,9 +67,8 @@ def test_every_module_has_a_docstring():
 
 def test_attention_backends_import_only_runner_and_the_attention_protocol():
     """Backends see the step (runner/batch.py), the KV accessor (runner/kv_cache.py) and each
-    other, and the batch-invariant matmul they share with the linear layers; never the engine,
-    models or weights (ARCHITECTURE.md §8: one KV accessor)."""
-    allowed = ("radixserve.runner.", "radixserve.layers.attention", "radixserve.layers.batch_invariant")
+    other; never the engine, models or weights (ARCHITECTURE.md §8: one KV accessor)."""
+    allowed = ("radixserve.runner.", "radixserve.layers.attention")
     for path in files_of("runner/attention"):
         for name in imports_of(path):
             if name.startswith("radixserve"):
