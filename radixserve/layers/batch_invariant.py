@@ -6,7 +6,8 @@ M = 1 and M = 4. Sampling turns such 1e-6 differences into different tokens (a s
 near a CDF boundary, a near-tie under greedy), so a request's output would depend on what else
 was batched. oneDNN's matmul over a weight prepacked by `torch.ops.mkldnn._reorder_linear_weight`
 takes its blocking from the packed weight instead: on torch 2.13 (AVX2 EPYC, fp32) every row of
-every M in 1..700, at every row position and for every layer shape we serve, was bit-identical to the same row computed alone (MKL differed for every M >= 2).
+every M in 1..700, at every row position and for every layer shape we serve, was bit-identical
+to the same row computed alone (MKL differed for every M >= 2).
 Row-wise ops (softmax, log-softmax, cumsum, sort, RMSNorm, elementwise) were row-invariant in
 the same probe and need nothing. Batched matmul (`torch.bmm`) whose items all have one shape
 gave each item the same bits whatever the number of items, the item's position, and whether an
