@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE, Su et al. 2021) in the rotate-half layout, with linear and llama3 scaling."""
+"""Rotary position embedding (RoPE, Su et al. 2021) in the rotate-half layout, with linear and llama3 scaling and partial rotary (GLM)."""
 from __future__ import annotations
 
 import math
@@ -30,21 +30,33 @@ def rope_inv_freq(head_dim: int, theta: float, rope_type: str | None = None, fac
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos / signed-sin tables for positions [0, max_position).
 
-    `cos_sin(positions)` is called once per step; `apply` once per layer.
+    `rotary_dim` < head_dim (partial rotary, GLM): only the first rotary_dim dims of each head
+    rotate, pairing (i, i + rotary_dim / 2); the rest pass through (cos 1, sin 0 in the tables).
+    `inv_freq` has rotary_dim / 2 entries. `cos_sin(positions)` is called once per step;
+    `apply` once per layer.
     """
 
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, rotary_dim: int | None = None):
         super().__init__()
+        rot = rotary_dim or head_dim
+        assert inv_freq.shape[0] * 2 == rot, "inv_freq must have rotary_dim / 2 entries"
         pos = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = pos[:, None] * inv_freq[None, :]                   # (P, D/2), as transformers does
-        emb = torch.cat((freqs, freqs), dim=-1)                    # (P, D)
-        half = head_dim // 2
+        freqs = pos[:, None] * inv_freq[None, :]                   # (P, rot/2), as transformers does
+        emb = torch.cat((freqs, freqs), dim=-1)                    # (P, rot)
+        half = rot // 2
         sin = emb.sin()
         sin[:, :half] = -sin[:, :half]                            # rotate_half's sign folded in
-        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
+        cos = emb.cos()
+        if rot < head_dim:
+            cos = torch.cat([cos, torch.ones(max_position, head_dim - rot)], dim=-1)
+            sin = torch.cat([sin, torch.zeros(max_position, head_dim - rot)], dim=-1)
+        self.register_buffer("cos_cache", cos.to(dtype), persistent=False)
         self.register_buffer("sin_cache", sin.to(dtype), persistent=False)
         self.half = half
+        # Partial: rotate_half within the first `rot` dims as an index gather; None = a plain roll.
+        perm = torch.cat([torch.arange(half, rot), torch.arange(half), torch.arange(rot, head_dim)])
+        self.register_buffer("partner", perm if rot < head_dim else None, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) int64 -> cos, sin: (T, 1, D) in the model dtype (broadcast over heads)."""
@@ -54,6 +66,9 @@ class RotaryEmbedding(torch.nn.Module):
         """x: (T, heads, D), any strides -> rotated (T, heads, D) contiguous.
 
         out = x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1]; the minus sign
-        lives in the sin table, so rotate_half is a plain roll by D/2.
+        lives in the sin table, so rotate_half is a plain roll by D/2 (a gather of each dim's
+        partner for partial rotary, where the pass-through dims get x * 1 + x * 0 = x).
         """
+        if self.partner is not None:
+            return torch.addcmul(x * cos, x.index_select(-1, self.partner), sin)
         return torch.addcmul(x * cos, torch.roll(x, self.half, dims=-1), sin)

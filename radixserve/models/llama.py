@@ -1,5 +1,9 @@
 """The generic Llama-family decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP, fused QKV and gate-up.
 
+Relatives are flags of ModelConfig, not copies: Qwen2 (q/k/v bias), Qwen3 (q/k norm), GLM-4
+(q/k/v bias, partial interleaved RoPE, handled by permuting q/k rows at load), GLM-4-0414 (+ post
+norms), GLM-4.5 and Qwen3-MoE (routed experts, models/moe.py).
+
 Attention over the paged KV cache is not done here: each layer hands q, k, v to the
 `Attention` the runner passes in (layers/attention.py), so models never import the runner.
 """
@@ -14,6 +18,7 @@ from radixserve.layers.linear import GateUpLinear, Linear, QKVLinear
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding, rope_inv_freq
 from radixserve.models.model_config import ModelConfig
+from radixserve.models.moe import MoE, Router
 
 
 class LlamaAttention(torch.nn.Module):
@@ -24,6 +29,9 @@ class LlamaAttention(torch.nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.qkv_proj = QKVLinear(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias)
         self.o_proj = Linear(c.q_size, c.hidden_size, c.o_bias)
+        # Qwen3 / GLM-4.5: RMSNorm over each head of q and k, after the bias, before RoPE.
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: RotaryEmbedding, attn: Attention) -> torch.Tensor:
@@ -31,18 +39,22 @@ class LlamaAttention(torch.nn.Module):
         num_tokens = x.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)                                          # (T, (H + 2KV) * D)
+        qk = qkv[:, :(h + kv) * d].view(num_tokens, h + kv, d)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
         # q and k rotate together in one pass: (T, H + KV, D).
-        qk = rotary.apply(qkv[:, :(h + kv) * d].view(num_tokens, h + kv, d), cos, sin)
+        qk = rotary.apply(qk, cos, sin)
         v = qkv[:, (h + kv) * d:].view(num_tokens, kv, d)
         out = attn(self.layer_id, qk[:, :h], qk[:, h:], v)               # (T, H * D)
         return self.o_proj(out)
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size, config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+        width = intermediate_size or config.intermediate_size
+        self.gate_up_proj = GateUpLinear(config.hidden_size, width, config.mlp_bias)
+        self.down_proj = Linear(width, config.hidden_size, config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -51,16 +63,27 @@ class LlamaMLP(torch.nn.Module):
 class LlamaDecoderLayer(torch.nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_id)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = LlamaAttention(c, layer_id)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.moe is not None and layer_id not in c.moe.dense_layers:
+            shared = (LlamaMLP(c, c.moe.intermediate_size * c.moe.num_shared_experts)
+                      if c.moe.num_shared_experts else None)
+            self.mlp: torch.nn.Module = MoE(c.hidden_size, c.moe, shared)
+        else:
+            self.mlp = LlamaMLP(c)
+        # GLM-4-0414's "sandwich" norms on each sublayer's output.
+        self.post_self_attn_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.post_norms else None
+        self.post_mlp_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.post_norms else None
 
     def forward(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         """residual: (T, hidden), updated in place and returned."""
-        residual.add_(self.self_attn(self.input_layernorm(residual), cos, sin, rotary, attn))
-        residual.add_(self.mlp(self.post_attention_layernorm(residual)))
+        out = self.self_attn(self.input_layernorm(residual), cos, sin, rotary, attn)
+        residual.add_(out if self.post_self_attn_layernorm is None else self.post_self_attn_layernorm(out))
+        out = self.mlp(self.post_attention_layernorm(residual))
+        residual.add_(out if self.post_mlp_layernorm is None else self.post_mlp_layernorm(out))
         return residual
 
 
@@ -82,27 +105,43 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        if config.qk_norm:
-            raise NotImplementedError("q/k norm (Qwen3) is not implemented yet")
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens.weight)
         s = config.rope_scaling
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta,
+        inv_freq = rope_inv_freq(config.rot_dim, config.rope_theta,
                                  s.rope_type if s else None, s.factor if s else 1.0,
                                  s.low_freq_factor if s else 1.0, s.high_freq_factor if s else 4.0,
                                  (s.original_max_position_embeddings or config.max_position_embeddings)
                                  if s else None)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, inv_freq)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, inv_freq,
+                                      rotary_dim=config.rot_dim)
+
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor as this model stores it. Interleaved RoPE (GLM-4): each q/k head's
+        rotary rows (weight and bias) reorder from pairs (2i, 2i+1) to (i, i + rot/2), so the
+        rotate-half kernel applies; q.k is unchanged because q and k permute alike."""
+        c = self.config
+        if not c.rope_interleaved or not (".q_proj." in name or ".k_proj." in name):
+            return tensor
+        rot = c.rot_dim
+        order = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, c.head_dim)])
+        heads = tensor.shape[0] // c.head_dim
+        return tensor.reshape(heads, c.head_dim, -1)[:, order].reshape(tensor.shape)
 
     def prepare(self, dtype: torch.dtype, device: torch.device | str = "cpu",
                 batch_invariant: bool = False) -> None:
         """After loading: move to `device` in the compute dtype, rebuild the RoPE tables in it,
         and build the linear layers' fast paths (CPU only), or their batch-invariant form
         (layers/batch_invariant.py; raises ValueError where it cannot be built)."""
+        routers = [m for m in self.modules() if isinstance(m, Router)]
+        kept = [[p.data.float() for p in r.parameters()] for r in routers]   # routers stay fp32
         self.to(device=device, dtype=dtype)
+        for router, params in zip(routers, kept):
+            for param, data in zip(router.parameters(), params):
+                param.data = data.to(device)
         self.rotary.cos_cache = self.rotary.cos_cache.to(device=device, dtype=dtype)
         self.rotary.sin_cache = self.rotary.sin_cache.to(device=device, dtype=dtype)
         for module in self.modules():

@@ -6,9 +6,9 @@ import torch
 from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.model_config import ModelConfig
 
-# Qwen2 is the Llama decoder with a q/k/v bias (a ModelConfig flag); Qwen3 / GLM-4 join as
-# flags or small subclasses of LlamaForCausalLM.
-_MODELS: dict[str, type[torch.nn.Module]] = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
+# Every family is the Llama decoder with ModelConfig flags (see models/llama.py).
+_MODELS: dict[str, type[torch.nn.Module]] = {
+    family: LlamaForCausalLM for family in ("llama", "qwen2", "qwen3", "qwen3_moe", "glm", "glm4", "glm4_moe")}
 
 
 def model_class(config: ModelConfig) -> type[torch.nn.Module]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -17,6 +18,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # FP8 KV cache scales (FP8 checkpoints): handed back to the runner, not loaded into the model.
 KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
+# One routed expert's projection: `<layer>.mlp.experts.<e>.<gate|up|down>_proj.weight`.
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
 def resolve_model_path(model_path: str | None) -> str:
@@ -54,23 +57,37 @@ def load_checkpoint(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.T
 def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Copy checkpoint tensors (transformers names) into `model`'s parameters.
 
-    Names whose module part appears in `model.FUSED` (e.g. `q_proj` -> (`qkv_proj`, "q"))
-    go into that shard of the fused layer via its `load(tensor, shard, is_bias)`. A tied LM
-    head ignores `lm_head.weight`. Raises ValueError for unknown names, shape mismatches and
+    Each tensor first passes `model.checkpoint_tensor(name, tensor)` when the model has one
+    (layout changes such as GLM's interleaved RoPE rows). Names whose module part appears in
+    `model.FUSED` (e.g. `q_proj` -> (`qkv_proj`, "q")) go into that shard of the fused layer via
+    its `load(tensor, shard, is_bias)`; a checkpoint that stores the fused tensor itself (GLM's
+    `gate_up_proj`) fills every shard. Routed experts (`...experts.{e}.{proj}.weight`) go to the
+    stacked experts module's `load_expert`. A tied LM head ignores `lm_head.weight`; multi-token
+    prediction layers (`model.layers.{num_layers}.*`, GLM-4.5) are skipped. Raises ValueError for unknown names, shape mismatches and
     parameters the checkpoint never filled. Returns the KV cache scale tensors (names ending
     in `k_scale` / `v_scale`) by name, for the runner's FP8 KV cache.
     """
     fused: dict[str, tuple[str, str]] = getattr(model, "FUSED", {})
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=True))
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    config = getattr(model, "config", None)
+    tied = getattr(config, "tie_word_embeddings", False)
+    mtp_prefix = f"model.layers.{config.num_layers}." if hasattr(config, "num_layers") else None
+    transform = getattr(model, "checkpoint_tensor", lambda _, t: t)
     loaded: set[str] = set()
     kv_scales: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
-        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        if (name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")
+                or (mtp_prefix and name.startswith(mtp_prefix))):
             continue
         if name.endswith(KV_SCALE_SUFFIXES):
             kv_scales[name] = tensor
+            continue
+        tensor = transform(name, tensor)
+        expert = _EXPERT.match(name)
+        if expert and hasattr(modules.get(expert[1]), "load_expert"):
+            modules[expert[1]].load_expert(int(expert[2]), expert[3], tensor)
+            loaded.add(f"{expert[1]}:{expert[2]}.{expert[3]}")
             continue
         module_name, _, kind = name.rpartition(".")
         parent, _, leaf = module_name.rpartition(".")
@@ -89,21 +106,30 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
                              f"vs model {tuple(params[name].shape)}")
         params[name].data.copy_(tensor)
         loaded.add(name)
-    missing = [n for n in _expected(model, params, fused) if n not in loaded]
+        loaded.update(f"{name}:{shard}" for shard in getattr(modules.get(module_name), "shards", ()))
+    missing = [n for n in _expected(model, modules, params, fused) if n not in loaded]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
     return kv_scales
 
 
-def _expected(model: torch.nn.Module, params: dict[str, torch.nn.Parameter],
-              fused: dict[str, tuple[str, str]]) -> list[str]:
-    """Every name `load_weights` must see: plain parameters, and each shard of fused ones."""
+def _expected(model: torch.nn.Module, modules: dict[str, torch.nn.Module],
+              params: dict[str, torch.nn.Parameter], fused: dict[str, tuple[str, str]]) -> list[str]:
+    """Every name `load_weights` must see: plain parameters, each shard of fused ones, and
+    each expert projection of stacked experts."""
     shards_of: dict[str, list[str]] = {}
     for target, shard in fused.values():
         shards_of.setdefault(target, []).append(shard)
-    names = []
+    names: list[str] = []
+    stacked: set[str] = set()
     for name in params:
         module_name, _, kind = name.rpartition(".")
+        module = modules.get(module_name)
+        if hasattr(module, "checkpoint_names"):      # stacked experts: one entry per expert tensor
+            if module_name not in stacked:
+                stacked.add(module_name)
+                names += [f"{module_name}:{n}" for n in module.checkpoint_names()]
+            continue
         leaf = module_name.rpartition(".")[2]
         if leaf in shards_of:
             names += [f"{name}:{s}" for s in shards_of[leaf]]

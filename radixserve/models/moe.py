@@ -1,0 +1,124 @@
+"""Routed-experts MLP (mixture of experts): the router, the experts grouped by expert, and the shared experts.
+
+Two routers, as transformers implements them:
+- "softmax" (Qwen3-MoE, `Qwen3MoeTopKRouter`): p = softmax(x @ W.T) in fp32, top-k of p,
+  renormalised over the k when norm_topk_prob.
+- "sigmoid" (GLM-4.5/4.6/4.7, `Glm4MoeTopkRouter`, DeepSeek-V3's "noaux_tc"): s = sigmoid(x @ W.T)
+  with router weights kept in fp32; selection over c = s + correction_bias, first keeping the
+  `topk_groups` groups whose two best c sum highest, then the top-k of c; the weights are the
+  un-biased s of the chosen experts, renormalised (+1e-20) when norm_topk_prob, times
+  routed_scaling_factor.
+
+Experts run grouped: the (token, choice) pairs are sorted by expert and each active expert
+does one matmul over all its tokens; no Python loop over tokens. A token's k expert outputs are
+summed in ascending expert order (as transformers adds them), then the shared experts' output.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.layers.activation import silu_and_mul
+from radixserve.models.model_config import MoEConfig
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class Router(torch.nn.Module):
+    """weight: (E, hidden), kept fp32 when the model runs in bf16 (the model's `prepare`);
+    e_score_correction_bias: (E,) fp32, the sigmoid router's only (None for softmax)."""
+
+    def __init__(self, hidden_size: int, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.weight = torch.nn.Parameter(torch.zeros(config.num_experts, hidden_size), requires_grad=False)
+        self.e_score_correction_bias = (torch.nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
+                                        if config.scoring == "sigmoid" else None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden) -> (weights (T, k) fp32, expert ids (T, k) int64)."""
+        c = self.config
+        if c.scoring == "softmax":
+            probs = torch.softmax(F.linear(x, self.weight.to(x.dtype)), dim=-1, dtype=torch.float32)
+            weights, ids = torch.topk(probs, c.top_k, dim=-1)
+            if c.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights, ids
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()                       # (T, E)
+        choice = scores + self.e_score_correction_bias
+        if c.num_groups > 1:
+            grouped = choice.view(-1, c.num_groups, c.num_experts // c.num_groups)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)                      # (T, groups)
+            keep = torch.zeros_like(group_scores).scatter_(
+                1, torch.topk(group_scores, c.topk_groups, dim=-1, sorted=False).indices, 1.0)
+            choice = choice.masked_fill(~keep.bool().repeat_interleave(c.num_experts // c.num_groups, 1),
+                                        float("-inf"))
+        ids = torch.topk(choice, c.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, ids
+
+
+class Experts(torch.nn.Module):
+    """E SwiGLU experts stacked: gate_up (E, 2I, hidden) [gate rows | up rows], down (E, hidden, I).
+    Checkpoints name each expert's projections separately (`experts.{e}.gate_proj.weight`, ...):
+    `load_expert` copies one into its slice."""
+
+    def __init__(self, hidden_size: int, config: MoEConfig):
+        super().__init__()
+        e, i = config.num_experts, config.intermediate_size
+        self.intermediate_size = i
+        self.gate_up = torch.nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
+        self.down = torch.nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
+
+    def checkpoint_names(self) -> list[str]:
+        """`{expert}.{projection}` for every tensor `load_expert` must receive."""
+        return [f"{e}.{p}" for e in range(self.gate_up.shape[0]) for p in PROJECTIONS]
+
+    def load_expert(self, expert: int, projection: str, tensor: torch.Tensor) -> None:
+        """Copy checkpoint tensor `experts.{expert}.{projection}.weight` into its slice.
+        Raises ValueError for an unknown expert, projection or shape."""
+        i = self.intermediate_size
+        if not 0 <= expert < self.gate_up.shape[0] or projection not in PROJECTIONS:
+            raise ValueError(f"no expert tensor {expert}.{projection} in a {self.gate_up.shape[0]}-expert layer")
+        target = {"gate_proj": self.gate_up.data[expert, :i], "up_proj": self.gate_up.data[expert, i:],
+                  "down_proj": self.down.data[expert]}[projection]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"expert {expert}.{projection}: checkpoint {tuple(tensor.shape)} vs {tuple(target.shape)}")
+        target.copy_(tensor)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: (T, hidden); weights, ids: (T, k) -> (T, hidden) = sum_j weights[:, j] * expert_ids[:, j](x)."""
+        num_tokens, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)                  # (T*k,) pairs grouped by expert
+        token_of = order // k
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        rows = x.index_select(0, token_of)                         # (T*k, hidden)
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                part = rows[start:start + count]
+                hidden = silu_and_mul(F.linear(part, self.gate_up[expert]))
+                out[start:start + count] = F.linear(hidden, self.down[expert])
+                start += count
+        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, out)
+
+
+class MoE(torch.nn.Module):
+    """Router + experts (+ shared experts, a plain MLP `shared_mlp` built by the model)."""
+
+    def __init__(self, hidden_size: int, config: MoEConfig, shared_mlp: torch.nn.Module | None):
+        super().__init__()
+        self.gate = Router(hidden_size, config)
+        self.experts = Experts(hidden_size, config)
+        self.shared_experts = shared_mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden)."""
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
