@@ -11,6 +11,7 @@ from radixserve import LLM, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine.runner_api import ScheduledBatch
 from radixserve.runner.model_runner import ModelRunner
+from tests.model.test_families import build_family
 from tests.model.test_runner import Harness, Seq, mixed_batch_scenario
 
 DET = {"enable_deterministic_inference": True}
@@ -32,8 +33,17 @@ def _record(runner: ModelRunner, steps: list[list[tuple[Seq, int | None]]], watc
     return got
 
 
-def test_tokens_and_logprobs_do_not_depend_on_batch_chunking_or_cache(gqa_dir):
-    h = Harness(gqa_dir, 16, seed=1, **DET)
+@pytest.fixture(scope="module")
+def glm4_moe_dir(tmp_path_factory):
+    return build_family(tmp_path_factory.mktemp("glm4_moe"), "glm4_moe")
+
+
+@pytest.mark.parametrize("model", ["llama", "glm4_moe"])
+def test_tokens_and_logprobs_do_not_depend_on_batch_chunking_or_cache(request, model):
+    """glm4_moe adds routed experts (how many tokens an expert gets depends on the batch),
+    q/k norm and partial RoPE."""
+    folder = request.getfixturevalue("gqa_dir" if model == "llama" else "glm4_moe_dir")
+    h = Harness(folder, 16, seed=1, **DET)
     prompt = [h.rng.randrange(3, h.vocab) for _ in range(150)]
 
     alone = h.new_seq("alone", 0)
