@@ -1,6 +1,7 @@
 """Sampling: penalties, min-tokens masking, temperature / min-p / top-k / top-p, seeded draws, and logprobs.
 
-Order per row (vLLM v1 semantics): logprobs are taken from the RAW logits; then repetition
+Order per row (vLLM v1 semantics): logprobs are taken from the RAW logits; then logit_bias
+(OpenAI: added to the given token ids' logits, in [-100, 100]); then repetition
 penalty (over prompt + output ids: positive logits divided, negative multiplied, as in
 CTRL / HF), frequency and presence penalties (over output ids, OpenAI formula
 `logit -= freq * count + pres * (count > 0)`), eos + stop ids masked while
@@ -100,10 +101,14 @@ class Sampler:
         for i, r in enumerate(rows):
             p = r.params
             masked = r.min_tokens_left > 0 and (self.eos_token_ids or p.stop_token_ids)
-            if not (p.has_penalties or masked):
+            if not (p.adjusts_logits or masked):
                 continue
             if x is logits:
                 x = logits.clone()
+            if p.logit_bias:   # OpenAI's logit_bias: added before the penalties (vLLM's order)
+                ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=x.device)
+                bias = torch.tensor([b for _, b in p.logit_bias], dtype=x.dtype, device=x.device)
+                x[i].index_add_(0, ids, bias)
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=x.device)
                 vals = x[i, seen]

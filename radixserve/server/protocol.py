@@ -65,8 +65,6 @@ class _GenerationRequest(_Strict):
                         prompt_logprobs: int | None) -> SamplingParams:
         """The SamplingParams of the request (n choices); raises InvalidRequest for an
         unsupported field. Ranges are checked once, by the engine's add_request."""
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         params = SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -77,7 +75,8 @@ class _GenerationRequest(_Strict):
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=_logit_bias(self.logit_bias))
         return params
 
     @property
@@ -272,3 +271,15 @@ def render_details(details: list[dict]) -> tuple[str, str | None]:
     first_loc = [str(x) for x in details[0].get("loc", ()) if x != "body"]
     param = ".".join(first_loc)[:200] or None
     return message[:MAX_ERROR_MESSAGE_CHARS], param
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} -> ((id, bias), ...); ranges are checked by the engine.
+    Raises InvalidRequest for a key that is not a non-negative integer."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or len(key) > 12:
+            raise InvalidRequest(f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                                 param="logit_bias")
+        pairs.append((int(key), value))
+    return tuple(pairs)
