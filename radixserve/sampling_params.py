@@ -9,6 +9,7 @@ from radixserve.errors import InvalidRequest
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128                 # choices of one request
 MAX_LOGIT_BIAS = 1024       # logit_bias entries per request
+MAX_JSON_SCHEMA_CHARS = 64 << 10
 # Temperatures below this sample greedily (clamped to 0): the T -> 0 limit of sampling is the
 # argmax, and vLLM draws the same line (_SAMPLING_EPS). Smaller positive values would still be
 # safe in the sampler (it divides max-subtracted logits), but only ties would differ.
@@ -53,6 +54,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)   # (token id, bias)
+    json_schema: str | None = None   # structured output: the output must match this JSON schema (text)
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the object stays hashable and immutable.
@@ -131,6 +133,9 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if not isinstance(tid, int) or tid < 0 or (vocab_size is not None and tid >= vocab_size):
                 raise bad("stop_token_ids", f"contains an invalid token id {tid!r}")
+        if self.json_schema is not None and (not isinstance(self.json_schema, str)
+                                             or len(self.json_schema) > MAX_JSON_SCHEMA_CHARS):
+            raise bad("response_format", f"the JSON schema must be text of at most {MAX_JSON_SCHEMA_CHARS} characters")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise bad("logit_bias", f"allows at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for tid, bias in self.logit_bias:

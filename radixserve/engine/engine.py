@@ -52,6 +52,9 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         params.validate(self.runner.vocab_size)
+        validate = getattr(self.runner, "validate_params", None)   # optional for test runners
+        if validate is not None:
+            validate(params)
         if params.n != 1:
             raise InvalidRequest("the engine takes n=1; fan out choices before add_request", param="n")
         if not prompt_ids:

@@ -79,3 +79,8 @@ class Runner(Protocol):
     def info(self) -> dict:
         """JSON-able facts for /get_server_info (device, attention backend, KV dtype, ...)."""
         ...
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Raise InvalidRequest for what only the runner can judge (a JSON schema it cannot
+        compile); runners without such checks do nothing."""
+        ...

@@ -38,6 +38,7 @@ _MASK64 = (1 << 64) - 1
 class SampleRow(Protocol):
     """What the sampler reads of one row (ScheduledSeq satisfies it)."""
 
+    request_id: str
     params: SamplingParams
     seed: int
     prompt_ids: list[int]
@@ -75,11 +76,16 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)
         self._generator = torch.Generator()
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[TokenLogprob]:
-        """logits: (R, V) fp32 raw model logits, one row per entry of `rows`. Returns one
-        TokenLogprob per row; top lists hold `params.logprobs` entries (0 when None)."""
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+               allowed: torch.Tensor | None = None) -> list[TokenLogprob]:
+        """logits: (R, V) fp32 raw model logits, one row per entry of `rows`; `allowed`: (R, V)
+        bool, False for tokens a row may not sample (structured output), applied after the
+        penalties. Returns one TokenLogprob per row; top lists hold `params.logprobs` entries
+        (0 when None); logprobs are those of the raw logits."""
         assert logits.shape[0] == len(rows), "one logits row per sample row"
         x = finite_or_masked(self._penalised(logits, rows))
+        if allowed is not None:
+            x = x.masked_fill(~allowed, float("-inf"))
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not drawn:

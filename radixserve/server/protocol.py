@@ -1,6 +1,8 @@
 """OpenAI request and response schemas (pydantic), and the bounded rendering of validation errors."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -111,8 +113,23 @@ class ChatMessage(_Strict):
 
 
 class ResponseFormat(_Strict):
+    """OpenAI's response_format: text, any JSON object, or {"json_schema": {"name", "schema", "strict"}}."""
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must match, as text (None for "text"). Raises
+        InvalidRequest when a json_schema format has no schema object."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        schema = (self.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format json_schema needs json_schema.schema, a JSON schema object",
+                                 param="response_format")
+        return json.dumps(schema)
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -125,6 +142,13 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None) -> SamplingParams:
+        """As for completions, plus response_format's schema (structured output)."""
+        params = super().sampling_params(max_tokens, logprobs, prompt_logprobs)
+        schema = self.response_format.schema_text() if self.response_format is not None else None
+        return params if schema is None else dataclasses.replace(params, json_schema=schema)
 
 
 # ---- responses ------------------------------------------------------------------------------
