@@ -23,6 +23,7 @@ distribution it was drawn from, and never falls through to the last vocabulary i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import math
@@ -33,6 +34,7 @@ from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_ACCEPT_STREAM, _RESIDUAL_STREAM = 0x5EC0A, 0x5EC0B   # seed salts of speculative draws
 
 
 class SampleRow(Protocol):
@@ -147,6 +149,57 @@ class Sampler:
         picked = torch.where(degenerate, x.argmax(dim=-1, keepdim=True), picked)
         return picked.squeeze(1)
 
+    def verify(self, logits: torch.Tensor, row: SampleRow, draft: Sequence[int]) -> tuple[list[TokenLogprob], TokenLogprob]:
+        """Speculative verification of a deterministic draft (n-gram): `logits` (k + 1, V) raw,
+        row i scoring the token after draft[:i]. Returns (accepted draft tokens, the token
+        that follows them), every one with raw logprobs.
+
+        Position i is processed as the non-speculative sampler would process that step (output
+        ids extended by draft[:i], min_tokens counted down). Greedy accepts the longest prefix
+        equal to the argmax, then takes the argmax. Otherwise speculative sampling (Leviathan et
+        al. 2023; Chen et al. 2023) with a point-mass draft q = delta(d): accept d with
+        probability p(d), else draw from the residual max(p - q, 0), i.e. p without d,
+        renormalised; after k acceptances the last token is drawn exactly as an ordinary step.
+        The emitted tokens are distributed exactly as without speculation; uniforms come from
+        the request seed and step, so a seed reproduces."""
+        k = len(draft)
+        rows = [_Shifted(row, list(draft[:i])) for i in range(k + 1)]
+        x = finite_or_masked(self._penalised(logits, rows))
+        if row.params.is_greedy:
+            picks = x.argmax(dim=-1).tolist()
+            j = next((i for i in range(k) if picks[i] != draft[i]), k)
+            final = picks[j]
+        else:
+            probs = torch.softmax(_processed(x, rows), dim=-1)                  # (k + 1, V)
+            j, final = 0, None
+            while j < k and final is None:
+                step = len(row.output_ids) + j
+                if self._uniform(row.seed ^ _ACCEPT_STREAM, step) < float(probs[j, draft[j]]):
+                    j += 1
+                    continue
+                residual = probs[j].clone()
+                residual[draft[j]] = 0.0
+                final = self._inverse_cdf(residual, self._uniform(row.seed ^ _RESIDUAL_STREAM, step))
+            if final is None:
+                final = int(self._draw(x[k:k + 1], rows[k:k + 1])[0])
+        ids = list(draft[:j]) + [final]
+        top = max(row.params.logprobs or 0, 0)
+        out = token_logprobs(logits[:j + 1], torch.tensor(ids, device=logits.device), top)
+        return out[:j], out[j]
+
+    def _uniform(self, seed: int, step: int) -> float:
+        self._generator.manual_seed(step_seed(seed & _MASK64, step))
+        return torch.rand((), generator=self._generator, dtype=torch.float64).item()
+
+    @staticmethod
+    def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
+        """Index drawn from unnormalised non-negative `weights` (V,) with uniform u; never a
+        zero-weight index (falls back to the largest weight)."""
+        cdf = torch.cumsum(weights, dim=0)
+        i = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype), right=True)[0])
+        i = min(i, weights.shape[0] - 1)
+        return i if weights[i] > 0 else int(weights.argmax())
+
     @staticmethod
     def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one:
@@ -158,6 +211,38 @@ class Sampler:
         drop[:, 0] = False
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+@dataclass(slots=True)
+class _Shifted:
+    """A sample row as it will be `len(extra)` steps later, after `extra` was emitted."""
+
+    row: SampleRow
+    extra: list[int]
+
+    @property
+    def request_id(self) -> str:
+        return self.row.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.row.params
+
+    @property
+    def seed(self) -> int:
+        return self.row.seed
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.row.prompt_ids
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.row.output_ids + self.extra if self.extra else self.row.output_ids
+
+    @property
+    def min_tokens_left(self) -> int:
+        return max(self.row.min_tokens_left - len(self.extra), 0)
 
 
 def finite_or_masked(x: torch.Tensor) -> torch.Tensor:
