@@ -110,3 +110,24 @@ def test_mirror_is_dropped_when_no_decode(gqa_dir):
     h.step([(a, a.chunk()), (b, b.chunk())])
     assert set(backend.mirror.slots) == {"a", "b"}
     assert torch.all(torch.isfinite(backend.mirror.k[0]))
+
+
+def test_slot_behind_after_a_verify_chunk_catches_up(gqa_dir):
+    """A decoding sequence spends a step on a short multi-token chunk (a speculative verify of
+    two draft tokens) while another decodes: its slot is kept, then catches up by copying only
+    the missing tokens; every token still matches transformers (the Harness checks each)."""
+    h = Harness(gqa_dir, 16, seed=6)
+    backend = TorchAttentionBackend(h.runner.kv)
+    h.runner.backend = backend
+    a, b = h.new_seq("a", 30), h.new_seq("b", 12)
+    h.step([(a, a.chunk()), (b, b.chunk())])
+    for _ in range(2):
+        h.step([(a, a.chunk()), (b, b.chunk())])                               # both decode
+    before = backend.mirror.slots["a"].length
+    a.output += [5, 9]                                                           # two "accepted drafts"
+    h.step([(b, b.chunk()), (a, a.chunk())])                                     # a: 3-token chunk
+    assert backend.mirror.slots["a"].length == before                             # kept, behind
+    h.step([(a, a.chunk()), (b, b.chunk())])                                     # a decodes: catch-up
+    assert backend.mirror.slots["a"].length == len(a.tokens) - 1
+    h.step([(a, a.chunk())])                                                     # b left: slot freed
+    assert set(backend.mirror.slots) == {"a"}

@@ -8,10 +8,12 @@ sequence in a slot of a contiguous buffer per layer:
     k[layer]: (KV, num_slots, capacity, D)    slot s, token t -> k[layer][:, s, t]
 
 and only appends the new token each step. The paged cache stays the source of truth: a
-sequence is (re)copied from its pages whenever its slot is not provably current, i.e. it
-was not decoding in the previous step, its length is not the expected one, or the page ids
-under its computed tokens changed (radix dedup, preemption). Slots of sequences that left
-the decode group are freed at once. Growing the buffer or compacting holes re-copies all.
+sequence is (re)copied from its pages whenever its slot is not provably current, i.e. its
+length is not the expected one or the page ids under its computed tokens changed (radix
+dedup, preemption). A slot that is merely behind (the sequence spent a step verifying
+speculative draft tokens as a short chunk) catches up by copying only the missing tokens.
+Slots of sequences that left the step are freed at once. Growing the buffer or compacting
+holes re-copies all.
 Memory is bounded by `max_bytes`; a step that does not fit returns None (gather instead).
 """
 from __future__ import annotations
@@ -48,19 +50,23 @@ class DecodeMirror:
         """Forget every slot (the buffers stay allocated)."""
         self.slots.clear()
 
-    def plan(self, kv: KVCache, d: DecodeGroup) -> MirrorStep | None:
+    def retain(self, request_ids: set[str]) -> None:
+        """Free the slots of sequences not in `request_ids` (those that left the step)."""
+        for rid in [r for r in self.slots if r not in request_ids]:
+            del self.slots[rid]
+
+    def plan(self, kv: KVCache, d: DecodeGroup, in_step: set[str]) -> MirrorStep | None:
         """Bring the mirror up to date for decode group `d` (copying stale sequences' KV from
-        the pages), or return None when it would exceed max_bytes."""
+        the pages), or return None when it would exceed max_bytes. Slots of sequences in
+        `in_step` but not decoding (verifying a draft) are kept to catch up later."""
         batch, longest = len(d.request_ids), max(d.lens)
         live = set(d.request_ids)
-        for rid in [r for r in self.slots if r not in live]:
-            del self.slots[rid]
+        self.retain(in_step | live)
         if not self._fits(kv, batch, longest):
             self.reset()
             return None
         stale = [i for i, rid in enumerate(d.request_ids) if not self._current(rid, d, i, kv.page_size)]
-        used = [s.index for rid, s in self.slots.items() if rid in live and rid not in
-                {d.request_ids[i] for i in stale}]
+        used = [s.index for rid, s in self.slots.items() if rid not in {d.request_ids[i] for i in stale}]
         if longest > self.capacity or batch > self.num_slots or (used and max(used) >= batch + max(4, batch // 4)):
             self._allocate(kv, batch, longest)          # compaction or growth: re-copy everyone
             stale = list(range(batch))
@@ -87,6 +93,14 @@ class DecodeMirror:
         return (slot is not None and slot.length == pos
                 and d.page_lists[i][:len(slot.pages)] == slot.pages and len(slot.pages) * page_size >= pos)
 
+    def _valid_prefix(self, rid: str, d: DecodeGroup, i: int) -> int:
+        """Tokens of a stale slot that may be kept: its length when it is behind and the pages
+        under it did not change, else 0 (copy everything)."""
+        slot = self.slots.get(rid)
+        if slot is None or slot.length >= d.lens[i] - 1 or d.page_lists[i][:len(slot.pages)] != slot.pages:
+            return 0
+        return slot.length
+
     def _allocate(self, kv: KVCache, batch: int, longest: int) -> None:
         capacity = max(_round(longest + longest // 4), self.capacity)   # headroom: growth re-copies all
         num_slots = max(batch + batch // 2, self.num_slots, 8)
@@ -102,24 +116,35 @@ class DecodeMirror:
             self.num_slots, self.capacity = num_slots, capacity
 
     def _fill(self, kv: KVCache, d: DecodeGroup, stale: list[int]) -> None:
-        """Give each stale sequence a slot and copy its computed tokens [0, pos) from its pages."""
-        taken = {s.index for rid, s in self.slots.items() if rid not in {d.request_ids[i] for i in stale}}
+        """Give each stale sequence a slot and copy its computed tokens [kept, pos) from its
+        pages, `kept` being what a slot that is merely behind already holds (_valid_prefix)."""
+        size = kv.page_size
+        kept = {i: self._valid_prefix(d.request_ids[i], d, i) for i in stale}
+        reused = {d.request_ids[i] for i in stale if kept[i]}
+        taken = {s.index for rid, s in self.slots.items()
+                 if rid not in {d.request_ids[i] for i in stale} or rid in reused}
         free = (i for i in range(self.num_slots) if i not in taken)
         for i in stale:
-            self.slots[d.request_ids[i]] = _Slot(next(free), 0, [])
-        jobs = [(self.slots[d.request_ids[i]].index, d.lens[i] - 1, d.page_lists[i]) for i in stale]
-        jobs = [(s, n, pages[:-(-n // kv.page_size)]) for s, n, pages in jobs if n > 0]
+            if not kept[i]:
+                self.slots[d.request_ids[i]] = _Slot(next(free), 0, [])
+        # (slot, first token copied, end, pages covering them); the copy starts on a page boundary.
+        jobs = []
+        for i in stale:
+            end, first = d.lens[i] - 1, kept[i] // size * size
+            if end > first:
+                jobs.append((self.slots[d.request_ids[i]].index, first, end,
+                             d.page_lists[i][first // size:-(-end // size)]))
         if not jobs:
             return
-        rows = kv.head_rows(torch.tensor([p for _, _, pages in jobs for p in pages], dtype=torch.long,
+        rows = kv.head_rows(torch.tensor([p for *_, pages in jobs for p in pages], dtype=torch.long,
                                          device=kv.device))
-        counts = [len(pages) * kv.page_size for _, _, pages in jobs]
+        counts = [len(pages) * size for *_, pages in jobs]
         for layer in range(kv.num_layers):
             for src, dst in zip(kv.gather(layer, rows), (self.k[layer], self.v[layer])):
                 src = src.view(kv.num_kv_heads, -1, kv.head_dim)     # (KV, sum(counts), D)
                 offset = 0
-                for (slot, n, _), count in zip(jobs, counts):
-                    dst[:, slot, :n] = src[:, offset:offset + n]
+                for (slot, first, end, _), count in zip(jobs, counts):
+                    dst[:, slot, first:end] = src[:, offset:offset + end - first]
                     offset += count
 
 

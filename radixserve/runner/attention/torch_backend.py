@@ -50,9 +50,9 @@ class TorchAttentionBackend:
         mirror_step = None
         if self.mirror is not None:
             if decode is None:
-                self.mirror.reset()
+                self.mirror.retain(set(step.request_ids))
             else:
-                mirror_step = self.mirror.plan(self.kv, decode)
+                mirror_step = self.mirror.plan(self.kv, decode, set(step.request_ids))
         return TorchStepAttention(self.kv, step, decode, prefills, self.decode_chunk_bytes, mirror_step)
 
 
