@@ -9,7 +9,9 @@ Where each number is measured:
   /abort_request, error), and counts cached tokens only at first admission, so a recompute
   after preemption is never a hit (field case C19). Counts are per engine request: a
   request with n choices counts n times in num_requests_total; its prompt and cached tokens
-  count once per choice, as the engine computes them once per choice.
+  count once per choice, as the engine computes them once per choice. Speculative decoding
+  counts verify steps, proposed and accepted draft tokens: acceptance rate = accepted /
+  draft tokens; accept length = (accepted + verify steps) / verify steps.
 - Latency histograms are observed in the HTTP process, where the client sees the tokens:
   TTFT, inter-token latency (interval / new tokens of each delta), end-to-end latency (also
   for requests that end by abort or error), and queue time (arrival to first admission,
@@ -51,6 +53,9 @@ ENGINE_COUNTERS = (
     ("cached_tokens", "num_cached_tokens", "Prompt tokens served from the prefix cache."),
     ("num_aborted_requests", "num_aborted_requests", "Requests aborted before they finished."),
     ("num_preempted_reqs", "num_preemptions", "Preemptions (KV released, request recomputed later)."),
+    ("spec_verify_steps", "spec_num_verify_steps", "Speculative decoding: verify steps (one per request and step)."),
+    ("spec_draft_tokens", "spec_num_draft_tokens", "Speculative decoding: draft tokens proposed."),
+    ("spec_accepted_tokens", "spec_num_accepted_tokens", "Speculative decoding: draft tokens accepted."),
 )
 
 

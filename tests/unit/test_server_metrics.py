@@ -7,7 +7,8 @@ from radixserve.server.metrics import RequestTimer, ServerMetrics
 
 STATS = {"num_running": 2, "num_waiting": 1, "token_usage": 0.25, "cache_hit_rate": 0.5,
          "num_prompt_tokens": 100, "num_generated_tokens": 40, "num_cached_tokens": 50,
-         "num_finished_requests": 3, "num_aborted_requests": 2, "num_preemptions": 1}
+         "num_finished_requests": 3, "num_aborted_requests": 2, "num_preemptions": 1,
+         "spec_num_verify_steps": 10, "spec_num_draft_tokens": 30, "spec_num_accepted_tokens": 12}
 
 
 def samples(text: str) -> dict[str, tuple[dict, float]]:
@@ -26,6 +27,9 @@ def test_engine_snapshot_becomes_gauges_and_counters():
     assert got["radixserve:num_requests_total"][1] == 5   # finished + aborted
     assert got["radixserve:num_aborted_requests_total"][1] == 2
     assert got["radixserve:num_preempted_reqs_total"][1] == 1
+    assert got["radixserve:spec_verify_steps_total"][1] == 10
+    assert got["radixserve:spec_draft_tokens_total"][1] == 30
+    assert got["radixserve:spec_accepted_tokens_total"][1] == 12
 
 
 def test_no_snapshot_keeps_the_last_one_and_histograms():
