@@ -107,3 +107,24 @@ def test_verification_samples_the_target_distribution():
         chi2 = float((((counts - n * expected) ** 2) / (n * expected))[mask].sum())
         dof = int(mask.sum()) - 1
         assert dof == 2 and chi2 < 13.82, (draft, counts.tolist(), chi2)
+
+
+def test_logprobs_of_accepted_tokens_match_ordinary_steps(tiny_llama_dir):
+    """Each accepted token's logprob and top-3 come from its own position's raw logits."""
+    prompt = copy_heavy_prompts(384, 3)[4]
+    params = SamplingParams(max_tokens=30, temperature=0, logprobs=3, ignore_eos=True)
+
+    def run(engine):
+        engine.add_request("r", prompt, params)
+        got = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                got += out.new_logprobs or []
+        return got, engine
+
+    plain, _ = run(make_engine(tiny_llama_dir))
+    spec, engine = run(make_engine(tiny_llama_dir, **SPEC))
+    assert engine.stats()["spec_num_accepted_tokens"] > 0 and len(spec) == len(plain) == 30
+    for a, b in zip(spec, plain):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
