@@ -5,6 +5,7 @@ import random
 import time
 
 from radixserve.config import EngineConfig
+from radixserve.engine.forced_tokens import ForcedTokens, forced_or_sampled
 from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
 from radixserve.engine.runner_api import Runner, RunnerOutput, ScheduledBatch, ScheduledSeq
@@ -37,6 +38,7 @@ class Engine:
         self._rng = random.Random(config.random_seed)
         self.counters = {"num_prompt_tokens": 0, "num_cached_tokens": 0, "num_generated_tokens": 0,
                          "num_finished_requests": 0, "num_aborted_requests": 0}
+        self._forced: ForcedTokens | None = None   # armed sampler.force_tokens fault
 
     @property
     def max_request_tokens(self) -> int:
@@ -63,6 +65,10 @@ class Engine:
         max_tokens = self._max_tokens(len(prompt_ids), params.max_tokens)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, list(prompt_ids), params, seed, max_tokens, time.monotonic())
+        if self._forced is not None:
+            req.forced_ids = self._forced.take(req.arrival_s)
+            if self._forced.is_spent:
+                self._forced = None
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -95,6 +101,28 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def arm_forced_tokens(self, token_ids: list[int], count: int = 1,
+                          duration_s: float | None = None) -> None:
+        """Fault point sampler.force_tokens (forced_tokens.py): the next `count` requests added
+        emit `token_ids` (for `duration_s` seconds at most; None: until used up). Replaces an
+        armed one. Raises InvalidRequest for an empty list, an id outside the vocabulary, or
+        count < 1."""
+        vocab = self.runner.vocab_size
+        if not token_ids:
+            raise InvalidRequest("token_ids must not be empty", param="token_ids")
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad!r} is out of range [0, {vocab})",
+                                 param="token_ids")
+        if count < 1:
+            raise InvalidRequest(f"count must be >= 1, got {count}", param="count")
+        ends_s = None if duration_s is None else time.monotonic() + duration_s
+        self._forced = ForcedTokens(tuple(token_ids), count, ends_s)
+
+    def disarm_forced_tokens(self) -> None:
+        """End the sampler.force_tokens fault; requests already handed a sequence keep it."""
+        self._forced = None
 
     # ---- step -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -136,11 +164,12 @@ class Engine:
             if res.token is None:  # max_tokens == 0: prompt scored, nothing to sample
                 outs.append(self._finish(req, [], None, "length"))
                 continue
-            token = res.token.token_id
+            emitted = forced_or_sampled(req.forced_ids, len(req.output_ids), res.token)
+            token = emitted.token_id
             req.output_ids.append(token)
             self.counters["num_generated_tokens"] += 1
             reason = self._finish_reason(req, token)
-            logprobs = [res.token] if req.params.logprobs is not None else None
+            logprobs = [emitted] if req.params.logprobs is not None else None
             if reason is not None:
                 outs.append(self._finish(req, [token], logprobs, reason))
             else:

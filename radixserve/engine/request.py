@@ -50,6 +50,7 @@ class Request:
     finish_reason: str | None = None
     stop_token_id: int | None = None
     num_preemptions: int = 0
+    forced_ids: tuple[int, ...] | None = None   # sampler.force_tokens fault (forced_tokens.py)
 
     @property
     def num_tokens(self) -> int:
