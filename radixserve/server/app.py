@@ -118,8 +118,9 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
                                      None)
         plan = plan_tools(req, ctx.tool_call_parser)
         prompt = await chat_prompt(ctx, req, plan.template_tools)
-        outputs = ChatOutputs(plan, ctx.tool_call_parser, ctx.reasoning_parser is not None,
-                              prompt_tail(ctx.tokenizer, prompt.ids))
+        reasoning = ctx.reasoning_parser is not None
+        outputs = ChatOutputs(plan, ctx.tool_call_parser, reasoning,
+                              prompt_tail(ctx.tokenizer, prompt.ids) if reasoning else "")
         if outputs.is_parsing and "skip_special_tokens" not in req.model_fields_set:
             # markers such as <think> and <tool_call> are special tokens in some vocabularies
             params = dataclasses.replace(params, skip_special_tokens=False)

@@ -123,7 +123,7 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None     # assistant: the calls it made
     tool_call_id: str | None = None                # tool: which call this is the result of
-    reasoning_content: str | None = None           # assistant: its thinking, for templates that show it
+    reasoning_content: str | None = None           # assistant: its thinking (some templates show it)
 
     def text(self) -> str:
         if isinstance(self.content, list):
