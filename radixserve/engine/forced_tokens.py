@@ -32,8 +32,10 @@ class ForcedTokens:
     ends_s: float | None
 
     def take(self, now_s: float) -> tuple[int, ...] | None:
-        """The sequence for one new request, or None once used up or expired."""
-        if self.num_left <= 0 or (self.ends_s is not None and now_s >= self.ends_s):
+        """The sequence for one new request, or None once used up or expired (then spent)."""
+        if self.ends_s is not None and now_s >= self.ends_s:
+            self.num_left = 0
+        if self.num_left <= 0:
             return None
         self.num_left -= 1
         return self.token_ids

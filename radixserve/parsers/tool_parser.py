@@ -7,11 +7,12 @@ text seen so far, never on how it was split, so joined events are the same at an
     text:   ... content ... <marker> call ... </end> ... content ... <marker> call ...
     state:  TEXT            CALL (uncommitted -> committed)         TEXT
 
-A call is *uncommitted* until its function name is read and known: nothing of it is sent,
-and if it turns out malformed (unknown name, wrong shape, the reply ends) its text, marker
-included, goes out as content. Once *committed* (CallStart sent) a call is never taken back:
-arguments go out as each completes (ArgumentsWriter), and if the rest of the call is broken
-the arguments object is closed where the good part ends and the rest is read as text again.
+A call is *uncommitted* until the format has read enough of it to know it is a call: nothing
+of it is sent, and if it turns out malformed (unknown name, wrong shape, bad JSON, the reply
+ends) its text, marker included, goes out as content. Once *committed* (CallStart sent) a call
+is never taken back. JSON formats commit a call only once it is read whole and valid; GLM
+commits at the function name and streams arguments after it, so if the rest of a GLM call is
+broken the arguments object is closed where the good part ends and the rest is read as text.
 
 Whitespace that only separates content from a call is dropped: trailing whitespace is held
 until non-space text follows (sent), a call commits (dropped) or the reply ends (sent when no

@@ -88,7 +88,8 @@ def test_disarm_and_expiry():
     engine.add_request("a", [4, 4], SamplingParams(max_tokens=1))
     assert run_all(engine)["a"][0] == reference([4, 4], 1)
     armed = ForcedTokens((5,), num_left=3, ends_s=100.0)
-    assert armed.take(99.0) == (5,) and armed.take(100.0) is None and armed.num_left == 2
+    assert armed.take(99.0) == (5,) and armed.num_left == 2
+    assert armed.take(100.0) is None and armed.is_spent   # expired
 
 
 @pytest.mark.parametrize("token_ids, count, param", [
