@@ -41,6 +41,10 @@ class EngineConfig:
     context_length: int | None = _opt(None, "override the model's context length in tokens")
     num_threads: int | None = _opt(None, "torch intra-op threads (default: all cores)")
     random_seed: int = _opt(0, "seed for requests that bring none")
+    speculative_algorithm: str | None = _opt(
+        None, "speculative decoding: ngram = draft tokens copied from earlier in the request's own "
+              "prompt and output, verified in one step (off by default)", ("ngram",))
+    speculative_num_draft_tokens: int = _opt(4, "most draft tokens verified per request and step")
     enable_deterministic_inference: bool = _opt(
         False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
                "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
@@ -54,6 +58,8 @@ class EngineConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError("max_total_tokens must hold at least two pages")
+        if not 1 <= self.speculative_num_draft_tokens <= 16:
+            raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 

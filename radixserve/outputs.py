@@ -34,6 +34,8 @@ class EngineOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None                # set when finish_reason == "abort" for a reason
     queue_time_s: float | None = None       # arrival to first admission; None while still waiting
+    spec_verify_steps: int = 0              # speculative decoding so far: verify steps ...
+    spec_accepted_tokens: int = 0           # ... and the draft tokens they accepted
 
 
 @dataclass(slots=True)

@@ -8,6 +8,8 @@ from radixserve.errors import InvalidRequest
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128                 # choices of one request
+MAX_LOGIT_BIAS = 1024       # logit_bias entries per request
+MAX_JSON_SCHEMA_CHARS = 64 << 10
 # Temperatures below this sample greedily (clamped to 0): the T -> 0 limit of sampling is the
 # argmax, and vLLM draws the same line (_SAMPLING_EPS). Smaller positive values would still be
 # safe in the sampler (it divides max-subtracted logits), but only ties would differ.
@@ -51,6 +53,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)   # (token id, bias)
+    json_schema: str | None = None   # structured output: the output must match this JSON schema (text)
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the object stays hashable and immutable.
@@ -60,6 +64,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        elif not isinstance(self.logit_bias, tuple):
+            object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias or ()))
 
     def check_n(self) -> None:
         """Raise InvalidRequest unless n is an integer in [1, MAX_N]. Called by whoever fans a
@@ -72,9 +80,9 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
-    def has_penalties(self) -> bool:
+    def adjusts_logits(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
+                or self.presence_penalty != 0.0 or bool(self.logit_bias))
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Check every field's range but n (checked where choices fan out: check_n). Raises
@@ -125,3 +133,14 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if not isinstance(tid, int) or tid < 0 or (vocab_size is not None and tid >= vocab_size):
                 raise bad("stop_token_ids", f"contains an invalid token id {tid!r}")
+        if self.json_schema is not None and (not isinstance(self.json_schema, str)
+                                             or len(self.json_schema) > MAX_JSON_SCHEMA_CHARS):
+            raise bad("response_format", f"the JSON schema must be text of at most {MAX_JSON_SCHEMA_CHARS} characters")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"allows at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for tid, bias in self.logit_bias:
+            if not isinstance(tid, int) or tid < 0 or (vocab_size is not None and tid >= vocab_size):
+                raise bad("logit_bias", f"has an invalid token id {tid!r}")
+            finite("logit_bias", bias)
+            if not -100.0 <= bias <= 100.0:
+                raise bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tid}")

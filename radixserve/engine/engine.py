@@ -5,13 +5,13 @@ import random
 import time
 
 from radixserve.config import EngineConfig
-from radixserve.engine.forced_tokens import ForcedTokens, forced_or_sampled
+from radixserve.engine.forced_tokens import ForcedTokens, force_run
 from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
-from radixserve.engine.runner_api import Runner, RunnerOutput, ScheduledBatch, ScheduledSeq
+from radixserve.engine.runner_api import Runner, RunnerOutput, ScheduledBatch, ScheduledSeq, SeqResult
 from radixserve.engine.scheduler import Scheduled, Scheduler
 from radixserve.errors import ContextLengthExceeded, InvalidRequest
-from radixserve.outputs import EngineOutput
+from radixserve.outputs import EngineOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
 
@@ -34,10 +34,14 @@ class Engine:
         self.max_context_len = runner.max_context_len
         self.kv = KVManager(runner.num_pages, runner.page_size, not config.disable_radix_cache)
         self.scheduler = Scheduler(config, self.kv)
+        self.scheduler.max_request_tokens = self.max_request_tokens
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.random_seed)
         self.counters = {"num_prompt_tokens": 0, "num_cached_tokens": 0, "num_generated_tokens": 0,
-                         "num_finished_requests": 0, "num_aborted_requests": 0}
+                         "num_finished_requests": 0, "num_aborted_requests": 0,
+                         # speculative decoding: verify steps, draft tokens proposed and accepted
+                         "spec_num_verify_steps": 0, "spec_num_draft_tokens": 0,
+                         "spec_num_accepted_tokens": 0}
         self._forced: ForcedTokens | None = None   # armed sampler.force_tokens fault
 
     @property
@@ -54,6 +58,9 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         params.validate(self.runner.vocab_size)
+        validate = getattr(self.runner, "validate_params", None)   # optional for test runners
+        if validate is not None:
+            validate(params)
         if params.n != 1:
             raise InvalidRequest("the engine takes n=1; fan out choices before add_request", param="n")
         if not prompt_ids:
@@ -138,14 +145,16 @@ class Engine:
         req = s.req
         end = s.start + s.num_tokens
         in_prompt = s.start < len(req.prompt_ids)
+        ids = req.token_slice(s.start, end - len(s.draft)) + list(s.draft)
         return ScheduledSeq(
-            request_id=req.request_id, input_ids=req.token_slice(s.start, end), start_pos=s.start,
+            request_id=req.request_id, input_ids=ids, start_pos=s.start,
             page_ids=req.page_ids[:self.kv.pages_for(end)],
             sample=s.completes_sequence and req.max_tokens > 0,
             params=req.params, seed=req.seed, prompt_ids=req.prompt_ids,
             output_ids=req.output_ids,
             min_tokens_left=max(req.params.min_tokens - len(req.output_ids), 0),
-            prompt_logprob_start=s.start if in_prompt and req.wants_prompt_logprobs else None)
+            prompt_logprob_start=s.start if in_prompt and req.wants_prompt_logprobs else None,
+            draft=s.draft)
 
     def _update(self, scheduled: list[Scheduled], batch: ScheduledBatch,
                 output: RunnerOutput) -> list[EngineOutput]:
@@ -153,6 +162,9 @@ class Engine:
         for s, seq, res in zip(scheduled, batch.seqs, output.results):
             req = s.req
             if req.status is not Status.RUNNING:
+                continue
+            if s.draft:
+                outs.append(self._verified(s, res))
                 continue
             req.num_computed_tokens = s.start + s.num_tokens
             if seq.prompt_logprob_start is not None and res.prompt_logprobs is not None:
@@ -164,17 +176,50 @@ class Engine:
             if res.token is None:  # max_tokens == 0: prompt scored, nothing to sample
                 outs.append(self._finish(req, [], None, "length"))
                 continue
-            emitted = forced_or_sampled(req.forced_ids, len(req.output_ids), res.token)
-            token = emitted.token_id
-            req.output_ids.append(token)
-            self.counters["num_generated_tokens"] += 1
-            reason = self._finish_reason(req, token)
-            logprobs = [emitted] if req.params.logprobs is not None else None
-            if reason is not None:
-                outs.append(self._finish(req, [token], logprobs, reason))
-            else:
-                outs.append(self._output(req, [token], logprobs))
+            tokens, _ = force_run(req.forced_ids, len(req.output_ids), [res.token])
+            outs.append(self._emit(req, tokens))
         return outs
+
+    def _emit(self, req: Request, tokens: list[TokenLogprob]) -> EngineOutput:
+        """Append sampled tokens one by one until one finishes the request (the rest are dropped:
+        stop ids, EOS, min_tokens and max_tokens hold per token, with or without speculation)."""
+        kept: list[TokenLogprob] = []
+        reason = None
+        for t in tokens:
+            req.output_ids.append(t.token_id)
+            self.counters["num_generated_tokens"] += 1
+            kept.append(t)
+            reason = self._finish_reason(req, t.token_id)
+            if reason is not None:
+                break
+        ids = [t.token_id for t in kept]
+        logprobs = kept if req.params.logprobs is not None else None
+        if reason is not None:
+            return self._finish(req, ids, logprobs, reason)
+        return self._output(req, ids, logprobs)
+
+    def _verified(self, s: Scheduled, res: SeqResult) -> EngineOutput:
+        """A verify step: positions [start, start + 1 + len(draft)) got KV; the accepted draft
+        tokens and the runner's own next token are emitted. The KV of rejected draft positions
+        stays in the request's private pages past num_computed_tokens: never committed to the
+        radix tree, overwritten by the next steps."""
+        req, c = s.req, self.counters
+        accepted = len(res.accepted)
+        c["spec_num_verify_steps"] += 1
+        c["spec_num_draft_tokens"] += len(s.draft)
+        c["spec_num_accepted_tokens"] += accepted
+        req.spec_verify_steps += 1
+        req.spec_accepted_tokens += accepted
+        if self.scheduler.proposer is not None:
+            self.scheduler.proposer.record(req.request_id, len(s.draft), accepted)
+        before = len(req.output_ids)
+        tokens, num_as_sampled = force_run(req.forced_ids, before, [*res.accepted, res.token])
+        out = self._emit(req, tokens)
+        # KV is valid for the last known token and the accepted drafts that were kept (and not
+        # replaced by a forced token).
+        req.num_computed_tokens = s.start + 1 + min(len(req.output_ids) - before, accepted,
+                                                     num_as_sampled)
+        return out
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -209,7 +254,8 @@ class Engine:
             finished=finished, finish_reason=req.finish_reason if finished else None,
             stop_token_id=req.stop_token_id, num_prompt_tokens=len(req.prompt_ids),
             num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_lp,
-            queue_time_s=req.queue_time_s)
+            queue_time_s=req.queue_time_s, spec_verify_steps=req.spec_verify_steps,
+            spec_accepted_tokens=req.spec_accepted_tokens)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:

@@ -9,6 +9,8 @@ reasoning) run without the weights of the model whose output format they test:
                             /health_generate probe) each get `token_ids`
     request k-th sample     replaced by token_ids[k] while k < len(token_ids); the model's own
                             samples resume after the last one (put an eos id last to end there)
+    speculative run         cut after its first replaced token (later samples were conditioned
+                            on the replaced one), whose draft KV is not kept
 
 A forced token goes through the same per-token finish checks as a sampled one (eos,
 stop_token_ids, min_tokens, max_tokens), so a sequence longer than max_tokens is cut with
@@ -45,11 +47,22 @@ class ForcedTokens:
         return self.num_left <= 0
 
 
-def forced_or_sampled(forced_ids: tuple[int, ...] | None, num_output_ids: int,
-                      sampled: TokenLogprob) -> TokenLogprob:
-    """The token a request emits at output position `num_output_ids`: forced_ids[that position]
-    while the forced sequence lasts, else the runner's sample. A forced token's logprob is 0.0
-    (it was chosen with certainty); its `top` list is the model's, as sampled."""
-    if forced_ids is None or num_output_ids >= len(forced_ids):
-        return sampled
-    return TokenLogprob(forced_ids[num_output_ids], 0.0, sampled.top)
+def force_run(forced_ids: tuple[int, ...] | None, num_output_ids: int,
+              sampled: list[TokenLogprob]) -> tuple[list[TokenLogprob], int]:
+    """The tokens a request emits for one step's samples (one token, or a verified speculative
+    run starting at output position `num_output_ids`): each is forced_ids[its position] while
+    the forced sequence lasts, else the sample. A run is cut after the first token that differs
+    from its sample, since the samples after it were conditioned on the sample. Returns the
+    tokens and how many leading ones are their samples unchanged (the KV a verify step computed
+    for those positions is valid). A forced token's logprob is 0.0 (it was chosen with
+    certainty); its `top` list is the model's."""
+    out: list[TokenLogprob] = []
+    for k, token in enumerate(sampled):
+        position = num_output_ids + k
+        if forced_ids is None or position >= len(forced_ids):
+            out.append(token)
+            continue
+        out.append(TokenLogprob(forced_ids[position], 0.0, token.top))
+        if forced_ids[position] != token.token_id:
+            return out, k
+    return out, len(out)

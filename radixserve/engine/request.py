@@ -50,6 +50,8 @@ class Request:
     finish_reason: str | None = None
     stop_token_id: int | None = None
     num_preemptions: int = 0
+    spec_verify_steps: int = 0            # speculative verify steps this request took
+    spec_accepted_tokens: int = 0         # draft tokens they accepted
     forced_ids: tuple[int, ...] | None = None   # sampler.force_tokens fault (forced_tokens.py)
 
     @property

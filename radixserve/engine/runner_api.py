@@ -38,6 +38,9 @@ class ScheduledSeq:
     # taken from the logits at position q - 1 (token id = prompt_ids[q], top-k with
     # k = params.prompt_logprobs). A chunk's last position thus scores the next chunk's first token.
     prompt_logprob_start: int | None
+    # Speculative decoding: input_ids = [last token, *draft]; the runner verifies the draft
+    # against the logits of all 1 + len(draft) positions (SeqResult.accepted).
+    draft: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,7 @@ class SeqResult:
     request_id: str
     token: TokenLogprob | None                 # sampled token (None when sample=False)
     prompt_logprobs: list[TokenLogprob] | None  # see ScheduledSeq.prompt_logprob_start
+    accepted: tuple[TokenLogprob, ...] = ()     # draft tokens accepted; emitted before `token`
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,4 +82,9 @@ class Runner(Protocol):
 
     def info(self) -> dict:
         """JSON-able facts for /get_server_info (device, attention backend, KV dtype, ...)."""
+        ...
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Raise InvalidRequest for what only the runner can judge (a JSON schema it cannot
+        compile); runners without such checks do nothing."""
         ...

@@ -6,6 +6,10 @@ the next chunk when still prefilling), then waiting requests are admitted in pol
 while budget, `max_running_requests` and pages allow. Running out of pages is handled by
 evicting unlocked radix leaves (inside KVManager.allocate) and then preempting the newest
 running request; its computed prefix stays in the radix cache, so recompute is cheap.
+
+Speculative decoding (`--speculative-algorithm ngram`): a decoding request may get draft tokens
+(engine/speculative.py) and then computes 1 + len(draft) positions in its step, inside the same
+budget; pages are allocated for all of them and the runner verifies the draft.
 """
 from __future__ import annotations
 
@@ -16,20 +20,23 @@ from dataclasses import dataclass
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
+from radixserve.engine.speculative import NgramProposer
 
 
 @dataclass(frozen=True, slots=True)
 class Scheduled:
-    """One request's work in a step: compute KV for tokens [start, start + num_tokens)."""
+    """One request's work in a step: compute KV for tokens [start, start + num_tokens); with a
+    draft, the last known token plus the draft tokens (num_tokens = 1 + len(draft))."""
 
     req: Request
     start: int
     num_tokens: int
+    draft: tuple[int, ...] = ()
 
     @property
     def completes_sequence(self) -> bool:
         """True when after this step every known token has KV, so a token can be sampled."""
-        return self.start + self.num_tokens == self.req.num_tokens
+        return self.start + self.num_tokens - len(self.draft) == self.req.num_tokens
 
 
 class Scheduler:
@@ -41,6 +48,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.proposer = (NgramProposer(config.speculative_num_draft_tokens)
+                         if config.speculative_algorithm == "ngram" else None)
+        self.max_request_tokens = kv.num_pages * kv.page_size   # the engine lowers it to the context
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -60,13 +70,25 @@ class Scheduler:
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._allocate_or_preempt(req, n, batch):
-                batch.append(Scheduled(req, req.num_computed_tokens, n))
-                budget -= n
+            draft = self._draft(req, budget) if n == 1 else ()
+            if self._allocate_or_preempt(req, n + len(draft), batch):
+                batch.append(Scheduled(req, req.num_computed_tokens, n + len(draft), draft))
+                budget -= n + len(draft)
         # Admitting new work right after a preemption would only thrash the pages.
         if budget > 0 and self.num_preemptions == num_preemptions:
             self._admit(budget, batch)
         return batch
+
+    def _draft(self, req: Request, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding request: never past max_tokens (the verified step also
+        emits one token of its own), the sequence limit, or the step's budget."""
+        if self.proposer is None or req.params.json_schema is not None:
+            return ()
+        limit = min(req.max_tokens - len(req.output_ids) - 1,
+                    self.max_request_tokens - req.num_tokens - 1, budget - 1)
+        if limit <= 0:
+            return ()
+        return tuple(self.proposer.propose(req.request_id, req.all_ids, limit))
 
     def _allocate_or_preempt(self, req: Request, n: int, batch: list[Scheduled]) -> bool:
         """Get pages for n more tokens of req, preempting the newest other running requests
@@ -147,3 +169,5 @@ class Scheduler:
         self.kv.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+        if self.proposer is not None:
+            self.proposer.release(req.request_id)

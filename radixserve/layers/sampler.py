@@ -1,6 +1,7 @@
 """Sampling: penalties, min-tokens masking, temperature / min-p / top-k / top-p, seeded draws, and logprobs.
 
-Order per row (vLLM v1 semantics): logprobs are taken from the RAW logits; then repetition
+Order per row (vLLM v1 semantics): logprobs are taken from the RAW logits; then logit_bias
+(OpenAI: added to the given token ids' logits, in [-100, 100]); then repetition
 penalty (over prompt + output ids: positive logits divided, negative multiplied, as in
 CTRL / HF), frequency and presence penalties (over output ids, OpenAI formula
 `logit -= freq * count + pres * (count > 0)`), eos + stop ids masked while
@@ -22,6 +23,7 @@ distribution it was drawn from, and never falls through to the last vocabulary i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import math
@@ -32,11 +34,13 @@ from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_ACCEPT_STREAM, _RESIDUAL_STREAM = 0x5EC0A, 0x5EC0B   # seed salts of speculative draws
 
 
 class SampleRow(Protocol):
     """What the sampler reads of one row (ScheduledSeq satisfies it)."""
 
+    request_id: str
     params: SamplingParams
     seed: int
     prompt_ids: list[int]
@@ -74,11 +78,16 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)
         self._generator = torch.Generator()
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[TokenLogprob]:
-        """logits: (R, V) fp32 raw model logits, one row per entry of `rows`. Returns one
-        TokenLogprob per row; top lists hold `params.logprobs` entries (0 when None)."""
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+               allowed: torch.Tensor | None = None) -> list[TokenLogprob]:
+        """logits: (R, V) fp32 raw model logits, one row per entry of `rows`; `allowed`: (R, V)
+        bool, False for tokens a row may not sample (structured output), applied after the
+        penalties. Returns one TokenLogprob per row; top lists hold `params.logprobs` entries
+        (0 when None); logprobs are those of the raw logits."""
         assert logits.shape[0] == len(rows), "one logits row per sample row"
         x = finite_or_masked(self._penalised(logits, rows))
+        if allowed is not None:
+            x = x.masked_fill(~allowed, float("-inf"))
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not drawn:
@@ -100,10 +109,14 @@ class Sampler:
         for i, r in enumerate(rows):
             p = r.params
             masked = r.min_tokens_left > 0 and (self.eos_token_ids or p.stop_token_ids)
-            if not (p.has_penalties or masked):
+            if not (p.adjusts_logits or masked):
                 continue
             if x is logits:
                 x = logits.clone()
+            if p.logit_bias:   # OpenAI's logit_bias: added before the penalties (vLLM's order)
+                ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=x.device)
+                bias = torch.tensor([b for _, b in p.logit_bias], dtype=x.dtype, device=x.device)
+                x[i].index_add_(0, ids, bias)
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=x.device)
                 vals = x[i, seen]
@@ -136,6 +149,57 @@ class Sampler:
         picked = torch.where(degenerate, x.argmax(dim=-1, keepdim=True), picked)
         return picked.squeeze(1)
 
+    def verify(self, logits: torch.Tensor, row: SampleRow, draft: Sequence[int]) -> tuple[list[TokenLogprob], TokenLogprob]:
+        """Speculative verification of a deterministic draft (n-gram): `logits` (k + 1, V) raw,
+        row i scoring the token after draft[:i]. Returns (accepted draft tokens, the token
+        that follows them), every one with raw logprobs.
+
+        Position i is processed as the non-speculative sampler would process that step (output
+        ids extended by draft[:i], min_tokens counted down). Greedy accepts the longest prefix
+        equal to the argmax, then takes the argmax. Otherwise speculative sampling (Leviathan et
+        al. 2023; Chen et al. 2023) with a point-mass draft q = delta(d): accept d with
+        probability p(d), else draw from the residual max(p - q, 0), i.e. p without d,
+        renormalised; after k acceptances the last token is drawn exactly as an ordinary step.
+        The emitted tokens are distributed exactly as without speculation; uniforms come from
+        the request seed and step, so a seed reproduces."""
+        k = len(draft)
+        rows = [_Shifted(row, list(draft[:i])) for i in range(k + 1)]
+        x = finite_or_masked(self._penalised(logits, rows))
+        if row.params.is_greedy:
+            picks = x.argmax(dim=-1).tolist()
+            j = next((i for i in range(k) if picks[i] != draft[i]), k)
+            final = picks[j]
+        else:
+            probs = torch.softmax(_processed(x, rows), dim=-1)                  # (k + 1, V)
+            j, final = 0, None
+            while j < k and final is None:
+                step = len(row.output_ids) + j
+                if self._uniform(row.seed ^ _ACCEPT_STREAM, step) < float(probs[j, draft[j]]):
+                    j += 1
+                    continue
+                residual = probs[j].clone()
+                residual[draft[j]] = 0.0
+                final = self._inverse_cdf(residual, self._uniform(row.seed ^ _RESIDUAL_STREAM, step))
+            if final is None:
+                final = int(self._draw(x[k:k + 1], rows[k:k + 1])[0])
+        ids = list(draft[:j]) + [final]
+        top = max(row.params.logprobs or 0, 0)
+        out = token_logprobs(logits[:j + 1], torch.tensor(ids, device=logits.device), top)
+        return out[:j], out[j]
+
+    def _uniform(self, seed: int, step: int) -> float:
+        self._generator.manual_seed(step_seed(seed & _MASK64, step))
+        return torch.rand((), generator=self._generator, dtype=torch.float64).item()
+
+    @staticmethod
+    def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
+        """Index drawn from unnormalised non-negative `weights` (V,) with uniform u; never a
+        zero-weight index (falls back to the largest weight)."""
+        cdf = torch.cumsum(weights, dim=0)
+        i = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype), right=True)[0])
+        i = min(i, weights.shape[0] - 1)
+        return i if weights[i] > 0 else int(weights.argmax())
+
     @staticmethod
     def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one:
@@ -147,6 +211,38 @@ class Sampler:
         drop[:, 0] = False
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+@dataclass(slots=True)
+class _Shifted:
+    """A sample row as it will be `len(extra)` steps later, after `extra` was emitted."""
+
+    row: SampleRow
+    extra: list[int]
+
+    @property
+    def request_id(self) -> str:
+        return self.row.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.row.params
+
+    @property
+    def seed(self) -> int:
+        return self.row.seed
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.row.prompt_ids
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.row.output_ids + self.extra if self.extra else self.row.output_ids
+
+    @property
+    def min_tokens_left(self) -> int:
+        return max(self.row.min_tokens_left - len(self.extra), 0)
 
 
 def finite_or_masked(x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from radixserve.layers.linear import GateUpLinear, Linear, QKVLinear
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding, rope_inv_freq
 from radixserve.models.model_config import ModelConfig
-from radixserve.models.moe import MoE, Router
+from radixserve.models.moe import Experts, MoE, Router
 
 
 class LlamaAttention(torch.nn.Module):
@@ -145,7 +145,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rotary.cos_cache = self.rotary.cos_cache.to(device=device, dtype=dtype)
         self.rotary.sin_cache = self.rotary.sin_cache.to(device=device, dtype=dtype)
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, Router, Experts)):
                 module.prepare(batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,

@@ -10,18 +10,39 @@ Two routers, as transformers implements them:
   routed_scaling_factor.
 
 Experts run grouped: the (token, choice) pairs are sorted by expert and each active expert
-does one matmul over all its tokens; no Python loop over tokens. A token's k expert outputs are
+does one matmul over all its tokens; no Python loop over tokens. On CPU each expert's weights
+are prepacked for oneDNN by `prepare()` (as layers/linear.py does; at the few tokens an expert
+gets per step MKL's sgemm runs 1.6x slower, benchmarks/moe_layer.py), which also makes them
+batch-invariant for --enable-deterministic-inference, the router included. A token's k expert outputs are
 summed in ascending expert order (as transformers adds them), then the shared experts' output.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
+from radixserve.layers import batch_invariant as bi
 from radixserve.layers.activation import silu_and_mul
 from radixserve.models.model_config import MoEConfig
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+logger = logging.getLogger(__name__)
+
+
+def _packed(weights: list[torch.Tensor], batch_invariant: bool) -> list[torch.Tensor] | None:
+    """oneDNN-packed copies of (N, K) weights on CPU; None where packing is unavailable (an
+    error instead under batch_invariant, whose guarantee needs them)."""
+    if weights[0].device.type != "cpu" and not batch_invariant:
+        return None
+    try:
+        return [bi.pack(w) for w in weights]
+    except ValueError:
+        if batch_invariant:
+            raise
+        logger.info("MoE experts: oneDNN packing unavailable for %s; using F.linear", weights[0].dtype)
+        return None
 
 
 class Router(torch.nn.Module):
@@ -34,17 +55,30 @@ class Router(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(config.num_experts, hidden_size), requires_grad=False)
         self.e_score_correction_bias = (torch.nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
                                         if config.scoring == "sigmoid" else None)
+        self._packed: torch.Tensor | None = None   # batch-invariant mode only
+
+    def prepare(self, batch_invariant: bool = False) -> None:
+        """Pack the router weight for batch-invariant logits (deterministic mode only)."""
+        self._packed = None
+        if batch_invariant:
+            dtype = torch.float32 if self.config.scoring == "sigmoid" else self.weight.dtype
+            self._packed = bi.pack(self.weight.data.to(dtype))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return bi.matmul(x, self._packed)
+        return F.linear(x, self.weight.to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, hidden) -> (weights (T, k) fp32, expert ids (T, k) int64)."""
         c = self.config
         if c.scoring == "softmax":
-            probs = torch.softmax(F.linear(x, self.weight.to(x.dtype)), dim=-1, dtype=torch.float32)
+            probs = torch.softmax(self._logits(x), dim=-1, dtype=torch.float32)
             weights, ids = torch.topk(probs, c.top_k, dim=-1)
             if c.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return weights, ids
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()                       # (T, E)
+        scores = self._logits(x.float()).sigmoid()                                        # (T, E)
         choice = scores + self.e_score_correction_bias
         if c.num_groups > 1:
             grouped = choice.view(-1, c.num_groups, c.num_experts // c.num_groups)
@@ -71,6 +105,13 @@ class Experts(torch.nn.Module):
         self.intermediate_size = i
         self.gate_up = torch.nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
         self.down = torch.nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
+        self._gate_up_packed: list[torch.Tensor] | None = None
+        self._down_packed: list[torch.Tensor] | None = None
+
+    def prepare(self, batch_invariant: bool = False) -> None:
+        """Build the per-expert oneDNN-packed weights (see module docstring)."""
+        self._gate_up_packed = _packed(list(self.gate_up.data), batch_invariant)
+        self._down_packed = _packed(list(self.down.data), batch_invariant)
 
     def checkpoint_names(self) -> list[str]:
         """`{expert}.{projection}` for every tensor `load_expert` must receive."""
@@ -101,8 +142,12 @@ class Experts(torch.nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 part = rows[start:start + count]
-                hidden = silu_and_mul(F.linear(part, self.gate_up[expert]))
-                out[start:start + count] = F.linear(hidden, self.down[expert])
+                if self._gate_up_packed is not None and self._down_packed is not None:
+                    hidden = silu_and_mul(bi.matmul(part, self._gate_up_packed[expert]))
+                    out[start:start + count] = bi.matmul(hidden, self._down_packed[expert])
+                else:
+                    hidden = silu_and_mul(F.linear(part, self.gate_up[expert]))
+                    out[start:start + count] = F.linear(hidden, self.down[expert])
                 start += count
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)

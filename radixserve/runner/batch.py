@@ -24,7 +24,8 @@ class StepBatch:
     """All tensors of one step. Device tensors for kernels, host lists for Python-side planning.
 
     `sample_rows[i]` / `prompt_rows[i]` index into the logits computed for `logit_rows`
-    (None when sequence i needs none)."""
+    (None when sequence i needs none); a sequence with a draft of k tokens has k + 1 sample
+    logits from sample_rows[i] on."""
 
     input_ids: torch.Tensor          # (T,) int64
     positions: torch.Tensor          # (T,) int64
@@ -89,8 +90,8 @@ def build_step(batch: ScheduledBatch, page_size: int, device: torch.device | str
         else:
             prompt_rows.append(None)
         sample_rows.append(len(logit_rows) if seq.sample else None)
-        if seq.sample:
-            logit_rows.append(row + n - 1)
+        if seq.sample:   # a draft is verified from the logits of all its positions
+            logit_rows.extend(range(row + n - 1 - len(seq.draft), row + n))
     max_pages = max(len(p) for p in page_lists)
     table = [p + [0] * (max_pages - len(p)) for p in page_lists]
 

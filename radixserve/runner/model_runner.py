@@ -18,7 +18,9 @@ from radixserve.runner import kv_scales
 from radixserve.runner.attention.base import AttentionBackend, create_backend
 from radixserve.runner.batch import build_step
 from radixserve.runner.device import resolve_device
+from radixserve.sampling_params import SamplingParams
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache
+from radixserve.runner.structured import StructuredOutput
 from radixserve.weights.loader import load_checkpoint, load_weights, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,8 @@ class ModelRunner:
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device,
                                                         batch_invariant=deterministic)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutput(resolve_model_path(config.model_path), self.vocab_size,
+                                           self.eos_token_ids)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ModelRunner:
@@ -130,6 +134,12 @@ class ModelRunner:
             out["kv_scales"] = self.kv_scales.describe()
         return out
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """What only the runner can check of a request (Engine.add_request calls it): a JSON
+        schema must compile (runner/structured.py). Raises InvalidRequest."""
+        if params.json_schema is not None:
+            self.structured.check(params.json_schema)
+
     @staticmethod
     def _num_pages(config: EngineConfig, mc: ModelConfig) -> int:
         if config.max_total_tokens is not None:
@@ -149,16 +159,23 @@ class ModelRunner:
         step = build_step(batch, self.page_size, self.device)
         attn = self.backend.prepare(step)
         logits = self.model(step.input_ids, step.positions, attn, step.logit_rows)   # (R, V) fp32
-        sample_idx = [r for r in step.sample_rows if r is not None]
+        plain = [(s, r) for s, r in zip(batch.seqs, step.sample_rows) if r is not None and not s.draft]
         sampled: list[TokenLogprob] = []
-        if sample_idx:
-            rows = [s for s, r in zip(batch.seqs, step.sample_rows) if r is not None]
+        if plain:
+            rows = [s for s, _ in plain]
+            sample_idx = [r for _, r in plain]
             picked = logits if len(sample_idx) == logits.shape[0] else logits[sample_idx]
-            sampled = self.sampler.sample(picked, rows)
+            sampled = self.sampler.sample(picked, rows, self.structured.token_mask(rows, self.device))
         results = []
         it = iter(sampled)
         for seq, sample_row, prompt in zip(batch.seqs, step.sample_rows, step.prompt_rows):
-            token = next(it) if sample_row is not None else None
+            accepted: tuple[TokenLogprob, ...] = ()
+            if sample_row is not None and seq.draft:
+                verify_logits = logits[sample_row:sample_row + len(seq.draft) + 1]
+                kept, token = self.sampler.verify(verify_logits, seq, seq.draft)
+                accepted = tuple(kept)
+            else:
+                token = next(it) if sample_row is not None else None
             prompt_lps = None
             if prompt is not None:
                 first, targets = prompt
@@ -166,5 +183,5 @@ class ModelRunner:
                 k = seq.params.prompt_logprobs or 0
                 prompt_lps = (token_logprobs(rows, torch.tensor(targets, device=self.device), k)
                               if targets else [])
-            results.append(SeqResult(seq.request_id, token, prompt_lps))
+            results.append(SeqResult(seq.request_id, token, prompt_lps, accepted))
         return RunnerOutput(results)

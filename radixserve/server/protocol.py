@@ -1,6 +1,7 @@
 """OpenAI request and response schemas (pydantic), and the bounded rendering of validation errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -66,8 +67,6 @@ class _GenerationRequest(_Strict):
                         prompt_logprobs: int | None) -> SamplingParams:
         """The SamplingParams of the request (n choices); raises InvalidRequest for an
         unsupported field. Ranges are checked once, by the engine's add_request."""
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         params = SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -78,7 +77,8 @@ class _GenerationRequest(_Strict):
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=_logit_bias(self.logit_bias))
         return params
 
     @property
@@ -150,8 +150,23 @@ class ChatMessage(_Strict):
 
 
 class ResponseFormat(_Strict):
+    """OpenAI's response_format: text, any JSON object, or {"json_schema": {"name", "schema", "strict"}}."""
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must match, as text (None for "text"). Raises
+        InvalidRequest when a json_schema format has no schema object."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        schema = (self.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format json_schema needs json_schema.schema, a JSON schema object",
+                                 param="response_format")
+        return json.dumps(schema)
 
 
 # A function name: what OpenAI allows plus ".", ":" and "/" (MCP-style names); never spaces,
@@ -193,6 +208,13 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None) -> SamplingParams:
+        """As for completions, plus response_format's schema (structured output)."""
+        params = super().sampling_params(max_tokens, logprobs, prompt_logprobs)
+        schema = self.response_format.schema_text() if self.response_format is not None else None
+        return params if schema is None else dataclasses.replace(params, json_schema=schema)
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -358,3 +380,15 @@ def render_details(details: list[dict]) -> tuple[str, str | None]:
     first_loc = [str(x) for x in details[0].get("loc", ()) if x != "body"]
     param = ".".join(first_loc)[:200] or None
     return message[:MAX_ERROR_MESSAGE_CHARS], param
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} -> ((id, bias), ...); ranges are checked by the engine.
+    Raises InvalidRequest for a key that is not a non-negative integer."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or len(key) > 12:
+            raise InvalidRequest(f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                                 param="logit_bias")
+        pairs.append((int(key), value))
+    return tuple(pairs)

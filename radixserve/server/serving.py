@@ -136,9 +136,6 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
                       tools: list[dict] | None = None) -> Prompt:
     """Render the chat template over `messages` (every field kept, chat_tools.py's `tools`
     offered, `chat_template_kwargs` passed on) into token ids (raises InvalidRequest)."""
-    if req.response_format is not None and req.response_format.type != "text":
-        raise InvalidRequest(f"response_format type {req.response_format.type!r} is not supported",
-                             param="response_format")
     messages = [m.template_dict() for m in req.messages]
     # Only user messages count toward the bytes bound: every template renders them verbatim,
     # while others may be dropped (Qwen3 drops earlier assistant reasoning).

@@ -140,9 +140,21 @@ def test_out_of_range_token_ids(server):
         assert_error(completion(server, prompt=prompt), 400)
 
 
+def test_logit_bias_forces_a_token_and_bad_bias_is_400(server):
+    picked = []
+    for token in ("5", "6"):
+        r = completion(server, prompt="Hi", max_tokens=3, temperature=0, logprobs=0, logit_bias={token: 100})
+        assert r.status_code == 200, r.text
+        tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+        assert len(tokens) == 3 and len(set(tokens)) == 1
+        picked.append(tokens[0])
+    assert picked[0] != picked[1]
+    for bias in ({"x": 1}, {"-1": 1}, {"5": 101}, {"10000000": 1}, {"5": "a lot"}):
+        assert_error(completion(server, prompt="Hi", logit_bias=bias), 400)
+
+
 def test_unsupported_features_are_400(server):
     assert_error(completion(server, prompt="Hi", suffix="x"), 400)
-    assert_error(completion(server, prompt="Hi", logit_bias={"5": 1.0}), 400)
     assert_error(chat(server, tools=[{"type": "function", "function": {"name": "f"}}]), 400)
     assert_error(chat(server, response_format={"type": "json_object"}), 400)
     assert_error(chat(server, top_logprobs=2), 400)  # without logprobs: true

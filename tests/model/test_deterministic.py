@@ -11,6 +11,8 @@ from radixserve import LLM, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine.runner_api import ScheduledBatch
 from radixserve.runner.model_runner import ModelRunner
+from tests.model.test_families import build_family
+from tests.model.test_parity import make_engine, prompt_set
 from tests.model.test_runner import Harness, Seq, mixed_batch_scenario
 
 DET = {"enable_deterministic_inference": True}
@@ -32,8 +34,17 @@ def _record(runner: ModelRunner, steps: list[list[tuple[Seq, int | None]]], watc
     return got
 
 
-def test_tokens_and_logprobs_do_not_depend_on_batch_chunking_or_cache(gqa_dir):
-    h = Harness(gqa_dir, 16, seed=1, **DET)
+@pytest.fixture(scope="module")
+def glm4_moe_dir(tmp_path_factory):
+    return build_family(tmp_path_factory.mktemp("glm4_moe"), "glm4_moe")
+
+
+@pytest.mark.parametrize("model", ["llama", "glm4_moe"])
+def test_tokens_and_logprobs_do_not_depend_on_batch_chunking_or_cache(request, model):
+    """glm4_moe adds routed experts (how many tokens an expert gets depends on the batch),
+    q/k norm and partial RoPE."""
+    folder = request.getfixturevalue("gqa_dir" if model == "llama" else "glm4_moe_dir")
+    h = Harness(folder, 16, seed=1, **DET)
     prompt = [h.rng.randrange(3, h.vocab) for _ in range(150)]
 
     alone = h.new_seq("alone", 0)
@@ -61,6 +72,31 @@ def test_tokens_and_logprobs_do_not_depend_on_batch_chunking_or_cache(gqa_dir):
     hit.computed = 64
     steps = [[(hit, 1)], [(hit, 40), (donor, None)], [(hit, None)]] + [[(hit, None), (donor, None)]] * 5
     assert _record(h.runner, steps, hit) == ref
+
+
+def _generate(engine, prompts: list[list[int]], at_once: bool) -> list[list[tuple[int, float]]]:
+    """Greedy 48 tokens per prompt with their logprobs (exact floats)."""
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=0)
+    got: dict[str, list[tuple[int, float]]] = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending and (at_once or not engine.has_unfinished()):
+            batch, pending = (pending, []) if at_once else (pending[:1], pending[1:])
+            for i, prompt in batch:
+                engine.add_request(str(i), prompt, params)
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend((t.token_id, t.logprob) for t in out.new_logprobs or [])
+        engine.check_invariants()
+    return [got[str(i)] for i in range(len(prompts))]
+
+
+def test_tokens_and_logprobs_equal_one_at_a_time_and_under_preemption(gqa_dir):
+    prompts = prompt_set(384, 7, [5, 17, 33, 64, 90, 129, 150, 200])
+    alone = _generate(make_engine(gqa_dir, **DET), prompts, at_once=False)
+    tight = make_engine(gqa_dir, max_total_tokens=640, chunked_prefill_size=32, **DET)
+    together = _generate(tight, prompts, at_once=True)
+    assert tight.stats()["num_preemptions"] > 0
+    assert all(len(x) == 48 for x in alone) and together == alone
 
 
 @pytest.mark.parametrize("decodes_first", [True, False])

@@ -4,6 +4,11 @@ The fake KV holds (token, position) per slot. Every step writes the input tokens
 slots the page table names and reads the whole context back through the page table, so a
 wrong page table, a page freed too early, or a page shared by mistake changes the output or
 trips an assertion. The next token is a hash of the context: any corruption shows.
+
+`copy_period` > 0 makes the fake model copy: the next token is the one `copy_period` positions
+back, except where the context hash says otherwise (one position in `copy_noise`), so n-gram
+drafts are mostly but not always right. Draft sequences (speculative decoding) are verified
+greedily against that same next-token function, position by position.
 """
 from __future__ import annotations
 
@@ -14,12 +19,14 @@ from radixserve.outputs import TokenLogprob
 
 
 def reference_next_token(context: list[int], vocab_size: int, eos: int | None = None,
-                         eos_every: int = 0) -> int:
+                         eos_every: int = 0, copy_period: int = 0, copy_noise: int = 7) -> int:
     """The token the fake model emits after `context` (what a correct engine must return)."""
     digest = hashlib.blake2b(repr(context).encode(), digest_size=8).digest()
     value = int.from_bytes(digest, "little")
     if eos is not None and eos_every and value % eos_every == 0:
         return eos
+    if copy_period and len(context) >= copy_period and value % copy_noise:
+        return context[-copy_period]
     token = value % vocab_size
     return token if token != eos else (token + 1) % vocab_size
 
@@ -28,10 +35,11 @@ class FakeRunner:
     """Runner protocol implementation with no tensors (see module docstring)."""
 
     def __init__(self, num_pages: int = 64, page_size: int = 4, vocab_size: int = 1000,
-                 max_context_len: int = 4096, eos: int | None = None, eos_every: int = 0):
+                 max_context_len: int = 4096, eos: int | None = None, eos_every: int = 0,
+                 copy_period: int = 0):
         self.num_pages, self.page_size, self.vocab_size = num_pages, page_size, vocab_size
         self.max_context_len = max_context_len
-        self.eos, self.eos_every = eos, eos_every
+        self.eos, self.eos_every, self.copy_period = eos, eos_every, copy_period
         self.eos_token_ids = frozenset([eos] if eos is not None else [])
         self.slots: list[tuple[int, int] | None] = [None] * (num_pages * page_size)
         self.steps: list[ScheduledBatch] = []
@@ -60,16 +68,25 @@ class FakeRunner:
                 entry = self.slots[self.slot(seq.page_ids, pos)]
                 assert entry is not None and entry[1] == pos, f"stale KV at position {pos}"
                 context.append(entry[0])
-            token = None
+            token, accepted = None, []
             if seq.sample:
-                tid = reference_next_token(context, self.vocab_size, self.eos, self.eos_every)
-                if seq.min_tokens_left > 0 and tid in self.eos_token_ids | set(seq.params.stop_token_ids):
-                    tid = (tid + 1) % self.vocab_size
-                token = TokenLogprob(tid, -0.5, [(tid, -0.5)])
+                # Position i of a draft scores the token after context[:end - k + i].
+                k = len(seq.draft)
+                for i in range(k + 1):
+                    token = self._next(context[:end - k + i], seq.min_tokens_left - i, seq.params.stop_token_ids)
+                    if i == k or token.token_id != seq.draft[i]:
+                        break
+                    accepted.append(token)
             prompt_lp = None
             if seq.prompt_logprob_start is not None:
                 last = min(end, len(seq.prompt_ids) - 1)
                 prompt_lp = [TokenLogprob(seq.prompt_ids[q], -1.0, [])
                              for q in range(seq.start_pos + 1, last + 1)]
-            results.append(SeqResult(seq.request_id, token, prompt_lp))
+            results.append(SeqResult(seq.request_id, token, prompt_lp, tuple(accepted)))
         return RunnerOutput(results)
+
+    def _next(self, context: list[int], min_tokens_left: int, stop_ids) -> TokenLogprob:
+        tid = reference_next_token(context, self.vocab_size, self.eos, self.eos_every, self.copy_period)
+        if min_tokens_left > 0 and tid in self.eos_token_ids | set(stop_ids):
+            tid = (tid + 1) % self.vocab_size
+        return TokenLogprob(tid, -0.5, [(tid, -0.5)])

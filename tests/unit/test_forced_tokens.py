@@ -101,3 +101,23 @@ def test_bad_arguments_are_refused(token_ids, count, param):
     assert err.value.param == param
     engine.add_request("a", [4, 4], SamplingParams(max_tokens=1))
     assert run_all(engine)["a"][0] == reference([4, 4], 1)   # nothing armed
+
+
+def test_forced_tokens_under_speculative_decoding_match_plain_decoding():
+    """Drafts verified in one step are replaced by forced tokens like single samples: the run
+    is cut after the first replaced token and its draft KV is not kept, so the outputs (and
+    the model's samples after the forced part) are those of plain decoding."""
+    from tests.unit.test_speculative_engine import PROMPTS, make_engine as make_spec_engine
+    from tests.unit.test_speculative_engine import run as run_spec
+
+    forced = (PROMPTS["r2"][:6] * 3)[:14] + [11, 12]   # repeats the prompt: n-gram drafts follow
+    params = SamplingParams(max_tokens=40, temperature=0, logprobs=1)
+    results = []
+    for spec in (False, True):
+        engine = make_spec_engine(spec)
+        engine.arm_forced_tokens(forced, count=len(PROMPTS))
+        results.append(run_spec(engine, PROMPTS, params))
+    plain, speculative = results
+    assert speculative == plain
+    assert all(got["ids"][:len(forced)] == forced for got in plain.values())
+    assert engine.stats()["spec_num_verify_steps"] > 0

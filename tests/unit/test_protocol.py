@@ -105,8 +105,10 @@ def test_out_of_range_fields_keep_their_name_for_the_engine_check(fields, param)
     assert err.value.param == param
 
 
-def test_unsupported_logit_bias_is_rejected_when_building_params():
-    req = completion(logit_bias={"1": 2.0})
+def test_logit_bias_keys_become_token_ids():
+    req = completion(logit_bias={"1": 2.0, "17": -100})
+    assert req.sampling_params(req.max_tokens, req.logprobs, None).logit_bias == ((1, 2.0), (17, -100.0))
+    req = completion(logit_bias={"one": 2.0})
     with pytest.raises(InvalidRequest) as err:
         req.sampling_params(req.max_tokens, req.logprobs, None)
     assert err.value.param == "logit_bias"

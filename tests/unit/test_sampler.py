@@ -57,6 +57,28 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative():
     assert float(x[0, 3]) == 1.0 and float(x[0, 5]) == -2.0 and float(x[0, 4]) == 1.5
 
 
+def test_logit_bias_steers_greedy_and_sampling_but_not_logprobs():
+    logits = logits_from_probs([0.7, 0.2, 0.1])
+    forced = SamplingParams(temperature=0, logprobs=1, logit_bias={2: 100.0})
+    out = sampler().sample(logits, [Row(forced)])[0]
+    assert out.token_id == 2
+    assert out.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[0, 2]), abs=1e-6)   # raw
+    banned = SamplingParams(temperature=1.0, logit_bias={0: -100.0, 1: -100.0})
+    assert draws(logits, banned) == {2}
+    assert len(draws(logits, SamplingParams(temperature=1.0))) == 3
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({V: 1.0}, "invalid token id"), ({-1: 1.0}, "invalid token id"), ({3: 100.5}, "in \\[-100, 100\\]"),
+    ({3: float("nan")}, "finite"), ({i: 1.0 for i in range(1025)}, "at most 1024"),
+])
+def test_logit_bias_out_of_range_is_invalid(bias, message):
+    from radixserve.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=message):
+        SamplingParams(logit_bias=bias).validate(V)
+
+
 def test_frequency_and_presence_penalties_count_output_only():
     logits = torch.zeros(1, V)
     row = Row(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),

@@ -1,0 +1,74 @@
+"""Structured output (issue 15): grammar masks from xgrammar on the default model's vocabulary.
+
+The scaled-down run of benchmarks/structured_output.py (10 schemas, greedy and sampled: every
+output schema-valid), the mask life cycle (complete -> only end of sequence; a token that
+breaks the grammar -> only end of sequence; a matcher lost to the LRU is rebuilt from the output
+ids with the same mask, as after preemption), and schemas refused before anything is queued.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from radixserve import LLM, SamplingParams
+from radixserve.errors import InvalidRequest
+from radixserve.runner.structured import StructuredOutput
+from radixserve.weights.loader import resolve_model_path
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "structured_output.py"
+SCHEMA = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                     "additionalProperties": False})
+
+
+@dataclass
+class Row:
+    request_id: str
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_total_tokens=16384)
+
+
+def test_every_output_matches_its_schema(llm):
+    spec = importlib.util.spec_from_file_location("structured_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.run(llm, per_schema=2, max_tokens=160)["constrained"]
+    assert result["valid"] == result["total"] == 20, result["invalid"]
+
+
+def test_mask_life_cycle(llm):
+    runner = llm.engine.runner
+    so = StructuredOutput(resolve_model_path(None), runner.vocab_size, runner.eos_token_ids, max_matchers=1)
+    tok = llm.tokenizer
+    params = SamplingParams(json_schema=SCHEMA)
+    text_ids = tok.encode('{"ok": true}')
+    row = Row("a", params)
+    first = so.token_mask([row, Row("free", SamplingParams())], torch.device("cpu"))
+    assert first.shape == (2, runner.vocab_size) and bool(first[1].all())
+    assert bool(first[0, text_ids[0]]) and not bool(first[0, tok.encode("Hello")[0]])
+    row.output_ids = text_ids[:2]
+    partial = so.token_mask([row], torch.device("cpu"))
+    so.token_mask([Row("other", params)], torch.device("cpu"))        # evicts "a" (max_matchers=1)
+    assert torch.equal(so.token_mask([row], torch.device("cpu")), partial)   # rebuilt from output ids
+    row.output_ids = list(text_ids)
+    done = so.token_mask([row], torch.device("cpu"))[0]
+    assert set(done.nonzero().flatten().tolist()) == set(so.eos_token_ids)
+    broken = Row("b", params, tok.encode("Hello"))
+    assert set(so.token_mask([broken], torch.device("cpu"))[0].nonzero().flatten().tolist()) == set(so.eos_token_ids)
+
+
+@pytest.mark.parametrize("schema", ['{"type": "strnig"}', "not json", '{"type": "object", "properties": 5}'])
+def test_unusable_schema_is_refused_before_queueing(llm, schema):
+    with pytest.raises(InvalidRequest) as err:
+        llm.generate("Hi", SamplingParams(max_tokens=4, json_schema=schema), use_tqdm=False)
+    assert err.value.param == "response_format"
+    assert not llm.engine.requests

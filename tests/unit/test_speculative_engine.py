@@ -1,0 +1,99 @@
+"""Speculative decoding in the engine, over the fake runner in copy mode (most drafts right,
+some wrong): every per-token rule holds for accepted tokens exactly as without speculation
+(cases C33-C36: max_tokens never overshot, stop ids and EOS end inside an accepted run,
+min_tokens, logprobs one per token, usage), rejected positions never reach the radix tree,
+and preemption and aborts leave no page behind."""
+from __future__ import annotations
+
+import pytest
+
+from radixserve.config import EngineConfig
+from radixserve.engine.engine import Engine
+from radixserve.sampling_params import SamplingParams
+from tests.unit.fake_runner import FakeRunner
+
+VOCAB = 500
+SPEC = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4}
+
+
+def make_engine(spec: bool, num_pages: int = 256, eos: int | None = None, eos_every: int = 0) -> Engine:
+    runner = FakeRunner(num_pages, 4, VOCAB, 4096, eos, eos_every, copy_period=6)
+    return Engine(EngineConfig(page_size=4, chunked_prefill_size=64, **(SPEC if spec else {})), runner)
+
+
+def run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams) -> dict:
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    got: dict[str, dict] = {rid: {"ids": [], "lps": 0} for rid in prompts}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id]["ids"] += out.new_token_ids
+            got[out.request_id]["lps"] += len(out.new_logprobs or [])
+            if out.finished:
+                got[out.request_id]["reason"] = out.finish_reason
+        engine.check_invariants()
+    return got
+
+
+PROMPTS = {f"r{i}": [(7 * i + j) % 97 + 3 for j in range(6)] * (2 + i % 3) for i in range(6)}
+
+
+@pytest.mark.parametrize("case", ["length", "stop_id", "eos", "min_tokens", "logprobs", "preemption"])
+def test_rules_hold_for_accepted_tokens(case):
+    eos = 3 if case in ("eos", "min_tokens") else None
+    eos_every = 5 if case == "min_tokens" else 40   # min_tokens: EOS is likely and masked at first
+    params = {
+        "length": SamplingParams(max_tokens=13, temperature=0),
+        "stop_id": SamplingParams(max_tokens=60, temperature=0, stop_token_ids=[PROMPTS["r1"][2]]),
+        "eos": SamplingParams(max_tokens=60, temperature=0),
+        "min_tokens": SamplingParams(max_tokens=60, min_tokens=12, temperature=0),
+        "logprobs": SamplingParams(max_tokens=30, temperature=0, logprobs=1),
+        "preemption": SamplingParams(max_tokens=40, temperature=0),
+    }[case]
+    pages = 24 if case == "preemption" else 256
+    plain = run(make_engine(False, pages, eos, eos_every), PROMPTS, params)
+    engine = make_engine(True, pages, eos, eos_every)
+    spec = run(engine, PROMPTS, params)
+    assert spec == plain
+    s = engine.stats()
+    assert 0 < s["spec_num_accepted_tokens"] < s["spec_num_draft_tokens"]      # some drafts rejected
+    assert s["num_generated_tokens"] == sum(len(g["ids"]) for g in spec.values())
+    assert all(len(g["ids"]) <= params.max_tokens for g in spec.values())
+    if case == "preemption":
+        assert s["num_preemptions"] > 0
+    if case in ("stop_id", "eos", "min_tokens"):
+        assert any(g["reason"] == "stop" for g in spec.values())
+    if case == "min_tokens":
+        assert all(len(g["ids"]) >= 12 for g in spec.values())
+    assert s["num_free_pages"] + s["num_cached_pages"] == s["num_pages"]
+
+
+def test_rejected_positions_never_reach_the_radix_tree():
+    """The fake KV holds token ids and the fake model reads its context back from the pages, so
+    a rejected draft token left in a cached page would change the second round's output, which
+    hits the cache for prompt + output of the first."""
+    engine = make_engine(True)
+    params = SamplingParams(max_tokens=40, temperature=0)
+    first = run(engine, PROMPTS, params)
+    assert engine.stats()["spec_num_accepted_tokens"] < engine.stats()["spec_num_draft_tokens"]
+    longer = {f"{rid}b": PROMPTS[rid] + g["ids"] for rid, g in first.items()}
+    cached_before = engine.counters["num_cached_tokens"]
+    second = run(engine, longer, params)
+    assert engine.counters["num_cached_tokens"] - cached_before >= sum(len(p) for p in longer.values()) // 2
+    reference = run(make_engine(False), longer, params)
+    assert [g["ids"] for g in second.values()] == [g["ids"] for g in reference.values()]
+
+
+def test_abort_mid_verify_returns_every_page():
+    engine = make_engine(True)
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=60, temperature=0))
+    for _ in range(6):
+        engine.step()
+    for rid in list(PROMPTS)[::2]:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_invariants()
+    s = engine.stats()
+    assert s["num_free_pages"] + s["num_cached_pages"] == s["num_pages"]
