@@ -5,9 +5,17 @@ import argparse
 import asyncio
 import logging
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from radixserve.config import EngineConfig, ServerConfig, add_dataclass_args, from_args
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors (an unknown --tool-call-parser, a bad number) are
+    one line on stderr and exit code 2, like the other start-up errors, not the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
@@ -60,7 +68,8 @@ def run_serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve",
                                      description="LLM serving with a radix-tree prefix cache.")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                       parser_class=OneLineErrorParser)
     add_serve_command(subparsers)
     # Listed for --help; `main` hands `bench ...` to radixserve.bench.cli, which has subcommands.
     subparsers.add_parser("bench", help="benchmark a server: run, sweep, compare (see bench --help)",

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+from radixserve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
+
 
 def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
@@ -83,6 +85,12 @@ class ServerConfig:
                                                "leaks, corrupt output); for tests and demos only")
     disable_anomaly_guard: bool = _opt(False, "do not stop requests whose output looks broken "
                                               "(repetition loops, garbled text, rare-char noise)")
+    tool_call_parser: str | None = _opt(None, "tool-call format of the model's output, parsed into "
+                                              "OpenAI tool_calls (default: tools are refused)",
+                                        tuple(TOOL_CALL_PARSERS))
+    reasoning_parser: str | None = _opt(None, "split <think> text into reasoning_content "
+                                              "(default: thinking stays in content)",
+                                        REASONING_PARSERS)
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1:

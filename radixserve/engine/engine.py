@@ -5,6 +5,7 @@ import random
 import time
 
 from radixserve.config import EngineConfig
+from radixserve.engine.forced_tokens import ForcedTokens, force_run
 from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
 from radixserve.engine.runner_api import Runner, RunnerOutput, ScheduledBatch, ScheduledSeq, SeqResult
@@ -41,6 +42,7 @@ class Engine:
                          # speculative decoding: verify steps, draft tokens proposed and accepted
                          "spec_num_verify_steps": 0, "spec_num_draft_tokens": 0,
                          "spec_num_accepted_tokens": 0}
+        self._forced: ForcedTokens | None = None   # armed sampler.force_tokens fault
 
     @property
     def max_request_tokens(self) -> int:
@@ -70,6 +72,10 @@ class Engine:
         max_tokens = self._max_tokens(len(prompt_ids), params.max_tokens)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, list(prompt_ids), params, seed, max_tokens, time.monotonic())
+        if self._forced is not None:
+            req.forced_ids = self._forced.take(req.arrival_s)
+            if self._forced.is_spent:
+                self._forced = None
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -102,6 +108,28 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def arm_forced_tokens(self, token_ids: list[int], count: int = 1,
+                          duration_s: float | None = None) -> None:
+        """Fault point sampler.force_tokens (forced_tokens.py): the next `count` requests added
+        emit `token_ids` (for `duration_s` seconds at most; None: until used up). Replaces an
+        armed one. Raises InvalidRequest for an empty list, an id outside the vocabulary, or
+        count < 1."""
+        vocab = self.runner.vocab_size
+        if not token_ids:
+            raise InvalidRequest("token_ids must not be empty", param="token_ids")
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad!r} is out of range [0, {vocab})",
+                                 param="token_ids")
+        if count < 1:
+            raise InvalidRequest(f"count must be >= 1, got {count}", param="count")
+        ends_s = None if duration_s is None else time.monotonic() + duration_s
+        self._forced = ForcedTokens(tuple(token_ids), count, ends_s)
+
+    def disarm_forced_tokens(self) -> None:
+        """End the sampler.force_tokens fault; requests already handed a sequence keep it."""
+        self._forced = None
 
     # ---- step -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -148,7 +176,8 @@ class Engine:
             if res.token is None:  # max_tokens == 0: prompt scored, nothing to sample
                 outs.append(self._finish(req, [], None, "length"))
                 continue
-            outs.append(self._emit(req, [res.token]))
+            tokens, _ = force_run(req.forced_ids, len(req.output_ids), [res.token])
+            outs.append(self._emit(req, tokens))
         return outs
 
     def _emit(self, req: Request, tokens: list[TokenLogprob]) -> EngineOutput:
@@ -184,9 +213,12 @@ class Engine:
         if self.scheduler.proposer is not None:
             self.scheduler.proposer.record(req.request_id, len(s.draft), accepted)
         before = len(req.output_ids)
-        out = self._emit(req, [*res.accepted, res.token])
-        # KV is valid for the last known token and the accepted drafts that were kept.
-        req.num_computed_tokens = s.start + 1 + min(len(req.output_ids) - before, accepted)
+        tokens, num_as_sampled = force_run(req.forced_ids, before, [*res.accepted, res.token])
+        out = self._emit(req, tokens)
+        # KV is valid for the last known token and the accepted drafts that were kept (and not
+        # replaced by a forced token).
+        req.num_computed_tokens = s.start + 1 + min(len(req.output_ids) - before, accepted,
+                                                     num_as_sampled)
         return out
 
     def _finish_reason(self, req: Request, token: int) -> str | None:

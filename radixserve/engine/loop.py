@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500        # how often an idle engine checks that its parent is alive
 SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hanging forever
 HEARTBEAT_S = 1.0         # the loop says it is alive at least this often (between steps)
-CALL_METHODS = ("flush_cache", "stats", "check_invariants")   # Engine methods
+CALL_METHODS = ("flush_cache", "stats", "check_invariants",    # Engine methods
+                "arm_forced_tokens", "disarm_forced_tokens")
 LOOP_METHODS = ("set_step_latency",)                          # EngineLoop methods
 
 
@@ -135,6 +136,11 @@ class EngineLoop:
         target = self if msg.method in LOOP_METHODS else self.engine
         try:
             value = getattr(target, msg.method)(**msg.args)
+        except RadixServeError as exc:   # the caller's arguments were refused (a 400 upstream)
+            logger.warning("engine call %s refused: %s", msg.method, exc.message)
+            self.send(CallResult(msg.call_id, error=exc.message,
+                                 wire_error=WireError.from_exc(exc)))
+            return
         except Exception as exc:
             logger.exception("engine call %s failed", msg.method)
             self.send(CallResult(msg.call_id, error=f"{type(exc).__name__}: {exc}"))

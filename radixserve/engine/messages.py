@@ -4,7 +4,8 @@ One PUSH/PULL socket per direction; the HTTP process binds both ipc:// endpoints
 
     HTTP -> engine   Submit(group_id, adds)     all choices of one HTTP request, added atomically
                      Abort(request_ids)         fire and forget; the final output is not sent back
-                     Call(call_id, method, args) flush_cache | stats | check_invariants (Engine
+                     Call(call_id, method, args) flush_cache | stats | check_invariants |
+                                                arm_forced_tokens | disarm_forced_tokens (Engine
                                                 methods) | set_step_latency (the loop's own)
                      Shutdown()
     engine -> HTTP   Ready(info)                once, after the model is loaded
@@ -89,9 +90,13 @@ class Outputs(msgspec.Struct, frozen=True, tag=True):
 
 
 class CallResult(msgspec.Struct, frozen=True, tag=True):
+    """A Call's return value, or its error; `wire_error` is set when the engine refused the
+    call's arguments (a RadixServeError), so the HTTP side answers with that error's status."""
+
     call_id: int
     value: Any = None
     error: str | None = None
+    wire_error: WireError | None = None
 
 
 class Fatal(msgspec.Struct, frozen=True, tag=True):

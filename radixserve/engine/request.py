@@ -52,6 +52,7 @@ class Request:
     num_preemptions: int = 0
     spec_verify_steps: int = 0            # speculative verify steps this request took
     spec_accepted_tokens: int = 0         # draft tokens they accepted
+    forced_ids: tuple[int, ...] | None = None   # sampler.force_tokens fault (forced_tokens.py)
 
     @property
     def num_tokens(self) -> int:

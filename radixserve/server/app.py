@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import os
 import time
@@ -23,6 +25,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server import responses
 from radixserve.server.admin_routes import install_admin_routes
 from radixserve.server.anomaly import GuardConfig
+from radixserve.server.chat_tools import ChatOutputs, plan_tools, prompt_tail
 from radixserve.server.engine_client import EngineClient
 from radixserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixserve.server.metrics import ServerMetrics
@@ -113,12 +116,20 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
                       else req.max_tokens)
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                      None)
-        prompt = await chat_prompt(ctx, req)
+        plan = plan_tools(req, ctx.tool_call_parser)
+        prompt = await chat_prompt(ctx, req, plan.template_tools)
+        reasoning = ctx.reasoning_parser is not None
+        outputs = ChatOutputs(plan, ctx.tool_call_parser, reasoning,
+                              prompt_tail(ctx.tokenizer, prompt.ids) if reasoning else "")
+        if outputs.is_parsing and "skip_special_tokens" not in req.model_fields_set:
+            # markers such as <think> and <tool_call> are special tokens in some vocabularies
+            params = dataclasses.replace(params, skip_special_tokens=False)
         ctx.check_capacity()
         rid = new_id("chatcmpl")
         run = GenerationRun(ctx, rid, [prompt], params)
-        return await responses.respond(request, run, req.stream, responses.chat_response,
-                                       responses.chat_chunks, req, rid)
+        return await responses.respond(
+            request, run, req.stream, functools.partial(responses.chat_response, outputs=outputs),
+            functools.partial(responses.chat_chunks, outputs=outputs), req, rid)
 
     @v1.get("/models")
     async def models() -> Response:
@@ -187,7 +198,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
         name = server_config.served_model_name or os.path.basename(model_path.rstrip("/"))
         max_open = engine_config.max_running_requests + server_config.max_queued_requests
         ctx = ServingContext(client, tokenizer, name, model_path, max_open,
-                             max_body_bytes=server_config.max_request_body_bytes)
+                             max_body_bytes=server_config.max_request_body_bytes,
+                             tool_call_parser=server_config.tool_call_parser,
+                             reasoning_parser=server_config.reasoning_parser)
         app = build_app(ctx, server_config)
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level,

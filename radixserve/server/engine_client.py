@@ -255,7 +255,8 @@ class EngineClient:
     async def call(self, method: str, timeout_s: float = 60.0,
                    args: dict[str, Any] | None = None) -> Any:
         """Run `method(**args)` in the engine process (engine/loop.py: CALL_METHODS, LOOP_METHODS).
-        Raises EngineDead, asyncio.TimeoutError, or RuntimeError with the engine's error."""
+        Raises EngineDead, asyncio.TimeoutError, the RadixServeError the engine raised for
+        refused arguments (InvalidRequest: a 400), or RuntimeError with the engine's error."""
         if self.dead_reason is not None:
             raise EngineDead(self.dead_reason)
         call_id = next(self._call_ids)
@@ -308,7 +309,9 @@ class EngineClient:
         fut = self._calls.get(msg.call_id)
         if fut is None or fut.done():
             return
-        if msg.error is not None:
+        if msg.wire_error is not None:
+            fut.set_exception(error_from_wire(msg.wire_error))
+        elif msg.error is not None:
             fut.set_exception(RuntimeError(msg.error))
         else:
             fut.set_result(msg.value)

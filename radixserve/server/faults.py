@@ -1,4 +1,4 @@
-"""Fault injection for tests and demos (--enable-fault-injection): slow steps or first tokens, failed requests, hangs, memory leaks, corrupted output.
+"""Fault injection for tests and demos (--enable-fault-injection): slow steps or first tokens, failed requests, hangs, memory leaks, corrupted output, forced tokens.
 
 One FaultInjector per worker holds the active faults, at most one per kind (a new one of a
 kind replaces the old). Each expires after its `duration_s` (None: until cleared):
@@ -13,6 +13,10 @@ kind replaces the old). Each expires after its `duration_s` (None: until cleared
     leak_memory          {mb_per_s, max_mb}       the HTTP process allocates and holds memory
     corrupt              {mode, fraction}         that share of requests has its text altered
                                                   before the anomaly guard sees it (Corrupter)
+    sampler.force_tokens {token_ids, count}       the next `count` engine requests (default 1)
+                                                  emit `token_ids` instead of sampling, then
+                                                  sample on (engine/forced_tokens.py); the
+                                                  listing shows it until cleared or expired
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,7 +38,9 @@ FAULT_PATH_PREFIX = "/admin/fault"
 LEAK_TICK_S = 0.25
 KIND_PARAMS = {"step_latency": ("latency_ms", "jitter_ms"), "first_token_latency": ("latency_ms",),
                "fail": ("fraction",), "hang": (), "leak_memory": ("mb_per_s", "max_mb"),
-               "corrupt": ("mode", "fraction")}
+               "corrupt": ("mode", "fraction"), "sampler.force_tokens": ("token_ids", "count")}
+MAX_FORCED_TOKENS = 1 << 16
+ForcedId = Annotated[int, Field(ge=0, le=2**31 - 1)]   # the engine checks it against the vocabulary
 
 
 class FaultSpec(BaseModel):
@@ -44,7 +50,8 @@ class FaultSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    kind: Literal["step_latency", "first_token_latency", "fail", "hang", "leak_memory", "corrupt"]
+    kind: Literal["step_latency", "first_token_latency", "fail", "hang", "leak_memory", "corrupt",
+                  "sampler.force_tokens"]
     duration_s: float | None = Field(None, gt=0)
     latency_ms: float | None = Field(None, ge=0, le=600_000)
     jitter_ms: float = Field(0.0, ge=0, le=600_000)
@@ -52,6 +59,8 @@ class FaultSpec(BaseModel):
     mb_per_s: float | None = Field(None, gt=0, le=4096)
     max_mb: float = Field(4096, gt=0, le=65536)   # safety cap on a leak, MiB
     mode: Literal["garble", "repeat", "noise"] | None = None
+    token_ids: list[ForcedId] | None = Field(None, min_length=1, max_length=MAX_FORCED_TOKENS)
+    count: int = Field(1, ge=1, le=1 << 31)   # requests that get token_ids
 
     def params(self) -> dict[str, Any]:
         """The parameters of this kind, checked (raises InvalidRequest for a missing one)."""
@@ -105,13 +114,17 @@ class FaultInjector:
     # ---- admin -----------------------------------------------------------------------------
     async def inject(self, spec: FaultSpec) -> Fault:
         """Start a fault (replacing one of the same kind). Raises InvalidRequest for bad
-        parameters and EngineDead when step_latency cannot reach the engine."""
+        parameters (token ids outside the model's vocabulary included) and EngineDead when an
+        engine-side fault (step_latency, sampler.force_tokens) cannot reach the engine."""
         fault = Fault(spec.kind, spec.params(), spec.duration_s)
         await self.clear(fault.kind)
         if fault.kind == "step_latency":
             await self.client.call("set_step_latency", args={
                 "latency_ms": fault.params["latency_ms"], "jitter_ms": fault.params["jitter_ms"],
                 "duration_s": fault.duration_s})
+        elif fault.kind == "sampler.force_tokens":
+            await self.client.call("arm_forced_tokens", args={**fault.params,
+                                                              "duration_s": fault.duration_s})
         elif fault.kind == "hang":
             self._hang_over = asyncio.Event()
         elif fault.kind == "leak_memory":
@@ -131,6 +144,11 @@ class FaultInjector:
                     await self.client.call("set_step_latency", args={"latency_ms": 0.0})
                 except Exception:   # EngineDead or a timeout: nothing left to slow down
                     logger.warning("could not clear step latency in the engine", exc_info=True)
+            elif k == "sampler.force_tokens":
+                try:
+                    await self.client.call("disarm_forced_tokens")
+                except Exception:   # EngineDead or a timeout: no engine left to force
+                    logger.warning("could not disarm forced tokens in the engine", exc_info=True)
             elif k == "hang":
                 self._hang_over.set()
             elif k == "leak_memory":

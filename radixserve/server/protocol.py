@@ -100,16 +100,53 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    """A function call in an assistant message the client sends back; `arguments` is the
+    JSON text OpenAI gives out (an object is taken as well)."""
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
+    """One message; fields beyond the typed ones are kept for the chat template."""
+
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None     # assistant: the calls it made
+    tool_call_id: str | None = None                # tool: which call this is the result of
+    reasoning_content: str | None = None           # assistant: its thinking (some templates show it)
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: every field the client sent, content as one
+        string, and each tool call's arguments as an object (templates iterate or re-encode
+        them; a JSON string would come out quoted twice). Arguments that are not a JSON object
+        stay as sent."""
+        msg = self.model_dump(exclude_none=True)
+        msg["content"] = self.text()
+        for call in msg.get("tool_calls", ()):
+            args = call["function"]["arguments"]
+            if isinstance(args, str):
+                try:
+                    parsed = json.loads(args)
+                except ValueError:
+                    continue
+                if isinstance(parsed, dict):
+                    call["function"]["arguments"] = parsed
+        return msg
 
 
 class ResponseFormat(_Strict):
@@ -132,6 +169,34 @@ class ResponseFormat(_Strict):
         return json.dumps(schema)
 
 
+# A function name: what OpenAI allows plus ".", ":" and "/" (MCP-style names); never spaces,
+# quotes or angle brackets, which would break the tool-call formats models write.
+FunctionName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:/-]+$")]
+
+
+class FunctionDef(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None    # JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice {"type": "function", "function": {"name": ...}}: only that function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: WireInt | None = None
@@ -139,8 +204,9 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: WireInt | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
@@ -203,9 +269,25 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str          # a JSON object text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
+    """The assistant message: content is None when the reply is only tool calls;
+    reasoning_content (--reasoning-parser) and tool_calls are None when there are none."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -227,7 +309,10 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, str]           # {"role": ...} and/or {"content": ...}; absent keys stay absent
+    # any of "role", "content", "reasoning_content", "tool_calls" (a list of {"index", and on a
+    # call's first delta "id", "type", then "function": {"name" once, "arguments" fragment}});
+    # absent keys stay absent
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

@@ -5,7 +5,9 @@ chunks carry no finish_reason; then exactly one chunk with an empty delta and th
 finish_reason. A usage chunk (choices: []) follows all finish chunks when
 stream_options.include_usage is set, and `data: [DONE]` ends the stream exactly once.
 Streamed deltas joined per index equal the non-streaming text byte for byte: the stream sends
-the RequestTracker updates, and a full response reads the tracker's result, their sum.
+the RequestTracker updates, and a full response reads the tracker's result, their sum. Chat
+text then passes one output parser per choice (chat_tools.py: reasoning, tool calls), fed
+update by update when streaming and whole otherwise, so the two agree there too (C43).
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ from pydantic import BaseModel
 
 from radixserve.outputs import TokenLogprob
 from radixserve.errors import RadixServeError, error_body
+from radixserve.server.chat_tools import ChatOutputs
 from radixserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                        ChatCompletionResponse, ChatLogprobs, ChatMessageOut,
-                                        ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
+                                        ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                                         CompletionChunk, CompletionLogprobs, CompletionRequest,
                                         CompletionResponse, TopLogprob, now_s)
 from radixserve.server.serving import GenerationRun, ServingContext
@@ -142,21 +144,24 @@ async def completion_chunks(ctx: ServingContext, run: GenerationRun, req: Comple
 
 # ---- /v1/chat/completions -------------------------------------------------------------------
 async def chat_response(ctx: ServingContext, run: GenerationRun, req: ChatCompletionRequest,
-                        rid: str, created: int) -> ChatCompletionResponse:
+                        rid: str, created: int, outputs: ChatOutputs) -> ChatCompletionResponse:
+    """Collected chat response; each choice's text goes through its output parser whole."""
     (result,) = await run.results()  # chat has one prompt
     choices = []
     for c in result.outputs:
         logprobs = chat_logprobs(ctx, c.logprobs or []) if req.logprobs else None
-        choices.append(ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
-                                  logprobs=logprobs, finish_reason=c.finish_reason,
-                                  stop_reason=c.stop_reason))
+        message, finish_reason = outputs.message(c.text, c.finish_reason)
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                                  finish_reason=finish_reason, stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=rid, created=created, model=ctx.model_name, choices=choices,
                                   usage=run.usage())
 
 
 async def chat_chunks(ctx: ServingContext, run: GenerationRun, req: ChatCompletionRequest,
-                      rid: str, created: int) -> AsyncIterator[str]:
-    """SSE events of a streaming /v1/chat/completions request; closes the run when done."""
+                      rid: str, created: int, outputs: ChatOutputs) -> AsyncIterator[str]:
+    """SSE events of a streaming /v1/chat/completions request; closes the run when done. Each
+    update's text goes through its choice's output parser; whatever the parser held is
+    settled in the last content chunk, before the finish chunk."""
     def chunk(choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=rid, created=created, model=ctx.model_name,
                                        choices=[choice]))
@@ -165,11 +170,14 @@ async def chat_chunks(ctx: ServingContext, run: GenerationRun, req: ChatCompleti
         for index in range(run.n):
             yield chunk(ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""}))
         async for index, u in run.updates():
-            if u.text or (req.logprobs and u.logprobs):
+            delta = outputs.delta(index, u.text, u.finish_reason is not None)
+            if delta or (req.logprobs and u.logprobs):
                 lp = chat_logprobs(ctx, u.logprobs or []) if req.logprobs else None
-                yield chunk(ChatStreamChoice(index=index, delta={"content": u.text}, logprobs=lp))
+                yield chunk(ChatStreamChoice(index=index, delta=delta or {"content": ""},
+                                             logprobs=lp))
             if u.finish_reason is not None:
-                yield chunk(ChatStreamChoice(index=index, delta={}, finish_reason=u.finish_reason))
+                reason = outputs.finish_reason(index, u.finish_reason)
+                yield chunk(ChatStreamChoice(index=index, delta={}, finish_reason=reason))
         if req.include_usage:
             yield sse(ChatCompletionChunk(id=rid, created=created, model=ctx.model_name,
                                           choices=[], usage=run.usage()))

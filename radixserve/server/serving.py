@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -44,6 +45,8 @@ class ServingContext:
     metrics: ServerMetrics | None = None
     guard: GuardConfig | None = None        # None: the output-anomaly guard is off
     faults: FaultInjector | None = None     # None: fault injection is off
+    tool_call_parser: str | None = None     # --tool-call-parser; None: tools are refused
+    reasoning_parser: str | None = None     # --reasoning-parser; None: thinking stays content
     max_body_bytes: int = MAX_BODY_BYTES    # larger request bodies get 413
     runs: dict[str, GenerationRun] = field(default_factory=dict)   # response id -> open run
     _token_text: dict[int, str] = field(default_factory=dict)
@@ -129,19 +132,20 @@ async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
     return prompts
 
 
-async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> Prompt:
-    """Render the chat template over `messages` into token ids (raises InvalidRequest)."""
-    if req.tools:
-        raise InvalidRequest("tools are not supported by this server", param="tools")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
+                      tools: list[dict] | None = None) -> Prompt:
+    """Render the chat template over `messages` (every field kept, chat_tools.py's `tools`
+    offered, `chat_template_kwargs` passed on) into token ids (raises InvalidRequest)."""
+    messages = [m.template_dict() for m in req.messages]
     # Only user messages count toward the bytes bound: every template renders them verbatim,
     # while others may be dropped (Qwen3 drops earlier assistant reasoning).
     ctx.check_text_fits([m["content"] for m in messages if m["role"] == "user"], "messages")
-    render = ctx.tokenizer.apply_chat_template
+    render = functools.partial(ctx.tokenizer.apply_chat_template, messages,
+                               req.add_generation_prompt, tools, req.chat_template_kwargs)
     if sum(len(m["content"]) for m in messages) < LONG_TEXT_CHARS:
-        ids = render(messages, add_generation_prompt=req.add_generation_prompt)
+        ids = render()
     else:
-        ids = await asyncio.to_thread(render, messages, req.add_generation_prompt)
+        ids = await asyncio.to_thread(render)
     return Prompt(list(ids), None)
 
 

@@ -16,6 +16,12 @@ from radixserve.tokenizer.text_bound import TextBound
 logger = logging.getLogger(__name__)
 
 _META_FILE = "radixserve.json"
+# Arguments of HF apply_chat_template that chat_template_kwargs must not reach: the ones this
+# class sets, and those that would swap the template or change what comes back.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 # Probe text rendered as an assistant turn to find the token a template closes a turn with.
 _TURN_PROBE = "radixserve-turn-probe-7f3a"
 
@@ -118,28 +124,43 @@ class Tokenizer:
             ids = ids[1:]
         return ids
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template rendered as text. Raises InvalidRequest for bad messages."""
-        return self._chat(messages, add_generation_prompt, tokenize=False)
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The chat template rendered as text (arguments as in apply_chat_template)."""
+        return self._chat(messages, add_generation_prompt, False, tools, template_kwargs)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Prompt ids of a chat: exactly HF `apply_chat_template(..., tokenize=True)`.
 
         messages: OpenAI-style dicts with a non-empty string `role` and `content` that is a
-        string, None, or a list of {"type": "text", "text": ...} parts (joined).
+        string, None, or a list of {"type": "text", "text": ...} parts (joined); every other
+        field (tool_calls, tool_call_id, name, reasoning_content, ...) reaches the template.
+        tools: the OpenAI `tools` list for templates that describe tools (None: no tools).
+        template_kwargs: extra template variables (`chat_template_kwargs`, e.g.
+        {"enable_thinking": false}); names HF's own arguments use are refused.
         The template emits its own special tokens; nothing more is added (one BOS, C23).
-        Raises InvalidRequest for an empty list, malformed messages, a template error or a
-        tokenizer without a chat template.
+        Raises InvalidRequest for an empty list, malformed messages, a reserved template
+        variable, a template error or a tokenizer without a chat template.
         """
-        return self._chat(messages, add_generation_prompt, tokenize=True)
+        return self._chat(messages, add_generation_prompt, True, tools, template_kwargs)
 
-    def _chat(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool) -> Any:
+    def _chat(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool,
+              tools: list[dict] | None, template_kwargs: Mapping[str, Any] | None) -> Any:
         if not self.hf.chat_template:
             raise InvalidRequest("this model has no chat template; use the completions API", param="messages")
         normalized = _normalize_messages(messages)
+        extra = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequest(f"chat_template_kwargs may not set {reserved[0]!r}",
+                                 param="chat_template_kwargs")
         try:
-            out = self.hf.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt,
-                                              tokenize=tokenize, return_dict=False)
+            out = self.hf.apply_chat_template(normalized, tools=tools or None,
+                                              add_generation_prompt=add_generation_prompt,
+                                              tokenize=tokenize, return_dict=False, **extra)
         except InvalidRequest:
             raise
         except Exception as exc:  # jinja TemplateError, raise_exception() in templates, TypeError, ...

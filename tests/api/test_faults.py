@@ -165,6 +165,42 @@ def test_fault_expires_after_its_duration(server):
     assert completion(server, max_tokens=2).status_code == 200
 
 
+def test_force_tokens_emits_the_sequence_for_count_requests(server, default_tokenizer):
+    """sampler.force_tokens: the next `count` requests emit exactly the ids (logprob 0.0 each),
+    then finish by the usual checks; the request after them samples again."""
+    hf = default_tokenizer.hf
+    ids = hf.encode("The answer is 42.", add_special_tokens=False)
+    end = hf.convert_tokens_to_ids("<|im_end|>")
+    inject(server, kind="sampler.force_tokens", token_ids=[*ids, end], count=3)
+    body = {"model": server.model, "prompt": "Tell me", "max_tokens": len(ids), "logprobs": 1}
+    full = server.post("/v1/completions", json=body).json()
+    assert full["choices"][0]["text"] == "The answer is 42."
+    assert full["choices"][0]["logprobs"]["token_logprobs"] == [0.0] * len(ids)
+    assert full["choices"][0]["finish_reason"] == "length"
+    streamed = completion(server, stream=True, max_tokens=len(ids)).text
+    assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in streamed.splitlines()
+                   if line.startswith("data: {")) == "The answer is 42."
+    stopped = server.post("/v1/completions", json={**body, "max_tokens": 50}).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"   # <|im_end|> is an eos id
+    assert stopped["usage"]["completion_tokens"] == len(ids) + 1
+    assert stopped["choices"][0]["text"] == "The answer is 42."
+    after = server.post("/v1/completions", json=body).json()["choices"][0]
+    assert any(lp < 0 for lp in after["logprobs"]["token_logprobs"])   # sampled again
+    server.http.delete("/admin/fault", params={"kind": "sampler.force_tokens"})
+
+
+def test_force_tokens_with_bad_ids_is_400(server):
+    for bad in ({"kind": "sampler.force_tokens"}, {"kind": "sampler.force_tokens", "token_ids": []},
+                {"kind": "sampler.force_tokens", "token_ids": [49152]},
+                {"kind": "sampler.force_tokens", "token_ids": [1], "count": 0},
+                {"kind": "sampler.force_tokens", "token_ids": [2**63]},
+                {"kind": "fail", "count": 2}):
+        r = server.post("/admin/fault", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", bad
+    assert "sampler.force_tokens" not in faults(server)
+    assert completion(server, max_tokens=2).status_code == 200
+
+
 def test_hang_stops_every_route_until_cleared(server):
     inject(server, kind="hang")
     for path in ("/health", "/metrics", "/v1/models"):

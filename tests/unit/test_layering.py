@@ -17,8 +17,11 @@ FORBIDDEN = {
     # router, agent and bench speak HTTP to workers; the router may load a tokenizer.
     "router": {"runner", "models", "layers", "weights", "engine", "server", "agent", "bench"},
     "agent": {"runner", "models", "layers", "weights", "engine", "server", "tokenizer", "bench"},
+    # output parsers work on text alone: the server feeds them, the CLI lists their names
+    "parsers": {"runner", "models", "layers", "weights", "engine", "server", "tokenizer", "router",
+                "agent", "bench"},
 }
-NO_TORCH = {"engine", "router", "agent"}  # engine/engine.py may import torch (it does not today)
+NO_TORCH = {"engine", "router", "agent", "parsers"}  # engine/engine.py may import torch (it does not today)
 # The engine loop and its wire messages speak ZMQ / msgpack; the rest of engine/ stays stdlib.
 IPC = {"zmq", "msgspec"}
 ENGINE_IPC_FILES = {"loop.py", "messages.py"}

@@ -1,0 +1,83 @@
+"""Reasoning output (`--reasoning-parser glm45|qwen3`): `<think>` ... `</think>` text becomes reasoning, the rest content.
+
+GLM-4.5 and later and Qwen3 mark thinking the same way, so both names select this parser:
+
+    <think>Paris is in France; look it up.</think>The weather in Paris ...
+    `-------------- Reasoning -------------'`-------- Content --------
+
+Three openings are handled:
+  - the reply opens the block itself (`<think>` first, after whitespace);
+  - the prompt already opened it (the template ends the prompt with `<think>`, as Qwen3
+    thinking models and GLM templates with thinking forced on do): the reply starts inside
+    thinking and holds only `</think>` (see `opens_thinking`);
+  - no block at all (thinking off, or a template that closed an empty block in the prompt):
+    the whole reply is content.
+Whitespace at the edges of the reasoning and between `</think>` and the content is dropped. A reply
+that ends while thinking is all reasoning.
+"""
+from __future__ import annotations
+
+from radixserve.parsers.events import Content, Event, Reasoning
+from radixserve.parsers.scan import Trimmer, held_prefix_len
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+REASONING_PARSERS = ("glm45", "qwen3")
+
+
+def opens_thinking(prompt_tail: str) -> bool:
+    """True when the prompt text ends inside an open `<think>` block (only whitespace after
+    the last `<think>`, which no `</think>` closes): the reply then starts in reasoning."""
+    at = prompt_tail.rfind(THINK_OPEN)
+    return at >= 0 and not prompt_tail[at + len(THINK_OPEN):].strip()
+
+
+class ReasoningParser:
+    """Splits one choice's text into Reasoning and Content events (module doc); `feed()` each
+    delta, then `finish()`. The split does not depend on how the text was cut."""
+
+    def __init__(self, starts_in_reasoning: bool = False):
+        self._state = "reasoning" if starts_in_reasoning else "start"
+        self._buf = ""
+        self._reasoning = Trimmer(strip_leading=True)
+        self._content = Trimmer()
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        return self._run(final=False)
+
+    def finish(self) -> list[Event]:
+        events = self._run(final=True)
+        if self._state == "content":
+            tail = self._content.flush()
+            if tail:
+                events.append(Content(tail))
+        return events
+
+    def _run(self, final: bool) -> list[Event]:
+        events: list[Event] = []
+        if self._state == "start":
+            stripped = self._buf.lstrip()
+            if stripped.startswith(THINK_OPEN):
+                self._buf, self._state = stripped[len(THINK_OPEN):], "reasoning"
+            elif final or not THINK_OPEN.startswith(stripped):
+                self._state = "content"
+            else:
+                return events   # whitespace or part of "<think>": undecided
+        if self._state == "reasoning":
+            at = self._buf.find(THINK_CLOSE)
+            end = at if at >= 0 else len(self._buf)
+            if at < 0 and not final:
+                end -= held_prefix_len(self._buf, (THINK_CLOSE,))
+            text = self._reasoning.push(self._buf[:end])
+            if text:
+                events.append(Reasoning(text))
+            if at < 0:
+                self._buf = self._buf[end:]
+                return events
+            self._buf, self._state = self._buf[at + len(THINK_CLOSE):], "content"
+            self._content.strip_next()
+        text = self._content.push(self._buf)
+        self._buf = ""
+        if text:
+            events.append(Content(text))
+        return events

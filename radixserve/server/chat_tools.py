@@ -1,0 +1,151 @@
+"""Tools and reasoning in /v1/chat/completions: what `tools` / `tool_choice` mean for one request, and its choices' output parsed into OpenAI messages and deltas.
+
+    tool_choice        tools offered to the template   calls parsed (names allowed)
+    "none"             no                              no
+    "auto" (default)   yes                             yes, any offered tool
+    "required"         yes                             yes, any offered tool
+    {"function": f}    yes                             yes, f only
+
+"required" and a named function are not enforced while decoding (that needs grammar-constrained
+sampling, separate work): the output is parsed as for "auto", and a reply without a call comes
+back as text with finish_reason "stop". A choice that made calls and stopped normally finishes
+with "tool_calls". Streaming and full responses parse with the same ChatOutputParser per choice
+(parsers/chat_output.py), the stream fed delta by delta, the full response in one piece.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.errors import InvalidRequest
+from radixserve.parsers.chat_output import ChatOutputParser
+from radixserve.parsers.events import CallArgs, CallStart, Content, Event, ParsedMessage, Reasoning
+from radixserve.parsers.reasoning import opens_thinking
+from radixserve.parsers.schema import ToolSpec
+from radixserve.server.protocol import (ChatCompletionRequest, ChatMessageOut, FunctionCallOut,
+                                        NamedToolChoice, ToolCallOut)
+
+PROMPT_TAIL_TOKENS = 16   # enough to see whether the prompt ends inside <think>
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """One request's tools: `template_tools` go to the chat template (None: none offered);
+    `parse_tools` are the functions a parsed call may name (empty: calls are not parsed)."""
+
+    template_tools: list[dict[str, Any]] | None
+    parse_tools: dict[str, ToolSpec]
+
+
+def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> ToolPlan:
+    """The ToolPlan of a request (table in the module doc; "auto" without tools is "none").
+    Raises InvalidRequest (400) for duplicate function names, "required" or a named function
+    without tools, a name not in `tools`, and tools to use on a server without
+    --tool-call-parser."""
+    tools = req.tools or []
+    names = [t.function.name for t in tools]
+    duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if duplicate is not None:
+        raise InvalidRequest(f"tools: function name {duplicate!r} appears more than once",
+                             param="tools")
+    choice = req.tool_choice or ("auto" if tools else "none")
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    if (choice == "required" or named is not None) and not tools:
+        raise InvalidRequest(f"tool_choice {named or choice!r} needs tools", param="tool_choice")
+    if named is not None and named not in names:
+        raise InvalidRequest(f"tool_choice names function {named!r}, which is not in tools",
+                             param="tool_choice")
+    if choice == "none" or not tools:
+        return ToolPlan(None, {})
+    if tool_call_parser is None:
+        raise InvalidRequest("tools are not supported: this server was started without "
+                             "--tool-call-parser", param="tools")
+    specs = {t.function.name: ToolSpec(t.function.name, t.function.parameters or {}) for t in tools}
+    allowed = {named: specs[named]} if named is not None else specs
+    return ToolPlan([t.model_dump(exclude_none=True) for t in tools], allowed)
+
+
+class ChatOutputs:
+    """The output parsers of one chat request's choices (module doc). `tool_call_parser` and
+    `reasoning` are the server's; `prompt_tail` is the end of the prompt as text (does it
+    open a <think> block?)."""
+
+    def __init__(self, plan: ToolPlan, tool_call_parser: str | None, reasoning: bool,
+                 prompt_tail: str):
+        self._tool_parser = tool_call_parser if plan.parse_tools else None
+        self._tools = plan.parse_tools
+        self._reasoning = reasoning
+        self._starts_in_reasoning = reasoning and opens_thinking(prompt_tail)
+        self._streams: dict[int, ChatOutputParser] = {}
+
+    @property
+    def is_parsing(self) -> bool:
+        """True when choices are parsed at all (else their text is plain content)."""
+        return self._tool_parser is not None or self._reasoning
+
+    def _new_parser(self) -> ChatOutputParser:
+        return ChatOutputParser(self._tool_parser, self._tools, self._reasoning,
+                                self._starts_in_reasoning)
+
+    # ---- full responses ---------------------------------------------------------------------
+    def message(self, text: str, finish_reason: str | None) -> tuple[ChatMessageOut, str | None]:
+        """A whole choice's text as the assistant message, and its finish_reason."""
+        parser = self._new_parser()
+        parsed = ParsedMessage()
+        parsed.add(parser.feed(text) + parser.finish())
+        calls = [ToolCallOut(id=c.call_id, function=FunctionCallOut(name=c.name,
+                                                                   arguments=c.arguments))
+                 for c in parsed.calls]
+        message = ChatMessageOut(content=parsed.content if parsed.content or not calls else None,
+                                 reasoning_content=parsed.reasoning or None,
+                                 tool_calls=calls or None)
+        return message, _finish_reason(finish_reason, len(calls))
+
+    # ---- streams ----------------------------------------------------------------------------
+    def delta(self, index: int, text: str, finished: bool) -> dict[str, Any]:
+        """The delta for choice `index`'s next text (and its end, when `finished`): any of
+        content, reasoning_content and tool_calls; {} when nothing is final yet."""
+        parser = self._streams.get(index)
+        if parser is None:
+            parser = self._streams[index] = self._new_parser()
+        events = parser.feed(text)
+        if finished:
+            events += parser.finish()
+        return stream_delta(events)
+
+    def finish_reason(self, index: int, reason: str | None) -> str | None:
+        """Choice `index`'s finish_reason once its stream ended ("tool_calls" after calls)."""
+        parser = self._streams.get(index)
+        return _finish_reason(reason, parser.num_calls if parser is not None else 0)
+
+
+def _finish_reason(reason: str | None, num_calls: int) -> str | None:
+    return "tool_calls" if reason == "stop" and num_calls else reason
+
+
+def stream_delta(events: list[Event]) -> dict[str, Any]:
+    """OpenAI delta fields for events of one update: each call's entry carries "index"; its
+    first also "id", "type" and the function name; "arguments" fragments in order."""
+    delta: dict[str, Any] = {}
+    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content:
+        delta["content"] = content
+    calls: dict[int, dict[str, Any]] = {}
+    for ev in events:
+        if isinstance(ev, CallStart):
+            calls[ev.index] = {"index": ev.index, "id": ev.call_id, "type": "function",
+                               "function": {"name": ev.name, "arguments": ""}}
+        elif isinstance(ev, CallArgs):
+            entry = calls.setdefault(ev.index, {"index": ev.index, "function": {"arguments": ""}})
+            entry["function"]["arguments"] += ev.text
+    if calls:
+        delta["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return delta
+
+
+def prompt_tail(tokenizer: Any, prompt_ids: list[int]) -> str:
+    """The last PROMPT_TAIL_TOKENS prompt tokens as text, special tokens kept."""
+    return tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)

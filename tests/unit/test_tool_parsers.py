@@ -1,0 +1,157 @@
+"""Tool-call parsers (GLM-4.5/4.7, Qwen2.5, generic JSON): every C43 case, streamed at 1, 2, 3 and 8 tokens and characters per chunk, equals the whole reply parsed at once."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixserve.parsers.events import CallArgs
+from tests.unit.parser_cases import (CHUNKS, TRICKY, assert_stream_shape, calls_json, char_chunks,
+                                     glm45, glm47, parse, qwen, same_message, token_chunks)
+
+# case -> (GLM arguments as text, the typed arguments expected)
+ARGS = {
+    "scalars": ([("n", "42"), ("x", "-2.5e3"), ("ok", "true"), ("none", "null"), ("maybe", "null")],
+                {"n": 42, "x": -2500.0, "ok": True, "none": None, "maybe": None}),
+    "strings": ([("text", TRICKY)], {"text": TRICKY}),
+    "nested_object_last": ([("n", "1"), ("opts", '{"a": {"b": [1, {"c": null}]}, "d": "}"}')],
+                           {"n": 1, "opts": {"a": {"b": [1, {"c": None}]}, "d": "}"}}),
+    "array": ([("items", "[1, 2, 3]")], {"items": [1, 2, 3]}),
+    "no_arguments": ([], {}),
+    "wrong_type_kept_as_text": ([("n", "forty")], {"n": "forty"}),
+    "unknown_parameter_read_as_json": ([("extra", "[true]"), ("word", "plain")],
+                                       {"extra": [True], "word": "plain"}),
+}
+NAMES = {"no_arguments": "get_time"}
+
+
+def replies(fmt: str) -> dict[str, tuple[str, list, str]]:
+    """case -> (reply text, [(name, arguments)], content) in format `fmt`."""
+    def call(name: str, case: str) -> str:
+        text_args, typed = ARGS[case]
+        return qwen(name, typed) if fmt == "qwen25" else (glm45 if fmt == "glm45" else glm47)(
+            name, text_args)
+
+    out = {case: (call(NAMES.get(case, "calc"), case), [(NAMES.get(case, "calc"), typed)], "")
+           for case, (_, typed) in ARGS.items()}
+    two = call("calc", "scalars") + "\n" + call("get_time", "no_arguments")
+    out["two_calls_in_a_row"] = (two, [("calc", ARGS["scalars"][1]), ("get_time", {})], "")
+    around = "Let me check.\n\n" + call("calc", "array") + "\nDone, see above."
+    out["text_around_a_call"] = (around, [("calc", {"items": [1, 2, 3]})],
+                                 "Let me check.Done, see above.")
+    return out
+
+
+FORMATS = ("glm45", "glm47", "qwen25")
+CASES = [(fmt, case) for fmt in FORMATS for case in replies(fmt)]
+
+
+@pytest.mark.parametrize("fmt, case", CASES, ids=[f"{f}-{c}" for f, c in CASES])
+def test_c43_case_streamed_equals_whole(fmt, case, default_tokenizer):
+    text, expected_calls, content = replies(fmt)[case]
+    parser = "glm45" if fmt == "glm47" else fmt
+    whole, _ = parse(parser, [text])
+    assert calls_json(whole) == expected_calls
+    assert whole.content == content and whole.reasoning == ""
+    for size in CHUNKS:
+        for pieces in (char_chunks(text, size), token_chunks(default_tokenizer, text, size)):
+            streamed, per_feed = parse(parser, pieces)
+            assert_stream_shape(per_feed)
+            assert same_message(streamed, whole), (size, pieces)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reasoning_then_a_call(fmt, default_tokenizer):
+    text, expected_calls, _ = replies(fmt)["scalars"]
+    reply = "<think>\nThe user wants numbers.\n</think>\n\nSure." + text
+    whole, _ = parse("glm45" if fmt == "glm47" else fmt, [reply], reasoning=True)
+    assert (whole.reasoning, whole.content) == ("The user wants numbers.", "Sure.")
+    assert calls_json(whole) == expected_calls
+    for size in CHUNKS:
+        streamed, per_feed = parse("glm45" if fmt == "glm47" else fmt,
+                                   token_chunks(default_tokenizer, reply, size), reasoning=True)
+        assert_stream_shape(per_feed)
+        assert same_message(streamed, whole)
+
+
+def test_glm_string_argument_streams_as_it_is_generated():
+    """A string parameter's characters go out before its closing tag arrives."""
+    _, per_feed = parse("glm45", ["<tool_call>search\n<arg_key>query</arg_key><arg_value>",
+                                  "weather in", " Paris", "</arg_value></tool_call>"])
+    fragments = ["".join(e.text for e in events if isinstance(e, CallArgs)) for events in per_feed]
+    assert fragments == ['{"query": "', "weather in", " Paris", '"}', ""]
+
+
+MALFORMED = {
+    "glm45": ["<tool_call>unknown_fn\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
+              "<tool_call>\n</tool_call>", "<tool_call>" + "x" * 300,
+              "<tool_call>calc"],   # the reply ends before the name does
+    "qwen25": ['<tool_call>\n{"name": "calc", "arguments": {"n": }}\n</tool_call>',
+               '<tool_call>\n{"name": "unknown_fn", "arguments": {}}\n</tool_call>',
+               "<tool_call>\nnot json at all\n</tool_call>",
+               '<tool_call>\n{"name": "calc", "arguments": [1]}\n</tool_call>',
+               '<tool_call>\n{"name": "calc", "arguments": {"n": 1}'],
+}
+
+
+@pytest.mark.parametrize("fmt, text", [(f, t) for f, ts in MALFORMED.items() for t in ts])
+def test_malformed_calls_are_returned_as_text(fmt, text):
+    reply = "Before. " + text
+    for size in CHUNKS + (len(reply),):
+        message, _ = parse(fmt, char_chunks(reply, size))
+        assert message.calls == [] and message.content == reply, size
+
+
+def test_qwen_without_closing_tag_and_with_string_arguments():
+    lenient = ('<tool_call>\n{"name": "calc", "arguments": "{\\"n\\": \\"7\\"}"}\n</tool_call>'
+               '<tool_call>{"arguments": {"x": 1}, "name": "calc"}')
+    message, _ = parse("qwen25", char_chunks(lenient, 3))
+    assert calls_json(message) == [("calc", {"n": 7}), ("calc", {"x": 1})]
+
+
+def test_glm_call_cut_short_is_closed_as_valid_json():
+    """A committed call the reply ends inside (max_tokens) keeps what was read; the JSON is
+    always closed, a string argument included."""
+    for text, args in (("<tool_call>calc\n<arg_key>n</arg_key>\n<arg_value>5</arg_value>",
+                        {"n": 5}),
+                       ("<tool_call>calc\n<arg_key>text</arg_key>\n<arg_value>half a sen",
+                        {"text": "half a sen"}),
+                       ("<tool_call>calc\n<arg_key>te", {})):
+        for size in CHUNKS:
+            message, per_feed = parse("glm45", char_chunks(text, size))
+            assert_stream_shape(per_feed)
+            assert calls_json(message) == [("calc", args)], (text, size)
+
+
+@pytest.mark.parametrize("reply, calls, content", [
+    ('{"name": "calc", "arguments": {"n": 1}}', [("calc", {"n": 1})], ""),
+    (' [{"name": "calc", "parameters": {"n": "2"}}, {"name": "get_time"}] Done.',
+     [("calc", {"n": 2}), ("get_time", {})], "Done."),
+    ('{"name": "calc", "arguments": {}}\n{"name": "get_time", "arguments": {}}',
+     [("calc", {}), ("get_time", {})], ""),
+    ('{"answer": 42}', [], '{"answer": 42}'),
+    ('[1, 2]', [], '[1, 2]'),
+    ('Plain text {"name": "calc"}', [], 'Plain text {"name": "calc"}'),
+    ('{"name": "calc", "arguments": {"n": 1}', [], '{"name": "calc", "arguments": {"n": 1}'),
+])
+def test_generic_json_format(reply, calls, content):
+    whole, _ = parse("json", [reply])
+    assert calls_json(whole) == calls and whole.content == content
+    for size in CHUNKS:
+        streamed, per_feed = parse("json", char_chunks(reply, size))
+        assert_stream_shape(per_feed)
+        assert same_message(streamed, whole)
+
+
+def test_whitespace_and_text_without_calls_pass_through_unchanged():
+    for fmt in ("glm45", "qwen25", "json"):
+        reply = "  Hello,\n  world <tool_call is not a tag>  \n\n"
+        for size in CHUNKS:
+            message, _ = parse(fmt, char_chunks(reply, size))
+            assert message.calls == [] and message.content == reply, (fmt, size)
+
+
+def test_arguments_are_compact_json_the_same_in_every_format():
+    glm, _ = parse("glm45", [glm45("calc", ARGS["scalars"][0])])
+    qw, _ = parse("qwen25", [qwen("calc", ARGS["scalars"][1])])
+    assert glm.calls[0].arguments == qw.calls[0].arguments == json.dumps(ARGS["scalars"][1])
