@@ -156,7 +156,6 @@ def test_logit_bias_forces_a_token_and_bad_bias_is_400(server):
 def test_unsupported_features_are_400(server):
     assert_error(completion(server, prompt="Hi", suffix="x"), 400)
     assert_error(chat(server, tools=[{"type": "function", "function": {"name": "f"}}]), 400)
-    assert_error(chat(server, response_format={"type": "json_object"}), 400)
     assert_error(chat(server, top_logprobs=2), 400)  # without logprobs: true
 
 
