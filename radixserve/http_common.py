@@ -1,10 +1,12 @@
-"""Pieces every HTTP process shares (worker, router, agent): bearer-key checks and quiet signals."""
+"""Pieces every HTTP process shares (worker, router, agent): bearer-key checks, port binding, quiet signals."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import logging
 import signal
+import socket
 import threading
 from typing import Any, Callable, Iterator
 
@@ -25,6 +27,27 @@ def bearer_key_check(key: str | None, what: str = "API key") -> Callable[[Reques
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise Unauthorized(f"Incorrect or missing {what} (send 'Authorization: Bearer KEY').")
     return check
+
+
+class PortUnavailable(RuntimeError):
+    """host:port cannot be bound (taken by another process, or an address not on this machine)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port the way uvicorn binds (SO_REUSEADDR, so a port left in
+    TIME_WAIT by a previous run is reusable), not yet listening: until uvicorn listens on it
+    (`Server.serve(sockets=[sock])`) connections are refused, not queued. Binding before a
+    slow start-up makes a taken port fail at once, and nothing can take it in between.
+    Raises PortUnavailable naming host:port and the OS's reason."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = "already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc)).lower()
+        raise PortUnavailable(f"cannot listen on {host}:{port}: {reason}") from None
+    return sock
 
 
 @contextlib.contextmanager

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from typing import IO, Any
 import httpx
 
 from radixserve.config import add_dataclass_args, from_args
-from radixserve.http_common import setup_logging
+from radixserve.http_common import bind_socket, setup_logging
 from radixserve.router.config import RouterConfig
 
 logger = logging.getLogger("radixserve.fleet")
@@ -169,16 +168,6 @@ def _group_alive(pid: int) -> bool:
     return False
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raises RuntimeError when nothing can listen on host:port now (the router's port)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise RuntimeError(f"the router cannot listen on {host}:{port}: {exc}") from None
-
-
 def write_manifest(path: str, router_url: str, workers: list[WorkerProc]) -> None:
     """Write the manifest atomically (a reader never sees half a file)."""
     body = {"router_url": router_url, "workers": [w.to_json() for w in workers]}
@@ -211,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     workers: list[WorkerProc] = []
     try:
-        check_port_free(config.host, config.port)  # before minutes of worker start-up
+        bind_socket(config.host, config.port).close()  # before minutes of worker start-up
         for i in range(args.num_workers):
             port = args.worker_base_port + i
             url = f"http://{args.worker_host}:{port}"

@@ -21,7 +21,8 @@ from radixserve.runner.device import resolve_device
 from radixserve.sampling_params import SamplingParams
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache
 from radixserve.runner.structured import StructuredOutput
-from radixserve.weights.loader import load_checkpoint, load_weights, resolve_model_path
+from radixserve.weights.loader import load_checkpoint, load_weights
+from radixserve.weights.paths import resolve_model_path
 
 logger = logging.getLogger(__name__)
 

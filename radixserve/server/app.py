@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 from typing import Any, Callable
 
@@ -172,11 +173,13 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig,
-                runner_factory: RunnerFactory, model_path: str) -> int:
+                runner_factory: RunnerFactory, model_path: str, sock: socket.socket) -> int:
     """Load the tokenizer of `model_path`, start the engine process (`runner_factory` loads the
-    model there; the tokenizer's eos ids go with it), then serve HTTP until stopped. Returns the exit code: 0 when
-    stopped by a signal, 1 when the engine died (after ENGINE_DEATH_GRACE_S of 503s, so that
-    in-flight requests get their error), unless `stay_up_on_engine_death`."""
+    model there; the tokenizer's eos ids go with it), then serve HTTP on `sock` (bound to
+    server_config's host and port before loading, see http_common.bind_socket) until stopped.
+    Returns the exit code: 0 when stopped by a signal, 1 when the engine died (after
+    ENGINE_DEATH_GRACE_S of 503s, so that in-flight requests get their error), unless
+    `stay_up_on_engine_death`."""
     from radixserve.tokenizer.tokenizer import Tokenizer
 
     t0 = time.monotonic()
@@ -198,7 +201,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
         stopper = asyncio.create_task(_exit_on_engine_death(server, client, server_config))
         with quiet_signals():
             try:
-                await server.serve()
+                await server.serve(sockets=[sock])
             finally:
                 announce.cancel()
                 stopper.cancel()

@@ -13,7 +13,8 @@ from radixserve.engine.runner_api import ScheduledBatch, ScheduledSeq
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 from radixserve.weights import gguf as gguf_weights
-from radixserve.weights.loader import load_checkpoint, resolve_model_path
+from radixserve.weights.loader import load_checkpoint
+from radixserve.weights.paths import resolve_model_path
 from tests.conftest import build_tiny_llama
 from tests.model.parity import hf_gguf_model
 

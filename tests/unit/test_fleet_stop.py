@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from radixserve.router.fleet import _group_alive, check_port_free, stop_adopted
+from radixserve.http_common import bind_socket
+from radixserve.router.fleet import _group_alive, stop_adopted
 
 
 def test_stop_adopted_kills_workers_listed_under_pids_the_fleet_did_not_start(tmp_path):
@@ -78,9 +79,9 @@ def _state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
-def test_check_port_free_refuses_a_taken_port():
+def test_bind_socket_refuses_a_taken_port():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(RuntimeError, match="cannot listen"):
-            check_port_free("127.0.0.1", taken.getsockname()[1])
+            bind_socket("127.0.0.1", taken.getsockname()[1])
