@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Any
 
+from radixserve import __version__
 from radixserve.config import EngineConfig, ServerConfig, add_dataclass_args, from_args
 
 
@@ -76,6 +77,7 @@ def _fail(error: object, code: int) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve",
                                      description="LLM serving with a radix-tree prefix cache.")
+    parser.add_argument("--version", action="version", version=f"radixserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_serve_command(subparsers)
     # Listed for --help; `main` hands `bench ...` to radixserve.bench.cli, which has subcommands.

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import socket
 import subprocess
 import sys
 
 import pytest
 
+import radixserve
 from radixserve import cli
 from radixserve.weights.paths import ModelPathError, resolve_model_path
 
@@ -100,3 +102,11 @@ def test_model_folders_the_runner_and_the_server_accept(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
     assert resolve_model_path(str(gguf), need_tokenizer=True) == str(gguf)
+
+
+def test_version_prints_the_package_version():
+    done = subprocess.run([sys.executable, "-m", "radixserve", "--version"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"radixserve {radixserve.__version__}\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", radixserve.__version__)
