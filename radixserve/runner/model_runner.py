@@ -97,6 +97,7 @@ class ModelRunner:
         resolve_device(config.device)  # fail before loading anything
         path = resolve_model_path(config.model_path)
         start = time.perf_counter()
+        logger.info("loading the model from %s", path)
         model_config, weights = load_checkpoint(path)
         model = model_class(model_config)(model_config)
         scales = load_weights(model, weights)

@@ -183,7 +183,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     from radixserve.tokenizer.tokenizer import Tokenizer
 
     t0 = time.monotonic()
+    logger.info("loading the tokenizer of %s", model_path)
     tokenizer = await asyncio.to_thread(Tokenizer.load, model_path)
+    logger.info("starting the engine process (it loads the model)")
     client = await EngineClient.launch(engine_config, runner_factory, tokenizer.eos_token_ids,
                                        server_config.log_level, server_config.watchdog_timeout)
     try:
