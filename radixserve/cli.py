@@ -39,8 +39,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from radixserve.http_common import PortUnavailable, bind_socket
     from radixserve.weights.paths import ModelPathError, resolve_model_path
 
-    server_config = from_args(ServerConfig, args)
     try:
+        server_config = from_args(ServerConfig, args)
         engine_config = from_args(EngineConfig, args)
         model_path = resolve_model_path(engine_config.model_path, need_tokenizer=True)
     except (ValueError, ModelPathError) as exc:
@@ -48,7 +48,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         sock = bind_socket(server_config.host, server_config.port)
     except PortUnavailable as exc:
-        return _fail(f"{exc} (is another server running there? choose one with --port)", 1)
+        return _fail(f"{exc} (choose another with --host / --port)", 1)
     with sock:
         try:
             from radixserve.runner.device import resolve_device

@@ -79,6 +79,8 @@ class ServerConfig:
                                               "(repetition loops, garbled text, rare-char noise)")
 
     def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_body_bytes < 1:
             raise ValueError("max_request_body_bytes must be >= 1")
 

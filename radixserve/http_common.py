@@ -45,7 +45,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        reason = "already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc)).lower()
+        reason = ("already in use by another process" if exc.errno == errno.EADDRINUSE
+                  else (exc.strerror or str(exc)).lower())
         raise PortUnavailable(f"cannot listen on {host}:{port}: {reason}") from None
     return sock
 

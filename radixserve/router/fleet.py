@@ -18,7 +18,7 @@ from typing import IO, Any
 import httpx
 
 from radixserve.config import add_dataclass_args, from_args
-from radixserve.http_common import bind_socket, setup_logging
+from radixserve.http_common import PortUnavailable, bind_socket, setup_logging
 from radixserve.router.config import RouterConfig
 
 logger = logging.getLogger("radixserve.fleet")
@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "stops them all.")
     fleet = parser.add_argument_group("fleet")
     fleet.add_argument("--num-workers", type=int, required=True, help="workers to start")
-    fleet.add_argument("--worker-base-port", type=int, default=31000,
-                       help="worker i listens on this + i (default: 31000)")
+    fleet.add_argument("--worker-base-port", type=int, default=None,
+                       help="worker i listens on this + i (default: the router's --port + 1, so "
+                            "--port alone moves the whole fleet)")
     fleet.add_argument("--worker-host", default="127.0.0.1",
                        help="workers' listen address (default: 127.0.0.1)")
     fleet.add_argument("--manifest", default=None,
@@ -84,9 +85,42 @@ def spawn_worker(argv: list[str], url: str, log_path: str) -> WorkerProc:
     return WorkerProc(url, argv, log_path, proc, log)
 
 
+def worker_commands(args: argparse.Namespace, config: RouterConfig,
+                    worker_args: list[str]) -> list[tuple[str, list[str]]]:
+    """(URL, command line) of each worker: `radixserve serve` with `worker_args`, worker i on
+    --worker-base-port + i, by default the router's port + 1 + i. Raises ValueError when a
+    port would pass 65535."""
+    base = config.port + 1 if args.worker_base_port is None else args.worker_base_port
+    if base + args.num_workers - 1 > 65535:
+        raise ValueError(f"worker ports {base}..{base + args.num_workers - 1} pass 65535; "
+                         f"choose a lower --port or --worker-base-port")
+    commands = []
+    for port in range(base, base + args.num_workers):
+        cmd = [sys.executable, "-m", "radixserve", "serve", *worker_args,
+               "--host", args.worker_host, "--port", str(port), "--log-level", config.log_level]
+        commands.append((f"http://{args.worker_host}:{port}", cmd))
+    return commands
+
+
+def check_ports(config: RouterConfig, worker_host: str, worker_urls: list[str]) -> None:
+    """Bind (and release) the router's port and every worker's now, before minutes of worker
+    start-up. Raises PortUnavailable (a RuntimeError) for the first that is taken, saying
+    which flag moves it."""
+    try:
+        bind_socket(config.host, config.port).close()
+    except PortUnavailable as exc:
+        raise PortUnavailable(f"router: {exc} (choose another port with --port)") from None
+    for i, url in enumerate(worker_urls):
+        try:
+            bind_socket(worker_host, int(url.rpartition(":")[2])).close()
+        except PortUnavailable as exc:
+            raise PortUnavailable(f"worker {i}: {exc} (move the workers with --worker-base-port, "
+                                  f"or the whole fleet with --port)") from None
+
+
 def wait_healthy(workers: list[WorkerProc], timeout_s: float) -> None:
-    """Block until every worker's GET /health is 200. Raises RuntimeError if one exits or
-    the timeout passes."""
+    """Block until every worker's GET /health is 200, logging each as it comes up. Raises
+    RuntimeError if one exits or the timeout passes."""
     deadline = time.monotonic() + timeout_s
     pending = list(workers)
     while pending:
@@ -97,6 +131,8 @@ def wait_healthy(workers: list[WorkerProc], timeout_s: float) -> None:
             try:
                 if httpx.get(w.url + "/health", timeout=2.0).status_code == 200:
                     pending.remove(w)
+                    logger.info("fleet: worker %s is up (%d of %d)", w.url,
+                                len(workers) - len(pending), len(workers))
             except httpx.TransportError:
                 pass  # not listening yet
         if pending and time.monotonic() > deadline:
@@ -190,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.num_workers < 1:
         parser.error("--num-workers must be >= 1")
+    try:
+        commands = worker_commands(args, config, worker_args)
+    except ValueError as exc:
+        parser.error(str(exc))
     setup_logging(config.log_level)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="radixserve-fleet-")
     os.makedirs(log_dir, exist_ok=True)
@@ -200,12 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     workers: list[WorkerProc] = []
     try:
-        bind_socket(config.host, config.port).close()  # before minutes of worker start-up
-        for i in range(args.num_workers):
-            port = args.worker_base_port + i
-            url = f"http://{args.worker_host}:{port}"
-            cmd = [sys.executable, "-m", "radixserve", "serve", *worker_args,
-                   "--host", args.worker_host, "--port", str(port), "--log-level", config.log_level]
+        check_ports(config, args.worker_host, [url for url, _ in commands])
+        logger.info("fleet: starting %d workers on %s (logs in %s)", len(commands),
+                    ", ".join(url for url, _ in commands), log_dir)
+        for i, (url, cmd) in enumerate(commands):
             workers.append(spawn_worker(cmd, url, os.path.join(log_dir, f"worker-{i}.log")))
         wait_healthy(workers, args.startup_timeout_s)
         router_url = f"http://{config.host}:{config.port}"

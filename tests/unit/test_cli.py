@@ -37,7 +37,7 @@ def test_a_taken_port_fails_before_loading_in_one_line(taken_port, no_serving, c
     err = capsys.readouterr().err
     assert code == 1
     assert err == (f"radixserve serve: error: cannot listen on 127.0.0.1:{taken_port}: already in "
-                   f"use (is another server running there? choose one with --port)\n")
+                   f"use by another process (choose another with --host / --port)\n")
 
 
 def test_a_taken_port_from_the_command_line_exits_nonzero_without_a_traceback(taken_port):
@@ -45,8 +45,8 @@ def test_a_taken_port_from_the_command_line_exits_nonzero_without_a_traceback(ta
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert done.stderr.splitlines() == [
-        f"radixserve serve: error: cannot listen on 127.0.0.1:{taken_port}: already in use "
-        f"(is another server running there? choose one with --port)"]
+        f"radixserve serve: error: cannot listen on 127.0.0.1:{taken_port}: already in use by "
+        f"another process (choose another with --host / --port)"]
 
 
 def hf_folder(folder: pathlib.Path, *names: str) -> pathlib.Path:
