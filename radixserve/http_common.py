@@ -1,4 +1,5 @@
-"""Pieces every HTTP process shares (worker, router, agent): bearer-key checks, port binding, quiet signals."""
+"""Pieces every HTTP process shares (worker, router, agent): bearer-key checks, port binding, quiet
+signals, and keep-alive rules for clients that poll our servers."""
 from __future__ import annotations
 
 import contextlib
@@ -10,11 +11,23 @@ import socket
 import threading
 from typing import Any, Callable, Iterator
 
+import httpx
 from starlette.requests import Request
 
 from radixserve.errors import Unauthorized
 
 logger = logging.getLogger(__name__)
+
+#: Our servers (uvicorn) close a connection idle this long, in s (uvicorn.Config timeout_keep_alive).
+SERVER_KEEP_ALIVE_S = 5
+#: Our pollers (the agent, the router's health checks) drop a pooled connection idle this long,
+#: in s. httpx's default equals uvicorn's 5 s, so a poll every 5 s could go out on a connection
+#: just as the server closes it, and fail with "Server disconnected without sending a response".
+CLIENT_KEEP_ALIVE_S = 2.0
+#: How a request fails when the connection under it was dead: closed by the server (idle
+#: keep-alive, a restart) or reset. Sending it again, on a new connection, tells whether the
+#: server itself is down.
+DEAD_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 def bearer_key_check(key: str | None, what: str = "API key") -> Callable[[Request], Any]:
@@ -49,6 +62,31 @@ def bind_socket(host: str, port: int) -> socket.socket:
                   else (exc.strerror or str(exc)).lower())
         raise PortUnavailable(f"cannot listen on {host}:{port}: {reason}") from None
     return sock
+
+
+def poller_limits(**kwargs: Any) -> httpx.Limits:
+    """httpx pool limits for a client that polls our servers: idle connections expire after
+    CLIENT_KEEP_ALIVE_S, before the server's keep-alive closes them; `kwargs` as httpx.Limits."""
+    return httpx.Limits(keepalive_expiry=CLIENT_KEEP_ALIVE_S, **kwargs)
+
+
+async def send_resending_once(client: httpx.AsyncClient, method: str, url: str,
+                              **kwargs: Any) -> httpx.Response:
+    """`client.request(method, url, **kwargs)`, sent once more on a new connection when the one
+    under it turned out dead (DEAD_CONNECTION_ERRORS), so a pooled connection the server closed
+    is not taken for a sick server. The second attempt goes through a one-request client (same
+    URL, headers, body and timeouts; `client`'s trust_env), not `client`'s pool, where other
+    idle connections may have died the same way. Only for requests that are safe to send twice
+    (health and metrics reads, probes). Raises what httpx raises on the second attempt, or on
+    the first for any other error (a timeout is not retried: it already took its time)."""
+    request = client.build_request(method, url, **kwargs)
+    try:
+        return await client.send(request)
+    except DEAD_CONNECTION_ERRORS as exc:
+        logger.debug("%s %s failed on a dead connection (%s: %s); sending it again on a new one",
+                     method, url, type(exc).__name__, exc)
+    async with httpx.AsyncClient(trust_env=client.trust_env) as fresh:
+        return await fresh.send(request)
 
 
 @contextlib.contextmanager

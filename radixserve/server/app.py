@@ -19,7 +19,7 @@ from radixserve.config import EngineConfig, ServerConfig
 from radixserve.engine.loop import RunnerFactory
 from radixserve.engine.messages import AddReq
 from radixserve.errors import EngineDead, InvalidRequest, RadixServeError, error_body
-from radixserve.http_common import bearer_key_check, quiet_signals
+from radixserve.http_common import SERVER_KEEP_ALIVE_S, bearer_key_check, quiet_signals
 from radixserve.sampling_params import SamplingParams
 from radixserve.server import responses
 from radixserve.server.admin_routes import install_admin_routes
@@ -197,6 +197,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level,
                                 access_log=server_config.log_level == "debug",
+                                timeout_keep_alive=SERVER_KEEP_ALIVE_S,
                                 timeout_graceful_shutdown=5, lifespan="off")
         server = uvicorn.Server(config)
         announce = asyncio.create_task(_announce(server, ctx, server_config, time.monotonic() - t0))
