@@ -164,15 +164,8 @@ def stop_adopted(manifest_path: str | None, workers: list[WorkerProc]) -> None:
     STOP_GRACE_S."""
     if not manifest_path or not os.path.exists(manifest_path):
         return
-    try:
-        with open(manifest_path) as f:
-            entries = json.load(f).get("workers", [])
-    except (OSError, ValueError) as exc:
-        logger.warning("fleet: cannot read manifest %s to stop restarted workers: %r",
-                       manifest_path, exc)
-        return
     ours = {w.proc.pid for w in workers}
-    adopted = [int(e["pid"]) for e in entries if e.get("pid") and int(e["pid"]) not in ours]
+    adopted = [pid for pid in manifest_pids(manifest_path) if pid not in ours]
     for pid in adopted:
         _kill_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
@@ -180,6 +173,32 @@ def stop_adopted(manifest_path: str | None, workers: list[WorkerProc]) -> None:
         while time.monotonic() < deadline and _group_alive(pid):
             time.sleep(0.1)
         _kill_group(pid, signal.SIGKILL)
+
+
+def manifest_pids(manifest_path: str) -> list[int]:
+    """The worker pids a fleet manifest lists ({"workers": [{"pid": int, ...}, ...]}). A
+    manifest that cannot be read or is not of that shape gives none; an entry without a pid
+    that can only be a worker's process group is skipped: not an int above 1, or this
+    process's own group (os.killpg of 0, 1 or our group would signal the fleet itself, or
+    init's group). Both are logged."""
+    try:
+        with open(manifest_path) as f:
+            body = json.load(f)
+    except (OSError, ValueError) as exc:
+        logger.warning("fleet: cannot read manifest %s to stop restarted workers: %r",
+                       manifest_path, exc)
+        return []
+    entries = body.get("workers") if isinstance(body, dict) else None
+    if not isinstance(entries, list):
+        logger.warning("fleet: manifest %s has no list of workers; stopping no restarted ones",
+                       manifest_path)
+        return []
+    pids = [e.get("pid") if isinstance(e, dict) else None for e in entries]
+    good = [pid for pid in pids if type(pid) is int and pid > 1 and pid != os.getpgrp()]
+    if len(good) < len(pids):
+        logger.warning("fleet: manifest %s: skipped %d worker entries without a usable pid",
+                       manifest_path, len(pids) - len(good))
+    return good
 
 
 def _kill_group(pid: int, sig: int) -> None:

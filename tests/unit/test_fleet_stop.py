@@ -59,6 +59,25 @@ def test_stop_adopted_without_a_manifest_or_with_a_bad_one_does_nothing(tmp_path
     assert any("cannot read manifest" in r.message for r in caplog.records)
 
 
+@pytest.mark.parametrize("body, says", [
+    ([], "has no list of workers"),
+    ({"workers": 5}, "has no list of workers"),
+    # 0, 1 and our own group would signal the fleet itself or init's group; True is not a pid
+    ({"workers": [5, {"url": "x"}, {"pid": "123"}, {"pid": True}, {"pid": -3}, {"pid": 0},
+                  {"pid": 1}, {"pid": os.getpgrp()}, {"pid": 2.5}]}, "skipped 9 worker entries"),
+])
+def test_a_manifest_of_the_wrong_shape_signals_no_group(body, says, tmp_path, monkeypatch, caplog):
+    signalled: list[tuple[int, int]] = []
+    monkeypatch.setattr(fleet, "_kill_group", lambda pid, sig: signalled.append((pid, sig)))
+    monkeypatch.setattr(fleet, "STOP_GRACE_S", 0.0)
+    manifest = tmp_path / "fleet.json"
+    manifest.write_text(json.dumps(body))
+    with caplog.at_level("WARNING", logger="radixserve.fleet"):
+        stop_adopted(str(manifest), workers=[])
+    assert signalled == []
+    assert [r.getMessage() for r in caplog.records if says in r.getMessage()], caplog.text
+
+
 def test_a_zombie_group_leader_counts_as_stopped():
     """A worker that exited but was not reaped yet (the agent's restarted child after the
     fleet's SIGTERM) must not hold the fleet's stop for the whole grace period."""
