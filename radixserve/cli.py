@@ -34,8 +34,8 @@ def build_runner(config: EngineConfig) -> Any:
 def run_serve(args: argparse.Namespace) -> int:
     """`radixserve serve`: check the flags, the model path and the port in about a second,
     then load and serve. Returns the exit code: 2 for a bad flag or model path, 1 when the
-    port cannot be bound or start-up fails later, else what `serve` returns. Every failure
-    before serving is one line on stderr (the traceback with --log-level debug)."""
+    port cannot be bound or start-up fails later, else what `serve` returns. A failure before
+    loading is one line on stderr; a later one is logged (its traceback with --log-level debug)."""
     from radixserve.http_common import PortUnavailable, bind_socket
     from radixserve.weights.paths import ModelPathError, resolve_model_path
 

@@ -70,23 +70,28 @@ def poller_limits(**kwargs: Any) -> httpx.Limits:
     return httpx.Limits(keepalive_expiry=CLIENT_KEEP_ALIVE_S, **kwargs)
 
 
-async def send_resending_once(client: httpx.AsyncClient, method: str, url: str,
-                              **kwargs: Any) -> httpx.Response:
+def fresh_client(trust_env: bool = True) -> httpx.AsyncClient:
+    """A client that keeps no idle connection, so every request it sends goes out on a new one:
+    the second attempts of send_resending_once. Close it with the poller's own client."""
+    return httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), trust_env=trust_env)
+
+
+async def send_resending_once(client: httpx.AsyncClient, fresh: httpx.AsyncClient, method: str,
+                              url: str, **kwargs: Any) -> httpx.Response:
     """`client.request(method, url, **kwargs)`, sent once more on a new connection when the one
     under it turned out dead (DEAD_CONNECTION_ERRORS), so a pooled connection the server closed
-    is not taken for a sick server. The second attempt goes through a one-request client (same
-    URL, headers, body and timeouts; `client`'s trust_env), not `client`'s pool, where other
-    idle connections may have died the same way. Only for requests that are safe to send twice
-    (health and metrics reads, probes). Raises what httpx raises on the second attempt, or on
-    the first for any other error (a timeout is not retried: it already took its time)."""
+    is not taken for a sick server. The second attempt (same URL, headers, body and timeouts)
+    goes through `fresh` (see fresh_client), not `client`'s pool, where other idle connections
+    may have died the same way. Only for requests that are safe to send twice (health and
+    metrics reads, probes). Raises what httpx raises on the second attempt, or on the first for
+    any other error (a timeout is not retried: it already took its time)."""
     request = client.build_request(method, url, **kwargs)
     try:
         return await client.send(request)
     except DEAD_CONNECTION_ERRORS as exc:
         logger.debug("%s %s failed on a dead connection (%s: %s); sending it again on a new one",
                      method, url, type(exc).__name__, exc)
-    async with httpx.AsyncClient(trust_env=client.trust_env) as fresh:
-        return await fresh.send(request)
+    return await fresh.send(request)
 
 
 @contextlib.contextmanager

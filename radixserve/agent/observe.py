@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.http_common import poller_limits, send_resending_once
+from radixserve.http_common import fresh_client, poller_limits, send_resending_once
 from radixserve.router.client import AsyncRouterAdminClient
 
 logger = logging.getLogger("radixserve.agent")
@@ -126,6 +126,7 @@ class Observer:
         self.admin = admin
         headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
         self.http = httpx.AsyncClient(timeout=timeout_s, headers=headers, limits=poller_limits())
+        self.fresh_http = fresh_client()
         self.gpu_note = ""
         self._nvml_absent = False
 
@@ -191,7 +192,7 @@ class Observer:
 
     async def _get(self, url: str) -> httpx.Response | str:
         try:
-            return await send_resending_once(self.http, "GET", url)
+            return await send_resending_once(self.http, self.fresh_http, "GET", url)
         except httpx.TimeoutException:
             return "timeout"
         except READ_ERRORS as exc:
@@ -210,8 +211,9 @@ class Observer:
                 "temperature": 0.0, "ignore_eos": True}
         t0 = time.monotonic()
         try:
-            r = await send_resending_once(self.http, "POST", url.rstrip("/") + "/v1/completions",
-                                          json=body, timeout=timeout_s)
+            r = await send_resending_once(self.http, self.fresh_http, "POST",
+                                          url.rstrip("/") + "/v1/completions", json=body,
+                                          timeout=timeout_s)
         except READ_ERRORS as exc:
             logger.info("probe of %s failed: %s", url, describe(exc))
             return None
@@ -228,6 +230,7 @@ class Observer:
 
     async def aclose(self) -> None:
         await self.http.aclose()
+        await self.fresh_http.aclose()
 
 
 async def _none() -> None:

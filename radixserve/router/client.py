@@ -5,7 +5,7 @@ from typing import Any, Callable
 
 import httpx
 
-from radixserve.http_common import poller_limits, send_resending_once
+from radixserve.http_common import fresh_client, poller_limits, send_resending_once
 
 
 class RouterAdminError(Exception):
@@ -115,17 +115,19 @@ class AsyncRouterAdminClient(_AdminCalls):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
                                       timeout=timeout_s, limits=poller_limits())
+        self.fresh_http = fresh_client()
 
     async def _call(self, method: str, path: str, body: dict | None,
                     transform: Callable[[Any], Any]) -> Any:
         if method == "GET":
-            response = await send_resending_once(self.http, method, path)
+            response = await send_resending_once(self.http, self.fresh_http, method, path)
         else:
             response = await self.http.request(method, path, json=body)
         return transform(_decode(response))
 
     async def aclose(self) -> None:
         await self.http.aclose()
+        await self.fresh_http.aclose()
 
     async def __aenter__(self) -> AsyncRouterAdminClient:
         return self

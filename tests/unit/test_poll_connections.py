@@ -120,6 +120,7 @@ def test_router_health_checks_pass_on_dropped_pooled_connections():
                     num_running.append(worker.num_running)
                 return passed, num_running
             finally:
+                await state.monitor.stop()
                 await state.http.aclose()
 
     assert asyncio.run(checks()) == ([True, True, True, True], [3, 3])
