@@ -89,7 +89,8 @@ def test_flush_cache_and_server_info(tiny_server):
     assert info["server_config"]["api_key"] is None and info["page_size"] == 16
     assert set(tiny_server.get("/server_info").json()) == set(info)
     assert info["engine"]["runner"] == {"device": "cpu", "attention_backend": "torch",
-                                        "kv_cache_dtype": "float32"}
+                                        "kv_cache_dtype": "float32",
+                                        "deterministic_inference": False}
     assert tiny_server.get("/health_generate").status_code == 200
 
 
