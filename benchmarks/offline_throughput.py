@@ -15,7 +15,7 @@ import time
 import torch
 
 from radixserve import LLM, SamplingParams
-from radixserve.weights.loader import resolve_model_path
+from radixserve.weights.paths import resolve_model_path
 
 
 def random_workload(rng, vocab, num, lo, hi):

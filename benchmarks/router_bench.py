@@ -28,7 +28,7 @@ import time
 import httpx
 
 from radixserve.bench.launch import free_ports, wait_healthy
-from radixserve.weights.loader import resolve_model_path
+from radixserve.weights.paths import resolve_model_path
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DATASETS = {

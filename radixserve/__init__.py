@@ -2,6 +2,8 @@
 from radixserve.config import EngineConfig, ServerConfig
 from radixserve.sampling_params import SamplingParams
 
+__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here
+
 
 def __getattr__(name: str):
     # LLM pulls in torch; import it lazily so `import radixserve` stays light for router/bench.
@@ -11,4 +13,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "ServerConfig"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "ServerConfig", "__version__"]

@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Any, NoReturn
 
+from radixserve import __version__
 from radixserve.config import EngineConfig, ServerConfig, add_dataclass_args, from_args
 
 
@@ -39,35 +40,52 @@ def build_runner(config: EngineConfig) -> Any:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from radixserve.server.app import serve
-    from radixserve.weights.loader import resolve_model_path
+    """`radixserve serve`: check the flags, the model path and the port in about a second,
+    then load and serve. Returns the exit code: 2 for a bad flag or model path, 1 when the
+    port cannot be bound or start-up fails later, else what `serve` returns. A failure before
+    loading is one line on stderr; a later one is logged (its traceback with --log-level debug)."""
+    from radixserve.http_common import PortUnavailable, bind_socket
+    from radixserve.weights.paths import ModelPathError, resolve_model_path
 
-    server_config = from_args(ServerConfig, args)
     try:
+        server_config = from_args(ServerConfig, args)
         engine_config = from_args(EngineConfig, args)
-        from radixserve.runner.device import resolve_device
-        resolve_device(engine_config.device)   # a missing GPU is a usage error, not a traceback
-    except ValueError as exc:
-        print(f"radixserve serve: error: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=server_config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        model_path = resolve_model_path(engine_config.model_path, need_tokenizer=True)
+    except (ValueError, ModelPathError) as exc:
+        return _fail(exc, 2)
     try:
-        model_path = resolve_model_path(engine_config.model_path)
-        code = asyncio.run(serve(engine_config, server_config, build_runner, model_path))
-    except KeyboardInterrupt:
-        code = 0
-    except Exception as exc:  # start-up failures: bad model path, engine failed to load, port in use
-        log = logging.getLogger("radixserve")
-        log.debug("serve failed", exc_info=True)
-        log.error("%s: %s (run with --log-level debug for the traceback)", type(exc).__name__, exc)
-        return 1
+        sock = bind_socket(server_config.host, server_config.port)
+    except PortUnavailable as exc:
+        return _fail(f"{exc} (choose another with --host / --port)", 1)
+    with sock:
+        try:
+            from radixserve.runner.device import resolve_device
+            resolve_device(engine_config.device)   # a missing GPU is a usage error, not a traceback
+        except ValueError as exc:
+            return _fail(exc, 2)
+        logging.basicConfig(level=server_config.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from radixserve.server.app import serve
+        try:
+            return asyncio.run(serve(engine_config, server_config, build_runner, model_path, sock))
+        except KeyboardInterrupt:
+            return 0
+        except Exception as exc:  # start-up failures: the engine failed to load, ...
+            log = logging.getLogger("radixserve")
+            log.debug("serve failed", exc_info=True)
+            log.error("%s: %s (run with --log-level debug for the traceback)", type(exc).__name__, exc)
+            return 1
+
+
+def _fail(error: object, code: int) -> int:
+    print(f"radixserve serve: error: {error}", file=sys.stderr)
     return code
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve",
                                      description="LLM serving with a radix-tree prefix cache.")
+    parser.add_argument("--version", action="version", version=f"radixserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                        parser_class=OneLineErrorParser)
     add_serve_command(subparsers)

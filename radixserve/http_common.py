@@ -1,18 +1,33 @@
-"""Pieces every HTTP process shares (worker, router, agent): bearer-key checks and quiet signals."""
+"""Pieces every HTTP process shares (worker, router, agent): bearer-key checks, port binding, quiet
+signals, and keep-alive rules for clients that poll our servers."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import logging
 import signal
+import socket
 import threading
 from typing import Any, Callable, Iterator
 
+import httpx
 from starlette.requests import Request
 
 from radixserve.errors import Unauthorized
 
 logger = logging.getLogger(__name__)
+
+#: Our servers (uvicorn) close a connection idle this long, in s (uvicorn.Config timeout_keep_alive).
+SERVER_KEEP_ALIVE_S = 5
+#: Our pollers (the agent, the router's health checks) drop a pooled connection idle this long,
+#: in s. httpx's default equals uvicorn's 5 s, so a poll every 5 s could go out on a connection
+#: just as the server closes it, and fail with "Server disconnected without sending a response".
+CLIENT_KEEP_ALIVE_S = 2.0
+#: How a request fails when the connection under it was dead: closed by the server (idle
+#: keep-alive, a restart) or reset. Sending it again, on a new connection, tells whether the
+#: server itself is down.
+DEAD_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 def bearer_key_check(key: str | None, what: str = "API key") -> Callable[[Request], Any]:
@@ -25,6 +40,58 @@ def bearer_key_check(key: str | None, what: str = "API key") -> Callable[[Reques
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise Unauthorized(f"Incorrect or missing {what} (send 'Authorization: Bearer KEY').")
     return check
+
+
+class PortUnavailable(RuntimeError):
+    """host:port cannot be bound (taken by another process, or an address not on this machine)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port the way uvicorn binds (SO_REUSEADDR, so a port left in
+    TIME_WAIT by a previous run is reusable), not yet listening: until uvicorn listens on it
+    (`Server.serve(sockets=[sock])`) connections are refused, not queued. Binding before a
+    slow start-up makes a taken port fail at once, and nothing can take it in between.
+    Raises PortUnavailable naming host:port and the OS's reason."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = ("already in use by another process" if exc.errno == errno.EADDRINUSE
+                  else (exc.strerror or str(exc)).lower())
+        raise PortUnavailable(f"cannot listen on {host}:{port}: {reason}") from None
+    return sock
+
+
+def poller_limits(**kwargs: Any) -> httpx.Limits:
+    """httpx pool limits for a client that polls our servers: idle connections expire after
+    CLIENT_KEEP_ALIVE_S, before the server's keep-alive closes them; `kwargs` as httpx.Limits."""
+    return httpx.Limits(keepalive_expiry=CLIENT_KEEP_ALIVE_S, **kwargs)
+
+
+def fresh_client(trust_env: bool = True) -> httpx.AsyncClient:
+    """A client that keeps no idle connection, so every request it sends goes out on a new one:
+    the second attempts of send_resending_once. Close it with the poller's own client."""
+    return httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), trust_env=trust_env)
+
+
+async def send_resending_once(client: httpx.AsyncClient, fresh: httpx.AsyncClient, method: str,
+                              url: str, **kwargs: Any) -> httpx.Response:
+    """`client.request(method, url, **kwargs)`, sent once more on a new connection when the one
+    under it turned out dead (DEAD_CONNECTION_ERRORS), so a pooled connection the server closed
+    is not taken for a sick server. The second attempt (same URL, headers, body and timeouts)
+    goes through `fresh` (see fresh_client), not `client`'s pool, where other idle connections
+    may have died the same way. Only for requests that are safe to send twice (health and
+    metrics reads, probes). Raises what httpx raises on the second attempt, or on the first for
+    any other error (a timeout is not retried: it already took its time)."""
+    request = client.build_request(method, url, **kwargs)
+    try:
+        return await client.send(request)
+    except DEAD_CONNECTION_ERRORS as exc:
+        logger.debug("%s %s failed on a dead connection (%s: %s); sending it again on a new one",
+                     method, url, type(exc).__name__, exc)
+    return await fresh.send(request)
 
 
 @contextlib.contextmanager

@@ -21,15 +21,16 @@ class LLM:
 
     model_path: HF directory or .gguf file (None = embedded default). Other keyword
     arguments are EngineConfig fields (page_size, dtype, max_total_tokens, ...).
+    Raises ModelPathError (a FileNotFoundError) naming what a bad model_path lacks.
     """
 
     def __init__(self, model_path: str | None = None, **engine_kwargs):
         from radixserve.runner.model_runner import ModelRunner
         from radixserve.tokenizer.tokenizer import Tokenizer
-        from radixserve.weights.loader import resolve_model_path
+        from radixserve.weights.paths import resolve_model_path
 
         self.config = EngineConfig(model_path=model_path, **engine_kwargs)
-        self.tokenizer = Tokenizer.load(resolve_model_path(model_path))
+        self.tokenizer = Tokenizer.load(resolve_model_path(model_path, need_tokenizer=True))
         runner = ModelRunner.from_config(self.config)
         self.engine = Engine(self.config, runner, self.tokenizer.eos_token_ids)
         self._ids = itertools.count()

@@ -22,7 +22,7 @@ import tarfile
 import tempfile
 
 from radixserve.bench.launch import free_port, wait_healthy
-from radixserve.weights.loader import resolve_model_path
+from radixserve.weights.paths import resolve_model_path
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CACHE = pathlib.Path.home() / ".cache" / "radixserve" / "llama.cpp"

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from radixserve.http_common import fresh_client, poller_limits, send_resending_once
 from radixserve.router.client import AsyncRouterAdminClient
 
 logger = logging.getLogger("radixserve.agent")
@@ -116,13 +117,16 @@ class History:
 
 class Observer:
     """Reads a fleet once per sweep. Each read has `timeout_s`; a worker that does not answer
-    is recorded as such, never raised. GPU readings come from NVML when importable."""
+    is recorded as such, never raised. A read that fails on a dead pooled connection is sent
+    once more (http_common.send_resending_once): the agent's own connection pool must not make
+    a healthy worker look sick. GPU readings come from NVML when importable."""
 
     def __init__(self, admin: AsyncRouterAdminClient, timeout_s: float,
                  worker_api_key: str | None = None):
         self.admin = admin
         headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
-        self.http = httpx.AsyncClient(timeout=timeout_s, headers=headers)
+        self.http = httpx.AsyncClient(timeout=timeout_s, headers=headers, limits=poller_limits())
+        self.fresh_http = fresh_client()
         self.gpu_note = ""
         self._nvml_absent = False
 
@@ -188,7 +192,7 @@ class Observer:
 
     async def _get(self, url: str) -> httpx.Response | str:
         try:
-            return await self.http.get(url)
+            return await send_resending_once(self.http, self.fresh_http, "GET", url)
         except httpx.TimeoutException:
             return "timeout"
         except READ_ERRORS as exc:
@@ -207,8 +211,9 @@ class Observer:
                 "temperature": 0.0, "ignore_eos": True}
         t0 = time.monotonic()
         try:
-            r = await self.http.post(url.rstrip("/") + "/v1/completions", json=body,
-                                     timeout=timeout_s)
+            r = await send_resending_once(self.http, self.fresh_http, "POST",
+                                          url.rstrip("/") + "/v1/completions", json=body,
+                                          timeout=timeout_s)
         except READ_ERRORS as exc:
             logger.info("probe of %s failed: %s", url, describe(exc))
             return None
@@ -225,6 +230,7 @@ class Observer:
 
     async def aclose(self) -> None:
         await self.http.aclose()
+        await self.fresh_http.aclose()
 
 
 async def _none() -> None:

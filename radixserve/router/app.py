@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.errors import InvalidRequest, ModelNotFound, RadixServeError, error_body
+from radixserve.http_common import poller_limits
 from radixserve.router.admin import build_admin_router
 from radixserve.router.config import RouterConfig
 from radixserve.router.health import HealthMonitor
@@ -92,8 +93,8 @@ def build_state(config: RouterConfig, worker_urls: list[str], tokenizer: Any = N
     http = httpx.AsyncClient(
         timeout=httpx.Timeout(connect=c.connect_timeout_s, read=c.silence_timeout_s,
                               write=c.silence_timeout_s, pool=c.connect_timeout_s),
-        limits=httpx.Limits(max_connections=None,
-                            max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS),
+        limits=poller_limits(max_connections=None,
+                             max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS),
         trust_env=False)
     monitor = HealthMonitor(config, registry, metrics, http)
     state = RouterState(config, registry, tree, policy, metrics, http, monitor,

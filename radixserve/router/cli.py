@@ -6,7 +6,7 @@ import logging
 import sys
 
 from radixserve.config import add_dataclass_args, from_args
-from radixserve.http_common import quiet_signals, setup_logging
+from radixserve.http_common import SERVER_KEEP_ALIVE_S, quiet_signals, setup_logging
 from radixserve.router.config import RouterConfig
 
 logger = logging.getLogger("radixserve.router")
@@ -47,7 +47,8 @@ def run(config: RouterConfig, worker_urls: list[str]) -> int:
         return 1
     app = build_app(state)
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                        access_log=config.log_level == "debug", timeout_graceful_shutdown=5)
+                        access_log=config.log_level == "debug", timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+                        timeout_graceful_shutdown=5)
     print(f"radixserve: routing ({config.policy}) over {len(worker_urls)} worker(s) on "
           f"http://{config.host}:{config.port}", flush=True)
     with quiet_signals():

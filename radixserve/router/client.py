@@ -5,6 +5,8 @@ from typing import Any, Callable
 
 import httpx
 
+from radixserve.http_common import fresh_client, poller_limits, send_resending_once
+
 
 class RouterAdminError(Exception):
     """The router answered an admin call with an error status. `status` is the HTTP status,
@@ -105,19 +107,27 @@ class RouterAdminClient(_AdminCalls):
 
 
 class AsyncRouterAdminClient(_AdminCalls):
-    """The same calls for asyncio: every method returns an awaitable."""
+    """The same calls for asyncio (the ops agent polls with them): every method returns an
+    awaitable. A GET that fails on a dead pooled connection is sent once more
+    (http_common.send_resending_once); changes are sent once."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 10.0):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
-                                      timeout=timeout_s)
+                                      timeout=timeout_s, limits=poller_limits())
+        self.fresh_http = fresh_client()
 
     async def _call(self, method: str, path: str, body: dict | None,
                     transform: Callable[[Any], Any]) -> Any:
-        return transform(_decode(await self.http.request(method, path, json=body)))
+        if method == "GET":
+            response = await send_resending_once(self.http, self.fresh_http, method, path)
+        else:
+            response = await self.http.request(method, path, json=body)
+        return transform(_decode(response))
 
     async def aclose(self) -> None:
         await self.http.aclose()
+        await self.fresh_http.aclose()
 
     async def __aenter__(self) -> AsyncRouterAdminClient:
         return self

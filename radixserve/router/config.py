@@ -74,6 +74,8 @@ class RouterConfig:
                                             "their own header through)")
 
     def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError("cache_threshold must be in [0, 1]")
         if not 0.0 < self.load_smoothing <= 1.0:

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from typing import IO, Any
 import httpx
 
 from radixserve.config import add_dataclass_args, from_args
-from radixserve.http_common import setup_logging
+from radixserve.http_common import PortUnavailable, bind_socket, setup_logging
 from radixserve.router.config import RouterConfig
 
 logger = logging.getLogger("radixserve.fleet")
@@ -55,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "stops them all.")
     fleet = parser.add_argument_group("fleet")
     fleet.add_argument("--num-workers", type=int, required=True, help="workers to start")
-    fleet.add_argument("--worker-base-port", type=int, default=31000,
-                       help="worker i listens on this + i (default: 31000)")
+    fleet.add_argument("--worker-base-port", type=int, default=None,
+                       help="worker i listens on this + i (default: the router's --port + 1, so "
+                            "--port alone moves the whole fleet)")
     fleet.add_argument("--worker-host", default="127.0.0.1",
                        help="workers' listen address (default: 127.0.0.1)")
     fleet.add_argument("--manifest", default=None,
@@ -85,9 +85,42 @@ def spawn_worker(argv: list[str], url: str, log_path: str) -> WorkerProc:
     return WorkerProc(url, argv, log_path, proc, log)
 
 
+def worker_commands(args: argparse.Namespace, config: RouterConfig,
+                    worker_args: list[str]) -> list[tuple[str, list[str]]]:
+    """(URL, command line) of each worker: `radixserve serve` with `worker_args`, worker i on
+    --worker-base-port + i, by default the router's port + 1 + i. Raises ValueError when a
+    port would pass 65535."""
+    base = config.port + 1 if args.worker_base_port is None else args.worker_base_port
+    if base + args.num_workers - 1 > 65535:
+        raise ValueError(f"worker ports {base}..{base + args.num_workers - 1} pass 65535; "
+                         f"choose a lower --port or --worker-base-port")
+    commands = []
+    for port in range(base, base + args.num_workers):
+        cmd = [sys.executable, "-m", "radixserve", "serve", *worker_args,
+               "--host", args.worker_host, "--port", str(port), "--log-level", config.log_level]
+        commands.append((f"http://{args.worker_host}:{port}", cmd))
+    return commands
+
+
+def check_ports(config: RouterConfig, worker_host: str, worker_urls: list[str]) -> None:
+    """Bind (and release) the router's port and every worker's now, before minutes of worker
+    start-up. Raises PortUnavailable (a RuntimeError) for the first that is taken, saying
+    which flag moves it."""
+    try:
+        bind_socket(config.host, config.port).close()
+    except PortUnavailable as exc:
+        raise PortUnavailable(f"router: {exc} (choose another port with --port)") from None
+    for i, url in enumerate(worker_urls):
+        try:
+            bind_socket(worker_host, int(url.rpartition(":")[2])).close()
+        except PortUnavailable as exc:
+            raise PortUnavailable(f"worker {i}: {exc} (move the workers with --worker-base-port, "
+                                  f"or the whole fleet with --port)") from None
+
+
 def wait_healthy(workers: list[WorkerProc], timeout_s: float) -> None:
-    """Block until every worker's GET /health is 200. Raises RuntimeError if one exits or
-    the timeout passes."""
+    """Block until every worker's GET /health is 200, logging each as it comes up. Raises
+    RuntimeError if one exits or the timeout passes."""
     deadline = time.monotonic() + timeout_s
     pending = list(workers)
     while pending:
@@ -98,6 +131,8 @@ def wait_healthy(workers: list[WorkerProc], timeout_s: float) -> None:
             try:
                 if httpx.get(w.url + "/health", timeout=2.0).status_code == 200:
                     pending.remove(w)
+                    logger.info("fleet: worker %s is up (%d of %d)", w.url,
+                                len(workers) - len(pending), len(workers))
             except httpx.TransportError:
                 pass  # not listening yet
         if pending and time.monotonic() > deadline:
@@ -129,15 +164,8 @@ def stop_adopted(manifest_path: str | None, workers: list[WorkerProc]) -> None:
     STOP_GRACE_S."""
     if not manifest_path or not os.path.exists(manifest_path):
         return
-    try:
-        with open(manifest_path) as f:
-            entries = json.load(f).get("workers", [])
-    except (OSError, ValueError) as exc:
-        logger.warning("fleet: cannot read manifest %s to stop restarted workers: %r",
-                       manifest_path, exc)
-        return
     ours = {w.proc.pid for w in workers}
-    adopted = [int(e["pid"]) for e in entries if e.get("pid") and int(e["pid"]) not in ours]
+    adopted = [pid for pid in manifest_pids(manifest_path) if pid not in ours]
     for pid in adopted:
         _kill_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
@@ -145,6 +173,32 @@ def stop_adopted(manifest_path: str | None, workers: list[WorkerProc]) -> None:
         while time.monotonic() < deadline and _group_alive(pid):
             time.sleep(0.1)
         _kill_group(pid, signal.SIGKILL)
+
+
+def manifest_pids(manifest_path: str) -> list[int]:
+    """The worker pids a fleet manifest lists ({"workers": [{"pid": int, ...}, ...]}). A
+    manifest that cannot be read or is not of that shape gives none; an entry without a pid
+    that can only be a worker's process group is skipped: not an int above 1, or this
+    process's own group (os.killpg of 0, 1 or our group would signal the fleet itself, or
+    init's group). Both are logged."""
+    try:
+        with open(manifest_path) as f:
+            body = json.load(f)
+    except (OSError, ValueError) as exc:
+        logger.warning("fleet: cannot read manifest %s to stop restarted workers: %r",
+                       manifest_path, exc)
+        return []
+    entries = body.get("workers") if isinstance(body, dict) else None
+    if not isinstance(entries, list):
+        logger.warning("fleet: manifest %s has no list of workers; stopping no restarted ones",
+                       manifest_path)
+        return []
+    pids = [e.get("pid") if isinstance(e, dict) else None for e in entries]
+    good = [pid for pid in pids if type(pid) is int and pid > 1 and pid != os.getpgrp()]
+    if len(good) < len(pids):
+        logger.warning("fleet: manifest %s: skipped %d worker entries without a usable pid",
+                       manifest_path, len(pids) - len(good))
+    return good
 
 
 def _kill_group(pid: int, sig: int) -> None:
@@ -169,16 +223,6 @@ def _group_alive(pid: int) -> bool:
     return False
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raises RuntimeError when nothing can listen on host:port now (the router's port)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise RuntimeError(f"the router cannot listen on {host}:{port}: {exc}") from None
-
-
 def write_manifest(path: str, router_url: str, workers: list[WorkerProc]) -> None:
     """Write the manifest atomically (a reader never sees half a file)."""
     body = {"router_url": router_url, "workers": [w.to_json() for w in workers]}
@@ -201,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.num_workers < 1:
         parser.error("--num-workers must be >= 1")
+    try:
+        commands = worker_commands(args, config, worker_args)
+    except ValueError as exc:
+        parser.error(str(exc))
     setup_logging(config.log_level)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="radixserve-fleet-")
     os.makedirs(log_dir, exist_ok=True)
@@ -211,12 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     workers: list[WorkerProc] = []
     try:
-        check_port_free(config.host, config.port)  # before minutes of worker start-up
-        for i in range(args.num_workers):
-            port = args.worker_base_port + i
-            url = f"http://{args.worker_host}:{port}"
-            cmd = [sys.executable, "-m", "radixserve", "serve", *worker_args,
-                   "--host", args.worker_host, "--port", str(port), "--log-level", config.log_level]
+        check_ports(config, args.worker_host, [url for url, _ in commands])
+        logger.info("fleet: starting %d workers on %s (logs in %s)", len(commands),
+                    ", ".join(url for url, _ in commands), log_dir)
+        for i, (url, cmd) in enumerate(commands):
             workers.append(spawn_worker(cmd, url, os.path.join(log_dir, f"worker-{i}.log")))
         wait_healthy(workers, args.startup_timeout_s)
         router_url = f"http://{config.host}:{config.port}"

@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 
+from radixserve.http_common import fresh_client, send_resending_once
 from radixserve.router.config import RouterConfig
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.proxy import UNREACHABLE
@@ -22,7 +23,8 @@ class HealthMonitor:
     after health_failure_threshold consecutive failed checks and healthy again after
     health_success_threshold consecutive passes (WorkerState.record_health). A check fails on
     a transport error, a timeout (health_check_timeout_s), a URL httpx refuses or any status
-    but 200. A worker
+    but 200; a check that failed on a dead pooled connection is sent once more first
+    (http_common.send_resending_once), so the router's own pool cannot fail it. A worker
     added unchecked (healthy=False, never probed) is promoted by its first passed check:
     there is no history to confirm against, and the router should not wait two intervals
     to serve at start-up.
@@ -31,6 +33,7 @@ class HealthMonitor:
     def __init__(self, config: RouterConfig, registry: Any, metrics: RouterMetrics,
                  http: httpx.AsyncClient):
         self.config, self.registry, self.metrics, self.http = config, registry, metrics, http
+        self.fresh_http = fresh_client(http.trust_env)   # second attempts, on new connections
         self.headers = ({"Authorization": f"Bearer {config.worker_api_key}"}
                         if config.worker_api_key else {})
         self._tasks: list[asyncio.Task] = []
@@ -48,11 +51,12 @@ class HealthMonitor:
                                                       self.config.load_poll_interval_s))]
 
     async def stop(self) -> None:
-        """Cancel both loops and wait for them."""
+        """Cancel both loops, wait for them, and close the client of second attempts."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        await self.fresh_http.aclose()
 
     async def _loop(self, step: Any, interval_s: float) -> None:
         while True:
@@ -70,8 +74,10 @@ class HealthMonitor:
         """Probe one worker; count the result; returns whether the check passed."""
         url = worker.url
         try:
-            r = await self.http.get(url + self.config.health_check_endpoint, headers=self.headers,
-                                    timeout=self.config.health_check_timeout_s)
+            r = await send_resending_once(self.http, self.fresh_http, "GET",
+                                          url + self.config.health_check_endpoint,
+                                          headers=self.headers,
+                                          timeout=self.config.health_check_timeout_s)
             ok, why = r.status_code == 200, f"status {r.status_code}"
         except UNREACHABLE as exc:
             ok, why = False, f"{type(exc).__name__}: {exc}"
@@ -97,8 +103,10 @@ class HealthMonitor:
         """Read GET /get_server_info of one worker into WorkerState.report. A failed read
         leaves the old reading, which turns stale (busy) after load_stale_s."""
         try:
-            r = await self.http.get(worker.url + "/get_server_info", headers=self.headers,
-                                    timeout=self.config.health_check_timeout_s)
+            r = await send_resending_once(self.http, self.fresh_http, "GET",
+                                          worker.url + "/get_server_info",
+                                          headers=self.headers,
+                                          timeout=self.config.health_check_timeout_s)
             r.raise_for_status()
             engine = r.json()["engine"]
             worker.report(int(engine["num_running"]), int(engine["num_waiting"]),

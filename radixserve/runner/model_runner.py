@@ -21,7 +21,8 @@ from radixserve.runner.device import resolve_device
 from radixserve.sampling_params import SamplingParams
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache
 from radixserve.runner.structured import StructuredOutput
-from radixserve.weights.loader import load_checkpoint, load_weights, resolve_model_path
+from radixserve.weights.loader import load_checkpoint, load_weights
+from radixserve.weights.paths import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class ModelRunner:
         resolve_device(config.device)  # fail before loading anything
         path = resolve_model_path(config.model_path)
         start = time.perf_counter()
+        logger.info("loading the model from %s", path)
         model_config, weights = load_checkpoint(path)
         model = model_class(model_config)(model_config)
         scales = load_weights(model, weights)

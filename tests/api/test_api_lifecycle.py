@@ -89,7 +89,8 @@ def test_flush_cache_and_server_info(tiny_server):
     assert info["server_config"]["api_key"] is None and info["page_size"] == 16
     assert set(tiny_server.get("/server_info").json()) == set(info)
     assert info["engine"]["runner"] == {"device": "cpu", "attention_backend": "torch",
-                                        "kv_cache_dtype": "float32"}
+                                        "kv_cache_dtype": "float32",
+                                        "deterministic_inference": False}
     assert tiny_server.get("/health_generate").status_code == 200
 
 
@@ -116,8 +117,9 @@ def test_fp8_kv_server_serves_and_reports_its_scales(request):
 
 @pytest.fixture
 def own_server(request):
+    """A server of the test's own, logging at INFO (its start-up progress lines)."""
     server = start_tiny_server(request, ["--max-total-tokens", "4096", "--context-length", "1024",
-                                         "--stay-up-on-engine-death"])
+                                         "--stay-up-on-engine-death"], log_level="info")
     yield server
     server.stop()
 
@@ -153,9 +155,15 @@ def test_engine_death_is_reported(own_server):
     assert r.status_code == 503 and r.json()["error"]["type"] == "engine_dead"
 
 
-def test_startup_message_and_clean_shutdown(own_server):
+def test_startup_progress_and_clean_shutdown(own_server):
+    """Start-up says what it is doing, in order, and ends with the URL; SIGINT stops it (0)."""
     assert wait_for(lambda: "radixserve: serving" in own_server.output(), 5)
-    line = next(l for l in own_server.output().splitlines() if "radixserve: serving" in l)
+    lines = own_server.output(tail_chars=None).splitlines()
+    steps = ["loading the tokenizer of", "starting the engine process", "loading the model from",
+             "loaded ", "radixserve: serving"]
+    at = [next((i for i, line in enumerate(lines) if step in line), None) for step in steps]
+    assert None not in at and at == sorted(at), (at, lines)
+    line = lines[at[-1]]
     assert f"127.0.0.1:{own_server.port}" in line and "loaded in" in line
     engine_pid = own_server.get("/server_info").json()["engine_pid"]
     own_server.proc.send_signal(signal.SIGINT)

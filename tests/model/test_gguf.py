@@ -13,7 +13,8 @@ from radixserve.engine.runner_api import ScheduledBatch, ScheduledSeq
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 from radixserve.weights import gguf as gguf_weights
-from radixserve.weights.loader import load_checkpoint, resolve_model_path
+from radixserve.weights.loader import load_checkpoint
+from radixserve.weights.paths import resolve_model_path
 from tests.conftest import build_tiny_llama
 from tests.model.parity import hf_gguf_model
 
@@ -80,12 +81,16 @@ def write_tiny_gguf(hf_dir, path) -> None:
     w.close()
 
 
-def test_tiny_gguf_matches_safetensors_and_is_cached(tmp_path, monkeypatch):
+def test_tiny_gguf_matches_safetensors_and_is_cached(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     hf_dir = build_tiny_llama(tmp_path / "hf", vocab_size=256, num_attention_heads=4, num_key_value_heads=2)
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(hf_dir, path)
-    config, weights = load_checkpoint(str(path))
+    first_run = "first run: dequantizing GGUF tiny.gguf to fp32, cached for next time"
+    with caplog.at_level("INFO", logger="radixserve.weights.gguf"):
+        config, weights = load_checkpoint(str(path))
+    assert [r.getMessage() for r in caplog.records if first_run in r.getMessage()], caplog.text
+    caplog.clear()
     ref_config, ref_weights = load_checkpoint(str(hf_dir))
     assert (config.num_heads, config.num_kv_heads, config.vocab_size, config.tie_word_embeddings) == (4, 2, 256, True)
     got, ref = dict(weights), dict(ref_weights)
@@ -98,7 +103,9 @@ def test_tiny_gguf_matches_safetensors_and_is_cached(tmp_path, monkeypatch):
         raise AssertionError("the second load must come from the cache")
 
     monkeypatch.setattr(gguf_weights, "_dequantized", no_dequantize)
-    cached_config, cached = load_checkpoint(str(path))
+    with caplog.at_level("INFO", logger="radixserve.weights.gguf"):
+        cached_config, cached = load_checkpoint(str(path))
+    assert "first run" not in caplog.text
     assert cached_config == config
     assert all(torch.equal(t, got[n]) for n, t in cached)
     runner = ModelRunner.from_config(EngineConfig(model_path=str(path), page_size=4, max_total_tokens=256))

@@ -1,8 +1,11 @@
 """Offline API on the embedded default model: generate, chat, token prompts, n, stop, stats."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+import radixserve
 from radixserve import LLM, SamplingParams
 from radixserve.errors import ContextLengthExceeded, InvalidRequest
 
@@ -62,3 +65,17 @@ def test_bad_input_raises_and_leaves_engine_clean(llm):
     stats = llm.stats()
     assert stats["num_running"] == 0 and 0.0 <= stats["cache_hit_rate"] <= 1.0
     assert stats["num_free_pages"] + stats["num_cached_pages"] == stats["num_pages"]
+
+
+def test_readme_offline_example_prints_what_it_shows(llm, monkeypatch, capsys):
+    """The README's offline snippet, run as written (on this module's engine, cache flushed so it
+    starts as a fresh LLM() does), prints non-empty answers equal to its `# ...` comments."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    snippet = readme.split("Offline, in-process", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    expected = [line.split("# ", 1)[1] for line in snippet.splitlines() if line.startswith("print(")]
+    assert len(expected) == 2, snippet
+    assert llm.engine.flush_cache()
+    monkeypatch.setattr(radixserve, "LLM", lambda *args, **kwargs: llm)
+    exec(compile(snippet, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == expected and all(line.strip() for line in printed)

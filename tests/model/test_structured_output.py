@@ -18,7 +18,7 @@ import torch
 from radixserve import LLM, SamplingParams
 from radixserve.errors import InvalidRequest
 from radixserve.runner.structured import StructuredOutput
-from radixserve.weights.loader import resolve_model_path
+from radixserve.weights.paths import resolve_model_path
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "structured_output.py"
 SCHEMA = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],

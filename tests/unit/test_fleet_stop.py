@@ -1,4 +1,4 @@
-"""`radixserve fleet` start-up and stop: port check, and workers the ops agent restarted (pids only in the manifest)."""
+"""`radixserve fleet` start-up and stop: worker ports, port checks, progress, and workers the ops agent restarted (pids only in the manifest)."""
 from __future__ import annotations
 
 import json
@@ -7,10 +7,15 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from radixserve.router.fleet import _group_alive, check_port_free, stop_adopted
+from radixserve.http_common import bind_socket
+from radixserve.config import from_args
+from radixserve.router import fleet
+from radixserve.router.config import RouterConfig
+from radixserve.router.fleet import _group_alive, stop_adopted
 
 
 def test_stop_adopted_kills_workers_listed_under_pids_the_fleet_did_not_start(tmp_path):
@@ -54,6 +59,25 @@ def test_stop_adopted_without_a_manifest_or_with_a_bad_one_does_nothing(tmp_path
     assert any("cannot read manifest" in r.message for r in caplog.records)
 
 
+@pytest.mark.parametrize("body, says", [
+    ([], "has no list of workers"),
+    ({"workers": 5}, "has no list of workers"),
+    # 0, 1 and our own group would signal the fleet itself or init's group; True is not a pid
+    ({"workers": [5, {"url": "x"}, {"pid": "123"}, {"pid": True}, {"pid": -3}, {"pid": 0},
+                  {"pid": 1}, {"pid": os.getpgrp()}, {"pid": 2.5}]}, "skipped 9 worker entries"),
+])
+def test_a_manifest_of_the_wrong_shape_signals_no_group(body, says, tmp_path, monkeypatch, caplog):
+    signalled: list[tuple[int, int]] = []
+    monkeypatch.setattr(fleet, "_kill_group", lambda pid, sig: signalled.append((pid, sig)))
+    monkeypatch.setattr(fleet, "STOP_GRACE_S", 0.0)
+    manifest = tmp_path / "fleet.json"
+    manifest.write_text(json.dumps(body))
+    with caplog.at_level("WARNING", logger="radixserve.fleet"):
+        stop_adopted(str(manifest), workers=[])
+    assert signalled == []
+    assert [r.getMessage() for r in caplog.records if says in r.getMessage()], caplog.text
+
+
 def test_a_zombie_group_leader_counts_as_stopped():
     """A worker that exited but was not reaped yet (the agent's restarted child after the
     fleet's SIGTERM) must not hold the fleet's stop for the whole grace period."""
@@ -78,9 +102,60 @@ def _state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
-def test_check_port_free_refuses_a_taken_port():
+def test_bind_socket_refuses_a_taken_port():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(RuntimeError, match="cannot listen"):
-            check_port_free("127.0.0.1", taken.getsockname()[1])
+            bind_socket("127.0.0.1", taken.getsockname()[1])
+
+
+def commands(*argv: str) -> list[tuple[str, list[str]]]:
+    args, worker_args = fleet.build_parser().parse_known_args(list(argv))
+    return fleet.worker_commands(args, from_args(RouterConfig, args), worker_args)
+
+
+def test_port_moves_the_workers_with_the_router_unless_their_base_is_given():
+    derived = commands("--num-workers", "2", "--port", "40000", "--model-path", "m.gguf")
+    assert [url for url, _ in derived] == ["http://127.0.0.1:40001", "http://127.0.0.1:40002"]
+    for (url, cmd), port in zip(derived, ("40001", "40002")):
+        assert cmd[cmd.index("--port") + 1] == port and cmd[cmd.index("--model-path") + 1] == "m.gguf"
+    given = commands("--num-workers", "2", "--port", "40000", "--worker-base-port", "50000")
+    assert [url for url, _ in given] == ["http://127.0.0.1:50000", "http://127.0.0.1:50001"]
+    assert "--worker-base-port" in fleet.build_parser().format_help()
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("who", ["router", "worker"])
+def test_a_taken_port_stops_the_fleet_before_any_worker_starts(who, taken_port, tmp_path,
+                                                              monkeypatch, caplog):
+    def spawn(*args):
+        raise AssertionError("a worker was started")
+    monkeypatch.setattr(fleet, "spawn_worker", spawn)
+    ports = (["--port", str(taken_port)] if who == "router"
+             else ["--port", "0", "--worker-base-port", str(taken_port)])
+    with caplog.at_level("ERROR", logger="radixserve.fleet"):
+        assert fleet.main(["--num-workers", "1", "--log-dir", str(tmp_path), *ports]) == 1
+    said = {"router": f"fleet: router: cannot listen on 127.0.0.1:{taken_port}: already in use by "
+                      f"another process (choose another port with --port)",
+            "worker": f"fleet: worker 0: cannot listen on 127.0.0.1:{taken_port}: already in use "
+                      f"by another process (move the workers with --worker-base-port, or the "
+                      f"whole fleet with --port)"}[who]
+    assert [r.getMessage() for r in caplog.records] == [said]
+
+
+def test_wait_healthy_logs_each_worker_as_it_comes_up(monkeypatch, caplog):
+    workers = [SimpleNamespace(url=f"http://w{i}", proc=SimpleNamespace(poll=lambda: None),
+                               log_path="log") for i in range(2)]
+    monkeypatch.setattr(fleet.httpx, "get", lambda url, timeout: SimpleNamespace(status_code=200))
+    with caplog.at_level("INFO", logger="radixserve.fleet"):
+        fleet.wait_healthy(workers, timeout_s=60)
+    assert [r.getMessage() for r in caplog.records] == [
+        "fleet: worker http://w0 is up (1 of 2)", "fleet: worker http://w1 is up (2 of 2)"]

@@ -1,0 +1,112 @@
+"""`radixserve serve` fails fast and in one line on a taken port or a bad model path; `--version`."""
+from __future__ import annotations
+
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import radixserve
+from radixserve import cli
+from radixserve.weights.paths import ModelPathError, resolve_model_path
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def no_serving(monkeypatch):
+    """Make loading the model a test failure: these start-ups must end before it."""
+    def serve(*args, **kwargs):
+        raise AssertionError("serve() was called: the model would have loaded")
+    monkeypatch.setattr("radixserve.server.app.serve", serve)
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_a_taken_port_fails_before_loading_in_one_line(taken_port, no_serving, capsys):
+    code = cli.main(["serve", "--port", str(taken_port)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err == (f"radixserve serve: error: cannot listen on 127.0.0.1:{taken_port}: already in "
+                   f"use by another process (choose another with --host / --port)\n")
+
+
+def test_a_taken_port_from_the_command_line_exits_nonzero_without_a_traceback(taken_port):
+    done = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--port", str(taken_port)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"radixserve serve: error: cannot listen on 127.0.0.1:{taken_port}: already in use by "
+        f"another process (choose another with --host / --port)"]
+
+
+def hf_folder(folder: pathlib.Path, *names: str) -> pathlib.Path:
+    folder.mkdir()
+    for name in names:
+        (folder / name).write_text("{}")
+    return folder
+
+
+@pytest.mark.parametrize("names, says", [
+    ((), "is an empty folder; give an HF model folder (config.json, *.safetensors, and "
+         "tokenizer.json, tokenizer.model, vocab.json or vocab.txt) or a .gguf file"),
+    (("README.md",), "is not an HF model folder: it lacks config.json and *.safetensors files and "
+                     "a tokenizer file (tokenizer.json, tokenizer.model, vocab.json or vocab.txt)"),
+    (("config.json", "tokenizer.json"), "is not an HF model folder: it lacks *.safetensors files"),
+    (("config.json", "model.safetensors"), "is not an HF model folder: it lacks a tokenizer file"),
+    (("model.safetensors", "x.gguf"), "is not an HF model folder: it lacks config.json and a tokenizer file (tokenizer.json, "
+                                      "tokenizer.model, vocab.json or vocab.txt); to serve the GGUF "
+                                      "file in it, give"),
+])
+def test_a_bad_model_folder_is_exit_2_naming_what_it_lacks(tmp_path, names, says, no_serving, capsys):
+    folder = hf_folder(tmp_path / "model", *names)
+    code = cli.main(["serve", "--model-path", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"radixserve serve: error: model path {str(folder)!r} {says}"), err
+    assert err.count("\n") == 1 and "sentencepiece" not in err and "Traceback" not in err
+
+
+def test_a_bad_model_file_is_exit_2(tmp_path, no_serving, capsys):
+    text, fake = tmp_path / "model.bin", tmp_path / "model.gguf"
+    text.write_text("weights")
+    fake.write_text("not a gguf")
+    assert cli.main(["serve", "--model-path", str(tmp_path / "missing")]) == 2
+    assert cli.main(["serve", "--model-path", str(text)]) == 2
+    assert cli.main(["serve", "--model-path", str(fake)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"radixserve serve: error: model path {str(tmp_path / 'missing')!r} does not exist",
+        f"radixserve serve: error: model path {str(text)!r} is a file but not a .gguf file; give a "
+        f".gguf file or an HF model folder (config.json, *.safetensors, and tokenizer.json, "
+        f"tokenizer.model, vocab.json or vocab.txt)",
+        f"radixserve serve: error: model path {str(fake)!r} is not a GGUF file (it does not start "
+        f"with 'GGUF')"]
+
+
+def test_model_folders_the_runner_and_the_server_accept(tmp_path):
+    weights_only = hf_folder(tmp_path / "weights", "config.json", "model-00001-of-00002.safetensors")
+    assert resolve_model_path(str(weights_only)) == str(weights_only)  # the runner needs no tokenizer
+    with pytest.raises(ModelPathError, match="lacks a tokenizer file"):
+        resolve_model_path(str(weights_only), need_tokenizer=True)
+    (weights_only / "tokenizer.model").write_bytes(b"\0")
+    assert resolve_model_path(str(weights_only), need_tokenizer=True) == str(weights_only)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert resolve_model_path(str(gguf), need_tokenizer=True) == str(gguf)
+
+
+def test_version_prints_the_package_version():
+    done = subprocess.run([sys.executable, "-m", "radixserve", "--version"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"radixserve {radixserve.__version__}\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", radixserve.__version__)
