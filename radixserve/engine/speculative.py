@@ -2,7 +2,7 @@
 
 Coding-agent and editing traffic copies long spans from its context; when the last few tokens
 occurred before, the tokens that followed them then are a good guess for what follows now.
-Per request, an index maps every n-gram (n = 1..MAX_MATCH) of the sequence to the position
+Per request, an index maps every n-gram (n = MIN_MATCH..MAX_MATCH) of the sequence to the position
 after its latest earlier occurrence; proposing looks up the longest suffix n-gram that occurred
 before and copies k tokens from there (continuing periodically when the match is closer than
 k tokens to the end: a loop repeats). The index grows by MAX_MATCH entries per new
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_MATCH = 3        # longest suffix n-gram looked up
-MIN_MATCH = 2        # shortest: a single repeated token is too weak a signal
+MIN_MATCH = 3        # shortest: shorter matches (", and", "the") draft badly in prose
 EMA = 0.3            # weight of the latest verify step in the acceptance average
 MIN_USEFUL = 0.15    # below this average accepted drafts per step, stop drafting ...
 RETRY_EVERY = 16     # ... except one probe every this many steps
