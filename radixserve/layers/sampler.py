@@ -22,7 +22,7 @@ distribution it was drawn from, and never falls through to the last vocabulary i
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,15 +79,15 @@ class Sampler:
         self._generator = torch.Generator()
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow],
-               allowed: torch.Tensor | None = None) -> list[TokenLogprob]:
-        """logits: (R, V) fp32 raw model logits, one row per entry of `rows`; `allowed`: (R, V)
-        bool, False for tokens a row may not sample (structured output), applied after the
-        penalties. Returns one TokenLogprob per row; top lists hold `params.logprobs` entries
-        (0 when None); logprobs are those of the raw logits."""
+               constrain: Callable[[torch.Tensor], None] | None = None) -> list[TokenLogprob]:
+        """logits: (R, V) fp32 raw model logits, one row per entry of `rows`; `constrain` sets
+        the logits of tokens a row may not sample to -inf in place (structured output), after
+        the penalties. Returns one TokenLogprob per row; top lists hold `params.logprobs`
+        entries (0 when None); logprobs are those of the raw logits."""
         assert logits.shape[0] == len(rows), "one logits row per sample row"
-        x = finite_or_masked(self._penalised(logits, rows))
-        if allowed is not None:
-            x = x.masked_fill(~allowed, float("-inf"))
+        x = finite_or_masked(self._penalised(logits, rows))   # a new tensor: safe to mask in place
+        if constrain is not None:
+            constrain(x)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not drawn:

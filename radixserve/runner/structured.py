@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -88,28 +88,30 @@ class StructuredOutput:
             self._grammars.popitem(last=False)
         return grammar
 
-    def token_mask(self, rows: Sequence[SampleRow], device: torch.device) -> torch.Tensor | None:
-        """(n, vocab_size) bool, True where row i may sample the token; None when no row is
-        constrained."""
+    def token_mask(self, rows: Sequence[SampleRow], device: torch.device) -> Callable[[torch.Tensor], None] | None:
+        """A function that sets to -inf, in place, the logits (n, vocab_size) of tokens row i
+        may not sample (xgrammar's packed bitmask, applied by its own kernel: no (n, V) mask is
+        built); None when no row is constrained."""
         constrained = [i for i, r in enumerate(rows) if r.params.json_schema is not None]
         if not constrained:
             return None
         self._ensure_compiler()
         bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)          # (n, ceil(V/32)) int32
-        bitmask.fill_(-1)                                                         # all allowed
-        only_eos = []
         for i in constrained:
             matcher = self._matcher(rows[i])
             if matcher is None or matcher.is_terminated():
-                only_eos.append(i)
+                bitmask[i] = 0                                  # only end of sequence
+                for tid in self.eos_token_ids:
+                    word, bit = divmod(tid, 32)
+                    bitmask[i, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
             else:
                 matcher.fill_next_token_bitmask(bitmask, i)
-        bits = torch.arange(32, dtype=torch.int32)
-        allowed = ((bitmask[:, :, None] >> bits) & 1).bool().view(len(rows), -1)[:, :self.vocab_size]
-        if only_eos:
-            allowed[only_eos] = False
-            allowed[torch.tensor(only_eos)[:, None], torch.tensor(self.eos_token_ids)[None, :]] = True
-        return allowed.to(device)
+        xgr = self._xgr
+
+        def apply(logits: torch.Tensor) -> None:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
+                                            indices=constrained)
+        return apply
 
     def _matcher(self, row: SampleRow) -> Any:
         """The row's matcher advanced over its output ids; None once an output token broke the

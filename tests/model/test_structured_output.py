@@ -45,6 +45,15 @@ def test_every_output_matches_its_schema(llm):
     assert result["valid"] == result["total"] == 20, result["invalid"]
 
 
+def allowed(so: StructuredOutput, rows: list[Row], vocab: int) -> torch.Tensor:
+    """(n, V) bool: the tokens each row may sample after the constraint is applied."""
+    logits = torch.zeros(len(rows), vocab)
+    constrain = so.token_mask(rows, torch.device("cpu"))
+    if constrain is not None:
+        constrain(logits)
+    return torch.isfinite(logits)
+
+
 def test_mask_life_cycle(llm):
     runner = llm.engine.runner
     so = StructuredOutput(resolve_model_path(None), runner.vocab_size, runner.eos_token_ids, max_matchers=1)
@@ -52,18 +61,20 @@ def test_mask_life_cycle(llm):
     params = SamplingParams(json_schema=SCHEMA)
     text_ids = tok.encode('{"ok": true}')
     row = Row("a", params)
-    first = so.token_mask([row, Row("free", SamplingParams())], torch.device("cpu"))
-    assert first.shape == (2, runner.vocab_size) and bool(first[1].all())
+    V = runner.vocab_size
+    assert so.token_mask([Row("free", SamplingParams())], torch.device("cpu")) is None
+    first = allowed(so, [row, Row("free", SamplingParams())], V)
+    assert bool(first[1].all()) and not bool(first[0].all())
     assert bool(first[0, text_ids[0]]) and not bool(first[0, tok.encode("Hello")[0]])
     row.output_ids = text_ids[:2]
-    partial = so.token_mask([row], torch.device("cpu"))
-    so.token_mask([Row("other", params)], torch.device("cpu"))        # evicts "a" (max_matchers=1)
-    assert torch.equal(so.token_mask([row], torch.device("cpu")), partial)   # rebuilt from output ids
+    partial = allowed(so, [row], V)
+    allowed(so, [Row("other", params)], V)                               # evicts "a" (max_matchers=1)
+    assert torch.equal(allowed(so, [row], V), partial)                   # rebuilt from output ids
     row.output_ids = list(text_ids)
-    done = so.token_mask([row], torch.device("cpu"))[0]
+    done = allowed(so, [row], V)[0]
     assert set(done.nonzero().flatten().tolist()) == set(so.eos_token_ids)
     broken = Row("b", params, tok.encode("Hello"))
-    assert set(so.token_mask([broken], torch.device("cpu"))[0].nonzero().flatten().tolist()) == set(so.eos_token_ids)
+    assert set(allowed(so, [broken], V)[0].nonzero().flatten().tolist()) == set(so.eos_token_ids)
 
 
 @pytest.mark.parametrize("schema", ['{"type": "strnig"}', "not json", '{"type": "object", "properties": 5}'])
