@@ -131,3 +131,21 @@ def test_slot_behind_after_a_verify_chunk_catches_up(gqa_dir):
     assert backend.mirror.slots["a"].length == len(a.tokens) - 1
     h.step([(a, a.chunk())])                                                     # b left: slot freed
     assert set(backend.mirror.slots) == {"a"}
+
+
+def test_kept_slot_counts_against_capacity(gqa_dir):
+    """A slot kept for a verifying sequence plus a full decode group need more slots than the
+    mirror has: it grows (re-copying) instead of running out (a crash seen under load)."""
+    h = Harness(gqa_dir, 16, seed=8)
+    backend = TorchAttentionBackend(h.runner.kv)
+    h.runner.backend = backend
+    seqs = [h.new_seq(f"s{i}", 5 + i) for i in range(13)]
+    h.step([(s, s.chunk()) for s in seqs[:8]])
+    h.step([(s, s.chunk()) for s in seqs[:8]])                                  # 8 decode: 12 slots
+    h.step([(s, s.chunk()) for s in seqs])                                      # 8 decode, 5 prefill
+    assert backend.mirror.num_slots == 12
+    seqs[0].output += [7, 11]                                                    # s0 verifies a draft
+    h.step([(s, s.chunk()) for s in seqs])                                      # 12 decode + 1 kept
+    assert backend.mirror.num_slots >= 13
+    h.step([(s, s.chunk()) for s in seqs])
+    assert all(len(s.output) >= 3 for s in seqs[8:])

@@ -50,24 +50,30 @@ class DecodeMirror:
         """Forget every slot (the buffers stay allocated)."""
         self.slots.clear()
 
-    def retain(self, request_ids: set[str]) -> None:
-        """Free the slots of sequences not in `request_ids` (those that left the step)."""
-        for rid in [r for r in self.slots if r not in request_ids]:
+    def retain(self, continuing: dict[str, int], decoding: frozenset[str] = frozenset()) -> None:
+        """Free every slot but those of `decoding` sequences and of sequences that continue
+        exactly where their slot ends: `continuing` maps the step's multi-token sequences (a
+        speculative verify) to their first position. A recompute after preemption starts
+        earlier, a sequence that left the step is absent: both lose their slot."""
+        for rid in [r for r, slot in self.slots.items()
+                    if r not in decoding and continuing.get(r) != slot.length]:
             del self.slots[rid]
 
-    def plan(self, kv: KVCache, d: DecodeGroup, in_step: set[str]) -> MirrorStep | None:
+    def plan(self, kv: KVCache, d: DecodeGroup, continuing: dict[str, int]) -> MirrorStep | None:
         """Bring the mirror up to date for decode group `d` (copying stale sequences' KV from
-        the pages), or return None when it would exceed max_bytes. Slots of sequences in
-        `in_step` but not decoding (verifying a draft) are kept to catch up later."""
+        the pages), or return None when it would exceed max_bytes. The slots of `continuing`
+        sequences (see `retain`) are kept to catch up later."""
         batch, longest = len(d.request_ids), max(d.lens)
-        live = set(d.request_ids)
-        self.retain(in_step | live)
+        live = frozenset(d.request_ids)
+        self.retain(continuing, live)
         if not self._fits(kv, batch, longest):
             self.reset()
             return None
         stale = [i for i, rid in enumerate(d.request_ids) if not self._current(rid, d, i, kv.page_size)]
         used = [s.index for rid, s in self.slots.items() if rid not in {d.request_ids[i] for i in stale}]
-        if longest > self.capacity or batch > self.num_slots or (used and max(used) >= batch + max(4, batch // 4)):
+        held = sum(1 for rid in self.slots if rid not in live)          # kept for verifying sequences
+        if (longest > self.capacity or batch + held > self.num_slots
+                or (used and max(used) >= batch + max(4, batch // 4))):
             self._allocate(kv, batch, longest)          # compaction or growth: re-copy everyone
             stale = list(range(batch))
         self._fill(kv, d, stale)

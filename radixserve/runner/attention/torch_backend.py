@@ -49,10 +49,12 @@ class TorchAttentionBackend:
         decode, prefills = split_step(step, self.kv.page_size, self.kv.compute_dtype)
         mirror_step = None
         if self.mirror is not None:
+            continuing = {rid: context - n for rid, n, context in
+                          zip(step.request_ids, step.query_lens, step.context_lens_host) if n > 1}
             if decode is None:
-                self.mirror.retain(set(step.request_ids))
+                self.mirror.retain(continuing)
             else:
-                mirror_step = self.mirror.plan(self.kv, decode, set(step.request_ids))
+                mirror_step = self.mirror.plan(self.kv, decode, continuing)
         return TorchStepAttention(self.kv, step, decode, prefills, self.decode_chunk_bytes, mirror_step)
 
 
