@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import socket
 
 import pytest
 
@@ -39,3 +40,12 @@ def default_gguf() -> pathlib.Path:
 def default_tokenizer(default_gguf):
     from radixserve.tokenizer.tokenizer import Tokenizer
     return Tokenizer.load(str(default_gguf))
+
+
+@pytest.fixture
+def taken_port():
+    """A loopback port held by a listening socket for the test's duration."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]

@@ -33,8 +33,7 @@ class Engine:
         self.page_size = runner.page_size
         self.max_context_len = runner.max_context_len
         self.kv = KVManager(runner.num_pages, runner.page_size, not config.disable_radix_cache)
-        self.scheduler = Scheduler(config, self.kv)
-        self.scheduler.max_request_tokens = self.max_request_tokens
+        self.scheduler = Scheduler(config, self.kv, self.max_request_tokens)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.random_seed)
         self.counters = {"num_prompt_tokens": 0, "num_cached_tokens": 0, "num_generated_tokens": 0,

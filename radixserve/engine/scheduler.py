@@ -42,7 +42,8 @@ class Scheduled:
 class Scheduler:
     """Decides each step's batch. Owns the waiting queue and the running list."""
 
-    def __init__(self, config: EngineConfig, kv: KVManager):
+    def __init__(self, config: EngineConfig, kv: KVManager, max_request_tokens: int):
+        """`max_request_tokens`: the longest sequence one request may reach (drafts stop there)."""
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -50,7 +51,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.proposer = (NgramProposer(config.speculative_num_draft_tokens)
                          if config.speculative_algorithm == "ngram" else None)
-        self.max_request_tokens = kv.num_pages * kv.page_size   # the engine lowers it to the context
+        self.max_request_tokens = max_request_tokens
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)

@@ -8,7 +8,7 @@ import pytest
 from tests.api.streams import assert_framing
 from tests.api.test_api_errors import assert_error
 from tests.api.tool_fixtures import (TIME, TOOLS, WEATHER, chat, force, full_message, same_reply,
-                                     start_parser_server, stream, streamed_message)
+                                     parser_server, stream, streamed_message)
 from tests.unit.parser_cases import TRICKY, glm45, glm47
 
 CALL = glm45("get_weather", [("city", "Paris"), ("days", "3"), ("where", '{"lat": [4, null]}')])
@@ -29,14 +29,7 @@ REPLIES = {   # name -> (forced reply, content, [(name, arguments)])
 
 @pytest.fixture(scope="module")
 def server(request):
-    server = start_parser_server(request, ["--tool-call-parser", "glm45",
-                                           "--reasoning-parser", "glm45"])
-    yield server
-    try:
-        server.assert_no_leak()
-        server.assert_no_tracebacks()
-    finally:
-        server.stop()
+    yield from parser_server(request, ["--tool-call-parser", "glm45", "--reasoning-parser", "glm45"])
 
 
 @pytest.mark.parametrize("name", sorted(REPLIES))

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from radixserve.tokenizer.tokenizer import Tokenizer
-from tests.api.tool_fixtures import (TOOLS, chat, force, qwen_like_model_dir, start_parser_server,
+from tests.api.tool_fixtures import (TOOLS, chat, force, parser_server, qwen_like_model_dir,
                                      stream, streamed_message)
 
 QUESTION = [{"role": "system", "content": "Use tools."},
@@ -28,14 +28,8 @@ def tokenizer(model_dir) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def server(request, model_dir):
-    server = start_parser_server(request, ["--tool-call-parser", "qwen25",
-                                           "--reasoning-parser", "qwen3"], model_dir)
-    yield server
-    try:
-        server.assert_no_leak()
-        server.assert_no_tracebacks()
-    finally:
-        server.stop()
+    yield from parser_server(request, ["--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3"],
+                             model_dir)
 
 
 def test_openai_client_two_turn_tool_conversation(server, tokenizer):

@@ -53,6 +53,17 @@ def start_parser_server(request, parsers: list[str], model_dir: pathlib.Path | N
     return ServerProcess(["--model-path", str(model_dir), *args]).wait_ready()
 
 
+def parser_server(request, parsers: list[str], model_dir: pathlib.Path | None = None):
+    """Fixture body: a parser server, checked for leaks and tracebacks when the module is done."""
+    server = start_parser_server(request, parsers, model_dir)
+    yield server
+    try:
+        server.assert_no_leak()
+        server.assert_no_tracebacks()
+    finally:
+        server.stop()
+
+
 def qwen_like_model_dir(tiny_model_dir: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
     """A copy of the tiny model whose tokenizer carries QWEN_LIKE_TEMPLATE."""
     from transformers import AutoTokenizer

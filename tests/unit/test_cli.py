@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 
@@ -22,14 +21,6 @@ def no_serving(monkeypatch):
     def serve(*args, **kwargs):
         raise AssertionError("serve() was called: the model would have loaded")
     monkeypatch.setattr("radixserve.server.app.serve", serve)
-
-
-@pytest.fixture
-def taken_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield sock.getsockname()[1]
 
 
 def test_a_taken_port_fails_before_loading_in_one_line(taken_port, no_serving, capsys):

@@ -125,14 +125,6 @@ def test_port_moves_the_workers_with_the_router_unless_their_base_is_given():
     assert "--worker-base-port" in fleet.build_parser().format_help()
 
 
-@pytest.fixture
-def taken_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("who", ["router", "worker"])
 def test_a_taken_port_stops_the_fleet_before_any_worker_starts(who, taken_port, tmp_path,
                                                               monkeypatch, caplog):
