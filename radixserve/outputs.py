@@ -16,6 +16,48 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecCounts:
+    """One request's speculative decoding so far (cumulative): verify steps, draft tokens
+    proposed and draft tokens accepted. Steps in which the request drafted nothing are ordinary
+    decode steps and are not counted."""
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens emitted per verify step: (accepted + verify steps) / verify steps, in
+        [1, 1 + K]; 0.0 before the first verify step (SGLang's `spec_accept_length`)."""
+        v = self.verify_steps
+        return (self.accepted_tokens + v) / v if v else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        """Accepted / proposed draft tokens, in [0, 1]; 0.0 before the first draft."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def usage_fields(self) -> dict[str, int | float]:
+        """The extra fields of an OpenAI `usage` object (SGLang reports them in meta_info)."""
+        return {"spec_verify_steps": self.verify_steps, "spec_draft_tokens": self.draft_tokens,
+                "spec_accepted_tokens": self.accepted_tokens,
+                "spec_accept_length": round(self.accept_length, 4),
+                "spec_accept_rate": round(self.accept_rate, 4)}
+
+    def __add__(self, other: SpecCounts) -> SpecCounts:
+        """Counts of two requests (or choices) together."""
+        return SpecCounts(self.verify_steps + other.verify_steps,
+                          self.draft_tokens + other.draft_tokens,
+                          self.accepted_tokens + other.accepted_tokens)
+
+    def __sub__(self, earlier: SpecCounts) -> SpecCounts:
+        """The counts between `earlier` and these (a window)."""
+        return SpecCounts(self.verify_steps - earlier.verify_steps,
+                          self.draft_tokens - earlier.draft_tokens,
+                          self.accepted_tokens - earlier.accepted_tokens)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineOutput:
     """One step's news about one request: the tokens it gained and whether it finished.
 
@@ -34,8 +76,7 @@ class EngineOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None                # set when finish_reason == "abort" for a reason
     queue_time_s: float | None = None       # arrival to first admission; None while still waiting
-    spec_verify_steps: int = 0              # speculative decoding so far: verify steps ...
-    spec_accepted_tokens: int = 0           # ... and the draft tokens they accepted
+    spec: SpecCounts | None = None          # speculative decoding so far; None: never verified
 
 
 @dataclass(slots=True)
@@ -61,3 +102,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
     finished: bool = True
+    spec: SpecCounts | None = None      # speculative decoding over all choices; None: none ran

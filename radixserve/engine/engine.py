@@ -6,12 +6,13 @@ import time
 
 from radixserve.config import EngineConfig
 from radixserve.engine.forced_tokens import ForcedTokens, force_run
+from radixserve.engine.kv_corrupt import KVCorruptFault
 from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
 from radixserve.engine.runner_api import Runner, RunnerOutput, ScheduledBatch, ScheduledSeq, SeqResult
 from radixserve.engine.scheduler import Scheduled, Scheduler
 from radixserve.errors import ContextLengthExceeded, InvalidRequest
-from radixserve.outputs import EngineOutput, TokenLogprob
+from radixserve.outputs import EngineOutput, SpecCounts, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
 
@@ -38,10 +39,15 @@ class Engine:
         self._rng = random.Random(config.random_seed)
         self.counters = {"num_prompt_tokens": 0, "num_cached_tokens": 0, "num_generated_tokens": 0,
                          "num_finished_requests": 0, "num_aborted_requests": 0,
+                         "num_kv_corruptions": 0,     # kv_corrupt fault hits
                          # speculative decoding: verify steps, draft tokens proposed and accepted
                          "spec_num_verify_steps": 0, "spec_num_draft_tokens": 0,
-                         "spec_num_accepted_tokens": 0}
+                         "spec_num_accepted_tokens": 0,
+                         # ... and by draft position (index i: the (i+1)-th draft token)
+                         "spec_num_draft_by_position": [0] * config.speculative_num_draft_tokens,
+                         "spec_num_accepted_by_position": [0] * config.speculative_num_draft_tokens}
         self._forced: ForcedTokens | None = None   # armed sampler.force_tokens fault
+        self._kv_corrupt: KVCorruptFault | None = None   # armed kv_corrupt fault
 
     @property
     def max_request_tokens(self) -> int:
@@ -114,25 +120,40 @@ class Engine:
         emit `token_ids` (for `duration_s` seconds at most; None: until used up). Replaces an
         armed one. Raises InvalidRequest for an empty list, an id outside the vocabulary, or
         count < 1."""
-        vocab = self.runner.vocab_size
-        if not token_ids:
-            raise InvalidRequest("token_ids must not be empty", param="token_ids")
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad!r} is out of range [0, {vocab})",
-                                 param="token_ids")
-        if count < 1:
-            raise InvalidRequest(f"count must be >= 1, got {count}", param="count")
-        ends_s = None if duration_s is None else time.monotonic() + duration_s
-        self._forced = ForcedTokens(tuple(token_ids), count, ends_s)
+        self._forced = ForcedTokens.armed(token_ids, count, duration_s, self.runner.vocab_size)
 
     def disarm_forced_tokens(self) -> None:
         """End the sampler.force_tokens fault; requests already handed a sequence keep it."""
         self._forced = None
 
+    def arm_kv_corrupt(self, mode: str, fraction: float = 0.5, after_tokens: int = 16,
+                       count: int = 1, duration_s: float | None = None,
+                       seed: int | None = None) -> None:
+        """Fault point kv_corrupt (kv_corrupt.py): the next `count` running requests with at
+        least `after_tokens` generated tokens get `fraction` of their KV pages overwritten
+        (`mode` noise or swap). Replaces an armed one. Raises InvalidRequest for a bad mode or
+        number, or when the runner cannot overwrite KV."""
+        if not callable(getattr(self.runner, "corrupt_kv", None)):
+            raise InvalidRequest("this runner cannot corrupt KV", param="kind")
+        self._kv_corrupt = KVCorruptFault.armed(mode, fraction, after_tokens, count, duration_s, seed)
+
+    def disarm_kv_corrupt(self) -> None:
+        """End the kv_corrupt fault (KV already overwritten stays so)."""
+        self._kv_corrupt = None
+
+    @property
+    def kv_corrupt_hits(self) -> list[tuple[str, int]]:
+        """(request id, output tokens it had) of each request the armed kv_corrupt fault hit."""
+        return list(self._kv_corrupt.hit) if self._kv_corrupt is not None else []
+
     # ---- step -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         """Run one scheduler iteration and one forward pass."""
+        if self._kv_corrupt is not None:
+            hit = self._kv_corrupt.next(self.scheduler.running, self.page_size, time.monotonic())
+            if hit is not None:
+                self.runner.corrupt_kv(hit.page_ids, hit.mode, hit.source_page_ids, hit.seed)
+                self.counters["num_kv_corruptions"] += 1
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -207,8 +228,12 @@ class Engine:
         c["spec_num_verify_steps"] += 1
         c["spec_num_draft_tokens"] += len(s.draft)
         c["spec_num_accepted_tokens"] += accepted
-        req.spec_verify_steps += 1
-        req.spec_accepted_tokens += accepted
+        for i in range(len(s.draft)):
+            c["spec_num_draft_by_position"][i] += 1
+            c["spec_num_accepted_by_position"][i] += i < accepted
+        spec = req.spec or SpecCounts()
+        req.spec = SpecCounts(spec.verify_steps + 1, spec.draft_tokens + len(s.draft),
+                              spec.accepted_tokens + accepted)
         if self.scheduler.proposer is not None:
             self.scheduler.proposer.record(req.request_id, len(s.draft), accepted)
         before = len(req.output_ids)
@@ -253,8 +278,7 @@ class Engine:
             finished=finished, finish_reason=req.finish_reason if finished else None,
             stop_token_id=req.stop_token_id, num_prompt_tokens=len(req.prompt_ids),
             num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_lp,
-            queue_time_s=req.queue_time_s, spec_verify_steps=req.spec_verify_steps,
-            spec_accepted_tokens=req.spec_accepted_tokens)
+            queue_time_s=req.queue_time_s, spec=req.spec)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from radixserve.outputs import TokenLogprob
+from radixserve.outputs import SpecCounts, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
 
@@ -50,8 +50,7 @@ class Request:
     finish_reason: str | None = None
     stop_token_id: int | None = None
     num_preemptions: int = 0
-    spec_verify_steps: int = 0            # speculative verify steps this request took
-    spec_accepted_tokens: int = 0         # draft tokens they accepted
+    spec: SpecCounts | None = None        # speculative decoding so far (None: never verified)
     forced_ids: tuple[int, ...] | None = None   # sampler.force_tokens fault (forced_tokens.py)
 
     @property

@@ -11,7 +11,8 @@ Where each number is measured:
   request with n choices counts n times in num_requests_total; its prompt and cached tokens
   count once per choice, as the engine computes them once per choice. Speculative decoding
   counts verify steps, proposed and accepted draft tokens: acceptance rate = accepted /
-  draft tokens; accept length = (accepted + verify steps) / verify steps.
+  draft tokens; accept length = (accepted + verify steps) / verify steps; both also by draft
+  position, and per request as histograms (observed in the HTTP process at the request's end).
 - Latency histograms are observed in the HTTP process, where the client sees the tokens:
   TTFT, inter-token latency (interval / new tokens of each delta), end-to-end latency (also
   for requests that end by abort or error), and queue time (arrival to first admission,
@@ -29,6 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from radixserve.outputs import SpecCounts
+from radixserve.server.acceptance_guard import AcceptanceDetector
 from radixserve.server.anomaly import KINDS as ANOMALY_KINDS
 
 PREFIX = "radixserve:"
@@ -38,6 +41,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 400)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2, 4, 8)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 300, 600, 1200, 2400)
+ACCEPT_LENGTH_BUCKETS = (1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0, 9.0, 17.0)
+ACCEPT_RATE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.96, 0.99, 1.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 3000)
 
 # (metric name, stats key, help)
@@ -56,6 +61,14 @@ ENGINE_COUNTERS = (
     ("spec_verify_steps", "spec_num_verify_steps", "Speculative decoding: verify steps (one per request and step)."),
     ("spec_draft_tokens", "spec_num_draft_tokens", "Speculative decoding: draft tokens proposed."),
     ("spec_accepted_tokens", "spec_num_accepted_tokens", "Speculative decoding: draft tokens accepted."),
+)
+
+# Acceptance by draft position (1 = the first draft token of a verify step).
+SPEC_BY_POSITION = (
+    ("spec_draft_tokens_by_position", "spec_num_draft_by_position",
+     "Speculative decoding: draft tokens proposed, by position in the draft."),
+    ("spec_accepted_tokens_by_position", "spec_num_accepted_by_position",
+     "Speculative decoding: draft tokens accepted, by position in the draft."),
 )
 
 
@@ -92,6 +105,11 @@ class EngineCollector(Collector):
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             c.add_metric([self.model_name], float(self.stats[key]))
             yield c
+        for name, key, doc in SPEC_BY_POSITION:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=[*labels, "position"])
+            for i, value in enumerate(self.stats.get(key, ())):
+                c.add_metric([self.model_name, str(i + 1)], float(value))
+            yield c
         c = CounterMetricFamily(PREFIX + "num_requests", "Requests finished or aborted.",
                                 labels=labels)
         c.add_metric([self.model_name], float(self.stats["num_finished_requests"]
@@ -119,10 +137,14 @@ class ServerMetrics:
                         "Arrival to last output, aborted and failed requests included.", E2E_BUCKETS)
         self.queue_time = hist("queue_time_seconds", "Arrival in the engine to first admission.",
                                QUEUE_BUCKETS)
+        self.spec_accept_length = hist("spec_accept_length", "Speculative decoding, per request: "
+                                       "tokens per verify step.", ACCEPT_LENGTH_BUCKETS)
+        self.spec_accept_rate = hist("spec_accept_rate", "Speculative decoding, per request: "
+                                     "accepted / draft tokens.", ACCEPT_RATE_BUCKETS)
         self.model_name = model_name
         self.anomalies = Counter(PREFIX + "num_anomalies", "Requests stopped by the output-anomaly "
                                  "guard, by detector.", ["model_name", "kind"], registry=self.registry)
-        for kind in ANOMALY_KINDS:   # every kind shows up, at 0, from the first scrape
+        for kind in (*ANOMALY_KINDS, AcceptanceDetector.kind):   # every kind, at 0, from the start
             self.anomalies.labels(model_name=model_name, kind=kind)
         ProcessCollector(registry=self.registry)   # process_resident_memory_bytes, ...
 
@@ -161,5 +183,10 @@ class RequestTimer:
             self.metrics.itl.observe((now - self.last_s) / num_new_tokens)
         self.last_s = now
 
-    def on_end(self) -> None:
+    def on_end(self, spec: SpecCounts | None = None) -> None:
+        """The request ended; `spec`: its speculative-decoding counts (None: it never verified)."""
         self.metrics.e2e.observe(time.monotonic() - self.start_s)
+        if spec is not None and spec.verify_steps:
+            self.metrics.spec_accept_length.observe(spec.accept_length)
+            if spec.draft_tokens:
+                self.metrics.spec_accept_rate.observe(spec.accept_rate)

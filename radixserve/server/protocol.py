@@ -223,6 +223,12 @@ class PromptTokensDetails(BaseModel):
 
 
 class Usage(BaseModel):
+    """OpenAI usage; with speculative decoding it also carries (as SGLang's meta_info does)
+    spec_verify_steps, spec_draft_tokens, spec_accepted_tokens, spec_accept_length (tokens per
+    verify step) and spec_accept_rate (accepted / draft tokens), summed over choices."""
+
+    model_config = ConfigDict(extra="allow")
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0

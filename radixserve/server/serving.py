@@ -17,6 +17,7 @@ from radixserve.errors import (BodyTooLarge, ContextLengthExceeded, InvalidReque
                                OutputAnomaly, Overloaded)
 from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
+from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
 from radixserve.server.engine_client import EngineClient, RequestStream
 from radixserve.server.faults import FaultInjector
@@ -44,6 +45,7 @@ class ServingContext:
     max_open_requests: int
     metrics: ServerMetrics | None = None
     guard: GuardConfig | None = None        # None: the output-anomaly guard is off
+    acceptance: AcceptanceConfig | None = None   # the guard's speculative-acceptance judge
     faults: FaultInjector | None = None     # None: fault injection is off
     tool_call_parser: str | None = None     # --tool-call-parser; None: tools are refused
     reasoning_parser: str | None = None     # --reasoning-parser; None: thinking stays content
@@ -205,8 +207,9 @@ class GenerationRun:
         self._timers: dict[str, RequestTimer] = {}
         num_choices = len(prompts) * self.n
         greedy = params.is_greedy
-        self._guards = ([AnomalyGuard(ctx.guard, greedy=greedy) for _ in range(num_choices)]
-                        if ctx.guard else [])
+        self._guards = [AnomalyGuard(ctx.guard, [AcceptanceDetector(ctx.acceptance, greedy)]
+                                     if ctx.acceptance else [], greedy=greedy)
+                        for _ in range(num_choices)] if ctx.guard else []
 
     async def __aenter__(self) -> GenerationRun:
         """Submit to the engine and wait for it to accept (raises its rejection). While open,
@@ -253,7 +256,7 @@ class GenerationRun:
             if timer is not None:
                 timer.on_output(len(out.new_token_ids), out.queue_time_s)
                 if out.finished:
-                    timer.on_end()
+                    timer.on_end(out.spec)
                     del self._timers[out.request_id]
             prompt_index = self._owner[out.request_id]
             u = self.trackers[prompt_index].process(out)
@@ -263,7 +266,7 @@ class GenerationRun:
                 continue
             index = prompt_index * self.n + u.index
             if self._guards:
-                detection = self._guards[index].feed(GuardInput(u.text, u.token_ids))
+                detection = self._guards[index].feed(GuardInput(u.text, u.token_ids, u.spec))
                 if detection is not None:
                     yield index, ChoiceUpdate(u.index, finish_reason="abort")
                     raise self._anomaly(index, detection.kind, detection.detail)
@@ -289,9 +292,11 @@ class GenerationRun:
         prompt = sum(t.prompt_tokens for t in self.trackers)
         completion = sum(t.completion_tokens for t in self.trackers)
         cached = sum(t.cached_tokens for t in self.trackers)
+        counts = [t.spec for t in self.trackers if t.spec is not None]
+        spec = sum(counts[1:], counts[0]).usage_fields() if counts else {}
         return Usage(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), **spec)
 
     def prompt_text(self, prompt_index: int) -> str:
         prompt = self.prompts[prompt_index]

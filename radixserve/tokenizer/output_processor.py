@@ -6,8 +6,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from radixserve.outputs import TokenLogprob
-from radixserve.outputs import CompletionOutput, EngineOutput, RequestOutput
+from radixserve.outputs import (CompletionOutput, EngineOutput, RequestOutput, SpecCounts,
+                                TokenLogprob)
 from radixserve.sampling_params import SamplingParams
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from radixserve.tokenizer.tokenizer import Tokenizer
@@ -25,6 +25,7 @@ class ChoiceUpdate:
     stop_reason: the matched stop string, or the eos / stop token id that ended the choice.
     abort_child: set when a stop string ended the choice while the engine is still generating:
     the caller must abort that engine request. error: the engine's message for an abort.
+    spec: the choice's speculative-decoding counts so far (None: it never verified a draft).
     An update for a choice that had already finished is empty (`is_empty`) and must be ignored.
     """
 
@@ -36,6 +37,7 @@ class ChoiceUpdate:
     stop_reason: str | int | None = None
     abort_child: str | None = None
     error: str | None = None
+    spec: SpecCounts | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -55,6 +57,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    spec: SpecCounts | None = None
 
 
 class RequestTracker:
@@ -116,6 +119,8 @@ class RequestTracker:
             choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
         if self.prompt_logprobs is None and out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.spec is not None:
+            choice.spec = update.spec = out.spec
 
         ids = list(out.new_token_ids)
         num_text_ids = len(ids)
@@ -180,6 +185,12 @@ class RequestTracker:
         """Prompt tokens served from the prefix cache, from choice 0 only (<= prompt_tokens)."""
         return min(self._choices[0].num_cached_tokens, self.prompt_tokens)
 
+    @property
+    def spec(self) -> SpecCounts | None:
+        """Speculative-decoding counts summed over choices; None when no choice verified."""
+        counts = [c.spec for c in self._choices if c.spec is not None]
+        return sum(counts[1:], counts[0]) if counts else None
+
     def result(self) -> RequestOutput:
         """The request so far as a RequestOutput, one CompletionOutput per choice in index order
         (the offline API's result; the server's full responses are built from it)."""
@@ -191,4 +202,4 @@ class RequestTracker:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=list(self.prompt_ids), outputs=outputs,
                              num_cached_tokens=self.cached_tokens, prompt_logprobs=self.prompt_logprobs,
-                             finished=self.finished)
+                             finished=self.finished, spec=self.spec)
