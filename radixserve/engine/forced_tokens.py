@@ -19,8 +19,10 @@ request that was not handed a sequence.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+from radixserve.errors import InvalidRequest
 from radixserve.outputs import TokenLogprob
 
 
@@ -32,6 +34,22 @@ class ForcedTokens:
     token_ids: tuple[int, ...]
     num_left: int
     ends_s: float | None
+
+    @classmethod
+    def armed(cls, token_ids: list[int], count: int, duration_s: float | None,
+              vocab_size: int) -> ForcedTokens:
+        """A new fault from the fault API's parameters. Raises InvalidRequest for an empty
+        list, an id outside [0, vocab_size), or count < 1."""
+        if not token_ids:
+            raise InvalidRequest("token_ids must not be empty", param="token_ids")
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad!r} is out of range [0, {vocab_size})",
+                                 param="token_ids")
+        if count < 1:
+            raise InvalidRequest(f"count must be >= 1, got {count}", param="count")
+        ends_s = None if duration_s is None else time.monotonic() + duration_s
+        return cls(tuple(token_ids), count, ends_s)
 
     def take(self, now_s: float) -> tuple[int, ...] | None:
         """The sequence for one new request, or None once used up or expired (then spent)."""

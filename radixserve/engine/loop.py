@@ -27,7 +27,8 @@ IDLE_POLL_MS = 500        # how often an idle engine checks that its parent is a
 SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hanging forever
 HEARTBEAT_S = 1.0         # the loop says it is alive at least this often (between steps)
 CALL_METHODS = ("flush_cache", "stats", "check_invariants",    # Engine methods
-                "arm_forced_tokens", "disarm_forced_tokens")
+                "arm_forced_tokens", "disarm_forced_tokens", "arm_kv_corrupt",
+                "disarm_kv_corrupt")
 LOOP_METHODS = ("set_step_latency",)                          # EngineLoop methods
 
 

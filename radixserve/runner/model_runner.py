@@ -19,7 +19,7 @@ from radixserve.runner.attention.base import AttentionBackend, create_backend
 from radixserve.runner.batch import build_step
 from radixserve.runner.device import resolve_device
 from radixserve.sampling_params import SamplingParams
-from radixserve.runner.kv_cache import FP8_DTYPES, KVCache
+from radixserve.runner.kv_cache import FP8_DTYPES, KVCache, KVPages
 from radixserve.runner.structured import StructuredOutput
 from radixserve.weights.loader import load_checkpoint, load_weights
 from radixserve.weights.paths import resolve_model_path
@@ -141,6 +141,30 @@ class ModelRunner:
         schema must compile (runner/structured.py). Raises InvalidRequest."""
         if params.json_schema is not None:
             self.structured.check(params.json_schema)
+
+    def corrupt_kv(self, page_ids: list[int], mode: str, source_page_ids: list[int] | None,
+                   seed: int) -> None:
+        """Fault point kv_corrupt (engine/kv_corrupt.py): overwrite `page_ids` in every layer
+        with noise (mode "noise": Gaussian with the pages' own mean and standard deviation,
+        per layer, K and V apart, drawn from `seed`) or with the KV of `source_page_ids` (mode
+        "swap", same length). Copies the attention backend may keep of these pages (the
+        DecodeMirror) are dropped, so the next step reads the damage."""
+        if mode == "swap":
+            data = self.kv.export_pages(list(source_page_ids or ()))
+        else:
+            data = self.kv.export_pages(page_ids)
+            gen = torch.Generator().manual_seed(seed)
+
+            def noise(x: torch.Tensor) -> torch.Tensor:
+                f = x.float()
+                dims = tuple(range(1, f.dim()))
+                mean, std = f.mean(dims, keepdim=True), f.std(dims, keepdim=True)
+                return (mean + std * torch.randn(f.shape, generator=gen)).to(x.dtype)
+            data = KVPages(noise(data.k), noise(data.v), data.side)
+        self.kv.import_pages(page_ids, data)
+        mirror = getattr(self.backend, "mirror", None)
+        if mirror is not None:
+            mirror.reset()
 
     @staticmethod
     def _num_pages(config: EngineConfig, mc: ModelConfig) -> int:

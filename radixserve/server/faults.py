@@ -17,6 +17,11 @@ kind replaces the old). Each expires after its `duration_s` (None: until cleared
                                                   emit `token_ids` instead of sampling, then
                                                   sample on (engine/forced_tokens.py); the
                                                   listing shows it until cleared or expired
+    kv_corrupt           {mode, fraction,         the next `count` running requests with
+                          after_tokens, count}    `after_tokens` generated tokens get `fraction`
+                                                  of their KV pages overwritten with noise or
+                                                  with another request's KV (mode noise|swap;
+                                                  engine/kv_corrupt.py)
 """
 from __future__ import annotations
 
@@ -38,7 +43,12 @@ FAULT_PATH_PREFIX = "/admin/fault"
 LEAK_TICK_S = 0.25
 KIND_PARAMS = {"step_latency": ("latency_ms", "jitter_ms"), "first_token_latency": ("latency_ms",),
                "fail": ("fraction",), "hang": (), "leak_memory": ("mb_per_s", "max_mb"),
-               "corrupt": ("mode", "fraction"), "sampler.force_tokens": ("token_ids", "count")}
+               "corrupt": ("mode", "fraction"), "sampler.force_tokens": ("token_ids", "count"),
+               "kv_corrupt": ("mode", "fraction", "after_tokens", "count")}
+# Engine-side faults armed and disarmed over the engine call channel: kind -> (arm, disarm).
+ENGINE_FAULTS = {"sampler.force_tokens": ("arm_forced_tokens", "disarm_forced_tokens"),
+                 "kv_corrupt": ("arm_kv_corrupt", "disarm_kv_corrupt")}
+TEXT_CORRUPT_MODES = ("garble", "repeat", "noise")
 MAX_FORCED_TOKENS = 1 << 16
 ForcedId = Annotated[int, Field(ge=0, le=2**31 - 1)]   # the engine checks it against the vocabulary
 
@@ -51,14 +61,15 @@ class FaultSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     kind: Literal["step_latency", "first_token_latency", "fail", "hang", "leak_memory", "corrupt",
-                  "sampler.force_tokens"]
+                  "sampler.force_tokens", "kv_corrupt"]
     duration_s: float | None = Field(None, gt=0)
     latency_ms: float | None = Field(None, ge=0, le=600_000)
     jitter_ms: float = Field(0.0, ge=0, le=600_000)
     fraction: float = Field(1.0, ge=0, le=1)
     mb_per_s: float | None = Field(None, gt=0, le=4096)
     max_mb: float = Field(4096, gt=0, le=65536)   # safety cap on a leak, MiB
-    mode: Literal["garble", "repeat", "noise"] | None = None
+    mode: Literal["garble", "repeat", "noise", "swap"] | None = None
+    after_tokens: int = Field(16, ge=0, le=1 << 20)   # kv_corrupt: generated tokens before the hit
     token_ids: list[ForcedId] | None = Field(None, min_length=1, max_length=MAX_FORCED_TOKENS)
     count: int = Field(1, ge=1, le=1 << 31)   # requests that get token_ids
 
@@ -69,6 +80,10 @@ class FaultSpec(BaseModel):
         if unexpected:
             name = unexpected[0]
             raise InvalidRequest(f"fault {self.kind!r} takes no {name!r}", param=name)
+        if self.kind == "corrupt" and self.mode not in (None, *TEXT_CORRUPT_MODES):
+            raise InvalidRequest(f"fault 'corrupt' takes mode {TEXT_CORRUPT_MODES}", param="mode")
+        if self.kind == "kv_corrupt" and self.fraction == 0:
+            raise InvalidRequest("fault 'kv_corrupt' needs fraction > 0", param="fraction")
         params = {name: getattr(self, name) for name in allowed}
         missing = [name for name, value in params.items() if value is None]
         if missing:
@@ -115,16 +130,18 @@ class FaultInjector:
     async def inject(self, spec: FaultSpec) -> Fault:
         """Start a fault (replacing one of the same kind). Raises InvalidRequest for bad
         parameters (token ids outside the model's vocabulary included) and EngineDead when an
-        engine-side fault (step_latency, sampler.force_tokens) cannot reach the engine."""
+        engine-side fault (step_latency, ENGINE_FAULTS) cannot reach the engine."""
         fault = Fault(spec.kind, spec.params(), spec.duration_s)
         await self.clear(fault.kind)
         if fault.kind == "step_latency":
             await self.client.call("set_step_latency", args={
                 "latency_ms": fault.params["latency_ms"], "jitter_ms": fault.params["jitter_ms"],
                 "duration_s": fault.duration_s})
-        elif fault.kind == "sampler.force_tokens":
-            await self.client.call("arm_forced_tokens", args={**fault.params,
-                                                              "duration_s": fault.duration_s})
+        elif fault.kind in ENGINE_FAULTS:
+            args = {**fault.params, "duration_s": fault.duration_s}
+            if fault.kind == "kv_corrupt":
+                args["seed"] = self.rng.getrandbits(31)   # which pages, what noise
+            await self.client.call(ENGINE_FAULTS[fault.kind][0], args=args)
         elif fault.kind == "hang":
             self._hang_over = asyncio.Event()
         elif fault.kind == "leak_memory":
@@ -144,11 +161,11 @@ class FaultInjector:
                     await self.client.call("set_step_latency", args={"latency_ms": 0.0})
                 except Exception:   # EngineDead or a timeout: nothing left to slow down
                     logger.warning("could not clear step latency in the engine", exc_info=True)
-            elif k == "sampler.force_tokens":
+            elif k in ENGINE_FAULTS:
                 try:
-                    await self.client.call("disarm_forced_tokens")
-                except Exception:   # EngineDead or a timeout: no engine left to force
-                    logger.warning("could not disarm forced tokens in the engine", exc_info=True)
+                    await self.client.call(ENGINE_FAULTS[k][1])
+                except Exception:   # EngineDead or a timeout: no engine left to disarm
+                    logger.warning("could not disarm %s in the engine", k, exc_info=True)
             elif k == "hang":
                 self._hang_over.set()
             elif k == "leak_memory":

@@ -85,6 +85,22 @@ class FakeRunner:
             results.append(SeqResult(seq.request_id, token, prompt_lp, tuple(accepted)))
         return RunnerOutput(results)
 
+    def corrupt_kv(self, page_ids: list[int], mode: str, source_page_ids: list[int] | None,
+                   seed: int) -> None:
+        """The kv_corrupt fault point: noise puts other tokens in the pages' slots, swap copies
+        the source pages' tokens (positions stay right: the fake checks them, real KV cannot)."""
+        for n, page in enumerate(page_ids):
+            for offset in range(self.page_size):
+                slot = page * self.page_size + offset
+                if self.slots[slot] is None:
+                    continue
+                if mode == "swap":
+                    src = self.slots[source_page_ids[n] * self.page_size + offset]
+                    token = src[0] if src is not None else 0
+                else:
+                    token = (self.slots[slot][0] * 31 + seed + offset + 1) % self.vocab_size
+                self.slots[slot] = (token, self.slots[slot][1])
+
     def _next(self, context: list[int], min_tokens_left: int, stop_ids) -> TokenLogprob:
         tid = reference_next_token(context, self.vocab_size, self.eos, self.eos_every, self.copy_period)
         if min_tokens_left > 0 and tid in self.eos_token_ids | set(stop_ids):

@@ -1,0 +1,41 @@
+"""The kv_corrupt fault point on the real runner (ModelRunner.corrupt_kv): the damage reaches the
+next step (the torch backend's DecodeMirror copy is dropped), only the hit request changes,
+for noise and swap, in fp32 and FP8 KV, and the pages stay accounted for."""
+from __future__ import annotations
+
+import pytest
+
+from radixserve.sampling_params import SamplingParams
+from tests.model.test_parity import make_engine
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+
+
+def generate(engine, prompts, arm=None) -> dict[str, list[tuple[int, float]]]:
+    """(token, logprob) per generated position of each request (the tiny random model's greedy
+    tokens often sit in a loop that survives damage; its logprobs do not)."""
+    if arm is not None:
+        engine.arm_kv_corrupt(**arm)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    tokens: dict[str, list[tuple[int, float]]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += [(t.token_id, t.logprob) for t in out.new_logprobs]
+        engine.check_invariants()
+    return tokens
+
+
+@pytest.mark.parametrize("mode,kv_dtype", [("noise", "auto"), ("swap", "auto"),
+                                           ("noise", "fp8_e4m3")])
+def test_corruption_changes_the_hit_request_from_the_next_step_on(tiny_llama_dir, mode, kv_dtype):
+    prompts = [[(13 * i + 7 * j) % 200 + 3 for j in range(40 + 9 * i)] for i in range(3)]
+    cfg = {"disable_radix_cache": True, "kv_cache_dtype": kv_dtype}
+    clean = generate(make_engine(tiny_llama_dir, **cfg), prompts)
+    engine = make_engine(tiny_llama_dir, **cfg)
+    hurt = generate(engine, prompts, {"mode": mode, "fraction": 1.0, "after_tokens": 4, "seed": 5})
+    (victim, at), = engine.kv_corrupt_hits
+    assert hurt[victim][:at] == clean[victim][:at]
+    assert all(h != c for h, c in zip(hurt[victim][at:], clean[victim][at:]))
+    assert all(hurt[r] == clean[r] for r in hurt if r != victim)
+    assert engine.kv.pool.num_free == engine.kv.num_pages
