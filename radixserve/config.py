@@ -85,6 +85,13 @@ class ServerConfig:
                                                "leaks, corrupt output); for tests and demos only")
     disable_anomaly_guard: bool = _opt(False, "do not stop requests whose output looks broken "
                                               "(repetition loops, garbled text, rare-char noise)")
+    spec_anomaly_min_accept_length: float = _opt(
+        1.4, "speculative decoding: stop a request whose accept length (tokens per verify step) "
+             "stays below this after --spec-anomaly-min-tokens (0: off)")
+    spec_anomaly_max_accept_rate: float = _opt(
+        0.96, "speculative decoding: stop a request whose draft accept rate exceeds this after "
+              "--spec-anomaly-min-tokens (1: off)")
+    spec_anomaly_min_tokens: int = _opt(128, "generated tokens before acceptance is judged")
     tool_call_parser: str | None = _opt(None, "tool-call format of the model's output, parsed into "
                                               "OpenAI tool_calls (default: tools are refused)",
                                         tuple(TOOL_CALL_PARSERS))

@@ -12,12 +12,9 @@ C-level string search and compare) per delta. Pure Python (`unicodedata`), no to
         RareCharDetector     "rare_chars"  private-use, unassigned, control and format
                                            characters, symbols from rarely used blocks
 
-Slot for a speculative-decoding detector: `GuardInput` carries `num_draft_tokens` and
-`num_accepted_tokens` (None while the engine does not speculate). A detector of a collapsed
-acceptance rate (the target model suddenly disagreeing with its draft, e.g. corrupted
-weights or KV) implements `Detector`, reads those two fields, and is passed to
-`AnomalyGuard(config, extra_detectors=[...])`; its `kind` becomes a new label value of
-radixserve:num_anomalies_total.
+With speculative decoding a fourth detector judges the draft acceptance
+(`AcceptanceDetector`, server/acceptance_guard.py), fed by `GuardInput.spec`; it is added by
+`AnomalyGuard(config, extra_detectors=[...])` and its kind is "spec_acceptance".
 
 Thresholds (GuardConfig defaults) were set against ordinary generations of the default
 model and of the tiny random test model; docs/anomaly_guard.md has the measured rates.
@@ -29,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple, Protocol
+
+from radixserve.outputs import SpecCounts
 
 KINDS = ("repetition", "garbled", "rare_chars")
 
@@ -57,13 +56,12 @@ class Detection(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class GuardInput:
-    """One delta of one choice: its new text and token ids; the speculative-decoding fields
-    (tokens drafted / accepted in the steps behind this delta) are None without speculation."""
+    """One delta of one choice: its new text and token ids, and the choice's speculative
+    decoding counts so far (cumulative; None while it has not verified a draft)."""
 
     text: str
     token_ids: Sequence[int] = ()
-    num_draft_tokens: int | None = None
-    num_accepted_tokens: int | None = None
+    spec: SpecCounts | None = None
 
 
 class Detector(Protocol):

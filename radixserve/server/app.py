@@ -25,6 +25,7 @@ from radixserve.http_common import SERVER_KEEP_ALIVE_S, bearer_key_check, quiet_
 from radixserve.sampling_params import SamplingParams
 from radixserve.server import responses
 from radixserve.server.admin_routes import install_admin_routes
+from radixserve.server.acceptance_guard import AcceptanceConfig
 from radixserve.server.anomaly import GuardConfig
 from radixserve.server.chat_tools import ChatOutputs, plan_tools, prompt_tail
 from radixserve.server.engine_client import EngineClient
@@ -88,6 +89,10 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         ctx.metrics = ServerMetrics(ctx.model_name)
     if not server_config.disable_anomaly_guard:
         ctx.guard = GuardConfig()
+        c = server_config
+        ctx.acceptance = AcceptanceConfig(min_tokens=c.spec_anomaly_min_tokens,
+                                          min_accept_length=c.spec_anomaly_min_accept_length,
+                                          max_accept_rate=c.spec_anomaly_max_accept_rate)
     auth = [Depends(api_key_check(server_config.api_key))]
     v1 = APIRouter(prefix="/v1", dependencies=auth)
     created = now_s()

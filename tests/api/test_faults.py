@@ -1,4 +1,5 @@
-"""Fault injection (/admin/fault) and the output-anomaly guard through a real tiny-model worker."""
+"""Fault injection (/admin/fault) and the output-anomaly guard through a real tiny-model worker
+(n-gram speculation on, so the acceptance counts reach usage, /metrics and the guard)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,8 @@ KIND_OF_MODE = {"garble": "garbled", "repeat": "repetition", "noise": "rare_char
 def server(request):
     server = start_tiny_server(request, ["--context-length", str(TINY_CONTEXT),
                                          "--max-total-tokens", "16384", "--page-size", "16",
-                                         "--enable-debug-endpoints", "--enable-fault-injection"])
+                                         "--enable-debug-endpoints", "--enable-fault-injection",
+                                         "--speculative-algorithm", "ngram"])
     yield server
     try:
         server.assert_no_tracebacks()
@@ -273,3 +275,53 @@ def test_guard_is_quiet_on_ordinary_tiny_model_output(server):
                                                  "max_tokens": 128, "ignore_eos": True, "n": 2})
         assert r.status_code == 200, r.text
     assert anomalies(server) == before
+
+
+def engine_stats(server) -> dict:
+    r = server.get("/get_server_info")
+    assert r.status_code == 200, r.text
+    return r.json()["engine"]
+
+
+def test_kv_corrupt_hits_one_running_request_and_frees_its_pages(server):
+    before = engine_stats(server)["num_kv_corruptions"]
+    inject(server, kind="kv_corrupt", mode="noise", fraction=1.0, after_tokens=4)
+    assert faults(server)["kv_corrupt"]["after_tokens"] == 4
+    assert completion(server, max_tokens=16).status_code == 200
+    assert engine_stats(server)["num_kv_corruptions"] == before + 1
+    assert completion(server, max_tokens=16).status_code == 200     # count 1: spent
+    assert engine_stats(server)["num_kv_corruptions"] == before + 1
+    wait_for(lambda: no_pages_in_use(server), "pages to be freed")
+    for bad in ({"kind": "kv_corrupt"}, {"kind": "kv_corrupt", "mode": "garble"},
+                {"kind": "kv_corrupt", "mode": "noise", "fraction": 0},
+                {"kind": "kv_corrupt", "mode": "noise", "after_tokens": -1},
+                {"kind": "kv_corrupt", "mode": "noise", "token_ids": [1]},
+                {"kind": "corrupt", "mode": "swap"}):
+        r = server.post("/admin/fault", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", bad
+
+
+def test_usage_and_metrics_report_speculative_acceptance(server, default_tokenizer):
+    """The random model never repeats itself, so its output is forced to repeat the prompt
+    (sampler.force_tokens): the 3-gram proposer then drafts every step; the random model
+    rejects most drafts, and the counts must add up either way."""
+    ids = default_tokenizer.hf.encode(" one two three" * 12, add_special_tokens=False)
+    inject(server, kind="sampler.force_tokens", token_ids=ids, count=1)
+    m0 = server.metrics()
+    r = server.post("/v1/completions", json={"model": server.model, "prompt": " one two three" * 2,
+                                             "max_tokens": len(ids), "temperature": 0})
+    assert r.json()["choices"][0]["text"] == " one two three" * 12
+    usage = r.json()["usage"]
+    steps, drafted, accepted = (usage["spec_verify_steps"], usage["spec_draft_tokens"],
+                                usage["spec_accepted_tokens"])
+    assert steps > 0 and drafted >= steps and 0 <= accepted <= drafted
+    assert usage["spec_accept_length"] == round((accepted + steps) / steps, 4)
+    assert usage["spec_accept_rate"] == round(accepted / drafted, 4)
+    m1 = server.metrics()
+    count = "radixserve:spec_accept_length_count"
+    assert m1[count] == m0.get(count, 0) + 1
+    drafts = "radixserve:spec_draft_tokens_by_position_total"   # the last position's sample
+    assert m1[drafts] >= m0.get(drafts, 0)
+    plain = server.post("/v1/completions", json={"model": server.model, "prompt": "Once",
+                                                 "max_tokens": 1}).json()["usage"]
+    assert not any(k.startswith("spec_") for k in plain)   # no verify step, no extra fields

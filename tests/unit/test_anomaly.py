@@ -113,33 +113,6 @@ def test_guard_keeps_its_first_detection():
     assert guard.feed(GuardInput(" perfectly normal text")) == first
 
 
-class AcceptanceCollapse:
-    """What the speculative-decoding slot is for: fires when drafts stop being accepted."""
-
-    kind = "spec_acceptance"
-
-    def __init__(self):
-        self.drafted = self.accepted = 0
-
-    def feed(self, delta: GuardInput) -> Detection | None:
-        if delta.num_draft_tokens is None or delta.num_accepted_tokens is None:
-            return None
-        self.drafted += delta.num_draft_tokens
-        self.accepted += delta.num_accepted_tokens
-        if self.drafted >= 32 and self.accepted < 0.05 * self.drafted:
-            return Detection(self.kind, f"{self.accepted}/{self.drafted} drafts accepted")
-        return None
-
-
-def test_extra_detector_slot_sees_speculative_statistics():
-    guard = AnomalyGuard(CONFIG, extra_detectors=[AcceptanceCollapse()])
-    assert guard.feed(GuardInput("fine", (1, 2), num_draft_tokens=4, num_accepted_tokens=3)) is None
-    assert guard.feed(GuardInput("fine")) is None   # no speculation: the slot stays quiet
-    for _ in range(16):
-        found = guard.feed(GuardInput(" text", (3,), num_draft_tokens=4, num_accepted_tokens=0))
-    assert found is not None and found.kind == "spec_acceptance"
-
-
 @pytest.mark.parametrize("mode,kind", [("garble", "garbled"), ("repeat", "repetition"),
                                        ("noise", "rare_chars")])
 def test_every_corruption_mode_is_caught_by_its_detector(mode, kind):
