@@ -54,6 +54,7 @@ class RadixCache:
         self.root = RadixNode(key=(), page_ids=[], parent=None, lock_ref=1)
         self.num_cached_pages = 0      # all pages held by the tree
         self.num_locked_pages = 0      # pages on some locked path
+        self.num_evicted_pages = 0     # pages given up by evict() since start (cumulative)
         self._clock = itertools.count()
 
     # ---- queries ---------------------------------------------------------------------------
@@ -136,6 +137,7 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[leaf.key[:self.page_size]]
             self.num_cached_pages -= len(leaf.page_ids)
+            self.num_evicted_pages += len(leaf.page_ids)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access_s, id(parent), parent))
         return freed

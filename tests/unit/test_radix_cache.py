@@ -43,6 +43,7 @@ def test_lru_eviction_skips_locked_paths():
     assert sorted(cache.evict(10)) == [10, 11]
     cache.check()
     assert cache.num_cached_pages == 0
+    assert cache.num_evicted_pages == 4
 
 
 def test_split_keeps_lock_counts():

@@ -1,0 +1,1 @@
+"""Count regression gate: fixed request sets through the engine, exact counts against a baseline."""
