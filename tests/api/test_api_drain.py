@@ -16,8 +16,8 @@ from radixserve.bench.launch import free_port
 from tests.api.conftest import REPO, start_tiny_server
 from tests.api.router_fixtures import WAIT_S, wait_for
 
-SLOW_STEP_MS = 250      # with MAX_TOKENS: a stream needs 50 s unless the fault is cleared
-MAX_TOKENS = 200
+SLOW_STEP_MS = 1000     # with MAX_TOKENS: a stream needs 64 s unless the fault is cleared
+MAX_TOKENS = 64
 WORKER_FLAGS = ["--context-length", "1024", "--max-total-tokens", "16384",
                 "--enable-fault-injection"]
 
