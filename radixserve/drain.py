@@ -15,7 +15,7 @@
           v
     uvicorn stops (listener closed, idle keep-alive connections closed), exit 0
 
-A second SIGINT stops at once (uvicorn's own shutdown, no further waiting).
+A second SIGINT skips the grace period (uvicorn's own shutdown: FLUSH_S, then cancel).
 """
 from __future__ import annotations
 
@@ -209,7 +209,7 @@ class GracefulServer(uvicorn.Server):
     """uvicorn.Server whose first SIGINT or SIGTERM starts `drain`'s shutdown instead of
     stopping: it admits nothing new, waits up to drain.grace_s seconds for the requests in
     flight, cuts off the rest (then waits up to FLUSH_S for their answers to leave) and only
-    then lets uvicorn stop. A second SIGINT stops at once. Give uvicorn.Config
+    then lets uvicorn stop. A second SIGINT skips the grace period. Give uvicorn.Config
     timeout_graceful_shutdown=FLUSH_S."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain):
