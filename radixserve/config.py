@@ -10,6 +10,14 @@ from typing import Any, get_type_hints
 from radixserve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 
+#: Default --graceful-shutdown-timeout of workers and routers, in s: under Kubernetes' default
+#: terminationGracePeriodSeconds (30 s), so a drained process still exits on its own, with
+#: FLUSH_S (drain.py) for cut-off answers, before the kubelet's SIGKILL.
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 25.0
+GRACE_HELP = ("seconds that SIGTERM/SIGINT lets requests in flight finish (new ones get 503, "
+              "/health says draining); then the rest end with a 503 error and the process exits")
+
+
 def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
 
@@ -98,12 +106,15 @@ class ServerConfig:
     reasoning_parser: str | None = _opt(None, "split <think> text into reasoning_content "
                                               "(default: thinking stays in content)",
                                         REASONING_PARSERS)
+    graceful_shutdown_timeout: float = _opt(GRACEFUL_SHUTDOWN_TIMEOUT_S, GRACE_HELP)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_body_bytes < 1:
             raise ValueError("max_request_body_bytes must be >= 1")
+        if not self.graceful_shutdown_timeout >= 0:
+            raise ValueError("graceful_shutdown_timeout must be >= 0")
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:

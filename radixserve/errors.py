@@ -74,6 +74,16 @@ class EngineDead(RadixServeError):
     type = "engine_dead"
 
 
+class Draining(RadixServeError):
+    """The server is draining (SIGTERM, or an operator's /admin/drain): it admits no new request,
+    and one still running when its grace period ran out is cut off (HTTP 503; safe to retry
+    elsewhere)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "draining"
+
+
 class OutputAnomaly(RadixServeError):
     """The output-anomaly guard stopped a request whose text went wrong (HTTP 500, so a router
     retries it elsewhere). `kind` is "repetition", "garbled" or "rare_chars"."""

@@ -169,7 +169,7 @@ class Observer:
         health, metrics, info, probed = await asyncio.gather(
             self._get(url + "/health"), self._get(url + "/metrics"),
             self._get(url + "/get_server_info"), probe if probe is not None else _none())
-        ok = isinstance(health, httpx.Response) and (health.status_code == 200 or _is_degraded(health))
+        ok = isinstance(health, httpx.Response) and (health.status_code == 200 or _is_alive_503(health))
         error = None if ok else (f"status {health.status_code}"
                                  if isinstance(health, httpx.Response) else health)
         parsed: dict[str, float] = {}
@@ -237,12 +237,13 @@ async def _none() -> None:
     return None
 
 
-def _is_degraded(health: httpx.Response) -> bool:
-    """A worker's 503 `degraded` /health: alive and busy (all request slots held), not sick."""
+def _is_alive_503(health: httpx.Response) -> bool:
+    """A worker's 503 `degraded` /health (alive and busy: all request slots held) or `draining`
+    (alive and finishing its requests: SIGTERM or its /admin/drain): not sick."""
     if health.status_code != 503:
         return False
     try:
         body = health.json()
     except ValueError:
         return False
-    return isinstance(body, dict) and body.get("status") == "degraded"
+    return isinstance(body, dict) and body.get("status") in ("degraded", "draining")

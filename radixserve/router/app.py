@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixserve.drain import Drain, DrainMiddleware
 from radixserve.errors import InvalidRequest, ModelNotFound, RadixServeError, error_body
 from radixserve.http_common import poller_limits
 from radixserve.router.admin import build_admin_router
@@ -37,8 +38,8 @@ MAX_KEEPALIVE_CONNECTIONS = 256
 @dataclass
 class RouterState:
     """Everything one router holds: workers, prefix tree, policy, metrics, the shared HTTP
-    client, the health monitor and the forwarder. `tokenizer` (radixserve Tokenizer or None)
-    keys the tree by token ids."""
+    client, the health monitor, the forwarder and its own Drain (SIGTERM: drain.py).
+    `tokenizer` (radixserve Tokenizer or None) keys the tree by token ids."""
 
     config: RouterConfig
     registry: WorkerRegistry
@@ -48,6 +49,7 @@ class RouterState:
     http: httpx.AsyncClient
     monitor: HealthMonitor
     forwarder: Forwarder
+    drain: Drain
     tokenizer: Any = None
 
     def add_worker(self, url: str, weight: float = 1.0, healthy: bool = False) -> WorkerState:
@@ -98,7 +100,8 @@ def build_state(config: RouterConfig, worker_urls: list[str], tokenizer: Any = N
         trust_env=False)
     monitor = HealthMonitor(config, registry, metrics, http)
     state = RouterState(config, registry, tree, policy, metrics, http, monitor,
-                        Forwarder(config, registry, policy, metrics, http), tokenizer)
+                        Forwarder(config, registry, policy, metrics, http),
+                        Drain(config.graceful_shutdown_timeout), tokenizer)
     for url in worker_urls:
         state.add_worker(worker_url(url))
     return state
@@ -207,6 +210,7 @@ def build_app(state: RouterState) -> FastAPI:
                   lifespan=lifespan_of(state))
     app.state.router = state
     install_error_handlers(app)
+    app.add_middleware(DrainMiddleware, drain=state.drain)
     app.include_router(build_admin_router(state))
 
     async def relay_post(request: Request, path: str) -> Response:

@@ -28,7 +28,9 @@ class CircuitBreaker:
     Probe accounting: `can_execute()` only asks; `begin()` (called at dispatch, see
     WorkerRegistry.dispatch) claims the half-open probe slot and returns a token;
     `record()` frees the slot, and `end(token)` frees it if that probe never recorded
-    (error, cancellation) and nobody has claimed a newer one.
+    (error, cancellation) and nobody has claimed a newer one. A probe out for timeout_s
+    without an answer (a hung stream) no longer holds the slot, so a breaker is never stuck
+    half-open behind one request (SGLang #31206: a half-open breaker that never closed).
 
     Raises ValueError on thresholds < 1 or a negative timeout.
     """
@@ -53,6 +55,7 @@ class CircuitBreaker:
         self._successes = 0  # consecutive, while half-open
         self._opened_at = 0.0
         self._probe: int | None = None  # token of the half-open probe in flight
+        self._probe_at = 0.0  # clock seconds when it was sent
         self._next_token = 0
         self.num_transitions = 0
 
@@ -69,10 +72,10 @@ class CircuitBreaker:
         return self._failures
 
     def can_execute(self) -> bool:
-        """True if a request may be sent now: closed, or half_open with no probe in flight.
-        Claims nothing (see begin())."""
+        """True if a request may be sent now: closed, or half_open with no probe in flight
+        (or only one older than timeout_s). Claims nothing (see begin())."""
         state = self.state
-        return state == CLOSED or (state == HALF_OPEN and self._probe is None)
+        return state == CLOSED or (state == HALF_OPEN and not self._probe_pending())
 
     def begin(self) -> int | None:
         """Called at dispatch. In half_open, claims the probe slot and returns its token
@@ -80,7 +83,7 @@ class CircuitBreaker:
         if self.state != HALF_OPEN:
             return None
         self._next_token += 1
-        self._probe = self._next_token
+        self._probe, self._probe_at = self._next_token, self._clock()
         return self._probe
 
     def end(self, token: int | None) -> None:
@@ -111,6 +114,9 @@ class CircuitBreaker:
                     self._open()
             elif outcome == "success":
                 self._failures = 0
+
+    def _probe_pending(self) -> bool:
+        return self._probe is not None and self._clock() - self._probe_at < self.timeout_s
 
     def force_open(self) -> None:
         """Open now (manual isolation); the usual timeout then leads to half_open."""

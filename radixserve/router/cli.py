@@ -6,6 +6,7 @@ import logging
 import sys
 
 from radixserve.config import add_dataclass_args, from_args
+from radixserve.drain import FLUSH_S, GracefulServer
 from radixserve.http_common import SERVER_KEEP_ALIVE_S, quiet_signals, setup_logging
 from radixserve.router.config import RouterConfig
 
@@ -34,7 +35,9 @@ def load_tokenizer(path: str | None) -> object | None:
 
 
 def run(config: RouterConfig, worker_urls: list[str]) -> int:
-    """Serve the router until SIGINT/SIGTERM. Returns 0, or 1 if start-up failed."""
+    """Serve the router until SIGINT/SIGTERM, which drain first (drain.py: new requests get
+    503, those in flight get up to --graceful-shutdown-timeout s). Returns 0, or 1 if
+    start-up failed."""
     import uvicorn
 
     from radixserve.router.app import build_app, build_state
@@ -48,11 +51,11 @@ def run(config: RouterConfig, worker_urls: list[str]) -> int:
     app = build_app(state)
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                         access_log=config.log_level == "debug", timeout_keep_alive=SERVER_KEEP_ALIVE_S,
-                        timeout_graceful_shutdown=5)
+                        timeout_graceful_shutdown=FLUSH_S)
     print(f"radixserve: routing ({config.policy}) over {len(worker_urls)} worker(s) on "
           f"http://{config.host}:{config.port}", flush=True)
     with quiet_signals():
-        uvicorn.Server(uv).run()
+        GracefulServer(uv, state.drain).run()
     return 0
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.config import _opt
+from radixserve.config import GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S, _opt
 
 POLICIES = ("cache_aware", "power_of_two", "round_robin", "random", "session")
 
@@ -20,6 +20,8 @@ class RouterConfig:
     port: int = _opt(30080, "port to listen on")
     policy: str = _opt("cache_aware", "how a worker is chosen for each request", POLICIES)
     log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
+    graceful_shutdown_timeout: float = _opt(GRACEFUL_SHUTDOWN_TIMEOUT_S, GRACE_HELP + " (fleet: "
+                                            "the workers get it too)")
     # cache_aware
     cache_threshold: float = _opt(0.3, "prefix match ratio above which the longest-match worker "
                                        "wins; below it the least-loaded worker does (SGLang: 0.3)")
@@ -86,3 +88,5 @@ class RouterConfig:
             raise ValueError("circuit breaker thresholds must be >= 1")
         if self.health_failure_threshold < 1 or self.health_success_threshold < 1:
             raise ValueError("health thresholds must be >= 1")
+        if not self.graceful_shutdown_timeout >= 0:
+            raise ValueError("graceful_shutdown_timeout must be >= 0")

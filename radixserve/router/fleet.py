@@ -23,7 +23,9 @@ from radixserve.router.config import RouterConfig
 
 logger = logging.getLogger("radixserve.fleet")
 
-STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL of the process group after this long
+#: A stopped worker is SIGKILLed this long (s) after its --graceful-shutdown-timeout: time for
+#: its cut-off answers (drain.FLUSH_S) and its engine process to stop.
+STOP_MARGIN_S = 10.0
 PR_SET_PDEATHSIG = 1
 
 
@@ -51,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="radixserve fleet", allow_abbrev=False,
         description="Start N `radixserve serve` workers and a router in front of them; flags "
                     "not listed here go to every worker (e.g. --model-path). Ctrl-C or SIGTERM "
-                    "stops them all.")
+                    "stops them all: the router drains first, then the workers, each for up to "
+                    "--graceful-shutdown-timeout seconds.")
     fleet = parser.add_argument_group("fleet")
     fleet.add_argument("--num-workers", type=int, required=True, help="workers to start")
     fleet.add_argument("--worker-base-port", type=int, default=None,
@@ -88,8 +91,8 @@ def spawn_worker(argv: list[str], url: str, log_path: str) -> WorkerProc:
 def worker_commands(args: argparse.Namespace, config: RouterConfig,
                     worker_args: list[str]) -> list[tuple[str, list[str]]]:
     """(URL, command line) of each worker: `radixserve serve` with `worker_args`, worker i on
-    --worker-base-port + i, by default the router's port + 1 + i. Raises ValueError when a
-    port would pass 65535."""
+    --worker-base-port + i, by default the router's port + 1 + i, with the router's log level
+    and --graceful-shutdown-timeout. Raises ValueError when a port would pass 65535."""
     base = config.port + 1 if args.worker_base_port is None else args.worker_base_port
     if base + args.num_workers - 1 > 65535:
         raise ValueError(f"worker ports {base}..{base + args.num_workers - 1} pass 65535; "
@@ -97,7 +100,8 @@ def worker_commands(args: argparse.Namespace, config: RouterConfig,
     commands = []
     for port in range(base, base + args.num_workers):
         cmd = [sys.executable, "-m", "radixserve", "serve", *worker_args,
-               "--host", args.worker_host, "--port", str(port), "--log-level", config.log_level]
+               "--host", args.worker_host, "--port", str(port), "--log-level", config.log_level,
+               "--graceful-shutdown-timeout", f"{config.graceful_shutdown_timeout:g}"]
         commands.append((f"http://{args.worker_host}:{port}", cmd))
     return commands
 
@@ -142,33 +146,40 @@ def wait_healthy(workers: list[WorkerProc], timeout_s: float) -> None:
             time.sleep(0.5)
 
 
-def stop_workers(workers: list[WorkerProc]) -> None:
-    """SIGTERM every worker's process group, wait up to STOP_GRACE_S, then SIGKILL."""
+def stop_workers(workers: list[WorkerProc], grace_s: float) -> None:
+    """SIGTERM every worker's process group: each drains (finishes its requests in flight for
+    up to `grace_s`, its --graceful-shutdown-timeout) and exits. Waits up to grace_s +
+    STOP_MARGIN_S, then SIGKILLs what is left."""
+    if workers:
+        logger.info("fleet: stopping %d worker(s): SIGTERM, requests in flight get up to %g s "
+                    "(--graceful-shutdown-timeout), SIGKILL after %g s", len(workers), grace_s,
+                    grace_s + STOP_MARGIN_S)
     for w in workers:
         _kill_group(w.proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace_s + STOP_MARGIN_S
     for w in workers:
         try:
             w.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            logger.warning("worker %s ignored SIGTERM; killing it", w.url)
+            logger.warning("worker %s still running %g s after SIGTERM; killing it", w.url,
+                           grace_s + STOP_MARGIN_S)
         _kill_group(w.proc.pid, signal.SIGKILL)  # also reaps an engine left behind by its server
         w.proc.wait()
         w.log.close()
 
 
-def stop_adopted(manifest_path: str | None, workers: list[WorkerProc]) -> None:
+def stop_adopted(manifest_path: str | None, workers: list[WorkerProc], grace_s: float) -> None:
     """Stop workers the manifest lists under a pid this fleet did not start: the ops agent
     restarts a worker in a new process group and writes its pid to the manifest, so without
-    this a fleet stop would leave it running. SIGTERM to each group, SIGKILL after
-    STOP_GRACE_S."""
+    this a fleet stop would leave it running. SIGTERM to each group (it drains for up to
+    `grace_s`), SIGKILL after grace_s + STOP_MARGIN_S."""
     if not manifest_path or not os.path.exists(manifest_path):
         return
     ours = {w.proc.pid for w in workers}
     adopted = [pid for pid in manifest_pids(manifest_path) if pid not in ours]
     for pid in adopted:
         _kill_group(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace_s + STOP_MARGIN_S
     for pid in adopted:
         while time.monotonic() < deadline and _group_alive(pid):
             time.sleep(0.1)
@@ -282,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in previous:
             signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
-        stop_adopted(args.manifest, workers)
-        stop_workers(workers)
+        stop_adopted(args.manifest, workers, config.graceful_shutdown_timeout)
+        stop_workers(workers, config.graceful_shutdown_timeout)
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -28,6 +28,11 @@ class HealthMonitor:
     added unchecked (healthy=False, never probed) is promoted by its first passed check:
     there is no history to confirm against, and the router should not wait two intervals
     to serve at start-up.
+
+    Drain: a 503 whose body says {"status": "draining"} (the worker got SIGTERM or its own
+    POST /admin/drain) takes the worker out of rotation at once (WorkerState.reports_draining)
+    without counting as a failed check: it is alive and finishing its requests. The next
+    200 puts it back at once.
     """
 
     def __init__(self, config: RouterConfig, registry: Any, metrics: RouterMetrics,
@@ -79,11 +84,20 @@ class HealthMonitor:
                                           headers=self.headers,
                                           timeout=self.config.health_check_timeout_s)
             ok, why = r.status_code == 200, f"status {r.status_code}"
+            draining = says_draining(r)
         except UNREACHABLE as exc:
-            ok, why = False, f"{type(exc).__name__}: {exc}"
+            ok, why, draining = False, f"{type(exc).__name__}: {exc}", False
         if self.registry.get(url) is not worker:
             return ok  # removed (or replaced) while the probe was out
-        self.metrics.health_checks.labels(url, "pass" if ok else "fail").inc()
+        self.metrics.health_checks.labels(url, "draining" if draining else "pass" if ok
+                                          else "fail").inc()
+        if draining or ok:
+            if worker.reports_draining != draining:
+                logger.warning("worker %s %s", url, "is draining: out of rotation" if draining
+                               else "admits again: back in rotation")
+            worker.reports_draining = draining
+        if draining:
+            return False
         if ok and url in self._never_checked:
             worker.healthy = True
         else:
@@ -114,3 +128,14 @@ class HealthMonitor:
                           self.registry.clock())
         except (*UNREACHABLE, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             logger.debug("load poll of %s failed: %r", worker.url, exc)
+
+
+def says_draining(response: httpx.Response) -> bool:
+    """Whether a health answer is a draining worker's 503 {"status": "draining", ...}."""
+    if response.status_code != 503:
+        return False
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("status") == "draining"

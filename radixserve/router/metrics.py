@@ -39,7 +39,7 @@ class RouterMetrics:
                                            "Circuit breaker state changes",
                                            ["worker", "from_state", "to_state"], registry=r)
         self.health_checks = Counter(PREFIX + "health_checks_total",
-                                     "Active health checks by result (pass, fail)",
+                                     "Active health checks by result (pass, fail, draining)",
                                      ["worker", "result"], registry=r)
         self.in_flight = Gauge(PREFIX + "in_flight", "Requests dispatched and not yet finished",
                                ["worker"], registry=r)

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from radixserve.errors import error_body
 from radixserve.router.config import RouterConfig
 from radixserve.router.metrics import RouterMetrics
-from radixserve.router.outcome import classify
+from radixserve.router.outcome import classify, error_kind
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +37,12 @@ def wire_header(headers: httpx.Headers, name: str) -> str | None:
     return None
 
 
-def outcome_label(status: int | None, transport_error: bool) -> str:
+def outcome_label(status: int | None, transport_error: bool, kind: str | None = None) -> str:
     """`outcome` label of requests_total: success, client_error, backpressure, failure or
-    transport_error."""
+    transport_error (`kind`: the error body's type, see outcome.classify)."""
     if transport_error:
         return "transport_error"
-    outcome = classify(status, False)
+    outcome = classify(status, False, kind)
     if outcome.breaker == "neutral":
         return "backpressure"
     if outcome.breaker == "failure":
@@ -169,10 +169,13 @@ class Forwarder:
                        c.retry_max_backoff_ms)
         return delay_ms * (1.0 + random.uniform(-c.retry_jitter, c.retry_jitter)) / 1000.0
 
-    def record(self, worker: Any, status: int | None, transport_error: bool) -> None:
-        """Feed one attempt's outcome to the worker's breaker, counters and metrics."""
-        worker.record(classify(status, transport_error).breaker)
-        self.metrics.requests.labels(worker.url, outcome_label(status, transport_error)).inc()
+    def record(self, worker: Any, status: int | None, transport_error: bool,
+               kind: str | None = None) -> None:
+        """Feed one attempt's outcome to the worker's breaker, counters and metrics (`kind`:
+        the error body's type, see outcome.classify)."""
+        worker.record(classify(status, transport_error, kind).breaker)
+        self.metrics.requests.labels(worker.url,
+                                     outcome_label(status, transport_error, kind)).inc()
 
     async def forward(self, path: str, body: bytes, headers: dict[str, bytes], key: Any,
                       stream: bool, t_start: float) -> Response:
@@ -242,9 +245,10 @@ class Forwarder:
                 with anyio.CancelScope(shield=True):  # see Relay.close
                     await upstream.aclose()
         status = upstream.status_code
-        self.record(worker, status, False)
+        kind = error_kind(content) if status == 503 else None
+        self.record(worker, status, False, kind)
         content_type = wire_header(upstream.headers, "content-type") or "application/json"
-        if classify(status, False).retry:
+        if classify(status, False, kind).retry:
             return Failure(worker.url, status, f"{worker.url} answered {status}", content,
                            content_type)
         return Response(content, status_code=status, media_type=content_type)

@@ -40,7 +40,8 @@ class WorkerState:
 
     url: str
     weight: float = 1.0
-    draining: bool = False
+    draining: bool = False         # drained by the router's admin API
+    reports_draining: bool = False  # the worker's own /health says draining (SIGTERM, its admin)
     healthy: bool = True
     breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(5, 2, 30.0))
     in_flight: int = 0
@@ -73,9 +74,10 @@ class WorkerState:
         return load
 
     def is_routable(self) -> bool:
-        """Healthy, not draining, weight > 0 and the breaker lets a request through."""
-        return (self.healthy and not self.draining and self.weight > 0
-                and self.breaker.can_execute())
+        """Healthy, not draining (by our admin API or by its own word), weight > 0 and the
+        breaker lets a request through."""
+        return (self.healthy and not self.draining and not self.reports_draining
+                and self.weight > 0 and self.breaker.can_execute())
 
     def report(self, num_running: int, num_queue: int, token_usage: float,
                cache_hit_rate: float, now: float) -> None:
@@ -127,6 +129,7 @@ class WorkerState:
         age = None if self.reported_at is None else round(now - self.reported_at, 3)
         return {
             "url": self.url, "healthy": self.healthy, "draining": self.draining,
+            "reports_draining": self.reports_draining,
             "weight": self.weight, "in_flight": self.in_flight,
             "load": round(self.load(now), 3), "breaker": self.breaker.state,
             "reported": {"num_running": self.num_running, "num_queue": self.num_queue,

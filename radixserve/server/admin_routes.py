@@ -1,4 +1,4 @@
-"""Operator routes of one worker: /flush_cache, /abort_request, /get_server_info, /debug/pages and /admin/fault."""
+"""Operator routes of one worker: /flush_cache, /abort_request, /get_server_info, /admin/drain, /admin/undrain, /debug/pages and /admin/fault."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from radixserve.config import ServerConfig
+from radixserve.drain import Drain
 from radixserve.errors import InvalidRequest
 from radixserve.server.faults import KIND_PARAMS, FaultInjector, FaultSpec, HangMiddleware
 from radixserve.server.serving import ServingContext, parse_body
@@ -26,9 +27,10 @@ class AbortRequest(BaseModel, extra="forbid"):
 
 
 def install_admin_routes(app: FastAPI, ctx: ServingContext, server_config: ServerConfig,
-                         auth: list[Any]) -> None:
+                         auth: list[Any], drain: Drain) -> None:
     """Add the operator routes (all behind the API key when one is set); /debug/pages only
     with --enable-debug-endpoints, /admin/fault only with --enable-fault-injection."""
+    install_drain_routes(app, drain, auth)
 
     @app.post("/flush_cache", dependencies=auth)
     async def flush_cache() -> Response:
@@ -72,6 +74,28 @@ def install_admin_routes(app: FastAPI, ctx: ServingContext, server_config: Serve
         ctx.faults = FaultInjector(ctx.client)
         app.add_middleware(HangMiddleware, faults=ctx.faults)
         install_fault_routes(app, ctx.faults, auth)
+
+
+def install_drain_routes(app: FastAPI, drain: Drain, auth: list[Any]) -> None:
+    """POST /admin/drain: admit no new generation (503 `draining`, /health 503 `draining`)
+    while those in flight finish; the process keeps running. POST /admin/undrain: admit
+    again (400 once SIGTERM has started a shutdown). GET /admin/drain: the state. Each
+    answers Drain.to_json()."""
+
+    @app.post("/admin/drain", dependencies=auth)
+    async def start_drain() -> Response:
+        drain.start("POST /admin/drain")
+        return JSONResponse(drain.to_json())
+
+    @app.post("/admin/undrain", dependencies=auth)
+    async def undrain() -> Response:
+        if not drain.stop():
+            raise InvalidRequest("the server is shutting down and cannot admit requests again")
+        return JSONResponse(drain.to_json())
+
+    @app.get("/admin/drain", dependencies=auth)
+    async def drain_state() -> Response:
+        return JSONResponse(drain.to_json())
 
 
 def _debug_pages(ctx: ServingContext) -> Any:

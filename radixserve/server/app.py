@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from radixserve.config import EngineConfig, ServerConfig
+from radixserve.drain import FLUSH_S, Drain, DrainMiddleware, GracefulServer
 from radixserve.engine.loop import RunnerFactory
 from radixserve.engine.messages import AddReq
 from radixserve.errors import EngineDead, InvalidRequest, RadixServeError, error_body
@@ -83,6 +84,8 @@ def api_key_check(api_key: str | None) -> Callable[[Request], Any]:
 
 
 def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
+    """The worker's app over `ctx`; `app.state.drain` is its Drain (drain.py): SIGTERM through
+    GracefulServer, or POST /admin/drain, stops admission while requests in flight finish."""
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     if ctx.metrics is None:
@@ -148,7 +151,8 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         """200 `ok`; 503 `degraded` while every request slot is held (alive, but admits nothing
-        new: the router routes away, the ops agent must not treat it as sick); 503 `engine_dead`."""
+        new: the router routes away, the ops agent must not treat it as sick); 503 `engine_dead`.
+        While draining, DrainMiddleware answers instead: 503 `draining`."""
         if not ctx.client.is_alive:
             raise EngineDead(f"engine is dead: {ctx.client.dead_reason}")
         num_open = ctx.client.num_open_requests
@@ -184,7 +188,10 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
                 logger.warning("engine stats unavailable; /metrics shows the last snapshot")
         return Response(ctx.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
-    install_admin_routes(app, ctx, server_config, auth)
+    drain = Drain(server_config.graceful_shutdown_timeout)
+    install_admin_routes(app, ctx, server_config, auth, drain)
+    app.add_middleware(DrainMiddleware, drain=drain)   # outermost: a hung request is in flight too
+    app.state.drain = drain
     return app
 
 
@@ -193,7 +200,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     """Load the tokenizer of `model_path`, start the engine process (`runner_factory` loads the
     model there; the tokenizer's eos ids go with it), then serve HTTP on `sock` (bound to
     server_config's host and port before loading, see http_common.bind_socket) until stopped.
-    Returns the exit code: 0 when stopped by a signal, 1 when the engine died (after
+    SIGTERM/SIGINT drain first (drain.py: in-flight requests get up to
+    --graceful-shutdown-timeout s). Returns the exit code: 0 when stopped by a signal, 1 when the engine died (after
     ENGINE_DEATH_GRACE_S of 503s, so that in-flight requests get their error), unless
     `stay_up_on_engine_death`."""
     from radixserve.tokenizer.tokenizer import Tokenizer
@@ -216,8 +224,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
                                 log_level=server_config.log_level,
                                 access_log=server_config.log_level == "debug",
                                 timeout_keep_alive=SERVER_KEEP_ALIVE_S,
-                                timeout_graceful_shutdown=5, lifespan="off")
-        server = uvicorn.Server(config)
+                                timeout_graceful_shutdown=FLUSH_S, lifespan="off")
+        server = GracefulServer(config, app.state.drain)
         announce = asyncio.create_task(_announce(server, ctx, server_config, time.monotonic() - t0))
         stopper = asyncio.create_task(_exit_on_engine_death(server, client, server_config))
         with quiet_signals():

@@ -203,17 +203,19 @@ class ClientDisconnected(Exception):
 
 async def race_disconnect(receive: Any, work: Any) -> Any:
     """Await `work` unless the client disconnects first; then cancel it and raise
-    ClientDisconnected (the caller closes the run, which aborts the engine requests)."""
+    ClientDisconnected (the caller closes the run, which aborts the engine requests). If
+    this is cancelled (a drain's cut-off), `work` is cancelled too, never left waiting."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(until_disconnected(receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    raise ClientDisconnected()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
 
 
 class _EventStream(StreamingResponse):

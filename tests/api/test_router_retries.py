@@ -218,3 +218,31 @@ def test_health_checks_use_consecutive_thresholds_and_poll_load():
 
     assert asyncio.run(scenario()) == [True, True, False, False, True]
     assert (worker.num_running, worker.num_queue, worker.token_usage) == (3, 2, 0.5)
+
+
+def test_a_draining_worker_leaves_rotation_on_one_check_and_returns_on_the_next_pass():
+    """C41: a worker whose /health says 503 draining (SIGTERM, its own /admin/drain) is out
+    of rotation after one check, not health_failure_threshold of them, without counting as a
+    failed check; its first 200 puts it back. A plain 503 still needs the threshold."""
+    from radixserve.router.health import HealthMonitor
+
+    answer = {"now": httpx.Response(200, json={"status": "ok"})}
+    cfg = RouterConfig(health_failure_threshold=3, health_success_threshold=2)
+    registry = WorkerRegistry(cfg)
+    worker = registry.add("http://w0")
+
+    async def scenario() -> list[tuple[bool, bool]]:
+        http = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: answer["now"]))
+        monitor = HealthMonitor(cfg, registry, RouterMetrics(), http)
+        seen = []
+        for body in [{"status": "draining", "reason": "SIGTERM"}, None, {"status": "degraded"}]:
+            answer["now"] = httpx.Response(503, json=body) if body else \
+                httpx.Response(200, json={"status": "ok"})
+            await monitor.check(worker)
+            seen.append((worker.is_routable(), worker.reports_draining))
+        await http.aclose()
+        return seen
+
+    assert asyncio.run(scenario()) == [(False, True), (True, False), (True, False)]
+    assert worker.health_failures == 1 and worker.healthy   # degraded: one failure of three
+    assert registry.get("http://w0").to_json(0)["reports_draining"] is False

@@ -28,7 +28,7 @@ def test_stop_adopted_kills_workers_listed_under_pids_the_fleet_did_not_start(tm
     manifest.write_text(json.dumps({"router_url": "http://127.0.0.1:1", "workers": [
         {"url": "http://127.0.0.1:2", "pid": pid, "argv": [], "log": None}]}))
     try:
-        stop_adopted(str(manifest), workers=[])
+        stop_adopted(str(manifest), workers=[], grace_s=0.0)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and _alive(pid):
             time.sleep(0.05)
@@ -49,12 +49,12 @@ def _alive(pid: int) -> bool:
 def test_stop_adopted_without_a_manifest_or_with_a_bad_one_does_nothing(tmp_path, monkeypatch, caplog):
     signalled: list[tuple[int, int]] = []
     monkeypatch.setattr("radixserve.router.fleet._kill_group", lambda pid, sig: signalled.append((pid, sig)))
-    stop_adopted(None, workers=[])
-    stop_adopted(str(tmp_path / "missing.json"), workers=[])
+    stop_adopted(None, workers=[], grace_s=0.0)
+    stop_adopted(str(tmp_path / "missing.json"), workers=[], grace_s=0.0)
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with caplog.at_level("WARNING"):
-        stop_adopted(str(bad), workers=[])
+        stop_adopted(str(bad), workers=[], grace_s=0.0)
     assert signalled == []
     assert any("cannot read manifest" in r.message for r in caplog.records)
 
@@ -69,11 +69,11 @@ def test_stop_adopted_without_a_manifest_or_with_a_bad_one_does_nothing(tmp_path
 def test_a_manifest_of_the_wrong_shape_signals_no_group(body, says, tmp_path, monkeypatch, caplog):
     signalled: list[tuple[int, int]] = []
     monkeypatch.setattr(fleet, "_kill_group", lambda pid, sig: signalled.append((pid, sig)))
-    monkeypatch.setattr(fleet, "STOP_GRACE_S", 0.0)
+    monkeypatch.setattr(fleet, "STOP_MARGIN_S", 0.0)
     manifest = tmp_path / "fleet.json"
     manifest.write_text(json.dumps(body))
     with caplog.at_level("WARNING", logger="radixserve.fleet"):
-        stop_adopted(str(manifest), workers=[])
+        stop_adopted(str(manifest), workers=[], grace_s=0.0)
     assert signalled == []
     assert [r.getMessage() for r in caplog.records if says in r.getMessage()], caplog.text
 
@@ -151,3 +151,51 @@ def test_wait_healthy_logs_each_worker_as_it_comes_up(monkeypatch, caplog):
         fleet.wait_healthy(workers, timeout_s=60)
     assert [r.getMessage() for r in caplog.records] == [
         "fleet: worker http://w0 is up (1 of 2)", "fleet: worker http://w1 is up (2 of 2)"]
+
+
+def test_workers_get_the_routers_graceful_shutdown_timeout():
+    (_, cmd), = commands("--num-workers", "1", "--graceful-shutdown-timeout", "7.5")
+    assert cmd[cmd.index("--graceful-shutdown-timeout") + 1] == "7.5"
+    (_, cmd), = commands("--num-workers", "1")
+    assert cmd[cmd.index("--graceful-shutdown-timeout") + 1] == "25"
+
+
+# A worker stand-in: says "ready" once its SIGTERM handler is in place; on SIGTERM it drains
+# (exits 0 by itself) or, with "ignore", keeps running until SIGKILLed.
+FAKE_WORKER = """
+import signal, sys, time
+stop = []
+if sys.argv[1] == "drain":
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+while not stop:
+    time.sleep(0.05)
+"""
+
+
+def _fake_worker(tmp_path, mode: str) -> fleet.WorkerProc:
+    log = tmp_path / f"{mode}.log"
+    worker = fleet.spawn_worker([sys.executable, "-c", FAKE_WORKER, mode], f"http://{mode}", str(log))
+    deadline = time.monotonic() + 60
+    while "ready" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "ready" in log.read_text()
+    return worker
+
+
+def test_stop_waits_for_a_draining_worker_and_kills_one_past_its_grace(tmp_path, monkeypatch, caplog):
+    draining = _fake_worker(tmp_path, "drain")
+    with caplog.at_level("INFO", logger="radixserve.fleet"):
+        fleet.stop_workers([draining], grace_s=600.0)   # exits on SIGTERM long before this
+    assert draining.proc.returncode == 0
+    assert "requests in flight get up to 600 s (--graceful-shutdown-timeout), SIGKILL after 610 s" \
+        in caplog.text
+    stubborn = _fake_worker(tmp_path, "ignore")
+    monkeypatch.setattr(fleet, "STOP_MARGIN_S", 0.0)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="radixserve.fleet"):
+        fleet.stop_workers([stubborn], grace_s=0.0)
+    assert stubborn.proc.returncode == -9
+    assert "worker http://ignore still running 0 s after SIGTERM; killing it" in caplog.text

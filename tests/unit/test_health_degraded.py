@@ -26,9 +26,10 @@ def test_health_is_ok_with_a_free_slot_and_degraded_when_all_are_held():
     assert full.json() == {"status": "degraded", "reason": "all 3 request slots are held", "num_open_requests": 3}
 
 
-def test_the_agent_sees_a_degraded_worker_as_answering_and_a_503_error_as_unhealthy():
+def test_the_agent_sees_a_degraded_or_draining_worker_as_answering_and_a_503_error_as_unhealthy():
     bodies = {"http://busy": httpx.Response(503, json={"status": "degraded", "reason": "x"}),
               "http://dead": httpx.Response(503, json={"error": {"type": "engine_dead"}}),
+              "http://draining": httpx.Response(503, json={"status": "draining", "reason": "x"}),
               "http://ok": httpx.Response(200, json={"status": "ok"})}
 
     def answer(request: httpx.Request) -> httpx.Response:
@@ -42,4 +43,5 @@ def test_the_agent_sees_a_degraded_worker_as_answering_and_a_503_error_as_unheal
         await observer.http.aclose()
         return {s.url: s.health_ok for s in snaps}
 
-    assert asyncio.run(read()) == {"http://busy": True, "http://dead": False, "http://ok": True}
+    assert asyncio.run(read()) == {"http://busy": True, "http://dead": False,
+                                   "http://draining": True, "http://ok": True}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.router.breaker import CircuitBreaker
-from radixserve.router.outcome import Outcome, classify
+from radixserve.router.outcome import Outcome, classify, error_kind
 
 
 class FakeClock:
@@ -184,3 +184,64 @@ def test_client_errors_and_backpressure_never_open_the_breaker():
     assert breaker.state == "closed"
     breaker.record(classify(None, True).breaker)
     assert breaker.state == "open"
+
+
+def test_a_hung_probe_frees_the_half_open_slot_after_timeout_s():
+    """C40: a probe that never answers (a hung stream) must not keep the breaker half-open
+    for good; after timeout_s another request may probe, and its success closes it."""
+    breaker, clock, moves = make(successes=1)
+    open_breaker(breaker)
+    clock.now = 10
+    hung = breaker.begin()
+    clock.now = 19.9
+    assert breaker.state == "half_open" and not breaker.can_execute()
+    clock.now = 20
+    assert breaker.can_execute()
+    probe = breaker.begin()
+    breaker.end(hung)          # the hung probe's late end frees nothing
+    assert not breaker.can_execute()
+    breaker.record("success")
+    breaker.end(probe)
+    assert breaker.state == "closed" and moves[-1] == ("half_open", "closed")
+
+
+@pytest.mark.parametrize("kind, expected", [
+    (None, Outcome("neutral", True)),
+    ("server_overloaded", Outcome("neutral", True)),     # queue full
+    ("service_unavailable", Outcome("neutral", True)),   # draining
+    ("engine_dead", Outcome("failure", True)),           # a broken worker, not a busy one
+])
+def test_a_503_is_backpressure_unless_its_body_says_the_engine_is_dead(kind, expected):
+    assert classify(503, False, kind) == expected
+
+
+@pytest.mark.parametrize("content, kind", [
+    (b'{"error": {"type": "engine_dead", "code": 503}}', "engine_dead"),
+    (b'{"error": {"type": 5}}', None),
+    (b'{"error": "x"}', None),
+    (b'[1]', None),
+    (b"not json", None),
+    (b"[" * 100_000, None),
+])
+def test_error_kind_reads_only_an_openai_error_type(content, kind):
+    assert error_kind(content) == kind
+
+
+def test_backpressure_bursts_never_open_and_half_open_success_closes():
+    """C40 in miniature: 503/429 answers between real faults change nothing; after a real
+    outage the breaker opens, and one probe success per success_threshold closes it."""
+    breaker, clock, moves = make(failures=3, successes=2, timeout_s=5.0)
+    for _ in range(100):
+        breaker.record(classify(503, False, "server_overloaded").breaker)
+        breaker.record(classify(429, False).breaker)
+    assert breaker.state == "closed" and moves == []
+    for _ in range(3):
+        breaker.record(classify(None, True).breaker)   # killed: connection refused
+    assert breaker.state == "open"
+    clock.now = 5
+    for _ in range(2):
+        token = breaker.begin()
+        breaker.record(classify(200, False).breaker)
+        breaker.end(token)
+    assert breaker.state == "closed"
+    assert moves == [("closed", "open"), ("open", "half_open"), ("half_open", "closed")]

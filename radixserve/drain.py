@@ -1,0 +1,251 @@
+"""Graceful drain of our HTTP servers (worker and router): stop admitting, let what is in flight finish, cut off what the grace period leaves, then exit.
+
+    SIGTERM / SIGINT           POST /admin/drain (worker)
+          |                              |
+          v                              v
+    shutting down  ----------------> draining --POST /admin/undrain--> admitting
+          |   new POST /v1/* -> 503 service_unavailable / draining
+          |   GET /health    -> 503 {"status": "draining", ...} (routers stop sending)
+          |   in-flight requests and streams run on, output untouched
+          v
+    idle, or --graceful-shutdown-timeout seconds passed
+          |   past the grace period: each request left is cancelled and answered
+          |   with a 503 error body, or, for a stream already under way, an SSE
+          |   error event and `data: [DONE]` (never a truncated 200)
+          v
+    uvicorn stops (listener closed, idle keep-alive connections closed), exit 0
+
+A second SIGINT skips the grace period (uvicorn's own shutdown: FLUSH_S, then cancel).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import uvicorn
+from starlette.responses import JSONResponse
+
+from radixserve.errors import Draining
+
+logger = logging.getLogger(__name__)
+
+#: After the grace period, how long the cut-off answers get to leave (s); also uvicorn's
+#: timeout_graceful_shutdown, which by then only covers connections with nothing in flight.
+FLUSH_S = 5.0
+HEALTH_PATH = "/health"
+
+
+@dataclass(slots=True)
+class _Reply:
+    """What the app has sent of one tracked response so far."""
+
+    started: bool = False
+    is_sse: bool = False
+    ended: bool = False
+    at_event_boundary: bool = True   # the last body chunk closed an SSE event ("\n\n")
+
+    def note(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            headers = dict(message.get("headers") or [])
+            self.is_sse = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+        elif message["type"] == "http.response.body":
+            body = message.get("body", b"")
+            if body:
+                self.at_event_boundary = body.endswith(b"\n\n")
+            self.ended = not message.get("more_body", False)
+
+
+@dataclass
+class Drain:
+    """Admission and in-flight accounting of one server. An in-flight request is a POST under
+    /v1/ (a generation) from admission until its last response byte is sent, streams
+    included. `grace_s`: how long, in seconds, a shutdown waits for those to finish
+    (--graceful-shutdown-timeout). Mutated only on the server's event loop."""
+
+    grace_s: float
+    reason: str | None = None          # why it is draining; None: admitting
+    is_shutting_down: bool = False
+    _active: set[anyio.CancelScope] = field(default_factory=set, init=False, repr=False)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    _shutdown: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.grace_s >= 0:
+            raise ValueError(f"graceful shutdown timeout must be >= 0 s, got {self.grace_s}")
+        self._idle.set()
+
+    @property
+    def is_draining(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._active)
+
+    def start(self, reason: str) -> None:
+        """Stop admitting new generations (idempotent; the first reason is kept)."""
+        if self.reason is None:
+            self.reason = reason
+            logger.warning("draining (%s): new requests get 503, %d in flight run on",
+                           reason, self.num_in_flight)
+
+    def stop(self) -> bool:
+        """Admit again (undrain). Returns False, changing nothing, once shutting down."""
+        if self.is_shutting_down:
+            return False
+        if self.reason is not None:
+            logger.warning("admitting again (was draining: %s)", self.reason)
+        self.reason = None
+        return True
+
+    def shut_down(self, reason: str) -> None:
+        """Drain for good; GracefulServer exits once idle or after grace_s."""
+        self.start(reason)
+        self.is_shutting_down = True
+        self._shutdown.set()
+
+    async def wait_shutdown(self) -> None:
+        await self._shutdown.wait()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once nothing is in flight, False if `timeout_s` seconds pass first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def cut_off(self) -> int:
+        """Cancel every request in flight; each is answered by DrainMiddleware with an error.
+        Returns how many were cut off."""
+        for scope in self._active:
+            scope.cancel()
+        return len(self._active)
+
+    def cut_off_error(self) -> Draining:
+        """The error a cut-off request is answered with (HTTP 503)."""
+        return Draining(f"The server shut down before this request finished: its grace period "
+                        f"of {self.grace_s:g} s (--graceful-shutdown-timeout) ran out. Retry it.")
+
+    def to_json(self) -> dict:
+        """{"status": "draining" or "ok", "reason", "num_in_flight", "shutting_down"}."""
+        return {"status": "draining" if self.is_draining else "ok", "reason": self.reason,
+                "num_in_flight": self.num_in_flight, "shutting_down": self.is_shutting_down}
+
+    def _enter(self, scope: anyio.CancelScope) -> None:
+        self._active.add(scope)
+        self._idle.clear()
+
+    def _leave(self, scope: anyio.CancelScope) -> None:
+        self._active.discard(scope)
+        if not self._active:
+            self._idle.set()
+
+
+class DrainMiddleware:
+    """ASGI middleware in front of the whole app: while draining, POST /v1/* gets 503
+    (service_unavailable, code "draining") and GET /health gets 503 {"status": "draining",
+    ...}; otherwise each POST /v1/* is tracked in flight and, when Drain.cut_off() cancels
+    it, answered with Draining's error: a JSON 503 if nothing was sent yet, else (a stream)
+    an SSE error event and `data: [DONE]`."""
+
+    def __init__(self, app: Any, drain: Drain):
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        drain = self.drain
+        if drain.is_draining and scope["path"] == HEALTH_PATH:
+            await JSONResponse(drain.to_json(), status_code=503)(scope, receive, send)
+        elif scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+        elif drain.is_draining:
+            error = Draining(f"The server is draining ({drain.reason}) and admits no new "
+                             "request; send it to another server.")
+            await JSONResponse(error.to_dict(), status_code=error.status)(scope, receive, send)
+        else:
+            await self._track(scope, receive, send)
+
+    async def _track(self, scope: Any, receive: Any, send: Any) -> None:
+        reply = _Reply()
+
+        async def noted_send(message: dict) -> None:
+            reply.note(message)
+            await send(message)
+
+        cancel = anyio.CancelScope()
+        self.drain._enter(cancel)
+        try:
+            with cancel:
+                await self.app(scope, receive, noted_send)
+            if cancel.cancelled_caught:
+                await self._answer_cut_off(reply, scope, receive, send)
+        finally:
+            self.drain._leave(cancel)
+
+    async def _answer_cut_off(self, reply: _Reply, scope: Any, receive: Any, send: Any) -> None:
+        error = self.drain.cut_off_error()
+        if not reply.started:
+            await JSONResponse(error.to_dict(), status_code=error.status)(scope, receive, send)
+        elif reply.is_sse and not reply.ended:
+            gap = b"" if reply.at_event_boundary else b"\n\n"
+            event = b"data: " + json.dumps(error.to_dict()).encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": gap + event + b"data: [DONE]\n\n",
+                        "more_body": False})
+        elif not reply.ended:  # a JSON body is sent in one piece: not seen in practice
+            logger.warning("%s cut off mid-body; its connection is closed", scope["path"])
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGINT or SIGTERM starts `drain`'s shutdown instead of
+    stopping: it admits nothing new, waits up to drain.grace_s seconds for the requests in
+    flight, cuts off the rest (then waits up to FLUSH_S for their answers to leave) and only
+    then lets uvicorn stop. A second SIGINT skips the grace period. Give uvicorn.Config
+    timeout_graceful_shutdown=FLUSH_S."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain):
+        super().__init__(config)
+        self.drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        waiter = asyncio.create_task(self._exit_when_drained())
+        try:
+            await super().serve(sockets)
+        finally:
+            waiter.cancel()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        assert self._loop is not None, "uvicorn catches signals only inside serve()"
+        if self.drain.is_shutting_down:
+            if sig == signal.SIGINT:
+                logger.warning("second interrupt: stopping now, without waiting")
+                super().handle_exit(sig, frame)
+            return
+        # A signal handler runs between two bytecodes of the loop: hand the work to the loop.
+        self._loop.call_soon_threadsafe(self.drain.shut_down, signal.Signals(sig).name)
+
+    async def _exit_when_drained(self) -> None:
+        drain = self.drain
+        await drain.wait_shutdown()
+        logger.warning("shutting down: %d request(s) in flight get up to %g s to finish "
+                       "(--graceful-shutdown-timeout)", drain.num_in_flight, drain.grace_s)
+        if not await drain.wait_idle(drain.grace_s):
+            num = drain.cut_off()
+            logger.warning("grace period of %g s is over: %d request(s) cut off with a 503 "
+                           "error", drain.grace_s, num)
+            if not await drain.wait_idle(FLUSH_S):
+                logger.warning("%d cut-off request(s) still open after %g s",
+                               drain.num_in_flight, FLUSH_S)
+        logger.info("drained; stopping")
+        self.should_exit = True
