@@ -107,6 +107,10 @@ async def send_request(http: httpx.AsyncClient, cfg: ClientConfig, req: BenchReq
                     result.prompt_tokens = usage.get("prompt_tokens")
                     details = usage.get("prompt_tokens_details") or {}
                     result.cached_tokens = int(details.get("cached_tokens") or 0)
+                    if "spec_verify_steps" in usage:
+                        result.spec_verify_steps = int(usage["spec_verify_steps"])
+                        result.spec_draft_tokens = int(usage["spec_draft_tokens"])
+                        result.spec_accepted_tokens = int(usage["spec_accepted_tokens"])
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result

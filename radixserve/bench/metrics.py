@@ -17,6 +17,8 @@ class RequestResult:
     prompt_len: the dataset's (client-tokenized) prompt length; output_len: server-reported
     completion_tokens, else the requested output length (SGLang's fallback).
     prompt_tokens / cached_tokens: server usage (None when the server sent no usage).
+    spec_verify_steps / spec_draft_tokens / spec_accepted_tokens: speculative-decoding usage
+    extras (None when the server did not speculate for this request).
     """
 
     prompt_len: int
@@ -28,6 +30,9 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    spec_verify_steps: int | None = None
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
     generated_text: str = ""
     output_len_retokenized: int = 0
     error: str = ""
@@ -121,6 +126,9 @@ def compute_metrics(results: list[RequestResult], duration_s: float, t0: float =
     Failed requests count zero output tokens and do not enter the latency statistics.
     `duration_s` is first dispatch -> last completion; `t0` the perf_counter() at first dispatch.
     cache_hit_rate = sum(cached_tokens) / sum(server prompt_tokens) over requests with usage.
+    Speculative decoding, over requests that verified drafts: spec_accept_length = (accepted +
+    verify steps) / verify steps, spec_accept_rate = accepted / draft tokens (token-weighted),
+    and the per-request median accept length.
     """
     ok = [r for r in results if r.success]
     total_input = sum(r.prompt_len for r in ok)
@@ -150,8 +158,23 @@ def compute_metrics(results: list[RequestResult], duration_s: float, t0: float =
     m["server_prompt_tokens"] = prompt_tokens if with_usage else None
     m["cached_tokens"] = cached if with_usage else None
     m["cache_hit_rate"] = cached / prompt_tokens if prompt_tokens else None
+    m.update(spec_metrics(ok))
     if slo is not None:
         good = sum(is_good(r, slo) for r in results)
         m["request_goodput"] = good / duration
         m["slo_attainment"] = good / len(results) if results else 0.0
     return m
+
+
+def spec_metrics(ok: list[RequestResult]) -> dict[str, float | int | None]:
+    """Acceptance over the requests that verified drafts (all None when none did)."""
+    spec = [r for r in ok if r.spec_verify_steps]
+    steps = sum(r.spec_verify_steps or 0 for r in spec)
+    drafted = sum(r.spec_draft_tokens or 0 for r in spec)
+    accepted = sum(r.spec_accepted_tokens or 0 for r in spec)
+    lengths = sorted(((r.spec_accepted_tokens or 0) + r.spec_verify_steps) / r.spec_verify_steps
+                     for r in spec)
+    return {"spec_requests": len(spec) if spec else None,
+            "spec_accept_length": (accepted + steps) / steps if steps else None,
+            "spec_accept_rate": accepted / drafted if drafted else None,
+            "median_spec_accept_length": lengths[len(lengths) // 2] if lengths else None}

@@ -39,7 +39,7 @@ SUMMARY_KEYS = [
     "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
     "mean_itl_ms", "median_itl_ms", "p95_itl_ms", "p99_itl_ms", "max_itl_ms",
     "mean_e2e_latency_ms", "median_e2e_latency_ms", "std_e2e_latency_ms", "p90_e2e_latency_ms",
-    "p99_e2e_latency_ms"]
+    "p99_e2e_latency_ms", "spec_accept_length", "spec_accept_rate", "median_spec_accept_length"]
 
 
 def summary(record: dict) -> str:

@@ -93,6 +93,20 @@ def test_cache_hit_rate_from_usage():
     assert compute_metrics(no_usage, 1.0)["cache_hit_rate"] is None
 
 
+def test_speculative_acceptance_from_usage():
+    import dataclasses
+    a = dataclasses.replace(req(0.0, 0.5, [0.5]), spec_verify_steps=4, spec_draft_tokens=12,
+                            spec_accepted_tokens=6)     # 2.5 tokens per step
+    b = dataclasses.replace(req(0.0, 0.5, [0.5]), spec_verify_steps=1, spec_draft_tokens=4,
+                            spec_accepted_tokens=0)     # 1.0
+    m = compute_metrics([a, b, req(0.0, 0.5, [0.5])], 1.0)
+    assert m["spec_requests"] == 2
+    assert m["spec_accept_length"] == pytest.approx((6 + 5) / 5)
+    assert m["spec_accept_rate"] == pytest.approx(6 / 16)
+    assert m["median_spec_accept_length"] == pytest.approx(2.5)
+    assert compute_metrics(RESULTS, 4.0)["spec_accept_length"] is None
+
+
 def test_goodput():
     slo = Slo.parse("ttft_ms=800,tpot_ms=500")
     m = compute_metrics(RESULTS, 4.0, slo=slo)
