@@ -170,5 +170,6 @@ class Scheduler:
         self.kv.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        if self.proposer is not None:
-            self.proposer.release(req.request_id)
+        if self.proposer is not None:   # a finished output feeds the shared n-gram table
+            self.proposer.release(req.request_id, req.all_ids if reason != "abort" else None,
+                                  len(req.output_ids))

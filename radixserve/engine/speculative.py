@@ -1,4 +1,4 @@
-"""N-gram speculation (prompt lookup): draft tokens copied from earlier in the request's own prompt and output.
+"""N-gram speculation (prompt lookup): draft tokens copied from earlier in the request's own prompt and output, or from recent requests' outputs.
 
 Coding-agent and editing traffic copies long spans from its context; when the last few tokens
 occurred before, the tokens that followed them then are a good guess for what follows now.
@@ -9,6 +9,12 @@ k tokens to the end: a loop repeats). The index grows by MAX_MATCH entries per n
 token, so a proposal costs O(MAX_MATCH + k) whatever the context length. (Prompt lookup
 decoding: Saxena 2023; SGLang's `--speculative-algorithm NGRAM` adds a shared trie.)
 
+Shared table: when a request's own tokens have no match, its last MAX_MATCH tokens are looked up in
+a bounded table of what followed them in recently finished requests' outputs (LRU, at most
+`shared_entries` n-grams, each with up to SHARED_CONTINUATION tokens; filled by `release`).
+Agents and chat users send the same questions and get the same answers again; a request's own
+prompt only holds what it was given. (SGLang's NGRAM shares a trie across requests the same way.)
+
 Adaptive k: each request keeps an exponential moving average of the drafts it got accepted per
 verify step; the next draft is `clamp(round(avg) + 1, 1, max_draft)` tokens, so requests whose
 drafts keep failing cost at most one extra position per step, and requests that copy get the
@@ -16,6 +22,7 @@ full `max_draft`. Drafting stops for a request while its average is below MIN_US
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 MAX_MATCH = 3        # longest suffix n-gram looked up
@@ -23,6 +30,7 @@ MIN_MATCH = 3        # shortest: shorter matches (", and", "the") draft badly in
 EMA = 0.3            # weight of the latest verify step in the acceptance average
 MIN_USEFUL = 0.15    # below this average accepted drafts per step, stop drafting ...
 RETRY_EVERY = 16     # ... except one probe every this many steps
+SHARED_CONTINUATION = 16   # tokens kept after each n-gram of the shared table
 
 
 @dataclass(slots=True)
@@ -34,11 +42,14 @@ class _State:
 
 
 class NgramProposer:
-    """Drafts for running requests, keyed by request id. Call `release(id)` when a request ends."""
+    """Drafts for running requests, keyed by request id. Call `release(id, tokens)` when a
+    request ends (its output then feeds the shared table)."""
 
-    def __init__(self, max_draft: int):
+    def __init__(self, max_draft: int, shared_entries: int = 1 << 16):
         self.max_draft = max_draft
         self._states: dict[str, _State] = {}
+        self.shared_entries = shared_entries
+        self._shared: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
 
     def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
         """Up to min(k, limit) draft tokens to follow `tokens` (the request's prompt + output)."""
@@ -57,6 +68,11 @@ class NgramProposer:
                 # Past the end the copy continues with the same period (a repeated pattern).
                 period = len(tokens) - start
                 return [tokens[start + i % period] for i in range(k)]
+        shared = self._shared.get(tuple(tokens[-MAX_MATCH:]))
+        if shared is not None:
+            state.steps_since_draft = 0
+            self._shared.move_to_end(tuple(tokens[-MAX_MATCH:]))
+            return list(shared[:k])
         return []
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
@@ -65,8 +81,21 @@ class NgramProposer:
         if state is not None and proposed:
             state.avg_accepted = (1 - EMA) * state.avg_accepted + EMA * accepted
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, tokens: list[int] | None = None,
+                num_output: int = 0) -> None:
+        """Forget a request; with its `tokens` (prompt + output), the n-grams of its last
+        `num_output` tokens (and the MAX_MATCH before them) enter the shared table with what
+        followed them, evicting the least recently used beyond `shared_entries`."""
         self._states.pop(request_id, None)
+        if not tokens or num_output <= 0 or self.shared_entries <= 0:
+            return
+        table = self._shared
+        for end in range(max(len(tokens) - num_output, MAX_MATCH), len(tokens)):
+            key = tuple(tokens[end - MAX_MATCH:end])
+            table[key] = tuple(tokens[end:end + SHARED_CONTINUATION])
+            table.move_to_end(key)
+        while len(table) > self.shared_entries:
+            table.popitem(last=False)
 
     @staticmethod
     def _extend(state: _State, tokens: list[int]) -> None:

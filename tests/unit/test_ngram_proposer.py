@@ -1,0 +1,47 @@
+"""NgramProposer (engine/speculative.py): prompt lookup, periodic continuation, adaptive k with
+back-off, and the bounded shared table of finished requests' outputs."""
+from __future__ import annotations
+
+from radixserve.engine.speculative import RETRY_EVERY, NgramProposer
+
+
+def test_prompt_lookup_copies_what_followed_the_last_three_tokens():
+    p = NgramProposer(max_draft=4)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3]
+    assert p.propose("a", tokens, limit=8) == [4, 5]         # k = round(1.0) + 1 at first
+    p.record("a", 2, 2)
+    p.record("a", 3, 3)
+    assert p.propose("a", tokens, limit=8) == [4, 5, 6]      # acceptance raised k
+    assert p.propose("a", tokens, limit=1) == [4]            # never past the limit
+    assert p.propose("b", [1, 2, 3, 4], limit=8) == []       # no earlier occurrence
+
+
+def test_a_match_near_the_end_continues_periodically():
+    p = NgramProposer(max_draft=4)
+    p.propose("a", [9], 8)
+    for _ in range(4):
+        p.record("a", 4, 4)
+    assert p.propose("a", [9, 5, 6, 7, 5, 6, 7], limit=8) == [5, 6, 7, 5]
+
+
+def test_failing_drafts_back_off_and_probe_again():
+    p = NgramProposer(max_draft=4)
+    tokens = [1, 2, 3, 8, 1, 2, 3]
+    for _ in range(6):                                       # average 1.0 -> 0.12 < MIN_USEFUL
+        assert p.propose("a", tokens, 8)
+        p.record("a", 2, 0)
+    silent = [p.propose("a", tokens, 8) for _ in range(RETRY_EVERY)]
+    assert silent == [[]] * RETRY_EVERY
+    assert p.propose("a", tokens, 8) == [8]                  # the probe
+
+
+def test_shared_table_drafts_from_finished_outputs_and_is_bounded():
+    p = NgramProposer(max_draft=4, shared_entries=6)
+    prompt, output = [100, 101], [10, 11, 12, 13, 14, 15, 16]
+    p.release("done", prompt + output, num_output=len(output))
+    assert p.propose("new", [50, 51, 10, 11, 12], limit=8) == [13, 14]
+    p.release("aborted", [60, 61, 62, 63], num_output=0)     # no output: nothing shared
+    assert p.propose("other", [7, 60, 61, 62], limit=8) == []
+    p.release("later", [70, 71, 72, 73, 74, 75, 76, 77], num_output=8)
+    assert p.propose("x", [9, 100, 101, 10], limit=8) == []  # evicted (LRU, 6 entries)
+    assert p.propose("y", [9, 74, 75, 76], limit=8) == [77]
