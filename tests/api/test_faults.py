@@ -325,3 +325,26 @@ def test_usage_and_metrics_report_speculative_acceptance(server, default_tokeniz
     plain = server.post("/v1/completions", json={"model": server.model, "prompt": "Once",
                                                  "max_tokens": 1}).json()["usage"]
     assert not any(k.startswith("spec_") for k in plain)   # no verify step, no extra fields
+
+
+def test_bench_check_output_finds_injected_kv_corruption(server, tmp_path):
+    """The soak measure end to end: a clean greedy run saved, the same run compared with it
+    (nothing differs), then again with every request's KV overwritten after 4 tokens: each
+    damaged output is reported with its first differing token and that token's top-2 gap."""
+    from radixserve.bench.cli import main as bench
+
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "runs.jsonl"
+    args = ["--base-url", server.base_url, "--tokenizer", server.get("/server_info").json()["model_path"],
+            "--dataset-name", "random", "--num-prompts", "6", "--random-input-len", "48",
+            "--random-output-len", "16", "--ignore-eos", "--max-concurrency", "3",
+            "--disable-progress", "--warmup-requests", "0", "--output-file", str(out)]
+    assert bench([*args, "--save-output", str(ref)]) == 0
+    assert bench([*args, "--check-output", str(ref)]) == 0
+    clean = json.loads(out.read_text().splitlines()[-1])["check_output"]
+    assert clean["compared"] == 6 and clean["corrupted"] == 0
+    inject(server, kind="kv_corrupt", mode="noise", fraction=1.0, after_tokens=4, count=6)
+    assert bench([*args, "--check-output", str(ref)]) == 0
+    hurt = json.loads(out.read_text().splitlines()[-1])["check_output"]
+    assert hurt["corrupted"] + hurt["guard_abort"] >= 1
+    assert all(e["position"] >= 4 for e in hurt["first_corrupted"])
+    wait_for(lambda: no_pages_in_use(server), "pages to be freed")
