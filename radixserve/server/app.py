@@ -33,7 +33,8 @@ from radixserve.server.engine_client import EngineClient
 from radixserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                        ModelList, new_id, now_s, render_details)
+                                        ModelList, new_id, now_s)
+from radixserve.server.validation import render_details
 from radixserve.server.responses import ClientDisconnected
 from radixserve.server.serving import (GenerationRun, ServingContext, chat_prompt,
                                        completion_prompts, parse_body)

@@ -23,7 +23,8 @@ from radixserve.server.engine_client import EngineClient, RequestStream
 from radixserve.server.faults import FaultInjector
 from radixserve.server.metrics import RequestTimer, ServerMetrics
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                        PromptTokensDetails, Usage, validation_error)
+                                        PromptTokensDetails, Usage)
+from radixserve.server.validation import validation_error
 from radixserve.tokenizer.output_processor import ChoiceUpdate, RequestTracker
 
 logger = logging.getLogger(__name__)

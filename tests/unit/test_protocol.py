@@ -7,8 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from radixserve.errors import InvalidRequest
-from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, render_details,
-                                        validation_error)
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.validation import render_details, validation_error
 
 
 def completion(**fields) -> CompletionRequest:
