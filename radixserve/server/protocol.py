@@ -59,6 +59,10 @@ class _GenerationRequest(_Strict):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # stream migration (router only, server/resume.py): each stream chunk's token ids, and
+    # a stream resumed after output tokens another worker delivered
+    return_token_ids: bool = False
+    resume_token_ids: list[TokenId] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
@@ -242,6 +246,7 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")    # token_ids (return_token_ids)
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -311,6 +316,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatStreamChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")    # token_ids (return_token_ids)
     index: int
     # any of "role", "content", "reasoning_content", "tool_calls" (a list of {"index", and on a
     # call's first delta "id", "type", then "function": {"name" once, "arguments" fragment}});
