@@ -23,7 +23,8 @@ from radixserve.router.health import HealthMonitor
 from radixserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from radixserve.router.policy import Policy, RouteKey, make_policy
 from radixserve.router.prefix_tree import ApproxPrefixTree
-from radixserve.router.proxy import UNREACHABLE, Forwarder, wire_header
+from radixserve.router.proxy import UNREACHABLE, Forwarder
+from radixserve.router.relay import wire_header
 from radixserve.router.validate import json_object, worker_url
 from radixserve.router.worker import WorkerRegistry, WorkerState
 

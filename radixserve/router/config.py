@@ -53,6 +53,10 @@ class RouterConfig:
                                                "seconds cannot wait 30 s)")
     retry_jitter: float = _opt(0.2, "backoff is multiplied by 1 + U[-j, +j]")
     disable_retries: bool = _opt(False, "one attempt per request")
+    disable_stream_migration: bool = _opt(False, "end a stream whose worker fails after its first "
+                                                 "content with an error event instead of "
+                                                 "continuing it on another worker "
+                                                 "(docs/stream_migration.md)")
     # circuit breaker
     cb_failure_threshold: int = _opt(5, "consecutive faults that open a worker's breaker "
                                         "(SGLang CLI: 10, struct: 5)")

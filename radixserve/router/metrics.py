@@ -52,6 +52,12 @@ class RouterMetrics:
                                        "Router time from a request's arrival to its first "
                                        "upstream send: parsing, routing key, policy (s)",
                                        buckets=ADDED_LATENCY_BUCKETS, registry=r)
+        self.migrations = Counter(PREFIX + "stream_migrations_total",
+                                  "Streams cut after their first content, by what followed: "
+                                  "success (continued on another worker), exhausted (no worker "
+                                  "or attempt left), refused (the continuation was answered "
+                                  "with an error), unsupported (the stream cannot be continued)",
+                                  ["outcome"], registry=r)
         self.no_worker = Counter(PREFIX + "no_worker_available_total",
                                  "Requests answered 503 because no worker was routable",
                                  registry=r)

@@ -57,3 +57,20 @@ def error_kind(content: bytes) -> str | None:
     error = body.get("error") if isinstance(body, dict) else None
     kind = error.get("type") if isinstance(error, dict) else None
     return kind if isinstance(kind, str) else None
+
+
+# Error types of a client's own mistake; an SSE error event of another type is the worker's.
+_CLIENT_TYPES = frozenset({"invalid_request_error", "authentication_error", "not_found_error"})
+_UNAVAILABLE_TYPES = frozenset({"service_unavailable", "server_overloaded", "engine_dead"})
+
+
+def event_status(error: dict) -> int:
+    """The HTTP status an SSE error event's body (`{"message", "type", "code", ...}`, sent after
+    the stream's 200) stands for: its `code` when that is an integer status, else by `type`:
+    a client error 400, draining / overload / a dead engine 503, anything else 500."""
+    code, kind = error.get("code"), error.get("type")
+    if type(code) is int and 400 <= code <= 599:
+        return code
+    if kind in _CLIENT_TYPES:
+        return 400
+    return 503 if kind in _UNAVAILABLE_TYPES else 500

@@ -1,4 +1,4 @@
-"""Forward one client request to workers: selection, retries with jittered backoff, stream relay."""
+"""Forward one client request to workers: selection, retries with jittered backoff, stream commit and continuation."""
 from __future__ import annotations
 
 import asyncio
@@ -7,34 +7,24 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import anyio
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from radixserve.errors import error_body
 from radixserve.router.config import RouterConfig
 from radixserve.router.metrics import RouterMetrics
-from radixserve.router.outcome import classify, error_kind
+from radixserve.router.outcome import classify, error_kind, event_status
+from radixserve.router.relay import Opened, Relay, RelayResponse, wire_header
+from radixserve.router.stream import StreamLedger, error_of, sse_events
 
 logger = logging.getLogger(__name__)
 
-# Response headers of a worker that are relayed to the client (hop-by-hop ones are not).
-RELAYED_HEADERS = ("content-type", "cache-control", "x-request-id")
 # A worker that cannot be reached: a transport error, or a URL httpx refuses (the admin API
 # validates URLs; this keeps a bad one from turning into a 500 if one ever gets through).
 UNREACHABLE = (httpx.TransportError, httpx.InvalidURL)
-
-
-def wire_header(headers: httpx.Headers, name: str) -> str | None:
-    """The first `name` header (lower-case) as its bytes on the wire decoded latin-1, which
-    Starlette encodes back to the same bytes (httpx may decode it as UTF-8 instead, and a
-    character beyond latin-1 would then fail to encode: a 500). None if absent."""
-    for key, value in headers.raw:
-        if key.lower() == name.encode():
-            return value.decode("latin-1")
-    return None
 
 
 def outcome_label(status: int | None, transport_error: bool, kind: str | None = None) -> str:
@@ -69,6 +59,14 @@ class Failure:
                                        "no_worker_available", 503), status_code=503)
 
 
+@dataclass(slots=True)
+class Attempts:
+    """Attempts one client request has made, its stream's continuations included (all of them
+    count against retry_max_attempts)."""
+
+    made: int = 0
+
+
 class Lease:
     """One dispatch of a request to a worker: the registry's in-flight counting context,
     entered now and exited exactly once by `release()` (finish, error or disconnect)."""
@@ -83,71 +81,6 @@ class Lease:
         if self._open:
             self._open = False
             self._ctx.__exit__(None, None, None)
-
-
-class Relay:
-    """A worker's SSE response relayed chunk by chunk (httpx `aiter_raw`, nothing buffered).
-    The first chunk was read before the client saw a byte (so the request could still be
-    retried); a failure after it ends the client's stream with an error event and no replay
-    (field case C20). `close()` runs once however the response ends."""
-
-    def __init__(self, forwarder: Forwarder, lease: Lease, upstream: httpx.Response,
-                 chunks: AsyncIterator[bytes], first: bytes):
-        self.forwarder, self.lease, self.upstream = forwarder, lease, upstream
-        self.chunks, self.first = chunks, first
-        self.outcome: tuple[int | None, bool] | None = None  # (status, transport_error)
-        self._closed = False
-
-    async def events(self) -> AsyncIterator[bytes]:
-        tail = self.first
-        try:
-            if self.first:
-                yield self.first
-            async for chunk in self.chunks:
-                if chunk:
-                    tail = chunk
-                    yield chunk
-            self.outcome = (self.upstream.status_code, False)
-        except httpx.TransportError as exc:
-            url = self.lease.worker.url
-            logger.warning("stream from %s broke after its first byte: %r", url, exc)
-            self.outcome = (None, True)
-            event = error_body(f"worker {url} failed mid-stream ({type(exc).__name__}); "
-                               "the response is incomplete", "worker_error", 502)
-            gap = b"" if tail.endswith(b"\n\n") else b"\n\n"
-            yield gap + b"data: " + json.dumps(event).encode() + b"\n\n"
-        finally:
-            await self.close()
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            # Shielded: on client disconnect this runs inside a cancelled (anyio, level-triggered)
-            # scope, where an unshielded await would be cut short and leave the worker running.
-            with anyio.CancelScope(shield=True):
-                await self.upstream.aclose()  # mid-body: drops the connection, the worker aborts
-        finally:
-            if self.outcome is not None:  # None: the client left; nothing to hold against the worker
-                self.forwarder.record(self.lease.worker, *self.outcome)
-            self.lease.release()
-
-
-class RelayResponse(StreamingResponse):
-    """StreamingResponse that closes its relay even when the client left before the first
-    event (then the event generator never starts and its own cleanup never runs)."""
-
-    def __init__(self, relay: Relay):
-        headers = {k: v for k in RELAYED_HEADERS if (v := wire_header(relay.upstream.headers, k))}
-        super().__init__(relay.events(), status_code=relay.upstream.status_code, headers=headers)
-        self.relay = relay
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.relay.close()
 
 
 class Forwarder:
@@ -177,52 +110,95 @@ class Forwarder:
         self.metrics.requests.labels(worker.url,
                                      outcome_label(status, transport_error, kind)).inc()
 
+    @property
+    def migration_on(self) -> bool:
+        """Whether broken streams are continued on another worker (--disable-stream-migration)."""
+        return not self.config.disable_stream_migration
+
     async def forward(self, path: str, body: bytes, headers: dict[str, bytes], key: Any,
                       stream: bool, t_start: float) -> Response:
         """POST `body` to `path` on a worker chosen for `key` (a policy RouteKey) with the
-        client's `headers` (values as received, bytes); retries
-        on transport errors, 408, 429 and 5xx on other workers. Returns the relayed
-        response, a worker's error, or 503 when no worker could be tried."""
+        client's `headers` (values as received, bytes); retries on transport errors, 408, 429
+        and 5xx on other workers, and a stream also on a worker error before its first content.
+        Returns the relayed response (a stream: a RelayResponse that continues it elsewhere
+        if its worker breaks later), a worker's error, or 503 when no worker could be tried."""
         tried: set[str] = set()
+        attempts = Attempts()
+        ledger = StreamLedger(path, body, self.migration_on) if stream else None
+        send = ledger.first_body() if ledger is not None else body
+        result = await self._dispatch(path, send, headers, key, ledger, tried, attempts, t_start)
+        if isinstance(result, Opened):
+            assert ledger is not None, "only a stream opens"
+
+            async def resend() -> tuple[Opened | None, str]:
+                return await self.continue_stream(path, headers, key, ledger, tried, attempts)
+            return RelayResponse(Relay(self, ledger, result, resend))
+        if result is None:
+            self.metrics.no_worker.inc()
+            return JSONResponse(error_body("no worker available", "no_worker_available", 503),
+                                status_code=503)
+        if isinstance(result, Failure):
+            self.metrics.retries_exhausted.inc()
+            logger.warning("request failed on %d worker(s): last %s", len(tried), result.message)
+            return result.to_response()
+        return result
+
+    async def continue_stream(self, path: str, headers: dict[str, bytes], key: Any,
+                              ledger: StreamLedger, tried: set[str],
+                              attempts: Attempts) -> tuple[Opened | None, str]:
+        """Send the continuation of a cut stream to untried workers within the attempt budget.
+        Returns (the opened continuation or None, the stream_migrations_total outcome)."""
+        result = await self._dispatch(path, ledger.continuation_body(), headers, key, ledger,
+                                      tried, attempts, None)
+        if isinstance(result, Opened):
+            logger.info("stream continued on %s after %d tokens", result.lease.worker.url,
+                        len(ledger.token_ids))
+            return result, "success"
+        if isinstance(result, Response):
+            logger.warning("continuation refused (%d): %s", result.status_code, result.body[:200])
+            return None, "refused"
+        return None, "exhausted"
+
+    async def _dispatch(self, path: str, body: bytes, headers: dict[str, bytes], key: Any,
+                        ledger: StreamLedger | None, tried: set[str], attempts: Attempts,
+                        t_start: float | None) -> Response | Opened | Failure | None:
+        """Attempts on untried workers until one answers for the client or the budget
+        (retry_max_attempts, counted in `attempts`) runs out. Returns the answer, an
+        Opened stream, the last retryable Failure, or None when no worker could be tried."""
         last: Failure | None = None
-        for attempt in range(self.max_attempts):
-            if attempt and self.registry.routable(exclude=tried):
-                await asyncio.sleep(self.backoff_s(attempt))
+        while attempts.made < self.max_attempts:
+            if attempts.made and self.registry.routable(exclude=tried):
+                await asyncio.sleep(self.backoff_s(attempts.made))
             candidates = self.registry.routable(exclude=tried)
             if not candidates:
                 break
-            if attempt:
+            if attempts.made:
                 self.metrics.retries.inc()
+            attempts.made += 1
             decision = self.policy.select(key, candidates)
             self.metrics.routing_decisions.labels(decision.reason).inc()
             worker = decision.worker
             tried.add(worker.url)
             lease = Lease(self.registry, worker)
-            if attempt == 0:
+            if t_start is not None and attempts.made == 1:
                 self.metrics.added_latency.observe(time.perf_counter() - t_start)
-            result: Response | Failure | None = None
+            result: Response | Opened | Failure | None = None
             try:
-                result = await self._attempt(lease, path, body, headers, stream)
+                result = await self._attempt(lease, path, body, headers, ledger)
             finally:
-                if not isinstance(result, RelayResponse):
-                    lease.release()  # a relay releases its own lease when the stream ends
+                if not isinstance(result, Opened):
+                    lease.release()  # a relay releases an opened stream's lease when it ends
             if not isinstance(result, Failure):
                 return result
             last = result
-        if last is None:
-            self.metrics.no_worker.inc()
-            return JSONResponse(error_body("no worker available", "no_worker_available", 503),
-                                status_code=503)
-        self.metrics.retries_exhausted.inc()
-        logger.warning("request failed on %d worker(s): last %s", len(tried), last.message)
-        return last.to_response()
+        return last
 
     async def _attempt(self, lease: Lease, path: str, body: bytes, headers: dict[str, bytes],
-                       stream: bool) -> Response | Failure:
-        """One attempt on `lease.worker`. Returns the response for the client (a RelayResponse
-        for a stream, which then owns the lease and the upstream response) or a retryable
-        Failure. The upstream response is closed on every other way out, cancellation included
-        (closing it mid-body drops the connection, so the worker aborts the request)."""
+                       ledger: StreamLedger | None) -> Response | Opened | Failure:
+        """One attempt on `lease.worker`. Returns the response for the client, an Opened stream
+        (which then owns the lease and the upstream response) or a retryable Failure. The
+        upstream response is closed on every other way out, cancellation included (closing
+        it mid-body drops the connection, so the worker aborts the request)."""
         worker = lease.worker
         upstream: httpx.Response | None = None
         try:
@@ -230,11 +206,11 @@ class Forwarder:
                 request = self.http.build_request("POST", worker.url + path, content=body,
                                                   headers=headers)
                 upstream = await self.http.send(request, stream=True)
-                if stream and upstream.status_code == 200:
-                    chunks = upstream.aiter_raw()
-                    first = await anext(chunks, b"")
-                    relay, upstream = Relay(self, lease, upstream, chunks, first), None
-                    return RelayResponse(relay)
+                if ledger is not None and upstream.status_code == 200:
+                    opened = await self._open(lease, upstream, ledger)
+                    if isinstance(opened, Opened):
+                        upstream = None
+                    return opened
                 content = await upstream.aread()
             except UNREACHABLE as exc:
                 self.record(worker, None, True)
@@ -242,7 +218,7 @@ class Forwarder:
                 return Failure(worker.url, None, f"{worker.url}: {type(exc).__name__}: {exc}")
         finally:
             if upstream is not None:
-                with anyio.CancelScope(shield=True):  # see Relay.close
+                with anyio.CancelScope(shield=True):  # see Relay._leave
                     await upstream.aclose()
         status = upstream.status_code
         kind = error_kind(content) if status == 503 else None
@@ -252,3 +228,25 @@ class Forwarder:
             return Failure(worker.url, status, f"{worker.url} answered {status}", content,
                            content_type)
         return Response(content, status_code=status, media_type=content_type)
+
+    async def _open(self, lease: Lease, upstream: httpx.Response,
+                    ledger: StreamLedger) -> Opened | Failure:
+        """Read a 200 stream up to its first content event (chat role chunks are held), so a
+        worker that fails before then is retried as if nothing had been sent: a transport error
+        propagates, a retryable error event is a Failure (its body, its status)."""
+        events = sse_events(upstream.aiter_raw())
+        pending: list[bytes] = []
+        async for event in events:
+            error = error_of(event)
+            if error is not None:
+                status, kind = event_status(error), error.get("type")
+                if classify(status, False, kind).retry:
+                    self.record(lease.worker, status, False, kind)
+                    return Failure(lease.worker.url, status, f"{lease.worker.url} failed before "
+                                   f"any content ({kind})", json.dumps({"error": error}).encode())
+            if ledger.is_held(event):
+                pending.append(event)
+                continue
+            pending.append(event)
+            break
+        return Opened(lease, upstream, events, pending)

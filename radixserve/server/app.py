@@ -33,10 +33,12 @@ from radixserve.server.engine_client import EngineClient
 from radixserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                        ModelList, new_id, now_s, render_details)
+                                        ModelList, new_id, now_s)
 from radixserve.server.responses import ClientDisconnected
+from radixserve.server.resume import resumed_params
 from radixserve.server.serving import (GenerationRun, ServingContext, chat_prompt,
                                        completion_prompts, parse_body)
+from radixserve.server.validation import render_details
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +111,11 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         prompt_logprobs = req.logprobs if req.echo else None
         params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs)
         prompts = await completion_prompts(ctx, req)
+        if req.resume_token_ids is not None:
+            params = resumed_params(req, params, len(prompts))
         ctx.check_capacity()
         rid = new_id("cmpl")
-        run = GenerationRun(ctx, rid, prompts, params)
+        run = GenerationRun(ctx, rid, prompts, params, req.resume_token_ids)
         return await responses.respond(request, run, req.stream, responses.completion_response,
                                        responses.completion_chunks, req, rid)
 
@@ -133,9 +137,11 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         if outputs.is_parsing and "skip_special_tokens" not in req.model_fields_set:
             # markers such as <think> and <tool_call> are special tokens in some vocabularies
             params = dataclasses.replace(params, skip_special_tokens=False)
+        if req.resume_token_ids is not None:
+            params = resumed_params(req, params, 1)
         ctx.check_capacity()
         rid = new_id("chatcmpl")
-        run = GenerationRun(ctx, rid, [prompt], params)
+        run = GenerationRun(ctx, rid, [prompt], params, req.resume_token_ids)
         return await responses.respond(
             request, run, req.stream, functools.partial(responses.chat_response, outputs=outputs),
             functools.partial(responses.chat_chunks, outputs=outputs), req, rid)

@@ -1,4 +1,4 @@
-"""OpenAI request and response schemas (pydantic), and the bounded rendering of validation errors."""
+"""OpenAI request and response schemas (pydantic)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,13 +7,10 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.errors import InvalidRequest
 from radixserve.sampling_params import SamplingParams
-
-MAX_ERROR_DETAILS = 3        # validation errors quoted in one message
-MAX_ERROR_MESSAGE_CHARS = 2000
 
 # Wire bounds (issue 11): every integer that crosses to the engine process must be one msgpack
 # and torch can hold, or encoding fails after the request was registered. These are
@@ -62,6 +59,10 @@ class _GenerationRequest(_Strict):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # stream migration (router only, server/resume.py): each stream chunk's token ids, and
+    # a stream resumed after output tokens another worker delivered
+    return_token_ids: bool = False
+    resume_token_ids: list[TokenId] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
@@ -245,6 +246,7 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")    # token_ids (return_token_ids)
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -314,6 +316,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatStreamChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")    # token_ids (return_token_ids)
     index: int
     # any of "role", "content", "reasoning_content", "tool_calls" (a list of {"index", and on a
     # call's first delta "id", "type", then "function": {"name" once, "arguments" fragment}});
@@ -361,31 +364,6 @@ def new_id(prefix: str) -> str:
 
 def now_s() -> int:
     return int(time.time())
-
-
-# ---- validation errors ----------------------------------------------------------------------
-def validation_error(err: ValidationError) -> InvalidRequest:
-    """Turn a pydantic ValidationError into one InvalidRequest whose message stays bounded
-    whatever the input size (field case C11): quote at most a few errors, never the input."""
-    details = err.errors(include_url=False, include_input=False, include_context=False)
-    return InvalidRequest(*render_details(details))
-
-
-def render_details(details: list[dict]) -> tuple[str, str | None]:
-    """(message, param) for a list of pydantic-style error dicts with "loc" and "msg"."""
-    if not details:
-        return "invalid request body", None
-    parts = []
-    for d in details[:MAX_ERROR_DETAILS]:
-        loc = ".".join(str(x) for x in d.get("loc", ()) if x != "body")
-        msg = str(d.get("msg", "invalid value"))[:200]
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    message = "; ".join(parts)
-    if len(details) > MAX_ERROR_DETAILS:
-        message += f" (and {len(details) - MAX_ERROR_DETAILS} more errors)"
-    first_loc = [str(x) for x in details[0].get("loc", ()) if x != "body"]
-    param = ".".join(first_loc)[:200] or None
-    return message[:MAX_ERROR_MESSAGE_CHARS], param
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

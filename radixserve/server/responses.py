@@ -27,6 +27,7 @@ from radixserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCom
                                         ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                                         CompletionChunk, CompletionLogprobs, CompletionRequest,
                                         CompletionResponse, TopLogprob, now_s)
+from radixserve.server.resume import token_ids_field
 from radixserve.server.serving import GenerationRun, ServingContext
 
 logger = logging.getLogger(__name__)
@@ -108,9 +109,11 @@ async def completion_chunks(ctx: ServingContext, run: GenerationRun, req: Comple
                             rid: str, created: int) -> AsyncIterator[str]:
     """SSE events of a streaming /v1/completions request; closes the run when done or cancelled."""
     def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None,
-              finish_reason: str | None = None, stop_reason: str | int | None = None) -> str:
+              finish_reason: str | None = None, stop_reason: str | int | None = None,
+              ids: dict[str, list[int]] | None = None) -> str:
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                  finish_reason=finish_reason, stop_reason=stop_reason)
+                                  finish_reason=finish_reason, stop_reason=stop_reason,
+                                  **(ids or {}))
         return sse(CompletionChunk(id=rid, created=created, model=ctx.model_name, choices=[choice]))
 
     want_logprobs = req.logprobs is not None
@@ -124,12 +127,12 @@ async def completion_chunks(ctx: ServingContext, run: GenerationRun, req: Comple
                     lp = _echo_logprobs(ctx, run, index // run.n) if want_logprobs else None
                     yield chunk(index, prompt_text, lp)
                     offsets[index] = len(prompt_text)
-            if u.text or (want_logprobs and u.token_ids):
+            if u.text or ((want_logprobs or req.return_token_ids) and u.token_ids):
                 lp = None
                 if want_logprobs:
                     lp = completion_logprobs(ctx, u.token_ids, u.logprobs or [], offsets[index])
                     offsets[index] += sum(len(t) for t in lp.tokens)
-                yield chunk(index, u.text, lp)
+                yield chunk(index, u.text, lp, ids=token_ids_field(req, u.token_ids))
             if u.finish_reason is not None:
                 yield chunk(index, "", None, u.finish_reason, u.stop_reason)
         if req.include_usage:
@@ -161,20 +164,23 @@ async def chat_chunks(ctx: ServingContext, run: GenerationRun, req: ChatCompleti
                       rid: str, created: int, outputs: ChatOutputs) -> AsyncIterator[str]:
     """SSE events of a streaming /v1/chat/completions request; closes the run when done. Each
     update's text goes through its choice's output parser; whatever the parser held is
-    settled in the last content chunk, before the finish chunk."""
+    settled in the last content chunk, before the finish chunk. A resumed run's text (sent
+    by another worker) passes the parser first, unsent, so it continues where that one was."""
     def chunk(choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=rid, created=created, model=ctx.model_name,
                                        choices=[choice]))
 
     try:
+        if run.resumed_text:
+            outputs.delta(0, run.resumed_text, False)
         for index in range(run.n):
             yield chunk(ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""}))
         async for index, u in run.updates():
             delta = outputs.delta(index, u.text, u.finish_reason is not None)
-            if delta or (req.logprobs and u.logprobs):
+            if delta or (req.logprobs and u.logprobs) or (req.return_token_ids and u.token_ids):
                 lp = chat_logprobs(ctx, u.logprobs or []) if req.logprobs else None
                 yield chunk(ChatStreamChoice(index=index, delta=delta or {"content": ""},
-                                             logprobs=lp))
+                                             logprobs=lp, **token_ids_field(req, u.token_ids)))
             if u.finish_reason is not None:
                 reason = outputs.finish_reason(index, u.finish_reason)
                 yield chunk(ChatStreamChoice(index=index, delta={}, finish_reason=reason))

@@ -23,7 +23,8 @@ from radixserve.server.engine_client import EngineClient, RequestStream
 from radixserve.server.faults import FaultInjector
 from radixserve.server.metrics import RequestTimer, ServerMetrics
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                        PromptTokensDetails, Usage, validation_error)
+                                        PromptTokensDetails, Usage)
+from radixserve.server.validation import validation_error
 from radixserve.tokenizer.output_processor import ChoiceUpdate, RequestTracker
 
 logger = logging.getLogger(__name__)
@@ -184,10 +185,14 @@ class GenerationRun:
     Choices are numbered over all prompts: prompt i, choice j -> index i * n + j. Each choice's
     text deltas pass the corrupt fault (when it picked this run; the trackers keep the altered
     text) and then the output-anomaly guard (when on); a detection ends the whole run
-    (`updates` raises OutputAnomaly after an "abort" update for that choice)."""
+    (`updates` raises OutputAnomaly after an "abort" update for that choice).
+
+    `resume_ids` (stream migration, server/resume.py; one prompt, n = 1): output tokens
+    another worker already delivered. The engine gets them after the prompt; once it accepts,
+    choice 0 resumes after them (RequestTracker.resume) and `resumed_text` holds their text."""
 
     def __init__(self, ctx: ServingContext, base_id: str, prompts: list[Prompt],
-                 params: SamplingParams):
+                 params: SamplingParams, resume_ids: list[int] | None = None):
         self.ctx = ctx
         self.base_id = base_id
         self.prompts = prompts
@@ -202,7 +207,10 @@ class GenerationRun:
         for i, (prompt, tracker) in enumerate(zip(prompts, self.trackers)):
             for child_id, child_params in tracker.child_requests():
                 self._owner[child_id] = i
-                self._adds.append(AddReq(child_id, prompt.ids, child_params))
+                self._adds.append(AddReq(child_id, prompt.ids + list(resume_ids or ()),
+                                         child_params))
+        self.resume_ids = list(resume_ids or ())
+        self.resumed_text = ""
         self.stream: RequestStream | None = None
         self._timers: dict[str, RequestTimer] = {}
         num_choices = len(prompts) * self.n
@@ -222,6 +230,8 @@ class GenerationRun:
                 self._timers = {a.request_id: RequestTimer(self.ctx.metrics, start)
                                 for a in self._adds}
             await self.stream.accepted()
+            if self.resume_ids:
+                self.resumed_text = self.trackers[0].resume(self.resume_ids)
         except BaseException:
             self._timers.clear()  # rejected: never a request, so no latency sample either
             self.close()

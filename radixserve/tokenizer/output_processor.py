@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from radixserve.errors import InvalidRequest
 from radixserve.outputs import (CompletionOutput, EngineOutput, RequestOutput, SpecCounts,
                                 TokenLogprob)
 from radixserve.sampling_params import SamplingParams
@@ -158,6 +159,25 @@ class RequestTracker:
             update.logprobs = list(out.new_logprobs or [])[:num_kept]
             choice.logprobs.extend(update.logprobs)
         return update
+
+    def resume(self, token_ids: list[int]) -> str:
+        """Continue choice 0 after `token_ids`, output another worker already delivered (stream
+        migration, server/resume.py). They pass its detokenizer and stop matcher as if made
+        here, so later text comes out exactly as it would have without the cut, and they count
+        as completion tokens. Returns their text (sent already; `result()` includes it).
+        Raises InvalidRequest when they already end the choice with a stop string."""
+        choice = self._choices[0]
+        parts = []
+        for tid in token_ids:
+            check = choice.stops.feed(choice.detok.add([tid]))
+            if check.matched is not None:
+                raise InvalidRequest("resume_token_ids already end with a stop string",
+                                     param="resume_token_ids")
+            parts.append(check.text)
+        text = "".join(parts)
+        choice.text_parts.append(text)
+        choice.token_ids.extend(token_ids)
+        return text
 
     @staticmethod
     def _finish(choice: _Choice, update: ChoiceUpdate, reason: str, stop_reason: str | int | None) -> None:

@@ -13,7 +13,8 @@ from radixserve.router.config import RouterConfig
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policy import RouteKey, make_policy
 from radixserve.router.prefix_tree import ApproxPrefixTree
-from radixserve.router.proxy import Forwarder, RelayResponse
+from radixserve.router.proxy import Forwarder
+from radixserve.router.relay import RelayResponse
 from radixserve.router.worker import WorkerRegistry
 
 URLS = ["http://w0", "http://w1", "http://w2"]
@@ -127,19 +128,21 @@ def test_disable_retries_means_one_attempt():
 
 
 def test_stream_is_retried_before_its_first_byte_only():
+    """Without stream migration a break after content ends the stream: the cut event is never
+    relayed, a worker_error event and [DONE] close it (C20: no replay)."""
     def handler(url, n):
         if n == 1:
             return httpx.Response(200, stream=ReadFailsAfter([]),
                                   headers={"content-type": "text/event-stream"})
         return httpx.Response(200, stream=ReadFailsAfter([b'data: {"id": "x"}\n\n', b"data: {"]),
                               headers={"content-type": "text/event-stream"})
-    fwd, registry, calls = make_forwarder(handler)
+    fwd, registry, calls = make_forwarder(handler, disable_stream_migration=True)
     response, body = forward(fwd, stream=True)
     assert len(calls) == 2  # the first worker broke before any byte: retried
     events = [e for e in body.split(b"\n\n") if e]
-    assert events[0] == b'data: {"id": "x"}'
-    assert events[-1].startswith(b"data: ") and b"data: {" in events[-2]  # partial event closed off
-    error = json.loads(events[-1][len(b"data: "):])["error"]
+    assert events[0] == b'data: {"id": "x"}' and events[-1] == b"data: [DONE]"
+    assert len(events) == 3  # the cut partial event is not relayed
+    error = json.loads(events[1][len(b"data: "):])["error"]
     assert error["type"] == "worker_error" and error["code"] == 502
     assert registry.get(calls[1]).num_failures == 1  # the mid-stream break counts
     assert_no_load(registry)

@@ -213,3 +213,30 @@ def test_rewritten_text_is_what_is_sent_and_kept(tok):
     result = tracker.result()
     assert [c.text for c in result.outputs] == [sent[0], sent[1]] == [" HELLO THERE"] * 2
     assert set(seen) == {0, 1}
+
+
+@pytest.mark.parametrize("stop", [[], ["ENDS"]])
+def test_resume_at_every_cut_streams_what_an_uncut_run_does(tok, stop):
+    """Stream migration: a tracker resumed after the first k tokens (their text sent by another
+    worker) sends exactly the rest of the uncut stream, whatever k: held-back UTF-8 bytes and
+    stop-string prefixes at the cut come out as they would have."""
+    continuation = "Café 🙂 ok, EN then ENd and ENDS here"
+    ids = tok.encode(continuation)
+    params = SamplingParams(stop=stop, max_tokens=64)
+    whole = RequestTracker("r", [1], params, tok)
+    ups = drive(whole, "r-0", ids, final_reason="length")
+    full = "".join(u.text for u in ups)
+    for k in range(whole.completion_tokens):  # a stop string ends the uncut run early
+        sent = "".join(u.text for u in ups[:k])
+        resumed = RequestTracker("r", [1], params, tok)
+        assert resumed.resume(ids[:k]) == sent, k
+        rest = drive(resumed, "r-0", ids[k:], final_reason="length")
+        assert sent + "".join(u.text for u in rest) == full, k
+        assert resumed.result().outputs[0].text == full
+        assert resumed.completion_tokens == whole.completion_tokens and resumed.prompt_tokens == 1
+
+
+def test_resume_past_a_stop_string_is_refused(tok):
+    tracker = RequestTracker("r", [1], SamplingParams(stop=["ok"]), tok)
+    with pytest.raises(InvalidRequest):
+        tracker.resume(tok.encode("fine, ok then"))

@@ -7,8 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from radixserve.errors import InvalidRequest
-from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, render_details,
-                                        validation_error)
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.validation import render_details, validation_error
 
 
 def completion(**fields) -> CompletionRequest:
@@ -145,3 +145,20 @@ def test_wire_bound_edges_are_accepted():
     req = completion(seed=INT64_MAX, top_k=2**31 - 1, stop_token_ids=[0, 2**31 - 1],
                      max_tokens=INT64_MAX, prompt=[0, 2**31 - 1])
     assert req.seed == INT64_MAX and completion(seed=-INT64_MAX - 1, top_k=-1).seed == -2**63
+
+
+def test_resumed_params_reduce_limits_and_refuse_what_cannot_continue_exactly():
+    from radixserve.server.resume import resumed_params
+
+    def params(**fields):
+        req = completion(resume_token_ids=[5, 6, 7], **fields)
+        return resumed_params(req, req.sampling_params(req.max_tokens, req.logprobs, None), 1)
+
+    p = params(max_tokens=10, min_tokens=4)
+    assert (p.max_tokens, p.min_tokens) == (7, 1)
+    assert params(max_tokens=10, min_tokens=2).min_tokens == 0
+    for bad in ({"n": 2}, {"echo": True}, {"logprobs": 1}, {"frequency_penalty": 0.5},
+                {"presence_penalty": 0.5}, {"max_tokens": 3}):
+        with pytest.raises(InvalidRequest) as err:
+            params(**bad)
+        assert err.value.param == "resume_token_ids"
