@@ -51,8 +51,13 @@ class EngineConfig:
     random_seed: int = _opt(0, "seed for requests that bring none")
     speculative_algorithm: str | None = _opt(
         None, "speculative decoding: ngram = draft tokens copied from earlier in the request's own "
-              "prompt and output, verified in one step (off by default)", ("ngram",))
+              "prompt and output (or recent requests' outputs); draft = a self-draft model, "
+              "the target's first --speculative-draft-layers layers with its own KV; drafts are "
+              "verified in one step (off by default)", ("ngram", "draft"))
     speculative_num_draft_tokens: int = _opt(4, "most draft tokens verified per request and step")
+    speculative_draft_layers: int | None = _opt(
+        None, "draft: how many of the target's first layers (with its final norm and LM head) "
+              "make the self-draft model")
     enable_deterministic_inference: bool = _opt(
         False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
                "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
@@ -68,6 +73,11 @@ class EngineConfig:
             raise ValueError("max_total_tokens must hold at least two pages")
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
+        if (self.speculative_algorithm == "draft") != (self.speculative_draft_layers is not None):
+            raise ValueError("--speculative-draft-layers goes with --speculative-algorithm draft "
+                             "(and draft needs it)")
+        if self.speculative_draft_layers is not None and self.speculative_draft_layers < 1:
+            raise ValueError("speculative_draft_layers must be >= 1")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 

@@ -168,13 +168,13 @@ class Engine:
         ids = req.token_slice(s.start, end - len(s.draft)) + list(s.draft)
         return ScheduledSeq(
             request_id=req.request_id, input_ids=ids, start_pos=s.start,
-            page_ids=req.page_ids[:self.kv.pages_for(end)],
+            page_ids=req.page_ids[:self.kv.pages_for(end + s.lookahead)],
             sample=s.completes_sequence and req.max_tokens > 0,
             params=req.params, seed=req.seed, prompt_ids=req.prompt_ids,
             output_ids=req.output_ids,
             min_tokens_left=max(req.params.min_tokens - len(req.output_ids), 0),
             prompt_logprob_start=s.start if in_prompt and req.wants_prompt_logprobs else None,
-            draft=s.draft)
+            draft=s.draft, propose=s.lookahead)
 
     def _update(self, scheduled: list[Scheduled], batch: ScheduledBatch,
                 output: RunnerOutput) -> list[EngineOutput]:
@@ -185,6 +185,7 @@ class Engine:
                 continue
             if s.draft:
                 outs.append(self._verified(s, res))
+                self._offer(req, res)
                 continue
             req.num_computed_tokens = s.start + s.num_tokens
             if seq.prompt_logprob_start is not None and res.prompt_logprobs is not None:
@@ -198,7 +199,13 @@ class Engine:
                 continue
             tokens, _ = force_run(req.forced_ids, len(req.output_ids), [res.token])
             outs.append(self._emit(req, tokens))
+            self._offer(req, res)
         return outs
+
+    def _offer(self, req: Request, res: SeqResult) -> None:
+        """Hand a model draft made after this step's token to the request's next step."""
+        if res.next_draft and req.status is Status.RUNNING:
+            self.scheduler.proposer.offer(req.request_id, res.next_draft, req.num_tokens)
 
     def _emit(self, req: Request, tokens: list[TokenLogprob]) -> EngineOutput:
         """Append sampled tokens one by one until one finishes the request (the rest are dropped:

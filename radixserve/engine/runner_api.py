@@ -41,6 +41,9 @@ class ScheduledSeq:
     # Speculative decoding: input_ids = [last token, *draft]; the runner verifies the draft
     # against the logits of all 1 + len(draft) positions (SeqResult.accepted).
     draft: tuple[int, ...] = ()
+    # Model-draft speculation: after sampling, propose this many draft tokens to follow the new
+    # token (SeqResult.next_draft); page_ids then also cover that many positions past it.
+    propose: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,7 @@ class SeqResult:
     token: TokenLogprob | None                 # sampled token (None when sample=False)
     prompt_logprobs: list[TokenLogprob] | None  # see ScheduledSeq.prompt_logprob_start
     accepted: tuple[TokenLogprob, ...] = ()     # draft tokens accepted; emitted before `token`
+    next_draft: tuple[int, ...] = ()            # ScheduledSeq.propose draft tokens after `token`
 
 
 @dataclass(frozen=True, slots=True)

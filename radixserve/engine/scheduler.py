@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
-from radixserve.engine.speculative import NgramProposer
+from radixserve.engine.speculative import ModelDraftProposer, NgramProposer
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,7 @@ class Scheduled:
     start: int
     num_tokens: int
     draft: tuple[int, ...] = ()
+    lookahead: int = 0          # model drafts: positions past the step allocated for proposing
 
     @property
     def completes_sequence(self) -> bool:
@@ -49,8 +50,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.proposer = (NgramProposer(config.speculative_num_draft_tokens)
-                         if config.speculative_algorithm == "ngram" else None)
+        k = config.speculative_num_draft_tokens
+        self.proposer: NgramProposer | ModelDraftProposer | None = (
+            NgramProposer(k) if config.speculative_algorithm == "ngram"
+            else ModelDraftProposer(k) if config.speculative_algorithm == "draft" else None)
         self.max_request_tokens = max_request_tokens
 
     def add(self, req: Request) -> None:
@@ -72,8 +75,9 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             draft = self._draft(req, budget) if n == 1 else ()
-            if self._allocate_or_preempt(req, n + len(draft), batch):
-                batch.append(Scheduled(req, req.num_computed_tokens, n + len(draft), draft))
+            ahead = self._lookahead(req, n + len(draft)) if n == 1 else 0
+            if self._allocate_or_preempt(req, n + len(draft) + ahead, batch):
+                batch.append(Scheduled(req, req.num_computed_tokens, n + len(draft), draft, ahead))
                 budget -= n + len(draft)
         # Admitting new work right after a preemption would only thrash the pages.
         if budget > 0 and self.num_preemptions == num_preemptions:
@@ -90,6 +94,14 @@ class Scheduler:
         if limit <= 0:
             return ()
         return tuple(self.proposer.propose(req.request_id, req.all_ids, limit))
+
+    def _lookahead(self, req: Request, num_step_tokens: int) -> int:
+        """Model drafts: positions a decoding request's draft model writes after this step (it
+        proposes the next step's draft from the token sampled now), within the sequence limit."""
+        if not isinstance(self.proposer, ModelDraftProposer) or req.params.json_schema is not None:
+            return 0
+        room = self.max_request_tokens - (req.num_computed_tokens + num_step_tokens)
+        return max(0, min(self.proposer.max_draft, room))
 
     def _allocate_or_preempt(self, req: Request, n: int, batch: list[Scheduled]) -> bool:
         """Get pages for n more tokens of req, preempting the newest other running requests

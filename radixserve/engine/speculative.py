@@ -41,13 +41,36 @@ class _State:
     steps_since_draft: int = 0
 
 
-class NgramProposer:
+class _AdaptiveProposer:
+    """Per-request draft length from recent acceptance (module doc): `record` feeds it back."""
+
+    def __init__(self, max_draft: int):
+        self.max_draft = max_draft
+        self._states: dict[str, _State] = {}
+
+    def record(self, request_id: str, proposed: int, accepted: int) -> None:
+        """Feed back one verify step: `accepted` of `proposed` draft tokens were kept."""
+        state = self._states.get(request_id)
+        if state is not None and proposed:
+            state.avg_accepted = (1 - EMA) * state.avg_accepted + EMA * accepted
+
+    def _draft_len(self, state: _State, limit: int) -> int:
+        """Tokens to draft now: 0 while backing off (and no probe is due) or at the limit."""
+        k = min(self.max_draft, max(1, round(state.avg_accepted) + 1), limit)
+        if k <= 0:
+            return 0
+        if state.avg_accepted < MIN_USEFUL and state.steps_since_draft < RETRY_EVERY:
+            state.steps_since_draft += 1
+            return 0
+        return k
+
+
+class NgramProposer(_AdaptiveProposer):
     """Drafts for running requests, keyed by request id. Call `release(id, tokens)` when a
     request ends (its output then feeds the shared table)."""
 
     def __init__(self, max_draft: int, shared_entries: int = 1 << 16):
-        self.max_draft = max_draft
-        self._states: dict[str, _State] = {}
+        super().__init__(max_draft)
         self.shared_entries = shared_entries
         self._shared: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
 
@@ -55,11 +78,8 @@ class NgramProposer:
         """Up to min(k, limit) draft tokens to follow `tokens` (the request's prompt + output)."""
         state = self._states.setdefault(request_id, _State())
         self._extend(state, tokens)
-        k = min(self.max_draft, max(1, round(state.avg_accepted) + 1), limit)
+        k = self._draft_len(state, limit)
         if k <= 0:
-            return []
-        if state.avg_accepted < MIN_USEFUL and state.steps_since_draft < RETRY_EVERY:
-            state.steps_since_draft += 1
             return []
         for n in range(min(MAX_MATCH, len(tokens) - 1), MIN_MATCH - 1, -1):
             start = state.index.get(tuple(tokens[len(tokens) - n:]))
@@ -74,12 +94,6 @@ class NgramProposer:
             self._shared.move_to_end(tuple(tokens[-MAX_MATCH:]))
             return list(shared[:k])
         return []
-
-    def record(self, request_id: str, proposed: int, accepted: int) -> None:
-        """Feed back one verify step: `accepted` of `proposed` draft tokens were kept."""
-        state = self._states.get(request_id)
-        if state is not None and proposed:
-            state.avg_accepted = (1 - EMA) * state.avg_accepted + EMA * accepted
 
     def release(self, request_id: str, tokens: list[int] | None = None,
                 num_output: int = 0) -> None:
@@ -108,3 +122,34 @@ class NgramProposer:
                 if end - n >= 0:
                     state.index[tuple(tokens[end - n:end])] = end
         state.indexed = max(state.indexed, len(tokens))
+
+
+class ModelDraftProposer(_AdaptiveProposer):
+    """Drafts a draft model made in the runner (ScheduledSeq.propose -> SeqResult.next_draft),
+    offered after each step and taken by the request's next step, cut to the adaptive length.
+    An offer made for another sequence length (the request was cut, preempted or had a token
+    forced since) is dropped."""
+
+    def __init__(self, max_draft: int):
+        super().__init__(max_draft)
+        self._offers: dict[str, tuple[int, tuple[int, ...]]] = {}
+
+    def offer(self, request_id: str, draft: tuple[int, ...], num_tokens: int) -> None:
+        """`draft` follows the request's first `num_tokens` tokens."""
+        self._offers[request_id] = (num_tokens, draft)
+
+    def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
+        """The offered draft for `tokens`, up to the adaptive length and `limit`."""
+        state = self._states.setdefault(request_id, _State())
+        offer = self._offers.pop(request_id, None)
+        if offer is None or offer[0] != len(tokens) or not offer[1]:
+            return []
+        k = self._draft_len(state, limit)
+        if k > 0:
+            state.steps_since_draft = 0
+        return list(offer[1][:k])
+
+    def release(self, request_id: str, tokens: list[int] | None = None,
+                num_output: int = 0) -> None:
+        self._states.pop(request_id, None)
+        self._offers.pop(request_id, None)

@@ -149,12 +149,14 @@ class LlamaForCausalLM(torch.nn.Module):
                 module.prepare(batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
-                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+                logit_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions: (T,) int64; logit_rows: (R,) int64 token rows whose logits
-        are wanted (None: all). Returns logits (R, vocab_size) fp32."""
+        are wanted (None: all). `num_layers`: run only the first that many decoder layers, then
+        the final norm and LM head (a self-draft model, runner/draft.py). Returns logits
+        (R, vocab_size) fp32."""
         cos, sin = self.rotary.cos_sin(positions)                        # (T, 1, D) each, once per step
         residual = self.model.embed_tokens(input_ids)                    # (T, hidden)
-        for layer in self.model.layers:
+        for layer in self.model.layers[:num_layers]:
             residual = layer(residual, cos, sin, self.rotary, attn)
         if logit_rows is not None:
             residual = residual.index_select(0, logit_rows)

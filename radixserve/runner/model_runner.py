@@ -1,6 +1,7 @@
 """ModelRunner: owns the model, the paged KV cache and the sampler; run(batch) = one forward + sampling."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -18,6 +19,7 @@ from radixserve.runner import kv_scales
 from radixserve.runner.attention.base import AttentionBackend, create_backend
 from radixserve.runner.batch import build_step
 from radixserve.runner.device import resolve_device
+from radixserve.runner.draft import SelfDraft
 from radixserve.sampling_params import SamplingParams
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache, KVPages
 from radixserve.runner.structured import StructuredOutput
@@ -85,6 +87,9 @@ class ModelRunner:
                           *((self.kv_scales.k, self.kv_scales.v) if self.kv_scales else ()))
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device,
                                                         batch_invariant=deterministic)
+        self.draft = (SelfDraft(self.model, config.speculative_draft_layers, self.num_pages,
+                                self.page_size, self.dtype, self.device)
+                      if config.speculative_algorithm == "draft" else None)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self.structured = StructuredOutput(resolve_model_path(config.model_path), self.vocab_size,
                                            self.eos_token_ids)
@@ -210,4 +215,21 @@ class ModelRunner:
                 prompt_lps = (token_logprobs(rows, torch.tensor(targets, device=self.device), k)
                               if targets else [])
             results.append(SeqResult(seq.request_id, token, prompt_lps, accepted))
+        if self.draft is not None:
+            self.draft.sync(step)
+            results = self._propose(batch, results)
         return RunnerOutput(results)
+
+    def _propose(self, batch: ScheduledBatch, results: list[SeqResult]) -> list[SeqResult]:
+        """Model drafts (runner/draft.py) after each sampled token of sequences that asked."""
+        asking = [(i, s) for i, (s, r) in enumerate(zip(batch.seqs, results))
+                  if s.propose > 0 and r.token is not None]
+        if not asking:
+            return results
+        drafts = self.draft.propose(
+            [s for _, s in asking], [results[i].token.token_id for i, _ in asking],
+            [s.start_pos + len(s.input_ids) - len(s.draft) + len(results[i].accepted)
+             for i, s in asking])
+        for (i, _), draft in zip(asking, drafts):
+            results[i] = dataclasses.replace(results[i], next_draft=tuple(draft))
+        return results

@@ -40,11 +40,16 @@ def spec_case(tiny_llama_dir):
     return prompts, [hf_greedy(hf, p, NUM_NEW) for p in prompts]
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_greedy_with_speculation_matches_transformers(tiny_llama_dir, spec_case, name):
+# A self-draft of all the tiny model's layers is the target itself: with its KV kept in step
+# (runner/draft.py) it must propose exactly what the target then samples.
+SELF_DRAFT_FULL = {"speculative_algorithm": "draft", "speculative_draft_layers": 2}
+SELF_DRAFT_HALF = {"speculative_algorithm": "draft", "speculative_draft_layers": 1}
+
+
+def run_spec_scenario(model_dir, spec_case, name: str, algorithm: dict) -> dict:
     prompts, refs = spec_case
     spec = SCENARIOS[name]
-    engine = make_engine(tiny_llama_dir, **spec["cfg"], **SPEC)
+    engine = make_engine(model_dir, **spec["cfg"], **algorithm)
     if spec.get("warm"):
         engine_generate(engine, prompts, 1)
     outs, _ = engine_generate(engine, prompts, NUM_NEW, at_once=spec["at_once"])
@@ -55,6 +60,49 @@ def test_greedy_with_speculation_matches_transformers(tiny_llama_dir, spec_case,
     assert s["num_free_pages"] + s["num_cached_pages"] == s["num_pages"]
     if name == "e_preemption":
         assert s["num_preemptions"] > 0
+    return s
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_greedy_with_speculation_matches_transformers(tiny_llama_dir, spec_case, name):
+    run_spec_scenario(tiny_llama_dir, spec_case, name, SPEC)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_greedy_with_a_self_draft_matches_transformers(tiny_llama_dir, spec_case, name):
+    s = run_spec_scenario(tiny_llama_dir, spec_case, name, SELF_DRAFT_FULL)
+    # The full-depth draft is the target: every draft token is accepted but for numerical ties
+    # (and the drafts the engine drops when a request is preempted or ends).
+    assert s["spec_num_accepted_tokens"] >= 0.95 * s["spec_num_draft_tokens"]
+
+
+@pytest.fixture(scope="module")
+def untied_dir(tmp_path_factory):
+    """A tiny model whose greedy output depends on its context (the tied one soon repeats one
+    token whatever it reads, so a draft with wrong KV would still agree with it)."""
+    from tests.conftest import build_tiny_llama
+    return build_tiny_llama(tmp_path_factory.mktemp("untied"), tie_word_embeddings=False, seed=3)
+
+
+def test_a_full_depth_self_draft_proposes_what_the_target_samples(untied_dir):
+    """Only if the draft's own KV holds every position's KV (the sync after each target step,
+    radix-cache hits and chunked prefill included) does the target-identical draft keep
+    agreeing with the target."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (9, 40, 70, 130)]
+    cfg = {"chunked_prefill_size": 32}
+    plain = engine_generate(make_engine(untied_dir, **cfg), prompts, 24)[0]
+    engine = make_engine(untied_dir, **cfg, **SELF_DRAFT_FULL)
+    engine_generate(engine, prompts[:2], 1)        # their pages enter the radix cache
+    assert engine_generate(engine, prompts, 24)[0] == plain
+    s = engine.stats()
+    assert s["spec_num_verify_steps"] >= 4 * 3
+    assert s["spec_num_accepted_tokens"] >= 0.95 * s["spec_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("name", ["b_all_at_once", "e_preemption"])
+def test_greedy_with_a_shallower_self_draft_matches_transformers(tiny_llama_dir, spec_case, name):
+    run_spec_scenario(tiny_llama_dir, spec_case, name, SELF_DRAFT_HALF)
 
 
 def _run(engine, prompt: list[int], params: SamplingParams) -> list[int]:

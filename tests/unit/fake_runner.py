@@ -8,7 +8,8 @@ trips an assertion. The next token is a hash of the context: any corruption show
 `copy_period` > 0 makes the fake model copy: the next token is the one `copy_period` positions
 back, except where the context hash says otherwise (one position in `copy_noise`), so n-gram
 drafts are mostly but not always right. Draft sequences (speculative decoding) are verified
-greedily against that same next-token function, position by position.
+greedily against that same next-token function, position by position; asked to propose
+(model-draft speculation), the fake returns its own continuation with every third token wrong.
 """
 from __future__ import annotations
 
@@ -82,8 +83,24 @@ class FakeRunner:
                 last = min(end, len(seq.prompt_ids) - 1)
                 prompt_lp = [TokenLogprob(seq.prompt_ids[q], -1.0, [])
                              for q in range(seq.start_pos + 1, last + 1)]
-            results.append(SeqResult(seq.request_id, token, prompt_lp, tuple(accepted)))
+            next_draft: tuple[int, ...] = ()
+            if seq.propose and token is not None:
+                # positions before the new token: the verified prefix (accepted drafts included)
+                verified = context[:end - len(seq.draft) + len(accepted)]
+                next_draft = self._draft([*verified, token.token_id], seq.propose)
+            results.append(SeqResult(seq.request_id, token, prompt_lp, tuple(accepted), next_draft))
         return RunnerOutput(results)
+
+    def _draft(self, context: list[int], k: int) -> tuple[int, ...]:
+        """A model draft (ScheduledSeq.propose): the fake model's own greedy continuation, with
+        every third token wrong, so some drafts are rejected."""
+        out = []
+        for i in range(k):
+            tid = reference_next_token(context, self.vocab_size, self.eos, self.eos_every, self.copy_period)
+            tid = (tid + 1) % self.vocab_size if i % 3 == 2 else tid
+            out.append(tid)
+            context = [*context, tid]
+        return tuple(out)
 
     def corrupt_kv(self, page_ids: list[int], mode: str, source_page_ids: list[int] | None,
                    seed: int) -> None:

@@ -16,9 +16,17 @@ VOCAB = 500
 SPEC = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4}
 
 
-def make_engine(spec: bool, num_pages: int = 256, eos: int | None = None, eos_every: int = 0) -> Engine:
+ALGORITHMS = {"ngram": SPEC, "draft": {"speculative_algorithm": "draft",
+                                       "speculative_num_draft_tokens": 4,
+                                       "speculative_draft_layers": 1}}
+
+
+def make_engine(spec: bool | str, num_pages: int = 256, eos: int | None = None,
+                eos_every: int = 0) -> Engine:
+    """`spec`: False, True (n-gram) or an ALGORITHMS key (draft: the fake runner's own drafts)."""
     runner = FakeRunner(num_pages, 4, VOCAB, 4096, eos, eos_every, copy_period=6)
-    return Engine(EngineConfig(page_size=4, chunked_prefill_size=64, **(SPEC if spec else {})), runner)
+    extra = ALGORITHMS["ngram" if spec is True else spec] if spec else {}
+    return Engine(EngineConfig(page_size=4, chunked_prefill_size=64, **extra), runner)
 
 
 def run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams) -> dict:
@@ -38,8 +46,9 @@ def run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams) -
 PROMPTS = {f"r{i}": [(7 * i + j) % 97 + 3 for j in range(6)] * (2 + i % 3) for i in range(6)}
 
 
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 @pytest.mark.parametrize("case", ["length", "stop_id", "eos", "min_tokens", "logprobs", "preemption"])
-def test_rules_hold_for_accepted_tokens(case):
+def test_rules_hold_for_accepted_tokens(case, algorithm):
     eos = 3 if case in ("eos", "min_tokens") else None
     eos_every = 5 if case == "min_tokens" else 40   # min_tokens: EOS is likely and masked at first
     params = {
@@ -52,7 +61,7 @@ def test_rules_hold_for_accepted_tokens(case):
     }[case]
     pages = 24 if case == "preemption" else 256
     plain = run(make_engine(False, pages, eos, eos_every), PROMPTS, params)
-    engine = make_engine(True, pages, eos, eos_every)
+    engine = make_engine(algorithm, pages, eos, eos_every)
     spec = run(engine, PROMPTS, params)
     assert spec == plain
     s = engine.stats()
@@ -68,11 +77,12 @@ def test_rules_hold_for_accepted_tokens(case):
     assert s["num_free_pages"] + s["num_cached_pages"] == s["num_pages"]
 
 
-def test_rejected_positions_never_reach_the_radix_tree():
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_rejected_positions_never_reach_the_radix_tree(algorithm):
     """The fake KV holds token ids and the fake model reads its context back from the pages, so
     a rejected draft token left in a cached page would change the second round's output, which
     hits the cache for prompt + output of the first."""
-    engine = make_engine(True)
+    engine = make_engine(algorithm)
     params = SamplingParams(max_tokens=40, temperature=0)
     first = run(engine, PROMPTS, params)
     assert engine.stats()["spec_num_accepted_tokens"] < engine.stats()["spec_num_draft_tokens"]
@@ -84,8 +94,9 @@ def test_rejected_positions_never_reach_the_radix_tree():
     assert [g["ids"] for g in second.values()] == [g["ids"] for g in reference.values()]
 
 
-def test_abort_mid_verify_returns_every_page():
-    engine = make_engine(True)
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_abort_mid_verify_returns_every_page(algorithm):
+    engine = make_engine(algorithm)
     for rid, prompt in PROMPTS.items():
         engine.add_request(rid, prompt, SamplingParams(max_tokens=60, temperature=0))
     for _ in range(6):

@@ -1,8 +1,9 @@
-"""NgramProposer (engine/speculative.py): prompt lookup, periodic continuation, adaptive k with
-back-off, and the bounded shared table of finished requests' outputs."""
+"""The draft proposers (engine/speculative.py). NgramProposer: prompt lookup, periodic
+continuation, adaptive k with back-off, the bounded shared table of finished requests' outputs.
+ModelDraftProposer: a runner's draft is taken once, for the sequence length it was made for."""
 from __future__ import annotations
 
-from radixserve.engine.speculative import RETRY_EVERY, NgramProposer
+from radixserve.engine.speculative import RETRY_EVERY, ModelDraftProposer, NgramProposer
 
 
 def test_prompt_lookup_copies_what_followed_the_last_three_tokens():
@@ -45,3 +46,15 @@ def test_shared_table_drafts_from_finished_outputs_and_is_bounded():
     p.release("later", [70, 71, 72, 73, 74, 75, 76, 77], num_output=8)
     assert p.propose("x", [9, 100, 101, 10], limit=8) == []  # evicted (LRU, 6 entries)
     assert p.propose("y", [9, 74, 75, 76], limit=8) == [77]
+
+
+def test_model_drafts_are_taken_once_for_the_length_they_were_made_for():
+    p = ModelDraftProposer(max_draft=4)
+    p.offer("a", (7, 8, 9, 10), num_tokens=5)
+    assert p.propose("a", [1, 2, 3, 4, 5], limit=8) == [7, 8]      # adaptive k starts at 2
+    assert p.propose("a", [1, 2, 3, 4, 5], limit=8) == []          # taken
+    p.offer("a", (7, 8, 9, 10), num_tokens=5)
+    assert p.propose("a", [1, 2, 3, 4, 5, 6], limit=8) == []       # made for another length
+    p.offer("a", (7, 8, 9), num_tokens=3)
+    p.release("a")
+    assert p.propose("a", [1, 2, 3], limit=8) == []                # released with the request
