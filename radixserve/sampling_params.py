@@ -55,6 +55,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)   # (token id, bias)
     json_schema: str | None = None   # structured output: the output must match this JSON schema (text)
+    json_schema_param: str = "response_format"   # the request field json_schema came from (named in errors)
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the object stays hashable and immutable.
@@ -135,7 +136,8 @@ class SamplingParams:
                 raise bad("stop_token_ids", f"contains an invalid token id {tid!r}")
         if self.json_schema is not None and (not isinstance(self.json_schema, str)
                                              or len(self.json_schema) > MAX_JSON_SCHEMA_CHARS):
-            raise bad("response_format", f"the JSON schema must be text of at most {MAX_JSON_SCHEMA_CHARS} characters")
+            raise bad(self.json_schema_param,
+                      f"the JSON schema must be text of at most {MAX_JSON_SCHEMA_CHARS} characters")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise bad("logit_bias", f"allows at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for tid, bias in self.logit_bias:

@@ -145,7 +145,7 @@ class ModelRunner:
         """What only the runner can check of a request (Engine.add_request calls it): a JSON
         schema must compile (runner/structured.py). Raises InvalidRequest."""
         if params.json_schema is not None:
-            self.structured.check(params.json_schema)
+            self.structured.check(params.json_schema, params.json_schema_param)
 
     def corrupt_kv(self, page_ids: list[int], mode: str, source_page_ids: list[int] | None,
                    seed: int) -> None:

@@ -7,8 +7,9 @@ worst), and it accepts any JSON for `json_object` (a pushdown automaton) where o
 needs a regular expression. Its package metadata pulls triton, which only its GPU kernels use;
 install.sh installs it with --no-deps (see README).
 
-Flow: `check(schema)` compiles once per distinct schema (cached) and raises InvalidRequest for a
-schema xgrammar refuses -- Engine.add_request calls it through `ModelRunner.validate_params`, so
+Flow: `check(schema, param)` compiles once per distinct schema (cached) and raises InvalidRequest
+for a schema xgrammar refuses (naming `param`, the request field the schema came from: response_format,
+or tools for tool_choice) -- Engine.add_request calls it through `ModelRunner.validate_params`, so
 bad schemas get a 400 before anything is queued. At sampling time `token_mask(rows)` returns an
 (n, V) bool mask, True where a token is allowed: each constrained request has a GrammarMatcher
 (LRU-bounded, keyed by request id) that first accepts the output tokens it has not yet seen
@@ -68,21 +69,21 @@ class StructuredOutput:
             logger.info("structured output: xgrammar ready (%d-token vocabulary)", self.vocab_size)
         return self._compiler
 
-    def check(self, schema: str) -> None:
-        """Compile `schema` (JSON-schema text), cached. Raises InvalidRequest (param
-        response_format) when xgrammar is missing or refuses the schema."""
-        self._grammar(schema)
+    def check(self, schema: str, param: str = "response_format") -> None:
+        """Compile `schema` (JSON-schema text), cached. Raises InvalidRequest when xgrammar is
+        missing (param response_format) or refuses the schema (param `param`: the request field
+        the schema came from, e.g. "tools" for tool_choice)."""
+        try:
+            self._grammar(schema)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise InvalidRequest(f"{param}: the JSON schema cannot be used: {exc}",
+                                 param=param) from exc
 
     def _grammar(self, schema: str) -> Any:
         if schema in self._grammars:
             self._grammars.move_to_end(schema)
             return self._grammars[schema]
-        compiler = self._ensure_compiler()
-        try:
-            grammar = compiler.compile_json_schema(schema, any_whitespace=False)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise InvalidRequest(f"response_format: the JSON schema cannot be used: {exc}",
-                                 param="response_format") from exc
+        grammar = self._ensure_compiler().compile_json_schema(schema, any_whitespace=False)
         self._grammars[schema] = grammar
         if len(self._grammars) > self.max_grammars:
             self._grammars.popitem(last=False)

@@ -130,6 +130,9 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                      None)
         plan = plan_tools(req, ctx.tool_call_parser)
+        if plan.json_schema is not None:   # tool_choice "required" or a named function
+            params = dataclasses.replace(params, json_schema=plan.json_schema,
+                                         json_schema_param="tools")
         prompt = await chat_prompt(ctx, req, plan.template_tools)
         reasoning = ctx.reasoning_parser is not None
         outputs = ChatOutputs(plan, ctx.tool_call_parser, reasoning,

@@ -1,16 +1,21 @@
 """Tools and reasoning in /v1/chat/completions: what `tools` / `tool_choice` mean for one request, and its choices' output parsed into OpenAI messages and deltas.
 
-    tool_choice        tools offered to the template   calls parsed (names allowed)
-    "none"             no                              no
-    "auto" (default)   yes                             yes, any offered tool
-    "required"         yes                             yes, any offered tool
-    {"function": f}    yes                             yes, f only
+    tool_choice        tools offered    decoding                     calls parsed         finish_reason
+                       to the template                                                    after calls
+    "none"             no               free                         no                   -
+    "auto" (default)   yes              free                         native format, any   "tool_calls"
+    "required"         yes              JSON array of calls          json, any offered    "tool_calls"
+    {"function": f}    yes              JSON array of calls to f     json, f only         "stop"
 
-"required" and a named function are not enforced while decoding (that needs grammar-constrained
-sampling, separate work): the output is parsed as for "auto", and a reply without a call comes
-back as text with finish_reason "stop". A choice that made calls and stopped normally finishes
-with "tool_calls". Streaming and full responses parse with the same ChatOutputParser per choice
-(parsers/chat_output.py), the stream fed delta by delta, the full response in one piece.
+"required" and a named function are enforced while decoding: the reply must match the JSON
+schema of an array of calls (tool_schema.py), which travels as the request's json_schema and is
+read back with the `json` parser, whatever --tool-call-parser says (as vLLM and SGLang do it).
+The grammar holds from the first token, so there is no thinking to split off then. A named
+function finishes with "stop", as OpenAI and vLLM answer it. parallel_tool_calls false allows
+one call: the grammar's maxItems for the enforced choices, and for "auto" every call after the
+first is dropped from the output. Streaming and full responses parse with the same
+ChatOutputParser per choice (parsers/chat_output.py), the stream fed delta by delta, the full
+response in one piece.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from radixserve.parsers.reasoning import opens_thinking
 from radixserve.parsers.schema import ToolSpec
 from radixserve.server.protocol import (ChatCompletionRequest, ChatMessageOut, FunctionCallOut,
                                         NamedToolChoice, ToolCallOut)
+from radixserve.server.tool_schema import calls_schema
 
 PROMPT_TAIL_TOKENS = 16   # enough to see whether the prompt ends inside <think>
 
@@ -31,17 +37,23 @@ PROMPT_TAIL_TOKENS = 16   # enough to see whether the prompt ends inside <think>
 @dataclass(frozen=True)
 class ToolPlan:
     """One request's tools: `template_tools` go to the chat template (None: none offered);
-    `parse_tools` are the functions a parsed call may name (empty: calls are not parsed)."""
+    `parse_tools` are the functions a parsed call may name (empty: calls are not parsed);
+    `json_schema` is the call array the reply must match ("required" or a named function, else
+    None); `max_calls` is 1 with parallel_tool_calls false (None: no limit);
+    `calls_finish_reason` replaces "stop" when calls were made."""
 
     template_tools: list[dict[str, Any]] | None
     parse_tools: dict[str, ToolSpec]
+    json_schema: str | None = None
+    max_calls: int | None = None
+    calls_finish_reason: str = "tool_calls"
 
 
 def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> ToolPlan:
     """The ToolPlan of a request (table in the module doc; "auto" without tools is "none").
     Raises InvalidRequest (400) for duplicate function names, "required" or a named function
-    without tools, a name not in `tools`, and tools to use on a server without
-    --tool-call-parser."""
+    without tools or with a response_format, a name not in `tools`, parameters that cannot be
+    enforced (tool_schema.py), and "auto" on a server without --tool-call-parser."""
     tools = req.tools or []
     names = [t.function.name for t in tools]
     duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
@@ -50,32 +62,46 @@ def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> Tool
                              param="tools")
     choice = req.tool_choice or ("auto" if tools else "none")
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-    if (choice == "required" or named is not None) and not tools:
+    forced = choice == "required" or named is not None
+    if forced and not tools:
         raise InvalidRequest(f"tool_choice {named or choice!r} needs tools", param="tool_choice")
     if named is not None and named not in names:
         raise InvalidRequest(f"tool_choice names function {named!r}, which is not in tools",
                              param="tool_choice")
+    if forced and req.response_format is not None and req.response_format.type != "text":
+        raise InvalidRequest("response_format cannot be combined with tool_choice "
+                             f"{named or choice!r}: both decide the form of the whole reply",
+                             param="response_format")
     if choice == "none" or not tools:
         return ToolPlan(None, {})
-    if tool_call_parser is None:
+    if tool_call_parser is None and not forced:
         raise InvalidRequest("tools are not supported: this server was started without "
                              "--tool-call-parser", param="tools")
     specs = {t.function.name: ToolSpec(t.function.name, t.function.parameters or {}) for t in tools}
     allowed = {named: specs[named]} if named is not None else specs
-    return ToolPlan([t.model_dump(exclude_none=True) for t in tools], allowed)
+    template_tools = [t.model_dump(exclude_none=True) for t in tools]
+    max_calls = None if req.parallel_tool_calls else 1
+    if not forced:
+        return ToolPlan(template_tools, allowed, max_calls=max_calls)
+    return ToolPlan(template_tools, allowed, calls_schema(list(allowed.values()), max_calls is None),
+                    max_calls, "stop" if named is not None else "tool_calls")
 
 
 class ChatOutputs:
     """The output parsers of one chat request's choices (module doc). `tool_call_parser` and
     `reasoning` are the server's; `prompt_tail` is the end of the prompt as text (does it
-    open a <think> block?)."""
+    open a <think> block?). A plan with a json_schema reads calls with the `json` parser and
+    no reasoning split."""
 
     def __init__(self, plan: ToolPlan, tool_call_parser: str | None, reasoning: bool,
                  prompt_tail: str):
-        self._tool_parser = tool_call_parser if plan.parse_tools else None
+        enforced = plan.json_schema is not None
+        self._tool_parser = "json" if enforced else tool_call_parser if plan.parse_tools else None
         self._tools = plan.parse_tools
-        self._reasoning = reasoning
-        self._starts_in_reasoning = reasoning and opens_thinking(prompt_tail)
+        self._reasoning = reasoning and not enforced
+        self._starts_in_reasoning = self._reasoning and opens_thinking(prompt_tail)
+        self._max_calls = plan.max_calls
+        self._calls_finish_reason = plan.calls_finish_reason
         self._streams: dict[int, ChatOutputParser] = {}
 
     @property
@@ -87,19 +113,29 @@ class ChatOutputs:
         return ChatOutputParser(self._tool_parser, self._tools, self._reasoning,
                                 self._starts_in_reasoning)
 
+    def _kept(self, events: list[Event]) -> list[Event]:
+        """`events` without the calls past max_calls (parallel_tool_calls false)."""
+        if self._max_calls is None:
+            return events
+        return [e for e in events
+                if not isinstance(e, (CallStart, CallArgs)) or e.index < self._max_calls]
+
+    def _finish_reason(self, reason: str | None, num_calls: int) -> str | None:
+        return self._calls_finish_reason if reason == "stop" and num_calls else reason
+
     # ---- full responses ---------------------------------------------------------------------
     def message(self, text: str, finish_reason: str | None) -> tuple[ChatMessageOut, str | None]:
         """A whole choice's text as the assistant message, and its finish_reason."""
         parser = self._new_parser()
         parsed = ParsedMessage()
-        parsed.add(parser.feed(text) + parser.finish())
+        parsed.add(self._kept(parser.feed(text) + parser.finish()))
         calls = [ToolCallOut(id=c.call_id, function=FunctionCallOut(name=c.name,
                                                                    arguments=c.arguments))
                  for c in parsed.calls]
         message = ChatMessageOut(content=parsed.content if parsed.content or not calls else None,
                                  reasoning_content=parsed.reasoning or None,
                                  tool_calls=calls or None)
-        return message, _finish_reason(finish_reason, len(calls))
+        return message, self._finish_reason(finish_reason, len(calls))
 
     # ---- streams ----------------------------------------------------------------------------
     def delta(self, index: int, text: str, finished: bool) -> dict[str, Any]:
@@ -111,16 +147,13 @@ class ChatOutputs:
         events = parser.feed(text)
         if finished:
             events += parser.finish()
-        return stream_delta(events)
+        return stream_delta(self._kept(events))
 
     def finish_reason(self, index: int, reason: str | None) -> str | None:
-        """Choice `index`'s finish_reason once its stream ended ("tool_calls" after calls)."""
+        """Choice `index`'s finish_reason once its stream ended (calls_finish_reason after
+        calls)."""
         parser = self._streams.get(index)
-        return _finish_reason(reason, parser.num_calls if parser is not None else 0)
-
-
-def _finish_reason(reason: str | None, num_calls: int) -> str | None:
-    return "tool_calls" if reason == "stop" and num_calls else reason
+        return self._finish_reason(reason, parser.num_calls if parser is not None else 0)
 
 
 def stream_delta(events: list[Event]) -> dict[str, Any]:

@@ -207,6 +207,7 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: ResponseFormat | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True     # false: at most one call per choice
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 

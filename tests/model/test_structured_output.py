@@ -79,7 +79,9 @@ def test_mask_life_cycle(llm):
 
 @pytest.mark.parametrize("schema", ['{"type": "strnig"}', "not json", '{"type": "object", "properties": 5}'])
 def test_unusable_schema_is_refused_before_queueing(llm, schema):
-    with pytest.raises(InvalidRequest) as err:
-        llm.generate("Hi", SamplingParams(max_tokens=4, json_schema=schema), use_tqdm=False)
-    assert err.value.param == "response_format"
-    assert not llm.engine.requests
+    for param in ("response_format", "tools"):   # the request field the schema came from
+        with pytest.raises(InvalidRequest) as err:
+            llm.generate("Hi", SamplingParams(max_tokens=4, json_schema=schema,
+                                              json_schema_param=param), use_tqdm=False)
+        assert err.value.param == param and err.value.message.startswith(f"{param}: ")
+        assert not llm.engine.requests

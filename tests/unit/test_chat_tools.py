@@ -104,3 +104,56 @@ def test_stream_deltas_name_each_call_once():
     assert joined == ['{"days": 2}', "{}"]
     assert outputs.finish_reason(0, "stop") == "tool_calls"
     assert stream_delta([]) == {}
+
+
+@pytest.mark.parametrize("choice, parallel, names, max_items, finish", [
+    ("required", True, {"get_weather", "get_time"}, None, "tool_calls"),
+    ("required", False, {"get_weather", "get_time"}, 1, "tool_calls"),
+    ({"type": "function", "function": {"name": "get_time"}}, True, {"get_time"}, None, "stop"),
+])
+def test_enforced_choices_carry_the_call_schema(choice, parallel, names, max_items, finish):
+    plan = plan_tools(request(tools=[WEATHER, TIME], tool_choice=choice,
+                              parallel_tool_calls=parallel), None)   # no native parser needed
+    schema = json.loads(plan.json_schema)
+    items = schema["items"].get("anyOf", [schema["items"]])
+    assert {i["properties"]["name"]["enum"][0] for i in items} == names == set(plan.parse_tools)
+    assert schema.get("maxItems") == max_items and plan.calls_finish_reason == finish
+    assert plan_tools(request(tools=[WEATHER], tool_choice="auto"), "glm45").json_schema is None
+
+
+@pytest.mark.parametrize("response_format", [{"type": "json_object"}, {
+    "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}])
+def test_enforced_choice_with_a_response_format_is_refused(response_format):
+    with pytest.raises(InvalidRequest) as err:
+        plan_tools(request(tools=[WEATHER], tool_choice="required",
+                           response_format=response_format), "glm45")
+    assert err.value.param == "response_format"
+    text = plan_tools(request(tools=[WEATHER], tool_choice="required",
+                              response_format={"type": "text"}), "glm45")
+    assert text.json_schema is not None
+
+
+def test_enforced_reply_is_read_as_json_without_reasoning():
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    outputs = ChatOutputs(plan_tools(request(tools=[WEATHER, TIME], tool_choice=named), "glm45"),
+                          "glm45", True, "<think>\n")
+    reply = '[{"name": "get_weather", "parameters": {"days": 2}}]'
+    message, reason = outputs.message(reply, "stop")
+    assert (message.content, message.reasoning_content, reason) == (None, None, "stop")
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("get_weather", '{"days": 2}')]
+    deltas = [outputs.delta(0, ch, False) for ch in reply] + [outputs.delta(0, "", True)]
+    assert "".join(e["function"]["arguments"] for d in deltas for e in d.get("tool_calls", [])) \
+        == '{"days": 2}'
+    assert outputs.finish_reason(0, "stop") == "stop"
+
+
+def test_auto_without_parallel_calls_keeps_the_first():
+    plan = plan_tools(request(tools=[WEATHER, TIME], parallel_tool_calls=False), "glm45")
+    outputs = ChatOutputs(plan, "glm45", False, "")
+    reply = "On it." + glm45("get_weather", [("days", "2")]) + glm45("get_time", [])
+    message, reason = outputs.message(reply, "stop")
+    assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+    assert (message.content, reason) == ("On it.", "tool_calls")
+    deltas = [outputs.delta(0, ch, False) for ch in reply] + [outputs.delta(0, "", True)]
+    assert {e["index"] for d in deltas for e in d.get("tool_calls", [])} == {0}
