@@ -39,3 +39,29 @@ def test_corruption_changes_the_hit_request_from_the_next_step_on(tiny_llama_dir
     assert all(h != c for h, c in zip(hurt[victim][at:], clean[victim][at:]))
     assert all(hurt[r] == clean[r] for r in hurt if r != victim)
     assert engine.kv.pool.num_free == engine.kv.num_pages
+
+
+def test_a_self_draft_stops_agreeing_with_a_corrupted_target(tmp_path):
+    """The self-draft keeps KV of its own, which the fault does not touch: after the target's
+    KV is overwritten, the target no longer samples what the draft (here as deep as the target,
+    so otherwise always right) proposes. Acceptance drops for the hit request only."""
+    import random
+
+    from tests.conftest import build_tiny_llama
+
+    model = build_tiny_llama(tmp_path, tie_word_embeddings=False, seed=3)
+    engine = make_engine(model, disable_radix_cache=True, speculative_algorithm="draft",
+                         speculative_draft_layers=2)
+    engine.arm_kv_corrupt("noise", fraction=1.0, after_tokens=8, seed=2)
+    rng = random.Random(1)
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", [rng.randrange(3, 512) for _ in range(50 + 20 * i)], params)
+    spec = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            spec[out.request_id] = out.spec
+        engine.check_invariants()
+    (victim, _), = engine.kv_corrupt_hits
+    assert spec[victim].accept_rate < 0.8
+    assert all(s.accept_rate >= 0.95 for r, s in spec.items() if r != victim)
