@@ -119,12 +119,20 @@ class ChatSession:
 
 
 def interactive_reader(err: TextIO) -> Callable[[], str]:
-    """input() with a prompt and line editing (readline where the platform has it)."""
+    """input() with a prompt and line editing (readline where the platform has it); Ctrl-D and
+    Ctrl-C end the prompt's line before they leave, so the shell prompt starts on its own."""
     try:
         import readline  # noqa: F401  (imported for its side effect on input())
     except ImportError:
         err.write("(no readline: line editing is off)\n")
-    return lambda: input(PROMPT)
+
+    def read() -> str:
+        try:
+            return input(PROMPT)
+        except (EOFError, KeyboardInterrupt):
+            err.write("\n")
+            raise
+    return read
 
 
 def piped_reader(stream: TextIO) -> Callable[[], str]:
