@@ -1,4 +1,4 @@
-"""Command line: `radixserve serve|route|fleet|agent|bench` (serve: one worker, HTTP + engine process)."""
+"""Command line: `radixserve serve|route|fleet|agent|bench|chat` (serve: one worker, HTTP + engine process)."""
 from __future__ import annotations
 
 import argparse
@@ -99,10 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands with their own parsers, imported only when used (they import without torch).
 SUBCOMMANDS = {"bench": "radixserve.bench.cli", "route": "radixserve.router.cli",
-               "fleet": "radixserve.router.fleet", "agent": "radixserve.agent.cli"}
+               "fleet": "radixserve.router.fleet", "agent": "radixserve.agent.cli",
+               "chat": "radixserve.chat.cli"}
 SUBCOMMANDS_HELP = {"route": "cache-aware router in front of workers (see route --help)",
                     "fleet": "start N workers and a router on this machine (see fleet --help)",
-                    "agent": "ops agent that watches a fleet and acts (see agent --help)"}
+                    "agent": "ops agent that watches a fleet and acts (see agent --help)",
+                    "chat": "chat in the terminal with a server or a local model (see chat --help)"}
 
 
 def main(argv: list[str] | None = None) -> int:

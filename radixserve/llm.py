@@ -1,8 +1,8 @@
-"""Offline API: LLM.generate / LLM.chat run the engine in-process, with a progress bar."""
+"""Offline API: LLM.generate / LLM.chat run the engine in-process, with a progress bar; LLM.stream_chat yields one reply as it is generated."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -60,6 +60,32 @@ class LLM:
         items = [(None, self.tokenizer.apply_chat_template(conv)) for conv in conversations]
         return self._run(items, sampling_params, use_tqdm)
 
+    def stream_chat(self, messages: list[dict],
+                    sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Apply the chat template to one conversation and yield the reply's text as it is
+        generated, one delta per engine step (stop strings held back and trimmed as in `chat`).
+        params.n must be 1 (ValueError otherwise). Closing the generator early (a `break`, or
+        KeyboardInterrupt while it runs) aborts the request, so its pages return to the pool.
+        Raises InvalidRequest / ContextLengthExceeded before anything runs, like `chat`."""
+        from radixserve.tokenizer.output_processor import RequestTracker
+
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("stream_chat generates one reply: sampling_params.n must be 1")
+        ids = self.tokenizer.apply_chat_template(messages)
+        tracker = RequestTracker(str(next(self._ids)), ids, params, self.tokenizer)
+        owner: dict = {}
+        try:
+            for child_id, child_params in tracker.child_requests():
+                self.engine.add_request(child_id, ids, child_params)
+                owner[child_id] = tracker
+            for _, update in self._updates(owner):
+                if update.text:
+                    yield update.text
+        finally:
+            for child_id in owner:   # a no-op for a finished request
+                self.engine.abort(child_id)
+
     def stats(self) -> dict:
         """Engine counters: hit rate, pool usage (see Engine.stats)."""
         return self.engine.stats()
@@ -95,6 +121,15 @@ class LLM:
     def _drive(self, owner: dict, num_requests: int, use_tqdm: bool) -> None:
         bar = tqdm(total=num_requests, desc="generate", disable=not use_tqdm)
         done: set[int] = set()
+        for tracker, _ in self._updates(owner):
+            if tracker.finished and id(tracker) not in done:
+                done.add(id(tracker))
+                bar.update(1)
+        bar.close()
+
+    def _updates(self, owner: dict) -> Iterator[tuple]:
+        """Step the engine until it has nothing left; yield (tracker, ChoiceUpdate) for every
+        output of a request in `owner` (child request id -> its RequestTracker)."""
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 tracker = owner.get(out.request_id)
@@ -103,7 +138,4 @@ class LLM:
                 update = tracker.process(out)
                 if update.abort_child is not None:
                     self.engine.abort(update.abort_child)
-                if tracker.finished and id(tracker) not in done:
-                    done.add(id(tracker))
-                    bar.update(1)
-        bar.close()
+                yield tracker, update

@@ -1,4 +1,4 @@
-"""Offline API on the embedded default model: generate, chat, token prompts, n, stop, stats."""
+"""Offline API on the embedded default model: generate, chat, stream_chat, token prompts, n, stop, stats."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,6 +32,29 @@ def test_chat_names_paris(llm):
                    SamplingParams(max_tokens=32, temperature=0), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_stream_chat_deltas_add_up_to_the_chat_reply(llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    whole = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    deltas = list(llm.stream_chat(messages, params))
+    assert len(deltas) > 1 and all(deltas)
+    assert "".join(deltas) == whole
+    with pytest.raises(ValueError):
+        next(llm.stream_chat(messages, SamplingParams(n=2)))
+
+
+def test_closing_a_stream_early_aborts_its_request(llm):
+    aborted = llm.stats()["num_aborted_requests"]
+    stream = llm.stream_chat([{"role": "user", "content": "Tell me a long story."}],
+                             SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    next(stream)
+    assert llm.engine.has_unfinished()
+    stream.close()
+    assert not llm.engine.has_unfinished()
+    assert llm.stats()["num_aborted_requests"] == aborted + 1
+    llm.engine.check_invariants()
 
 
 def test_n_choices_share_the_prompt_and_differ(llm):

@@ -20,8 +20,11 @@ FORBIDDEN = {
     # output parsers work on text alone: the server feeds them, the CLI lists their names
     "parsers": {"runner", "models", "layers", "weights", "engine", "server", "tokenizer", "router",
                 "agent", "bench"},
+    # the terminal chat speaks HTTP, or reaches a model only through the offline API (llm.py)
+    "chat": {"runner", "models", "layers", "weights", "engine", "server", "tokenizer", "router",
+             "agent", "bench"},
 }
-NO_TORCH = {"engine", "router", "agent", "parsers"}  # engine/engine.py may import torch (it does not today)
+NO_TORCH = {"engine", "router", "agent", "parsers", "chat"}  # engine/engine.py may import torch (it does not today)
 # The engine loop and its wire messages speak ZMQ / msgpack; the rest of engine/ stays stdlib.
 IPC = {"zmq", "msgspec"}
 ENGINE_IPC_FILES = {"loop.py", "messages.py"}
