@@ -108,3 +108,31 @@ def test_abort_mid_verify_returns_every_page(algorithm):
         engine.check_invariants()
     s = engine.stats()
     assert s["num_free_pages"] + s["num_cached_pages"] == s["num_pages"]
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_acceptance_counts_add_up_per_request_and_by_position(algorithm):
+    """C36: each request's counts (as its usage reports them) sum to the engine's totals; every
+    emitted token is an accepted draft or one step's own token; rates stay in [0, 1]; and by
+    draft position, proposals and acceptances never rise (position i+1 is only accepted after i)."""
+    engine = make_engine(algorithm)
+    params = SamplingParams(max_tokens=50, temperature=0)
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(rid, prompt, params)
+    last, emitted = {}, {rid: 0 for rid in PROMPTS}
+    while engine.has_unfinished():
+        for out in engine.step():
+            emitted[out.request_id] += len(out.new_token_ids)
+            if out.spec is not None:
+                last[out.request_id] = out.spec
+    s = engine.stats()
+    assert sum(c.verify_steps for c in last.values()) == s["spec_num_verify_steps"] > 0
+    assert sum(c.draft_tokens for c in last.values()) == s["spec_num_draft_tokens"]
+    assert sum(c.accepted_tokens for c in last.values()) == s["spec_num_accepted_tokens"]
+    for rid, c in last.items():
+        assert 0 <= c.accept_rate <= 1 and 1 <= c.accept_length <= 1 + 4
+        assert c.accepted_tokens + c.verify_steps <= emitted[rid]
+    drafted, accepted = s["spec_num_draft_by_position"], s["spec_num_accepted_by_position"]
+    assert sum(drafted) == s["spec_num_draft_tokens"] and sum(accepted) == s["spec_num_accepted_tokens"]
+    assert drafted == sorted(drafted, reverse=True) and accepted == sorted(accepted, reverse=True)
+    assert all(a <= d for a, d in zip(accepted, drafted))
