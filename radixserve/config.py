@@ -57,7 +57,10 @@ class EngineConfig:
     speculative_num_draft_tokens: int = _opt(4, "most draft tokens verified per request and step")
     speculative_draft_layers: int | None = _opt(
         None, "draft: how many of the target's first layers (with its final norm and LM head) "
-              "make the self-draft model")
+              "make the self-draft model (with --speculative-draft-model-path: of that model's; "
+              "default all)")
+    speculative_draft_model_path: str | None = _opt(
+        None, "draft: a separate draft model (HF folder or .gguf) with the target's vocabulary")
     enable_deterministic_inference: bool = _opt(
         False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
                "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
@@ -73,9 +76,11 @@ class EngineConfig:
             raise ValueError("max_total_tokens must hold at least two pages")
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
-        if (self.speculative_algorithm == "draft") != (self.speculative_draft_layers is not None):
-            raise ValueError("--speculative-draft-layers goes with --speculative-algorithm draft "
-                             "(and draft needs it)")
+        draft_given = (self.speculative_draft_layers is not None
+                       or self.speculative_draft_model_path is not None)
+        if (self.speculative_algorithm == "draft") != draft_given:
+            raise ValueError("--speculative-algorithm draft needs --speculative-draft-layers or "
+                             "--speculative-draft-model-path, and they need it")
         if self.speculative_draft_layers is not None and self.speculative_draft_layers < 1:
             raise ValueError("speculative_draft_layers must be >= 1")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):

@@ -1,4 +1,4 @@
-"""SelfDraft: the draft model of `--speculative-algorithm draft`, the target's first L layers with its final norm and LM head, with KV of its own.
+"""DraftModel: the draft model of `--speculative-algorithm draft` (the target's first L layers with its final norm and LM head, or a separate small model), with KV of its own.
 
 Why its own KV: speculative acceptance doubles as a detector of corrupted target KV (a late
 write into reused slots, a layer read before it was loaded): a draft that read the same KV
@@ -35,8 +35,9 @@ from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.kv_cache import KVCache
 
 
-class SelfDraft:
-    """The first `num_layers` layers of `model` (a LlamaForCausalLM) as a draft model."""
+class DraftModel:
+    """The first `num_layers` layers of `model` (a LlamaForCausalLM: the target itself for a
+    self-draft, or a separate model with the target's vocabulary) as a draft model."""
 
     def __init__(self, model: torch.nn.Module, num_layers: int, num_pages: int, page_size: int,
                  dtype: torch.dtype, device: torch.device):

@@ -19,7 +19,7 @@ from radixserve.runner import kv_scales
 from radixserve.runner.attention.base import AttentionBackend, create_backend
 from radixserve.runner.batch import build_step
 from radixserve.runner.device import resolve_device
-from radixserve.runner.draft import SelfDraft
+from radixserve.runner.draft import DraftModel
 from radixserve.sampling_params import SamplingParams
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache, KVPages
 from radixserve.runner.structured import StructuredOutput
@@ -55,12 +55,14 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
-                 checkpoint_kv_scales: dict[str, torch.Tensor] | None = None):
+                 checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
+                 draft_model: torch.nn.Module | None = None):
         """`model`: loaded weights (CPU), not yet prepared. Moves it to the device and allocates
         the KV cache from `config`; FP8 KV takes its scales from `checkpoint_kv_scales` (tensor
         name -> scale, see kv_scales.py), the scales file, or calibration. Raises ValueError for
-        a missing device, bad scales, a context longer than the model's, or deterministic
-        inference where this machine has no batch-invariant matmul."""
+        a missing device, bad scales, a context longer than the model's, deterministic
+        inference where this machine has no batch-invariant matmul, or a draft model
+        (`draft_model`, loaded, not prepared) whose vocabulary is not the target's."""
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
@@ -87,9 +89,7 @@ class ModelRunner:
                           *((self.kv_scales.k, self.kv_scales.v) if self.kv_scales else ()))
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device,
                                                         batch_invariant=deterministic)
-        self.draft = (SelfDraft(self.model, config.speculative_draft_layers, self.num_pages,
-                                self.page_size, self.dtype, self.device)
-                      if config.speculative_algorithm == "draft" else None)
+        self.draft = self._draft_model(config, draft_model)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self.structured = StructuredOutput(resolve_model_path(config.model_path), self.vocab_size,
                                            self.eos_token_ids)
@@ -106,7 +106,13 @@ class ModelRunner:
         model_config, weights = load_checkpoint(path)
         model = model_class(model_config)(model_config)
         scales = load_weights(model, weights)
-        runner = cls(model, model_config, config, scales)
+        draft = None
+        if config.speculative_draft_model_path is not None:
+            draft_config, draft_weights = load_checkpoint(
+                resolve_model_path(config.speculative_draft_model_path))
+            draft = model_class(draft_config)(draft_config)
+            load_weights(draft, draft_weights)
+        runner = cls(model, model_config, config, scales, draft)
         logger.info("loaded %s (%s, %d layers) in %.1f s on %s; KV: %d pages x %d tokens, %s",
                     path, model_config.architecture, model_config.num_layers,
                     time.perf_counter() - start, runner.device, runner.num_pages, runner.page_size,
@@ -219,6 +225,20 @@ class ModelRunner:
             self.draft.sync(step)
             results = self._propose(batch, results)
         return RunnerOutput(results)
+
+    def _draft_model(self, config: EngineConfig, separate: torch.nn.Module | None) -> DraftModel | None:
+        """--speculative-algorithm draft: the target's first layers, or `separate` prepared."""
+        if config.speculative_algorithm != "draft":
+            return None
+        model = self.model
+        if separate is not None:
+            if separate.config.vocab_size != self.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({separate.config.vocab_size}) is "
+                                 f"not the target's ({self.vocab_size})")
+            separate.prepare(self.dtype, self.device)
+            model = separate.eval()
+        layers = config.speculative_draft_layers or model.config.num_layers
+        return DraftModel(model, layers, self.num_pages, self.page_size, self.dtype, self.device)
 
     def _propose(self, batch: ScheduledBatch, results: list[SeqResult]) -> list[SeqResult]:
         """Model drafts (runner/draft.py) after each sampled token of sequences that asked."""

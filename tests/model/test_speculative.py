@@ -176,3 +176,27 @@ def test_logprobs_of_accepted_tokens_match_ordinary_steps(tiny_llama_dir):
     for a, b in zip(spec, plain):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_a_separate_draft_model_is_loaded_and_checked(untied_dir, tmp_path):
+    """--speculative-draft-model-path: a copy of the target as the draft agrees with it; a
+    shallower random model as the draft changes nothing in the output; a draft with another
+    vocabulary is refused."""
+    from tests.conftest import build_tiny_llama
+
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (12, 60)]
+    plain = engine_generate(make_engine(untied_dir), prompts, 20)[0]
+    copy = make_engine(untied_dir, speculative_algorithm="draft",
+                       speculative_draft_model_path=str(untied_dir))
+    assert engine_generate(copy, prompts, 20)[0] == plain
+    s = copy.stats()
+    assert s["spec_num_accepted_tokens"] >= 0.95 * s["spec_num_draft_tokens"] > 0
+    small = build_tiny_llama(tmp_path / "small", tie_word_embeddings=False, seed=9,
+                             num_hidden_layers=1)
+    other = make_engine(untied_dir, speculative_algorithm="draft",
+                        speculative_draft_model_path=str(small))
+    assert engine_generate(other, prompts, 20)[0] == plain
+    wrong = build_tiny_llama(tmp_path / "wrong", vocab_size=256)
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_engine(untied_dir, speculative_algorithm="draft", speculative_draft_model_path=str(wrong))
