@@ -1,0 +1,164 @@
+"""Weight-only quantized matmul on the CPU: int4 weights (GGUF Q4_0 / Q4_1 / Q4_K) on torch's `_weight_int4pack_mm_for_cpu`.
+
+The kernel computes y = x @ W.T with W[n, k] = (q[n, k] - 8) * scale[k // g, n] + zero[k // g, n]
+(q in 0..15, groups of g = 32 columns), verified against that formula on torch 2.13; GGUF's
+4-bit types map onto it exactly (weights/gguf_blocks.py). Why bf16 activations: on this AVX2
+CPU the kernel has a vectorised path for bf16 only; with fp32 or fp16 activations it is 5-50x
+slower than the fp32 GEMM (docs/benchmarks.md, "Quantized linear layers"). The kernel demands
+scale and zero in the activation dtype, so they are rounded to bf16 as well.
+
+Error bound (per weight, against GGUF's fp32 dequantization w): |W - w| <= 2^-9 (8 |scale| +
+|zero|) from rounding scale and zero to bf16 (unit roundoff 2^-9), plus rounding x to bf16
+(|dx| <= 2^-9 |x|); products are accumulated in fp32. Both are about 30x below the int4 step
+itself (|scale| / 2 of a weight whose range is ~15 |scale|).
+
+`_weight_int8pack_mm` (per-output-channel int8 scales only) cannot represent GGUF's per-32
+block scales exactly, and on this CPU it was no faster than the int4 kernel at any batch size,
+so int8 is not served: such tensors stay fp32 (docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 32
+ACTIVATION_DTYPE = torch.bfloat16
+_PACK_ROWS = 16   # the packing op wants N divisible by 16
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """One checkpoint weight (N, K) as int4 codes: codes (N, K) uint8 in 0..15; scale, zero
+    (N, K / 32) float32; weight = (codes - 8) * scale + zero per group of 32 columns.
+    `dequantize()` gives the float32 weight the kernel approximates (see module docstring)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def take_rows(self, index: torch.Tensor) -> Int4Weight:
+        """Rows reordered by `index` (N,) int64 (llama.cpp's q/k permutation, GLM's RoPE rows)."""
+        return Int4Weight(*(t.index_select(0, index) for t in (self.codes, self.scale, self.zero)))
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32, exactly GGUF's dequantization of the source blocks."""
+        def expand(t: torch.Tensor) -> torch.Tensor:
+            return t.repeat_interleave(GROUP_SIZE, dim=1)
+        return (self.codes.float() - 8) * expand(self.scale) + expand(self.zero)
+
+
+class Int4Matmul:
+    """y = x @ W.T for W the row-wise concatenation of `weights` (fused layers: q|k|v,
+    gate|up), packed once for `_weight_int4pack_mm_for_cpu`.
+
+    x: (M, K) float32 or bfloat16 -> (M, N) in x's dtype. Memory: N*K/2 bytes of codes plus
+    4 bytes per group of 32 (bf16 scale and zero). Raises ValueError when the rows do not
+    share K or N is not a multiple of 16 (the packing op's requirement).
+    """
+
+    def __init__(self, weights: list[Int4Weight]):
+        if len({w.shape[1] for w in weights}) != 1:
+            raise ValueError("int4 shards of one layer must share their number of columns")
+        codes = torch.cat([w.codes for w in weights])                          # (N, K)
+        if codes.shape[0] % _PACK_ROWS:
+            raise ValueError(f"int4 packing needs rows divisible by {_PACK_ROWS}, got {codes.shape[0]}")
+        self.out_features = codes.shape[0]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        scale = torch.cat([w.scale for w in weights])                           # (N, K/g)
+        zero = torch.cat([w.zero for w in weights])
+        # (K/g, N, 2) in the activation dtype, the kernel's layout.
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(ACTIVATION_DTYPE).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(ACTIVATION_DTYPE), self.packed,
+                                                       GROUP_SIZE, self.scales_zeros)
+        return y.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """One checkpoint weight (N, K) as int8 with one scale per output row: values (N, K) int8,
+    scale (N,) float32; weight = values * scale[:, None]. `from_float` quantizes symmetrically
+    by the row's absolute maximum (the only scale layout `_weight_int8pack_mm` takes)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Int8Weight:
+        """weight (N, K) float -> Int8Weight; per element error <= scale / 2 = max|row| / 254."""
+        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127
+        return cls(torch.round(weight / scale[:, None]).to(torch.int8), scale.float())
+
+    def take_rows(self, index: torch.Tensor) -> Int8Weight:
+        """Rows reordered by `index` (N,) int64."""
+        return Int8Weight(self.values.index_select(0, index), self.scale.index_select(0, index))
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32."""
+        return self.values.float() * self.scale[:, None]
+
+
+class Int8Matmul:
+    """y = x @ W.T on `_weight_int8pack_mm` for W the row-wise concatenation of `weights`.
+    x: (M, K) float32 or bfloat16 -> (M, N) in x's dtype (computed with bf16 activations and
+    scales, like Int4Matmul). Memory: N*K bytes plus 2 bytes a row."""
+
+    def __init__(self, weights: list[Int8Weight]):
+        if len({w.shape[1] for w in weights}) != 1:
+            raise ValueError("int8 shards of one layer must share their number of columns")
+        self.out_features = sum(w.shape[0] for w in weights)
+        self.values = torch.cat([w.values for w in weights]).contiguous()      # (N, K) int8
+        self.scale = torch.cat([w.scale for w in weights]).to(ACTIVATION_DTYPE)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.to(ACTIVATION_DTYPE), self.values, self.scale).to(x.dtype)
+
+
+QuantWeight = Int4Weight | Int8Weight
+MATMULS = {Int4Weight: Int4Matmul, Int8Weight: Int8Matmul}
+
+
+def _probe_weight(kind: type, n: int, k: int, gen: torch.Generator) -> QuantWeight:
+    if kind is Int4Weight:
+        return Int4Weight(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                          torch.rand(n, k // GROUP_SIZE, generator=gen) + 0.5,
+                          torch.randn(n, k // GROUP_SIZE, generator=gen))
+    return Int8Weight(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+                      torch.rand(n, generator=gen) + 0.5)
+
+
+@functools.cache
+def kernel_available(kind: type) -> bool:
+    """Whether the kernel of `kind` (Int4Weight or Int8Weight) runs on this CPU and reproduces
+    its weight's `dequantize()` on a small random weight, within bf16 rounding of the weight
+    and the output (~2^-8 of the output's scale). Checked once per process per kind; a
+    missing or wrong kernel is logged once and its layers use fp32."""
+    gen = torch.Generator().manual_seed(0)
+    weight = _probe_weight(kind, 32, 2 * GROUP_SIZE, gen)
+    x = torch.randn(3, 2 * GROUP_SIZE, generator=gen)
+    name = kind.__name__.removesuffix("Weight").lower()
+    try:
+        got = MATMULS[kind]([weight])(x)
+    except (RuntimeError, AttributeError) as exc:
+        logger.warning("%s weight kernel unavailable on this CPU (%s); those layers use fp32", name, exc)
+        return False
+    ref = x.to(ACTIVATION_DTYPE).float() @ weight.dequantize().t()
+    if float((got - ref).abs().max()) > 1e-2 * float(ref.abs().max()):
+        logger.warning("%s weight kernel disagrees with its reference here (max |diff| %.3g); "
+                       "those layers use fp32", name, float((got - ref).abs().max()))
+        return False
+    return True
