@@ -45,6 +45,11 @@ class EngineConfig:
         None, "speculative decoding: ngram = draft tokens copied from earlier in the request's own "
               "prompt and output, verified in one step (off by default)", ("ngram",))
     speculative_num_draft_tokens: int = _opt(4, "most draft tokens verified per request and step")
+    quantization: str = _opt(
+        "auto", "weight-only quantized linear layers for a GGUF model: int4 serves its Q4_0 / Q4_1 / "
+                "Q4_K weights exactly on torch's int4 kernel, int8 requantizes every linear weight per "
+                "row; auto = int4 for a GGUF (its stored 4-bit precision), none otherwise and under "
+                "--enable-deterministic-inference", ("none", "int8", "int4", "auto"))
     enable_deterministic_inference: bool = _opt(
         False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
                "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
@@ -60,6 +65,10 @@ class EngineConfig:
             raise ValueError("max_total_tokens must hold at least two pages")
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
+        if self.quantization in ("int4", "int8") and self.enable_deterministic_inference:
+            raise ValueError(f"--quantization {self.quantization} cannot be combined with "
+                             f"--enable-deterministic-inference: the quantized kernels are not "
+                             f"proven batch-invariant (use --quantization none or auto)")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 

@@ -21,7 +21,7 @@ from radixserve.runner.device import resolve_device
 from radixserve.sampling_params import SamplingParams
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache
 from radixserve.runner.structured import StructuredOutput
-from radixserve.weights.loader import load_checkpoint, load_weights
+from radixserve.weights.loader import load_checkpoint, load_weights, resolve_quantization
 from radixserve.weights.paths import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -98,12 +98,13 @@ class ModelRunner:
         path = resolve_model_path(config.model_path)
         start = time.perf_counter()
         logger.info("loading the model from %s", path)
-        model_config, weights = load_checkpoint(path)
+        quantization = resolve_quantization(config.quantization, path, config.enable_deterministic_inference)
+        model_config, weights = load_checkpoint(path, quantization)
         model = model_class(model_config)(model_config)
         scales = load_weights(model, weights)
         runner = cls(model, model_config, config, scales)
-        logger.info("loaded %s (%s, %d layers) in %.1f s on %s; KV: %d pages x %d tokens, %s",
-                    path, model_config.architecture, model_config.num_layers,
+        logger.info("loaded %s (%s, %d layers, quantization %s) in %.1f s on %s; KV: %d pages x %d tokens, %s",
+                    path, model_config.architecture, model_config.num_layers, quantization,
                     time.perf_counter() - start, runner.device, runner.num_pages, runner.page_size,
                     str(runner.kv.dtype).removeprefix("torch."))
         return runner
