@@ -108,7 +108,8 @@ def test_tiny_gguf_matches_safetensors_and_is_cached(tmp_path, monkeypatch, capl
     assert "first run" not in caplog.text
     assert cached_config == config
     assert all(torch.equal(t, got[n]) for n, t in cached)
-    runner = ModelRunner.from_config(EngineConfig(model_path=str(path), page_size=4, max_total_tokens=256))
+    runner = ModelRunner.from_config(EngineConfig(model_path=str(path), page_size=4, max_total_tokens=256,
+                                                  quantization="none"))
     ref_runner = ModelRunner.from_config(EngineConfig(model_path=str(hf_dir), page_size=4, max_total_tokens=256))
     assert greedy(runner, [5, 6, 7, 8, 9], 6) == greedy(ref_runner, [5, 6, 7, 8, 9], 6)
 
@@ -120,7 +121,7 @@ def test_default_gguf_greedy_matches_transformers():
     from transformers import AutoTokenizer
 
     prompt = AutoTokenizer.from_pretrained(folder, gguf_file=name).encode("The capital of France is")
-    runner = ModelRunner.from_config(EngineConfig(page_size=16, max_total_tokens=1024))
+    runner = ModelRunner.from_config(EngineConfig(page_size=16, max_total_tokens=1024, quantization="none"))
     assert runner.vocab_size == 49152 and 2 in runner.eos_token_ids
     ours, _ = greedy(runner, prompt, 16)
     hf = hf_gguf_model(folder, name)
