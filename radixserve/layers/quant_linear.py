@@ -50,7 +50,7 @@ class Int4Weight:
         return Int4Weight(*(t.index_select(0, index) for t in (self.codes, self.scale, self.zero)))
 
     def dequantize(self) -> torch.Tensor:
-        """(N, K) float32, exactly GGUF's dequantization of the source blocks."""
+        """(N, K) float32: GGUF's dequantization of the source blocks (up to fp32 rounding)."""
         def expand(t: torch.Tensor) -> torch.Tensor:
             return t.repeat_interleave(GROUP_SIZE, dim=1)
         return (self.codes.float() - 8) * expand(self.scale) + expand(self.zero)
