@@ -198,8 +198,9 @@ def load_gguf(path: str, quantization: str = "none") -> tuple[ModelConfig, Itera
         with safe_open(cached, framework="pt") as f:
             config = ModelConfig.from_json(f.metadata()["model_config"])
         return config, _iter_cached(cached)
-    logger.info("first run: converting GGUF %s to %s, cached for next time in %s",
-                os.path.basename(path), quantization if quantized else "fp32", cached)
+    logger.info("first run: %s GGUF %s to %s, cached for next time in %s",
+                "converting" if quantized else "dequantizing", os.path.basename(path),
+                quantization if quantized else "fp32", cached)
     config, tensors = _quantized(path, quantization) if quantized else _dequantized(path)
     _write_cache(path, config, _flatten(tensors), cached)
     return config, iter(tensors.items())
