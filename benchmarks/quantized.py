@@ -1,6 +1,6 @@
 """Weight-only quantized linear layers on the default model: speed and quality of int4 / int8 against fp32, in one run.
 
-Run:  python benchmarks/quantized.py [--modes none,int4,int8] [--batches 1,16,64] [--reps 3]
+Run:  python benchmarks/quantized.py [--modes none,int4,int8] [--batches 1,16,64] [--reps 3] [--kernels]
 
 Speed (greedy, ignore_eos, 16-token random prompts, runs interleaved mode by mode so load
 drift hits all alike; median of --reps): batch-1 decode ms/token = (time for 1 + T tokens -
@@ -104,6 +104,43 @@ def linear_bytes(llm: LLM) -> int:
     return total
 
 
+def kernels(batches: list[int], reps: int) -> None:
+    """Per-layer times of the default model's linear shapes: fp32 Linear (its CPU fast paths)
+    vs the int4 / int8 kernels on bf16 activations, and int4 on fp32 activations."""
+    import torch
+
+    from radixserve.layers.quant_linear import Int4Matmul, Int4Weight, Int8Matmul, Int8Weight
+
+    def median_us(fn) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e6 * statistics.median(times)
+
+    gen = torch.Generator().manual_seed(0)
+    print(f"\n## Kernels, us per call, median of {reps} ({load()})")
+    print("| N x K | M | fp32 Linear | int4 bf16 | int8 bf16 | int4 fp32 act |\n|---|---:|---:|---:|---:|---:|")
+    for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)):
+        w = torch.randn(n, k, generator=gen)
+        dense = Linear(k, n)
+        dense.load(w)
+        dense.prepare()
+        int4 = Int4Matmul([Int4Weight(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                                      torch.rand(n, k // 32, generator=gen), torch.randn(n, k // 32, generator=gen))])
+        int8 = Int8Matmul([Int8Weight.from_float(w)])
+        for m in batches:
+            x = torch.randn(m, k, generator=gen)
+            xb = x.bfloat16()
+            t32, t4, t8 = median_us(lambda: dense(x)), median_us(lambda: int4(xb)), median_us(lambda: int8(xb))
+            sz32 = int4.scales_zeros.float()
+            slow = (f"{median_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4.packed, 32, sz32)):.0f}"
+                    if m == 1 else "-")
+            print(f"| {n} x {k} | {m} | {t32:.0f} | {t4:.0f} ({t32 / t4:.2f}x) | {t8:.0f} ({t32 / t8:.2f}x) | {slow} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="none,int4,int8")
@@ -111,6 +148,7 @@ def main() -> None:
     ap.add_argument("--out-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quality-tokens", type=int, default=32)
+    ap.add_argument("--kernels", action="store_true", help="also time single layers (fp32 vs int4 vs int8)")
     args = ap.parse_args()
     common = dict(max_total_tokens=8192, chunked_prefill_size=1024, max_running_requests=128)
     llms: dict[str, LLM] = {}
@@ -121,6 +159,8 @@ def main() -> None:
         start = time.perf_counter()
         llms[mode] = LLM(quantization=mode, **common)
         print(f"| {mode} | {time.perf_counter() - start:.1f} | {linear_bytes(llms[mode]) / 1e6:.1f} |")
+    if args.kernels:
+        kernels([int(b) for b in args.batches.split(",")], 5 * args.reps)
     speed(llms, [int(b) for b in args.batches.split(",")], args.out_tokens, args.reps)
     if "none" in llms:
         quality(llms["none"], {m: llm for m, llm in llms.items() if m != "none"}, args.quality_tokens)

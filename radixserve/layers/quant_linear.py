@@ -1,20 +1,20 @@
-"""Weight-only quantized matmul on the CPU: int4 weights (GGUF Q4_0 / Q4_1 / Q4_K) on torch's `_weight_int4pack_mm_for_cpu`.
+"""Weight-only quantized matmul on the CPU: int4 (GGUF Q4_0 / Q4_1 / Q4_K, exact) and per-row int8, on torch's own kernels.
 
-The kernel computes y = x @ W.T with W[n, k] = (q[n, k] - 8) * scale[k // g, n] + zero[k // g, n]
-(q in 0..15, groups of g = 32 columns), verified against that formula on torch 2.13; GGUF's
-4-bit types map onto it exactly (weights/gguf_blocks.py). Why bf16 activations: on this AVX2
-CPU the kernel has a vectorised path for bf16 only; with fp32 or fp16 activations it is 5-50x
-slower than the fp32 GEMM (docs/benchmarks.md, "Quantized linear layers"). The kernel demands
-scale and zero in the activation dtype, so they are rounded to bf16 as well.
+`_weight_int4pack_mm_for_cpu` computes y = x @ W.T with W[n, k] = (q[n, k] - 8) * scale[k // g, n]
++ zero[k // g, n] (q in 0..15, groups of g = 32 columns; layout and sign checked against that
+formula on torch 2.13); GGUF's 4-bit types map onto it exactly (weights/gguf_blocks.py).
+`_weight_int8pack_mm` takes one scale per output row only, so GGUF's per-32 block scales
+(Q8_0, Q6_K, ...) cannot map exactly: int8 requantizes a weight per row (`Int8Weight`).
 
-Error bound (per weight, against GGUF's fp32 dequantization w): |W - w| <= 2^-9 (8 |scale| +
-|zero|) from rounding scale and zero to bf16 (unit roundoff 2^-9), plus rounding x to bf16
-(|dx| <= 2^-9 |x|); products are accumulated in fp32. Both are about 30x below the int4 step
-itself (|scale| / 2 of a weight whose range is ~15 |scale|).
+Why bf16 activations: on this AVX2 CPU both kernels have a vectorised path for bf16 only; with
+fp32 or fp16 activations they are 5-50x slower than the fp32 GEMM (docs/benchmarks.md,
+"Quantized linear layers"). The kernels demand scales in the activation dtype, so scale and
+zero are rounded to bf16 too, and the output comes back in bf16.
 
-`_weight_int8pack_mm` (per-output-channel int8 scales only) cannot represent GGUF's per-32
-block scales exactly, and on this CPU it was no faster than the int4 kernel at any batch size,
-so int8 is not served: such tensors stay fp32 (docs/benchmarks.md).
+Error (against GGUF's fp32 dequantization w, per output): x, the dequantized weight and the
+output are each rounded to bf16 (unit roundoff 2^-9), products accumulate in fp32, so
+|y - x @ w.T| <= ~3 * 2^-9 * (|x| @ |w|.T) (tests/unit/test_quant_linear.py checks 2x that).
+For int4 that is ~30x below the 4-bit step itself (|scale| / 2 on a range of ~15 |scale|).
 """
 from __future__ import annotations
 
