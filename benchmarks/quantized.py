@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--out-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--quality-tokens", type=int, default=32)
+    ap.add_argument("--quality-tokens", type=int, default=32, help="0: skip the quality tables")
     ap.add_argument("--kernels", action="store_true", help="also time single layers (fp32 vs int4 vs int8)")
     args = ap.parse_args()
     common = dict(max_total_tokens=8192, chunked_prefill_size=1024, max_running_requests=128)
@@ -162,7 +162,7 @@ def main() -> None:
     if args.kernels:
         kernels([int(b) for b in args.batches.split(",")], 5 * args.reps)
     speed(llms, [int(b) for b in args.batches.split(",")], args.out_tokens, args.reps)
-    if "none" in llms:
+    if "none" in llms and args.quality_tokens:
         quality(llms["none"], {m: llm for m, llm in llms.items() if m != "none"}, args.quality_tokens)
     print(f"\n{load()}")
 

@@ -46,10 +46,11 @@ class EngineConfig:
               "prompt and output, verified in one step (off by default)", ("ngram",))
     speculative_num_draft_tokens: int = _opt(4, "most draft tokens verified per request and step")
     quantization: str = _opt(
-        "auto", "weight-only quantized linear layers for a GGUF model: int4 serves its Q4_0 / Q4_1 / "
-                "Q4_K weights exactly on torch's int4 kernel, int8 requantizes every linear weight per "
-                "row; auto = int4 for a GGUF (its stored 4-bit precision), none otherwise and under "
-                "--enable-deterministic-inference", ("none", "int8", "int4", "auto"))
+        "none", "weight-only quantized linear layers for a GGUF model: int4 serves its Q4_0 / Q4_1 / "
+                "Q4_K weights exactly on torch's int4 kernel (~6x less linear-weight memory, faster at "
+                "batch 1, slower at batch >= 16 on AVX2: docs/benchmarks.md), int8 requantizes every "
+                "linear weight per row; auto = int4 for a GGUF (its stored 4-bit precision), none "
+                "otherwise and under --enable-deterministic-inference", ("none", "int8", "int4", "auto"))
     enable_deterministic_inference: bool = _opt(
         False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
                "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
