@@ -149,10 +149,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quality-tokens", type=int, default=32, help="0: skip the quality tables")
     ap.add_argument("--kernels", action="store_true", help="also time single layers (fp32 vs int4 vs int8)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: all cores); 1 is steadier on a shared, loaded box")
     args = ap.parse_args()
-    common = dict(max_total_tokens=8192, chunked_prefill_size=1024, max_running_requests=128)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    common = dict(max_total_tokens=8192, chunked_prefill_size=1024, max_running_requests=128,
+                  num_threads=args.threads)
     llms: dict[str, LLM] = {}
-    print(f"# benchmarks/quantized.py ({load()}, {os.cpu_count()} CPUs)\n")
+    print(f"# benchmarks/quantized.py ({load()}, {os.cpu_count()} CPUs, threads {args.threads or 'all'})\n")
     print("| mode | load s (cached) | decoder linear weights MB (lm_head: tied fp32 embedding) |\n|---|---:|---:|")
     for mode in args.modes.split(","):
         LLM(quantization=mode, **common)                   # first load writes the cache
