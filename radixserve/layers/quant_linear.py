@@ -71,7 +71,6 @@ class Int4Matmul:
         codes = torch.cat([w.codes for w in weights])                          # (N, K)
         if codes.shape[0] % _PACK_ROWS:
             raise ValueError(f"int4 packing needs rows divisible by {_PACK_ROWS}, got {codes.shape[0]}")
-        self.out_features = codes.shape[0]
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         scale = torch.cat([w.scale for w in weights])                           # (N, K/g)
         zero = torch.cat([w.zero for w in weights])
@@ -120,7 +119,6 @@ class Int8Matmul:
     def __init__(self, weights: list[Int8Weight]):
         if len({w.shape[1] for w in weights}) != 1:
             raise ValueError("int8 shards of one layer must share their number of columns")
-        self.out_features = sum(w.shape[0] for w in weights)
         self.values = torch.cat([w.values for w in weights]).contiguous()      # (N, K) int8
         self.scale = torch.cat([w.scale for w in weights]).to(ACTIVATION_DTYPE)
 
