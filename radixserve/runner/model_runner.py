@@ -43,7 +43,8 @@ class ModelRunner:
     eos_token_ids, model_config, model, kv (KVCache), backend, dtype, device.
 
     Every tensor of a step (weights, KV, step metadata, sampling) lives on `device`.
-    Memory: weights twice on CPU (plain + oneDNN-packed, see layers/linear.py), the KV cache
+    Memory: weights twice on CPU (plain + oneDNN-packed, see layers/linear.py; a layer served
+    quantized by --quantization keeps only its packed int4 / int8 form), the KV cache
     (config; stored in --kv-cache-dtype), and on CPU the torch backend's DecodeMirror of
     decoding sequences (compute dtype, at most 2 GiB).
 
