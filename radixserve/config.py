@@ -61,6 +61,12 @@ class EngineConfig:
               "default all)")
     speculative_draft_model_path: str | None = _opt(
         None, "draft: a separate draft model (HF folder or .gguf) with the target's vocabulary")
+    quantization: str = _opt(
+        "none", "weight-only quantized linear layers for a GGUF model: int4 serves its Q4_0 / Q4_1 / "
+                "Q4_K weights exactly on torch's int4 kernel (~6x less linear-weight memory, faster at "
+                "batch 1, slower at batch >= 16 on AVX2: docs/benchmarks.md), int8 requantizes every "
+                "linear weight per row; auto = int4 for a GGUF (its stored 4-bit precision), none "
+                "otherwise and under --enable-deterministic-inference", ("none", "int8", "int4", "auto"))
     enable_deterministic_inference: bool = _opt(
         False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
                "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
@@ -83,6 +89,10 @@ class EngineConfig:
                              "--speculative-draft-model-path, and they need it")
         if self.speculative_draft_layers is not None and self.speculative_draft_layers < 1:
             raise ValueError("speculative_draft_layers must be >= 1")
+        if self.quantization in ("int4", "int8") and self.enable_deterministic_inference:
+            raise ValueError(f"--quantization {self.quantization} cannot be combined with "
+                             f"--enable-deterministic-inference: the quantized kernels are not "
+                             f"proven batch-invariant (use --quantization none or auto)")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 

@@ -8,6 +8,9 @@ SmolLM2 weights takes ~46 ms, the split-bmm below ~12 ms). So after loading:
 - M > 1: a oneDNN prepacked weight (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's
   freezing uses) avoids per-call reorders; 2-2.5x faster than `F.linear` at M = 2..64.
 Both fall back to `F.linear` where unavailable (non-CPU, no oneDNN).
+Quantized checkpoints (`--quantization int4|int8|auto`): a layer whose every shard was loaded as
+an `Int4Weight` (or every one as an `Int8Weight`) runs on that kernel instead (quant_linear.py)
+and keeps no float weight.
 Batch-invariant mode (`prepare(batch_invariant=True)`, for --enable-deterministic-inference) uses
 the packed oneDNN path for every M, M == 1 included: see batch_invariant.py.
 """
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers import batch_invariant as bi
+from radixserve.layers.quant_linear import MATMULS, QuantWeight, kernel_available
 
 logger = logging.getLogger(__name__)
 _UNPACKABLE: set[torch.dtype] = set()   # dtypes whose prepacking failed (already logged)
@@ -28,7 +32,9 @@ class Linear(torch.nn.Module):
     """y = x @ weight.T (+ bias). weight: (out_features, in_features); x: (M, in) -> (M, out).
 
     `shards` names row ranges of a fused weight, e.g. {"q": (0, 576), "k": (576, 192), ...};
-    a checkpoint tensor for one shard is copied into its rows by `load(tensor, shard)`.
+    a checkpoint tensor for one shard is copied into its rows by `load(tensor, shard)`, or kept
+    as is when it is a quantized weight (quant_linear.py) until `prepare()` packs the layer
+    (or dequantizes it).
     Call `prepare()` once after the final weights and dtype are in place.
     """
 
@@ -42,9 +48,12 @@ class Linear(torch.nn.Module):
         self.shards = shards or {}
         self._split: torch.Tensor | None = None    # (s, out/s, in) view for M == 1
         self._packed: torch.Tensor | None = None   # oneDNN-layout weight for M > 1
+        self._quant_shards: dict[str | None, QuantWeight] = {}
+        self._quant = None                         # Int4Matmul or Int8Matmul
 
-    def load(self, tensor: torch.Tensor, shard: str | None = None, is_bias: bool = False) -> None:
-        """Copy a checkpoint tensor ((rows, in) or (rows,) for a bias) into the weight or one shard."""
+    def load(self, tensor: torch.Tensor | QuantWeight, shard: str | None = None, is_bias: bool = False) -> None:
+        """Copy a checkpoint tensor ((rows, in) or (rows,) for a bias) into the weight or one
+        shard; a quantized weight is kept for `prepare()`. Raises ValueError on a shape mismatch."""
         target = self.bias if is_bias else self.weight
         assert target is not None, "checkpoint has a bias this layer was built without"
         if shard is not None:
@@ -53,7 +62,10 @@ class Linear(torch.nn.Module):
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs parameter "
                              f"{tuple(target.shape)} (shard {shard!r})")
-        target.copy_(tensor)
+        if isinstance(tensor, tuple(MATMULS)):
+            self._quant_shards[shard] = tensor
+        else:
+            target.copy_(tensor)
 
     def tie(self, weight: torch.nn.Parameter) -> None:
         """Share another module's weight (tied input embedding and LM head)."""
@@ -64,6 +76,8 @@ class Linear(torch.nn.Module):
         """Build the CPU fast paths for the current weight (see module docstring). With
         `batch_invariant` every M takes the packed path; raises ValueError where it cannot."""
         self._split, self._packed = None, None
+        if self._quant_shards and self._prepare_quant(batch_invariant):
+            return
         w = self.weight.data
         if batch_invariant:
             self._packed = bi.pack(w)
@@ -82,7 +96,33 @@ class Linear(torch.nn.Module):
                     logger.warning("oneDNN weight prepacking unavailable for %s (%s); using F.linear",
                                    str(w.dtype).removeprefix("torch."), exc)
 
+    def _prepare_quant(self, batch_invariant: bool) -> bool:
+        """Pack the quantized shards for their kernel and drop the float weight; or, where the
+        layer cannot run on it (shards missing or of two kinds, no kernel, a non-CPU weight,
+        batch-invariant mode), dequantize them into the float weight. Returns whether it packed."""
+        order = [None] if None in self._quant_shards else list(self.shards)
+        kinds = {type(q) for q in self._quant_shards.values()}
+        complete = all(s in self._quant_shards for s in order) and len(kinds) == 1
+        w = self.weight.data
+        if complete and not batch_invariant and w.device.type == "cpu" and kernel_available(*kinds):
+            try:
+                self._quant = MATMULS[kinds.pop()]([self._quant_shards[s] for s in order])
+            except ValueError as exc:
+                logger.warning("quantized layer %dx%d kept in float: %s", self.out_features, self.in_features, exc)
+            else:
+                self.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+                self._quant_shards = {}
+                return True
+        for shard, q in self._quant_shards.items():
+            rows = w if shard is None else w.narrow(0, *self.shards[shard])
+            rows.copy_(q.dequantize())
+        self._quant_shards = {}
+        return False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._quant is not None:
+            y = self._quant(x)
+            return y if self.bias is None else y.add_(self.bias)
         if x.shape[0] == 1 and self._split is not None:
             s = self._split.shape[0]
             y = torch.bmm(self._split, x.t().unsqueeze(0).expand(s, -1, 1)).view(1, self.out_features)

@@ -23,7 +23,7 @@ from radixserve.runner.draft import DraftModel
 from radixserve.sampling_params import SamplingParams
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache, KVPages
 from radixserve.runner.structured import StructuredOutput
-from radixserve.weights.loader import load_checkpoint, load_weights
+from radixserve.weights.loader import load_checkpoint, load_weights, resolve_quantization
 from radixserve.weights.paths import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ class ModelRunner:
     eos_token_ids, model_config, model, kv (KVCache), backend, dtype, device.
 
     Every tensor of a step (weights, KV, step metadata, sampling) lives on `device`.
-    Memory: weights twice on CPU (plain + oneDNN-packed, see layers/linear.py), the KV cache
+    Memory: weights twice on CPU (plain + oneDNN-packed, see layers/linear.py; a layer served
+    quantized by --quantization keeps only its packed int4 / int8 form), the KV cache
     (config; stored in --kv-cache-dtype), and on CPU the torch backend's DecodeMirror of
     decoding sequences (compute dtype, at most 2 GiB).
 
@@ -103,7 +104,8 @@ class ModelRunner:
         path = resolve_model_path(config.model_path)
         start = time.perf_counter()
         logger.info("loading the model from %s", path)
-        model_config, weights = load_checkpoint(path)
+        quantization = resolve_quantization(config.quantization, path, config.enable_deterministic_inference)
+        model_config, weights = load_checkpoint(path, quantization)
         model = model_class(model_config)(model_config)
         scales = load_weights(model, weights)
         draft = None
@@ -113,8 +115,8 @@ class ModelRunner:
             draft = model_class(draft_config)(draft_config)
             load_weights(draft, draft_weights)
         runner = cls(model, model_config, config, scales, draft)
-        logger.info("loaded %s (%s, %d layers) in %.1f s on %s; KV: %d pages x %d tokens, %s",
-                    path, model_config.architecture, model_config.num_layers,
+        logger.info("loaded %s (%s, %d layers, quantization %s) in %.1f s on %s; KV: %d pages x %d tokens, %s",
+                    path, model_config.architecture, model_config.num_layers, quantization,
                     time.perf_counter() - start, runner.device, runner.num_pages, runner.page_size,
                     str(runner.kv.dtype).removeprefix("torch."))
         return runner

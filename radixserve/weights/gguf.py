@@ -1,10 +1,13 @@
-"""Read GGUF files: metadata, and tensors dequantized to fp32 under transformers' names (cached on disk).
+"""Read GGUF files: metadata, and tensors under transformers' names, dequantized to fp32 (cached on disk) or kept int4.
 
 llama.cpp's converter permutes the rows of Llama's q/k projections for its interleaved RoPE
 layout; `_unpermute` undoes it exactly as transformers' GGUF loader does
 (`LlamaTensorProcessor._reverse_permute_weights`), so the tensors equal what
 `from_pretrained(..., gguf_file=...)` loads. Dequantizing takes seconds, so the fp32 result and
 the ModelConfig are cached as one safetensors file keyed by the GGUF's path, size and mtime.
+With `--quantization int4` (and auto), 4-bit linear weights are decoded from their blocks into
+`Int4Weight` instead (gguf_blocks.py); with int8 every linear weight is requantized per row
+into `Int8Weight`; each variant is cached in its own file.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from radixserve.layers.quant_linear import Int4Weight, Int8Weight, QuantWeight
 from radixserve.models.model_config import ModelConfig
+from radixserve.weights.gguf_blocks import INT4_TYPES, decode_int4
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +48,13 @@ def cache_dir() -> str:
     return os.environ.get("RADIXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
 
 
-def cache_path(gguf_path: str) -> str:
-    """Cache file of one GGUF file, keyed by its absolute path, size and mtime."""
+def cache_path(gguf_path: str, variant: str = "") -> str:
+    """Cache file of one GGUF file, keyed by its absolute path, size and mtime; `variant`
+    ("" for fp32, "int4", "int8") names what it holds."""
     st = os.stat(gguf_path)
     key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{_CACHE_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    stem = os.path.splitext(os.path.basename(gguf_path))[0] + (f".{variant}" if variant else "")
     return os.path.join(cache_dir(), "gguf", f"{stem}-{digest}.safetensors")
 
 
@@ -83,59 +89,132 @@ def _metadata(reader) -> dict[str, Any]:
     return meta
 
 
-def _dequantized(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _read(path: str) -> tuple[ModelConfig, Any]:
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     reader = GGUFReader(path)
     names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf(_metadata(reader), has_output_weight="output.weight" in names)
-    tensors: dict[str, torch.Tensor] = {}
+    return ModelConfig.from_gguf(_metadata(reader), has_output_weight="output.weight" in names), reader
+
+
+def _named_tensors(reader) -> Iterator[tuple[str, Any]]:
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             logger.warning("skipping GGUF tensor %s", t.name)
             continue
-        shape = tuple(int(n) for n in reversed(t.shape))
-        array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, order="C", copy=True)
-        w = torch.from_numpy(array).reshape(shape)
-        if config.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
-            w = _unpermute(w, config.num_heads if ".q_proj." in name else config.num_kv_heads)
-        tensors[name] = w.contiguous()
+        yield name, t
+
+
+def _unpermuted(config: ModelConfig, name: str, w):
+    """`w` (a tensor or a quantized weight) with llama.cpp's q/k row permutation undone."""
+    if config.architecture != "llama" or not (".q_proj." in name or ".k_proj." in name):
+        return w
+    num_heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+    if isinstance(w, Int4Weight):
+        return w.take_rows(_unpermute(torch.arange(w.shape[0]), num_heads))
+    return _unpermute(w, num_heads).contiguous()
+
+
+def _fp32(config: ModelConfig, name: str, t) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    shape = tuple(int(n) for n in reversed(t.shape))
+    array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, order="C", copy=True)
+    return _unpermuted(config, name, torch.from_numpy(array).reshape(shape))
+
+
+def _dequantized(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    config, reader = _read(path)
+    return config, {name: _fp32(config, name, t) for name, t in _named_tensors(reader)}
+
+
+def _int4(config: ModelConfig, name: str, t) -> Int4Weight:
+    blocks = decode_int4(t.tensor_type.name, t.data, int(t.shape[0]))
+    return _unpermuted(config, name, Int4Weight(*(torch.from_numpy(a) for a in blocks)))
+
+
+def _quantized(path: str, mode: str) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight]]:
+    """mode "int4": linear weights stored as Q4_0, Q4_1 or Q4_K as Int4Weight (exact, from the
+    blocks); mode "int8": every linear weight requantized per output row (Int8Weight, from
+    that one tensor's fp32 values). Everything else fp32. Logs one line naming the linear
+    weights' types that stay fp32."""
+    config, reader = _read(path)
+    tensors: dict[str, torch.Tensor | QuantWeight] = {}
+    kept: dict[str, int] = {}
+    for name, t in _named_tensors(reader):
+        linear = name.endswith("_proj.weight") or name == "lm_head.weight"
+        if linear and mode == "int4" and t.tensor_type.name in INT4_TYPES:
+            tensors[name] = _int4(config, name, t)
+        elif linear and mode == "int8":
+            tensors[name] = Int8Weight.from_float(_fp32(config, name, t))
+        else:
+            if linear:
+                kept[t.tensor_type.name] = kept.get(t.tensor_type.name, 0) + 1
+            tensors[name] = _fp32(config, name, t)
+    if kept:
+        logger.info("%s: linear weights of GGUF type %s have no exact %s mapping; served in fp32", mode,
+                    ", ".join(f"{k} ({n})" for k, n in sorted(kept.items())), mode)
     return config, tensors
 
 
-def _write_cache(path: str, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
-    target = cache_path(path)
+def _flatten(tensors: dict[str, torch.Tensor | QuantWeight]) -> dict[str, torch.Tensor]:
+    """Int4Weight `n` -> `n#codes` (two codes a byte, low nibble first), `n#scale`, `n#zero`;
+    Int8Weight `n` -> `n#values`, `n#scale`."""
+    flat: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if isinstance(t, Int4Weight):
+            flat[f"{name}#codes"] = t.codes[:, 0::2] | (t.codes[:, 1::2] << 4)
+            flat[f"{name}#scale"], flat[f"{name}#zero"] = t.scale, t.zero
+        elif isinstance(t, Int8Weight):
+            flat[f"{name}#values"], flat[f"{name}#scale"] = t.values, t.scale
+        else:
+            flat[name] = t
+    return flat
+
+
+def _write_cache(path: str, config: ModelConfig, tensors: dict[str, torch.Tensor], target: str) -> None:
     tmp = f"{target}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         save_file(tensors, tmp, metadata={"model_config": config.to_json(), "source": os.path.abspath(path)})
         os.replace(tmp, target)  # atomic: a concurrent reader sees the old state or the whole file
     except OSError as exc:
-        logger.warning("could not cache dequantized GGUF weights at %s: %s", target, exc)
+        logger.warning("could not cache GGUF weights at %s: %s", target, exc)
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """ModelConfig and an iterator of (transformers name, fp32 tensor) for a .gguf file.
+def load_gguf(path: str, quantization: str = "none") -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | QuantWeight]]]:
+    """ModelConfig and an iterator of (transformers name, tensor) for a .gguf file: fp32
+    tensors for quantization "none"; for "int4" / "int8" the linear weights as quantized
+    weights where `_quantized` says so (never the whole model in fp32).
 
-    Uses the on-disk cache when present; otherwise dequantizes everything and writes it.
+    Uses the on-disk cache of that variant when present; otherwise converts and writes it.
     """
-    cached = cache_path(path)
+    quantized = quantization != "none"
+    cached = cache_path(path, quantization if quantized else "")
     if os.path.exists(cached):
         with safe_open(cached, framework="pt") as f:
             config = ModelConfig.from_json(f.metadata()["model_config"])
         return config, _iter_cached(cached)
-    logger.info("first run: dequantizing GGUF %s to fp32, cached for next time in %s",
-                os.path.basename(path), cached)
-    config, tensors = _dequantized(path)
-    _write_cache(path, config, tensors)
+    logger.info("first run: %s GGUF %s to %s, cached for next time in %s",
+                "converting" if quantized else "dequantizing", os.path.basename(path),
+                quantization if quantized else "fp32", cached)
+    config, tensors = _quantized(path, quantization) if quantized else _dequantized(path)
+    _write_cache(path, config, _flatten(tensors), cached)
     return config, iter(tensors.items())
 
 
-def _iter_cached(cached: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_cached(cached: str) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     with safe_open(cached, framework="pt") as f:
         for name in f.keys():
-            yield name, f.get_tensor(name)
+            base, _, part = name.partition("#")
+            if part == "codes":
+                packed = f.get_tensor(name)
+                codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(1)
+                yield base, Int4Weight(codes, f.get_tensor(f"{base}#scale"), f.get_tensor(f"{base}#zero"))
+            elif part == "values":
+                yield base, Int8Weight(f.get_tensor(name), f.get_tensor(f"{base}#scale"))
+            elif not part:
+                yield name, f.get_tensor(name)

@@ -10,6 +10,11 @@ from radixserve.engine.engine import Engine
 from radixserve.sampling_params import SamplingParams
 
 TIE_GAP = 1e-4  # a top-2 logit gap below this is a numerical tie: either token is right
+# The default model's parity prompts (test_parity.py; benchmarks/quantized.py scores them too).
+PARITY_TEXTS = ["What is the capital of France?", "def fibonacci(n):", "Once upon a time",
+                "The three primary colors are", "1, 2, 3, 4,", "Translate to French: I like apples.",
+                "Write a haiku about the sea.", "import numpy as np\n", "Q: Why is the sky blue?\nA:",
+                "Paris is"]
 
 
 @torch.inference_mode()

@@ -41,8 +41,10 @@ def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(hf_dir, path) -> None:
-    """Convert a tiny HF Llama to GGUF the way llama.cpp does (F32, q/k permuted, tied)."""
+def write_tiny_gguf(hf_dir, path, types: dict[str, str] | None = None) -> None:
+    """Convert a tiny HF Llama to GGUF the way llama.cpp does (F32, q/k permuted, tied).
+    `types`: GGUF tensor-name part (e.g. "attn_q", "token_embd") -> quantization type name
+    ("Q4_0", ...), quantized with `gguf.quants.quantize`; the rest stays F32."""
     import gguf
     from safetensors.torch import load_file
 
@@ -74,7 +76,12 @@ def write_tiny_gguf(hf_dir, path) -> None:
             gname = f"blk.{i}.{names[module]}.{kind}"
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
-        w.add_tensor(gname, np.ascontiguousarray(a))
+        qtype = next((t for part, t in (types or {}).items() if f"{part}." in gname), None)
+        if qtype is None:
+            w.add_tensor(gname, np.ascontiguousarray(a))
+        else:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(a), kind), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -108,7 +115,8 @@ def test_tiny_gguf_matches_safetensors_and_is_cached(tmp_path, monkeypatch, capl
     assert "first run" not in caplog.text
     assert cached_config == config
     assert all(torch.equal(t, got[n]) for n, t in cached)
-    runner = ModelRunner.from_config(EngineConfig(model_path=str(path), page_size=4, max_total_tokens=256))
+    runner = ModelRunner.from_config(EngineConfig(model_path=str(path), page_size=4, max_total_tokens=256,
+                                                  quantization="none"))
     ref_runner = ModelRunner.from_config(EngineConfig(model_path=str(hf_dir), page_size=4, max_total_tokens=256))
     assert greedy(runner, [5, 6, 7, 8, 9], 6) == greedy(ref_runner, [5, 6, 7, 8, 9], 6)
 
@@ -120,7 +128,7 @@ def test_default_gguf_greedy_matches_transformers():
     from transformers import AutoTokenizer
 
     prompt = AutoTokenizer.from_pretrained(folder, gguf_file=name).encode("The capital of France is")
-    runner = ModelRunner.from_config(EngineConfig(page_size=16, max_total_tokens=1024))
+    runner = ModelRunner.from_config(EngineConfig(page_size=16, max_total_tokens=1024, quantization="none"))
     assert runner.vocab_size == 49152 and 2 in runner.eos_token_ids
     ours, _ = greedy(runner, prompt, 16)
     hf = hf_gguf_model(folder, name)

@@ -13,7 +13,7 @@ import pytest
 
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
-from tests.model.parity import assert_parity, engine_generate, hf_gguf_model, hf_greedy
+from tests.model.parity import PARITY_TEXTS, assert_parity, engine_generate, hf_gguf_model, hf_greedy
 
 NUM_NEW = 32
 
@@ -37,7 +37,9 @@ SCENARIOS = {
 def make_engine(model_path, **cfg):
     from radixserve.runner.model_runner import ModelRunner
 
-    cfg = {"page_size": 16, "chunked_prefill_size": 128, "max_total_tokens": 16384, **cfg}
+    # Parity with transformers' fp32 weights: unquantized whatever --quantization's default.
+    cfg = {"page_size": 16, "chunked_prefill_size": 128, "max_total_tokens": 16384,
+           "quantization": "none", **cfg}
     config = EngineConfig(model_path=str(model_path), **cfg)
     return Engine(config, ModelRunner.from_config(config))
 
@@ -80,10 +82,7 @@ def default_case(default_gguf):
     folder, name = str(default_gguf.parent), default_gguf.name
     hf = hf_gguf_model(folder, name)  # from_pretrained(gguf_file=...) needs accelerate
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    texts = ["What is the capital of France?", "def fibonacci(n):", "Once upon a time",
-             "The three primary colors are", "1, 2, 3, 4,", "Translate to French: I like apples.",
-             "Write a haiku about the sea.", "import numpy as np\n", "Q: Why is the sky blue?\nA:",
-             "Paris is"]
+    texts = PARITY_TEXTS
     rng = random.Random(1)
     prompts = [tok.encode(t) for t in texts]
     # Longer prompts from concatenated text, past two 128-token chunks.

@@ -1,0 +1,244 @@
+"""Acceptance as an anomaly detector: detection rate, tokens to detection and false positives of the text, acceptance and combined detectors.
+
+Run:  PYTHONPATH=. python benchmarks/spec_anomaly.py [--algorithm ngram|draft] [--draft-layers L]
+          [--num-normal 2000] [--num-faulted 200] [--max-tokens 160] [--concurrency 32] [--out DIR]
+
+In-process on the embedded SmolLM2-135M-Instruct with speculation on (n-gram drafts, or a
+self-draft of the first L of its 30 layers; K=4) and the radix cache off (a corrupted page then
+belongs to one request only):
+
+1. normal: `--num-normal` chat requests, a quarter each of chat (explanations, lists, poems,
+   tables, JSON, stories), code (write a function), copy-heavy editing (repeat a code file or a
+   paragraph with one name changed) and multilingual (translate into eight languages); half
+   greedy, half temperature 0.7 with a seed. Every detection here is a false positive.
+2. faulted: `--num-faulted` more requests from the same mix, run twice: clean, then with the
+   engine's kv_corrupt fault armed for all of them (half noise, half swap, fraction 0.5, after
+   16 generated tokens). A request counts as corrupted when the fault hit it and its output then
+   differs from its clean run (same seed); the detection rate is over those.
+
+Every request's stream (text deltas, token ids, cumulative acceptance counts) is recorded and
+the detectors are replayed over it, exactly as the server feeds them, for each detector set:
+text (repetition, garbled, rare_chars), acceptance (AcceptanceDetector) and combined. Writes
+traces.jsonl and summary.json under --out and prints the table for docs/anomaly_guard.md.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import random
+import time
+
+from radixserve.outputs import SpecCounts
+from radixserve.sampling_params import SamplingParams
+from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
+from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
+
+TOPICS = ["photosynthesis", "black holes", "the French Revolution", "machine learning", "volcanoes",
+          "the stock market", "honey bees", "the Roman Empire", "climate change", "coffee",
+          "the Moon landing", "jazz music", "recycling", "the internet", "dinosaurs", "vaccines",
+          "chess", "electric cars", "Shakespeare", "the water cycle", "bread baking", "penguins",
+          "solar panels", "ancient Egypt", "sleep", "trains", "glaciers", "origami", "tea", "kites"]
+CHAT = ["Explain {t} in simple terms.", "List five facts about {t}.", "Write a short poem about {t}.",
+        "Write a markdown table with three facts about {t}.", "Give me a JSON object describing {t}.",
+        "What are the pros and cons of {t}? Answer as a bulleted list.",
+        "Continue the story: 'On the day I first learned about {t}, ...'",
+        "Summarize the history of {t} in one paragraph."]
+CODE_TASKS = ["reverses a string", "checks whether a number is prime", "merges two sorted lists",
+              "counts the words in a text", "computes a factorial", "flattens a nested list",
+              "parses a CSV line", "finds the maximum of a list", "removes duplicates from a list",
+              "converts Celsius to Fahrenheit", "computes Fibonacci numbers", "validates an email"]
+LANGS = ["French", "German", "Spanish", "Italian", "Chinese", "Japanese", "Russian", "Portuguese"]
+SENTENCES = ["I would like to learn more about {t}.", "Where can I read about {t}?",
+             "My friend told me a story about {t}.", "Tomorrow we will talk about {t}.",
+             "Is {t} important for children?"]
+SNIPPETS = ['''def load(path):
+    data = {}
+    with open(path) as handle:
+        for line in handle:
+            key, value = line.strip().split("=", 1)
+            data[key] = value
+    return data
+''', '''class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def increment(self, step=1):
+        self.count += step
+        return self.count
+
+    def reset(self):
+        self.count = 0
+''', '''def total_price(items, tax):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    return subtotal * (1 + tax)
+''']
+RENAMES = [("data", "result"), ("count", "total"), ("items", "products"), ("value", "entry"),
+           ("handle", "stream"), ("step", "amount"), ("subtotal", "base")]
+PARAGRAPH = ("{t} is a topic that many people find interesting. Scientists study {t} to learn how "
+             "it works, and teachers explain {t} to students every year. Books about {t} are "
+             "easy to find in any library.")
+
+
+def conversation(rng: random.Random, category: str) -> list[dict]:
+    """One user message of `category` (chat, code, copy, multilingual)."""
+    t = rng.choice(TOPICS)
+    if category == "chat":
+        text = rng.choice(CHAT).format(t=t)
+    elif category == "code":
+        text = f"Write a Python function that {rng.choice(CODE_TASKS)}, with a docstring."
+    elif category == "copy":
+        if rng.random() < 0.6:
+            old, new = rng.choice(RENAMES)
+            text = f"Repeat this code exactly, but rename `{old}` to `{new}`:\n\n{rng.choice(SNIPPETS)}"
+        else:
+            other = rng.choice(TOPICS)
+            text = (f"Rewrite this paragraph, replacing '{t}' with '{other}':\n\n"
+                    + PARAGRAPH.format(t=t))
+    else:
+        text = f"Translate to {rng.choice(LANGS)}: '{rng.choice(SENTENCES).format(t=t)}'"
+    return [{"role": "user", "content": text}]
+
+
+def workload(rng: random.Random, num: int, max_tokens: int) -> list[tuple[str, list[dict], SamplingParams]]:
+    categories = ("chat", "code", "copy", "multilingual")
+    items = []
+    for i in range(num):
+        category = categories[i % 4]
+        greedy = (i // 4) % 2 == 0
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else 0.7,
+                                seed=None if greedy else rng.getrandbits(31))
+        items.append((category, conversation(rng, category), params))
+    return items
+
+
+def run(llm, items, concurrency: int, corrupt: str | None = None) -> list[dict]:
+    """Generate every item, `concurrency` in flight; return per item its trace: deltas
+    [text, token ids, [verify, draft, accepted] or None], tokens, and the kv_corrupt hit."""
+    from radixserve.tokenizer.output_processor import RequestTracker
+
+    engine, tok = llm.engine, llm.tokenizer
+    if corrupt is not None:
+        engine.arm_kv_corrupt(corrupt, fraction=0.5, after_tokens=16, count=len(items), seed=7)
+    traces: list[dict] = [{} for _ in items]
+    trackers: dict[str, tuple[int, RequestTracker]] = {}
+    pending = list(range(len(items)))[::-1]
+    while pending or trackers:
+        while pending and len(trackers) < concurrency:
+            i = pending.pop()
+            category, conv, params = items[i]
+            ids = tok.apply_chat_template(conv)
+            tracker = RequestTracker(f"r{i}", ids, params, tok)
+            (child, child_params), = tracker.child_requests()
+            engine.add_request(child, ids, child_params)
+            trackers[child] = (i, tracker)
+            traces[i] = {"category": category, "greedy": params.temperature == 0, "deltas": []}
+        for out in engine.step():
+            i, tracker = trackers[out.request_id]
+            u = tracker.process(out)
+            if u.abort_child is not None:
+                engine.abort(u.abort_child)
+            if not u.is_empty:
+                spec = dataclasses.astuple(u.spec) if u.spec is not None else None
+                traces[i]["deltas"].append([u.text, u.token_ids, spec])
+            if tracker.finished:
+                del trackers[out.request_id]
+                traces[i]["tokens"] = tracker.result().outputs[0].token_ids
+    hits = dict(engine.kv_corrupt_hits)
+    engine.disarm_kv_corrupt()
+    for i, t in enumerate(traces):
+        t["hit_at"] = hits.get(f"r{i}-0")
+    return traces
+
+
+def detect(trace: dict, detectors: str, acc: AcceptanceConfig) -> tuple[str, int] | None:
+    """Replay the trace through one detector set; (kind, tokens generated at detection) or None."""
+    extra = [AcceptanceDetector(acc, trace["greedy"])] if detectors != "text" else []
+    guard = AnomalyGuard(GuardConfig(), extra_detectors=extra, greedy=trace["greedy"])
+    if detectors == "acceptance":
+        guard.detectors = extra
+    num = 0
+    for text, ids, spec in trace["deltas"]:
+        num += len(ids)
+        found = guard.feed(GuardInput(text, ids, SpecCounts(*spec) if spec else None))
+        if found is not None:
+            return found.kind, num
+    return None
+
+
+def summarize(normal: list[dict], clean: list[dict], faulted: list[dict],
+              acc: AcceptanceConfig) -> dict:
+    corrupted = [f for c, f in zip(clean, faulted)
+                 if f["hit_at"] is not None and f["tokens"] != c["tokens"]]
+    out = {"num_normal": len(normal), "num_faulted": len(faulted), "num_corrupted": len(corrupted),
+           "acceptance_config": dataclasses.asdict(acc)}
+    for detectors in ("text", "acceptance", "combined"):
+        fp = [detect(t, detectors, acc) for t in normal]
+        hits = [(detect(t, detectors, acc), t["hit_at"]) for t in corrupted]
+        caught = [num - hit_at for found, hit_at in hits if found is not None and num >= hit_at
+                  for num in [found[1]]]
+        by_cat: dict[str, list[int]] = {}
+        for t, found in zip(normal, fp):
+            by_cat.setdefault(t["category"], []).append(found is not None)
+        out[detectors] = {
+            "false_positives": sum(f is not None for f in fp),
+            "false_positive_rate": sum(f is not None for f in fp) / max(len(normal), 1),
+            "false_positives_by_category": {k: sum(v) for k, v in by_cat.items()},
+            "detected": len(caught), "detection_rate": len(caught) / max(len(corrupted), 1),
+            "tokens_to_detection_median": sorted(caught)[len(caught) // 2] if caught else None,
+        }
+    return out
+
+
+def median_accept_length(traces: list[dict]) -> float | None:
+    """Median over requests that verified drafts of their final accept length."""
+    finals = [SpecCounts(*t["deltas"][-1][2]).accept_length for t in traces
+              if t["deltas"] and t["deltas"][-1][2]]
+    return sorted(finals)[len(finals) // 2] if finals else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-normal", type=int, default=2000)
+    ap.add_argument("--num-faulted", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--out", default="/tmp/spec_anomaly")
+    ap.add_argument("--algorithm", choices=("ngram", "draft"), default="ngram")
+    ap.add_argument("--draft-layers", type=int, default=8, help="draft: self-draft depth")
+    args = ap.parse_args()
+    from radixserve import LLM
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    draft = {"speculative_draft_layers": args.draft_layers} if args.algorithm == "draft" else {}
+    llm = LLM(speculative_algorithm=args.algorithm, speculative_num_draft_tokens=4,
+              disable_radix_cache=True, max_total_tokens=65536, **draft)
+    start = time.monotonic()
+    normal = run(llm, workload(random.Random(1), args.num_normal, args.max_tokens), args.concurrency)
+    (out / "normal.json").write_text(json.dumps(normal))   # kept if a later phase fails
+    faulted_items = workload(random.Random(2), args.num_faulted, args.max_tokens)
+    half = len(faulted_items) // 2
+    clean, faulted = [], []
+    for mode, part in (("noise", faulted_items[:half]), ("swap", faulted_items[half:])):
+        clean += run(llm, part, args.concurrency)
+        faulted += [dict(t, mode=mode) for t in run(llm, part, args.concurrency, corrupt=mode)]
+    with open(out / "traces.jsonl", "w") as f:
+        for phase, traces in (("normal", normal), ("clean", clean), ("faulted", faulted)):
+            for t in traces:
+                f.write(json.dumps({"phase": phase, **t}) + "\n")
+    summary = summarize(normal, clean, faulted, AcceptanceConfig())
+    summary["algorithm"] = args.algorithm if args.algorithm == "ngram" else f"self-draft L={args.draft_layers}"
+    summary["normal_accept_length_median"] = median_accept_length(normal)
+    summary["wall_s"] = round(time.monotonic() - start, 1)
+    summary["load_avg_1m_at_end"] = os.getloadavg()[0]
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

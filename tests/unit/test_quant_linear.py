@@ -1,0 +1,141 @@
+"""Quantized linear layers: GGUF 4-bit blocks decode exactly, the int4 / int8 kernels reproduce
+the dequantized weights within their stated bf16 bound, and layers that cannot run quantized
+fall back to the same fp32 weights."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from radixserve.layers import quant_linear
+from radixserve.layers.linear import Linear, QKVLinear
+from radixserve.layers.quant_linear import Int4Matmul, Int4Weight, Int8Matmul, Int8Weight, kernel_available
+from radixserve.weights.gguf_blocks import decode_int4
+
+ROWS, COLS = 48, 512
+
+
+def gguf_blocks(type_name: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(raw blocks (ROWS, bytes per row), gguf's fp32 dequantization (ROWS, COLS)). Q4_0 and
+    Q4_1 come from `gguf.quants.quantize` of a random weight; gguf-py cannot quantize Q4_K, so
+    its blocks are random bytes with small positive fp16 d and dmin."""
+    rng = np.random.default_rng(seed)
+    kind = GGMLQuantizationType[type_name]
+    if type_name == "Q4_K":
+        raw = rng.integers(0, 256, (ROWS, COLS // 256, 144), dtype=np.uint8)
+        raw[..., 0:2] = (rng.random((ROWS, COLS // 256, 1)) * 0.02).astype(np.float16).view(np.uint8)
+        raw[..., 2:4] = (rng.random((ROWS, COLS // 256, 1)) * 0.02).astype(np.float16).view(np.uint8)
+        raw = raw.reshape(ROWS, -1)
+    else:
+        raw = quantize(rng.standard_normal((ROWS, COLS)).astype(np.float32), kind)
+    return raw, dequantize(raw, kind)
+
+
+def int4_weight(type_name: str, seed: int = 0) -> tuple[Int4Weight, torch.Tensor]:
+    raw, ref = gguf_blocks(type_name, seed)
+    return Int4Weight(*(torch.from_numpy(a) for a in decode_int4(type_name, raw, COLS))), torch.from_numpy(ref)
+
+
+def bf16_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Bound of |x @ w.T - kernel| when x, the dequantized weight and the output are rounded
+    to bf16 (unit roundoff 2^-9 each): (2 * 2^-9 + 2^-9) * |x| @ |w|.T, doubled for slack."""
+    return 6 * 2.0 ** -9 * (x.abs() @ w.abs().t()) + 1e-6
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_blocks_decode_exactly(type_name):
+    """Equal to gguf's dequantization up to fp32 rounding of the rewritten formula
+    ((q - 8) * scale + zero instead of d * q + m): a few ulps of 8 |scale| + |zero|."""
+    weight, ref = int4_weight(type_name)
+    assert weight.codes.dtype == torch.uint8 and int(weight.codes.max()) <= 15
+    size = (8 * weight.scale.abs() + weight.zero.abs()).repeat_interleave(32, dim=1)
+    assert ((weight.dequantize() - ref).abs() <= 4 * torch.finfo(torch.float32).eps * size).all()
+    if type_name == "Q4_0":
+        assert torch.equal(weight.dequantize(), ref)      # zero = 0: nothing rewritten
+
+
+def test_decode_rejects_other_types_and_bad_rows():
+    raw, _ = gguf_blocks("Q4_0")
+    with pytest.raises(ValueError, match="no int4 mapping"):
+        decode_int4("Q8_0", raw, COLS)
+    with pytest.raises(ValueError, match="bytes per row"):
+        decode_int4("Q4_1", raw, COLS)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("num_tokens", [1, 5, 33])
+def test_int4_kernel_reproduces_gguf_weights(type_name, num_tokens):
+    assert kernel_available(Int4Weight)
+    weight, ref = int4_weight(type_name)
+    x = torch.randn(num_tokens, COLS, generator=torch.Generator().manual_seed(num_tokens))
+    got = Int4Matmul([weight])(x)
+    assert got.dtype == torch.float32 and got.shape == (num_tokens, ROWS)
+    assert ((got - x @ ref.t()).abs() <= bf16_bound(x, ref)).all()
+
+
+def test_int4_fused_shards_equal_one_weight():
+    a, ref_a = int4_weight("Q4_1", seed=1)
+    b, ref_b = int4_weight("Q4_0", seed=2)
+    x = torch.randn(4, COLS)
+    fused = Int4Matmul([a, b])(x)
+    assert torch.equal(fused[:, :ROWS], Int4Matmul([a])(x)) and torch.equal(fused[:, ROWS:], Int4Matmul([b])(x))
+    ref = torch.cat([ref_a, ref_b])
+    assert ((fused - x @ ref.t()).abs() <= bf16_bound(x, ref)).all()
+    with pytest.raises(ValueError, match="divisible by 16"):
+        Int4Matmul([a.take_rows(torch.arange(8))])
+
+
+def test_int8_requantization_bound_and_kernel():
+    assert kernel_available(Int8Weight)
+    w = torch.randn(ROWS, COLS)
+    q = Int8Weight.from_float(w)
+    assert ((q.dequantize() - w).abs() <= q.scale[:, None] / 2 + 1e-7).all()   # half a step per row
+    x = torch.randn(7, COLS)
+    ref = q.dequantize()
+    assert ((Int8Matmul([q])(x) - x @ ref.t()).abs() <= bf16_bound(x, ref)).all()
+
+
+def _qkv_layer() -> tuple[QKVLinear, dict[str, Int4Weight], torch.Tensor]:
+    """A fused QKV layer (512 columns; rows q 48, k 16, v 16) and its three int4 shards."""
+    layer = QKVLinear(COLS, num_heads=3, num_kv_heads=1, head_dim=16)
+    shards = {}
+    for i, (name, (_, rows)) in enumerate(layer.shards.items()):
+        w, _ = int4_weight("Q4_1", seed=10 + i)
+        shards[name] = w.take_rows(torch.arange(rows))
+    ref = torch.cat([shards[n].dequantize() for n in layer.shards])
+    return layer, shards, ref
+
+
+def test_linear_runs_quantized_shards_on_the_kernel():
+    layer, shards, ref = _qkv_layer()
+    for name, w in shards.items():
+        layer.load(w, name)
+    layer.prepare()
+    assert layer.weight.numel() == 0, "a quantized layer keeps no float weight"
+    x = torch.randn(3, COLS)
+    assert ((layer(x) - x @ ref.t()).abs() <= bf16_bound(x, ref)).all()
+
+
+def test_linear_falls_back_to_fp32_when_it_cannot_run_quantized(monkeypatch):
+    x = torch.randn(3, COLS)
+    layer, shards, ref = _qkv_layer()        # one shard plain fp32: the whole layer dequantizes
+    layer.load(shards["q"], "q")
+    layer.load(shards["k"], "k")
+    layer.load(shards["v"].dequantize(), "v")
+    layer.prepare()
+    assert layer._quant is None and torch.equal(layer.weight.data, ref)
+    layer, shards, ref = _qkv_layer()        # batch-invariant mode: never quantized
+    for name, w in shards.items():
+        layer.load(w, name)
+    layer.prepare(batch_invariant=True)
+    assert layer._quant is None and torch.equal(layer.weight.data, ref)
+    monkeypatch.setattr(quant_linear, "kernel_available", lambda kind: False)
+    monkeypatch.setattr("radixserve.layers.linear.kernel_available", lambda kind: False)
+    plain = Linear(COLS, ROWS)
+    w, ref = int4_weight("Q4_0")
+    plain.load(w)
+    plain.prepare()
+    assert plain._quant is None and torch.equal(plain.weight.data, ref)
+    assert torch.allclose(plain(x), x @ ref.t(), rtol=1e-4, atol=1e-4)
