@@ -118,6 +118,9 @@ class ServerConfig:
                                                "leaks, corrupt output); for tests and demos only")
     disable_anomaly_guard: bool = _opt(False, "do not stop requests whose output looks broken "
                                               "(repetition loops, garbled text, rare-char noise)")
+    enable_spec_anomaly_detector: bool = _opt(
+        False, "with speculative decoding, also stop requests whose draft acceptance looks broken "
+               "(--spec-anomaly-*; off by default: calibrate it to your draft, docs/anomaly_guard.md)")
     spec_anomaly_min_accept_length: float = _opt(
         1.4, "speculative decoding: stop a request whose accept length (tokens per verify step) "
              "stays below this after --spec-anomaly-min-tokens (0: off)")
@@ -125,6 +128,8 @@ class ServerConfig:
         0.96, "speculative decoding: stop a request whose draft accept rate exceeds this after "
               "--spec-anomaly-min-tokens (1: off)")
     spec_anomaly_min_tokens: int = _opt(128, "generated tokens before acceptance is judged")
+    spec_anomaly_min_verify_steps: int = _opt(16, "... and verify steps (a request whose drafts "
+                                                  "fail drafts less and less)")
     tool_call_parser: str | None = _opt(None, "tool-call format of the model's output, parsed into "
                                               "OpenAI tool_calls (default: tools are refused)",
                                         tuple(TOOL_CALL_PARSERS))

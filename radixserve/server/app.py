@@ -92,10 +92,12 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     if ctx.metrics is None:
         ctx.metrics = ServerMetrics(ctx.model_name)
-    if not server_config.disable_anomaly_guard:
+    c = server_config
+    if not c.disable_anomaly_guard:
         ctx.guard = GuardConfig()
-        c = server_config
+    if not c.disable_anomaly_guard and c.enable_spec_anomaly_detector:
         ctx.acceptance = AcceptanceConfig(min_tokens=c.spec_anomaly_min_tokens,
+                                          min_verify_steps=c.spec_anomaly_min_verify_steps,
                                           min_accept_length=c.spec_anomaly_min_accept_length,
                                           max_accept_rate=c.spec_anomaly_max_accept_rate)
     auth = [Depends(api_key_check(server_config.api_key))]

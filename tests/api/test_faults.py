@@ -1,5 +1,6 @@
 """Fault injection (/admin/fault) and the output-anomaly guard through a real tiny-model worker
-(n-gram speculation on, so the acceptance counts reach usage, /metrics and the guard)."""
+(n-gram speculation and the acceptance detector on, judging after 40 tokens: the random model
+drafts only where its output is forced to repeat, so the other tests never reach it)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,11 @@ def server(request):
     server = start_tiny_server(request, ["--context-length", str(TINY_CONTEXT),
                                          "--max-total-tokens", "16384", "--page-size", "16",
                                          "--enable-debug-endpoints", "--enable-fault-injection",
-                                         "--speculative-algorithm", "ngram"])
+                                         "--speculative-algorithm", "ngram",
+                                         "--enable-spec-anomaly-detector",
+                                         "--spec-anomaly-min-tokens", "40",
+                                         "--spec-anomaly-min-verify-steps", "8",
+                                         "--spec-anomaly-min-accept-length", "1.5"])
     yield server
     try:
         server.assert_no_tracebacks()
@@ -348,3 +353,19 @@ def test_bench_check_output_finds_injected_kv_corruption(server, tmp_path):
     assert hurt["corrupted"] + hurt["guard_abort"] >= 1
     assert all(e["position"] >= 4 for e in hurt["first_corrupted"])
     wait_for(lambda: no_pages_in_use(server), "pages to be freed")
+
+
+def test_collapsed_acceptance_stops_the_request(server, default_tokenizer):
+    """Forced to repeat its prompt, the request drafts every step, and the random model rejects
+    the drafts: after 40 tokens and 8 verify steps its accept length is under the 1.5 this worker
+    was given, and the guard ends it as it ends garbled text."""
+    ids = default_tokenizer.hf.encode(" one two three" * 20, add_special_tokens=False)
+    inject(server, kind="sampler.force_tokens", token_ids=ids, count=1)
+    before = anomalies(server)
+    r = server.post("/v1/completions", json={"model": server.model, "prompt": " one two three" * 2,
+                                             "max_tokens": len(ids), "temperature": 0})
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["type"] == "output_anomaly"
+    assert "spec_acceptance" in r.json()["error"]["message"]
+    assert anomalies(server)["spec_acceptance"] == before.get("spec_acceptance", 0) + 1
+    wait_for(lambda: no_pages_in_use(server), "pages of the stopped request to be freed")
