@@ -179,8 +179,9 @@ def summarize(normal: list[dict], clean: list[dict], faulted: list[dict],
     for detectors in ("text", "acceptance", "combined"):
         fp = [detect(t, detectors, acc) for t in normal]
         hits = [(detect(t, detectors, acc), t["hit_at"]) for t in corrupted]
-        caught = [num - hit_at for found, hit_at in hits if found is not None and num >= hit_at
-                  for num in [found[1]]]
+        # tokens from the hit to the detection (a detection before the hit is not one)
+        caught = [found[1] - hit_at for found, hit_at in hits
+                  if found is not None and found[1] >= hit_at]
         by_cat: dict[str, list[int]] = {}
         for t, found in zip(normal, fp):
             by_cat.setdefault(t["category"], []).append(found is not None)
@@ -201,6 +202,16 @@ def median_accept_length(traces: list[dict]) -> float | None:
     return sorted(finals)[len(finals) // 2] if finals else None
 
 
+def load_traces(path: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """(normal, clean, faulted) traces from a traces.jsonl this script wrote."""
+    phases: dict[str, list[dict]] = {"normal": [], "clean": [], "faulted": []}
+    with open(path) as f:
+        for line in f:
+            t = json.loads(line)
+            phases[t.pop("phase")].append(t)
+    return phases["normal"], phases["clean"], phases["faulted"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-normal", type=int, default=2000)
@@ -210,9 +221,14 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/spec_anomaly")
     ap.add_argument("--algorithm", choices=("ngram", "draft"), default="ngram")
     ap.add_argument("--draft-layers", type=int, default=8, help="draft: self-draft depth")
+    ap.add_argument("--summarize", metavar="TRACES", help="only recompute the summary of a "
+                    "traces.jsonl written before (e.g. with other detector settings)")
     args = ap.parse_args()
     from radixserve import LLM
 
+    if args.summarize:
+        print(json.dumps(summarize(*load_traces(args.summarize), AcceptanceConfig()), indent=2))
+        return
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     draft = {"speculative_draft_layers": args.draft_layers} if args.algorithm == "draft" else {}
