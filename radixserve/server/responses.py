@@ -219,7 +219,7 @@ async def race_disconnect(receive: Any, work: Any) -> Any:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if task.cancelled():
+    if not task.done() or task.cancelled():   # the client went first (cancel is pending)
         raise ClientDisconnected()
     return task.result()
 

@@ -125,7 +125,7 @@ class ServerProcess:
         """No request hit the catch-all 500 handler or crashed anything during the session."""
         log = self.output(tail_chars=None)
         at = max(log.find("Traceback"), log.find("unhandled error"))
-        assert at < 0, log[max(at - 2000, 0):at + 4000]
+        assert at < 0, log[max(at - 2000, 0):at + 12000]
 
     def stop(self) -> None:
         """Terminate (kill after 30 s) and delete the log; a second call does nothing."""
