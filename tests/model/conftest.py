@@ -1,4 +1,5 @@
-"""Fixtures of the model tests: tiny random-weight Llamas (GQA, and MHA with an untied LM head)."""
+"""Fixtures of the model tests: tiny random-weight Llamas (GQA, and MHA with an untied LM head),
+and transformers' own load of the default GGUF (once per session: it takes ~30 s)."""
 from __future__ import annotations
 
 import pytest
@@ -16,3 +17,10 @@ def gqa_dir(tmp_path_factory):
 def mha_dir(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("mha"), vocab_size=384, num_attention_heads=4,
                             num_key_value_heads=4, tie_word_embeddings=False, seed=3)
+
+
+@pytest.fixture(scope="session")
+def default_hf(default_gguf):
+    """transformers' LlamaForCausalLM of the default GGUF (its own dequantization), fp32."""
+    from tests.model.parity import hf_gguf_model
+    return hf_gguf_model(str(default_gguf.parent), default_gguf.name)

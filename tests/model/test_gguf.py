@@ -16,7 +16,6 @@ from radixserve.weights import gguf as gguf_weights
 from radixserve.weights.loader import load_checkpoint
 from radixserve.weights.paths import resolve_model_path
 from tests.conftest import build_tiny_llama
-from tests.model.parity import hf_gguf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
 
@@ -121,7 +120,7 @@ def test_tiny_gguf_matches_safetensors_and_is_cached(tmp_path, monkeypatch, capl
     assert greedy(runner, [5, 6, 7, 8, 9], 6) == greedy(ref_runner, [5, 6, 7, 8, 9], 6)
 
 
-def test_default_gguf_greedy_matches_transformers():
+def test_default_gguf_greedy_matches_transformers(default_hf):
     path = resolve_model_path(None)
     assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
     folder, name = os.path.dirname(path), os.path.basename(path)
@@ -131,9 +130,8 @@ def test_default_gguf_greedy_matches_transformers():
     runner = ModelRunner.from_config(EngineConfig(page_size=16, max_total_tokens=1024, quantization="none"))
     assert runner.vocab_size == 49152 and 2 in runner.eos_token_ids
     ours, _ = greedy(runner, prompt, 16)
-    hf = hf_gguf_model(folder, name)
     with torch.inference_mode():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+        ref = default_hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
                           output_logits=True, return_dict_in_generate=True)
     theirs = ref.sequences[0, len(prompt):].tolist()
     if ours != theirs:
