@@ -44,9 +44,14 @@ def test_one_function_and_its_defs_at_the_root():
     assert "$defs" in WEATHER.parameters, "the tool's own schema is left as it was"
 
 
-def test_xgrammar_compiles_it():
+def test_xgrammar_compiles_it_and_it_accepts_calls_only():
     xgrammar = pytest.importorskip("xgrammar")
-    xgrammar.Grammar.from_json_schema(calls_schema([WEATHER, TIME], True), any_whitespace=False)
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    grammar = xgrammar.Grammar.from_json_schema(calls_schema([WEATHER, TIME], True),
+                                                any_whitespace=False)
+    assert accepts(grammar, json.dumps([PARIS, NOW]))      # xgrammar's ", " / ": " layout
+    assert not accepts(grammar, "[]")                       # at least one call
+    assert not accepts(grammar, json.dumps([{"name": "other", "parameters": {}}]))
 
 
 @pytest.mark.parametrize("tools", [
