@@ -59,12 +59,13 @@ def measure(spec: bool, draft_tokens: int) -> dict:
         params = SamplingParams(max_tokens=max_tokens, temperature=0)
         llm.chat(conversations[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
         llm.engine.flush_cache()
-        before = dict(llm.engine.counters)
+        before = {k: v for k, v in llm.engine.counters.items() if isinstance(v, int)}
         start = time.perf_counter()
         results = llm.chat(conversations, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         tokens = [r.outputs[0].token_ids for r in results]
-        c = {k: llm.engine.counters[k] - before[k] for k in before if k.startswith("spec_")}
+        c = {k: llm.engine.counters[k] - before[k] for k in before
+             if k.startswith("spec_") and isinstance(before[k], int)}   # not the by-position lists
         out[name] = {"tok_s": sum(map(len, tokens)) / elapsed, "tokens": tokens, **c}
     return out
 
