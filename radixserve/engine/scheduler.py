@@ -98,7 +98,8 @@ class Scheduler:
     def _lookahead(self, req: Request, num_step_tokens: int) -> int:
         """Model drafts: positions a decoding request's draft model writes after this step (it
         proposes the next step's draft from the token sampled now), within the sequence limit."""
-        if not isinstance(self.proposer, ModelDraftProposer) or req.params.json_schema is not None:
+        if (not isinstance(self.proposer, ModelDraftProposer) or req.params.json_schema is not None
+                or not self.proposer.wants_draft(req.request_id)):
             return 0
         room = self.max_request_tokens - (req.num_computed_tokens + num_step_tokens)
         return max(0, min(self.proposer.max_draft, room))

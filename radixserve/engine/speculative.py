@@ -139,15 +139,22 @@ class ModelDraftProposer(_AdaptiveProposer):
         self._offers[request_id] = (num_tokens, draft)
 
     def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
-        """The offered draft for `tokens`, up to the adaptive length and `limit`."""
+        """The offered draft for `tokens`, up to the adaptive length and `limit`. Called every
+        decode step, offer or not, so that a request backing off counts towards its probe."""
         state = self._states.setdefault(request_id, _State())
         offer = self._offers.pop(request_id, None)
-        if offer is None or offer[0] != len(tokens) or not offer[1]:
-            return []
         k = self._draft_len(state, limit)
-        if k > 0:
-            state.steps_since_draft = 0
+        if k <= 0 or offer is None or offer[0] != len(tokens) or not offer[1]:
+            return []
+        state.steps_since_draft = 0
         return list(offer[1][:k])
+
+    def wants_draft(self, request_id: str) -> bool:
+        """Whether the request's next step will take a draft: False while it backs off and no
+        probe is due, so the runner need not make one (K draft forwards)."""
+        state = self._states.get(request_id)
+        return (state is None or state.avg_accepted >= MIN_USEFUL
+                or state.steps_since_draft >= RETRY_EVERY)
 
     def release(self, request_id: str, tokens: list[int] | None = None,
                 num_output: int = 0) -> None:

@@ -58,3 +58,17 @@ def test_model_drafts_are_taken_once_for_the_length_they_were_made_for():
     p.offer("a", (7, 8, 9), num_tokens=3)
     p.release("a")
     assert p.propose("a", [1, 2, 3], limit=8) == []                # released with the request
+
+
+def test_a_backing_off_model_draft_is_not_asked_for_until_its_probe():
+    p = ModelDraftProposer(max_draft=4)
+    assert p.wants_draft("a")
+    for n in range(6):                                    # average 1.0 -> 0.12 < MIN_USEFUL
+        p.offer("a", (7, 8), num_tokens=n)
+        assert p.propose("a", list(range(n)), limit=8)
+        p.record("a", 2, 0)
+    asked = []
+    for n in range(6, 6 + RETRY_EVERY + 1):
+        asked.append(p.wants_draft("a"))
+        assert p.propose("a", list(range(n)), limit=8) == []      # no offer made meanwhile
+    assert asked == [False] * RETRY_EVERY + [True]                # then one probe is due
