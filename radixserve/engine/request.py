@@ -3,8 +3,15 @@
 Lifecycle:
 
     WAITING --admit--> RUNNING --finish/abort--> FINISHED
-       ^                  |
-       +----preempt-------+   (KV released; computed prefix stays in the radix cache)
+       |  ^               |
+       |  +---preempt-----+   (KV released; computed prefix stays in the radix cache)
+       v
+    WAITING_FOR_KV --KV landed--> WAITING (admitted at once) / RUNNING
+                   --load failed or abort--> pages released, recompute or FINISHED
+
+WAITING_FOR_KV: the request's pages are being filled by someone other than the forward pass
+(a host/disk-tier load, or a prefill->decode KV transfer); the scheduler never reads them
+until the filler says they landed (ARCHITECTURE.md §8).
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from radixserve.sampling_params import SamplingParams
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     FINISHED = "finished"
 
