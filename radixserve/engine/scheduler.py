@@ -136,6 +136,7 @@ class Scheduler:
             self.waiting.remove(req)
             if not req.is_admitted:  # a recompute after preemption is not a cache hit
                 req.num_cached_tokens = cached
+                req.num_host_cached_tokens = req.num_host_hit_tokens
                 req.queue_time_s = time.monotonic() - req.arrival_s
             req.status = Status.RUNNING
             self.running.append(req)
@@ -171,6 +172,18 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def requeue(self, req: Request) -> None:
+        """Put a running request whose KV was discarded (KVManager.finish_loads: it read a
+        failed host-tier load) first in line, to recompute without host hits; the host part of
+        its hit no longer counts as cached (C30)."""
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        req.skip_host_tier = True
+        req.num_cached_tokens -= req.num_host_cached_tokens
+        req.num_host_cached_tokens = 0
         self.running.remove(req)
         self.waiting.appendleft(req)
 
