@@ -77,6 +77,7 @@ class EngineOutput:
     error: str | None = None                # set when finish_reason == "abort" for a reason
     queue_time_s: float | None = None       # arrival to first admission; None while still waiting
     spec: SpecCounts | None = None          # speculative decoding so far; None: never verified
+    num_cached_tokens_host: int | None = None   # of num_cached_tokens: loaded from the host tier (None: tier off)
 
 
 @dataclass(slots=True)
@@ -103,3 +104,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     finished: bool = True
     spec: SpecCounts | None = None      # speculative decoding over all choices; None: none ran
+    num_cached_tokens_host: int | None = None   # of num_cached_tokens: from the host tier (None: off)

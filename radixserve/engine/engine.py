@@ -255,7 +255,8 @@ class Engine(FaultPoints):
             finished=finished, finish_reason=req.finish_reason if finished else None,
             stop_token_id=req.stop_token_id, num_prompt_tokens=len(req.prompt_ids),
             num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_lp,
-            queue_time_s=req.queue_time_s, spec=req.spec)
+            queue_time_s=req.queue_time_s, spec=req.spec,
+            num_cached_tokens_host=req.num_host_cached_tokens if self.kv.tier is not None else None)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:

@@ -28,7 +28,9 @@ SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hangi
 HEARTBEAT_S = 1.0         # the loop says it is alive at least this often (between steps)
 CALL_METHODS = ("flush_cache", "stats", "check_invariants",    # Engine methods
                 "arm_forced_tokens", "disarm_forced_tokens", "arm_kv_corrupt",
-                "disarm_kv_corrupt")
+                "disarm_kv_corrupt", "arm_hicache_h2d", "disarm_hicache_h2d",
+                "arm_hicache_d2h", "disarm_hicache_d2h", "arm_hicache_host_alloc",
+                "disarm_hicache_host_alloc")
 LOOP_METHODS = ("set_step_latency",)                          # EngineLoop methods
 
 

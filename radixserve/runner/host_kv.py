@@ -52,19 +52,35 @@ class LoadHandle:
 
 @dataclass
 class CopyFaults:
-    """Armed fault points (see module doc); all off by default."""
+    """Armed fault points (see module doc); all off by default. `h2d_until_s` and
+    `d2h_until_s` (time.monotonic(); None: no end) end each point."""
 
     h2d_delay_ms: float = 0.0
     h2d_jitter_ms: float = 0.0
     h2d_fail_probability: float = 0.0
+    h2d_until_s: float | None = None
     d2h_delay_ms: float = 0.0
+    d2h_until_s: float | None = None
     rng: random.Random = field(default_factory=random.Random)
     hold: threading.Event | None = None     # tests only: the loader waits for it
 
+    @staticmethod
+    def _on(until_s: float | None) -> bool:
+        return until_s is None or time.monotonic() < until_s
+
     def layer_delay_s(self) -> float:
+        if not self._on(self.h2d_until_s):
+            return 0.0
         ms = self.h2d_delay_ms + (self.rng.uniform(-self.h2d_jitter_ms, self.h2d_jitter_ms)
                                   if self.h2d_jitter_ms else 0.0)
         return max(ms, 0.0) / 1000
+
+    def layer_fails(self) -> bool:
+        return (self.h2d_fail_probability > 0 and self._on(self.h2d_until_s)
+                and self.rng.random() < self.h2d_fail_probability)
+
+    def backup_delay_s(self) -> float:
+        return self.d2h_delay_ms / 1000 if self._on(self.d2h_until_s) else 0.0
 
 
 class HostKV:
@@ -89,8 +105,9 @@ class HostKV:
     def backup(self, device_ids: list[int], host_ids: list[int]) -> None:
         """Copy device pages into host pages, every layer, now. The device pages must hold
         finished KV (no fill in flight)."""
-        if self.faults.d2h_delay_ms > 0:
-            time.sleep(self.faults.d2h_delay_ms / 1000)
+        delay = self.faults.backup_delay_s()
+        if delay:
+            time.sleep(delay)
         for layer in range(self.device.num_layers):
             self.host.copy_layer_from(self.device, layer, device_ids, host_ids)
 
@@ -115,7 +132,7 @@ class HostKV:
                     delay = faults.layer_delay_s()
                     if delay:
                         time.sleep(delay)
-                    if faults.h2d_fail_probability and faults.rng.random() < faults.h2d_fail_probability:
+                    if faults.layer_fails():
                         raise RuntimeError("injected fault hicache.h2d.layer")
                     if not handle.failed:
                         self._copy_layer(layer, host_ids, device_ids)

@@ -209,6 +209,15 @@ def test_flush_drops_both_tiers():
     check_all_idle(engine)
 
 
+def test_hicache_faults_need_the_tier():
+    from radixserve.errors import InvalidRequest
+    engine = Engine(EngineConfig(page_size=P), FakeRunner(24, P, VOCAB))
+    for arm in (engine.arm_hicache_h2d, engine.arm_hicache_host_alloc):
+        with pytest.raises(InvalidRequest, match="host KV tier is off"):
+            arm()
+    engine.disarm_hicache_host_alloc()      # clearing all faults must not fail without it
+
+
 def test_bad_tier_settings_are_refused():
     with pytest.raises(ValueError, match="hicache"):
         EngineConfig(enable_hierarchical_cache=True, hicache_ratio=0)
