@@ -57,6 +57,10 @@ class EngineConfig:
                          "radix tree), write_through_selective (on their second hit), write_back "
                          "(when evicted from the device)",
         ("write_through", "write_through_selective", "write_back"))
+    hicache_storage_dir: str | None = _opt(
+        None, "a disk tier under the host tier: every page copied to host is also saved here, "
+              "named by a hash of its token prefix, so it outlives restarts and is shared by "
+              "workers of one model on this host (needs --enable-hierarchical-cache)")
     context_length: int | None = _opt(None, "override the model's context length in tokens")
     num_threads: int | None = _opt(None, "torch intra-op threads (default: all cores)")
     random_seed: int = _opt(0, "seed for requests that bring none")
@@ -93,6 +97,8 @@ class EngineConfig:
             raise ValueError("max_total_tokens must hold at least two pages")
         if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):
             raise ValueError("--hicache-ratio and --hicache-size must be > 0")
+        if self.hicache_storage_dir is not None and not self.enable_hierarchical_cache:
+            raise ValueError("--hicache-storage-dir needs --enable-hierarchical-cache")
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("--enable-hierarchical-cache needs the radix cache "
                              "(drop --disable-radix-cache)")

@@ -123,6 +123,7 @@ class Engine(FaultPoints):
         self._apply_kv_corrupt()
         scheduled = self.scheduler.schedule()
         if not scheduled:
+            self.scheduler.wait_for_kv(0.01)
             return []
         batch = ScheduledBatch([self._seq(s) for s in scheduled])
         output = self.runner.run(batch)
@@ -273,6 +274,8 @@ class Engine(FaultPoints):
             "num_preemptions": self.scheduler.num_preemptions, **c,
             "num_cached_tokens_device": c["num_cached_tokens"] - c["num_cached_tokens_host"],
             **(kv.tier.stats() if kv.tier is not None else {}),
+            **(kv.disk.stats() if kv.disk is not None else {}),
+            "num_waiting_for_kv": len(self.scheduler.fetching),
             "runner": self.runner.info(),
         }
 
@@ -282,4 +285,5 @@ class Engine(FaultPoints):
 
     def check_invariants(self) -> None:
         """Assert page ownership (free + cached + private == total) and tree structure."""
-        self.kv.check_invariants(self.scheduler.running + list(self.scheduler.waiting))
+        self.kv.check_invariants(self.scheduler.running + list(self.scheduler.waiting)
+                                 + self.scheduler.fetching)

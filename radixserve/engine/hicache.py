@@ -81,6 +81,8 @@ class HostTier:
         self.pinned: Counter[int] = Counter()      # host page -> loads reading it
         self.loads: list[Load] = []
         self.alloc_fail_probability = 0.0          # fault point hicache.host_alloc
+        self.on_backup: Callable[[RadixNode], None] | None = None   # the disk tier's save
+        self.fetching_pages: Callable[[], list[int]] = list   # host pages disk fetches fill
         self._rng = random.Random(0)
         cache.drop_host = self.pool.free
         self.counters = {"hicache_backups": 0, "hicache_backup_pages": 0, "hicache_backup_bytes": 0,
@@ -96,11 +98,13 @@ class HostTier:
         if node.host_ids is not None:
             return True
         assert node.page_ids is not None and not self._loading(node), "backup of unready pages"
-        host = self._allocate(len(node.page_ids))
+        host = self.allocate(len(node.page_ids))
         if host is None:
             return False
         self.io.backup(node.page_ids, host)
         node.host_ids = host
+        if self.on_backup is not None:
+            self.on_backup(node)
         c = self.counters
         c["hicache_backups"] += 1
         c["hicache_backup_pages"] += len(host)
@@ -137,7 +141,8 @@ class HostTier:
             return False
         return not self._loading(node) and self.backup(node)
 
-    def _allocate(self, n: int) -> list[int] | None:
+    def allocate(self, n: int) -> list[int] | None:
+        """n free host pages (evicting host leaves no load reads), or None."""
         if self.alloc_fail_probability and self._rng.random() < self.alloc_fail_probability:
             self.counters["hicache_host_alloc_failures"] += 1
             return None
@@ -180,7 +185,7 @@ class HostTier:
         self.pinned.update(host_ids)
         device = take_device_pages(len(host_ids))
         if device is None:
-            self._unpin(host_ids)
+            self.unpin(host_ids)
             return None
         handle = self.io.load(host_ids, device)
         load = Load(handle, host_path[-1], host_ids, device)
@@ -209,7 +214,7 @@ class HostTier:
             if not load.handle.done.is_set():
                 still.append(load)
                 continue
-            self._unpin(load.host_ids)
+            self.unpin(load.host_ids)
             self.cache.unlock(load.node)
             load.released = True
             self.counters["hicache_load_seconds"] += load.handle.seconds
@@ -247,7 +252,7 @@ class HostTier:
     def _loading(node: RadixNode) -> bool:
         return node.loading is not None and not node.loading.released
 
-    def _unpin(self, host_ids: list[int]) -> None:
+    def unpin(self, host_ids: list[int]) -> None:
         self.pinned.subtract(host_ids)
         for p in host_ids:
             if self.pinned[p] <= 0:
@@ -262,10 +267,11 @@ class HostTier:
                 **self.counters}
 
     def check(self) -> None:
-        """Assert host-page ownership: free + tree == total, no page twice, pins on tree pages."""
-        free, tree = self.pool.free_ids(), self.cache.all_host_ids()
-        owned = free + tree
+        """Assert host-page ownership: free + tree + disk fetches in flight == total, no page
+        twice, pins only on tree or fetch pages."""
+        free, tree, fetch = self.pool.free_ids(), self.cache.all_host_ids(), self.fetching_pages()
+        owned = free + tree + fetch
         assert len(owned) == len(set(owned)), "a host page has two owners"
         assert len(owned) == self.io.num_pages, (
-            f"host free {len(free)} + cached {len(tree)} != {self.io.num_pages}")
-        assert set(self.pinned) <= set(tree), "a pinned host page left the tree"
+            f"host free {len(free)} + cached {len(tree)} + fetching {len(fetch)} != {self.io.num_pages}")
+        assert set(self.pinned) <= set(tree) | set(fetch), "a pinned host page left the tree"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from radixserve.engine.hicache import HostTier, KVTierIO
+from radixserve.engine.hicache_disk import DiskTier
 from radixserve.engine.page_pool import PagePool
 from radixserve.engine.radix_cache import RadixCache
 from radixserve.engine.request import Request
@@ -24,6 +25,8 @@ class KVManager:
         self.cache = RadixCache(page_size)
         self.enable_cache = enable_cache
         self.tier = HostTier(host_io, write_policy, self.cache) if host_io and enable_cache else None
+        disk_io = getattr(host_io, "disk", None)
+        self.disk = DiskTier(disk_io, self.tier, page_size) if self.tier and disk_io else None
 
     # ---- capacity ---------------------------------------------------------------------------
     @property
@@ -68,6 +71,10 @@ class KVManager:
             if result.host_path and not req.skip_host_tier:
                 self._load_back(req, result.host_path)
             self.tier.on_match(result.device_path)
+        if self.disk is not None and not req.skip_host_tier and not req.skip_disk:
+            tree_pages = result.num_pages + sum(len(h.host_ids) for h in result.host_path)
+            prefix = self.cache._aligned(req.all_ids[:req.num_tokens - 1])
+            req.fetch = self.disk.start(req, list(prefix), tree_pages)
         req.num_computed_tokens = len(req.page_ids) * self.page_size
         return req.num_computed_tokens
 
@@ -167,6 +174,11 @@ class KVManager:
         for load in failed:
             self.pool.free(self.tier.invalidate(load))
         return victims
+
+    def poll_fetches(self) -> None:
+        """Settle finished disk fetches (their pages join the tree as host-only nodes)."""
+        if self.disk is not None and self.disk.fetches:
+            self.disk.poll()
 
     def flush(self) -> bool:
         """Drop the whole cache when no request holds a lock. Returns whether it flushed."""

@@ -30,7 +30,7 @@ CALL_METHODS = ("flush_cache", "stats", "check_invariants",    # Engine methods
                 "arm_forced_tokens", "disarm_forced_tokens", "arm_kv_corrupt",
                 "disarm_kv_corrupt", "arm_hicache_h2d", "disarm_hicache_h2d",
                 "arm_hicache_d2h", "disarm_hicache_d2h", "arm_hicache_host_alloc",
-                "disarm_hicache_host_alloc")
+                "disarm_hicache_host_alloc", "arm_hicache_l3", "disarm_hicache_l3")
 LOOP_METHODS = ("set_step_latency",)                          # EngineLoop methods
 
 
@@ -210,6 +210,9 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
         loop = EngineLoop(engine, inbox, outbox)
         loop.send(Ready(info))
         loop.run()
+        disk = getattr(getattr(engine.runner, "host_kv", None), "disk", None)
+        if disk is not None:   # pages still being saved reach the disk tier before exit
+            disk.flush()
     except SystemExit:
         raise
     except BaseException:

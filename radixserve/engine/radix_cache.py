@@ -154,6 +154,23 @@ class RadixCache:
         tree_pages = match.page_ids + list(page_ids[len(match.page_ids):])
         return InsertResult(n * self.page_size, tree_pages, node)
 
+    def insert_host(self, token_ids: tuple[int, ...], host_ids: list[int]) -> list[int]:
+        """Add host-only pages for the last len(host_ids) pages of a page-aligned key (a disk
+        fetch). Pages some tier already holds, or all when the key's earlier pages are gone from
+        every tier, are not used: returns those host ids (the caller frees them)."""
+        match = self.match(token_ids)
+        have = match.num_pages + sum(len(h.host_ids) for h in match.host_path)
+        start = len(token_ids) // self.page_size - len(host_ids)
+        if have < start:
+            return list(host_ids)
+        parent = match.host_path[-1] if match.host_path else match.node
+        rest = host_ids[have - start:]
+        if rest:
+            leaf = RadixNode(key=tuple(token_ids[have * self.page_size:]), page_ids=None,
+                             parent=parent, last_access_s=self._now(), host_ids=list(rest))
+            parent.children[leaf.key[:self.page_size]] = leaf
+        return list(host_ids[:have - start])
+
     def evict(self, num_pages: int, demote: Callable[[RadixNode], bool] | None = None) -> list[int]:
         """Free device pages of least-recently-used unlocked device leaves until num_pages are
         freed or none are left. A leaf with a host copy (or one `demote(node)` makes, with its

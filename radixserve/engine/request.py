@@ -67,6 +67,8 @@ class Request:
     num_host_hit_tokens: int = 0
     num_host_cached_tokens: int = 0
     skip_host_tier: bool = False
+    fetch: object | None = None           # disk fetch it waits on in WAITING_FOR_KV (hicache_disk.py)
+    skip_disk: bool = False               # one disk fetch per request: it has had its own
 
     @property
     def num_tokens(self) -> int:

@@ -49,6 +49,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.fetching: list[Request] = []     # WAITING_FOR_KV: a disk fetch brings their pages
         self.num_preemptions = 0
         k = config.speculative_num_draft_tokens
         self.proposer: NgramProposer | ModelDraftProposer | None = (
@@ -60,7 +61,25 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.fetching)
+
+    def wait_for_kv(self, timeout_s: float) -> None:
+        """Nothing to run but requests waiting for KV: block until one fetch lands (or timeout)."""
+        if self.fetching and not self.waiting and not self.running:
+            self.fetching[0].fetch.handle.done.wait(timeout_s)
+
+    def _settle_fetches(self) -> None:
+        """Requests whose disk fetch finished go back to the head of the queue, to match what
+        landed (a fetch that landed nothing is no hit: C30); one fetch per request, so a disk
+        that keeps failing cannot hold a request back twice."""
+        self.kv.poll_fetches()
+        ready = [r for r in self.fetching if r.fetch.handle.done.is_set()]
+        for req in reversed(ready):
+            self.fetching.remove(req)
+            req.skip_disk = True
+            req.fetch = None
+            req.status = Status.WAITING
+            self.waiting.appendleft(req)
 
     # ---- schedule ---------------------------------------------------------------------------
     def schedule(self) -> list[Scheduled]:
@@ -68,6 +87,8 @@ class Scheduler:
         budget = self.config.chunked_prefill_size
         batch: list[Scheduled] = []
         num_preemptions = self.num_preemptions
+        if self.fetching:
+            self._settle_fetches()
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -121,6 +142,13 @@ class Scheduler:
             if len(self.running) >= self.config.max_running_requests:
                 break
             cached = self.kv.match(req)
+            if req.fetch is not None:     # its next pages are on disk: wait for them
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                self.waiting.remove(req)
+                req.status = Status.WAITING_FOR_KV
+                self.fetching.append(req)
+                continue
             if self._shares_uncached_prefix(req, prefilling):
                 self.kv.free(req)
                 req.num_computed_tokens = 0
@@ -193,6 +221,9 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
+        elif req.status is Status.WAITING_FOR_KV:
+            self.fetching.remove(req)
+            req.fetch = None     # the fetch itself still lands, into the tree
         self.kv.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason

@@ -96,6 +96,7 @@ class HostKV:
         self.page_bytes = KVCache.bytes_per_token(device.num_layers, device.num_kv_heads,
                                                   device.head_dim, device.dtype) * device.page_size
         self.faults = CopyFaults()
+        self.disk = None          # runner/disk_kv.py's DiskKV under --hicache-storage-dir
         self._stream = torch.cuda.Stream(device.device) if device.device.type == "cuda" else None
         self._queue: queue.Queue[tuple[LoadHandle, list[int], list[int], float]] = queue.Queue()
         self._thread = threading.Thread(target=self._loader, name="hicache-loader", daemon=True)

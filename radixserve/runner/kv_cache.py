@@ -201,6 +201,10 @@ class KVCache:
         self._side[name] = [torch.zeros(full, dtype=dtype, device=self.device)
                             for _ in range(self.num_layers)]
 
+    @property
+    def side_names(self) -> list[str]:
+        return list(self._side)
+
     def write_side(self, name: str, layer: int, slots: torch.Tensor, x: torch.Tensor) -> None:
         """x: (T, *shape) at `slots` (T,) int64."""
         buf = self._side[name][layer]

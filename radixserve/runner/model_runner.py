@@ -19,6 +19,7 @@ from radixserve.runner import kv_scales
 from radixserve.runner.attention.base import AttentionBackend, create_backend
 from radixserve.runner.batch import build_step
 from radixserve.runner.device import resolve_device
+from radixserve.runner.disk_kv import DiskKV, fingerprint
 from radixserve.runner.draft import DraftModel
 from radixserve.runner.host_kv import HostKV
 from radixserve.sampling_params import SamplingParams
@@ -151,6 +152,11 @@ class ModelRunner:
         host = HostKV(self.kv, num)
         logger.info("host KV tier: %d pages (%.2f GiB), write policy %s", num,
                     num * page_bytes / 2**30, config.hicache_write_policy)
+        if config.hicache_storage_dir is not None:
+            kv = self.kv
+            host.disk = DiskKV(host.host, config.hicache_storage_dir, fingerprint(
+                str(resolve_model_path(config.model_path)), kv.num_layers, kv.num_kv_heads,
+                kv.head_dim, kv.dtype, self.page_size))
         return host
 
     def info(self) -> dict:

@@ -112,3 +112,27 @@ def test_the_readiness_wait_is_what_keeps_early_reads_out(tiny_llama_dir):
     assert_same({0: reference}, {0: waited})
     skipped = first_token_after_reload(tiny_llama_dir, skip_wait=True)
     assert abs(skipped[0][1] - reference[0][1]) > 1e-3, "reading unloaded pages went unnoticed"
+
+
+@pytest.mark.parametrize("l3_mode", [None, "fail", "fail_chunk"])
+def test_a_restart_reads_the_disk_tier_back(tiny_llama_dir, tmp_path, l3_mode):
+    """Warm start: a fresh engine over the same --hicache-storage-dir serves the prompts from
+    disk (through WAITING_FOR_KV and the host tier) with the tier-off outputs; a failed or cut
+    fetch (hicache.l3.get) is recomputed and counts only what landed (C30)."""
+    prompts = sessions(n=2, seed=3)
+    off = generate(make_engine(tiny_llama_dir, **SMALL_POOL), prompts, "r")
+    cfg = {"enable_hierarchical_cache": True, "hicache_storage_dir": str(tmp_path), **SMALL_POOL}
+    first = make_engine(tiny_llama_dir, **cfg)
+    generate(first, prompts, "a")
+    first.runner.host_kv.disk.flush()          # as a graceful shutdown does
+    engine = make_engine(tiny_llama_dir, **cfg)
+    if l3_mode is not None:
+        engine.arm_hicache_l3(l3_mode)
+    assert_same(off, generate(engine, prompts, "b"))
+    stats = engine.stats()
+    assert stats["hicache_disk_fetches"] > 0
+    if l3_mode == "fail":
+        assert stats["hicache_disk_fetch_pages"] == 0 and stats["num_cached_tokens_host"] == 0
+    else:
+        assert stats["hicache_disk_fetch_pages"] > 0 and stats["num_cached_tokens_host"] > 0
+    engine.check_invariants()

@@ -182,3 +182,49 @@ class FakeHostKV:
             self._copy(self.slots, self.runner.slots, host_ids, device_ids, garble=handle.failed)
             handle.done.set()
         self.pending = []
+
+
+class FakeFetch:
+    def __init__(self, n: int):
+        import threading
+        self.done, self.num_ok, self.seconds = threading.Event(), 0, 0.0
+
+
+class FakeDiskKV:
+    """The disk tier's DiskIO over FakeHostKV's slots: a dict of page name -> slot entries,
+    shared between engines to play a restart. Fetches land at once, or, with `deferred`, on
+    `complete()`; `limit` caps the pages a fetch lands (the hicache.l3.get fault's cut)."""
+
+    def __init__(self, host: FakeHostKV, store: dict | None = None):
+        self.host, self.store = host, store if store is not None else {}
+        self.index = set(self.store)
+        self.deferred, self.limit = False, None
+        self.pending: list = []
+        self.num_fetches = 0
+
+    def has(self, name: str) -> bool:
+        return name in self.store
+
+    def write(self, host_ids: list[int], names: list[str]) -> None:
+        p = self.host.runner.page_size
+        for h, name in zip(host_ids, names):
+            self.store[name] = list(self.host.slots[h * p:(h + 1) * p])
+            self.index.add(name)
+
+    def fetch(self, names: list[str], host_ids: list[int]) -> FakeFetch:
+        self.num_fetches += 1
+        handle = FakeFetch(len(names))
+        self.pending.append((handle, names, host_ids))
+        if not self.deferred:
+            self.complete()
+        return handle
+
+    def complete(self) -> None:
+        p = self.host.runner.page_size
+        for handle, names, host_ids in self.pending:
+            n = len(names) if self.limit is None else min(self.limit, len(names))
+            for name, h in zip(names[:n], host_ids):
+                self.host.slots[h * p:(h + 1) * p] = self.store[name]
+            handle.num_ok = n
+            handle.done.set()
+        self.pending = []
