@@ -158,6 +158,9 @@ class ServerConfig:
     reasoning_parser: str | None = _opt(None, "split <think> text into reasoning_content "
                                               "(default: thinking stays in content)",
                                         REASONING_PARSERS)
+    warmup_prompts: str | None = _opt(
+        None, "JSONL file of prompts (a string, {\"prompt\": ...} or {\"messages\": [...]} per "
+              "line) prefilled into the prefix cache before /health turns 200 (docs/hicache.md)")
     graceful_shutdown_timeout: float = _opt(GRACEFUL_SHUTDOWN_TIMEOUT_S, GRACE_HELP)
 
     def __post_init__(self) -> None:

@@ -224,6 +224,12 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     client = await EngineClient.launch(engine_config, runner_factory, tokenizer.eos_token_ids,
                                        server_config.log_level, server_config.watchdog_timeout)
     try:
+        if server_config.warmup_prompts is not None:
+            from radixserve.server.warmup import read_prompts, warm_up
+            prompts = read_prompts(server_config.warmup_prompts)
+            logger.info("warming up: prefilling %d prompts from %s before serving", len(prompts),
+                        server_config.warmup_prompts)
+            await warm_up(client, tokenizer, prompts)
         name = server_config.served_model_name or os.path.basename(model_path.rstrip("/"))
         max_open = engine_config.max_running_requests + server_config.max_queued_requests
         ctx = ServingContext(client, tokenizer, name, model_path, max_open,

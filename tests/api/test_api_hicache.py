@@ -1,6 +1,7 @@
 """The host KV tier through a real tiny-model worker: per-tier counters from start-up (C32), a sentinel pushed off the device comes back from host and says so in usage, the fault points (hicache.h2d.layer fail and delay, hicache.d2h, hicache.host_alloc) keep outputs right (C30, C31), and no page leaks in either tier (/debug/pages' invariant covers the host pool)."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -94,3 +95,52 @@ def test_failed_and_slow_loads_never_change_an_output(server):
         else:
             assert failed > 0 and host == [0, 0]
     server.assert_no_leak()
+
+
+def test_warm_start_from_the_disk_tier_and_from_warmup_prompts(request, tmp_path, default_tokenizer):
+    """After a restart over the same --hicache-storage-dir the first request of a known prompt
+    hits (from disk, through host); --warmup-prompts fills the cache before /health is 200."""
+    rng = random.Random(3)
+    saved = [rng.randrange(100, 40000) for _ in range(6 * PAGE + 1)]
+    text = "Warm me up. " * 40
+    warm = tmp_path / "warm.jsonl"
+    warm.write_text('{"prompt": %s}\n{"messages": [{"role": "user", "content": "hello there"}]}\n'
+                    % json.dumps(text))
+    common = ["--context-length", str(TINY_CONTEXT), "--max-total-tokens", str(24 * PAGE),
+              "--page-size", str(PAGE), "--enable-hierarchical-cache",
+              "--hicache-storage-dir", str(tmp_path / "kv"), "--enable-debug-endpoints"]
+    first = start_tiny_server(request, common)
+    try:
+        reference = complete(first, saved)["choices"][0]["text"]
+    finally:
+        first.stop()                      # graceful: pages still being saved reach the disk
+    second = start_tiny_server(request, [*common, "--warmup-prompts", str(warm)])
+    try:
+        assert second.stats()["num_cached_pages"] > 0            # warmed before serving
+        again = complete(second, saved)
+        details = again["usage"]["prompt_tokens_details"]
+        assert again["choices"][0]["text"] == reference
+        assert details["cached_tokens"] >= len(saved) - PAGE - 1
+        assert details["cached_tokens_host"] == details["cached_tokens"]
+        assert second.stats()["hicache_disk_fetch_pages"] > 0
+        r = second.post("/v1/completions", json={"model": second.model, "prompt": text,
+                                                 "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        second.assert_no_leak()
+    finally:
+        second.stop()
+
+
+@pytest.mark.parametrize("content,error", [(None, "No such file"), ("{oops\n", "not JSON"),
+                                           ('{"prompt": 5}\n', "expected a string")])
+def test_a_bad_warmup_file_stops_start_up_before_loading(tiny_model_dir, tmp_path, content, error):
+    import subprocess
+    import sys
+    path = tmp_path / "warm.jsonl"
+    if content is not None:
+        path.write_text(content)
+    proc = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--model-path",
+                           str(tiny_model_dir), "--port", "0", "--warmup-prompts", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert error in proc.stderr and "Traceback" not in proc.stderr
