@@ -172,6 +172,15 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
                                  f"slots are held", "num_open_requests": num_open}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.get("/live")
+    async def live() -> Response:
+        """Liveness: 200 while the engine process lives, however busy or drained the worker is
+        (saturated and draining workers stay up: /health says 503 for routing, not for a
+        restart); 503 `engine_dead` once it is gone."""
+        if not ctx.client.is_alive:
+            raise EngineDead(f"engine is dead: {ctx.client.dead_reason}")
+        return JSONResponse({"status": "alive"})
+
     @app.get("/health_generate")
     async def health_generate() -> Response:
         """200 once the engine has generated one token for a tiny request."""
