@@ -82,19 +82,18 @@ class FaultPoints:
         """Fault point hicache.l3.get (runner/disk_kv.py): one disk fetch in `every` fails
         (mode fail), loses its second half (fail_chunk, short) or first stalls stall_ms
         (stall). Raises InvalidRequest without a disk tier or for a bad mode."""
-        from radixserve.runner.disk_kv import L3_MODES, L3Fault
         disk = getattr(self._host_tier()[0], "disk", None)
         if disk is None:
             raise InvalidRequest("the disk KV tier is off (--hicache-storage-dir)", param="kind")
-        if mode not in L3_MODES or every < 1:
-            raise InvalidRequest(f"hicache.l3.get takes mode {L3_MODES} and every >= 1", param="mode")
-        disk.fault = L3Fault(mode, every, stall_ms)
+        try:
+            disk.arm_fault(mode, every, stall_ms)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="mode") from None
 
     def disarm_hicache_l3(self) -> None:
-        from radixserve.runner.disk_kv import L3Fault
         disk = getattr(getattr(self.runner, "host_kv", None), "disk", None)
         if disk is not None:
-            disk.fault = L3Fault()
+            disk.arm_fault(None)
 
     def disarm_kv_corrupt(self) -> None:
         """End the kv_corrupt fault (KV already overwritten stays so)."""

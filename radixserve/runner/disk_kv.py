@@ -80,6 +80,13 @@ class DiskKV:
         threading.Thread(target=self._worker, name="hicache-disk", daemon=True).start()
         logger.info("disk KV tier at %s: %d pages found", self.dir, len(self.index))
 
+    def arm_fault(self, mode: str | None, every: int = 1, stall_ms: float = 0.0) -> None:
+        """Arm hicache.l3.get (module doc); mode None disarms. Raises ValueError for a mode not
+        in L3_MODES or every < 1."""
+        if mode is not None and (mode not in L3_MODES or every < 1):
+            raise ValueError(f"hicache.l3.get takes mode {L3_MODES} and every >= 1")
+        self.fault = L3Fault(mode, every, stall_ms)
+
     def has(self, name: str) -> bool:
         """Is the page on disk (ours, or written by another worker since start-up)?"""
         if name in self.index:
