@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
+from radixserve.engine.messages import PDTarget  # noqa: F401  (re-exported: the wire type)
 from radixserve.outputs import TokenLogprob
 
 
@@ -39,19 +40,6 @@ class KVLayout(msgspec.Struct, frozen=True):
                 return (f"KV layout mismatch between prefill and decode workers: {name} is "
                         f"{mine!r} on prefill but {theirs!r} on decode")
         return None
-
-
-class PDTarget(msgspec.Struct, frozen=True):
-    """Where one engine request's KV comes from (decode) or goes to (prefill): the prefill
-    worker's bootstrap address and the room, a 63-bit id both legs of a request share."""
-
-    bootstrap_host: str
-    bootstrap_port: int
-    room: int
-
-    @property
-    def address(self) -> str:
-        return f"tcp://{self.bootstrap_host}:{self.bootstrap_port}"
 
 
 class Expect(msgspec.Struct, frozen=True, tag=True):

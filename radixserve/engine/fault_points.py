@@ -39,6 +39,14 @@ class FaultPoints:
             raise InvalidRequest("this runner cannot corrupt KV", param="kind")
         self._kv_corrupt = KVCorruptFault.armed(mode, fraction, after_tokens, count, duration_s, seed)
 
+    def arm_pd_fault(self, point: str, action: str, **kwargs) -> None:
+        """PD fault points exist on prefill and decode workers only (disagg/engine.py)."""
+        raise InvalidRequest(f"fault {point!r} needs a worker started with "
+                             "--disaggregation-mode prefill|decode", param="kind")
+
+    def disarm_pd_fault(self, point: str | None = None) -> None:
+        """Nothing is armed on a colocated worker."""
+
     def disarm_kv_corrupt(self) -> None:
         """End the kv_corrupt fault (KV already overwritten stays so)."""
         self._kv_corrupt = None
