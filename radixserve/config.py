@@ -114,6 +114,9 @@ class EngineConfig:
             raise ValueError(f"--quantization {self.quantization} cannot be combined with "
                              f"--enable-deterministic-inference: the quantized kernels are not "
                              f"proven batch-invariant (use --quantization none or auto)")
+        if self.disaggregation_mode != "null" and self.speculative_algorithm == "draft":
+            raise ValueError("--speculative-algorithm draft cannot run on a prefill or decode "
+                             "worker: the draft model's KV is not transferred")
         if not 0 <= self.disaggregation_bootstrap_port <= 65535:
             raise ValueError("disaggregation_bootstrap_port must be in [0, 65535]")
         if self.disaggregation_transfer_timeout <= 0 or self.disaggregation_chunk_pages < 1:
