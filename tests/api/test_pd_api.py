@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation over HTTP: 1 prefill + 1 decode tiny worker behind `radixserve route --prefill --decode`, against a colocated reference worker (C22, C24, C25, C26, C28)."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import pathlib
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ import pytest
 from radixserve.bench.launch import free_port
 from tests.api.conftest import REPO, ServerProcess
 
+SOAK = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "pd_soak.py"
 WAIT_S = 60.0   # bound on waits for a state change (never a pass/fail timing)
 COMMON = ["--max-total-tokens", "16384", "--page-size", "16", "--served-model-name", "tiny",
           "--enable-debug-endpoints"]
@@ -168,6 +171,22 @@ def test_layout_mismatch_fails_fast_naming_both_values(pd_fleet, tiny_model_dir)
         assert "page_size" in message and "16" in message and "32" in message, message
     finally:
         other.stop()
+
+
+def test_scaled_down_soak(pd_fleet):
+    """benchmarks/pd_soak.py at CI size: 300 verifiable prompts at concurrency 16 under random
+    PD delays and 10 % client aborts; 0 corrupted, 0 cross-talk, 0 leaks, no 5xx."""
+    ref, prefill, decode, router = pd_fleet
+    spec = importlib.util.spec_from_file_location("pd_soak", SOAK)
+    pd_soak = importlib.util.module_from_spec(spec)
+    sys.modules["pd_soak"] = pd_soak   # its dataclasses look their module up
+    spec.loader.exec_module(pd_soak)
+    report = pd_soak.soak(str(router.base_url).rstrip("/"), ref.base_url, prefill.base_url,
+                          decode.base_url, num_requests=300, concurrency=16, max_tokens=8,
+                          abort_within_s=0.5, max_delay_ms=30.0, seed=14, words=(10, 60))
+    assert report["ok"], json.dumps(report, indent=1)
+    assert report["check"]["compared"] + report["aborted"] == 300, report
+    assert report["aborted"] > 0
 
 
 def test_no_leaks_and_no_tracebacks(pd_fleet):
