@@ -17,15 +17,14 @@ to the decode worker is ordered, so every write of the room lands before the ans
 """
 from __future__ import annotations
 
-import enum
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import zmq
 
 from radixserve.disagg.protocol import (AbortRoom, Expect, KVDone, KVLayout, KVWrite, PDTarget,
                                         PrefillFailed, SafeToFree)
+from radixserve.disagg.rooms import HeldWrite, Room, RoomState, held_over
 from radixserve.engine.request import Request, Status
 from radixserve.errors import InvalidRequest, KVTransferFailed
 from radixserve.outputs import TokenLogprob
@@ -38,45 +37,6 @@ logger = logging.getLogger(__name__)
 TOMBSTONE_TTL_FACTOR = 10    # closed rooms are remembered this many transfer timeouts
 
 
-class RoomState(enum.Enum):
-    BOOTSTRAP = "bootstrap"
-    EXPECTED = "expected"
-    STARTING = "starting"
-    PREFILLING = "prefilling"
-    SENT = "sent"
-    CLOSED = "closed"
-
-
-@dataclass(slots=True, eq=False)
-class Room:
-    room: int
-    created_s: float
-    state: RoomState
-    req: Request | None = None
-    peer: bytes | None = None              # the decode endpoint that sent Expect
-    dest_page_ids: list[int] = field(default_factory=list)
-    seed: int | None = None                # the decode request's seed, until the request comes
-    ready_s: float = 0.0                   # both the request and the Expect are here
-    start_due_s: float | None = None       # pd.prefill.start delay; None with start_hang_gen: hung
-    start_hang_gen: int | None = None
-    num_pages_sent: int = 0
-    num_writes: int = 0                    # writes started (each KVWrite once, duplicates not counted)
-    num_in_flight: int = 0                 # started, not yet handed to the ordered stream
-    closing: str | None = None             # "abort" (answer SafeToFree) or a failure message
-    done: KVDone | None = None             # queued completion notice (sent once drained)
-    done_due_s: float | None = None
-    done_hang_gen: int | None = None
-
-
-@dataclass(slots=True, eq=False)
-class _HeldWrite:
-    room: Room
-    msg: KVWrite
-    due_s: float | None          # deliver at; None: hung or late
-    hang_gen: int | None = None  # hung: released once the faults' generation moves on
-    late: bool = False           # released when the room closes (abort after the write started)
-
-
 class PrefillSide:
     """Owned by a PDEngine in prefill mode; every method runs on the engine thread."""
 
@@ -86,7 +46,7 @@ class PrefillSide:
         self.layout = layout
         self.rooms: dict[int, Room] = {}
         self.by_request: dict[str, Room] = {}
-        self.held: list[_HeldWrite] = []
+        self.held: list[HeldWrite] = []
         self.held_expects: list[tuple[float, bytes, Expect]] = []
 
     # ---- inputs ----------------------------------------------------------------------------
@@ -116,17 +76,22 @@ class PrefillSide:
             fired = self.engine.pd_faults.fire("pd.bootstrap")
             if fired is not None and fired.action == "delay":
                 self.held_expects.append((self.engine.clock() + fired.delay_s, peer, msg))
-                return
-            try:
-                if fired is not None:   # fail: the handler raises, as a bug in it would
-                    raise RuntimeError("injected fault pd.bootstrap")
-                self._expect(peer, msg)
-            except Exception as exc:   # one request fails; the service keeps serving
-                logger.exception("bootstrap handler failed for room %d", msg.room)
-                self.engine.pd_stats.counters["bootstrap_failures"] += 1
-                self._refuse(peer, msg.room, f"bootstrap handler failed: {type(exc).__name__}: {exc}")
+            else:
+                self._guarded_expect(peer, msg, injected=fired is not None)
         elif isinstance(msg, AbortRoom):
             self._abort_room(peer, msg)
+
+    def _guarded_expect(self, peer: bytes, msg: Expect, injected: bool = False) -> None:
+        """The bootstrap handler: a failure in it (or the injected pd.bootstrap fail) fails
+        this request only; the service keeps serving (C25)."""
+        try:
+            if injected:
+                raise RuntimeError("injected fault pd.bootstrap")
+            self._expect(peer, msg)
+        except Exception as exc:
+            logger.exception("bootstrap handler failed for room %d", msg.room)
+            self.engine.pd_stats.counters["bootstrap_failures"] += 1
+            self._refuse(peer, msg.room, f"bootstrap handler failed: {type(exc).__name__}: {exc}")
 
     def _expect(self, peer: bytes, msg: Expect) -> None:
         room = self.rooms.get(msg.room)
@@ -249,19 +214,17 @@ class PrefillSide:
             return
         room.num_in_flight += 1
         if action == "delay":
-            self.held.append(_HeldWrite(room, msg, self.engine.clock() + fired.delay_s))
+            self.held.append(HeldWrite(room, msg, self.engine.clock() + fired.delay_s))
         elif action == "hang":
-            self.held.append(_HeldWrite(room, msg, None, hang_gen=self.engine.pd_faults.generation))
+            self.held.append(HeldWrite(room, msg, None, hang_gen=self.engine.pd_faults.generation))
         else:
-            self.held.append(_HeldWrite(room, msg, None, late=True))
+            self.held.append(HeldWrite(room, msg, None, late=True))
 
     def poll(self) -> None:
         """Between steps: deliver held writes and notices that are due, start held rooms, and
         time out rooms whose other leg never came."""
         now, gen = self.engine.clock(), self.engine.pd_faults.generation
-        due = [h for h in self.held if (h.due_s is not None and h.due_s <= now)
-               or (h.hang_gen is not None and h.hang_gen != gen)
-               or (h.late and h.room.closing is not None)]
+        due = [h for h in self.held if h.is_due(now, gen)]
         for h in due:
             self.held.remove(h)
             self._send(h.room.peer, h.msg)
@@ -270,16 +233,14 @@ class PrefillSide:
         expects = [e for e in self.held_expects if e[0] <= now]
         for e in expects:
             self.held_expects.remove(e)
-            self.handle_now(e[1], e[2])
+            self._guarded_expect(e[1], e[2])
         timeout = self.engine.config.disaggregation_transfer_timeout
         for room in list(self.rooms.values()):
-            if room.state is RoomState.STARTING and (
-                    (room.start_due_s is not None and room.start_due_s <= now)
-                    or (room.start_hang_gen is not None and room.start_hang_gen != gen)):
+            if room.state is RoomState.STARTING and held_over(room.start_due_s,
+                                                              room.start_hang_gen, now, gen):
                 self._start(room)
-            elif room.state is RoomState.SENT and room.num_in_flight == 0 and (
-                    (room.done_due_s is not None and room.done_due_s <= now)
-                    or (room.done_hang_gen is not None and room.done_hang_gen != gen)):
+            elif room.state is RoomState.SENT and room.num_in_flight == 0 and held_over(
+                    room.done_due_s, room.done_hang_gen, now, gen):
                 room.done_due_s = room.done_hang_gen = None
                 self._try_close(room)
             elif room.state in (RoomState.BOOTSTRAP, RoomState.EXPECTED) and room.closing is None \
@@ -288,14 +249,6 @@ class PrefillSide:
                 self._fail_room(room, f"no {other} came for room {room.room} within {timeout:g} s")
             elif room.state is RoomState.CLOSED and now - room.created_s > TOMBSTONE_TTL_FACTOR * timeout:
                 del self.rooms[room.room]
-
-    def handle_now(self, peer: bytes, msg: Expect) -> None:
-        """A delayed Expect, handled now (the pd.bootstrap delay is over)."""
-        try:
-            self._expect(peer, msg)
-        except Exception as exc:
-            logger.exception("bootstrap handler failed for room %d", msg.room)
-            self._refuse(peer, msg.room, f"bootstrap handler failed: {type(exc).__name__}: {exc}")
 
     # ---- ending ----------------------------------------------------------------------------
     def _abort_room(self, peer: bytes, msg: AbortRoom) -> None:

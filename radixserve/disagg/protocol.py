@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
-from radixserve.engine.messages import PDTarget  # noqa: F401  (re-exported: the wire type)
+from radixserve.engine.messages import PDTarget
 from radixserve.outputs import TokenLogprob
 
 
@@ -78,6 +78,9 @@ class PrefillFailed(msgspec.Struct, frozen=True, tag=True):
     room: int
     message: str
 
+
+__all__ = ["KVLayout", "PDTarget", "Expect", "AbortRoom", "KVWrite", "KVDone", "SafeToFree",
+           "PrefillFailed", "ToPrefill", "ToDecode"]   # PDTarget: engine/messages.py's, re-exported
 
 ToPrefill = Expect | AbortRoom
 ToDecode = KVWrite | KVDone | SafeToFree | PrefillFailed

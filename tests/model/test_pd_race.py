@@ -18,7 +18,7 @@ from radixserve.config import EngineConfig
 from radixserve.disagg.engine import PDEngine
 from radixserve.engine.engine import Engine
 from radixserve.runner.model_runner import ModelRunner
-from tests.unit.pd_helpers import FakeClock, Rig, greedy, target
+from tests.unit.pd_helpers import FakeClock, Rig, greedy
 
 PAGE = 4
 
