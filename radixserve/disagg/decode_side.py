@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from radixserve.disagg.protocol import (AbortRoom, Expect, KVDone, KVLayout, KVWrite, PDTarget,
                                         PrefillFailed, SafeToFree)
+from radixserve.disagg.transport import TransportError
 from radixserve.engine.request import Request, Status
 from radixserve.errors import InvalidRequest
 
@@ -103,7 +104,10 @@ class DecodeSide:
         inc = self.incoming.get(msg.room)
         if inc is not None and inc.expect_s is not None:
             owned = set(inc.req.page_ids)
-            assert all(p in owned for p in msg.page_ids), "a write names pages its room does not own"
+            if not all(p in owned for p in msg.page_ids):   # a buggy peer must not crash us
+                self._end(inc, f"write {msg.write_id} named pages room {msg.room} does not own",
+                          quarantine=True)
+                return
             self.engine.runner.import_kv(msg.page_ids, msg.data, False)
             inc.landed.add(msg.write_id)
             c["transfer_bytes"] += len(msg.data)
@@ -150,8 +154,12 @@ class DecodeSide:
             req.status = Status.WAITING_FOR_KV
             inc.expect_s = now
             eng.pd_stats.queue_time.observe(now - req.arrival_s)
-            self.endpoint.send(inc.target.address, Expect(
-                inc.target.room, list(req.page_ids), len(req.prompt_ids), req.seed, self.layout))
+            try:
+                self.endpoint.send(inc.target.address, Expect(
+                    inc.target.room, list(req.page_ids), len(req.prompt_ids), req.seed, self.layout))
+            except TransportError as exc:   # nothing was asked: no write can come
+                self._end(inc, f"cannot reach the prefill worker at {inc.target.address}: {exc}",
+                          quarantine=False)
 
     def _land(self, inc: Incoming, done: KVDone) -> None:
         """All writes are in: the request joins the running batch with its first token."""
@@ -196,7 +204,10 @@ class DecodeSide:
         else:
             eng.kv.pool.free(pages)
         if quarantine:   # also for a request still preallocating: its bootstrap entry is dropped
-            self.endpoint.send(inc.target.address, AbortRoom(room, error or "aborted"))
+            try:
+                self.endpoint.send(inc.target.address, AbortRoom(room, error or "aborted"))
+            except TransportError as exc:   # the quarantine timeout frees the pages
+                logger.warning("room %d: cannot tell the prefill worker of the abort: %s", room, exc)
         eng.end_request(req, error)
 
     def _release(self, room: int) -> None:

@@ -20,6 +20,10 @@ logger = logging.getLogger(__name__)
 SNDHWM = 1000   # queued messages per peer before send blocks (never reached in practice)
 
 
+class TransportError(RuntimeError):
+    """A message could not be handed to the transport (peer unreachable, queue full)."""
+
+
 class PrefillEndpoint(Protocol):
     """The prefill side: the bootstrap service's listening end."""
 
@@ -114,8 +118,12 @@ class TcpDecodeEndpoint:
         return sock
 
     def send(self, address: str, msg: ToPrefill) -> None:
-        # Queued by ZMQ until the connection is up; messages to one address keep their order.
-        self._socket(address).send(self._enc.encode(msg), zmq.NOBLOCK)
+        """Queued by ZMQ until the connection is up; messages to one address keep their order.
+        Raises TransportError when the address is malformed or its queue is full."""
+        try:
+            self._socket(address).send(self._enc.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"{address}: {exc}") from None
 
     def recv(self) -> list[ToDecode]:
         out = []

@@ -144,3 +144,19 @@ def test_request_without_target_is_refused(pair):
     p, d, _ = pair
     with pytest.raises(InvalidRequest, match="bootstrap_room"):
         d.add_request("x", [1, 2], greedy(2))
+
+
+def test_unreachable_bootstrap_address_fails_the_request():
+    from radixserve.disagg.protocol import PDTarget
+    d = pd_engine("decode")
+    rig = Rig(d)
+    try:
+        d.add_request("x", [1, 2, 3], greedy(2), PDTarget("not a host", 1, 3))
+        rig.finish("x")
+        assert rig.finals["x"].error_code == "kv_transfer_failed"
+        assert "cannot reach" in rig.finals["x"].error
+        rig.idle()
+        d.check_invariants()
+        assert d.stats()["num_free_pages"] == d.stats()["num_pages"]
+    finally:
+        rig.close()
