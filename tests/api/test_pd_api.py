@@ -122,6 +122,42 @@ def test_first_token_counted_once(pd_fleet, stream):
     assert abs(lps[0]["logprob"] - w["choices"][0]["logprobs"]["content"][0]["logprob"]) < 1e-3
 
 
+@pytest.mark.parametrize("extra", [{"echo": True, "logprobs": 1, "max_tokens": 3},
+                                   {"n": 2, "max_tokens": 4},
+                                   {"max_tokens": 2, "stop_first": True}],
+                         ids=["echo-logprobs", "n2", "stop-token-is-first"])
+def test_first_token_handoff_cases(pd_fleet, extra):
+    """C26: echo with prompt logprobs, n=2 (room per choice), a stop token that is the first
+    token: byte-identical to the colocated worker."""
+    ref, _, _, router = pd_fleet
+    body = {"model": "tiny", "prompt": [300 + i for i in range(21)], "temperature": 0, **extra}
+    if body.pop("stop_first", False):
+        body["stop_token_ids"] = [_first_id(ref, body["prompt"])]
+    got, want = router.post("/v1/completions", json=body), ref.post("/v1/completions", json=body)
+    assert got.status_code == 200, got.text
+    g, w = got.json(), want.json()
+    assert [c["text"] for c in g["choices"]] == [c["text"] for c in w["choices"]]
+    assert [c["finish_reason"] for c in g["choices"]] == [c["finish_reason"] for c in w["choices"]]
+    assert g["usage"]["completion_tokens"] == w["usage"]["completion_tokens"]
+    if body.get("echo"):
+        lp_g, lp_w = g["choices"][0]["logprobs"], w["choices"][0]["logprobs"]
+        assert lp_g["tokens"] == lp_w["tokens"]
+        for a, b in zip(lp_g["token_logprobs"][1:], lp_w["token_logprobs"][1:]):
+            assert abs(a - b) < 1e-3
+
+
+def _first_id(server, prompt: list[int]) -> int:
+    """The first token id the colocated worker generates for `prompt` (greedy)."""
+    r = server.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                             "stream": True, "return_token_ids": True})
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            ids = json.loads(line[6:])["choices"][0].get("token_ids")
+            if ids:
+                return ids[0]
+    raise AssertionError(f"no token ids in {r.text[:500]}")
+
+
 def _joined(sse: str) -> tuple[str, int | None]:
     text, usage = "", None
     for line in sse.splitlines():
