@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from radixserve.disagg.protocol import (AbortRoom, Expect, KVDone, KVLayout, KVWrite, PDTarget,
-                                        PrefillFailed, SafeToFree)
+                                        PrefillFailed, SafeToFree, prompt_crc)
 from radixserve.disagg.transport import TransportError
 from radixserve.engine.request import Request, Status
 from radixserve.errors import InvalidRequest
@@ -156,7 +156,8 @@ class DecodeSide:
             eng.pd_stats.queue_time.observe(now - req.arrival_s)
             try:
                 self.endpoint.send(inc.target.address, Expect(
-                    inc.target.room, list(req.page_ids), len(req.prompt_ids), req.seed, self.layout))
+                    inc.target.room, list(req.page_ids), len(req.prompt_ids),
+                    prompt_crc(req.prompt_ids), req.seed, self.layout))
             except TransportError as exc:   # nothing was asked: no write can come
                 self._end(inc, f"cannot reach the prefill worker at {inc.target.address}: {exc}",
                           quarantine=False)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from radixserve.disagg.protocol import (AbortRoom, Expect, KVDone, KVLayout, KVWrite, PDTarget,
-                                        PrefillFailed, SafeToFree)
+                                        PrefillFailed, SafeToFree, prompt_crc)
 from radixserve.disagg.rooms import HeldWrite, Room, RoomState, held_over
 from radixserve.engine.request import Request, Status
 from radixserve.errors import InvalidRequest, KVTransferFailed
@@ -63,12 +63,18 @@ class PrefillSide:
                                  param="bootstrap_room")
         self.engine.scheduler.waiting.remove(req)
         req.max_tokens = min(req.max_tokens, 1)   # prefill samples the first token only
+        if room is not None and room.state is RoomState.EXPECTED:
+            problem = self._prompt_mismatch(req, room.expect)
+            if problem is not None:
+                self.engine.pd_stats.counters["bootstrap_failures"] += 1
+                self._fail_room(room, problem)
+                raise KVTransferFailed(problem)
         if room is None:
             room = self.rooms[target.room] = Room(target.room, self.engine.clock(), RoomState.BOOTSTRAP)
         room.req = req
         self.by_request[req.request_id] = room
         if room.state is RoomState.EXPECTED:
-            req.seed = room.seed if room.seed is not None else req.seed
+            req.seed = room.expect.seed
             self._ready(room)
 
     def handle(self, peer: bytes, msg) -> None:
@@ -101,11 +107,7 @@ class PrefillSide:
         elif problem is None and room is not None and room.peer is not None:
             problem = f"room {msg.room} was already asked for by a decode worker"
         elif problem is None and room is not None and room.req is not None:
-            need = self.engine.kv.pages_for(len(room.req.prompt_ids))
-            if len(msg.page_ids) < need or msg.num_prompt_tokens != len(room.req.prompt_ids):
-                problem = (f"decode preallocated {len(msg.page_ids)} pages for "
-                           f"{msg.num_prompt_tokens} prompt tokens; prefill has "
-                           f"{len(room.req.prompt_ids)} tokens in {need} pages")
+            problem = self._prompt_mismatch(room.req, msg)
         if problem is not None:
             self.engine.pd_stats.counters["bootstrap_failures"] += 1
             self._refuse(peer, msg.room, problem)
@@ -117,7 +119,18 @@ class PrefillSide:
             room.req.seed = msg.seed
             self._ready(room)
         else:
-            room.seed = msg.seed
+            room.expect = msg
+
+    def _prompt_mismatch(self, req: Request, msg: Expect) -> str | None:
+        """Why the decode worker's Expect does not fit this prefill request (None: it fits)."""
+        need = self.engine.kv.pages_for(len(req.prompt_ids))
+        if (len(msg.page_ids) < need or msg.num_prompt_tokens != len(req.prompt_ids)
+                or msg.prompt_crc != prompt_crc(req.prompt_ids)):
+            return (f"the legs disagree on the prompt: decode has {msg.num_prompt_tokens} tokens "
+                    f"(crc {msg.prompt_crc:08x}) in {len(msg.page_ids)} pages, prefill "
+                    f"{len(req.prompt_ids)} tokens (crc {prompt_crc(req.prompt_ids):08x}) in "
+                    f"{need} pages")
+        return None
 
     def _refuse(self, peer: bytes, room_id: int, message: str) -> None:
         """Fail `room_id` from the bootstrap handler: its request (if here) ends with the error,

@@ -14,6 +14,9 @@ also lands after it. That order is what the abort handshake relies on (docs/disa
 """
 from __future__ import annotations
 
+import array
+import zlib
+
 import msgspec
 
 from radixserve.engine.messages import PDTarget
@@ -42,10 +45,16 @@ class KVLayout(msgspec.Struct, frozen=True):
         return None
 
 
+def prompt_crc(prompt_ids: list[int]) -> int:
+    """CRC-32 of a prompt's token ids: both legs must prefill and decode the same tokens."""
+    return zlib.crc32(array.array("q", prompt_ids).tobytes())
+
+
 class Expect(msgspec.Struct, frozen=True, tag=True):
     room: int
     page_ids: list[int]           # destination pages, covering the prompt (page order)
     num_prompt_tokens: int
+    prompt_crc: int               # prompt_crc of the decode request's prompt
     seed: int                     # the decode request's sampling seed (the first token uses it)
     layout: KVLayout
 
@@ -79,7 +88,7 @@ class PrefillFailed(msgspec.Struct, frozen=True, tag=True):
     message: str
 
 
-__all__ = ["KVLayout", "PDTarget", "Expect", "AbortRoom", "KVWrite", "KVDone", "SafeToFree",
+__all__ = ["prompt_crc", "KVLayout", "PDTarget", "Expect", "AbortRoom", "KVWrite", "KVDone", "SafeToFree",
            "PrefillFailed", "ToPrefill", "ToDecode"]   # PDTarget: engine/messages.py's, re-exported
 
 ToPrefill = Expect | AbortRoom

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from radixserve.disagg.protocol import KVDone, KVWrite
+from radixserve.disagg.protocol import Expect, KVDone, KVWrite
 from radixserve.engine.request import Request
 
 
@@ -25,7 +25,7 @@ class Room:
     req: Request | None = None
     peer: bytes | None = None              # the decode endpoint that sent Expect
     dest_page_ids: list[int] = field(default_factory=list)
-    seed: int | None = None                # the decode request's seed, until the request comes
+    expect: Expect | None = None           # the decode worker's Expect, until the request comes
     ready_s: float = 0.0                   # both the request and the Expect are here
     start_due_s: float | None = None       # pd.prefill.start delay; None with start_hang_gen: hung
     start_hang_gen: int | None = None

@@ -160,3 +160,23 @@ def test_unreachable_bootstrap_address_fails_the_request():
         assert d.stats()["num_free_pages"] == d.stats()["num_pages"]
     finally:
         rig.close()
+
+
+@pytest.mark.parametrize("decode_first", [False, True])
+def test_legs_with_different_prompts_fail_instead_of_decoding_wrong_kv(pair, decode_first):
+    from radixserve.errors import KVTransferFailed
+    p, d, rig = pair
+    if decode_first:
+        d.add_request("x", [1, 2, 3, 4, 5], greedy(3), target(p, 31))
+        rig.run_until(lambda: 31 in p.prefill.rooms, "the Expect")
+        with pytest.raises(KVTransferFailed, match="disagree on the prompt"):
+            p.add_request("p-x", [1, 2, 3, 4, 6], greedy(3), target(p, 31))
+    else:
+        p.add_request("p-x", [1, 2, 3, 4, 6], greedy(3), target(p, 31))
+        d.add_request("x", [1, 2, 3, 4, 5], greedy(3), target(p, 31))
+    rig.finish("x")
+    assert "disagree on the prompt" in rig.finals["x"].error
+    rig.idle()
+    assert p.requests == {} and d.requests == {}
+    d.check_invariants()
+    assert d.stats()["num_free_pages"] + d.stats()["num_cached_pages"] == d.stats()["num_pages"]
