@@ -18,6 +18,7 @@ to the decode worker is ordered, so every write of the room lands before the ans
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import TYPE_CHECKING
 
 import zmq
@@ -44,7 +45,9 @@ class PrefillSide:
         self.engine = engine
         self.endpoint = endpoint
         self.layout = layout
-        self.rooms: dict[int, Room] = {}
+        self.rooms: dict[int, Room] = {}          # every room, tombstones included
+        self.open: dict[int, Room] = {}           # rooms not CLOSED (what poll() walks)
+        self.tombstones: deque[tuple[float, int]] = deque()   # (closed at, room), oldest first
         self.by_request: dict[str, Room] = {}
         self.held: list[HeldWrite] = []
         self.held_expects: list[tuple[float, bytes, Expect]] = []
@@ -70,7 +73,7 @@ class PrefillSide:
                 self._fail_room(room, problem)
                 raise KVTransferFailed(problem)
         if room is None:
-            room = self.rooms[target.room] = Room(target.room, self.engine.clock(), RoomState.BOOTSTRAP)
+            room = self._new_room(target.room, RoomState.BOOTSTRAP)
         room.req = req
         self.by_request[req.request_id] = room
         if room.state is RoomState.EXPECTED:
@@ -113,7 +116,7 @@ class PrefillSide:
             self._refuse(peer, msg.room, problem)
             return
         if room is None:
-            room = self.rooms[msg.room] = Room(msg.room, self.engine.clock(), RoomState.EXPECTED)
+            room = self._new_room(msg.room, RoomState.EXPECTED)
         room.peer, room.dest_page_ids = peer, list(msg.page_ids)
         if room.req is not None:
             room.req.seed = msg.seed
@@ -248,7 +251,7 @@ class PrefillSide:
             self.held_expects.remove(e)
             self._guarded_expect(e[1], e[2])
         timeout = self.engine.config.disaggregation_transfer_timeout
-        for room in list(self.rooms.values()):
+        for room in list(self.open.values()):
             if room.state is RoomState.STARTING and held_over(room.start_due_s,
                                                               room.start_hang_gen, now, gen):
                 self._start(room)
@@ -260,8 +263,11 @@ class PrefillSide:
                     and now - room.created_s > timeout:
                 other = "decode worker" if room.state is RoomState.BOOTSTRAP else "prefill request"
                 self._fail_room(room, f"no {other} came for room {room.room} within {timeout:g} s")
-            elif room.state is RoomState.CLOSED and now - room.created_s > TOMBSTONE_TTL_FACTOR * timeout:
-                del self.rooms[room.room]
+        while self.tombstones and now - self.tombstones[0][0] > TOMBSTONE_TTL_FACTOR * timeout:
+            _, room_id = self.tombstones.popleft()
+            room = self.rooms.get(room_id)
+            if room is not None and room.state is RoomState.CLOSED:
+                del self.rooms[room_id]
 
     # ---- ending ----------------------------------------------------------------------------
     def _abort_room(self, peer: bytes, msg: AbortRoom) -> None:
@@ -269,8 +275,9 @@ class PrefillSide:
         writes already started are delivered (late-held ones are released now)."""
         room = self.rooms.get(msg.room)
         if room is None:   # nothing ever started for it: tombstone, answer at once
-            room = self.rooms[msg.room] = Room(msg.room, self.engine.clock(), RoomState.CLOSED,
-                                               peer=peer, closing="abort")
+            room = self._new_room(msg.room, RoomState.EXPECTED)
+            room.peer, room.closing = peer, "abort"
+            self._close(room)
             self._send(peer, SafeToFree(msg.room))
             return
         room.peer = room.peer or peer
@@ -321,9 +328,17 @@ class PrefillSide:
         else:   # without a peer (no Expect yet) there is no one to tell: the tombstone refuses it
             self._send(room.peer, SafeToFree(room.room) if room.closing == "abort"
                        else PrefillFailed(room.room, room.closing))
-        room.state = RoomState.CLOSED
-        room.created_s = self.engine.clock()   # tombstone age
-        room.done = None
+        self._close(room)
+
+    def _new_room(self, room_id: int, state: RoomState) -> Room:
+        room = self.rooms[room_id] = self.open[room_id] = Room(room_id, self.engine.clock(), state)
+        return room
+
+    def _close(self, room: Room) -> None:
+        """CLOSED: a tombstone for TOMBSTONE_TTL_FACTOR transfer timeouts."""
+        room.state, room.done = RoomState.CLOSED, None
+        self.open.pop(room.room, None)
+        self.tombstones.append((self.engine.clock(), room.room))
 
     def _send(self, peer: bytes | None, msg) -> None:
         if peer is None:
@@ -334,7 +349,7 @@ class PrefillSide:
             logger.warning("cannot reach decode peer for room %d: %s", msg.room, exc)
 
     def gauges(self) -> dict[str, int]:
-        live = [r for r in self.rooms.values() if r.state is not RoomState.CLOSED]
+        live = list(self.open.values())
         return {"num_bootstrapping": sum(r.state in (RoomState.BOOTSTRAP, RoomState.EXPECTED)
                                          for r in live),
                 "num_rooms": len(live), "num_writes_in_flight": sum(r.num_in_flight for r in live)}
@@ -347,4 +362,4 @@ class PrefillSide:
 
     def is_busy(self) -> bool:
         return bool(self.held or self.held_expects
-                    or any(r.state is not RoomState.CLOSED for r in self.rooms.values()))
+                    or bool(self.open))
