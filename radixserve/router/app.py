@@ -13,6 +13,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from radixserve.drain import Drain, DrainMiddleware
 from radixserve.errors import InvalidRequest, ModelNotFound, RadixServeError, error_body
@@ -191,6 +192,11 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), kind, exc.status_code),
                             status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnect)   # left while its body was being read
+    async def on_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+        logger.debug("client left %s %s before its response", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> Response:
