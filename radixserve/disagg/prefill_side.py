@@ -296,13 +296,15 @@ class PrefillSide:
         room = self.by_request.get(request_id)
         if room is None:
             return False
-        self._fail_room(room, "the prefill request was aborted")
+        self._fail_room(room, "the prefill request was aborted", "transfers_aborted")
         return True
 
-    def _fail_room(self, room: Room, message: str) -> None:
+    def _fail_room(self, room: Room, message: str, outcome: str = "transfers_failed") -> None:
+        """End the room with `message` (the decode side gets PrefillFailed once nothing of it
+        is in flight); `outcome`: the counter it ends in."""
         if room.closing is None:
             room.closing = message
-            self.engine.pd_stats.counters["transfers_failed"] += 1
+            self.engine.pd_stats.counters[outcome] += 1
         self._end_request(room, message)
         self._try_close(room)
 
