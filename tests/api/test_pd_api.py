@@ -183,6 +183,26 @@ def test_failed_transfer_is_an_error_and_the_pair_recovers(pd_fleet, stream):
     wait_for(lambda: decode.pages()["num_in_use_pages"] == 0, "decode pages back")
 
 
+def test_hung_transfer_times_out_as_an_error_and_pages_wait_for_the_ack(pd_fleet):
+    """C24: writes that hang end the request with a 5xx after the decode worker's transfer
+    timeout (10 s here); its pages stay quarantined until the writes drain and the prefill
+    side answers safe-to-free."""
+    _, prefill, decode, router = pd_fleet
+    r = prefill.post("/admin/fault", json={"kind": "pd.transfer.write", "action": "hang", "count": 3})
+    assert r.status_code == 200, r.text
+    try:
+        got = completion(router, list(range(400, 460)))
+        assert got.status_code == 500, got.text
+        assert "timed out" in got.json()["error"]["message"]
+        wait_for(lambda: decode.stats()["pd"]["num_quarantined_pages"] > 0
+                 or decode.pages()["num_in_use_pages"] == 0, "the timeout to be handled")
+    finally:
+        assert prefill.http.delete("/admin/fault", params={"kind": "pd.transfer.write"}).status_code == 200
+    wait_for(lambda: decode.stats()["pd"]["num_quarantined_pages"] == 0
+             and decode.pages()["num_in_use_pages"] == 0, "the ack to free the pages")
+    assert decode.metrics()["radixserve:pd_late_writes_landed_total"] == 0
+
+
 def test_prefill_rejection_reaches_client_and_decode_leg_is_cancelled(pd_fleet):
     _, prefill, decode, router = pd_fleet
     got = completion(router, [5] * 600)   # over the prefill worker's 512, under decode's 1024
