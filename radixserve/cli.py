@@ -51,6 +51,9 @@ def run_serve(args: argparse.Namespace) -> int:
         server_config = from_args(ServerConfig, args)
         engine_config = from_args(EngineConfig, args)
         model_path = resolve_model_path(engine_config.model_path, need_tokenizer=True)
+        if server_config.warmup_prompts is not None:
+            from radixserve.server.warmup import read_prompts
+            read_prompts(server_config.warmup_prompts)   # a bad file fails now, not after loading
     except (ValueError, ModelPathError) as exc:
         return _fail(exc, 2)
     try:

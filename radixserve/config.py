@@ -46,6 +46,21 @@ class EngineConfig:
     schedule_policy: str = _opt("fcfs", "order of admission from the waiting queue", ("fcfs", "lpm"))
     lpm_queue_threshold: int = _opt(128, "lpm falls back to fcfs when more requests than this wait")
     disable_radix_cache: bool = _opt(False, "turn off prefix reuse across requests")
+    enable_hierarchical_cache: bool = _opt(
+        False, "keep prefixes evicted from the device KV pool in a host-memory tier and load them "
+               "back layer by layer while the forward runs (docs/hicache.md)")
+    hicache_ratio: float = _opt(2.0, "host tier size as a multiple of the device KV pool "
+                                     "(unless --hicache-size)")
+    hicache_size: float | None = _opt(None, "host tier size in GiB (overrides --hicache-ratio)")
+    hicache_write_policy: str = _opt(
+        "write_through", "when device pages are copied to host: write_through (as they enter the "
+                         "radix tree), write_through_selective (on their second hit), write_back "
+                         "(when evicted from the device)",
+        ("write_through", "write_through_selective", "write_back"))
+    hicache_storage_dir: str | None = _opt(
+        None, "a disk tier under the host tier: every page copied to host is also saved here, "
+              "named by a hash of its token prefix, so it outlives restarts and is shared by "
+              "workers of one model on this host (needs --enable-hierarchical-cache)")
     context_length: int | None = _opt(None, "override the model's context length in tokens")
     num_threads: int | None = _opt(None, "torch intra-op threads (default: all cores)")
     random_seed: int = _opt(0, "seed for requests that bring none")
@@ -101,6 +116,13 @@ class EngineConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError("max_total_tokens must hold at least two pages")
+        if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):
+            raise ValueError("--hicache-ratio and --hicache-size must be > 0")
+        if self.hicache_storage_dir is not None and not self.enable_hierarchical_cache:
+            raise ValueError("--hicache-storage-dir needs --enable-hierarchical-cache")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the radix cache "
+                             "(drop --disable-radix-cache)")
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
         draft_given = (self.speculative_draft_layers is not None
@@ -165,6 +187,9 @@ class ServerConfig:
     reasoning_parser: str | None = _opt(None, "split <think> text into reasoning_content "
                                               "(default: thinking stays in content)",
                                         REASONING_PARSERS)
+    warmup_prompts: str | None = _opt(
+        None, "JSONL file of prompts (a string, {\"prompt\": ...} or {\"messages\": [...]} per "
+              "line) prefilled into the prefix cache before /health turns 200 (docs/hicache.md)")
     graceful_shutdown_timeout: float = _opt(GRACEFUL_SHUTDOWN_TIMEOUT_S, GRACE_HELP)
 
     def __post_init__(self) -> None:

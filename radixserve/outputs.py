@@ -78,6 +78,7 @@ class EngineOutput:
     error_code: str | None = None           # "kv_transfer_failed": a PD failure (an HTTP 500)
     queue_time_s: float | None = None       # arrival to first admission; None while still waiting
     spec: SpecCounts | None = None          # speculative decoding so far; None: never verified
+    num_cached_tokens_host: int | None = None   # of num_cached_tokens: loaded from the host tier (None: tier off)
 
 
 @dataclass(slots=True)
@@ -104,3 +105,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     finished: bool = True
     spec: SpecCounts | None = None      # speculative decoding over all choices; None: none ran
+    num_cached_tokens_host: int | None = None   # of num_cached_tokens: from the host tier (None: off)

@@ -34,11 +34,13 @@ class Engine(FaultPoints):
         self.eos_token_ids = frozenset(runner.eos_token_ids) | frozenset(extra_eos_token_ids)
         self.page_size = runner.page_size
         self.max_context_len = runner.max_context_len
-        self.kv = KVManager(runner.num_pages, runner.page_size, not config.disable_radix_cache)
+        self.kv = KVManager(runner.num_pages, runner.page_size, not config.disable_radix_cache,
+                            getattr(runner, "host_kv", None), config.hicache_write_policy)
         self.scheduler = Scheduler(config, self.kv, self.max_request_tokens)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.random_seed)
         self.counters = {"num_prompt_tokens": 0, "num_cached_tokens": 0, "num_generated_tokens": 0,
+                         "num_cached_tokens_host": 0,  # of num_cached_tokens: loaded from host
                          "num_finished_requests": 0, "num_aborted_requests": 0,
                          "num_kv_corruptions": 0,     # kv_corrupt fault hits
                          # speculative decoding: verify steps, draft tokens proposed and accepted
@@ -121,9 +123,12 @@ class Engine(FaultPoints):
         self._apply_kv_corrupt()
         scheduled = self.scheduler.schedule()
         if not scheduled:
+            self.scheduler.wait_for_kv(0.01)
             return []
         batch = ScheduledBatch([self._seq(s) for s in scheduled])
         output = self.runner.run(batch)
+        for req in self.kv.finish_loads([s.req for s in scheduled]):
+            self.scheduler.requeue(req)   # it read a failed host load: recompute, no output
         return self._update(scheduled, batch, output)
 
     def _seq(self, s: Scheduled) -> ScheduledSeq:
@@ -239,6 +244,7 @@ class Engine(FaultPoints):
         if req.is_admitted:
             self.counters["num_prompt_tokens"] += len(req.prompt_ids)
             self.counters["num_cached_tokens"] += req.num_cached_tokens
+            self.counters["num_cached_tokens_host"] += req.num_host_cached_tokens
 
     def _output(self, req: Request, new_ids: list[int], logprobs) -> EngineOutput:
         prompt_lp = None
@@ -250,7 +256,8 @@ class Engine(FaultPoints):
             finished=finished, finish_reason=req.finish_reason if finished else None,
             stop_token_id=req.stop_token_id, num_prompt_tokens=len(req.prompt_ids),
             num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_lp,
-            queue_time_s=req.queue_time_s, spec=req.spec)
+            queue_time_s=req.queue_time_s, spec=req.spec,
+            num_cached_tokens_host=req.num_host_cached_tokens if self.kv.tier is not None else None)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -265,6 +272,10 @@ class Engine(FaultPoints):
             "token_usage": used / kv.num_pages,
             "cache_hit_rate": c["num_cached_tokens"] / c["num_prompt_tokens"] if c["num_prompt_tokens"] else 0.0,
             "num_preemptions": self.scheduler.num_preemptions, **c,
+            "num_cached_tokens_device": c["num_cached_tokens"] - c["num_cached_tokens_host"],
+            **(kv.tier.stats() if kv.tier is not None else {}),
+            **(kv.disk.stats() if kv.disk is not None else {}),
+            "num_waiting_for_kv": len(self.scheduler.fetching),
             "runner": self.runner.info(),
         }
 
@@ -274,4 +285,5 @@ class Engine(FaultPoints):
 
     def check_invariants(self) -> None:
         """Assert page ownership (free + cached + private == total) and tree structure."""
-        self.kv.check_invariants(self.scheduler.running + list(self.scheduler.waiting))
+        self.kv.check_invariants(self.scheduler.running + list(self.scheduler.waiting)
+                                 + self.scheduler.fetching)

@@ -14,7 +14,7 @@ from radixserve.errors import InvalidRequest
 
 class FaultPoints:
     """Engine methods that arm and disarm the engine-side faults (see module doc). Expects the
-    Engine's `runner`, `scheduler`, `page_size`, `counters`, `_forced` and `_kv_corrupt`."""
+    Engine's `runner`, `scheduler`, `kv`, `page_size`, `counters`, `_forced` and `_kv_corrupt`."""
 
     def arm_forced_tokens(self, token_ids: list[int], count: int = 1,
                           duration_s: float | None = None) -> None:
@@ -46,6 +46,63 @@ class FaultPoints:
 
     def disarm_pd_fault(self, point: str | None = None) -> None:
         """Nothing is armed on a colocated worker."""
+
+    # ---- host KV tier (runner/host_kv.py, engine/hicache.py) ---------------------------------
+    def _host_tier(self):
+        io, tier = getattr(self.runner, "host_kv", None), self.kv.tier
+        if io is None or tier is None or not hasattr(io, "faults"):
+            raise InvalidRequest("the host KV tier is off (--enable-hierarchical-cache)", param="kind")
+        return io, tier
+
+    def arm_hicache_h2d(self, latency_ms: float = 0.0, jitter_ms: float = 0.0,
+                        fail_fraction: float = 0.0, duration_s: float | None = None) -> None:
+        """Fault point hicache.h2d.layer: each layer of each host->device load waits
+        latency_ms (uniform +- jitter_ms) and fails with probability fail_fraction (the load is
+        then recomputed). Raises InvalidRequest when the tier is off."""
+        faults = self._host_tier()[0].faults
+        faults.h2d_delay_ms, faults.h2d_jitter_ms = latency_ms, jitter_ms
+        faults.h2d_fail_probability = fail_fraction
+        faults.h2d_until_s = None if duration_s is None else time.monotonic() + duration_s
+
+    def disarm_hicache_h2d(self) -> None:
+        self.arm_hicache_h2d()
+
+    def arm_hicache_d2h(self, latency_ms: float, duration_s: float | None = None) -> None:
+        """Fault point hicache.d2h: every device->host backup takes latency_ms longer."""
+        faults = self._host_tier()[0].faults
+        faults.d2h_delay_ms = latency_ms
+        faults.d2h_until_s = None if duration_s is None else time.monotonic() + duration_s
+
+    def disarm_hicache_d2h(self) -> None:
+        self.arm_hicache_d2h(0.0)
+
+    def arm_hicache_host_alloc(self, fraction: float = 1.0, duration_s: float | None = None) -> None:
+        """Fault point hicache.host_alloc: that share of host page allocations fails (the
+        copy is skipped, C31). `duration_s` is not enforced here: clear the fault to end it."""
+        self._host_tier()[1].alloc_fail_probability = fraction
+
+    def disarm_hicache_host_alloc(self) -> None:
+        if self.kv.tier is not None:
+            self.kv.tier.alloc_fail_probability = 0.0
+
+    def arm_hicache_l3(self, mode: str, every: int = 1, stall_ms: float = 0.0,
+                       duration_s: float | None = None) -> None:
+        """Fault point hicache.l3.get (runner/disk_kv.py): one disk fetch in `every` fails
+        (mode fail), loses its second half (fail_chunk, short) or first stalls stall_ms
+        (stall). Raises InvalidRequest without a disk tier or for a bad mode."""
+        from radixserve.runner.disk_kv import L3_MODES, L3Fault
+        disk = getattr(self._host_tier()[0], "disk", None)
+        if disk is None:
+            raise InvalidRequest("the disk KV tier is off (--hicache-storage-dir)", param="kind")
+        if mode not in L3_MODES or every < 1:
+            raise InvalidRequest(f"hicache.l3.get takes mode {L3_MODES} and every >= 1", param="mode")
+        disk.fault = L3Fault(mode, every, stall_ms)
+
+    def disarm_hicache_l3(self) -> None:
+        from radixserve.runner.disk_kv import L3Fault
+        disk = getattr(getattr(self.runner, "host_kv", None), "disk", None)
+        if disk is not None:
+            disk.fault = L3Fault()
 
     def disarm_kv_corrupt(self) -> None:
         """End the kv_corrupt fault (KV already overwritten stays so)."""

@@ -1,6 +1,8 @@
 """KVManager: the one façade the scheduler uses for KV pages: match, allocate, commit, free."""
 from __future__ import annotations
 
+from radixserve.engine.hicache import HostTier, KVTierIO
+from radixserve.engine.hicache_disk import DiskTier
 from radixserve.engine.page_pool import PagePool
 from radixserve.engine.radix_cache import RadixCache
 from radixserve.engine.request import Request
@@ -12,13 +14,19 @@ class KVManager:
     Every page has exactly one owner: the free list, the radix tree, or one request's private
     tail (`request.page_ids[request.num_tree_pages:]`). `check_invariants` verifies it.
     With `enable_cache=False` nothing is ever matched or kept after a request ends.
+    With `host_io` (the runner's host tier) the tree's pages also live in host memory
+    (engine/hicache.py): matches reach host pages and load them back.
     """
 
-    def __init__(self, num_pages: int, page_size: int, enable_cache: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_cache: bool = True,
+                 host_io: KVTierIO | None = None, write_policy: str = "write_through"):
         self.page_size = page_size
         self.pool = PagePool(num_pages)
         self.cache = RadixCache(page_size)
         self.enable_cache = enable_cache
+        self.tier = HostTier(host_io, write_policy, self.cache) if host_io and enable_cache else None
+        disk_io = getattr(host_io, "disk", None)
+        self.disk = DiskTier(disk_io, self.tier, page_size) if self.tier and disk_io else None
 
     # ---- capacity ---------------------------------------------------------------------------
     @property
@@ -54,8 +62,45 @@ class KVManager:
         req.page_ids = list(result.page_ids)
         req.num_tree_pages = len(result.page_ids)
         req.last_node = result.node
-        req.num_computed_tokens = len(result.page_ids) * self.page_size
+        req.loads = [n.loading for n in result.device_path
+                     if n.loading is not None and not n.loading.released]
+        req.num_host_hit_tokens = 0
+        for node in result.device_path:
+            node.hits += 1
+        if self.tier is not None:
+            if result.host_path and not req.skip_host_tier:
+                self._load_back(req, result.host_path)
+            self.tier.on_match(result.device_path)
+        if self.disk is not None and not req.skip_host_tier and not req.skip_disk:
+            tree_pages = result.num_pages + sum(len(h.host_ids) for h in result.host_path)
+            prefix = self.cache._aligned(req.all_ids[:req.num_tokens - 1])
+            req.fetch = self.disk.start(req, list(prefix), tree_pages)
+        req.num_computed_tokens = len(req.page_ids) * self.page_size
         return req.num_computed_tokens
+
+    def _load_back(self, req: Request, host_path: list) -> None:
+        """Start loading req's host-only matched nodes to the device; on success they join
+        req's tree pages (the forward waits per layer for them, KVCache.wait_ready)."""
+        load = self.tier.start_load(host_path, self._take_pages)
+        if load is None:
+            return
+        self.cache.lock(load.node)
+        self.cache.unlock(req.last_node)
+        req.last_node = load.node
+        req.page_ids.extend(load.device_ids)
+        req.num_tree_pages = len(req.page_ids)
+        req.loads.append(load)
+        req.num_host_hit_tokens = len(load.device_ids) * self.page_size
+
+    def _take_pages(self, n: int) -> list[int] | None:
+        """n free device pages, evicting unlocked cache leaves if needed; None if impossible."""
+        if n > self.pool.num_free:
+            self.pool.free(self.cache.evict(n - self.pool.num_free, self._demote))
+        return self.pool.allocate(n)
+
+    @property
+    def _demote(self):
+        return self.tier.demote if self.tier is not None else None
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Make req's page table cover num_tokens positions, evicting unlocked cache leaves
@@ -63,9 +108,7 @@ class KVManager:
         need = self.pages_for(num_tokens) - len(req.page_ids)
         if need <= 0:
             return True
-        if need > self.pool.num_free:
-            self.pool.free(self.cache.evict(need - self.pool.num_free))
-        pages = self.pool.allocate(need)
+        pages = self._take_pages(need)
         if pages is None:
             return False
         req.page_ids.extend(pages)
@@ -91,6 +134,8 @@ class KVManager:
             self.cache.unlock(req.last_node)
         req.last_node = result.node
         req.num_tree_pages = num_full
+        if self.tier is not None:
+            self.tier.on_insert(result.node)
 
     def free(self, req: Request) -> None:
         """Release all of req's KV: computed full pages go to the tree (when caching), the
@@ -100,6 +145,40 @@ class KVManager:
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
         req.page_ids, req.num_tree_pages, req.last_node = [], 0, None
+
+    def discard(self, req: Request) -> None:
+        """Release req's KV committing nothing: it read pages a failed load never filled, so
+        nothing it computed may enter the tree (C30). req holds no pages after."""
+        self.pool.free(req.page_ids[req.num_tree_pages:])
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.page_ids, req.num_tree_pages, req.last_node, req.loads = [], 0, None, []
+
+    def finish_loads(self, readers: list[Request]) -> list[Request]:
+        """After a step: release finished host-tier loads. Every request in `readers` (the
+        step's) that read a failed load is discarded and returned (the caller recomputes it);
+        then the failed loads' pages leave the device. No-op without a tier."""
+        if self.tier is None:
+            return []
+        for req in readers:
+            for load in req.loads:
+                load.handle.wait()   # the forward waited for every layer; this is the safety net
+        # Loads start only at admission, before the step's forward: every one in flight now
+        # belongs to this step and has (nearly always) landed; waiting keeps the books simple.
+        failed = self.tier.finish_loads(wait=True)
+        victims = [r for r in readers if any(load.handle.failed for load in r.loads)]
+        for req in victims:
+            self.discard(req)
+        for req in readers:
+            req.loads = []
+        for load in failed:
+            self.pool.free(self.tier.invalidate(load))
+        return victims
+
+    def poll_fetches(self) -> None:
+        """Settle finished disk fetches (their pages join the tree as host-only nodes)."""
+        if self.disk is not None and self.disk.fetches:
+            self.disk.poll()
 
     def flush(self) -> bool:
         """Drop the whole cache when no request holds a lock. Returns whether it flushed."""
@@ -128,5 +207,7 @@ class KVManager:
         tree_set = set(tree)
         for r in requests:
             assert all(p in tree_set for p in r.page_ids[:r.num_tree_pages]), "request maps an uncached page"
-        if not any(r.page_ids for r in requests):
+        if not any(r.page_ids for r in requests) and not (self.tier and self.tier.loads):
             assert self.cache.num_locked_pages == 0, "locked pages with no request holding KV"
+        if self.tier is not None:
+            self.tier.check()

@@ -28,7 +28,10 @@ SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hangi
 HEARTBEAT_S = 1.0         # the loop says it is alive at least this often (between steps)
 CALL_METHODS = ("flush_cache", "stats", "check_invariants",    # Engine methods
                 "arm_forced_tokens", "disarm_forced_tokens", "arm_kv_corrupt",
-                "disarm_kv_corrupt", "arm_pd_fault", "disarm_pd_fault")
+                "disarm_kv_corrupt", "arm_pd_fault", "disarm_pd_fault",
+                "arm_hicache_h2d", "disarm_hicache_h2d",
+                "arm_hicache_d2h", "disarm_hicache_d2h", "arm_hicache_host_alloc",
+                "disarm_hicache_host_alloc", "arm_hicache_l3", "disarm_hicache_l3")
 LOOP_METHODS = ("set_step_latency",)                          # EngineLoop methods
 
 
@@ -217,6 +220,9 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
         loop = EngineLoop(engine, inbox, outbox)
         loop.send(Ready(info))
         loop.run()
+        disk = getattr(getattr(engine.runner, "host_kv", None), "disk", None)
+        if disk is not None:   # pages still being saved reach the disk tier before exit
+            disk.flush()
     except SystemExit:
         raise
     except BaseException:

@@ -11,6 +11,13 @@ Contract for callers (KVManager is the only one):
   own pages for that overlap and must free those it does not share with the tree.
 - A request pins its path with `lock(node)` from admission until it releases its KV; locked
   nodes are never evicted.
+
+Tiers (--enable-hierarchical-cache, engine/hicache.py): a node's pages may live on the device
+(`page_ids`), in host memory (`host_ids`), or both. Device-resident nodes form a subtree at
+the root (a device node's parent is on the device), so `match` returns the device pages of a
+prefix and, past them, the host-only nodes a load could bring back. Eviction from the device
+keeps a node that has (or gets, through `demote`) a host copy; a node with neither is removed
+with its subtree, whose host pages go to `drop_host`.
 """
 from __future__ import annotations
 
@@ -18,22 +25,27 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 
 @dataclass(slots=True, eq=False)
 class RadixNode:
     key: tuple[int, ...]
-    page_ids: list[int]
+    page_ids: list[int] | None          # device pages; None when only a lower tier holds them
     parent: RadixNode | None
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access_s: float = 0.0
+    host_ids: list[int] | None = None   # host-tier pages of the same tokens, if any
+    hits: int = 0                       # admissions whose match reached it on the device (KVManager)
+    loading: Any = None                 # the host->device load that filled page_ids (engine/hicache.py)
 
 
 class MatchResult(NamedTuple):
-    page_ids: list[int]   # pages of the matched prefix, in order
-    node: RadixNode       # deepest matched node (the root when nothing matched)
+    page_ids: list[int]   # device pages of the matched prefix, in order
+    node: RadixNode       # deepest matched device node (the root when nothing matched)
+    host_path: list[RadixNode] = []   # host-only nodes matched past `node`, in order
+    device_path: list[RadixNode] = []  # the device nodes matched, root first
 
     @property
     def num_pages(self) -> int:
@@ -49,10 +61,12 @@ class InsertResult(NamedTuple):
 class RadixCache:
     """Radix tree of cached KV pages. Page ownership: each page in the tree belongs to it alone."""
 
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, drop_host: Callable[[list[int]], None] | None = None):
+        """`drop_host(host_ids)` takes the host pages of nodes the tree removes (tiers only)."""
         self.page_size = page_size
+        self.drop_host = drop_host
         self.root = RadixNode(key=(), page_ids=[], parent=None, lock_ref=1)
-        self.num_cached_pages = 0      # all pages held by the tree
+        self.num_cached_pages = 0      # device pages held by the tree
         self.num_locked_pages = 0      # pages on some locked path
         self.num_evicted_pages = 0     # pages given up by evict() since start (cumulative)
         self._clock = itertools.count()
@@ -76,7 +90,7 @@ class RadixCache:
         return i
 
     def match_len(self, token_ids: list[int]) -> int:
-        """Cached prefix length in tokens, without touching the tree (for scheduling policies)."""
+        """Cached prefix length in tokens (any tier), without touching the tree (for policies)."""
         key, node, matched = self._aligned(token_ids), self.root, 0
         while matched < len(key):
             child = node.children.get(key[matched:matched + self.page_size])
@@ -91,21 +105,30 @@ class RadixCache:
 
     # ---- match / insert / evict -------------------------------------------------------------
     def match(self, token_ids: list[int]) -> MatchResult:
-        """Longest cached page-aligned prefix of token_ids; splits a node on a partial match."""
+        """Longest cached page-aligned prefix of token_ids: its device pages, then the
+        host-only nodes past them. Splits a node on a partial match."""
         key, node, pages = self._aligned(token_ids), self.root, []
-        now = self._now()
-        while len(pages) * self.page_size < len(key):
-            rest = key[len(pages) * self.page_size:]
-            child = node.children.get(rest[:self.page_size])
+        host_path: list[RadixNode] = []
+        device_path: list[RadixNode] = []
+        now, matched, walk = self._now(), 0, self.root
+        while matched < len(key):
+            rest = key[matched:]
+            child = walk.children.get(rest[:self.page_size])
             if child is None:
                 break
             k = self._common_pages(child.key, rest)
             if k * self.page_size < len(child.key):
                 child = self._split(child, k)
             child.last_access_s = now
-            pages.extend(child.page_ids)
-            node = child
-        return MatchResult(pages, node)
+            if child.page_ids is None or host_path:
+                host_path.append(child)
+            else:
+                pages.extend(child.page_ids)
+                device_path.append(child)
+                node = child
+            matched += len(child.key)
+            walk = child
+        return MatchResult(pages, node, host_path, device_path)
 
     def insert(self, token_ids: list[int], page_ids: list[int]) -> InsertResult:
         """Insert a page-aligned key (len == len(page_ids) * page_size) with its pages.
@@ -117,37 +140,85 @@ class RadixCache:
         assert len(key) == len(page_ids) * self.page_size, "insert key must be page-aligned"
         match = self.match(key)
         node, n = match.node, match.num_pages
+        for host in match.host_path:   # host-only nodes the caller recomputed: adopt its pages
+            k = len(host.key) // self.page_size
+            host.page_ids = list(page_ids[n:n + k])
+            self.num_cached_pages += k
+            node, n = host, n + k
         if n < len(page_ids):
             leaf = RadixNode(key=key[n * self.page_size:], page_ids=list(page_ids[n:]),
                              parent=node, last_access_s=self._now())
             node.children[leaf.key[:self.page_size]] = leaf
             self.num_cached_pages += len(leaf.page_ids)
             node = leaf
-        return InsertResult(n * self.page_size, match.page_ids + list(page_ids[n:]), node)
+        tree_pages = match.page_ids + list(page_ids[len(match.page_ids):])
+        return InsertResult(n * self.page_size, tree_pages, node)
 
-    def evict(self, num_pages: int) -> list[int]:
-        """Remove least-recently-used unlocked leaves until num_pages pages are freed or none
-        are left to evict. Returns the freed page ids (the caller gives them to the pool)."""
-        heap = [(n.last_access_s, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+    def insert_host(self, token_ids: tuple[int, ...], host_ids: list[int]) -> list[int]:
+        """Add host-only pages for the last len(host_ids) pages of a page-aligned key (a disk
+        fetch). Pages some tier already holds, or all when the key's earlier pages are gone from
+        every tier, are not used: returns those host ids (the caller frees them)."""
+        match = self.match(token_ids)
+        have = match.num_pages + sum(len(h.host_ids) for h in match.host_path)
+        start = len(token_ids) // self.page_size - len(host_ids)
+        if have < start:
+            return list(host_ids)
+        parent = match.host_path[-1] if match.host_path else match.node
+        rest = host_ids[have - start:]
+        if rest:
+            leaf = RadixNode(key=tuple(token_ids[have * self.page_size:]), page_ids=None,
+                             parent=parent, last_access_s=self._now(), host_ids=list(rest))
+            parent.children[leaf.key[:self.page_size]] = leaf
+        return list(host_ids[:have - start])
+
+    def evict(self, num_pages: int, demote: Callable[[RadixNode], bool] | None = None) -> list[int]:
+        """Free device pages of least-recently-used unlocked device leaves until num_pages are
+        freed or none are left. A leaf with a host copy (or one `demote(node)` makes, with its
+        device pages still in place) stays as host-only; any other is removed with its subtree.
+        Returns the freed device page ids (the caller gives them to the pool)."""
+        heap = [(n.last_access_s, id(n), n) for n in self._nodes()
+                if n.lock_ref == 0 and self._is_device_leaf(n)]
         heapq.heapify(heap)
         freed: list[int] = []
         while heap and len(freed) < num_pages:
             _, _, leaf = heapq.heappop(heap)
             freed.extend(leaf.page_ids)
-            parent = leaf.parent
-            del parent.children[leaf.key[:self.page_size]]
             self.num_cached_pages -= len(leaf.page_ids)
             self.num_evicted_pages += len(leaf.page_ids)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if leaf.host_ids is not None or (demote is not None and demote(leaf)):
+                leaf.page_ids, leaf.loading = None, None
+            else:
+                leaf.page_ids = None
+                self.remove(leaf)
+            parent = leaf.parent
+            if parent is not self.root and parent.lock_ref == 0 and self._is_device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access_s, id(parent), parent))
         return freed
 
+    def remove(self, node: RadixNode) -> list[int]:
+        """Detach node and its subtree; their host pages go to `drop_host`. Returns the device
+        pages they held (none when called on a device-less subtree, as eviction does)."""
+        del node.parent.children[node.key[:self.page_size]]
+        device: list[int] = []
+        host: list[int] = []
+        for n in [node, *self._nodes(node)]:
+            assert n.lock_ref == 0, "removing a locked radix node"
+            device.extend(n.page_ids or ())
+            host.extend(n.host_ids or ())
+            n.host_ids = None
+        self.num_cached_pages -= len(device)
+        if host:
+            assert self.drop_host is not None, "host pages in a tree without a host tier"
+            self.drop_host(host)
+        return device
+
     def reset(self) -> list[int]:
-        """Drop every node (only valid when nothing is locked). Returns all freed pages."""
+        """Drop every node (only valid when nothing is locked). Returns the freed device pages;
+        host pages go to `drop_host`."""
         assert self.num_locked_pages == 0, "cannot reset a radix cache with locked pages"
-        pages = [p for n in self._nodes() for p in n.page_ids]
-        self.root.children.clear()
-        self.num_cached_pages = 0
+        pages: list[int] = []
+        for child in list(self.root.children.values()):
+            pages.extend(self.remove(child))
         return pages
 
     # ---- locking ----------------------------------------------------------------------------
@@ -171,11 +242,17 @@ class RadixCache:
     def _split(self, child: RadixNode, num_pages: int) -> RadixNode:
         """Split child after num_pages pages; returns the new upper node (same lock count)."""
         cut = num_pages * self.page_size
-        upper = RadixNode(key=child.key[:cut], page_ids=child.page_ids[:num_pages],
-                          parent=child.parent, lock_ref=child.lock_ref,
-                          last_access_s=child.last_access_s)
+
+        def halves(ids: list[int] | None) -> tuple[list[int] | None, list[int] | None]:
+            return (None, None) if ids is None else (ids[:num_pages], ids[num_pages:])
+
+        (up_dev, low_dev), (up_host, low_host) = halves(child.page_ids), halves(child.host_ids)
+        upper = RadixNode(key=child.key[:cut], page_ids=up_dev, parent=child.parent,
+                          lock_ref=child.lock_ref, last_access_s=child.last_access_s,
+                          host_ids=up_host, hits=child.hits, loading=child.loading)
         child.parent.children[upper.key[:self.page_size]] = upper
-        child.key, child.page_ids, child.parent = child.key[cut:], child.page_ids[num_pages:], upper
+        child.key, child.page_ids, child.host_ids = child.key[cut:], low_dev, low_host
+        child.parent = upper
         upper.children[child.key[:self.page_size]] = child
         return upper
 
@@ -183,30 +260,44 @@ class RadixCache:
         # Monotonic time plus a tie-breaking counter, so LRU order is total even within a tick.
         return time.monotonic() + next(self._clock) * 1e-9
 
-    def _nodes(self):
-        stack = list(self.root.children.values())
+    def _nodes(self, top: RadixNode | None = None):
+        """Every node below `top` (default: the root), `top` excluded."""
+        stack = list((top or self.root).children.values())
         while stack:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
 
-    def _leaves(self):
-        return (n for n in self._nodes() if not n.children)
+    @staticmethod
+    def _is_device_leaf(node: RadixNode) -> bool:
+        return node.page_ids is not None and all(c.page_ids is None for c in node.children.values())
+
+    def nodes(self):
+        """Every node of the tree, root excluded (for tiers and invariant checks)."""
+        return self._nodes()
 
     def all_page_ids(self) -> list[int]:
-        """Every page the tree holds (for invariant checks)."""
-        return [p for n in self._nodes() for p in n.page_ids]
+        """Every device page the tree holds (for invariant checks)."""
+        return [p for n in self._nodes() for p in n.page_ids or ()]
+
+    def all_host_ids(self) -> list[int]:
+        """Every host page the tree holds (for invariant checks)."""
+        return [p for n in self._nodes() for p in n.host_ids or ()]
 
     def check(self) -> None:
         """Assert structural invariants: aligned keys, page counts, lock counts."""
         cached = locked = 0
         for n in self._nodes():
-            assert n.key and len(n.key) == len(n.page_ids) * self.page_size, "misaligned node"
+            assert n.page_ids is not None or n.host_ids is not None, "a node in no tier"
+            for ids in (n.page_ids, n.host_ids):
+                assert ids is None or (n.key and len(n.key) == len(ids) * self.page_size), "misaligned node"
             assert n.parent.children.get(n.key[:self.page_size]) is n, "broken parent link"
             assert n.lock_ref >= 0
             if n.parent is not self.root:
                 assert n.parent.lock_ref >= n.lock_ref, "child locked more than its parent"
-            cached += len(n.page_ids)
-            locked += len(n.page_ids) if n.lock_ref > 0 else 0
+                assert n.page_ids is None or n.parent.page_ids is not None, "device node under a host-only one"
+            assert n.lock_ref == 0 or n.page_ids is not None, "locked node off the device"
+            cached += len(n.page_ids or ())
+            locked += len(n.page_ids or ()) if n.lock_ref > 0 else 0
         assert cached == self.num_cached_pages, f"cached pages {cached} != {self.num_cached_pages}"
         assert locked == self.num_locked_pages, f"locked pages {locked} != {self.num_locked_pages}"

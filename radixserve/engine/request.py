@@ -60,6 +60,15 @@ class Request:
     num_preemptions: int = 0
     spec: SpecCounts | None = None        # speculative decoding so far (None: never verified)
     forced_ids: tuple[int, ...] | None = None   # sampler.force_tokens fault (forced_tokens.py)
+    # Host KV tier (engine/hicache.py): loads this request's pages wait on, tokens its last
+    # match loaded from host, tokens of its first admission's hit that came from host, and
+    # whether to skip host hits (after a failed load: recompute, never a hit).
+    loads: list = field(default_factory=list)
+    num_host_hit_tokens: int = 0
+    num_host_cached_tokens: int = 0
+    skip_host_tier: bool = False
+    fetch: object | None = None           # disk fetch it waits on in WAITING_FOR_KV (hicache_disk.py)
+    skip_disk: bool = False               # one disk fetch per request: it has had its own
 
     @property
     def num_tokens(self) -> int:

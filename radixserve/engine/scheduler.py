@@ -49,6 +49,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.fetching: list[Request] = []     # WAITING_FOR_KV: a disk fetch brings their pages
         self.num_preemptions = 0
         k = config.speculative_num_draft_tokens
         self.proposer: NgramProposer | ModelDraftProposer | None = (
@@ -60,7 +61,25 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.fetching)
+
+    def wait_for_kv(self, timeout_s: float) -> None:
+        """Nothing to run but requests waiting for KV: block until one fetch lands (or timeout)."""
+        if self.fetching and not self.waiting and not self.running:
+            self.fetching[0].fetch.handle.done.wait(timeout_s)
+
+    def _settle_fetches(self) -> None:
+        """Requests whose disk fetch finished go back to the head of the queue, to match what
+        landed (a fetch that landed nothing is no hit: C30); one fetch per request, so a disk
+        that keeps failing cannot hold a request back twice."""
+        self.kv.poll_fetches()
+        ready = [r for r in self.fetching if r.fetch.handle.done.is_set()]
+        for req in reversed(ready):
+            self.fetching.remove(req)
+            req.skip_disk = True
+            req.fetch = None
+            req.status = Status.WAITING
+            self.waiting.appendleft(req)
 
     # ---- schedule ---------------------------------------------------------------------------
     def schedule(self) -> list[Scheduled]:
@@ -68,6 +87,8 @@ class Scheduler:
         budget = self.config.chunked_prefill_size
         batch: list[Scheduled] = []
         num_preemptions = self.num_preemptions
+        if self.fetching:
+            self._settle_fetches()
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -121,6 +142,13 @@ class Scheduler:
             if len(self.running) >= self.config.max_running_requests:
                 break
             cached = self.kv.match(req)
+            if req.fetch is not None:     # its next pages are on disk: wait for them
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                self.waiting.remove(req)
+                req.status = Status.WAITING_FOR_KV
+                self.fetching.append(req)
+                continue
             if self._shares_uncached_prefix(req, prefilling):
                 self.kv.free(req)
                 req.num_computed_tokens = 0
@@ -136,6 +164,7 @@ class Scheduler:
             self.waiting.remove(req)
             if not req.is_admitted:  # a recompute after preemption is not a cache hit
                 req.num_cached_tokens = cached
+                req.num_host_cached_tokens = req.num_host_hit_tokens
                 req.queue_time_s = time.monotonic() - req.arrival_s
             req.status = Status.RUNNING
             self.running.append(req)
@@ -174,12 +203,27 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.appendleft(req)
 
+    def requeue(self, req: Request) -> None:
+        """Put a running request whose KV was discarded (KVManager.finish_loads: it read a
+        failed host-tier load) first in line, to recompute without host hits; the host part of
+        its hit no longer counts as cached (C30)."""
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        req.skip_host_tier = True
+        req.num_cached_tokens -= req.num_host_cached_tokens
+        req.num_host_cached_tokens = 0
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
     def finish(self, req: Request, reason: str) -> None:
         """End req: its computed KV goes to the radix cache, the rest back to the pool."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
+        elif req.status is Status.WAITING_FOR_KV:
+            self.fetching.remove(req)
+            req.fetch = None     # the fetch itself still lands, into the tree
         self.kv.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason

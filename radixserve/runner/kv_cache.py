@@ -15,7 +15,8 @@ returns `stored * scale` in the compute dtype. Stored values are never rescaled 
 
 Readiness: every read passes `wait_ready(layer)`. A layer is ready unless someone filling it
 asynchronously (a host-tier load, a prefill->decode transfer) called `begin_fill` and has not
-yet called `end_fill` for it; the wait then blocks until it does.
+yet called `end_fill` for it; the wait then blocks until it does. Fills nest: with two loads in
+flight a layer is ready only when both have ended it (a count per layer, not a flag).
 """
 from __future__ import annotations
 
@@ -84,6 +85,9 @@ class KVCache:
         self._ready = [threading.Event() for _ in range(num_layers)]
         for event in self._ready:
             event.set()
+        self._filling = [0] * num_layers        # fills in flight per layer (under _fill_lock)
+        self._fill_lock = threading.Lock()
+        self.skip_readiness_wait = False        # TEST ONLY: reads ignore fills in flight
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -92,18 +96,27 @@ class KVCache:
 
     # ---- readiness -----------------------------------------------------------------------------
     def begin_fill(self, layers: range | list[int]) -> None:
-        """Mark `layers` as being filled asynchronously: reads of them block until `end_fill`."""
-        for layer in layers:
-            self._ready[layer].clear()
+        """Mark `layers` as being filled asynchronously: reads of them block until every fill
+        begun on them has called `end_fill`. Call it before the filler starts (on the thread
+        that schedules the reads), so no read can slip in between."""
+        with self._fill_lock:
+            for layer in layers:
+                self._filling[layer] += 1
+                self._ready[layer].clear()
 
     def end_fill(self, layer: int) -> None:
-        """The asynchronous fill of `layer` has landed; reads may proceed."""
-        self._ready[layer].set()
+        """One asynchronous fill of `layer` has landed (or given up); reads proceed once no
+        other fill of it is in flight."""
+        with self._fill_lock:
+            assert self._filling[layer] > 0, f"end_fill({layer}) without begin_fill"
+            self._filling[layer] -= 1
+            if self._filling[layer] == 0:
+                self._ready[layer].set()
 
     def wait_ready(self, layer: int) -> None:
         """Block until `layer` is readable (returns at once unless a fill is in flight)."""
         event = self._ready[layer]
-        if not event.is_set():
+        if not event.is_set() and not self.skip_readiness_wait:
             event.wait()
 
     # ---- writes ------------------------------------------------------------------------------
@@ -188,6 +201,10 @@ class KVCache:
         self._side[name] = [torch.zeros(full, dtype=dtype, device=self.device)
                             for _ in range(self.num_layers)]
 
+    @property
+    def side_names(self) -> list[str]:
+        return list(self._side)
+
     def write_side(self, name: str, layer: int, slots: torch.Tensor, x: torch.Tensor) -> None:
         """x: (T, *shape) at `slots` (T,) int64."""
         buf = self._side[name][layer]
@@ -198,6 +215,30 @@ class KVCache:
         self.wait_ready(layer)
         buf = self._side[name][layer]
         return buf.view(-1, *buf.shape[2:]).index_select(0, slots)
+
+    # ---- page copies between caches (host tier) --------------------------------------------
+    def copy_layer_from(self, src: KVCache, layer: int, src_ids: list[int], dst_ids: list[int]) -> None:
+        """Copy `src`'s pages `src_ids` of `layer` (K, V and side buffers) into this cache's
+        `dst_ids` (same count). Both caches must share layout and stored dtype (a host copy of
+        the device cache). No readiness wait on either side: the caller owns the ordering."""
+        s_idx = torch.tensor(src_ids, dtype=torch.long, device=src.device)
+        d_idx = torch.tensor(dst_ids, dtype=torch.long, device=self.device)
+        for mine, theirs in ((self._k, src._k), (self._v, src._v)):
+            target, values = mine[layer], theirs[layer].index_select(1, s_idx).to(self.device)
+            if self.is_fp8:
+                target, values = target.view(torch.uint8), values.view(torch.uint8)
+            target.index_copy_(1, d_idx, values)
+        for name, bufs in self._side.items():
+            bufs[layer].index_copy_(0, d_idx, src._side[name][layer].index_select(0, s_idx).to(self.device))
+
+    def like(self, num_pages: int, device: torch.device | str) -> KVCache:
+        """An empty cache with this one's layout, dtype, scales and side buffers but
+        `num_pages` pages on `device` (the host tier's store)."""
+        other = KVCache(self.num_layers, num_pages, self.page_size, self.num_kv_heads, self.head_dim,
+                        self.dtype, device, self.compute_dtype, self.k_scale.cpu(), self.v_scale.cpu())
+        for name, bufs in self._side.items():
+            other.add_side_buffer(name, tuple(bufs[0].shape[2:]), bufs[0].dtype)
+        return other
 
     # ---- page export / import (host tier, prefill->decode transfer) ---------------------------
     def export_pages(self, page_ids: list[int]) -> KVPages:

@@ -19,7 +19,9 @@ from radixserve.runner import kv_scales, kv_transfer
 from radixserve.runner.attention.base import AttentionBackend, create_backend
 from radixserve.runner.batch import build_step
 from radixserve.runner.device import resolve_device
+from radixserve.runner.disk_kv import DiskKV, fingerprint
 from radixserve.runner.draft import DraftModel
+from radixserve.runner.host_kv import HostKV
 from radixserve.sampling_params import SamplingParams
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache, KVPages
 from radixserve.runner.structured import StructuredOutput
@@ -90,6 +92,7 @@ class ModelRunner:
                           *((self.kv_scales.k, self.kv_scales.v) if self.kv_scales else ()))
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device,
                                                         batch_invariant=deterministic)
+        self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
         self.draft = self._draft_model(config, draft_model)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self.structured = StructuredOutput(resolve_model_path(config.model_path), self.vocab_size,
@@ -140,11 +143,29 @@ class ModelRunner:
             logger.info("FP8 KV scales from the %s", scales.source)
         return scales
 
+    def _host_kv(self, config: EngineConfig) -> HostKV:
+        """The host tier: --hicache-size GiB, else --hicache-ratio x the device pages."""
+        page_bytes = KVCache.bytes_per_token(self.kv.num_layers, self.kv.num_kv_heads,
+                                             self.kv.head_dim, self.kv.dtype) * self.page_size
+        num = (int(config.hicache_size * 2**30) // page_bytes if config.hicache_size is not None
+               else int(self.num_pages * config.hicache_ratio))
+        host = HostKV(self.kv, num)
+        logger.info("host KV tier: %d pages (%.2f GiB), write policy %s", num,
+                    num * page_bytes / 2**30, config.hicache_write_policy)
+        if config.hicache_storage_dir is not None:
+            kv = self.kv
+            host.disk = DiskKV(host.host, config.hicache_storage_dir, fingerprint(
+                str(resolve_model_path(config.model_path)), kv.num_layers, kv.num_kv_heads,
+                kv.head_dim, kv.dtype, self.page_size))
+        return host
+
     def info(self) -> dict:
         """What /get_server_info shows of the runner: device, backend, KV dtype, FP8 scales."""
         out = {"device": str(self.device), "attention_backend": self.backend.name,
                "kv_cache_dtype": str(self.kv.dtype).removeprefix("torch."),
                "deterministic_inference": self.config.enable_deterministic_inference}
+        if self.host_kv is not None:
+            out.update(self.host_kv.info())
         if self.kv_scales is not None:
             out["kv_scales"] = self.kv_scales.describe()
         return out

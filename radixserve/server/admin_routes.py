@@ -118,6 +118,10 @@ def _debug_pages(ctx: ServingContext) -> Any:
             "num_evictable_pages": stats["num_evictable_pages"],
             "num_in_use_pages": in_use,
             "num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
+            **({"host_num_pages": stats["hicache_host_pages"],
+                "host_num_used_pages": stats["hicache_host_used_pages"],
+                "host_num_loads_in_flight": stats["hicache_loads_in_flight"]}
+               if "hicache_host_pages" in stats else {}),
             "invariant_holds": invariant, "invariant_error": error})
     return debug_pages
 

@@ -175,6 +175,15 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
                                  f"slots are held", "num_open_requests": num_open}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.get("/live")
+    async def live() -> Response:
+        """Liveness: 200 while the engine process lives, however busy or drained the worker is
+        (saturated and draining workers stay up: /health says 503 for routing, not for a
+        restart); 503 `engine_dead` once it is gone."""
+        if not ctx.client.is_alive:
+            raise EngineDead(f"engine is dead: {ctx.client.dead_reason}")
+        return JSONResponse({"status": "alive"})
+
     @app.get("/health_generate")
     async def health_generate() -> Response:
         """200 once the engine has generated one token for a tiny request (a PD worker only
@@ -230,6 +239,12 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     client = await EngineClient.launch(engine_config, runner_factory, tokenizer.eos_token_ids,
                                        server_config.log_level, server_config.watchdog_timeout)
     try:
+        if server_config.warmup_prompts is not None:
+            from radixserve.server.warmup import read_prompts, warm_up
+            prompts = read_prompts(server_config.warmup_prompts)
+            logger.info("warming up: prefilling %d prompts from %s before serving", len(prompts),
+                        server_config.warmup_prompts)
+            await warm_up(client, tokenizer, prompts)
         name = server_config.served_model_name or os.path.basename(model_path.rstrip("/"))
         max_open = engine_config.max_running_requests + server_config.max_queued_requests
         ctx = ServingContext(client, tokenizer, name, model_path, max_open,

@@ -22,6 +22,15 @@ kind replaces the old). Each expires after its `duration_s` (None: until cleared
                                                   of their KV pages overwritten with noise or
                                                   with another request's KV (mode noise|swap;
                                                   engine/kv_corrupt.py)
+    hicache.h2d.layer    {latency_ms, jitter_ms,  host KV tier: each layer of each host->device
+                          fail_fraction}          load waits latency_ms (+- jitter_ms) and fails
+                                                  with probability fail_fraction (recomputed)
+    hicache.d2h          {latency_ms}             host KV tier: each device->host copy is slower
+    hicache.host_alloc   {fraction}               host KV tier: that share of host page
+                                                  allocations fails (the copy is skipped)
+    hicache.l3.get       {mode, every, stall_ms}  disk KV tier: one fetch in `every` fails
+                                                  (fail), lands half (fail_chunk, short) or
+                                                  stalls stall_ms first (stall)
     pd.bootstrap, pd.prefill.start,   {action,    prefill/decode workers only: the PD fault
     pd.transfer.write,                 delay_ms,   points (disagg/faults.py) with their actions
     pd.transfer.done,                  delay_max_ms, delay (delay_ms, or U(delay_ms,
@@ -53,11 +62,18 @@ KIND_PARAMS = {"step_latency": ("latency_ms", "jitter_ms"), "first_token_latency
                "fail": ("fraction",), "hang": (), "leak_memory": ("mb_per_s", "max_mb"),
                "corrupt": ("mode", "fraction"), "sampler.force_tokens": ("token_ids", "count"),
                "kv_corrupt": ("mode", "fraction", "after_tokens", "count"),
+               "hicache.h2d.layer": ("latency_ms", "jitter_ms", "fail_fraction"),
+               "hicache.d2h": ("latency_ms",), "hicache.host_alloc": ("fraction",),
+               "hicache.l3.get": ("mode", "every", "stall_ms"),
                **{point: ("action", "delay_ms", "delay_max_ms", "probability", "count")
                   for point in PD_POINTS}}
 # Engine-side faults armed and disarmed over the engine call channel: kind -> (arm, disarm).
 ENGINE_FAULTS = {"sampler.force_tokens": ("arm_forced_tokens", "disarm_forced_tokens"),
-                 "kv_corrupt": ("arm_kv_corrupt", "disarm_kv_corrupt")}
+                 "kv_corrupt": ("arm_kv_corrupt", "disarm_kv_corrupt"),
+                 "hicache.h2d.layer": ("arm_hicache_h2d", "disarm_hicache_h2d"),
+                 "hicache.d2h": ("arm_hicache_d2h", "disarm_hicache_d2h"),
+                 "hicache.host_alloc": ("arm_hicache_host_alloc", "disarm_hicache_host_alloc"),
+                 "hicache.l3.get": ("arm_hicache_l3", "disarm_hicache_l3")}
 TEXT_CORRUPT_MODES = ("garble", "repeat", "noise")
 MAX_FORCED_TOKENS = 1 << 16
 ForcedId = Annotated[int, Field(ge=0, le=2**31 - 1)]   # the engine checks it against the vocabulary
@@ -71,15 +87,19 @@ class FaultSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     kind: Literal["step_latency", "first_token_latency", "fail", "hang", "leak_memory", "corrupt",
-                  "sampler.force_tokens", "kv_corrupt", "pd.bootstrap", "pd.prefill.start",
+                  "sampler.force_tokens", "kv_corrupt", "hicache.h2d.layer", "hicache.d2h",
+                  "hicache.host_alloc", "hicache.l3.get", "pd.bootstrap", "pd.prefill.start",
                   "pd.transfer.write", "pd.transfer.done", "pd.decode.prealloc"]
     duration_s: float | None = Field(None, gt=0)
     latency_ms: float | None = Field(None, ge=0, le=600_000)
     jitter_ms: float = Field(0.0, ge=0, le=600_000)
     fraction: float = Field(1.0, ge=0, le=1)
+    fail_fraction: float = Field(0.0, ge=0, le=1)   # hicache.h2d.layer: layers that fail
     mb_per_s: float | None = Field(None, gt=0, le=4096)
     max_mb: float = Field(4096, gt=0, le=65536)   # safety cap on a leak, MiB
-    mode: Literal["garble", "repeat", "noise", "swap"] | None = None
+    mode: Literal["garble", "repeat", "noise", "swap", "fail", "fail_chunk", "short", "stall"] | None = None
+    every: int = Field(1, ge=1, le=1 << 20)            # hicache.l3.get: one fetch in `every`
+    stall_ms: float = Field(0.0, ge=0, le=600_000)     # hicache.l3.get mode stall
     after_tokens: int = Field(16, ge=0, le=1 << 20)   # kv_corrupt: generated tokens before the hit
     token_ids: list[ForcedId] | None = Field(None, min_length=1, max_length=MAX_FORCED_TOKENS)
     count: int = Field(1, ge=1, le=1 << 31)   # requests that get token_ids

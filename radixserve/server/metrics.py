@@ -66,6 +66,28 @@ ENGINE_COUNTERS = (
     ("spec_accepted_tokens", "spec_num_accepted_tokens", "Speculative decoding: draft tokens accepted."),
 )
 
+# Host KV tier (engine/hicache.py); 0 when the tier is off, so every one exists from start-up.
+HICACHE_COUNTERS = (
+    ("cached_tokens_host", "num_cached_tokens_host", "Prompt tokens served from the prefix cache "
+     "whose KV was loaded back from the host tier (part of cached_tokens)."),
+    ("cached_tokens_device", "num_cached_tokens_device", "Prompt tokens served from the prefix "
+     "cache already on the device (part of cached_tokens)."),
+    ("hicache_loads", "hicache_loads", "Host KV tier: host->device loads started."),
+    ("hicache_load_pages", "hicache_load_pages", "Host KV tier: pages loaded host->device."),
+    ("hicache_load_bytes", "hicache_load_bytes", "Host KV tier: bytes loaded host->device."),
+    ("hicache_load_seconds", "hicache_load_seconds", "Host KV tier: wall seconds of finished loads, summed."),
+    ("hicache_failed_loads", "hicache_failed_loads", "Host KV tier: loads that failed (recomputed)."),
+    ("hicache_backup_pages", "hicache_backup_pages", "Host KV tier: pages copied device->host."),
+    ("hicache_backup_bytes", "hicache_backup_bytes", "Host KV tier: bytes copied device->host."),
+    ("hicache_host_evicted_pages", "hicache_host_evicted_pages", "Host KV tier: host pages evicted."),
+    ("hicache_host_alloc_failures", "hicache_host_alloc_failures",
+     "Host KV tier: host page allocations refused (copy skipped)."),
+)
+HICACHE_GAUGES = (
+    ("hicache_host_usage", "hicache_host_usage", "Host KV tier: fraction of host pages in use."),
+    ("hicache_host_pages", "hicache_host_pages", "Host KV tier: host pages in all (0: tier off)."),
+)
+
 # Acceptance by draft position (1 = the first draft token of a verify step).
 SPEC_BY_POSITION = (
     ("spec_draft_tokens_by_position", "spec_num_draft_by_position",
@@ -108,6 +130,11 @@ class EngineCollector(Collector):
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             c.add_metric([self.model_name], float(self.stats[key]))
             yield c
+        for family, rows in ((CounterMetricFamily, HICACHE_COUNTERS), (GaugeMetricFamily, HICACHE_GAUGES)):
+            for name, key, doc in rows:
+                m = family(PREFIX + name, doc, labels=labels)
+                m.add_metric([self.model_name], float(self.stats.get(key, 0)))
+                yield m
         for name, key, doc in SPEC_BY_POSITION:
             c = CounterMetricFamily(PREFIX + name, doc, labels=[*labels, "position"])
             for i, value in enumerate(self.stats.get(key, ())):

@@ -226,6 +226,10 @@ class ChatCompletionRequest(_GenerationRequest):
 
 # ---- responses ------------------------------------------------------------------------------
 class PromptTokensDetails(BaseModel):
+    """OpenAI's; with the host KV tier on it also carries `cached_tokens_host`: how many of
+    cached_tokens were loaded back from host memory (the rest were on the device)."""
+
+    model_config = ConfigDict(extra="allow")
     cached_tokens: int = 0
 
 

@@ -307,11 +307,14 @@ class GenerationRun:
         prompt = sum(t.prompt_tokens for t in self.trackers)
         completion = sum(t.completion_tokens for t in self.trackers)
         cached = sum(t.cached_tokens for t in self.trackers)
+        hosts = [t.cached_tokens_host for t in self.trackers if t.cached_tokens_host is not None]
+        details = PromptTokensDetails(cached_tokens=cached,
+                                      **({"cached_tokens_host": sum(hosts)} if hosts else {}))
         counts = [t.spec for t in self.trackers if t.spec is not None]
         spec = sum(counts[1:], counts[0]).usage_fields() if counts else {}
         return Usage(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), **spec)
+                     prompt_tokens_details=details, **spec)
 
     def prompt_text(self, prompt_index: int) -> str:
         prompt = self.prompts[prompt_index]

@@ -58,6 +58,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    num_cached_tokens_host: int | None = None
     spec: SpecCounts | None = None
 
 
@@ -118,6 +119,7 @@ class RequestTracker:
             return update  # late output for a finished choice (e.g. before our abort landed)
         if index == 0:
             choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
+            choice.num_cached_tokens_host = out.num_cached_tokens_host
         if self.prompt_logprobs is None and out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.spec is not None:
@@ -206,6 +208,12 @@ class RequestTracker:
         return min(self._choices[0].num_cached_tokens, self.prompt_tokens)
 
     @property
+    def cached_tokens_host(self) -> int | None:
+        """Of cached_tokens, those the host KV tier loaded back (None: tier off)."""
+        host = self._choices[0].num_cached_tokens_host
+        return None if host is None else min(host, self.cached_tokens)
+
+    @property
     def spec(self) -> SpecCounts | None:
         """Speculative-decoding counts summed over choices; None when no choice verified."""
         counts = [c.spec for c in self._choices if c.spec is not None]
@@ -222,4 +230,5 @@ class RequestTracker:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=list(self.prompt_ids), outputs=outputs,
                              num_cached_tokens=self.cached_tokens, prompt_logprobs=self.prompt_logprobs,
-                             finished=self.finished, spec=self.spec)
+                             finished=self.finished, spec=self.spec,
+                             num_cached_tokens_host=self.cached_tokens_host)

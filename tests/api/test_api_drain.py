@@ -100,6 +100,8 @@ def test_worker_admin_drain_then_sigterm_finishes_every_stream_and_exits_0(reque
         url = server.base_url
         assert server.post("/admin/drain").json()["status"] == "draining"
         assert says_draining(url)
+        live = httpx.get(url + "/live", timeout=10)        # drained, not dead: no restart
+        assert live.status_code == 200 and live.json() == {"status": "alive"}
         assert_refused_as_draining(complete(url))
         assert server.post("/admin/undrain").json()["status"] == "ok"
         assert health(url).status_code == 200 and complete(url).status_code == 200

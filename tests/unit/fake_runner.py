@@ -141,3 +141,108 @@ class FakeRunner:
         if min_tokens_left > 0 and tid in self.eos_token_ids | set(stop_ids):
             tid = (tid + 1) % self.vocab_size
         return TokenLogprob(tid, -0.5, [(tid, -0.5)])
+
+
+class FakeHandle:
+    """LoadHandle of FakeHostKV (engine/hicache.py's protocol)."""
+
+    def __init__(self, num_pages: int):
+        import threading
+        self.done = threading.Event()
+        self.failed = False
+        self.seconds = 0.0
+        self.num_bytes = num_pages
+
+    def wait(self) -> None:
+        assert self.done.is_set(), "a fake load was waited on before it completed"
+
+
+class FakeHostKV:
+    """The host tier's KVTierIO over FakeRunner's slots. A backup copies (token, position)
+    entries into host slots; a load copies them back at once, or, for the next `fail_next`
+    loads, writes wrong tokens (what a half-copied real page holds) and reports failure. With
+    `deferred`, loads wait in `pending` until `complete()` (to test pinning; the fake runner
+    does not wait for them, so do not step the engine meanwhile)."""
+
+    def __init__(self, runner: FakeRunner, num_pages: int):
+        self.runner, self.num_pages, self.page_bytes = runner, num_pages, 1
+        self.slots: list[tuple[int, int] | None] = [None] * (num_pages * runner.page_size)
+        self.fail_next = 0
+        self.deferred = False
+        self.pending: list[tuple[FakeHandle, list[int], list[int]]] = []
+        self.num_backups = self.num_loads = 0
+
+    def _copy(self, src: list, dst: list, src_ids: list[int], dst_ids: list[int], garble: bool = False) -> None:
+        p = self.runner.page_size
+        for s, d in zip(src_ids, dst_ids):
+            for o in range(p):
+                entry = src[s * p + o]
+                if garble and entry is not None:
+                    entry = ((entry[0] + 1) % self.runner.vocab_size, entry[1])
+                dst[d * p + o] = entry
+
+    def backup(self, device_ids: list[int], host_ids: list[int]) -> None:
+        self.num_backups += 1
+        self._copy(self.runner.slots, self.slots, device_ids, host_ids)
+
+    def load(self, host_ids: list[int], device_ids: list[int]) -> FakeHandle:
+        self.num_loads += 1
+        handle = FakeHandle(len(host_ids))
+        self.pending.append((handle, list(host_ids), list(device_ids)))
+        if not self.deferred:
+            self.complete()
+        return handle
+
+    def complete(self) -> None:
+        for handle, host_ids, device_ids in self.pending:
+            handle.failed = self.fail_next > 0
+            self.fail_next = max(self.fail_next - 1, 0)
+            self._copy(self.slots, self.runner.slots, host_ids, device_ids, garble=handle.failed)
+            handle.done.set()
+        self.pending = []
+
+
+class FakeFetch:
+    def __init__(self, n: int):
+        import threading
+        self.done, self.num_ok, self.seconds = threading.Event(), 0, 0.0
+
+
+class FakeDiskKV:
+    """The disk tier's DiskIO over FakeHostKV's slots: a dict of page name -> slot entries,
+    shared between engines to play a restart. Fetches land at once, or, with `deferred`, on
+    `complete()`; `limit` caps the pages a fetch lands (the hicache.l3.get fault's cut)."""
+
+    def __init__(self, host: FakeHostKV, store: dict | None = None):
+        self.host, self.store = host, store if store is not None else {}
+        self.index = set(self.store)
+        self.deferred, self.limit = False, None
+        self.pending: list = []
+        self.num_fetches = 0
+
+    def has(self, name: str) -> bool:
+        return name in self.store
+
+    def write(self, host_ids: list[int], names: list[str]) -> None:
+        p = self.host.runner.page_size
+        for h, name in zip(host_ids, names):
+            self.store[name] = list(self.host.slots[h * p:(h + 1) * p])
+            self.index.add(name)
+
+    def fetch(self, names: list[str], host_ids: list[int]) -> FakeFetch:
+        self.num_fetches += 1
+        handle = FakeFetch(len(names))
+        self.pending.append((handle, names, host_ids))
+        if not self.deferred:
+            self.complete()
+        return handle
+
+    def complete(self) -> None:
+        p = self.host.runner.page_size
+        for handle, names, host_ids in self.pending:
+            n = len(names) if self.limit is None else min(self.limit, len(names))
+            for name, h in zip(names[:n], host_ids):
+                self.host.slots[h * p:(h + 1) * p] = self.store[name]
+            handle.num_ok = n
+            handle.done.set()
+        self.pending = []

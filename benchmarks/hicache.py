@@ -1,0 +1,194 @@
+"""Host KV tier: tiers off vs on in one run (hit rate, TTFT, throughput), warm start, and the corruption soak.
+
+    PYTHONPATH=. python benchmarks/hicache.py bench [--model-path P] [--device-tokens N]
+    PYTHONPATH=. python benchmarks/hicache.py warm  [--model-path P]
+    PYTHONPATH=. python benchmarks/hicache.py soak  [--model-path P] [--num-prompts 10000]
+                                                    [--concurrency 32] [--delay-ms 2 --jitter-ms 2]
+
+bench: one `radixserve serve` at a time (2 cores), device KV pool of --device-tokens; side
+"off" is the radix cache alone, side "on" adds the host tier (ratio 4). Workloads: bench's
+multi-turn and agent datasets sized so the working set is about 4x the device pool. Prints per
+side and workload the hit rate, TTFT p50/p99, output tok/s, and on/off ratios, with the load.
+
+warm: TTFT of the first 64 requests of a shared-prefix burst on a fresh server: cold; after a
+restart over the same --hicache-storage-dir that served the burst (disk-warm); and with
+--warmup-prompts holding the burst's shared prefixes (prompt-warm).
+
+soak: a reference server (tier off, large pool) saves every greedy output (bench --save-output);
+then a server with the tier on and a small device pool, with the hicache.h2d.layer fault
+delaying each layer's load U(delay - jitter, delay + jitter) ms, serves the same requests at
+--concurrency with bench --check-output: corrupted outputs per 10k (first differing position
+and its top-2 gap) and guard aborts per 10k. tests/api/test_hicache_soak.py runs it scaled
+down on the tiny model in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import httpx
+
+from radixserve.bench.launch import free_port, wait_healthy
+
+WORKLOADS = {   # bench arguments; working set ~4x the default --device-tokens 8192
+    "multi-turn": ["--dataset-name", "multi-turn", "--num-clients", "8", "--num-rounds", "4",
+                   "--client-system-len", "2400", "--user-len", "120", "--output-len", "16",
+                   "--max-concurrency", "4"],
+    "agent": ["--dataset-name", "agent", "--num-sessions", "6", "--num-turns", "4",
+              "--context-len", "4000", "--task-len", "150", "--tool-len", "300",
+              "--output-len", "16", "--max-concurrency", "3"],
+}
+
+
+class Server:
+    """`radixserve serve` on a free port with `args`; a context manager that stops it."""
+
+    def __init__(self, args: list[str], model_path: str | None, log: pathlib.Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        model = ["--model-path", model_path] if model_path else []
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--port",
+                                      str(self.port), *model, *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> Server:
+        wait_healthy(self.url, self.proc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+    def post(self, path: str, **body) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=60, trust_env=False)
+
+
+def bench(url: str, args: list[str], out: pathlib.Path) -> dict:
+    """One `radixserve bench` run against `url`; its JSON record."""
+    if out.exists():
+        out.unlink()
+    subprocess.run([sys.executable, "-m", "radixserve", "bench", "--base-url", url,
+                    "--disable-progress", "--output-file", str(out), "--seed", "1", *args],
+                   check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text().splitlines()[-1])
+
+
+def run_bench(a: argparse.Namespace, tmp: pathlib.Path) -> None:
+    pool = ["--max-total-tokens", str(a.device_tokens)]
+    sides = {"off": pool, "on": [*pool, "--enable-hierarchical-cache", "--hicache-ratio", "4"]}
+    rows: dict[str, dict[str, dict]] = {}
+    for side, args in sides.items():
+        with Server(args, a.model_path, tmp / f"{side}.log") as s:
+            for name, wargs in WORKLOADS.items():
+                s.post("/flush_cache")
+                rows.setdefault(name, {})[side] = bench(s.url, wargs, tmp / "b.jsonl")
+    print(f"load {os.getloadavg()[0]:.2f}; device pool {a.device_tokens} tokens")
+    for name, r in rows.items():
+        for side in sides:
+            x = r[side]
+            print(f"{name:10s} {side:3s} hit rate {x['cache_hit_rate']:.3f}  TTFT p50 "
+                  f"{x['median_ttft_ms']:8.1f} ms  p99 {x['p99_ttft_ms']:8.1f} ms  "
+                  f"{x['output_throughput']:6.1f} out tok/s")
+        on, off = r["on"], r["off"]
+        print(f"{name:10s} on/off: hit rate x{on['cache_hit_rate'] / max(off['cache_hit_rate'], 1e-9):.2f}"
+              f"  TTFT p50 x{on['median_ttft_ms'] / off['median_ttft_ms']:.2f}"
+              f"  p99 x{on['p99_ttft_ms'] / off['p99_ttft_ms']:.2f}"
+              f"  throughput x{on['output_throughput'] / off['output_throughput']:.2f}")
+
+
+def run_warm(a: argparse.Namespace, tmp: pathlib.Path) -> None:
+    burst = ["--dataset-name", "shared-prefix", "--num-groups", "8", "--prompts-per-group", "8",
+             "--system-prompt-len", "1500", "--question-len", "60", "--output-len", "8",
+             "--max-concurrency", "8"]
+    pool = ["--max-total-tokens", "65536"]
+    store = ["--enable-hierarchical-cache", "--hicache-storage-dir", str(tmp / "kv")]
+    warm_file = tmp / "warm.jsonl"
+    results = {}
+    with Server(pool, a.model_path, tmp / "cold.log") as s:
+        results["cold"] = bench(s.url, burst, tmp / "w.jsonl")
+    with Server([*pool, *store], a.model_path, tmp / "fill.log") as s:
+        bench(s.url, burst, tmp / "w.jsonl")
+    with Server([*pool, *store], a.model_path, tmp / "disk.log") as s:
+        results["disk-warm"] = bench(s.url, burst, tmp / "w.jsonl")
+    from radixserve.bench.cli import add_run_args, build_workload
+    from radixserve.tokenizer.tokenizer import Tokenizer
+    parser = argparse.ArgumentParser()
+    add_run_args(parser)
+    wl = build_workload(parser.parse_args([*burst, "--seed", "1"]),
+                        Tokenizer.load(a.model_path or _default_model()).hf)
+    # Each group's shared head: the longest common prefix of the prompts with its system text.
+    groups: dict[str, list[str]] = {}
+    for s in wl.sessions:
+        for r in s.requests:
+            groups.setdefault(r.messages[0]["content"], []).append(r.prompt)
+    heads = [json.dumps({"prompt": os.path.commonprefix(p)}) for p in groups.values()]
+    warm_file.write_text("\n".join(heads) + "\n")
+    with Server([*pool, "--warmup-prompts", str(warm_file)], a.model_path, tmp / "pw.log") as s:
+        results["prompt-warm"] = bench(s.url, burst, tmp / "w.jsonl")
+    print(f"load {os.getloadavg()[0]:.2f}; first 64 requests of a shared-prefix burst after start")
+    for name, x in results.items():
+        print(f"{name:12s} TTFT p50 {x['median_ttft_ms']:8.1f} ms  p99 {x['p99_ttft_ms']:8.1f} ms  "
+              f"hit rate {x['cache_hit_rate']:.3f}  x{x['median_ttft_ms'] / results['cold']['median_ttft_ms']:.2f} of cold")
+
+
+def _default_model() -> str:
+    from radixserve.weights.paths import resolve_model_path
+    return str(resolve_model_path(None))
+
+
+def soak(model_path: str | None, num_prompts: int, concurrency: int, delay_ms: float,
+         jitter_ms: float, device_tokens: int, tmp: pathlib.Path, extra: list[str] = ()) -> dict:
+    """The soak (module doc); returns bench's check_output report."""
+    rounds = 5       # conversations of 5 turns: each turn reuses (and reloads) the last one's KV
+    work = ["--dataset-name", "multi-turn", "--num-clients", str(max(num_prompts // rounds, concurrency)),
+            "--num-rounds", str(rounds), "--client-system-len", "200", "--user-len", "40",
+            "--output-len", "12", "--max-concurrency", str(concurrency), *extra]
+    ref = tmp / "ref.jsonl"
+    with Server(["--max-total-tokens", "65536"], model_path, tmp / "ref.log") as s:
+        bench(s.url, [*work, "--save-output", str(ref)], tmp / "s.jsonl")
+    args = ["--max-total-tokens", str(device_tokens), "--enable-hierarchical-cache", "--hicache-ratio", "8",
+            "--enable-fault-injection"]
+    with Server(args, model_path, tmp / "tier.log") as s:
+        r = s.post("/admin/fault", kind="hicache.h2d.layer", latency_ms=delay_ms,
+                   jitter_ms=jitter_ms, fail_fraction=0.0)
+        r.raise_for_status()
+        record = bench(s.url, [*work, "--check-output", str(ref)], tmp / "s.jsonl")
+        stats = httpx.get(s.url + "/get_server_info", timeout=30, trust_env=False).json()["engine"]
+    return {**record["check_output"], "hicache_loads": stats["hicache_loads"],
+            "num_cached_tokens_host": stats["num_cached_tokens_host"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=("bench", "warm", "soak"))
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--device-tokens", type=int, default=8192)
+    p.add_argument("--num-prompts", type=int, default=10000)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--delay-ms", type=float, default=2.0)
+    p.add_argument("--jitter-ms", type=float, default=2.0)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = pathlib.Path(d)
+        if a.mode == "bench":
+            run_bench(a, tmp)
+        elif a.mode == "warm":
+            run_warm(a, tmp)
+        else:
+            report = soak(a.model_path, a.num_prompts, a.concurrency, a.delay_ms, a.jitter_ms,
+                          a.device_tokens, tmp)
+            print(f"load {os.getloadavg()[0]:.2f}; " + json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""--warmup-prompts FILE: prefill known prompts into the radix cache before the server answers /health, so the first burst after a restart does not pay full prefill.
+
+The file is JSONL; each line is a JSON string (a completion prompt), or an object with
+`"prompt"` (text, or a list of token ids) or `"messages"` (chat messages, rendered with the
+model's chat template and the generation prompt, as /v1/chat/completions renders them). Each
+prompt is run with max_tokens=1, so its full pages enter the radix cache (and, with the host
+tier on, host memory and the disk tier).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from radixserve.engine.messages import AddReq
+from radixserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+CONCURRENCY = 8      # warm-up requests in flight at once
+
+
+class WarmupFileError(ValueError):
+    """The warm-up file cannot be read or a line is not a prompt (message names file and line)."""
+
+
+def read_prompts(path: str) -> list[dict[str, Any]]:
+    """Parse the file into [{"prompt": str | list[int]} | {"messages": list}]. Raises
+    WarmupFileError for a missing file, bad JSON or a line of another shape."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise WarmupFileError(f"--warmup-prompts {path}: {exc.strerror or exc}") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise WarmupFileError(f"--warmup-prompts {path} line {n}: not JSON ({exc.msg})") from None
+        if isinstance(item, str):
+            item = {"prompt": item}
+        ok = isinstance(item, dict) and (
+            isinstance(item.get("messages"), list) and item["messages"]
+            or isinstance(item.get("prompt"), str) and item["prompt"]
+            or isinstance(item.get("prompt"), list) and item["prompt"]
+            and all(isinstance(t, int) for t in item["prompt"]))
+        if not ok:
+            raise WarmupFileError(f"--warmup-prompts {path} line {n}: expected a string, "
+                                  '{"prompt": text or token ids} or {"messages": [...]}')
+        prompts.append(item)
+    return prompts
+
+
+async def warm_up(client: Any, tokenizer: Any, prompts: list[dict[str, Any]]) -> tuple[int, int]:
+    """Prefill every prompt (max_tokens=1, CONCURRENCY at a time). Returns (done, failed);
+    a prompt the engine refuses (too long, ids out of range) is logged and skipped."""
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    sem = asyncio.Semaphore(CONCURRENCY)
+    failed = 0
+    start = time.monotonic()
+
+    async def one(i: int, item: dict[str, Any]) -> None:
+        nonlocal failed
+        async with sem:
+            try:
+                if "messages" in item:
+                    ids = tokenizer.apply_chat_template(item["messages"])
+                elif isinstance(item["prompt"], str):
+                    ids = tokenizer.encode(item["prompt"])
+                else:
+                    ids = item["prompt"]
+                stream = client.submit([AddReq(f"warmup-{i}", list(ids), params)])
+                try:
+                    await stream.accepted()
+                    while not (await stream.get()).finished:
+                        pass
+                finally:
+                    stream.close()
+            except Exception as exc:   # one bad prompt must not stop the server from starting
+                failed += 1
+                logger.warning("warm-up prompt %d skipped: %s", i + 1, exc)
+
+    await asyncio.gather(*(one(i, item) for i, item in enumerate(prompts)))
+    logger.info("warmed up %d of %d prompts in %.1f s", len(prompts) - failed, len(prompts),
+                time.monotonic() - start)
+    return len(prompts) - failed, failed
