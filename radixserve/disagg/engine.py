@@ -89,9 +89,8 @@ class PDEngine(Engine):
         """End a request wherever it is (the scheduler's queues or a PD state) as Engine.abort
         does; `error` set: its final output carries it with error_code kv_transfer_failed. The
         output is returned by the next step()."""
-        if req.status is Status.WAITING_FOR_KV or (
-                req.status is Status.WAITING and req not in self.scheduler.waiting):
-            req.status = Status.WAITING   # let Engine.abort find it where it looks
+        if not any(req in queue for queue in self._scheduler_queues()):
+            req.status = Status.WAITING   # a PD state: let Engine.abort find it where it looks
             self.scheduler.waiting.append(req)
         out = super().abort(req.request_id)
         if out is not None:
@@ -168,8 +167,14 @@ class PDEngine(Engine):
         out["num_waiting"] += side.num_unscheduled()
         return out
 
+    def _scheduler_queues(self) -> list:
+        """Every queue the scheduler holds requests in (a host-tier scheduler adds `fetching`:
+        its own WAITING_FOR_KV requests, which it ends itself)."""
+        return [self.scheduler.waiting, self.scheduler.running,
+                getattr(self.scheduler, "fetching", [])]
+
     def check_invariants(self) -> None:
-        owners = self.scheduler.running + list(self.scheduler.waiting)
+        owners = [r for queue in self._scheduler_queues() for r in queue]
         if self.decode is not None:
             owners += self.decode.page_owners()
         self.kv.check_invariants(owners)
