@@ -203,9 +203,10 @@ def test_hung_transfer_times_out_as_an_error_and_pages_wait_for_the_ack(pd_fleet
     assert decode.metrics()["radixserve:pd_late_writes_landed_total"] == 0
 
 
-def test_prefill_rejection_reaches_client_and_decode_leg_is_cancelled(pd_fleet):
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefill_rejection_reaches_client_and_decode_leg_is_cancelled(pd_fleet, stream):
     _, prefill, decode, router = pd_fleet
-    got = completion(router, [5] * 600)   # over the prefill worker's 512, under decode's 1024
+    got = completion(router, [5] * 600, stream=stream)   # over prefill's 512, under decode's 1024
     assert got.status_code == 400, got.text
     assert got.json()["error"]["code"] == "context_length_exceeded"
     wait_for(lambda: decode.pages()["num_in_use_pages"] == 0

@@ -180,3 +180,14 @@ def test_legs_with_different_prompts_fail_instead_of_decoding_wrong_kv(pair, dec
     assert p.requests == {} and d.requests == {}
     d.check_invariants()
     assert d.stats()["num_free_pages"] + d.stats()["num_cached_pages"] == d.stats()["num_pages"]
+
+
+def test_max_tokens_zero_scores_the_prompt_only(pair):
+    p, d, rig = pair
+    rig.submit(p, d, "z", [4, 5, 6, 7, 8, 9], greedy(0, prompt_logprobs=1), room=41)
+    rig.finish("z")
+    final = rig.finals["z"]
+    assert rig.tokens.get("z", []) == [] and final.finish_reason == "length"
+    assert final.prompt_logprobs is not None and len(final.prompt_logprobs) == 5
+    rig.idle()
+    assert d.stats()["num_generated_tokens"] == 0
