@@ -85,6 +85,27 @@ class EngineConfig:
     enable_deterministic_inference: bool = _opt(
         False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
                "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
+    # prefill/decode disaggregation (docs/disaggregation.md); flag names are SGLang's
+    disaggregation_mode: str = _opt(
+        "null", "null = colocated; prefill = compute prompts and send their KV and first token "
+                "to decode workers (runs the bootstrap service); decode = receive KV into "
+                "preallocated pages and decode", ("null", "prefill", "decode"))
+    disaggregation_bootstrap_port: int = _opt(8998, "prefill: TCP port of the bootstrap and KV "
+                                                    "transfer service (0: any free port)")
+    disaggregation_bootstrap_host: str = _opt("127.0.0.1", "prefill: address the bootstrap "
+                                                           "service listens on")
+    disaggregation_transfer_backend: str = _opt("tcp", "KV transport (tcp: ZeroMQ over TCP; the "
+                                                       "seam for RDMA engines is in the docs)",
+                                                ("tcp",))
+    disaggregation_transfer_timeout: float = _opt(
+        60.0, "decode: seconds a request may wait for its KV after its pages are preallocated "
+              "before it fails (the abort handshake still guards its pages); prefill: seconds "
+              "a request waits for its decode worker to ask for it")
+    disaggregation_chunk_pages: int = _opt(8, "KV pages per transfer write (one message)")
+    disaggregation_unsafe_skip_abort_handshake: bool = _opt(
+        False, "TEST ONLY: decode frees an aborted transfer's pages at once and lands every write "
+               "blindly (RDMA semantics), without waiting for the prefill side's safe-to-free "
+               "answer; reproduces the KV slot reuse race")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -115,6 +136,14 @@ class EngineConfig:
             raise ValueError(f"--quantization {self.quantization} cannot be combined with "
                              f"--enable-deterministic-inference: the quantized kernels are not "
                              f"proven batch-invariant (use --quantization none or auto)")
+        if self.disaggregation_mode != "null" and self.speculative_algorithm == "draft":
+            raise ValueError("--speculative-algorithm draft cannot run on a prefill or decode "
+                             "worker: the draft model's KV is not transferred")
+        if not 0 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ValueError("disaggregation_bootstrap_port must be in [0, 65535]")
+        if self.disaggregation_transfer_timeout <= 0 or self.disaggregation_chunk_pages < 1:
+            raise ValueError("disaggregation_transfer_timeout must be > 0 and "
+                             "disaggregation_chunk_pages >= 1")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 

@@ -101,3 +101,12 @@ class InjectedFault(RadixServeError):
 
     type = "injected_fault"
     code = "injected_fault"
+
+
+class KVTransferFailed(RadixServeError):
+    """Prefill/decode disaggregation: the request's prefill or its KV transfer failed or timed
+    out (HTTP 500, so a router may retry it on another pair before any byte is streamed; never
+    a 200 with text: field case C24)."""
+
+    type = "kv_transfer_failed"
+    code = "kv_transfer_failed"

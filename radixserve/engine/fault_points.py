@@ -39,6 +39,14 @@ class FaultPoints:
             raise InvalidRequest("this runner cannot corrupt KV", param="kind")
         self._kv_corrupt = KVCorruptFault.armed(mode, fraction, after_tokens, count, duration_s, seed)
 
+    def arm_pd_fault(self, point: str, action: str, **kwargs) -> None:
+        """PD fault points exist on prefill and decode workers only (disagg/engine.py)."""
+        raise InvalidRequest(f"fault {point!r} needs a worker started with "
+                             "--disaggregation-mode prefill|decode", param="kind")
+
+    def disarm_pd_fault(self, point: str | None = None) -> None:
+        """Nothing is armed on a colocated worker."""
+
     # ---- host KV tier (runner/host_kv.py, engine/hicache.py) ---------------------------------
     def _host_tier(self):
         io, tier = getattr(self.runner, "host_kv", None), self.kv.tier

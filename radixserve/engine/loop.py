@@ -28,7 +28,8 @@ SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hangi
 HEARTBEAT_S = 1.0         # the loop says it is alive at least this often (between steps)
 CALL_METHODS = ("flush_cache", "stats", "check_invariants",    # Engine methods
                 "arm_forced_tokens", "disarm_forced_tokens", "arm_kv_corrupt",
-                "disarm_kv_corrupt", "arm_hicache_h2d", "disarm_hicache_h2d",
+                "disarm_kv_corrupt", "arm_pd_fault", "disarm_pd_fault",
+                "arm_hicache_h2d", "disarm_hicache_h2d",
                 "arm_hicache_d2h", "disarm_hicache_d2h", "arm_hicache_host_alloc",
                 "disarm_hicache_host_alloc", "arm_hicache_l3", "disarm_hicache_l3")
 LOOP_METHODS = ("set_step_latency",)                          # EngineLoop methods
@@ -46,8 +47,14 @@ def build_engine(config: EngineConfig, runner_factory: RunnerFactory,
     """The Engine over `runner_factory(config)`, stopping on the model's eos ids plus
     `eos_token_ids` (the tokenizer's, end of turn included, resolved by the HTTP process), and
     the EngineInfo the HTTP process learns at start-up."""
-    engine = Engine(config, runner_factory(config), eos_token_ids)
-    info = EngineInfo(max_context_len=engine.max_request_tokens, page_size=engine.page_size)
+    engine_cls = Engine
+    if config.disaggregation_mode != "null":   # a prefill or decode worker (radixserve/disagg)
+        from radixserve.disagg.engine import PDEngine
+        engine_cls = PDEngine
+    engine = engine_cls(config, runner_factory(config), eos_token_ids)
+    info = EngineInfo(max_context_len=engine.max_request_tokens, page_size=engine.page_size,
+                      disaggregation_mode=config.disaggregation_mode,
+                      bootstrap_address=getattr(engine, "bootstrap_address", None))
     return engine, info
 
 
@@ -80,6 +87,8 @@ class EngineLoop:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
+        for sock in getattr(self.engine, "io_sockets", list)():   # PD: wake on the peer too
+            poller.register(sock, zmq.POLLIN)
         while self.running:
             busy = self.engine.has_unfinished()
             if busy or poller.poll(IDLE_POLL_MS):
@@ -121,7 +130,8 @@ class EngineLoop:
         added: list[str] = []
         try:
             for add in msg.adds:
-                self.engine.add_request(add.request_id, add.prompt_ids, add.params)
+                extra = {"pd": add.pd} if add.pd is not None else {}
+                self.engine.add_request(add.request_id, add.prompt_ids, add.params, **extra)
                 added.append(add.request_id)
         except Exception as exc:  # a client error must not kill the engine; bugs are logged
             if not isinstance(exc, RadixServeError):
@@ -224,6 +234,8 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
             logger.error("could not report the failure to the HTTP process")
         raise SystemExit(1) from None
     finally:
+        if loop is not None and hasattr(loop.engine, "close"):
+            loop.engine.close()   # PD: the transport's sockets
         inbox.close(0)
         outbox.close()
         ctx.term()

@@ -27,10 +27,24 @@ from radixserve.outputs import EngineOutput
 from radixserve.sampling_params import SamplingParams
 
 
+class PDTarget(msgspec.Struct, frozen=True):
+    """Prefill/decode disaggregation: the prefill worker's bootstrap address and the room both
+    legs of a request share (radixserve/disagg/protocol.py re-exports it)."""
+
+    bootstrap_host: str
+    bootstrap_port: int
+    room: int
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.bootstrap_host}:{self.bootstrap_port}"
+
+
 class AddReq(msgspec.Struct, frozen=True):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    pd: PDTarget | None = None        # set on prefill and decode workers only
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):
@@ -57,6 +71,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
 
     max_context_len: int      # effective limit on prompt + output tokens of one request
     page_size: int            # KV page size in tokens
+    disaggregation_mode: str = "null"          # null | prefill | decode
+    bootstrap_address: str | None = None       # prefill: tcp://host:port of its bootstrap service
 
 
 class WireError(msgspec.Struct, frozen=True):

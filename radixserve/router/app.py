@@ -13,6 +13,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from radixserve.drain import Drain, DrainMiddleware
 from radixserve.errors import InvalidRequest, ModelNotFound, RadixServeError, error_body
@@ -52,6 +53,7 @@ class RouterState:
     forwarder: Forwarder
     drain: Drain
     tokenizer: Any = None
+    pd: Any = None          # PD mode (router/pd.py): registry/policy above are the prefill side
 
     def add_worker(self, url: str, weight: float = 1.0, healthy: bool = False) -> WorkerState:
         """Register a worker, unhealthy until its first check passes. Raises ValueError if
@@ -83,6 +85,17 @@ class RouterState:
             self.metrics.in_flight.labels(w.url).set(w.in_flight)
             self.metrics.healthy.labels(w.url).set(1 if w.healthy else 0)
             self.metrics.set_breaker_state(w.url, w.breaker.state)
+
+
+def build_pd_state(config: RouterConfig, prefill_urls: list[str], decode_urls: list[str],
+                   tokenizer: Any = None) -> RouterState:
+    """PD mode: a RouterState over the prefill workers (health, cache-aware policy, /v1/models)
+    whose `pd` pairs them with a second state over the decode workers (router/pd.py)."""
+    from radixserve.router.pd import PDRouter
+
+    state = build_state(config, prefill_urls, tokenizer)
+    state.pd = PDRouter(state, build_state(config, decode_urls, tokenizer))
+    return state
 
 
 def build_state(config: RouterConfig, worker_urls: list[str], tokenizer: Any = None) -> RouterState:
@@ -180,6 +193,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(exc.detail), kind, exc.status_code),
                             status_code=exc.status_code, headers=exc.headers)
 
+    @app.exception_handler(ClientDisconnect)   # left while its body was being read
+    async def on_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+        logger.debug("client left %s %s before its response", request.method, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
@@ -195,13 +213,18 @@ def lifespan_of(state: RouterState) -> Any:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if state.config.admin_api_key is None:
             logger.warning("no --admin-api-key: the /admin routes are open to anyone")
-        await state.monitor.check_all()
-        state.monitor.start()
+        monitors = [state.monitor] + ([state.pd.decode.monitor] if state.pd is not None else [])
+        for monitor in monitors:
+            await monitor.check_all()
+            monitor.start()
         try:
             yield
         finally:
-            await state.monitor.stop()
+            for monitor in monitors:
+                await monitor.stop()
             await state.http.aclose()
+            if state.pd is not None:
+                await state.pd.decode.http.aclose()
     return lifespan
 
 
@@ -221,6 +244,9 @@ def build_app(state: RouterState) -> FastAPI:
         session = request.headers.get(state.config.session_header) or body.get("user")
         key = route_key(path, body, state.tokenizer, session if isinstance(session, str) else None)
         headers = forwarded_headers(request, FORWARDED_HEADERS)
+        if state.pd is not None:
+            return await race_disconnect(request, state.pd.forward(
+                path, body, headers, key, body.get("stream") is True))
         work = state.forwarder.forward(path, raw, headers, key, body.get("stream") is True, t_start)
         return await race_disconnect(request, work)
 

@@ -22,6 +22,10 @@ def build_parser(prog: str = "radixserve route") -> argparse.ArgumentParser:
     parser.add_argument("--worker-urls", nargs="*", default=[], metavar="URL",
                         help="worker base URLs (http://host:port); more can be added through "
                              "POST /admin/add_worker")
+    parser.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                        help="PD mode: prefill workers (--disaggregation-mode prefill); needs --decode")
+    parser.add_argument("--decode", nargs="+", default=[], metavar="URL",
+                        help="PD mode: decode workers (--disaggregation-mode decode); needs --prefill")
     add_dataclass_args(parser.add_argument_group("router"), RouterConfig)
     return parser
 
@@ -34,17 +38,24 @@ def load_tokenizer(path: str | None) -> object | None:
     return Tokenizer.load(path)
 
 
-def run(config: RouterConfig, worker_urls: list[str]) -> int:
+def run(config: RouterConfig, worker_urls: list[str], prefill_urls: list[str] | None = None,
+        decode_urls: list[str] | None = None) -> int:
     """Serve the router until SIGINT/SIGTERM, which drain first (drain.py: new requests get
     503, those in flight get up to --graceful-shutdown-timeout s). Returns 0, or 1 if
     start-up failed."""
     import uvicorn
 
-    from radixserve.router.app import build_app, build_state
+    from radixserve.router.app import build_app, build_pd_state, build_state
 
     try:
         tokenizer = load_tokenizer(config.tokenizer_path)
-        state = build_state(config, worker_urls, tokenizer)
+        if prefill_urls or decode_urls:
+            if not prefill_urls or not decode_urls or worker_urls:
+                raise ValueError("PD mode takes --prefill and --decode URLs, and no --worker-urls")
+            state = build_pd_state(config, prefill_urls, decode_urls, tokenizer)
+            worker_urls = [*prefill_urls, *decode_urls]
+        else:
+            state = build_state(config, worker_urls, tokenizer)
     except (OSError, ValueError) as exc:
         logger.error("router start-up failed: %s: %s", type(exc).__name__, exc)
         return 1
@@ -68,4 +79,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixserve route: error: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_level)
-    return run(config, args.worker_urls)
+    return run(config, args.worker_urls, args.prefill, args.decode)

@@ -1,4 +1,4 @@
-"""`radixserve fleet --num-workers N [router flags] [worker flags]`: N workers plus a router on one machine."""
+"""`radixserve fleet --num-workers N | --num-prefill N --num-decode M [router flags] [worker flags]`: workers plus a router on one machine."""
 from __future__ import annotations
 
 import argparse
@@ -56,7 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "stops them all: the router drains first, then the workers, each for up to "
                     "--graceful-shutdown-timeout seconds.")
     fleet = parser.add_argument_group("fleet")
-    fleet.add_argument("--num-workers", type=int, required=True, help="workers to start")
+    fleet.add_argument("--num-workers", type=int, default=None,
+                       help="colocated workers to start (or --num-prefill and --num-decode)")
+    fleet.add_argument("--num-prefill", type=int, default=0,
+                       help="PD mode: prefill workers (--disaggregation-mode prefill; their "
+                            "bootstrap ports follow the last worker port)")
+    fleet.add_argument("--num-decode", type=int, default=0,
+                       help="PD mode: decode workers (--disaggregation-mode decode)")
     fleet.add_argument("--worker-base-port", type=int, default=None,
                        help="worker i listens on this + i (default: the router's --port + 1, so "
                             "--port alone moves the whole fleet)")
@@ -93,17 +99,41 @@ def worker_commands(args: argparse.Namespace, config: RouterConfig,
     """(URL, command line) of each worker: `radixserve serve` with `worker_args`, worker i on
     --worker-base-port + i, by default the router's port + 1 + i, with the router's log level
     and --graceful-shutdown-timeout. Raises ValueError when a port would pass 65535."""
+    roles = worker_roles(args)
     base = config.port + 1 if args.worker_base_port is None else args.worker_base_port
-    if base + args.num_workers - 1 > 65535:
-        raise ValueError(f"worker ports {base}..{base + args.num_workers - 1} pass 65535; "
+    last = base + len(roles) - 1 + roles.count("prefill")   # prefill bootstrap ports follow
+    if last > 65535:
+        raise ValueError(f"worker ports {base}..{last} pass 65535; "
                          f"choose a lower --port or --worker-base-port")
     commands = []
-    for port in range(base, base + args.num_workers):
+    bootstrap_port = base + len(roles)
+    for port, role in zip(range(base, base + len(roles)), roles):
         cmd = [sys.executable, "-m", "radixserve", "serve", *worker_args,
                "--host", args.worker_host, "--port", str(port), "--log-level", config.log_level,
                "--graceful-shutdown-timeout", f"{config.graceful_shutdown_timeout:g}"]
+        if role != "null":
+            cmd += ["--disaggregation-mode", role]
+        if role == "prefill":
+            cmd += ["--disaggregation-bootstrap-host", args.worker_host,
+                    "--disaggregation-bootstrap-port", str(bootstrap_port)]
+            bootstrap_port += 1
         commands.append((f"http://{args.worker_host}:{port}", cmd))
     return commands
+
+
+def worker_roles(args: argparse.Namespace) -> list[str]:
+    """Each worker's --disaggregation-mode, in start order. Raises ValueError unless exactly
+    one of --num-workers (>= 1) and --num-prefill / --num-decode (both >= 1) is given."""
+    pd = args.num_prefill or args.num_decode
+    if pd and args.num_workers is not None:
+        raise ValueError("give --num-workers, or --num-prefill and --num-decode, not both")
+    if pd:
+        if args.num_prefill < 1 or args.num_decode < 1:
+            raise ValueError("PD mode needs --num-prefill >= 1 and --num-decode >= 1")
+        return ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
+    if args.num_workers is None or args.num_workers < 1:
+        raise ValueError("--num-workers must be >= 1")
+    return ["null"] * args.num_workers
 
 
 def check_ports(config: RouterConfig, worker_host: str, worker_urls: list[str]) -> None:
@@ -254,8 +284,6 @@ def main(argv: list[str] | None = None) -> int:
         config = from_args(RouterConfig, args)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.num_workers < 1:
-        parser.error("--num-workers must be >= 1")
     try:
         commands = worker_commands(args, config, worker_args)
     except ValueError as exc:
@@ -283,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                     len(workers), log_dir, router_url)
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if args.num_prefill:
+            urls = [w.url for w in workers]
+            return run(config, [], urls[:args.num_prefill], urls[args.num_prefill:])
         return run(config, [w.url for w in workers])
     except Stop as exc:
         logger.info("fleet: stopping during start-up (%s)", exc)

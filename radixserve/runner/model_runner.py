@@ -15,7 +15,7 @@ from radixserve.layers.sampler import Sampler, token_logprobs
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.registry import model_class
 from radixserve.outputs import TokenLogprob
-from radixserve.runner import kv_scales
+from radixserve.runner import kv_scales, kv_transfer
 from radixserve.runner.attention.base import AttentionBackend, create_backend
 from radixserve.runner.batch import build_step
 from radixserve.runner.device import resolve_device
@@ -198,6 +198,30 @@ class ModelRunner:
         self.kv.import_pages(page_ids, data)
         mirror = getattr(self.backend, "mirror", None)
         if mirror is not None:
+            mirror.reset()
+
+    # ---- prefill->decode KV transfer (radixserve/disagg) ------------------------------------
+    def kv_layout(self) -> dict:
+        """What a prefill and a decode worker must share (disagg.protocol.KVLayout fields)."""
+        if getattr(self, "_identity", None) is None:
+            self._identity = kv_transfer.model_identity(self.model_config, self.model)
+        mc = self.model_config
+        return {"page_size": self.page_size, "kv_dtype": str(self.kv.dtype).removeprefix("torch."),
+                "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
+                "head_dim": mc.head_dim, "model": self._identity}
+
+    def export_kv(self, page_ids: list[int]) -> bytes:
+        """The KV (and side buffers) of `page_ids` as bytes, stored dtype (kv_transfer.py)."""
+        return kv_transfer.pack_pages(self.kv.export_pages(page_ids))
+
+    def import_kv(self, page_ids: list[int], data: bytes, foreign: bool) -> None:
+        """Write export_kv bytes of another worker into `page_ids`. `foreign`: the pages may
+        belong to a sequence that already ran (a late write, only possible with the test-only
+        unsafe switch), so copies the backend keeps (the DecodeMirror) are dropped and the next
+        step reads what landed. Raises ValueError when the bytes do not fit."""
+        self.kv.import_pages(page_ids, kv_transfer.unpack_pages(self.kv, len(page_ids), data))
+        mirror = getattr(self.backend, "mirror", None)
+        if foreign and mirror is not None:
             mirror.reset()
 
     @staticmethod

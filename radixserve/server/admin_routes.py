@@ -58,6 +58,8 @@ def install_admin_routes(app: FastAPI, ctx: ServingContext, server_config: Serve
         return JSONResponse({"model": ctx.model_name, "model_path": ctx.model_path,
                              "max_context_len": ctx.max_context_len,
                              "page_size": ctx.client.info.page_size if ctx.client.info else None,
+                             "disaggregation_mode": ctx.client.info.disaggregation_mode,
+                             "bootstrap_address": ctx.client.info.bootstrap_address,
                              "num_open_requests": ctx.client.num_open_requests,
                              "max_open_requests": ctx.max_open_requests,
                              "engine_pid": ctx.client.proc.pid,

@@ -32,6 +32,7 @@ from radixserve.server.chat_tools import ChatOutputs, plan_tools, prompt_tail
 from radixserve.server.engine_client import EngineClient
 from radixserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.pd import pd_target
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                         ModelList, new_id, now_s)
 from radixserve.server.responses import ClientDisconnected
@@ -116,8 +117,9 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         if req.resume_token_ids is not None:
             params = resumed_params(req, params, len(prompts))
         ctx.check_capacity()
+        pd = pd_target(ctx.client.info.disaggregation_mode, req)
         rid = new_id("cmpl")
-        run = GenerationRun(ctx, rid, prompts, params, req.resume_token_ids)
+        run = GenerationRun(ctx, rid, prompts, params, req.resume_token_ids, pd)
         return await responses.respond(request, run, req.stream, responses.completion_response,
                                        responses.completion_chunks, req, rid)
 
@@ -145,8 +147,9 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         if req.resume_token_ids is not None:
             params = resumed_params(req, params, 1)
         ctx.check_capacity()
+        pd = pd_target(ctx.client.info.disaggregation_mode, req)
         rid = new_id("chatcmpl")
-        run = GenerationRun(ctx, rid, [prompt], params, req.resume_token_ids)
+        run = GenerationRun(ctx, rid, [prompt], params, req.resume_token_ids, pd)
         return await responses.respond(
             request, run, req.stream, functools.partial(responses.chat_response, outputs=outputs),
             functools.partial(responses.chat_chunks, outputs=outputs), req, rid)
@@ -183,7 +186,10 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        """200 once the engine has generated one token for a tiny request."""
+        """200 once the engine has generated one token for a tiny request (a PD worker only
+        generates as half of a pair: there it answers as /health does)."""
+        if ctx.client.info.disaggregation_mode != "null":
+            return await health()
         ids = ctx.tokenizer.encode("Hi") or [0]
         params = SamplingParams(max_tokens=1, temperature=0.0)
         stream = ctx.client.submit([AddReq(new_id("health"), ids[:1], params)])

@@ -17,8 +17,8 @@ import zmq
 import zmq.asyncio
 
 from radixserve.config import EngineConfig
-from radixserve.errors import (ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound,
-                               Overloaded, RadixServeError)
+from radixserve.errors import (ContextLengthExceeded, EngineDead, InvalidRequest, KVTransferFailed,
+                               ModelNotFound, Overloaded, RadixServeError)
 from radixserve.outputs import EngineOutput
 from radixserve.engine.loop import RunnerFactory, run_engine_process
 from radixserve.engine.messages import (AddReq, Abort, Call, CallResult, EngineInfo, Fatal,
@@ -42,7 +42,8 @@ class _Dead:
 def error_from_wire(err: WireError) -> RadixServeError:
     """Rebuild the exception the engine raised, so the HTTP layer maps it like its own."""
     by_type: dict[str, type[RadixServeError]] = {
-        "not_found_error": ModelNotFound, "server_overloaded": Overloaded, "engine_dead": EngineDead}
+        "not_found_error": ModelNotFound, "server_overloaded": Overloaded, "engine_dead": EngineDead,
+        "kv_transfer_failed": KVTransferFailed}
     if err.code == ContextLengthExceeded.code:
         cls: type[RadixServeError] = ContextLengthExceeded
     elif err.status == 400:

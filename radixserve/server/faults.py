@@ -31,6 +31,12 @@ kind replaces the old). Each expires after its `duration_s` (None: until cleared
     hicache.l3.get       {mode, every, stall_ms}  disk KV tier: one fetch in `every` fails
                                                   (fail), lands half (fail_chunk, short) or
                                                   stalls stall_ms first (stall)
+    pd.bootstrap, pd.prefill.start,   {action,    prefill/decode workers only: the PD fault
+    pd.transfer.write,                 delay_ms,   points (disagg/faults.py) with their actions
+    pd.transfer.done,                  delay_max_ms, delay (delay_ms, or U(delay_ms,
+    pd.decode.prealloc                 probability, delay_max_ms)), fail, hang (until
+                                       count}      cleared), duplicate, late; count absent:
+                                                  unlimited
 """
 from __future__ import annotations
 
@@ -49,6 +55,8 @@ from radixserve.server.engine_client import EngineClient
 logger = logging.getLogger(__name__)
 
 FAULT_PATH_PREFIX = "/admin/fault"
+PD_POINTS = ("pd.bootstrap", "pd.prefill.start", "pd.transfer.write", "pd.transfer.done",
+             "pd.decode.prealloc")   # disagg/faults.py says which actions each takes
 LEAK_TICK_S = 0.25
 KIND_PARAMS = {"step_latency": ("latency_ms", "jitter_ms"), "first_token_latency": ("latency_ms",),
                "fail": ("fraction",), "hang": (), "leak_memory": ("mb_per_s", "max_mb"),
@@ -56,7 +64,9 @@ KIND_PARAMS = {"step_latency": ("latency_ms", "jitter_ms"), "first_token_latency
                "kv_corrupt": ("mode", "fraction", "after_tokens", "count"),
                "hicache.h2d.layer": ("latency_ms", "jitter_ms", "fail_fraction"),
                "hicache.d2h": ("latency_ms",), "hicache.host_alloc": ("fraction",),
-               "hicache.l3.get": ("mode", "every", "stall_ms")}
+               "hicache.l3.get": ("mode", "every", "stall_ms"),
+               **{point: ("action", "delay_ms", "delay_max_ms", "probability", "count")
+                  for point in PD_POINTS}}
 # Engine-side faults armed and disarmed over the engine call channel: kind -> (arm, disarm).
 ENGINE_FAULTS = {"sampler.force_tokens": ("arm_forced_tokens", "disarm_forced_tokens"),
                  "kv_corrupt": ("arm_kv_corrupt", "disarm_kv_corrupt"),
@@ -78,7 +88,8 @@ class FaultSpec(BaseModel):
 
     kind: Literal["step_latency", "first_token_latency", "fail", "hang", "leak_memory", "corrupt",
                   "sampler.force_tokens", "kv_corrupt", "hicache.h2d.layer", "hicache.d2h",
-                  "hicache.host_alloc", "hicache.l3.get"]
+                  "hicache.host_alloc", "hicache.l3.get", "pd.bootstrap", "pd.prefill.start",
+                  "pd.transfer.write", "pd.transfer.done", "pd.decode.prealloc"]
     duration_s: float | None = Field(None, gt=0)
     latency_ms: float | None = Field(None, ge=0, le=600_000)
     jitter_ms: float = Field(0.0, ge=0, le=600_000)
@@ -92,6 +103,10 @@ class FaultSpec(BaseModel):
     after_tokens: int = Field(16, ge=0, le=1 << 20)   # kv_corrupt: generated tokens before the hit
     token_ids: list[ForcedId] | None = Field(None, min_length=1, max_length=MAX_FORCED_TOKENS)
     count: int = Field(1, ge=1, le=1 << 31)   # requests that get token_ids
+    action: Literal["delay", "fail", "hang", "duplicate", "late"] | None = None   # PD points
+    delay_ms: float = Field(0.0, ge=0, le=600_000)
+    delay_max_ms: float | None = Field(None, ge=0, le=600_000)
+    probability: float = Field(1.0, ge=0, le=1)
 
     def params(self) -> dict[str, Any]:
         """The parameters of this kind, checked (raises InvalidRequest for a missing one)."""
@@ -105,6 +120,12 @@ class FaultSpec(BaseModel):
         if self.kind == "kv_corrupt" and self.fraction == 0:
             raise InvalidRequest("fault 'kv_corrupt' needs fraction > 0", param="fraction")
         params = {name: getattr(self, name) for name in allowed}
+        if self.kind in PD_POINTS:   # optional ones may be None; count absent: unlimited
+            if "count" not in self.model_fields_set:
+                params["count"] = None
+            if self.action is None:
+                raise InvalidRequest(f"fault {self.kind!r} needs 'action'", param="action")
+            return params
         missing = [name for name, value in params.items() if value is None]
         if missing:
             raise InvalidRequest(f"fault {self.kind!r} needs {missing[0]!r}", param=missing[0])
@@ -157,6 +178,9 @@ class FaultInjector:
             await self.client.call("set_step_latency", args={
                 "latency_ms": fault.params["latency_ms"], "jitter_ms": fault.params["jitter_ms"],
                 "duration_s": fault.duration_s})
+        elif fault.kind in PD_POINTS:
+            await self.client.call("arm_pd_fault", args={
+                "point": fault.kind, **fault.params, "duration_s": fault.duration_s})
         elif fault.kind in ENGINE_FAULTS:
             args = {**fault.params, "duration_s": fault.duration_s}
             if fault.kind == "kv_corrupt":
@@ -181,6 +205,11 @@ class FaultInjector:
                     await self.client.call("set_step_latency", args={"latency_ms": 0.0})
                 except Exception:   # EngineDead or a timeout: nothing left to slow down
                     logger.warning("could not clear step latency in the engine", exc_info=True)
+            elif k in PD_POINTS:
+                try:
+                    await self.client.call("disarm_pd_fault", args={"point": k})
+                except Exception:   # EngineDead or a timeout: no engine left to disarm
+                    logger.warning("could not disarm %s in the engine", k, exc_info=True)
             elif k in ENGINE_FAULTS:
                 try:
                     await self.client.call(ENGINE_FAULTS[k][1])

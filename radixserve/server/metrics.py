@@ -18,6 +18,8 @@ Where each number is measured:
   for requests that end by abort or error), and queue time (arrival to first admission,
   measured by the engine and carried on its outputs). That is a few float operations per
   delta; nothing per token.
+- Prefill/decode disaggregation (pd_*: transfer latency and bytes, transfers by outcome, late
+  writes refused, queue time on each side) come from the engine's stats too (pd_metrics.py).
 - Output anomalies (num_anomalies_total{kind}) are counted in the HTTP process, where the
   guard runs; process_* (resident memory, CPU, open fds) describe the HTTP process.
 """
@@ -33,6 +35,7 @@ from prometheus_client.registry import Collector
 from radixserve.outputs import SpecCounts
 from radixserve.server.acceptance_guard import AcceptanceDetector
 from radixserve.server.anomaly import KINDS as ANOMALY_KINDS
+from radixserve.server.pd_metrics import PDCollector
 
 PREFIX = "radixserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -151,6 +154,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.engine = EngineCollector(model_name)
         self.registry.register(self.engine)
+        self.registry.register(PDCollector(model_name, self.engine))
 
         def hist(name: str, doc: str, buckets: tuple) -> Any:
             h = Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,

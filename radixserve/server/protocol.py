@@ -63,6 +63,11 @@ class _GenerationRequest(_Strict):
     # a stream resumed after output tokens another worker delivered
     return_token_ids: bool = False
     resume_token_ids: list[TokenId] | None = None
+    # prefill/decode disaggregation (SGLang's names; the router sets them on both legs):
+    # the prefill worker's bootstrap address and the room both legs share (docs/disaggregation.md)
+    bootstrap_host: str | None = None
+    bootstrap_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    bootstrap_room: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from radixserve.engine.messages import AddReq
+from radixserve.engine.messages import AddReq, PDTarget
 from radixserve.errors import (BodyTooLarge, ContextLengthExceeded, InvalidRequest, ModelNotFound,
                                OutputAnomaly, Overloaded)
 from radixserve.outputs import RequestOutput, TokenLogprob
@@ -22,6 +22,7 @@ from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
 from radixserve.server.engine_client import EngineClient, RequestStream
 from radixserve.server.faults import FaultInjector
 from radixserve.server.metrics import RequestTimer, ServerMetrics
+from radixserve.server.pd import child_target, raise_if_failed
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                         PromptTokensDetails, Usage)
 from radixserve.server.validation import validation_error
@@ -187,12 +188,15 @@ class GenerationRun:
     text) and then the output-anomaly guard (when on); a detection ends the whole run
     (`updates` raises OutputAnomaly after an "abort" update for that choice).
 
+    `pd`: prefill/decode disaggregation; engine request k of the run gets room + k.
+
     `resume_ids` (stream migration, server/resume.py; one prompt, n = 1): output tokens
     another worker already delivered. The engine gets them after the prompt; once it accepts,
     choice 0 resumes after them (RequestTracker.resume) and `resumed_text` holds their text."""
 
     def __init__(self, ctx: ServingContext, base_id: str, prompts: list[Prompt],
-                 params: SamplingParams, resume_ids: list[int] | None = None):
+                 params: SamplingParams, resume_ids: list[int] | None = None,
+                 pd: PDTarget | None = None):
         self.ctx = ctx
         self.base_id = base_id
         self.prompts = prompts
@@ -208,7 +212,7 @@ class GenerationRun:
             for child_id, child_params in tracker.child_requests():
                 self._owner[child_id] = i
                 self._adds.append(AddReq(child_id, prompt.ids + list(resume_ids or ()),
-                                         child_params))
+                                         child_params, child_target(pd, len(self._adds))))
         self.resume_ids = list(resume_ids or ())
         self.resumed_text = ""
         self.stream: RequestStream | None = None
@@ -262,6 +266,7 @@ class GenerationRun:
         assert self.stream is not None, "use `async with run:` first"
         while self.stream.unfinished:
             out = await self.stream.get()
+            raise_if_failed(out)   # PD: a failed prefill or transfer is an error, never text
             timer = self._timers.get(out.request_id)
             if timer is not None:
                 timer.on_output(len(out.new_token_ids), out.queue_time_s)

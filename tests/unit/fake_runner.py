@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 
+import msgspec
+
 from radixserve.engine.runner_api import RunnerOutput, ScheduledBatch, SeqResult
 from radixserve.outputs import TokenLogprob
 
@@ -117,6 +119,22 @@ class FakeRunner:
                 else:
                     token = (self.slots[slot][0] * 31 + seed + offset + 1) % self.vocab_size
                 self.slots[slot] = (token, self.slots[slot][1])
+
+    # ---- prefill->decode transfer (radixserve/disagg): the fake KV's slots as bytes -----------
+    def kv_layout(self) -> dict:
+        return {"page_size": self.page_size, "kv_dtype": "fake", "num_layers": 1,
+                "num_kv_heads": 1, "head_dim": 1, "model": f"fake vocab={self.vocab_size}"}
+
+    def export_kv(self, page_ids: list[int]) -> bytes:
+        return msgspec.msgpack.encode([self.slots[p * self.page_size + o] for p in page_ids
+                                       for o in range(self.page_size)])
+
+    def import_kv(self, page_ids: list[int], data: bytes, foreign: bool) -> None:
+        entries = msgspec.msgpack.decode(data)
+        assert len(entries) == len(page_ids) * self.page_size, "payload does not fit the pages"
+        for i, entry in enumerate(entries):
+            slot = page_ids[i // self.page_size] * self.page_size + i % self.page_size
+            self.slots[slot] = tuple(entry) if entry is not None else None
 
     def _next(self, context: list[int], min_tokens_left: int, stop_ids) -> TokenLogprob:
         tid = reference_next_token(context, self.vocab_size, self.eos, self.eos_every, self.copy_period)

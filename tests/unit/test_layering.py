@@ -11,6 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "radixserve"
 # package (folder or module) -> radixserve subpackages it must not import
 FORBIDDEN = {
     "engine": {"runner", "models", "layers", "weights", "server", "tokenizer"},
+    # prefill/decode disaggregation: an Engine subclass plus its transport; tensors stay in runner
+    "disagg": {"runner", "models", "layers", "weights", "server", "tokenizer"},
     "layers": {"runner", "models", "weights", "engine", "server", "tokenizer"},
     "models": {"runner", "engine", "server", "tokenizer"},
     "server": {"runner", "models", "layers", "weights"},
@@ -24,7 +26,7 @@ FORBIDDEN = {
     "chat": {"runner", "models", "layers", "weights", "engine", "server", "tokenizer", "router",
              "agent", "bench"},
 }
-NO_TORCH = {"engine", "router", "agent", "parsers", "chat"}  # engine/engine.py may import torch (it does not today)
+NO_TORCH = {"engine", "disagg", "router", "agent", "parsers", "chat"}  # engine/engine.py may import torch (it does not today)
 # The engine loop and its wire messages speak ZMQ / msgpack; the rest of engine/ stays stdlib.
 IPC = {"zmq", "msgspec"}
 ENGINE_IPC_FILES = {"loop.py", "messages.py"}

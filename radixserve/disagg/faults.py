@@ -1,0 +1,108 @@
+"""The PD fault points (armed through the worker's /admin/fault): delays, failures, hangs, duplicates and late delivery on every asynchronous PD edge.
+
+    point                actions                      where
+    pd.bootstrap         delay, fail                  prefill: handling a decode worker's Expect
+    pd.prefill.start     delay, hang                  prefill: before a ready room's prefill starts
+    pd.transfer.write    delay, fail, hang,           prefill: each KV page-chunk write
+                         duplicate, late
+    pd.transfer.done     delay, fail, hang            prefill: the completion notice (KVDone)
+    pd.decode.prealloc   delay, hang                  decode: before preallocating a request's pages
+
+delay: held `delay_ms` (or U(delay_ms, delay_max_ms)); hang: held until the fault is cleared;
+fail: the edge fails (the request ends with an error); duplicate: the write is sent twice;
+late: the write is held until its room is aborted by the decode side, then delivered (the
+write already "in flight" when the abort comes). Each fires with `probability`, at most
+`count` times (None: unlimited), for `duration_s` (None: until cleared). Nothing here sleeps:
+a held item carries a deadline (or none) and its owner checks it between steps.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from radixserve.errors import InvalidRequest
+
+POINT_ACTIONS = {
+    "pd.bootstrap": ("delay", "fail"),
+    "pd.prefill.start": ("delay", "hang"),
+    "pd.transfer.write": ("delay", "fail", "hang", "duplicate", "late"),
+    "pd.transfer.done": ("delay", "fail", "hang"),
+    "pd.decode.prealloc": ("delay", "hang"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Fired:
+    """A fault that fired: its action and, for delay, the seconds to hold."""
+
+    action: str
+    delay_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Armed:
+    action: str
+    delay_ms: float
+    delay_max_ms: float | None
+    probability: float
+    count: int | None
+    ends_s: float | None
+
+
+class PDFaults:
+    """The armed PD fault points of one engine (at most one arming per point)."""
+
+    def __init__(self, seed: int | None = None):
+        self._armed: dict[str, _Armed] = {}
+        self._rng = random.Random(seed)
+        self.generation = 0   # bumps on every disarm: hung items check it to be released
+
+    def arm(self, point: str, action: str, delay_ms: float = 0.0, delay_max_ms: float | None = None,
+            probability: float = 1.0, count: int | None = None,
+            duration_s: float | None = None) -> None:
+        """Arm `point` (replacing its arming). Raises InvalidRequest for an unknown point, an
+        action the point does not take, or out-of-range numbers."""
+        if point not in POINT_ACTIONS:
+            raise InvalidRequest(f"unknown PD fault point {point!r}", param="kind")
+        if action not in POINT_ACTIONS[point]:
+            raise InvalidRequest(f"{point} takes action {POINT_ACTIONS[point]}, not {action!r}",
+                                 param="action")
+        if not 0.0 <= probability <= 1.0 or delay_ms < 0 or (count is not None and count < 1):
+            raise InvalidRequest("need 0 <= probability <= 1, delay_ms >= 0, count >= 1",
+                                 param="probability")
+        if delay_max_ms is not None and delay_max_ms < delay_ms:
+            raise InvalidRequest("delay_max_ms must be >= delay_ms", param="delay_max_ms")
+        ends = None if duration_s is None else time.monotonic() + duration_s
+        self._armed[point] = _Armed(action, delay_ms, delay_max_ms, probability, count, ends)
+
+    def disarm(self, point: str | None = None) -> None:
+        """Clear one point or all; items a hang held are released at the next check."""
+        if point is None:
+            self._armed.clear()
+        else:
+            self._armed.pop(point, None)
+        self.generation += 1
+
+    def is_armed(self, point: str, action: str) -> bool:
+        armed = self._armed.get(point)
+        return armed is not None and armed.action == action
+
+    def fire(self, point: str) -> Fired | None:
+        """Whether `point` fires now (consuming one of its count), and how."""
+        armed = self._armed.get(point)
+        if armed is None:
+            return None
+        if armed.ends_s is not None and time.monotonic() >= armed.ends_s:
+            del self._armed[point]
+            return None
+        if self._rng.random() >= armed.probability:
+            return None
+        if armed.count is not None:
+            armed.count -= 1
+            if armed.count <= 0:
+                del self._armed[point]
+        delay_ms = armed.delay_ms
+        if armed.delay_max_ms is not None:
+            delay_ms = self._rng.uniform(armed.delay_ms, armed.delay_max_ms)
+        return Fired(armed.action, delay_ms / 1000)

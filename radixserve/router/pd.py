@@ -1,0 +1,193 @@
+"""PD mode of the router (`radixserve route --prefill URL... --decode URL...`): pick a (prefill, decode) pair, send both legs at once with a shared bootstrap room, relay the decode leg; when one leg fails, the other is cancelled, not awaited (field case C28).
+
+    client --POST--> router --leg P (stream off)--> prefill worker --KV + first token--+
+                            --leg D (as asked)----> decode worker <---------------------+
+                            <---------------------- decode's answer (streamed through)
+
+The client's status is decided before any byte is relayed: a non-stream answer is complete
+when it comes; a stream is committed only at the decode leg's first event, which comes after
+the KV landed (or is an error event). Until then a failed leg's error is the answer: the
+prefill leg's own 4xx (context length, bad parameters) or a 502 / 5xx for a transport
+failure. No retry on another pair (a documented gap: docs/disaggregation.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from radixserve.errors import error_body
+
+logger = logging.getLogger(__name__)
+
+UNREACHABLE = (httpx.TransportError, httpx.InvalidURL)
+
+
+class PDRouter:
+    """Pairs prefill workers (`prefill`: the RouterState whose registry and cache-aware policy
+    hold them) with decode workers (`decode`: a second RouterState)."""
+
+    def __init__(self, prefill: Any, decode: Any):
+        self.prefill = prefill
+        self.decode = decode
+        self.http: httpx.AsyncClient = prefill.http
+        self._bootstrap: dict[str, tuple[str, int]] = {}   # prefill url -> (host, port)
+        self._background: set[asyncio.Task] = set()
+
+    async def bootstrap_of(self, url: str) -> tuple[str, int]:
+        """The prefill worker's bootstrap (host, port), from its /get_server_info (cached).
+        Raises LookupError when the worker is not a prefill worker or cannot say."""
+        cached = self._bootstrap.get(url)
+        if cached is not None:
+            return cached
+        try:
+            r = await self.http.get(url + "/get_server_info", timeout=self.prefill.config.connect_timeout_s)
+            info = r.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise LookupError(f"cannot read {url}/get_server_info: {exc!r}") from None
+        address = info.get("bootstrap_address")
+        if info.get("disaggregation_mode") != "prefill" or not address:
+            raise LookupError(f"{url} is not a prefill worker (--disaggregation-mode prefill)")
+        parts = urlsplit(address)
+        host = parts.hostname if parts.hostname not in ("0.0.0.0", "::") else urlsplit(url).hostname
+        self._bootstrap[url] = (host, parts.port)
+        return self._bootstrap[url]
+
+    async def forward(self, path: str, body: dict, headers: dict[str, bytes], key: Any,
+                      stream: bool) -> Response:
+        """One client request over a pair (module doc)."""
+        p_all, d_all = self.prefill.registry.routable(), self.decode.registry.routable()
+        if not p_all or not d_all:
+            side = "prefill" if not p_all else "decode"
+            return _error(503, f"no routable {side} worker", "no_worker_available")
+        p = self.prefill.policy.select(key, p_all).worker
+        d = self.decode.policy.select(key, d_all).worker
+        try:
+            host, port = await self.bootstrap_of(p.url)
+        except LookupError as exc:
+            return _error(503, str(exc), "no_worker_available")
+        room = random.getrandbits(63)
+        extra = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+        p_body = {**body, **extra, "stream": False}
+        p_body.pop("stream_options", None)
+        d_body = {**body, **extra}
+        self.prefill.registry.acquire(p.url)
+        self.decode.registry.acquire(d.url)
+        p_leg = asyncio.create_task(self.http.post(p.url + path, json=p_body, headers=headers),
+                                    name=f"pd-prefill-{room}")
+        d_leg = asyncio.create_task(self._open_decode(d.url + path, d_body, headers, stream),
+                                    name=f"pd-decode-{room}")
+        p_leg.add_done_callback(lambda _: self.prefill.registry.release(p.url))
+        try:
+            answer = await self._race(p_leg, d_leg, p.url, d.url)
+        except BaseException:   # the client left: neither leg is awaited
+            p_leg.cancel()
+            d_leg.cancel()
+            self.decode.registry.release(d.url)
+            raise
+        if isinstance(answer, Response):
+            self.decode.registry.release(d.url)
+            return answer
+        resp, first = answer
+        self._keep(p_leg)   # a succeeded decode means the prefill is done or about to be
+        return StreamingResponse(self._relay(resp, first, d.url), status_code=resp.status_code,
+                                 media_type=resp.headers.get("content-type"))
+
+    async def _open_decode(self, url: str, body: dict, headers: dict[str, bytes],
+                           stream: bool) -> tuple[httpx.Response, bytes]:
+        """Send the decode leg; return its response and its first body chunk (the whole body
+        when it is not a stream, or not a 200)."""
+        req = self.http.build_request("POST", url, json=body, headers=headers)
+        resp = await self.http.send(req, stream=True)
+        try:
+            if not stream or resp.status_code != 200:
+                return resp, await resp.aread()
+            chunks = resp.aiter_raw()
+            resp.extensions["pd_chunks"] = chunks   # the relay goes on from the same iterator
+            async for chunk in chunks:
+                if chunk:
+                    return resp, chunk
+            return resp, b""
+        except BaseException:
+            await resp.aclose()
+            raise
+
+    async def _race(self, p_leg: asyncio.Task, d_leg: asyncio.Task, p_url: str, d_url: str):
+        """Wait for the decode leg's first chunk while watching the prefill leg. Returns an
+        error Response (the other leg cancelled) or (decode response, first chunk)."""
+        pending = {p_leg, d_leg}
+        while True:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if p_leg in done:
+                failure = _leg_failure(p_leg, p_url, "prefill")
+                if failure is not None:
+                    d_leg.cancel()
+                    self._close_later(d_leg)
+                    return failure
+            if d_leg in done:
+                failure = _leg_failure(d_leg, d_url, "decode")
+                if failure is not None:
+                    p_leg.cancel()
+                    return failure
+                return d_leg.result()
+
+    async def _relay(self, resp: httpx.Response, first: bytes, d_url: str) -> AsyncIterator[bytes]:
+        try:
+            if first:
+                yield first
+            chunks = resp.extensions.get("pd_chunks")
+            if chunks is not None:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            await resp.aclose()
+            self.decode.registry.release(d_url)
+
+    def _keep(self, task: asyncio.Task) -> None:
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _close_later(self, d_leg: asyncio.Task) -> None:
+        """A cancelled decode leg may have opened its response just before: close it."""
+        def close(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is None:
+                self._keep(asyncio.ensure_future(task.result()[0].aclose()))
+        d_leg.add_done_callback(close)
+
+
+def _leg_failure(leg: asyncio.Task, url: str, side: str) -> Response | None:
+    """The client's error Response when `leg` failed, else None."""
+    exc = leg.exception()
+    if isinstance(exc, UNREACHABLE):
+        logger.warning("PD %s leg to %s failed: %r", side, url, exc)
+        return _error(502, f"the {side} worker {url} failed: {type(exc).__name__}", "upstream_error")
+    if exc is not None:
+        raise exc
+    result = leg.result()
+    resp, body = (result, result.content) if side == "prefill" else result
+    if resp.status_code < 400:
+        if side == "decode" and body.startswith(b'data: {"error"'):   # failed before any token
+            error = json.loads(body.split(b"\n\n", 1)[0].removeprefix(b"data: "))
+            code = error["error"].get("code")
+            status = code if isinstance(code, int) and code >= 400 else 500
+            return JSONResponse(error, status_code=status)
+        return None
+    if side == "decode" and resp.headers.get("content-type", "").startswith("text/event-stream"):
+        body = body.removeprefix(b"data: ").strip()
+    logger.info("PD %s leg to %s answered %d", side, url, resp.status_code)
+    try:
+        content = json.loads(body)
+    except ValueError:
+        content = error_body(f"the {side} worker answered {resp.status_code}", "upstream_error",
+                             resp.status_code)
+    return JSONResponse(content, status_code=resp.status_code)
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, status), status_code=status)
