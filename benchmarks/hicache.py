@@ -35,12 +35,12 @@ import httpx
 
 from radixserve.bench.launch import free_port, wait_healthy
 
-WORKLOADS = {   # bench arguments; working set ~4x the default --device-tokens 8192
+WORKLOADS = {   # bench arguments; working sets ~23k tokens, ~3.7x the default --device-tokens
     "multi-turn": ["--dataset-name", "multi-turn", "--num-clients", "8", "--num-rounds", "4",
                    "--client-system-len", "2400", "--user-len", "120", "--output-len", "16",
                    "--max-concurrency", "4"],
-    "agent": ["--dataset-name", "agent", "--num-sessions", "6", "--num-turns", "4",
-              "--context-len", "4000", "--task-len", "150", "--tool-len", "300",
+    "agent": ["--dataset-name", "agent", "--num-sessions", "10", "--num-turns", "4",
+              "--context-len", "3000", "--task-len", "150", "--tool-len", "300",
               "--output-len", "16", "--max-concurrency", "3"],
 }
 
@@ -172,7 +172,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=("bench", "warm", "soak"))
     p.add_argument("--model-path", default=None)
-    p.add_argument("--device-tokens", type=int, default=8192)
+    p.add_argument("--device-tokens", type=int, default=6144,
+                   help="device KV pool (must hold the longest prompt: ~4.9k tokens)")
     p.add_argument("--num-prompts", type=int, default=10000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--delay-ms", type=float, default=2.0)
