@@ -61,11 +61,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except PortUnavailable as exc:
         return _fail(f"{exc} (choose another with --host / --port)", 1)
     with sock:
-        try:
-            from radixserve.runner.device import resolve_device
-            resolve_device(engine_config.device)   # a missing GPU is a usage error, not a traceback
-        except ValueError as exc:
-            return _fail(exc, 2)
+        if engine_config.device not in (None, "cpu"):   # only a named GPU needs torch here
+            try:
+                from radixserve.runner.device import resolve_device
+                resolve_device(engine_config.device)   # a missing GPU is a usage error, not a traceback
+            except ValueError as exc:
+                return _fail(exc, 2)
         logging.basicConfig(level=server_config.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         from radixserve.server.app import serve

@@ -52,6 +52,11 @@ class Engine(FaultPoints):
         self._forced: ForcedTokens | None = None   # armed sampler.force_tokens fault
         self._kv_corrupt: KVCorruptFault | None = None   # armed kv_corrupt fault
 
+    def add_eos_token_ids(self, token_ids: list[int]) -> None:
+        """End requests on these ids too (the HTTP process sends its tokenizer's once it has
+        loaded it, in parallel with the engine's start-up, before it serves any request)."""
+        self.eos_token_ids = self.eos_token_ids | frozenset(int(t) for t in token_ids)
+
     @property
     def max_request_tokens(self) -> int:
         """Longest sequence (prompt + output) one request may reach, in tokens."""

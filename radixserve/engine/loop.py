@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500        # how often an idle engine checks that its parent is alive
 SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hanging forever
 HEARTBEAT_S = 1.0         # the loop says it is alive at least this often (between steps)
-CALL_METHODS = ("flush_cache", "stats", "check_invariants",    # Engine methods
+CALL_METHODS = ("flush_cache", "stats", "check_invariants", "add_eos_token_ids",  # Engine methods
                 "arm_forced_tokens", "disarm_forced_tokens", "arm_kv_corrupt",
                 "disarm_kv_corrupt", "arm_pd_fault", "disarm_pd_fault",
                 "arm_hicache_h2d", "disarm_hicache_h2d",

@@ -233,12 +233,20 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     from radixserve.tokenizer.tokenizer import Tokenizer
 
     t0 = time.monotonic()
+    # The tokenizer (transformers' import: seconds) loads while the engine process starts and
+    # loads the model; its eos ids reach the engine before any request can.
     logger.info("loading the tokenizer of %s", model_path)
-    tokenizer = await asyncio.to_thread(Tokenizer.load, model_path)
+    loading = asyncio.create_task(asyncio.to_thread(Tokenizer.load, model_path))
     logger.info("starting the engine process (it loads the model)")
-    client = await EngineClient.launch(engine_config, runner_factory, tokenizer.eos_token_ids,
-                                       server_config.log_level, server_config.watchdog_timeout)
     try:
+        client = await EngineClient.launch(engine_config, runner_factory, frozenset(),
+                                           server_config.log_level, server_config.watchdog_timeout)
+    except BaseException:
+        await asyncio.gather(loading, return_exceptions=True)
+        raise
+    try:
+        tokenizer = await loading
+        await client.call("add_eos_token_ids", args={"token_ids": sorted(tokenizer.eos_token_ids)})
         if server_config.warmup_prompts is not None:
             from radixserve.server.warmup import read_prompts, warm_up
             prompts = read_prompts(server_config.warmup_prompts)
