@@ -18,8 +18,9 @@ soak: a reference server (tier off, large pool) saves every greedy output (bench
 then a server with the tier on and a small device pool, with the hicache.h2d.layer fault
 delaying each layer's load U(delay - jitter, delay + jitter) ms, serves the same requests at
 --concurrency with bench --check-output: corrupted outputs per 10k (first differing position
-and its top-2 gap) and guard aborts per 10k. tests/api/test_hicache_soak.py runs it scaled
-down on the tiny model in CI.
+and its top-2 gap) and guard aborts per 10k. tests/api/test_api_hicache.py runs the checked
+run (check_under_delays) scaled down on the tiny model in CI, with the session's tier-off tiny
+server as the reference.
 """
 from __future__ import annotations
 
@@ -146,26 +147,48 @@ def _default_model() -> str:
     return str(resolve_model_path(None))
 
 
+def soak_workload(num_prompts: int, concurrency: int, system_len: int = 200, user_len: int = 40,
+                  output_len: int = 12) -> list[str]:
+    """bench arguments of the soak: multi-turn conversations of 5 turns (each turn reuses, and
+    after eviction reloads, the previous one's KV), num_prompts requests in all."""
+    rounds = 5
+    return ["--dataset-name", "multi-turn", "--num-clients", str(max(num_prompts // rounds, concurrency)),
+            "--num-rounds", str(rounds), "--client-system-len", str(system_len), "--user-len",
+            str(user_len), "--output-len", str(output_len), "--max-concurrency", str(concurrency)]
+
+
+def check_under_delays(url: str, reference: str, work: list[str], delay_ms: float,
+                       jitter_ms: float, out: pathlib.Path, api_key: str | None = None) -> dict:
+    """Arm hicache.h2d.layer (each layer's load waits U(delay - jitter, delay + jitter) ms) on
+    the tier server at `url`, run `work` against it with --check-output `reference` (a saved
+    file or a tier-off server's URL), clear the fault; bench's check report plus the server's
+    load and host-hit counters."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.post(url + "/admin/fault", json={"kind": "hicache.h2d.layer", "latency_ms": delay_ms,
+                                               "jitter_ms": jitter_ms, "fail_fraction": 0.0},
+                   headers=headers, timeout=30, trust_env=False)
+    r.raise_for_status()
+    try:
+        key = ["--api-key", api_key] if api_key else []
+        record = bench(url, [*work, *key, "--check-output", reference], out)
+    finally:
+        httpx.delete(url + "/admin/fault", headers=headers, timeout=30, trust_env=False)
+    stats = httpx.get(url + "/get_server_info", headers=headers, timeout=30, trust_env=False).json()["engine"]
+    return {**record["check_output"], "hicache_loads": stats["hicache_loads"],
+            "num_cached_tokens_host": stats["num_cached_tokens_host"]}
+
+
 def soak(model_path: str | None, num_prompts: int, concurrency: int, delay_ms: float,
-         jitter_ms: float, device_tokens: int, tmp: pathlib.Path, extra: list[str] = ()) -> dict:
-    """The soak (module doc); returns bench's check_output report."""
-    rounds = 5       # conversations of 5 turns: each turn reuses (and reloads) the last one's KV
-    work = ["--dataset-name", "multi-turn", "--num-clients", str(max(num_prompts // rounds, concurrency)),
-            "--num-rounds", str(rounds), "--client-system-len", "200", "--user-len", "40",
-            "--output-len", "12", "--max-concurrency", str(concurrency), *extra]
+         jitter_ms: float, device_tokens: int, tmp: pathlib.Path) -> dict:
+    """The soak (module doc): a tier-off reference run saved, then the checked run."""
+    work = soak_workload(num_prompts, concurrency)
     ref = tmp / "ref.jsonl"
     with Server(["--max-total-tokens", "65536"], model_path, tmp / "ref.log") as s:
         bench(s.url, [*work, "--save-output", str(ref)], tmp / "s.jsonl")
     args = ["--max-total-tokens", str(device_tokens), "--enable-hierarchical-cache", "--hicache-ratio", "8",
             "--enable-fault-injection"]
     with Server(args, model_path, tmp / "tier.log") as s:
-        r = s.post("/admin/fault", kind="hicache.h2d.layer", latency_ms=delay_ms,
-                   jitter_ms=jitter_ms, fail_fraction=0.0)
-        r.raise_for_status()
-        record = bench(s.url, [*work, "--check-output", str(ref)], tmp / "s.jsonl")
-        stats = httpx.get(s.url + "/get_server_info", timeout=30, trust_env=False).json()["engine"]
-    return {**record["check_output"], "hicache_loads": stats["hicache_loads"],
-            "num_cached_tokens_host": stats["num_cached_tokens_host"]}
+        return check_under_delays(s.url, str(ref), work, delay_ms, jitter_ms, tmp / "s.jsonl")
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tests.api.conftest import TINY_CONTEXT, start_tiny_server
+from tests.api.conftest import API_KEY, TINY_CONTEXT, start_tiny_server
 
 PAGE = 16
 
@@ -144,3 +144,23 @@ def test_a_bad_warmup_file_stops_start_up_before_loading(tiny_model_dir, tmp_pat
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert error in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_soak_scaled_down_finds_no_corrupted_output(server, tiny_server, tmp_path):
+    """benchmarks/hicache.py's soak at 50 requests: multi-turn conversations through this
+    small-pool tier server with every layer's load delayed U(0, 4) ms, each greedy output
+    compared with the same request on the tier-off tiny server (bench --check-output URL)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "hicache.py"
+    spec = importlib.util.spec_from_file_location("hicache_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    server.http.post("/flush_cache")
+    work = bench.soak_workload(50, 4, system_len=100, user_len=20, output_len=8)
+    report = bench.check_under_delays(server.base_url, tiny_server.base_url, work, 2.0, 2.0,
+                                      tmp_path / "run.jsonl", api_key=API_KEY)
+    assert report["compared"] >= 49, report
+    assert report["corrupted"] == 0, report["first_corrupted"]
+    assert report["hicache_loads"] > 0 and report["num_cached_tokens_host"] > 0, report
+    server.assert_no_leak()
