@@ -23,6 +23,15 @@ def make(store: dict, num_pages=24, host_pages=64):
     return Engine(EngineConfig(page_size=P, chunked_prefill_size=32), runner), runner.host_kv.disk
 
 
+def saved_store() -> dict:
+    """A disk store an engine filled by serving PROMPT (what a restart finds)."""
+    store: dict = {}
+    first, _ = make(store)
+    first.add_request("a", PROMPT, greedy(6))
+    run_all(first)
+    return store
+
+
 def test_page_names_are_a_hash_chain_over_page_content():
     a = page_names(list(range(10)), 4)
     assert len(a) == 2 and len(set(a)) == 2
@@ -53,10 +62,7 @@ def test_a_restarted_engine_finds_its_pages_on_disk():
 @pytest.mark.parametrize("landed", [0, 3])
 def test_a_failed_or_short_fetch_is_recomputed_and_counts_only_what_landed(landed):
     """C30: the fetch is cut after `landed` pages; the rest is computed, not reported as hit."""
-    store: dict = {}
-    first, _ = make(store)
-    first.add_request("a", PROMPT, greedy(6))
-    run_all(first)
+    store = saved_store()
     engine, disk = make(store)
     disk.limit = landed
     engine.add_request("b", PROMPT, greedy(6))
@@ -68,10 +74,7 @@ def test_a_failed_or_short_fetch_is_recomputed_and_counts_only_what_landed(lande
 
 
 def test_abort_while_waiting_for_kv_frees_everything():
-    store: dict = {}
-    first, _ = make(store)
-    first.add_request("a", PROMPT, greedy(6))
-    run_all(first)
+    store = saved_store()
     engine, disk = make(store)
     disk.deferred = True
     engine.add_request("b", PROMPT, greedy(6))
@@ -88,10 +91,7 @@ def test_abort_while_waiting_for_kv_frees_everything():
 
 
 def test_two_requests_for_one_prefix_share_one_fetch():
-    store: dict = {}
-    first, _ = make(store)
-    first.add_request("a", PROMPT, greedy(6))
-    run_all(first)
+    store = saved_store()
     engine, disk = make(store)
     disk.deferred = True
     engine.add_request("b", PROMPT, greedy(6))
