@@ -79,29 +79,26 @@ class Tokenizer:
         Raises FileNotFoundError when the path does not exist.
         """
         if os.path.isdir(model_path):
-            from transformers import AutoTokenizer
-            hf = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-            return cls(hf, _hf_dir_eos_ids(model_path))
+            return cls(_from_folder(model_path), _hf_dir_eos_ids(model_path))
         if not os.path.isfile(model_path):
             raise FileNotFoundError(f"no tokenizer at {model_path!r} (need an HF directory or a .gguf file)")
         return cls._load_gguf(model_path, cache_dir or default_cache_dir())
 
     @classmethod
     def _load_gguf(cls, path: str, cache_root: str) -> Tokenizer:
-        from transformers import AutoTokenizer
         cached = os.path.join(cache_root, _cache_key(path))
         meta_path = os.path.join(cached, _META_FILE)
         if os.path.isfile(meta_path):
             try:
                 with open(meta_path) as f:
                     meta = json.load(f)
-                hf = AutoTokenizer.from_pretrained(cached, local_files_only=True)
-                return cls(hf, meta["eos_token_ids"], loaded_from_cache=True)
+                return cls(_from_folder(cached), meta["eos_token_ids"], loaded_from_cache=True)
             except (OSError, ValueError, KeyError) as exc:
                 logger.warning("tokenizer cache %s unreadable (%s); converting again", cached, exc)
         path = os.path.abspath(path)
         logger.info("first run: converting the GGUF vocabulary to a tokenizer, cached for next "
                     "time in %s", cached)
+        from transformers import AutoTokenizer
         hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                            local_files_only=True)
         meta = _gguf_tokenizer_meta(path)
@@ -274,6 +271,28 @@ def _cache_key(path: str) -> str:
     raw = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
     stem = os.path.splitext(os.path.basename(path))[0]
     return f"{stem}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+
+
+# tokenizer_config.json classes that are exactly transformers' generic `tokenizers` backend.
+_GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def _from_folder(folder: str) -> Any:
+    """The HF tokenizer saved in `folder`. A folder whose tokenizer_config.json names the generic
+    `tokenizers` backend (every converted GGUF vocabulary, SmolLM2) loads through that class
+    directly: `AutoTokenizer` imports transformers' config machinery and with it torch, seconds
+    of start-up in the HTTP process, which needs no torch. Any other class goes through
+    `AutoTokenizer`, which picks the model family's own tokenizer class."""
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            tokenizer_class = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        tokenizer_class = None
+    if tokenizer_class in _GENERIC_CLASSES and os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        return TokenizersBackend.from_pretrained(folder, local_files_only=True)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def _save_to_cache(hf: Any, meta: dict, target: str) -> None:
