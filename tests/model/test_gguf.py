@@ -120,13 +120,10 @@ def test_tiny_gguf_matches_safetensors_and_is_cached(tmp_path, monkeypatch, capl
     assert greedy(runner, [5, 6, 7, 8, 9], 6) == greedy(ref_runner, [5, 6, 7, 8, 9], 6)
 
 
-def test_default_gguf_greedy_matches_transformers(default_hf):
+def test_default_gguf_greedy_matches_transformers(default_hf, default_tokenizer):
     path = resolve_model_path(None)
     assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
-    folder, name = os.path.dirname(path), os.path.basename(path)
-    from transformers import AutoTokenizer
-
-    prompt = AutoTokenizer.from_pretrained(folder, gguf_file=name).encode("The capital of France is")
+    prompt = default_tokenizer.hf.encode("The capital of France is")
     runner = ModelRunner.from_config(EngineConfig(page_size=16, max_total_tokens=1024, quantization="none"))
     assert runner.vocab_size == 49152 and 2 in runner.eos_token_ids
     ours, _ = greedy(runner, prompt, 16)

@@ -76,11 +76,8 @@ def test_tiny_llama_parity(tiny_llama_dir, tiny_case, name):
 
 
 @pytest.fixture(scope="module")
-def default_case(default_gguf, default_hf):
-    from transformers import AutoTokenizer
-
-    folder, name = str(default_gguf.parent), default_gguf.name
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+def default_case(default_tokenizer, default_hf):
+    tok = default_tokenizer.hf   # transformers' conversion of the GGUF vocabulary (cached)
     texts = PARITY_TEXTS
     rng = random.Random(1)
     # Five of the texts as they are (the lengths below cover the chunk and page boundaries).
