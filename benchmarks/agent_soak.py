@@ -1,14 +1,17 @@
-"""Ops agent soak: a 3-worker fleet under load with only random step-latency noise (zero actions expected), then a hang (detection and recovery time).
+"""Ops agent soak: a 3-worker fleet idle, then under load with only random step-latency noise (zero findings and actions expected), then a hang (detection and recovery time).
 
-    python benchmarks/agent_soak.py [--noise-s 240] [--model-path DIR] [--sweep-interval-s 5]
+    python benchmarks/agent_soak.py [--idle-s 300] [--noise-s 300] [--model-path DIR] [--sweep-interval-s 5]
 
-Phase 1: every worker gets the `step_latency` fault with jitter (latency_ms +- 30% per
+Phase 0: the fleet sits idle for --idle-s seconds under the agent (idle pooled connections
+are where a client error once passed for a sick worker). Phase 1: every worker gets the `step_latency` fault with jitter (latency_ms +- 30% per
 engine step, the ordinary noise of a busy machine) and the fleet serves a client loop for
 --noise-s seconds under a supervising agent with default thresholds. Any acting decision
 (drain, isolate, restart, undrain, policy change) is a false positive; the script prints them
-and exits 1. Phase 2: one worker hangs; the script reads the decision log for the first
+and exits 1. Through phases 0 and 1 a poller reads the agent's /status every 2 s: a worker
+shown with `health_ok: false`, or any finding on the agent's /metrics (`findings_total` by kind),
+is a false finding and also fails the run. Phase 2: one worker hangs; the script reads the decision log for the first
 drain (detection), the restart and the return to rotation, measured from the injection.
-Exit 0 when phase 1 took no action and the hung worker came back.
+Exit 0 when phases 0 and 1 had no false finding or action and the hung worker came back.
 """
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ WORDS = "the a fox dog runs jumps over under quick lazy story river city light n
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="worker model (default: the embedded one)")
-    p.add_argument("--noise-s", type=float, default=240.0, help="length of the noise phase (s)")
+    p.add_argument("--idle-s", type=float, default=300.0, help="length of the idle phase (s)")
+    p.add_argument("--noise-s", type=float, default=300.0, help="length of the noise phase (s)")
     p.add_argument("--noise-latency-ms", type=float, default=20.0, help="added per engine step")
     p.add_argument("--jitter", type=float, default=0.3, help="+- share of the step latency")
     p.add_argument("--concurrency", type=int, default=4, help="client threads")
@@ -75,6 +79,39 @@ class Clients:
         self.stop.set()
         for t in self.threads:
             t.join(150)
+
+
+class StatusPoller:
+    """Reads the agent's /status every `period_s`; keeps the samples where a worker showed
+    `health_ok: false` (with its health_error) and the last findings_total by kind."""
+
+    def __init__(self, agent_url: str, period_s: float = 2.0):
+        self.url, self.period_s, self.stop = agent_url, period_s, threading.Event()
+        self.samples, self.unhealthy = 0, []
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+        self.thread.start()
+
+    def loop(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=10) as http:
+            while not self.stop.wait(self.period_s):
+                try:
+                    status = http.get("/status").json()
+                except (httpx.HTTPError, ValueError):
+                    continue   # the agent is still starting
+                self.samples += 1
+                self.unhealthy += [(time.time(), w["url"], w.get("health_error"))
+                                   for w in status["workers"] if w.get("health_ok") is False]
+
+    def findings(self) -> dict[str, float]:
+        """findings_total by kind from the agent's /metrics (kinds never found are absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {s.labels["kind"]: s.value for fam in text_string_to_metric_families(text)
+                for s in fam.samples if s.name == "radixserve_agent:findings_total"}
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join(30)
 
 
 def decisions(log: pathlib.Path) -> list[dict]:
@@ -122,7 +159,7 @@ def main() -> int:
     log = out / "decisions.jsonl"
     fleet, manifest = start_fleet(args, out)
     urls = [w["url"] for w in manifest["workers"]]
-    agent = clients = None
+    agent = clients = poller = None
     try:
         noise = {"kind": "step_latency", "latency_ms": args.noise_latency_ms,
                  "jitter_ms": args.jitter * args.noise_latency_ms}
@@ -133,25 +170,36 @@ def main() -> int:
              "--supervise", "--fleet-manifest", str(out / "fleet.json"), "--decision-log",
              str(log), "--port", str(args.base_port + 10), "--sweep-interval-s",
              str(args.sweep_interval_s), "--log-level", "warning"], cwd=REPO)
+        poller = StatusPoller(f"http://127.0.0.1:{args.base_port + 10}")
+        time.sleep(args.idle_s)
+        idle_findings = poller.findings()
         clients = Clients(manifest["router_url"], args.concurrency)
         t0 = time.time()
         time.sleep(args.noise_s)
         noise_actions = [d for d in decisions(log) if d["action"] in ACTING]
         noise_notes = [d for d in decisions(log) if d["action"] not in ACTING]
         noise_failed = clients.failures(t0)
+        quiet_findings = poller.findings()
+        poller.finish()
         hung = urls[1]
         t_fault = time.time()
         httpx.post(hung + "/admin/fault", json={"kind": "hang"}, timeout=10).raise_for_status()
         outcome = wait_hang_outcome(log, hung, t_fault, args.hang_timeout_s)
         hang_failed = clients.failures(t_fault)
     finally:
+        if poller:
+            poller.finish()
         if clients:
             clients.finish()
         if agent:
             agent.send_signal(signal.SIGTERM)
             agent.wait(30)
         stop(fleet, out / "fleet.json")
-    summary = {"noise_s": args.noise_s, "noise": noise, "sweep_interval_s": args.sweep_interval_s,
+    false_findings = {k: v for k, v in quiet_findings.items() if v}
+    summary = {"idle_s": args.idle_s, "findings after idle": idle_findings,
+               "findings after idle + noise": quiet_findings,
+               "status samples": poller.samples, "samples with health_ok false": poller.unhealthy,
+               "noise_s": args.noise_s, "noise": noise, "sweep_interval_s": args.sweep_interval_s,
                "noise_actions": len(noise_actions), "noise_decisions_logged": len(noise_notes),
                "noise_requests_failed_of": noise_failed, "hang_worker": hung,
                "detection_s (fault -> drain)": outcome.get("drain"),
@@ -162,7 +210,10 @@ def main() -> int:
     print(json.dumps(summary, indent=2))
     for d in noise_actions:
         print("FALSE POSITIVE:", json.dumps(d)[:400])
-    return 0 if not noise_actions and "undrain" in outcome else 1
+    for sample in poller.unhealthy:
+        print("FALSE UNHEALTHY:", sample)
+    ok = not noise_actions and not false_findings and not poller.unhealthy
+    return 0 if ok and "undrain" in outcome else 1
 
 
 def stop(fleet: subprocess.Popen, manifest: pathlib.Path) -> None:
