@@ -1,4 +1,4 @@
-"""A real Prometheus (Debian's `prometheus`) scrapes a running worker, router and ops agent with deploy/prometheus's jobs, and every PromQL expression of deploy/grafana's dashboard returns data.
+"""A real Prometheus (Debian's package) scrapes a worker, router and agent with deploy/prometheus's jobs; every dashboard expression returns data.
 
 The unit tests (tests/unit/test_deploy_monitoring.py) check names; this checks what a person
 opening the dashboard would see: an expression over a labelled counter that only appears when
