@@ -105,14 +105,21 @@ class Prometheus:
         self.log.close()
 
 
+def targets_up(prometheus: Prometheus) -> dict[str, dict] | None:
+    """Job -> target labels once every job's last scrape succeeded (None before: a scrape
+    can miss its 1 s timeout on a loaded machine, so callers poll this)."""
+    up = {s["metric"]["job"]: s["metric"] for s in prometheus.query("up == 1")}
+    return up if set(up) == set(scrape_jobs()) else None
+
+
 def start_agent(router_url: str, folder: pathlib.Path) -> tuple[subprocess.Popen, str]:
     """`radixserve agent` over the router, sweeping twice a second; (process, its URL)."""
     port = free_port()
-    log = open(folder / "agent.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "radixserve", "agent", "--router", router_url, "--port", str(port),
-         "--admin-api-key", ADMIN_KEY, "--sweep-interval-s", "0.5", "--log-level", "warning"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    with open(folder / "agent.log", "w") as log:   # the child keeps its own copy
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "radixserve", "agent", "--router", router_url, "--port",
+             str(port), "--admin-api-key", ADMIN_KEY, "--sweep-interval-s", "0.5",
+             "--log-level", "warning"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
     def listening() -> bool:
@@ -151,8 +158,7 @@ def prometheus(request, tmp_path_factory):
             {job: url.removeprefix("http://") for job, url in addresses.items()}))
         wait_for(prom.is_ready, "prometheus to be ready", WAIT_S)
         # Traffic only after every target's first scrape, so rate() sees the counters rise.
-        wait_for(lambda: len(prom.query("up == 1")) == len(addresses),
-                 "a first scrape of every target", WAIT_S)
+        wait_for(lambda: targets_up(prom), "a first scrape of every target", WAIT_S)
         send_traffic(fleet)
         yield prom
     finally:
@@ -165,8 +171,7 @@ def prometheus(request, tmp_path_factory):
 
 
 def test_each_job_scrapes_its_component_with_the_labels_the_dashboard_groups_by(prometheus):
-    up = {s["metric"]["job"]: s["metric"] for s in prometheus.query("up == 1")}
-    assert set(up) == set(scrape_jobs()), up
+    up = wait_for(lambda: targets_up(prometheus), "every target up", WAIT_S)
     for job, labels in up.items():
         assert labels["pod"] == f"{job}-0" and labels["namespace"] == "radixserve-test", labels
     prefix = {"radixserve-worker": "radixserve:", "radixserve-router": "radixserve_router:",
