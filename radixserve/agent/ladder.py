@@ -24,12 +24,15 @@ KIND_CLASS = {"hit_rate_collapsed": "watch", "ttft_outlier": "slow", "itl_outlie
               "anomaly_rate": "faulty", "memory_growth": "leak", "unresponsive": "hung"}
 SEVERITY = ("watch", "slow", "faulty", "leak", "hung")
 OUT_STATES = ("draining", "restarted", "isolated")
+# Every Decision.action (the agent's metrics start each at 0), and those that change the fleet.
+ACTIONS = ("none", "suspect", "clear", "drain", "isolate", "restart", "undrain", "alert",
+           "set_policy_params")
+ACTING = ("drain", "isolate", "restart", "undrain", "set_policy_params")
 
 
 @dataclass(frozen=True)
 class Decision:
-    """One decision. `action` in {none, suspect, clear, drain, isolate, restart, undrain,
-    alert, set_policy_params}; `worker` None for fleet-level ones; `reason` says why, also
+    """One decision. `action` in ACTIONS; `worker` None for fleet-level ones; `reason` says why, also
     when nothing was done."""
 
     action: str
@@ -42,7 +45,7 @@ class Decision:
 
     @property
     def acts(self) -> bool:
-        return self.action in ("drain", "isolate", "restart", "undrain", "set_policy_params")
+        return self.action in ACTING
 
     def to_json(self) -> dict:
         return {"action": self.action, "worker": self.worker, "reason": self.reason,

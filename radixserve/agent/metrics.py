@@ -7,6 +7,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from radixserve.agent.ladder import ACTING, ACTIONS
+from radixserve.agent.rules import FINDING_KINDS
+
 PREFIX = "radixserve_agent:"
 STATES = ("observe", "suspect", "draining", "restarted", "isolated", "reintegrating")
 
@@ -36,7 +39,10 @@ class _StateCollector(Collector):
 
 
 class AgentMetrics:
-    """Counters the loop updates; gauges come from `state` at scrape time."""
+    """Counters the loop updates; gauges come from `state` at scrape time. Every known action
+    and finding kind is exported at 0 from the start: a series that first appears at 1 shows
+    no increase() in Prometheus (the agent's first drain would be invisible on the dashboard),
+    and a healthy fleet's dashboard would show "no data" instead of 0."""
 
     def __init__(self, state: Callable[[], dict]):
         self.registry = CollectorRegistry(auto_describe=False)
@@ -51,6 +57,10 @@ class AgentMetrics:
                               ["action"], registry=self.registry)
         self.findings = Counter(PREFIX + "findings", "Findings per sweep, by kind.", ["kind"],
                                 registry=self.registry)
+        for counter, labels in ((self.decisions, ACTIONS), (self.failed, ACTING),
+                                (self.findings, FINDING_KINDS)):
+            for label in labels:
+                counter.labels(label)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,10 @@ PROMPT, CACHED = P + "prompt_tokens_total", P + "cached_tokens_total"
 GENERATED, ANOMALIES = P + "generation_tokens_total", P + "num_anomalies_total"
 RSS = "process_resident_memory_bytes"
 MIB = 1024.0 * 1024.0
+# Every Finding.kind a rule can return (the agent's metrics start each at 0).
+FINDING_KINDS = ("unresponsive", "error_rate", "ttft_outlier", "itl_outlier", "queue_building",
+                 "kv_pressure", "hit_rate_collapsed", "anomaly_rate", "memory_growth",
+                 "fleet_hit_rate_collapsed", "fleet_ttft_spread", "gpu_unhealthy")
 
 History = Sequence[WorkerSnapshot]
 

@@ -10,6 +10,9 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "radixserve_router:"
 BREAKER_STATE_VALUES = {"closed": 0, "half_open": 1, "open": 2}
+# stream_migrations_total outcomes, each exported at 0 from the start: a series that first
+# appears at 1 shows no increase() in Prometheus, and no migration yet is 0, not "no data".
+MIGRATION_OUTCOMES = ("success", "exhausted", "refused", "unsupported")
 # Router overhead is sub-millisecond to tens of milliseconds; the default buckets start at 5 ms.
 ADDED_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                          0.1, 0.25, 0.5, 1.0, 2.5)
@@ -58,6 +61,8 @@ class RouterMetrics:
                                   "or attempt left), refused (the continuation was answered "
                                   "with an error), unsupported (the stream cannot be continued)",
                                   ["outcome"], registry=r)
+        for outcome in MIGRATION_OUTCOMES:
+            self.migrations.labels(outcome)
         self.no_worker = Counter(PREFIX + "no_worker_available_total",
                                  "Requests answered 503 because no worker was routable",
                                  registry=r)

@@ -53,18 +53,21 @@ def port_open(url: str) -> bool:
 
 
 class Fleet:
-    """`radixserve fleet --num-workers 2` over the tiny model (its own process group), the
-    router on `router_url`; `restarted` holds workers this fixture started again."""
+    """`radixserve fleet --num-workers N` (default 2) over the tiny model (its own process
+    group), the router on `router_url`, `worker_flags` added to each worker's; `restarted`
+    holds workers this fixture started again."""
 
-    def __init__(self, model_dir: pathlib.Path, router_flags: list[str] = ROUTER_FLAGS):
+    def __init__(self, model_dir: pathlib.Path, router_flags: list[str] = ROUTER_FLAGS,
+                 num_workers: int = 2, worker_flags: tuple[str, ...] = ()):
         self.tmp = tempfile.mkdtemp(prefix="radixserve-router-test-")
         self.manifest_path = os.path.join(self.tmp, "manifest.json")
-        base = free_ports(3)  # router, worker 0, worker 1
+        self.num_workers = num_workers
+        base = free_ports(1 + num_workers)  # router, worker 0, worker 1, ...
         self.port = base
-        cmd = [sys.executable, "-m", "radixserve", "fleet", "--num-workers", "2",
+        cmd = [sys.executable, "-m", "radixserve", "fleet", "--num-workers", str(num_workers),
                "--worker-base-port", str(base + 1), "--port", str(self.port),
                "--manifest", self.manifest_path, "--log-dir", self.tmp, *router_flags,
-               *tiny_worker_flags(model_dir)]
+               *tiny_worker_flags(model_dir), *worker_flags]
         self.log = open(os.path.join(self.tmp, "fleet.log"), "w+")
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
@@ -103,7 +106,7 @@ class Fleet:
 
     def all_healthy(self) -> bool:
         ws = self.workers()
-        return len(ws) == 2 and all(w["healthy"] and w["breaker"] == "closed" for w in ws.values())
+        return len(ws) == self.num_workers and all(w["healthy"] and w["breaker"] == "closed" for w in ws.values())
 
     def counts(self) -> dict[str, int]:
         return {url: w["num_requests"] for url, w in self.workers().items()}

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import re
 import subprocess
 import sys
 import time
 
 import httpx
 
+from radixserve.agent import ladder, rules
 from radixserve.agent.actions import Actions
 from radixserve.agent.agent import Agent
 from radixserve.agent.app import status_html, status_json
@@ -114,6 +117,21 @@ def test_status_and_metrics_describe_the_fleet(tmp_path):
     text = agent.metrics.render().decode()
     assert 'radixserve_agent:worker_state{state="isolated",worker="http://w2"} 1.0' in text
     assert 'radixserve_agent:decisions_total{action="isolate"} 1.0' in text
+
+
+def test_every_action_and_finding_kind_is_exported_at_zero_before_it_happens(tmp_path):
+    """Prometheus's increase() cannot see a series that first appears at 1, so the dashboard
+    relies on these starting at 0; the lists must name every kind the rules and ladder use."""
+    text = make_agent(tmp_path, FakeFleet(hung=set())).metrics.render().decode()
+    for family, label, values in (("decisions", "action", ladder.ACTIONS),
+                                  ("actions_failed", "action", ladder.ACTING),
+                                  ("findings", "kind", rules.FINDING_KINDS)):
+        for value in values:
+            assert f'radixserve_agent:{family}_total{{{label}="{value}"}} 0.0' in text
+    kinds = set(re.findall(r'Finding\("(\w+)"', inspect.getsource(rules))) | set(ladder.KIND_CLASS)
+    assert kinds <= set(rules.FINDING_KINDS), kinds - set(rules.FINDING_KINDS)
+    actions = set(re.findall(r'(?:Decision\(|_move\(t, )"(\w+)"', inspect.getsource(ladder)))
+    assert actions and actions <= set(ladder.ACTIONS), actions - set(ladder.ACTIONS)
 
 
 BAD_URLS = ["http://[::1", "http://127.0.0.1:abc", "http:"]   # InvalidURL x2, UnsupportedProtocol
