@@ -87,6 +87,7 @@ def test_an_agent_before_its_first_sweep_shows_an_empty_page_without_python_repr
     page = status_html(status_json(agent))
     view = read_page(page)
     assert "Waiting for the first sweep" in view.text and "no sweep yet" in view.text
+    assert '<meta http-equiv="refresh" content="5">' in page     # refreshes itself
     assert view.rows_with("No workers seen yet") and view.rows_with("No decisions yet")
     assert view.tiles == {"Workers": "0", "Healthy": "0/0", "In rotation": "0/0",
                           "Draining": "0", "Out of rotation": "0", "Panic": "no"}
