@@ -98,7 +98,7 @@ def _line(values: list[tuple[float, float]], x: Callable[[float], float],
         if len(xy) == 1:
             out.append(f'<circle class="dot" cx="{xy[0][0]:.1f}" cy="{xy[0][1]:.1f}" r="2.5"/>')
         else:
-            d = " ".join(f"{'M' if i == 0 else 'L'}{px:.1f},{py:.1f}" for i, (px, py) in enumerate(xy))
+            d = " ".join(f"{'L' if i else 'M'}{px:.1f},{py:.1f}" for i, (px, py) in enumerate(xy))
             out.append(f'<path class="line" d="{d}"/>')
     return out
 

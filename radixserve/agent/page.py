@@ -25,12 +25,14 @@ h1{font-size:19px;margin:0}h2{font-size:15px;margin:0 0 8px}
 table{border-collapse:collapse;width:100%}th,td{text-align:left;padding:4px 8px;
 border-bottom:1px solid #eaeef2;vertical-align:top}th{font-size:12px;color:#59636e}
 td.num{text-align:right;font-variant-numeric:tabular-nums}
-tr.warn td:first-child{border-left:4px solid #d4a72c}tr.bad td:first-child{border-left:4px solid #cf222e}
+tr.warn td:first-child{border-left:4px solid #d4a72c}
+tr.bad td:first-child{border-left:4px solid #cf222e}
 .badge{display:inline-block;padding:0 7px;border-radius:10px;background:#eaeef2;font-weight:600}
 .badge.act{background:#ddf4ff;color:#0550ae}.badge.alert{background:#ffebe9;color:#a40e26}
 .err{color:#a40e26}.charts{display:flex;flex-wrap:wrap;gap:16px}figure{margin:0}
 svg.chart{background:#fff;border:1px solid #eaeef2;border-radius:4px}
-.grid{stroke:#eaeef2}.ylab{font-size:10px;fill:#59636e;text-anchor:end}.xlab{font-size:10px;fill:#59636e}
+.grid{stroke:#eaeef2}.ylab{font-size:10px;fill:#59636e;text-anchor:end}
+.xlab{font-size:10px;fill:#59636e}
 path.line{fill:none;stroke:#0969da;stroke-width:1.8}circle.dot{fill:#0969da}rect.bar{fill:#bc4c00}
 .empty{font-size:12px;fill:#8c959f}
 """
@@ -166,7 +168,8 @@ def _fleet(status: dict) -> str:
             for i, c in enumerate(cells)) + "</tr>")
     if not body:
         body = [f'<tr><td colspan="{len(head)}">No workers seen yet.</td></tr>']
-    return ('<section><h2>Fleet</h2><table><thead><tr>' + "".join(f"<th>{esc(h)}</th>" for h in head)
+    return ('<section><h2>Fleet</h2><table><thead><tr>'
+            + "".join(f"<th>{esc(h)}</th>" for h in head)
             + "</tr></thead><tbody>" + "".join(body) + "</tbody></table></section>")
 
 

@@ -45,7 +45,8 @@ def browser() -> str:
 def browse(browser: str, tmp_path, *args: str) -> subprocess.CompletedProcess:
     """Run headless Chromium once with its own profile; fails the test on a non-zero exit."""
     cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-           "--no-first-run", "--no-default-browser-check", f"--user-data-dir={tmp_path / 'profile'}",
+           "--no-first-run", "--no-default-browser-check",
+           f"--user-data-dir={tmp_path / 'profile'}",
            f"--window-size={WINDOW[0]},{WINDOW[1]}", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
