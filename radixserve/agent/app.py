@@ -26,7 +26,8 @@ def _mean_ms(hist: list, pair: tuple[str, str], sweeps: int) -> float | None:
 
 
 def fleet_table(agent: Agent) -> list[dict]:
-    """One row per worker: ladder state, what the last sweep saw, window hit rate and
+    """One row per worker: ladder state, what the last sweep saw (`alive`: rules.answering,
+    /health answered or the worker is busy but still generating), window hit rate and
     latencies (ms; TTFT p99 from the histogram's buckets)."""
     rows = []
     window = agent.rule_cfg.window_sweeps
@@ -43,6 +44,7 @@ def fleet_table(agent: Agent) -> list[dict]:
             "url": url, "state": track.state, "fault": track.fault,
             "ejections": track.ejections, "health_ok": s.health_ok if s else None,
             "health_error": s.health_error if s else None,
+            "alive": rules.answering(hist) if hist else None,
             "router_healthy": router.get("healthy"), "draining": router.get("draining"),
             "breaker": router.get("breaker"), "in_flight": router.get("in_flight"),
             "queue": metrics.get(rules.QUEUE), "token_usage": metrics.get(rules.KV_USAGE),

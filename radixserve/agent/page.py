@@ -29,7 +29,7 @@ tr.warn td:first-child{border-left:4px solid #d4a72c}
 tr.bad td:first-child{border-left:4px solid #cf222e}
 .badge{display:inline-block;padding:0 7px;border-radius:10px;background:#eaeef2;font-weight:600}
 .badge.act{background:#ddf4ff;color:#0550ae}.badge.alert{background:#ffebe9;color:#a40e26}
-.err{color:#a40e26}.charts{display:flex;flex-wrap:wrap;gap:16px}figure{margin:0}
+.err{color:#a40e26}.busy{color:#7d4e00}.charts{display:flex;flex-wrap:wrap;gap:16px}figure{margin:0}
 svg.chart{background:#fff;border:1px solid #eaeef2;border-radius:4px}
 .grid{stroke:#eaeef2}.ylab{font-size:10px;fill:#59636e;text-anchor:end}
 .xlab{font-size:10px;fill:#59636e}
@@ -102,7 +102,7 @@ def _header(status: dict) -> str:
     rows = status["workers"]
     n = len(rows)
     places = [rotation(r) for r in rows]
-    healthy = sum(r.get("health_ok") is True for r in rows)
+    healthy = sum(r.get("alive") is True for r in rows)
     counts = {p: places.count(p) for p in ("in", "draining", "out")}
     tiles = [("Workers", n, "ok"), ("Healthy", f"{healthy}/{n}", "ok" if healthy == n else "bad"),
              ("In rotation", f"{counts['in']}/{n}", "ok" if counts["in"] == n else "warn"),
@@ -134,7 +134,7 @@ def _banner(status: dict, rows: list[dict], healthy: int, counts: dict) -> tuple
     if not n:
         return "warn", ("Waiting for the first sweep." if status.get("last_sweep_at") is None
                         else "The router lists no workers.")
-    out = [r for r in rows if rotation(r) != "in" or r.get("health_ok") is not True
+    out = [r for r in rows if rotation(r) != "in" or r.get("alive") is not True
            or r["state"] != "observe"]
     if not out:
         return "ok", f"All {n} workers healthy and in rotation."
@@ -153,11 +153,12 @@ def _fleet(status: dict) -> str:
     for r in status["workers"]:
         state = r["state"] + (f" · {r['fault']}" if r.get("fault") else "")
         state += f" · ejected {r['ejections']}×" if r.get("ejections") else ""
-        health = ("ok" if r.get("health_ok") else
-                  f'<span class="err">{show(r.get("health_error") or "failing")}</span>'
-                  if r.get("health_ok") is False else DASH)
+        error = show(r.get("health_error") or "failing")
+        health = ("ok" if r.get("health_ok") else DASH if r.get("health_ok") is None else
+                  f'<span class="busy">busy: {error}, still generating</span>' if r.get("alive")
+                  else f'<span class="err">{error}</span>')
         place = rotation(r)
-        kind = ("bad" if r.get("health_ok") is False or place == "out" else
+        kind = ("bad" if r.get("alive") is False or place == "out" else
                 "warn" if place == "draining" or r["state"] != "observe" else "")
         cells = [f"<b>{esc(r['url'])}</b>", esc(state), health, show(place), show(r.get("breaker")),
                  show(r.get("in_flight")), show(r.get("queue")), pct(r.get("token_usage")),

@@ -56,12 +56,13 @@ class Traffic:
 
 
 class FakeFleet:
-    """Answers the router's admin API and each worker's reads; `hung` workers time out;
-    a worker with `traffic` serves its growing counters, the others a fixed /metrics."""
+    """Answers the router's admin API and each worker's reads; `hung` workers time out,
+    `busy` ones only on /health; a worker with `traffic` serves its growing counters, the
+    others a fixed /metrics."""
 
     def __init__(self, hung: set[str], urls: list[str] | None = None,
-                 traffic: dict[str, Traffic] | None = None):
-        self.hung = hung
+                 traffic: dict[str, Traffic] | None = None, busy: set[str] = frozenset()):
+        self.hung, self.busy = hung, busy
         self.traffic = traffic or {}
         self.urls = urls or URLS
         self.router_down = False
@@ -88,7 +89,7 @@ class FakeFleet:
             if path == "/admin/policy":
                 return httpx.Response(200, json={"policy": "cache_aware", "cache_threshold": 0.3})
             return httpx.Response(200, json={"workers": [self.entry(u) for u in self.urls]})
-        if base in self.hung:
+        if base in self.hung or (base in self.busy and path == "/health"):
             raise httpx.ReadTimeout("hung", request=request)
         if path == "/metrics":
             load = self.traffic.get(base)

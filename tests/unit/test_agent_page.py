@@ -124,6 +124,18 @@ def test_a_fleet_with_an_isolated_worker_shows_it_the_decision_and_an_hour_of_ch
         assert repr_ not in view.text, repr_
 
 
+def test_a_busy_worker_still_generating_is_healthy_on_the_page_not_failing(tmp_path):
+    """/health timing out while /metrics shows tokens generated is the agent's "busy, not
+    hung" (rules.answering); the page says so instead of raising an alarm."""
+    busy = "http://w2"
+    fake = FakeFleet(hung=set(), busy={busy}, traffic={u: Traffic() for u in URLS})
+    agent = make_agent(tmp_path, fake)
+    sweeps(agent, 3)
+    view = read_page(status_html(status_json(agent)))
+    assert view.rows_with(busy, "busy: timeout, still generating")
+    assert view.tiles["Healthy"] == "3/3" and "All 3 workers healthy and in rotation." in view.text
+
+
 def test_every_string_on_the_page_is_escaped(tmp_path):
     evil = 'http://x/"><script>alert(1)</script>'
     agent = make_agent(tmp_path, FakeFleet(hung={"http://x"}, urls=[*URLS, evil]))   # it hangs
