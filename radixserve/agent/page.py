@@ -139,9 +139,20 @@ def _banner(status: dict, rows: list[dict], healthy: int, counts: dict) -> tuple
     if not out:
         return "ok", f"All {n} workers healthy and in rotation."
     return ("bad" if counts["out"] or healthy < n else "warn"), (
-        f"{counts['in']} of {n} workers in rotation. " + "; ".join(
-            f"{r['url']}: {r['state']}" + (f" ({r['fault']})" if r.get("fault") else "")
-            for r in out) + ".")
+        f"{counts['in']} of {n} workers in rotation. "
+        + "; ".join(f"{r['url']}: {_why_out(r)}" for r in out) + ".")
+
+
+def _why_out(row: dict) -> str:
+    """What keeps a worker from being healthy and in rotation, in a few words."""
+    if row["state"] != "observe":
+        return row["state"] + (f" ({row['fault']})" if row.get("fault") else "")
+    place = rotation(row)
+    if place == "draining":
+        return "drained, not by the agent"
+    if place == "out":
+        return "unhealthy at the router"
+    return f"/health failing ({row.get('health_error') or 'no answer'})"
 
 
 def _fleet(status: dict) -> str:
@@ -194,7 +205,7 @@ def _charts(status: dict) -> str:
 def _decisions(status: dict) -> str:
     head = ["Time (UTC)", "Action", "Worker", "Why", "Evidence", "Result"]
     body = []
-    for d in reversed(status["recent_decisions"]):
+    for d, first, times in _runs(list(reversed(status["recent_decisions"]))):
         action = d.get("action") or "none"
         badge = "act" if action in ACTING else "alert" if action == "alert" else ""
         moved = (f"<br><small>{esc(d['state_from'])} → {esc(d['state_to'])}</small>"
@@ -203,8 +214,11 @@ def _decisions(status: dict) -> str:
         result_cell = (DASH if result in (None, "", "-") else
                        f'<span class="err">{esc(result)}</span>' if str(result).startswith("failed")
                        else f'<span title="{esc(result)}">{esc(str(result).split(":")[0])}</span>')
-        cells = [_clock(d.get("time")), f'<span class="badge {badge}">{esc(action)}</span>{moved}',
-                 esc(d.get("worker") or "fleet"), show(d.get("reason")), _evidence(d), result_cell]
+        when = _clock(d.get("time")) if times == 1 else f'{_clock(first)}–{_clock(d.get("time"))}'
+        again = f" <small>({times} times)</small>" if times > 1 else ""
+        cells = [when, f'<span class="badge {badge}">{esc(action)}</span>{moved}',
+                 esc(d.get("worker") or "fleet"), show(d.get("reason")) + again, _evidence(d),
+                 result_cell]
         body.append(f'<tr class="{"" if badge else "quiet"}">'
                     + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     if not body:
@@ -212,6 +226,20 @@ def _decisions(status: dict) -> str:
     return ('<section><h2>Recent decisions <span class="sub">(newest first; grey: did nothing)'
             '</span></h2><table><thead><tr>' + "".join(f"<th>{esc(h)}</th>" for h in head)
             + "</tr></thead><tbody>" + "".join(body) + "</tbody></table></section>")
+
+
+def _runs(newest_first: list[dict]) -> list[tuple[dict, object, int]]:
+    """Decisions as (newest record, time of the oldest, count): a run of "did nothing"
+    records in a row with the same worker and reason (heartbeats of a quiet fleet) is one."""
+    out: list[tuple[dict, object, int]] = []
+    for d in newest_first:
+        if out and d.get("action") == "none" and out[-1][0].get("action") == "none" and \
+                (d.get("worker"), d.get("reason")) == (out[-1][0].get("worker"),
+                                                       out[-1][0].get("reason")):
+            out[-1] = (out[-1][0], d.get("time"), out[-1][2] + 1)
+        else:
+            out.append((d, d.get("time"), 1))
+    return out
 
 
 def _evidence(d: dict) -> str:

@@ -115,6 +115,8 @@ def test_a_fleet_with_an_isolated_worker_shows_it_the_decision_and_an_hour_of_ch
     (isolate,) = [r for r in view.rows if r[1].startswith("isolate ")]
     assert isolate[2] == HUNG and isolate[5] == "ok" and "suspect → isolated" in isolate[1]
     assert "unresponsive" in isolate[4] and "errors timeout, timeout, timeout" in isolate[4]
+    (quiet,) = view.rows_with("no rule fired")        # 4 heartbeats before the hang: one row
+    assert quiet[0].count(":") == 4 and quiet[3].endswith("(4 times)")
     charts = view.charts
     assert charts["hit_rate"].points == charts["hit_rate"].coords >= 60   # ~70 sweeps, 20 s apart
     assert charts["ttft_p99"].points == charts["ttft_p99"].coords >= 60
@@ -134,6 +136,17 @@ def test_a_busy_worker_still_generating_is_healthy_on_the_page_not_failing(tmp_p
     view = read_page(status_html(status_json(agent)))
     assert view.rows_with(busy, "busy: timeout, still generating")
     assert view.tiles["Healthy"] == "3/3" and "All 3 workers healthy and in rotation." in view.text
+
+
+def test_a_worker_drained_by_hand_is_draining_and_the_banner_says_who_drained_it(tmp_path):
+    fake = FakeFleet(hung=set())
+    fake.draining.add("http://w0")                 # an operator's POST /admin/drain
+    agent = make_agent(tmp_path, fake)
+    sweeps(agent, 2)
+    view = read_page(status_html(status_json(agent)))
+    assert view.tiles["Draining"] == "1" and view.tiles["In rotation"] == "2/3"
+    assert "2 of 3 workers in rotation. http://w0: drained, not by the agent." in view.text
+    assert view.rows_with("http://w0", "observe", "draining")
 
 
 def test_every_string_on_the_page_is_escaped(tmp_path):
