@@ -13,7 +13,7 @@ CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;color:#1f2328;
 background:#f6f8fa}
 header,section{background:#fff;border-bottom:1px solid #d0d7de;padding:12px 20px}
-section{margin:12px 20px;border:1px solid #d0d7de;border-radius:8px}
+section{margin:12px 20px;border:1px solid #d0d7de;border-radius:8px;overflow-x:auto}
 h1{font-size:19px;margin:0}h2{font-size:15px;margin:0 0 8px}
 .sub,.quiet td,figcaption,.ev small{color:#59636e}.sub{font-size:12px}
 .banner{margin:10px 0 0;padding:8px 12px;border-radius:6px;font-weight:600}
@@ -93,6 +93,7 @@ def status_html(status: dict) -> str:
     """The whole page for a /status dict (app.status_json); refreshes itself."""
     refresh = max(5, math.ceil(status["sweep_interval_s"]))
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f'<meta http-equiv="refresh" content="{refresh}"><title>radixserve ops agent</title>'
             f'<style>{CSS}</style></head><body>{_header(status)}{_fleet(status)}'
             f'{_charts(status)}{_decisions(status)}</body></html>')
