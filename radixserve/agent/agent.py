@@ -9,6 +9,7 @@ import math
 import pathlib
 import time
 from collections import deque
+from typing import Callable
 
 from radixserve.agent import rules
 from radixserve.agent.actions import Actions
@@ -16,6 +17,7 @@ from radixserve.agent.config import AgentConfig, LadderConfig, RuleConfig
 from radixserve.agent.ladder import Decision, FleetView, Ladder
 from radixserve.agent.metrics import AgentMetrics
 from radixserve.agent.observe import FleetSnapshot, History, Observer
+from radixserve.agent.timeline import Timeline
 from radixserve.router.client import AsyncRouterAdminClient
 
 logger = logging.getLogger("radixserve.agent")
@@ -45,10 +47,12 @@ class DecisionLog:
 class Agent:
     """One agent over one router. `sweep()` does one pass; `run()` loops every
     `sweep_interval_s` until cancelled. Each decision is logged with the sweep's evidence;
-    with `dry_run` acting decisions are logged with result "dry-run" and not carried out."""
+    with `dry_run` acting decisions are logged with result "dry-run" and not carried out.
+    `wall_clock` (s since the epoch) stamps decisions and the timeline of the ops page."""
 
     def __init__(self, router_url: str, cfg: AgentConfig, rule_cfg: RuleConfig | None = None,
-                 ladder_cfg: LadderConfig | None = None):
+                 ladder_cfg: LadderConfig | None = None,
+                 wall_clock: Callable[[], float] = time.time):
         self.cfg, self.rule_cfg = cfg, rule_cfg or RuleConfig()
         self.router_url = router_url
         self.admin = AsyncRouterAdminClient(router_url, cfg.admin_api_key,
@@ -60,6 +64,9 @@ class Agent:
                                cfg.kill_grace_s)
         self.log = DecisionLog(cfg.decision_log)
         self.recent: deque[dict] = deque(maxlen=200)
+        self.wall_clock = wall_clock
+        self.timeline = Timeline()
+        self.last_sweep_at: float | None = None   # wall-clock s
         self.metrics = AgentMetrics(self.state)
         self.num_sweeps = 0
         self.last: FleetSnapshot | None = None
@@ -86,7 +93,7 @@ class Agent:
         self.actions.reap()
         snap = await self.observer.collect(self.ladder.wants_probe(), self.cfg.probe_timeout_s,
                                            self.cfg.probe_max_tokens)
-        self.last = snap
+        self.last, self.last_sweep_at = snap, self.wall_clock()
         if snap.router_error:
             records = []
             if self._router_note != snap.router_error:
@@ -102,6 +109,7 @@ class Agent:
             self.metrics.findings.labels(kind=f.kind).inc()
         decisions = self.ladder.step(snap.t, self._view(snap, hists), self.findings)
         records = [await self._apply(d, snap) for d in decisions]
+        self.timeline.record(self.last_sweep_at, hists, sum(d.acts for d in decisions))
         if not records and self.num_sweeps % self.cfg.heartbeat_sweeps == 1:
             records.append(self._record(Decision("none", None, self._quiet_reason(snap))))
         self.metrics.sweeps.inc()
@@ -153,7 +161,7 @@ class Agent:
         return None
 
     def _record(self, d: Decision, result: str = "-", snap: FleetSnapshot | None = None) -> dict:
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.fromtimestamp(self.wall_clock(), datetime.timezone.utc)
         record = {"time": now.isoformat(timespec="milliseconds"),
                   "sweep": self.num_sweeps, "dry_run": self.cfg.dry_run, "result": result,
                   **d.to_json()}

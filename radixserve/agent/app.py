@@ -1,8 +1,7 @@
-"""The agent's HTTP side: /metrics (`radixserve_agent:`), /status (fleet table and recent decisions as JSON), /status.html."""
+"""The agent's HTTP side: /metrics (`radixserve_agent:`), /status (fleet, recent decisions, last hour as JSON), /status.html (the ops page)."""
 from __future__ import annotations
 
 import asyncio
-import html
 import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -13,6 +12,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.agent import rules
 from radixserve.agent.agent import Agent
+from radixserve.agent.page import status_html
+from radixserve.agent.timeline import window_ttft_quantile
 from radixserve.errors import error_body
 
 logger = logging.getLogger("radixserve.agent")
@@ -25,8 +26,11 @@ def _mean_ms(hist: list, pair: tuple[str, str], sweeps: int) -> float | None:
 
 
 def fleet_table(agent: Agent) -> list[dict]:
-    """One row per worker: ladder state, what the last sweep saw, window latencies (ms)."""
+    """One row per worker: ladder state, what the last sweep saw (`alive`: rules.answering,
+    /health answered or the worker is busy but still generating), window hit rate and
+    latencies (ms; TTFT p99 from the histogram's buckets)."""
     rows = []
+    window = agent.rule_cfg.window_sweeps
     snap = agent.last
     hists = agent.history.all()
     for url, track in agent.ladder.tracks.items():
@@ -34,50 +38,41 @@ def fleet_table(agent: Agent) -> list[dict]:
         router = (s.router if s else None) or {}
         metrics = s.metrics if s else {}
         hist = hists.get(url, [])
+        hit = rules.window_hit_rate(hist, window)
+        p99 = window_ttft_quantile(hist, window, 0.99)
         rows.append({
             "url": url, "state": track.state, "fault": track.fault,
             "ejections": track.ejections, "health_ok": s.health_ok if s else None,
             "health_error": s.health_error if s else None,
+            "alive": rules.answering(hist) if hist else None,
             "router_healthy": router.get("healthy"), "draining": router.get("draining"),
             "breaker": router.get("breaker"), "in_flight": router.get("in_flight"),
             "queue": metrics.get(rules.QUEUE), "token_usage": metrics.get(rules.KV_USAGE),
             "cache_hit_rate": metrics.get("radixserve:cache_hit_rate"),
-            "ttft_ms": _mean_ms(hist, rules.TTFT, agent.rule_cfg.window_sweeps),
-            "itl_ms": _mean_ms(hist, rules.ITL, agent.rule_cfg.window_sweeps),
+            "hit_rate": hit[0] if hit else None,
+            "ttft_ms": _mean_ms(hist, rules.TTFT, window),
+            "ttft_p99_ms": None if p99 is None else round(p99 * 1e3, 1),
+            "itl_ms": _mean_ms(hist, rules.ITL, window),
             "findings": [f.kind for f in agent.findings if f.url == url]})
     return rows
 
 
 def status_json(agent: Agent) -> dict:
-    last = agent.last
-    return {"router": agent.router_url, "sweeps": agent.num_sweeps,
+    """What /status answers and /status.html shows; times are wall-clock s since the epoch,
+    `timeline` one point per step over the last hour (timeline.Point.to_json)."""
+    last, now = agent.last, agent.wall_clock()
+    return {"router": agent.router_url, "sweeps": agent.num_sweeps, "now": now,
+            "last_sweep_at": agent.last_sweep_at,
             "sweep_interval_s": agent.cfg.sweep_interval_s, "dry_run": agent.cfg.dry_run,
+            "window_s": agent.rule_cfg.window_sweeps * agent.cfg.sweep_interval_s,
             "supervise": agent.cfg.supervise, "panic": agent.ladder.panic,
             "gpu": agent.observer.gpu_note or "not read yet",
             "router_error": last.router_error if last else None,
             "policy": last.policy if last else None,
             "workers": fleet_table(agent), "findings": [f.to_json() for f in agent.findings],
-            "recent_decisions": list(agent.recent)[-50:]}
-
-
-def status_html(status: dict) -> str:
-    """A small self-refreshing page of the same content."""
-    def table(rows: list[dict], cols: list[str]) -> str:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r.get(c, '')))}</td>" for c in cols)
-                       + "</tr>" for r in rows)
-        return f"<table border=1 cellpadding=3><tr>{head}</tr>{body}</table>"
-    workers = table(status["workers"], ["url", "state", "fault", "ejections", "health_ok",
-                                        "breaker", "in_flight", "queue", "token_usage",
-                                        "ttft_ms", "itl_ms", "findings"])
-    decisions = table(list(reversed(status["recent_decisions"])),
-                      ["time", "action", "worker", "reason", "result"])
-    flags = (f"router {status['router']} · sweep {status['sweeps']} every "
-             f"{status['sweep_interval_s']} s · dry-run {status['dry_run']} · supervise "
-             f"{status['supervise']} · panic {status['panic']} · {status['gpu']}")
-    return (f"<!doctype html><html><head><meta http-equiv=refresh content=5><title>radixserve "
-            f"agent</title></head><body><h2>radixserve ops agent</h2><p>{html.escape(flags)}</p>"
-            f"<h3>Fleet</h3>{workers}<h3>Recent decisions</h3>{decisions}</body></html>")
+            "recent_decisions": list(agent.recent)[-50:],
+            "timeline_span_s": agent.timeline.span_s, "timeline_step_s": agent.timeline.step_s,
+            "timeline": agent.timeline.to_json(now)}
 
 
 def error_response(message: str, type_: str, status: int,

@@ -67,15 +67,28 @@ class FleetSnapshot:
     gpus: list[dict] | None = None
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample name: value summed over label sets}; buckets dropped.
-    Raises ValueError on text the parser rejects."""
+#: The one histogram whose buckets parse_metrics keeps: TTFT percentiles on the ops page.
+TTFT_BUCKET = "radixserve:time_to_first_token_seconds_bucket"
+
+
+def bucket_key(name: str, le: str) -> str:
+    """The key parse_metrics stores bucket `le` of histogram bucket family `name` under."""
+    return f'{name}{{le="{le}"}}'
+
+
+def parse_metrics(text: str, kept_buckets: tuple[str, ...] = (TTFT_BUCKET,)) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over label sets}. Buckets are dropped,
+    except those of `kept_buckets`, stored per bound as `bucket_key(name, le)`. Raises
+    ValueError on text the parser rejects."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.endswith("_bucket") or sample.name.endswith("_created"):
+            name = sample.name
+            if name.endswith("_bucket") and name in kept_buckets and "le" in sample.labels:
+                name = bucket_key(name, sample.labels["le"])
+            elif name.endswith("_bucket") or name.endswith("_created"):
                 continue
-            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+            out[name] = out.get(name, 0.0) + float(sample.value)
     return out
 
 

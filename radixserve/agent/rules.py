@@ -78,6 +78,17 @@ def window_mean(hist: History, pair: tuple[str, str], sweeps: int) -> tuple[floa
     return total / count, count
 
 
+def window_increase(hist: History, key: str, sweeps: int) -> float | None:
+    """How much counter `key` grew over the window; None when it is missing or went down."""
+    return _window_delta(hist, key, sweeps)
+
+
+def window_hit_rate(hist: History, sweeps: int) -> tuple[float, float] | None:
+    """(cached / prompt tokens, prompt tokens) over the window; None without prompt tokens."""
+    w = _window(hist, sweeps)
+    return _hit_rate(w[0], w[-1]) if len(w) >= 2 else None
+
+
 def _hit_rate(a: WorkerSnapshot, b: WorkerSnapshot) -> tuple[float, float] | None:
     cached, prompt = _delta(a, b, CACHED), _delta(a, b, PROMPT)
     return None if cached is None or not prompt else (cached / prompt, prompt)

@@ -13,72 +13,9 @@ import httpx
 
 from radixserve.agent import ladder, rules
 from radixserve.agent.actions import Actions
-from radixserve.agent.agent import Agent
-from radixserve.agent.app import status_html, status_json
-from radixserve.agent.config import AgentConfig
-
-ROUTER = "http://router"
-URLS = ["http://w0", "http://w1", "http://w2"]
-METRICS = ("# TYPE radixserve:num_requests counter\n"
-           "radixserve:num_requests_total{model_name=\"m\"} 5.0\n")
-
-
-class FakeFleet:
-    """Answers the router's admin API and each worker's reads; `hung` workers time out."""
-
-    def __init__(self, hung: set[str], urls: list[str] | None = None):
-        self.hung = hung
-        self.urls = urls or URLS
-        self.router_down = False
-        self.draining: set[str] = set()
-        self.posts: list[tuple[str, dict]] = []
-
-    def entry(self, url: str) -> dict:
-        return {"url": url, "healthy": url not in self.hung, "draining": url in self.draining,
-                "in_flight": 0, "breaker": "closed", "num_requests": 10, "num_failures": 0}
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        base, path = f"{request.url.scheme}://{request.url.host}", request.url.path
-        if not request.url.host:   # what httpx's real transport says to "http:"
-            raise httpx.UnsupportedProtocol("Request URL is missing a host", request=request)
-        if base == ROUTER:
-            if self.router_down:
-                raise httpx.ReadTimeout("", request=request)   # httpx gives no message
-            if request.method == "POST":
-                body = json.loads(request.content)
-                self.posts.append((path, body))
-                if path == "/admin/drain":
-                    self.draining.add(body["url"])
-                return httpx.Response(200, json=self.entry(body["url"]))
-            if path == "/admin/policy":
-                return httpx.Response(200, json={"policy": "cache_aware", "cache_threshold": 0.3})
-            return httpx.Response(200, json={"workers": [self.entry(u) for u in self.urls]})
-        if base in self.hung:
-            raise httpx.ReadTimeout("hung", request=request)
-        if path == "/metrics":
-            return httpx.Response(200, text=METRICS)
-        if path == "/get_server_info":
-            return httpx.Response(200, json={"engine_pid": 1234, "engine": {}})
-        return httpx.Response(200, json={"status": "ok"})
-
-
-def make_agent(tmp_path, fake: FakeFleet, **cfg) -> Agent:
-    agent = Agent(ROUTER, AgentConfig(decision_log=str(tmp_path / "d.jsonl"), **cfg))
-    transport = httpx.MockTransport(fake)
-    agent.admin.http = httpx.AsyncClient(transport=transport, base_url=ROUTER)
-    agent.observer.http = httpx.AsyncClient(transport=transport)
-    return agent
-
-
-def sweeps(agent: Agent, n: int) -> list[dict]:
-    async def go():
-        out = []
-        for _ in range(n):
-            out += await agent.sweep()
-        await agent.aclose()
-        return out
-    return asyncio.run(go())
-
+from radixserve.agent.app import status_json
+from radixserve.agent.page import status_html
+from tests.unit.agent_fakes import URLS, FakeFleet, make_agent, sweeps
 
 def test_a_hung_worker_is_isolated_and_every_step_is_logged(tmp_path):
     fake = FakeFleet(hung={"http://w1"})
