@@ -24,12 +24,16 @@ class ServerProcess:
     """One server subprocess; `args` are the flags after `serve`. Output goes to a log file
     that is printed when start-up fails. `port`: a fixed port (a restart on the same address);
     `new_session`: its own process group, so a test can SIGKILL it with its engine;
-    `log_level`: its --log-level."""
+    `log_level`: its --log-level; `num_threads`: its --num-threads unless `args` name one (one by
+    default: a tiny model's step is all per-op overhead, and tests run several servers at once,
+    whose torch threads would otherwise spin against each other on two cores; None: all cores)."""
 
     def __init__(self, args: list[str], api_key: str | None = None, port: int | None = None,
-                 new_session: bool = False, log_level: str = "warning"):
+                 new_session: bool = False, log_level: str = "warning", num_threads: int | None = 1):
         self.port = port or free_port()
         self.api_key = api_key
+        if num_threads and "--num-threads" not in args:
+            args = [*args, "--num-threads", str(num_threads)]
         cmd = [sys.executable, "-m", "radixserve", "serve", *args, "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", log_level]
         if api_key:
@@ -185,7 +189,8 @@ def tiny_server(request):
 @pytest.fixture(scope="session")
 def gguf_server():
     """The embedded default model (SmolLM2-135M-Instruct): for tests where the text matters."""
-    server = ServerProcess(["--max-total-tokens", "16384", "--context-length", "2048"])
+    server = ServerProcess(["--max-total-tokens", "16384", "--context-length", "2048"],
+                           num_threads=None)
     yield server.wait_ready()
     try:
         server.assert_no_tracebacks()

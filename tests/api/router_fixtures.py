@@ -31,7 +31,7 @@ ROUTER_FLAGS = ["--health-check-interval-s", "0.3", "--health-failure-threshold"
 def tiny_worker_flags(model_dir: pathlib.Path) -> list[str]:
     return ["--model-path", str(model_dir), "--context-length", "512", "--max-total-tokens",
             "16384", "--page-size", "16", "--served-model-name", "tiny", "--api-key", API_KEY,
-            "--enable-fault-injection"]
+            "--enable-fault-injection", "--num-threads", "1"]   # see ServerProcess's num_threads
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:

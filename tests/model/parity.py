@@ -32,6 +32,33 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], lis
     return tokens, logits
 
 
+@torch.inference_mode()
+def hf_greedy_batch(model, prompts: list[list[int]], num_tokens: int,
+                    ) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """`hf_greedy` of every prompt in one left-padded batch (attention mask and position ids
+    as transformers' generate builds them): one forward per step for all prompts instead of
+    one per prompt, the same tokens and logits up to fp32 reduction order (the tie rule's
+    margin; test_parity.py checks the two agree on its prompts)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for _ in range(num_tokens):
+        step_logits = out.logits[:, -1].float()
+        step_tokens = step_logits.argmax(-1)
+        for i, (token, row) in enumerate(zip(step_tokens.tolist(), step_logits)):
+            tokens[i].append(token)
+            logits[i].append(row)
+        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+        positions = positions[:, -1:] + 1
+        out = model(step_tokens[:, None], attention_mask=mask, position_ids=positions,
+                    past_key_values=out.past_key_values, use_cache=True)
+    return list(zip(tokens, logits))
+
+
 def top2_gap(logits: torch.Tensor) -> float:
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])

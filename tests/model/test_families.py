@@ -15,7 +15,8 @@ from radixserve.config import EngineConfig
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.weights.safetensors import read_hf_config
-from tests.model.test_parity import SCENARIOS, NUM_NEW, hf_greedy, prompt_set, run_scenario
+from tests.model.parity import hf_greedy_batch
+from tests.model.test_parity import SCENARIOS, NUM_NEW, prompt_set, run_scenario
 from tests.model.test_runner import Harness, mixed_batch_scenario
 
 COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -60,7 +61,7 @@ def family_case(request, tmp_path_factory):
     folder = build_family(tmp_path_factory.mktemp(request.param), request.param)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = prompt_set(hf.config.vocab_size, 1, LENGTHS)
-    return request.param, folder, prompts, [hf_greedy(hf, p, NUM_NEW) for p in prompts]
+    return request.param, folder, prompts, hf_greedy_batch(hf, prompts, NUM_NEW)
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))

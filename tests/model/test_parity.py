@@ -13,7 +13,7 @@ import pytest
 
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
-from tests.model.parity import PARITY_TEXTS, assert_parity, engine_generate, hf_greedy
+from tests.model.parity import PARITY_TEXTS, assert_parity, engine_generate, hf_greedy, hf_greedy_batch
 
 NUM_NEW = 32
 
@@ -66,7 +66,20 @@ def tiny_case(tiny_llama_dir):
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype="float32").eval()
     prompts = prompt_set(hf.config.vocab_size, 0, LENGTHS)
-    return prompts, [hf_greedy(hf, p, NUM_NEW) for p in prompts]
+    return prompts, hf_greedy_batch(hf, prompts, NUM_NEW)
+
+
+def test_batched_reference_equals_one_prompt_at_a_time(tiny_llama_dir, tiny_case):
+    """The references come from one left-padded batch (hf_greedy_batch): the same tokens as
+    transformers run on each prompt alone, logits within the tie margin."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype="float32").eval()
+    prompts, refs = tiny_case
+    for prompt, (tokens, logits) in zip(prompts, refs):
+        alone_tokens, alone_logits = hf_greedy(hf, prompt, NUM_NEW)
+        assert tokens == alone_tokens
+        assert max(float((a - b).abs().max()) for a, b in zip(logits, alone_logits)) < 1e-4
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -87,7 +100,7 @@ def default_case(default_tokenizer, default_hf):
     for n in [1, 5, 16, 17, 64, 129, 200, 257, 300, 140]:
         start = rng.randrange(0, 40)
         prompts.append(tok.encode(corpus)[start:start + n])
-    return prompts, [hf_greedy(default_hf, p, NUM_NEW) for p in prompts]
+    return prompts, hf_greedy_batch(default_hf, prompts, NUM_NEW)
 
 
 @pytest.mark.slow
