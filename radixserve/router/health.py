@@ -27,7 +27,8 @@ class HealthMonitor:
     (http_common.send_resending_once), so the router's own pool cannot fail it. A worker
     added unchecked (healthy=False, never probed) is promoted by its first passed check:
     there is no history to confirm against, and the router should not wait two intervals
-    to serve at start-up.
+    to serve at start-up. The turn to unhealthy ejects the worker: the streams the router is
+    reading from it are cut and continued elsewhere (`eject`).
 
     Drain: a 503 whose body says {"status": "draining"} (the worker got SIGTERM or its own
     POST /admin/drain) takes the worker out of rotation at once (WorkerState.reports_draining)
@@ -100,14 +101,24 @@ class HealthMonitor:
             return False
         if ok and url in self._never_checked:
             worker.healthy = True
-        else:
-            worker.record_health(ok, self.config.health_failure_threshold,
-                                 self.config.health_success_threshold)
+        elif worker.record_health(ok, self.config.health_failure_threshold,
+                                  self.config.health_success_threshold) and not worker.healthy:
+            self.eject(worker)
         self._never_checked.discard(url)
         if not ok:
             logger.info("health check of %s failed (%s); %d in a row", url, why,
                         worker.health_failures)
         return ok
+
+    def eject(self, worker: Any) -> None:
+        """The worker just turned unhealthy: cut the streams it is serving, so that each is
+        retried or continued on another worker now rather than wait for the silence timeout
+        or keep reading from a worker judged sick (eject.py). Drains and removals do not come
+        here: they let requests in flight finish."""
+        num_cut = worker.eject_streams()
+        if num_cut:
+            logger.warning("worker %s ejected: cutting the %d stream(s) it serves (each is "
+                           "retried or continued elsewhere where it can be)", worker.url, num_cut)
 
     async def poll_all(self) -> None:
         """One load reading of every healthy worker, concurrently."""

@@ -7,7 +7,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import anyio
 import httpx
@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radixserve.errors import error_body
 from radixserve.router.config import RouterConfig
+from radixserve.router.eject import Ejected, StreamWatch
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.outcome import classify, error_kind, event_status
 from radixserve.router.relay import Opened, Relay, RelayResponse, wire_header
@@ -69,17 +70,29 @@ class Attempts:
 
 class Lease:
     """One dispatch of a request to a worker: the registry's in-flight counting context,
-    entered now and exited exactly once by `release()` (finish, error or disconnect)."""
+    entered now and exited exactly once by `release()` (finish, error or disconnect), and
+    the StreamWatch of its stream, if it has one, registered on the worker until then."""
 
     def __init__(self, registry: Any, worker: Any):
         self.worker = worker
         self._ctx = registry.dispatch(worker)
         self._ctx.__enter__()
         self._open = True
+        self._watch: StreamWatch | None = None
+
+    def watch(self) -> StreamWatch:
+        """The StreamWatch of this lease's stream (made at the first call), whose reads are
+        cut with Ejected when the worker is ejected before release() (eject.py)."""
+        assert self._open, "a stream is watched only while its lease is held"
+        if self._watch is None:
+            self._watch = StreamWatch(self.worker)
+        return self._watch
 
     def release(self) -> None:
         if self._open:
             self._open = False
+            if self._watch is not None:
+                self._watch.close()
             self._ctx.__exit__(None, None, None)
 
 
@@ -201,18 +214,20 @@ class Forwarder:
         it mid-body drops the connection, so the worker aborts the request)."""
         worker = lease.worker
         upstream: httpx.Response | None = None
+        # A stream is cut if its worker is ejected from here on, its headers included.
+        read = lease.watch().read if ledger is not None else _call
         try:
             try:
                 request = self.http.build_request("POST", worker.url + path, content=body,
                                                   headers=headers)
-                upstream = await self.http.send(request, stream=True)
+                upstream = await read(lambda: self.http.send(request, stream=True))
                 if ledger is not None and upstream.status_code == 200:
                     opened = await self._open(lease, upstream, ledger)
                     if isinstance(opened, Opened):
                         upstream = None
                     return opened
-                content = await upstream.aread()
-            except UNREACHABLE as exc:
+                content = await read(upstream.aread)
+            except (*UNREACHABLE, Ejected) as exc:   # an ejection counts as a transport error
                 self.record(worker, None, True)
                 logger.info("attempt on %s failed: %r", worker.url, exc)
                 return Failure(worker.url, None, f"{worker.url}: {type(exc).__name__}: {exc}")
@@ -233,8 +248,10 @@ class Forwarder:
                     ledger: StreamLedger) -> Opened | Failure:
         """Read a 200 stream up to its first content event (chat role chunks are held), so a
         worker that fails before then is retried as if nothing had been sent: a transport error
-        propagates, a retryable error event is a Failure (its body, its status)."""
-        events = sse_events(upstream.aiter_raw())
+        propagates, as does Ejected (the worker turned unhealthy meanwhile), and a retryable
+        error event is a Failure (its body, its status). The events are read through the
+        lease's StreamWatch, which the relay goes on reading through."""
+        events = lease.watch().events(sse_events(upstream.aiter_raw()))
         pending: list[bytes] = []
         async for event in events:
             error = error_of(event)
@@ -250,3 +267,8 @@ class Forwarder:
             pending.append(event)
             break
         return Opened(lease, upstream, events, pending)
+
+
+async def _call(step: Callable[[], Awaitable[Any]]) -> Any:
+    """`await step()`: the read of a request that is not a stream (never cut)."""
+    return await step()

@@ -9,6 +9,7 @@ import anyio
 import httpx
 from fastapi.responses import StreamingResponse
 
+from radixserve.router.eject import Ejected
 from radixserve.router.outcome import classify, event_status
 from radixserve.router.stream import DONE, StreamLedger, error_event, error_of
 
@@ -54,8 +55,9 @@ class StreamCut(Exception):
 
 class Relay:
     """One client stream: the events of `opened` passed through `ledger`, then, when the
-    worker breaks (transport error, or an error event that is the worker's fault) and the
-    ledger can continue, the events of a continuation on another worker
+    worker breaks (transport error, or an error event that is the worker's fault) or is
+    ejected (it turned unhealthy: Ejected, counted as a transport error) and the ledger can
+    continue, the events of a continuation on another worker
     (Forwarder.continue_stream), as often as the attempt budget allows. When none can go on,
     the stream ends with an error event and `data: [DONE]`: the worker's own error event,
     else a router-made `worker_error` (field case C20: never a silent replay). `close()` runs
@@ -77,18 +79,20 @@ class Relay:
                         yield out
                     self.outcome = (self.opened.upstream.status_code, False, None)
                     return
-                except (httpx.TransportError, StreamCut) as exc:
+                except (httpx.TransportError, StreamCut, Ejected) as exc:
                     cut = exc if isinstance(exc, StreamCut) else None
                     url = self.opened.lease.worker.url
-                    logger.warning("stream from %s broke after content: %r", url, exc)
+                    logger.warning("stream from %s %s after content: %r", url, "was cut"
+                                   if isinstance(exc, Ejected) else "broke", exc)
                     self.outcome = (cut.status, False, cut.kind) if cut else (None, True, None)
                     await self._leave()
                     self.outcome = None
                     if await self._continued():
                         continue
+                    why = "was ejected (failed health checks)" if isinstance(
+                        exc, Ejected) else f"failed ({type(exc).__name__})"
                     yield cut.event if cut and cut.event else error_event(
-                        f"worker {url} failed mid-stream ({type(exc).__name__}); the response "
-                        "is incomplete")
+                        f"worker {url} {why} mid-stream; the response is incomplete")
                     yield DONE
                     return
         finally:

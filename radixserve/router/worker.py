@@ -5,11 +5,14 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from radixserve.router.breaker import CircuitBreaker
 from radixserve.router.config import RouterConfig
 from radixserve.router.validate import finite_number
+
+if TYPE_CHECKING:
+    from radixserve.router.eject import StreamWatch
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,8 @@ class WorkerState:
     stale_s: float = 5.0
     stale_penalty: float = 16.0
     smoothing: float = 0.5
+    # Streams the router is reading from this worker now (cut by eject_streams).
+    streams: set[StreamWatch] = field(default_factory=set, repr=False, compare=False)
 
     def load(self, now: float) -> float:
         """Predicted load in requests at clock time `now` (seconds); formula above."""
@@ -113,6 +118,15 @@ class WorkerState:
             logger.warning("worker %s is now %s", self.url,
                            "healthy" if self.healthy else "unhealthy")
         return flip
+
+    def eject_streams(self) -> int:
+        """Cut every stream the router is reading from this worker (it turned unhealthy):
+        each relay sees Ejected at its current or next read and retries or continues the
+        stream elsewhere (eject.py). Returns the number of streams cut."""
+        watches = [watch for watch in self.streams if not watch.ejected]
+        for watch in watches:
+            watch.eject()
+        return len(watches)
 
     def note_routed(self, key_len: int, matched_len: int) -> None:
         """Count a routed request of `key_len` keys of which `matched_len` were in the tree."""
