@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 
@@ -55,9 +56,10 @@ ROLE = {"role": "assistant", "content": ""}
 USAGE = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
 
-def run(handler, body: dict, path: str = "/v1/completions", **config):
-    """Forward one streamed request to three fake workers; `handler(url, n, body)` answers
-    attempt n. Returns (client body, calls as (url, request body), forwarder, registry)."""
+def make(handler, health=None, **config) -> tuple[Forwarder, WorkerRegistry, list]:
+    """A Forwarder over three fake workers; `handler(url, n, body)` answers POST attempt n
+    (a response, or an awaitable of one: a worker slow to answer), `health(url)` a GET (a health check; default a 200). Returns (forwarder,
+    registry, calls as (url, request body))."""
     cfg = RouterConfig(policy="round_robin", retry_initial_backoff_ms=1, **config)
     registry = WorkerRegistry(cfg)
     for url in URLS:
@@ -66,20 +68,31 @@ def run(handler, body: dict, path: str = "/v1/completions", **config):
 
     async def transport(request: httpx.Request) -> httpx.Response:
         url = f"{request.url.scheme}://{request.url.host}"
+        if request.method == "GET":
+            return httpx.Response(200, json={}) if health is None else health(url)
         calls.append((url, json.loads(request.content)))
-        return handler(url, len(calls), calls[-1][1])
+        response = handler(url, len(calls), calls[-1][1])
+        return await response if inspect.isawaitable(response) else response
 
     policy = make_policy(cfg, registry, ApproxPrefixTree(1000, 60.0))
     http = httpx.AsyncClient(transport=httpx.MockTransport(transport))
-    fwd = Forwarder(cfg, registry, policy, RouterMetrics(), http)
+    return Forwarder(cfg, registry, policy, RouterMetrics(), http), registry, calls
 
-    async def go():
-        raw = json.dumps({**body, "stream": True}).encode()
-        response = await fwd.forward(path, raw, {}, RouteKey("hi"), True, time.perf_counter())
-        if isinstance(response, RelayResponse):
-            return b"".join([chunk async for chunk in response.body_iterator])
-        return response.body
-    out = asyncio.run(go())
+
+async def stream(fwd: Forwarder, body: dict, path: str = "/v1/completions") -> bytes:
+    """Forward `body` as a stream; returns the body the client receives."""
+    raw = json.dumps({**body, "stream": True}).encode()
+    response = await fwd.forward(path, raw, {}, RouteKey("hi"), True, time.perf_counter())
+    if isinstance(response, RelayResponse):
+        return b"".join([chunk async for chunk in response.body_iterator])
+    return response.body
+
+
+def run(handler, body: dict, path: str = "/v1/completions", **config):
+    """Forward one streamed request to three fake workers (`make`). Returns (client body,
+    calls as (url, request body), forwarder, registry)."""
+    fwd, registry, calls = make(handler, **config)
+    out = asyncio.run(stream(fwd, body, path))
     assert all(w.in_flight == 0 for w in registry.list())
     return out, calls, fwd, registry
 
