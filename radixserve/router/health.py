@@ -28,7 +28,8 @@ class HealthMonitor:
     added unchecked (healthy=False, never probed) is promoted by its first passed check:
     there is no history to confirm against, and the router should not wait two intervals
     to serve at start-up. The turn to unhealthy ejects the worker: the streams the router is
-    reading from it are cut and continued elsewhere (`eject`).
+    reading from it are cut and continued elsewhere (`eject`), unless the failed checks were
+    503 `degraded` answers: a saturated worker is routed away from, its streams go on.
 
     Drain: a 503 whose body says {"status": "draining"} (the worker got SIGTERM or its own
     POST /admin/drain) takes the worker out of rotation at once (WorkerState.reports_draining)
@@ -85,9 +86,9 @@ class HealthMonitor:
                                           headers=self.headers,
                                           timeout=self.config.health_check_timeout_s)
             ok, why = r.status_code == 200, f"status {r.status_code}"
-            draining = says_draining(r)
+            draining, degraded = says(r, "draining"), says(r, "degraded")
         except UNREACHABLE as exc:
-            ok, why, draining = False, f"{type(exc).__name__}: {exc}", False
+            ok, why, draining, degraded = False, f"{type(exc).__name__}: {exc}", False, False
         if self.registry.get(url) is not worker:
             return ok  # removed (or replaced) while the probe was out
         self.metrics.health_checks.labels(url, "draining" if draining else "pass" if ok
@@ -101,8 +102,10 @@ class HealthMonitor:
             return False
         if ok and url in self._never_checked:
             worker.healthy = True
-        elif worker.record_health(ok, self.config.health_failure_threshold,
-                                  self.config.health_success_threshold) and not worker.healthy:
+        else:
+            worker.record_health(ok, self.config.health_failure_threshold,
+                                 self.config.health_success_threshold)
+        if not ok and not degraded and not worker.healthy:
             self.eject(worker)
         self._never_checked.discard(url)
         if not ok:
@@ -111,10 +114,13 @@ class HealthMonitor:
         return ok
 
     def eject(self, worker: Any) -> None:
-        """The worker just turned unhealthy: cut the streams it is serving, so that each is
-        retried or continued on another worker now rather than wait for the silence timeout
-        or keep reading from a worker judged sick (eject.py). Drains and removals do not come
-        here: they let requests in flight finish."""
+        """The worker is unhealthy and its last check failed as a sick worker's does: cut the
+        streams it is serving, so that each is retried or continued on another worker now
+        rather than wait for the silence timeout or keep reading from a worker judged sick
+        (eject.py). Only streams not cut yet are cut, and an unhealthy worker gets no new ones,
+        so in effect this acts once, at the turn to unhealthy (or at the first sick answer
+        after a turn caused by `degraded` answers). Drains, removals and a saturated worker's
+        `degraded` answers do not come here: their requests in flight finish."""
         num_cut = worker.eject_streams()
         if num_cut:
             logger.warning("worker %s ejected: cutting the %d stream(s) it serves (each is "
@@ -141,12 +147,14 @@ class HealthMonitor:
             logger.debug("load poll of %s failed: %r", worker.url, exc)
 
 
-def says_draining(response: httpx.Response) -> bool:
-    """Whether a health answer is a draining worker's 503 {"status": "draining", ...}."""
+def says(response: httpx.Response, status: str) -> bool:
+    """Whether a health answer is a 503 {"status": `status`, ...}: "draining" (the worker
+    got SIGTERM or its own drain) or "degraded" (every request slot is held: alive and
+    busy, so routed away but never ejected)."""
     if response.status_code != 503:
         return False
     try:
         body = response.json()
     except ValueError:
         return False
-    return isinstance(body, dict) and body.get("status") == "draining"
+    return isinstance(body, dict) and body.get("status") == status

@@ -71,10 +71,11 @@ async def wait(event: asyncio.Event, what: str) -> None:
 class Scene:
     """Three fake workers behind a Forwarder and a HealthMonitor (checks run by the test, one
     at a time: no timing). `bodies[n]` answers POST attempt n (1-based) with a stream;
-    `sick`: URLs whose /health fails; `draining`: URLs whose /health says draining."""
+    `sick`: URLs whose /health fails; `draining`, `degraded`: URLs whose /health says so."""
 
     def __init__(self, bodies: dict[int, httpx.AsyncByteStream | NoAnswer], **config):
-        self.bodies, self.sick, self.draining = bodies, set(), set()
+        self.bodies, self.sick = bodies, set()
+        self.draining, self.degraded = set(), set()
         self.fwd, self.registry, self.calls = make(
             lambda url, n, body: self.answer(self.bodies[n]),
             self.health, health_failure_threshold=THRESHOLD, **config)
@@ -87,8 +88,9 @@ class Scene:
                                                                           stream=body)
 
     def health(self, url: str) -> httpx.Response:
-        if url in self.draining:
-            return httpx.Response(503, json={"status": "draining"})
+        for status in ("draining", "degraded"):
+            if url in getattr(self, status):
+                return httpx.Response(503, json={"status": status})
         return httpx.Response(500 if url in self.sick else 200, json={})
 
     def url(self, n: int) -> str:
@@ -256,3 +258,23 @@ def test_a_drain_mid_stream_lets_the_stream_finish_on_its_worker():
     assert texts(got) == "Hello" and got[-1] == b"[DONE]" and not stall.cut_while_holding
     assert len(scene.calls) == 1 and migrations(scene.fwd) == {}
     assert scene.failures(scene.url(1)) == (0, 0.0)
+
+
+def test_a_saturated_worker_is_routed_away_from_but_its_streams_go_on_until_it_is_sick():
+    stall = Stalls([text_chunk("a", "He", [1])])
+    scene = Scene({1: stall, 2: finish_b("llo", [2, 3])})
+
+    async def saturate_then_fail(s: Scene) -> None:
+        await wait(stall.stalled, "the worker to stall")
+        worker = s.registry.get(s.url(1))
+        s.degraded.add(s.url(1))                    # every request slot held: 503 degraded
+        for _ in range(THRESHOLD + 1):
+            assert not await s.monitor.check(worker)
+        assert not worker.healthy and not worker.is_routable()
+        assert [w.ejected for w in worker.streams] == [False] and len(s.calls) == 1
+        s.degraded.clear()
+        await s.fail_checks(s.url(1), 1)            # then a sick answer: cut
+    got = scene.go(BODY, saturate_then_fail)
+    assert stall.closed.is_set() and stall.cut_while_holding
+    assert texts(got) == "Hello" and scene.calls[1][1]["resume_token_ids"] == [1]
+    assert migrations(scene.fwd) == {"success": 1.0}

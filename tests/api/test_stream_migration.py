@@ -1,7 +1,9 @@
-"""Stream migration through a real router over two tiny workers: a worker SIGKILLed mid-stream, the stream finished by the other, its text equal to an uncut greedy run. Streams are held by the step_latency fault, never by timing."""
+"""Stream migration through a real router over two tiny workers: a worker SIGKILLed or ejected (hung by SIGSTOP) mid-stream, the stream finished by the other, its text equal to an uncut greedy run. Streams are held by the step_latency fault, never by timing."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 
 import httpx
@@ -156,3 +158,35 @@ def test_chat_stream_whose_worker_dies_before_content_is_retried(fleet):
     assert migrations(fleet) == before  # nothing had reached the client: a plain retry
     ref = uncut(survivor, "/v1/chat/completions", {**body, "stream_options": None})
     assert "".join(reader.texts()) == ref["choices"][0]["message"]["content"]
+
+
+def test_stream_of_a_worker_ejected_mid_stream_finishes_on_the_survivor(fleet):
+    """The serving worker hangs after content (SIGSTOP: its connections stay open, it sends
+    nothing and its /health answers nothing). The router ejects it after
+    --health-failure-threshold failed checks and continues the stream on the survivor, long
+    before --silence-timeout-s (300 s) would have cut it. SIGCONT brings the worker back."""
+    body = {**GREEDY, "prompt": "An ejected worker hands its stream over to the survivor"}
+    before = migrations(fleet)
+    for url in fleet.urls:
+        hold(url)
+    reader = Reader(fleet, "/v1/completions", body, after=3)
+    reader.start()
+    victim = holding_worker(fleet)
+    survivor = next(url for url in fleet.urls if url != victim)
+    assert reader.got_content.wait(WAIT_S)
+    release(survivor)
+    os.killpg(fleet.pid_of(victim), signal.SIGSTOP)
+    try:
+        wait_for(lambda: not fleet.workers()[victim]["healthy"], "the router to eject the victim")
+        reader.join(WAIT_S)
+        assert not reader.is_alive() and reader.status == 200
+        assert fleet.workers()[victim]["in_flight"] == 0
+    finally:
+        os.killpg(fleet.pid_of(victim), signal.SIGCONT)
+    assert_one_clean_stream(reader, chat=False)
+    assert migrations(fleet) == before + 1
+    ref = uncut(survivor, "/v1/completions", {**body, "stream_options": None})
+    assert "".join(reader.texts()) == ref["choices"][0]["text"]
+    assert usage_counts(reader.events[-2]["usage"]) == usage_counts(ref["usage"])
+    release(victim)
+    wait_for(fleet.all_healthy, "both workers back in rotation")
