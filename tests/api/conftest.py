@@ -187,6 +187,14 @@ def tiny_server(request):
 
 
 @pytest.fixture(scope="session")
+def glm45_server(request):
+    """Tiny model with the glm45 tool-call and reasoning parsers and fault injection (replies
+    forced with sampler.force_tokens): shared by the tool-call and tool_choice modules."""
+    from tests.api.tool_fixtures import parser_server
+    yield from parser_server(request, ["--tool-call-parser", "glm45", "--reasoning-parser", "glm45"])
+
+
+@pytest.fixture(scope="session")
 def gguf_server():
     """The embedded default model (SmolLM2-135M-Instruct): for tests where the text matters."""
     server = ServerProcess(["--max-total-tokens", "16384", "--context-length", "2048"],

@@ -8,7 +8,7 @@ import pytest
 from tests.api.streams import assert_framing
 from tests.api.test_api_errors import assert_error
 from tests.api.tool_fixtures import (TIME, TOOLS, WEATHER, chat, force, full_message, same_reply,
-                                     parser_server, stream, streamed_message)
+                                     stream, streamed_message)
 from tests.unit.parser_cases import TRICKY, glm45, glm47
 
 CALL = glm45("get_weather", [("city", "Paris"), ("days", "3"), ("where", '{"lat": [4, null]}')])
@@ -28,8 +28,8 @@ REPLIES = {   # name -> (forced reply, content, [(name, arguments)])
 
 
 @pytest.fixture(scope="module")
-def server(request):
-    yield from parser_server(request, ["--tool-call-parser", "glm45", "--reasoning-parser", "glm45"])
+def server(glm45_server):
+    return glm45_server
 
 
 @pytest.mark.parametrize("name", sorted(REPLIES))

@@ -8,7 +8,7 @@ import pytest
 
 from tests.api.streams import assert_framing
 from tests.api.test_api_errors import assert_error
-from tests.api.tool_fixtures import (chat, force, full_message, parser_server, same_reply, stream,
+from tests.api.tool_fixtures import (chat, force, full_message, same_reply, stream,
                                      streamed_message)
 from tests.unit.parser_cases import glm45
 
@@ -33,9 +33,8 @@ SEEDS = (0, 1)
 
 
 @pytest.fixture(scope="module")
-def server(request):
-    # glm45 and a reasoning parser: the enforced choices do not depend on either
-    yield from parser_server(request, ["--tool-call-parser", "glm45", "--reasoning-parser", "glm45"])
+def server(glm45_server):
+    return glm45_server
 
 
 def both(server, **fields) -> tuple[dict, dict]:
