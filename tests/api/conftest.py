@@ -135,16 +135,22 @@ class ServerProcess:
         """Terminate (kill after 30 s) and delete the log; a second call does nothing."""
         if self.log.closed:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         self.http.close()
         self.log.close()
         os.unlink(self.log.name)
+
+
+def terminate(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM `proc`, SIGKILL it if it is still running after `grace_s`; wait for its exit."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="session")

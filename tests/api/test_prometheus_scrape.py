@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from radixserve.bench.launch import free_port
-from tests.api.conftest import REPO, STARTUP_TIMEOUT_S
+from tests.api.conftest import REPO, STARTUP_TIMEOUT_S, terminate
 from tests.api.router_fixtures import ADMIN_KEY, Fleet, port_open, wait_for
 from tests.unit.test_deploy_monitoring import dashboard_exprs, scrape_jobs
 
@@ -95,12 +95,7 @@ class Prometheus:
         return data["result"]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc)
         self.http.close()
         self.log.close()
 
