@@ -74,8 +74,9 @@ def requests(per_schema: int, max_tokens: int):
     return items
 
 
-def run(llm, per_schema: int, max_tokens: int) -> dict:
-    """Constrained then unconstrained over the same prompts; returns validity and tok/s."""
+def run(llm, per_schema: int, max_tokens: int, compare: bool = True) -> dict:
+    """Constrained then (`compare`) unconstrained over the same prompts; returns validity and
+    tok/s of each."""
     import dataclasses
 
     import jsonschema
@@ -84,7 +85,7 @@ def run(llm, per_schema: int, max_tokens: int) -> dict:
     llm.chat([items[0][1]], [items[0][2]], use_tqdm=False)   # load the grammar compiler outside the timing
     results = {}
     lengths: list[int] = []
-    for label, constrained in (("constrained", True), ("unconstrained", False)):
+    for label, constrained in (("constrained", True), ("unconstrained", False))[:2 if compare else 1]:
         params = [p if constrained else dataclasses.replace(p, json_schema=None, max_tokens=n, ignore_eos=True)
                   for (_, _, p), n in zip(items, lengths or [0] * len(items))]
         llm.engine.flush_cache()

@@ -107,4 +107,8 @@ def default_case(default_tokenizer, default_hf):
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_default_model_parity(default_gguf, default_case, name):
     prompts, refs = default_case
+    if name == "a_one_at_a_time":
+        # Every third prompt (short to longest): the serial scenario costs NUM_NEW steps per
+        # prompt on a 135M model, and the batched scenarios b-e run all 15.
+        prompts, refs = prompts[::3], refs[::3]
     run_scenario(default_gguf, prompts, refs, name)

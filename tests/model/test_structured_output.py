@@ -41,7 +41,7 @@ def test_every_output_matches_its_schema(llm):
     spec = importlib.util.spec_from_file_location("structured_bench", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    result = bench.run(llm, per_schema=2, max_tokens=160)["constrained"]
+    result = bench.run(llm, per_schema=2, max_tokens=160, compare=False)["constrained"]
     assert result["valid"] == result["total"] == 20, result["invalid"]
 
 
