@@ -142,3 +142,16 @@ def drained_fleet(tmp_path, sweeps_before: int = 40, sweeps_after: int = 30):
     agent = make_agent(tmp_path, fake, wall_clock=lambda: clock[0], sweep_interval_s=20.0)
     sweeps(agent, sweeps_before + sweeps_after, tick)
     return agent, fake
+
+
+def assert_shows_the_isolation(view) -> dict[str, list[str]]:
+    """What a person sees of `drained_fleet()` on the page (`view`: page_view.PageView, from
+    the server's HTML or a browser's DOM): the tiles, every worker's row, the hung worker out
+    of rotation with its fault. Returns the rows by worker URL."""
+    assert view.tiles == {"Workers": "3", "Healthy": "2/3", "In rotation": "2/3",
+                          "Draining": "0", "Out of rotation": "1", "Panic": "no"}
+    assert f"{HUNG}: isolated (hung)" in view.text
+    rows = {r[0]: r for r in view.rows if r and r[0] in URLS}
+    assert set(rows) == set(URLS)
+    assert rows[HUNG][1:4] == ["isolated · hung · ejected 1×", "timeout", "out"]
+    return rows

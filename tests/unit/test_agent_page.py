@@ -8,7 +8,7 @@ from radixserve.agent.charts import Series, nice_ceiling, render
 from radixserve.agent.observe import TTFT_BUCKET, WorkerSnapshot, bucket_key, parse_metrics
 from radixserve.agent.page import status_html
 from radixserve.agent.timeline import Timeline, quantile
-from tests.unit.agent_fakes import HUNG, URLS, FakeFleet, Traffic, drained_fleet, make_agent, sweeps
+from tests.unit.agent_fakes import HUNG, URLS, FakeFleet, assert_shows_the_isolation, Traffic, drained_fleet, make_agent, sweeps
 from tests.unit.page_view import read_page
 
 P = "radixserve:"
@@ -103,12 +103,7 @@ def test_a_fleet_with_an_isolated_worker_shows_it_the_decision_and_an_hour_of_ch
     status = status_json(agent)
     view = read_page(status_html(status))
     assert fake.draining == {HUNG} and status["workers"][1]["state"] == "isolated"
-    assert view.tiles == {"Workers": "3", "Healthy": "2/3", "In rotation": "2/3",
-                          "Draining": "0", "Out of rotation": "1", "Panic": "no"}
-    assert f"{HUNG}: isolated (hung)" in view.text
-    rows = {r[0]: r for r in view.rows if r and r[0] in URLS}
-    assert set(rows) == set(URLS)
-    assert rows[HUNG][1:4] == ["isolated · hung · ejected 1×", "timeout", "out"]
+    rows = assert_shows_the_isolation(view)
     w0 = next(r for r in status["workers"] if r["url"] == "http://w0")
     assert rows["http://w0"][2:4] == ["ok", "in"]
     assert rows["http://w0"][8] == f"{w0['hit_rate']:.0%}" and rows["http://w0"][9].endswith("ms")
