@@ -30,8 +30,9 @@ import time
 
 import httpx
 
+from radixserve.agent.ladder import ACTING
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-ACTING = ("drain", "isolate", "restart", "undrain", "set_policy_params")
 WORDS = "the a fox dog runs jumps over under quick lazy story river city light night day".split()
 
 
