@@ -85,24 +85,43 @@ class Sampler:
         the penalties. Returns one TokenLogprob per row; top lists hold `params.logprobs`
         entries (0 when None); logprobs are those of the raw logits."""
         assert logits.shape[0] == len(rows), "one logits row per sample row"
-        x = finite_or_masked(self._penalised(logits, rows))   # a new tensor: safe to mask in place
-        if constrain is not None:
-            constrain(x)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if not drawn:
-            tokens = x.argmax(dim=-1)
-        elif not greedy:
-            tokens = self._draw(x, rows)
-        else:
-            tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
-            tokens[greedy] = x[greedy].argmax(dim=-1)
-            tokens[drawn] = self._draw(x[drawn], [rows[i] for i in drawn])
+        tokens = self._plain_greedy(logits, rows) if not drawn and constrain is None else None
+        if tokens is None:
+            x = self._masked(logits, rows, constrain)
+            if not drawn:
+                tokens = x.argmax(dim=-1)
+            elif not greedy:
+                tokens = self._draw(x, rows)
+            else:
+                tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
+                tokens[greedy] = x[greedy].argmax(dim=-1)
+                tokens[drawn] = self._draw(x[drawn], [rows[i] for i in drawn])
         k = max((r.params.logprobs or 0) for r in rows)
         out = token_logprobs(logits, tokens, k)
         return [TokenLogprob(s.token_id, s.logprob, s.top[:r.params.logprobs or 0]) for s, r in zip(out, rows)]
 
     # ---- logit processing ----------------------------------------------------------------
+    def _plain_greedy(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor | None:
+        """(R,) int64 argmax of an all-greedy batch in one pass over `logits`, or None when a
+        row's logits need processing first (penalties, min-tokens masking, or a NaN / +inf /
+        all -inf row, which `max` propagates). The common decode batch: it skips the copy the
+        general path makes (22 ms -> 8 ms of sampling at batch 64 x 49k vocab, 2-core AVX2)."""
+        if any(r.params.adjusts_logits or (r.min_tokens_left > 0 and (self.eos_token_ids or r.params.stop_token_ids))
+               for r in rows):
+            return None
+        top, tokens = logits.max(dim=-1)   # ties: the first index, as argmax
+        return tokens if bool(torch.isfinite(top).all()) else None
+
+    def _masked(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+                constrain: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
+        """Penalised, finite-or-masked, constrained logits: a new (R, V) tensor."""
+        x = finite_or_masked(self._penalised(logits, rows))   # a new tensor: safe to mask in place
+        if constrain is not None:
+            constrain(x)
+        return x
+
     def _penalised(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         """Penalties and the min-tokens mask; returns `logits` itself when nothing applies."""
         x = logits
@@ -248,9 +267,9 @@ class _Shifted:
 def finite_or_masked(x: torch.Tensor) -> torch.Tensor:
     """x with NaN -> -inf (never drawn) and +inf -> the dtype's largest finite value (a
     saturated logit still competes, and x - max stays defined). -inf entries stay masked."""
-    top = torch.finfo(x.dtype).max
-    x = x.masked_fill(torch.isnan(x), float("-inf"))
-    return x.masked_fill(x == float("inf"), top)
+    # One fused pass (a new tensor); the two masked_fill passes it replaces cost 31 ms on a
+    # (64, 49152) fp32 batch on a 2-core AVX2 CPU, nan_to_num 2.5 ms.
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
 
 
 def _processed(x: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:

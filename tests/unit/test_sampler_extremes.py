@@ -129,3 +129,25 @@ def test_nan_logits_are_never_drawn():
     logits[0, 7] = 0.0
     for seed in range(10):
         assert Sampler(V, frozenset()).sample(logits, [Row(SamplingParams(), seed)])[0].token_id == 7
+
+
+@pytest.mark.parametrize("bad", [None, "nan", "+inf", "all -inf"])
+def test_one_pass_greedy_batch_equals_the_general_path(bad):
+    """An all-greedy batch takes one `max` over the raw logits; a NaN, +inf or fully masked row
+    anywhere in it sends the whole batch through the copy-and-mask path, so the tokens are
+    always those of finite_or_masked(...).argmax (ties: the first index)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, V, generator=gen)
+    logits[1, 9] = logits[1, 40] = logits[1].max() + 1          # a tie: the first index wins
+    if bad == "nan":
+        logits[3, 11] = float("nan")
+    elif bad == "+inf":
+        logits[3, 12] = float("inf")
+    elif bad == "all -inf":
+        logits[3] = float("-inf")
+    s = Sampler(V, frozenset({EOS}))
+    rows = [Row(SamplingParams(temperature=0.0), i) for i in range(6)]
+    assert (s._plain_greedy(logits, rows) is None) == (bad is not None)
+    tokens = [t.token_id for t in s.sample(logits, rows)]
+    assert tokens == finite_or_masked(logits).argmax(dim=-1).tolist()
+    assert tokens[1] == 9
