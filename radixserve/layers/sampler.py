@@ -83,7 +83,8 @@ class Sampler:
         """logits: (R, V) fp32 raw model logits, one row per entry of `rows`; `constrain` sets
         the logits of tokens a row may not sample to -inf in place (structured output), after
         the penalties. Returns one TokenLogprob per row; top lists hold `params.logprobs`
-        entries (0 when None); logprobs are those of the raw logits."""
+        entries (0 when None); logprobs are those of the raw logits, NaN when no row of the
+        batch asked for logprobs (the engine passes them on only to requests that asked)."""
         assert logits.shape[0] == len(rows), "one logits row per sample row"
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -98,6 +99,8 @@ class Sampler:
                 tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
                 tokens[greedy] = x[greedy].argmax(dim=-1)
                 tokens[drawn] = self._draw(x[drawn], [rows[i] for i in drawn])
+        if all(r.params.logprobs is None for r in rows):   # nobody reads them: skip the log-softmax
+            return [TokenLogprob(t, math.nan, []) for t in tokens.tolist()]
         k = max((r.params.logprobs or 0) for r in rows)
         out = token_logprobs(logits, tokens, k)
         return [TokenLogprob(s.token_id, s.logprob, s.top[:r.params.logprobs or 0]) for s, r in zip(out, rows)]

@@ -23,4 +23,4 @@ def mha_dir(tmp_path_factory):
 def default_hf(default_gguf):
     """transformers' LlamaForCausalLM of the default GGUF (its own dequantization), fp32."""
     from tests.model.parity import hf_gguf_model
-    return hf_gguf_model(str(default_gguf.parent), default_gguf.name)
+    return hf_gguf_model(str(default_gguf))

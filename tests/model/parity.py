@@ -1,9 +1,6 @@
 """Helpers for token-for-token parity against Hugging Face transformers (greedy, fp32)."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
 from radixserve.engine.engine import Engine
@@ -101,17 +98,35 @@ def engine_generate(engine: Engine, prompts: list[list[int]], num_tokens: int,
     return [tokens[r] for r in order], [cached[r] for r in order]
 
 
-def hf_gguf_model(folder: str, name: str):
-    """transformers' own GGUF loading (dequantize + un-permute) into LlamaForCausalLM, fp32.
-    `from_pretrained(gguf_file=...)` needs `accelerate`; without it, the same loader function."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
-
-    if importlib.util.find_spec("accelerate") is not None:
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+def hf_gguf_model(path: str):
+    """transformers' own GGUF loading (`load_gguf_checkpoint`: its dequantization and q/k
+    un-permute) into a LlamaForCausalLM, fp32, parsing the file once. (`from_pretrained(...,
+    gguf_file=...)` parses it twice, config then tensors: 30 s for the default model.) The
+    model is shaped from radixserve's reading of the metadata, and the config transformers
+    parses along with the tensors must agree with that shape on every field; the weights are
+    transformers' alone."""
+    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    model = LlamaForCausalLM(AutoConfig.from_pretrained(folder, gguf_file=name)).float().eval()
-    state = load_gguf_checkpoint(os.path.join(folder, name), return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict(state, strict=False)
+    from radixserve.weights.loader import load_checkpoint
+
+    mc, _ = load_checkpoint(path)   # radixserve's config (its conversion cache: read once)
+    assert mc.architecture == "llama", mc.architecture
+    config = LlamaConfig(vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
+                         intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_layers,
+                         num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+                         head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
+                         rope_theta=mc.rope_theta, max_position_embeddings=mc.max_position_embeddings,
+                         tie_word_embeddings=mc.tie_word_embeddings)
+    model = LlamaForCausalLM(config).float().eval()
+    loaded = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
+    theirs = LlamaConfig.from_dict(loaded["config"])
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                  "max_position_embeddings", "rope_parameters"):
+        assert getattr(theirs, field) == getattr(config, field), (field, getattr(theirs, field),
+                                                                   getattr(config, field))
+    missing, unexpected = model.load_state_dict(loaded["tensors"], strict=False)
+    assert not unexpected and all("lm_head" in m or "rotary" in m for m in missing), (missing, unexpected)
     model.tie_weights()
     return model
