@@ -59,8 +59,8 @@ def assert_same_greedy(cold: dict, warm: dict, name: str) -> None:
 def test_c01_cold_vs_warm_greedy_parity(server):
     for i, prompt in enumerate(PROMPTS):
         flush(server)
-        cold = complete(server, prompt, max_tokens=24, logprobs=2)
-        warm = complete(server, prompt, max_tokens=24, logprobs=2)
+        cold = complete(server, prompt, max_tokens=16, logprobs=2)
+        warm = complete(server, prompt, max_tokens=16, logprobs=2)
         assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         if cold["usage"]["prompt_tokens"] > 16:
             assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
@@ -73,10 +73,10 @@ def test_c01_shared_system_prefix_parity(server):
     cold = []
     for prompt in SHARED:
         flush(server)
-        cold.append(complete(server, prompt, max_tokens=24, logprobs=2))
+        cold.append(complete(server, prompt, max_tokens=16, logprobs=2))
     flush(server)
     for i, prompt in enumerate(SHARED):
-        warm = complete(server, prompt, max_tokens=24, logprobs=2)
+        warm = complete(server, prompt, max_tokens=16, logprobs=2)
         if i > 0:
             assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
         assert_same_greedy(cold[i], warm, f"shared {i}")

@@ -40,7 +40,7 @@ def hf_greedy_batch(model, prompts: list[list[int]], num_tokens: int,
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
     tokens: list[list[int]] = [[] for _ in prompts]
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     for _ in range(num_tokens):
