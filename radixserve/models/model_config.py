@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-# HF `architectures[0]` / GGUF `general.architecture` -> our family name.
+# HF `architectures[0]` (or `model_type`) -> our family name.
 _FAMILIES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "llama": "llama",
     "Qwen2ForCausalLM": "qwen2", "qwen2": "qwen2",
@@ -16,6 +17,11 @@ _FAMILIES = {
     "Glm4ForCausalLM": "glm4", "glm4": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe", "glm4_moe": "glm4_moe",
 }
+# GGUF `general.architecture` (llama.cpp's names) -> our family name. llama.cpp converts
+# GlmForCausalLM (GLM-4-9B-hf) to "chatglm", the architecture of the remote-code ChatGLM models.
+GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                 "chatglm": "glm", "glm4": "glm4", "glm4moe": "glm4_moe"}
+_REQUIRED = object()
 _GLM = ("glm", "glm4", "glm4_moe")
 
 
@@ -145,37 +151,58 @@ class ModelConfig:
             moe=_moe(family, cfg))
 
     @classmethod
-    def from_gguf(cls, meta: dict[str, Any], has_output_weight: bool) -> ModelConfig:
-        """Normalise GGUF key/values (`{arch}.block_count`, ...). `has_output_weight`: whether
-        the file holds `output.weight` (absent means tied embeddings)."""
+    def from_gguf(cls, meta: dict[str, Any], tensor_names: Collection[str]) -> ModelConfig:
+        """Normalise GGUF key/values (`{arch}.block_count`, ...) as llama.cpp reads them.
+
+        `tensor_names`: the file's tensors; which optional ones exist sets q/k/v and o biases,
+        q/k norms and tied embeddings (no `output.weight`). `{arch}.rope.dimension_count` is the
+        partial-rotary width; GLM-4.5's `block_count` includes its `nextn_predict_layers`
+        multi-token-prediction layers, which are not counted in num_layers. Raises ValueError
+        naming the architecture and what is missing or unsupported.
+        """
         arch = meta["general.architecture"]
-        family = _FAMILIES.get(arch)
+        family = GGUF_FAMILIES.get(arch)
         if family is None:
-            raise ValueError(f"unsupported GGUF architecture {arch!r}")
+            raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(sorted(GGUF_FAMILIES))})")
 
-        def get(key: str, default: Any = None) -> Any:
-            return meta.get(f"{arch}.{key}", default)
+        def get(key: str, default: Any = _REQUIRED) -> Any:
+            value = meta.get(f"{arch}.{key}", default)
+            if value is _REQUIRED:
+                raise ValueError(f"GGUF architecture {arch!r}: metadata lacks {arch}.{key}")
+            return value
 
-        num_heads = get("attention.head_count")
-        hidden = get("embedding_length")
+        if get("rope.dimension_sections", None) is not None:
+            raise ValueError(f"GGUF architecture {arch!r}: M-RoPE (rope.dimension_sections, the vision "
+                             "models' RoPE) is not supported")
+        num_heads, hidden = get("attention.head_count"), get("embedding_length")
+        head_dim = get("attention.key_length", hidden // num_heads)
+        rotary_dim = get("rope.dimension_count", head_dim)
+        num_layers = get("block_count") - get("nextn_predict_layers", 0)
         scaling = None
         if get("rope.scaling.type", "none") not in ("none", None):
             scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0),
-                       "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+                       "original_max_position_embeddings": get("rope.scaling.original_context_length", None)}
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+        vocab = get("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens", ()))
+
+        def has(part: str) -> bool:
+            return f"blk.0.{part}" in tensor_names
+
         return cls(
             architecture=family, vocab_size=int(vocab), hidden_size=hidden,
-            intermediate_size=get("feed_forward_length"), num_layers=get("block_count"),
-            num_heads=num_heads, num_kv_heads=get("attention.head_count_kv") or num_heads,
-            head_dim=get("attention.key_length") or hidden // num_heads,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            intermediate_size=get("feed_forward_length"), num_layers=num_layers,
+            num_heads=num_heads, num_kv_heads=get("attention.head_count_kv", None) or num_heads,
+            head_dim=head_dim, rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             max_position_embeddings=get("context_length", 2048),
-            tie_word_embeddings=not has_output_weight, rope_scaling=_rope_scaling(scaling),
+            tie_word_embeddings="output.weight" not in tensor_names, rope_scaling=_rope_scaling(scaling),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
-            qkv_bias=family == "qwen2", qk_norm=family == "qwen3")
+            qkv_bias=has("attn_q.bias") or has("attn_qkv.bias"), o_bias=has("attn_output.bias"),
+            mlp_bias=has("ffn_down.bias"), qk_norm=has("attn_q_norm.weight"),
+            rotary_dim=rotary_dim if rotary_dim != head_dim else None,
+            rope_interleaved=family in ("glm", "glm4"), post_norms=family == "glm4",
+            moe=_gguf_moe(arch, family, get, num_layers))
 
     # ---- (de)serialisation for the dequantized-weight cache ----------------------------------
     def to_json(self) -> str:
@@ -214,6 +241,32 @@ def _moe(family: str, cfg: dict[str, Any]) -> MoEConfig | None:
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             dense_layers=tuple(i for i in layers if i in dense_only or (i + 1) % step))
     return None
+
+
+def _gguf_moe(arch: str, family: str, get: Callable[..., Any], num_layers: int) -> MoEConfig | None:
+    """The routed-experts settings llama.cpp reads for qwen3moe and glm4moe (None otherwise).
+
+    qwen3moe: llama.cpp's graph always scores with softmax, renormalises the top-k (so does
+    transformers' GGUF loader) and neither scales nor groups, whatever the file says; every
+    layer is MoE. glm4moe: gating function (default sigmoid), `expert_weights_norm` (default
+    false), scale, shared experts, expert groups and `leading_dense_block_count` dense layers
+    come from the file. Raises ValueError for a gating function other than softmax / sigmoid."""
+    if family not in ("qwen3_moe", "glm4_moe"):
+        return None
+    experts = dict(num_experts=get("expert_count"), top_k=get("expert_used_count"),
+                   intermediate_size=get("expert_feed_forward_length"))
+    if family == "qwen3_moe":
+        return MoEConfig(**experts, scoring="softmax", norm_topk_prob=True)
+    scoring = {1: "softmax", 2: "sigmoid"}.get(get("expert_gating_func", 2))
+    if scoring is None:
+        raise ValueError(f"GGUF architecture {arch!r}: expert_gating_func {get('expert_gating_func')} "
+                         "is not supported (1 softmax, 2 sigmoid)")
+    return MoEConfig(
+        **experts, scoring=scoring, norm_topk_prob=bool(get("expert_weights_norm", False)),
+        routed_scaling_factor=float(get("expert_weights_scale", 1.0)),
+        num_shared_experts=get("expert_shared_count", 0), num_groups=get("expert_group_count", 1),
+        topk_groups=get("expert_group_used_count", 1),
+        dense_layers=tuple(range(min(get("leading_dense_block_count", 0), num_layers))))
 
 
 def _rope_scaling(d: dict[str, Any] | None) -> RopeScaling | None:

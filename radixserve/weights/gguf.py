@@ -1,20 +1,21 @@
 """Read GGUF files: metadata, and tensors under transformers' names, dequantized to fp32 (cached on disk) or kept int4.
 
-llama.cpp's converter permutes the rows of Llama's q/k projections for its interleaved RoPE
-layout; `_unpermute` undoes it exactly as transformers' GGUF loader does
-(`LlamaTensorProcessor._reverse_permute_weights`), so the tensors equal what
-`from_pretrained(..., gguf_file=...)` loads. Dequantizing takes seconds, so the fp32 result and
-the ModelConfig are cached as one safetensors file keyed by the GGUF's path, size and mtime.
+Names come from gguf_names.py (Llama, Qwen2, Qwen3, Qwen3-MoE, GLM-4, GLM-4-0414, GLM-4.5).
+llama.cpp's converter permutes the rows of the Llama family's q/k projections for its
+interleaved RoPE layout (and no other family's); `_unpermute` undoes it exactly as
+transformers' GGUF loader does (`LlamaTensorProcessor._reverse_permute_weights`), so the
+tensors equal what `from_pretrained(..., gguf_file=...)` loads. Dequantizing takes seconds,
+so the fp32 result and the ModelConfig are cached as one safetensors file keyed by the GGUF's
+path, size and mtime.
 With `--quantization int4` (and auto), 4-bit linear weights are decoded from their blocks into
 `Int4Weight` instead (gguf_blocks.py); with int8 every linear weight is requantized per row
-into `Int8Weight`; each variant is cached in its own file.
+into `Int8Weight`; routed experts stay fp32 either way; each variant is cached in its own file.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,21 +27,13 @@ from safetensors.torch import save_file
 from radixserve.layers.quant_linear import Int4Weight, Int8Weight, QuantWeight
 from radixserve.models.model_config import ModelConfig
 from radixserve.weights.gguf_blocks import INT4_TYPES, decode_int4
+from radixserve.weights.gguf_names import Piece, hf_pieces
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = "1"
+_CACHE_VERSION = "2"   # bumped whenever the ModelConfig or the tensors derived from a file change
 _BIG_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                "tokenizer.ggml.merges"}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def cache_dir() -> str:
@@ -56,19 +49,6 @@ def cache_path(gguf_path: str, variant: str = "") -> str:
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(gguf_path))[0] + (f".{variant}" if variant else "")
     return os.path.join(cache_dir(), "gguf", f"{stem}-{digest}.safetensors")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """transformers' parameter name of a GGUF tensor, or None for tensors we do not load."""
-    base, _, suffix = gguf_name.rpartition(".")
-    if base in _TOP_NAMES:
-        return f"{_TOP_NAMES[base]}.{suffix}"
-    m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    if base == "rope_freqs":
-        raise NotImplementedError("GGUF rope_freqs (llama3 frequency factors) is not supported yet")
-    return None
 
 
 def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -93,17 +73,16 @@ def _read(path: str) -> tuple[ModelConfig, Any]:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
-    names = {t.name for t in reader.tensors}
-    return ModelConfig.from_gguf(_metadata(reader), has_output_weight="output.weight" in names), reader
+    return ModelConfig.from_gguf(_metadata(reader), {t.name for t in reader.tensors}), reader
 
 
-def _named_tensors(reader) -> Iterator[tuple[str, Any]]:
+def _mapped_tensors(config: ModelConfig, reader) -> Iterator[tuple[list[Piece], Any]]:
+    """Each GGUF tensor with the transformers tensors it holds (gguf_names.hf_pieces); MTP
+    blocks are left out. Raises ValueError for a tensor without a mapping."""
     for t in reader.tensors:
-        name = hf_name(t.name)
-        if name is None:
-            logger.warning("skipping GGUF tensor %s", t.name)
-            continue
-        yield name, t
+        pieces = hf_pieces(config, t.name)
+        if pieces:
+            yield pieces, t
 
 
 def _unpermuted(config: ModelConfig, name: str, w):
@@ -116,42 +95,55 @@ def _unpermuted(config: ModelConfig, name: str, w):
     return _unpermute(w, num_heads).contiguous()
 
 
-def _fp32(config: ModelConfig, name: str, t) -> torch.Tensor:
+def _cut(config: ModelConfig, pieces: list[Piece], w) -> Iterator[tuple[str, Any]]:
+    """(name, part of `w`) per piece: an expert's slice or a row range of a tensor, rows of a
+    quantized weight (row ranges only); then the q/k permutation undone."""
+    for name, index in pieces:
+        if index is None:
+            part = w
+        elif isinstance(w, torch.Tensor):
+            part = w[index].contiguous()
+        else:
+            part = w.take_rows(torch.arange(w.shape[0])[index])
+        yield name, _unpermuted(config, name, part)
+
+
+def _fp32(t) -> torch.Tensor:
+    """GGUF tensor `t` dequantized, in transformers' dimension order (GGUF lists them reversed)."""
     from gguf.quants import dequantize
 
     shape = tuple(int(n) for n in reversed(t.shape))
     array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, order="C", copy=True)
-    return _unpermuted(config, name, torch.from_numpy(array).reshape(shape))
+    return torch.from_numpy(array).reshape(shape)
 
 
 def _dequantized(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config, reader = _read(path)
-    return config, {name: _fp32(config, name, t) for name, t in _named_tensors(reader)}
-
-
-def _int4(config: ModelConfig, name: str, t) -> Int4Weight:
-    blocks = decode_int4(t.tensor_type.name, t.data, int(t.shape[0]))
-    return _unpermuted(config, name, Int4Weight(*(torch.from_numpy(a) for a in blocks)))
+    return config, {name: w for pieces, t in _mapped_tensors(config, reader)
+                    for name, w in _cut(config, pieces, _fp32(t))}
 
 
 def _quantized(path: str, mode: str) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight]]:
     """mode "int4": linear weights stored as Q4_0, Q4_1 or Q4_K as Int4Weight (exact, from the
     blocks); mode "int8": every linear weight requantized per output row (Int8Weight, from
-    that one tensor's fp32 values). Everything else fp32. Logs one line naming the linear
-    weights' types that stay fp32."""
+    that one tensor's fp32 values). Everything else fp32, routed experts included (the MoE
+    layer has no quantized kernel). Logs one line naming the linear weights' types that stay fp32."""
     config, reader = _read(path)
     tensors: dict[str, torch.Tensor | QuantWeight] = {}
     kept: dict[str, int] = {}
-    for name, t in _named_tensors(reader):
-        linear = name.endswith("_proj.weight") or name == "lm_head.weight"
-        if linear and mode == "int4" and t.tensor_type.name in INT4_TYPES:
-            tensors[name] = _int4(config, name, t)
+    for pieces, t in _mapped_tensors(config, reader):
+        kind = t.tensor_type.name
+        linear = (all(p.name.endswith("_proj.weight") or p.name == "lm_head.weight" for p in pieces)
+                  and not any(isinstance(p.index, int) for p in pieces))
+        if linear and mode == "int4" and kind in INT4_TYPES:
+            w = Int4Weight(*(torch.from_numpy(a) for a in decode_int4(kind, t.data, int(t.shape[0]))))
+            tensors.update(_cut(config, pieces, w))
         elif linear and mode == "int8":
-            tensors[name] = Int8Weight.from_float(_fp32(config, name, t))
+            tensors.update((n, Int8Weight.from_float(w)) for n, w in _cut(config, pieces, _fp32(t)))
         else:
             if linear:
-                kept[t.tensor_type.name] = kept.get(t.tensor_type.name, 0) + 1
-            tensors[name] = _fp32(config, name, t)
+                kept[kind] = kept.get(kind, 0) + 1
+            tensors.update(_cut(config, pieces, _fp32(t)))
     if kept:
         logger.info("%s: linear weights of GGUF type %s have no exact %s mapping; served in fp32", mode,
                     ", ".join(f"{k} ({n})" for k, n in sorted(kept.items())), mode)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,6 +15,7 @@ from radixserve.weights import gguf as gguf_weights
 from radixserve.weights.loader import load_checkpoint
 from radixserve.weights.paths import resolve_model_path
 from tests.conftest import build_tiny_llama
+from tests.model.gguf_convert import write_gguf
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
 
@@ -35,63 +35,11 @@ def greedy(runner: ModelRunner, prompt: list[int], num_tokens: int) -> tuple[lis
     return out, lps
 
 
-def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf's q/k row permutation (the inverse of what we undo)."""
-    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_tiny_gguf(hf_dir, path, types: dict[str, str] | None = None) -> None:
-    """Convert a tiny HF Llama to GGUF the way llama.cpp does (F32, q/k permuted, tied).
-    `types`: GGUF tensor-name part (e.g. "attn_q", "token_embd") -> quantization type name
-    ("Q4_0", ...), quantized with `gguf.quants.quantize`; the rest stays F32."""
-    import gguf
-    from safetensors.torch import load_file
-
-    from radixserve.weights.safetensors import read_hf_config
-
-    cfg = read_hf_config(str(hf_dir))
-    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_eos_token_id(2)
-    names = {v: k for k, v in gguf_weights._LAYER_NAMES.items()}
-    for name, t in tensors.items():
-        a = t.float().numpy()
-        if name.startswith("model.layers."):
-            _, _, i, part = name.split(".", 3)
-            module, kind = part.rsplit(".", 1)
-            if module == "self_attn.q_proj":
-                a = _permute(a, cfg["num_attention_heads"])
-            elif module == "self_attn.k_proj":
-                a = _permute(a, cfg["num_key_value_heads"])
-            gname = f"blk.{i}.{names[module]}.{kind}"
-        else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
-        qtype = next((t for part, t in (types or {}).items() if f"{part}." in gname), None)
-        if qtype is None:
-            w.add_tensor(gname, np.ascontiguousarray(a))
-        else:
-            kind = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(a), kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_tiny_gguf_matches_safetensors_and_is_cached(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     hf_dir = build_tiny_llama(tmp_path / "hf", vocab_size=256, num_attention_heads=4, num_key_value_heads=2)
     path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(hf_dir, path)
+    write_gguf(hf_dir, path)
     first_run = "first run: dequantizing GGUF tiny.gguf to fp32, cached for next time"
     with caplog.at_level("INFO", logger="radixserve.weights.gguf"):
         config, weights = load_checkpoint(str(path))

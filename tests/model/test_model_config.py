@@ -40,7 +40,7 @@ def test_gguf_metadata_and_json_round_trip():
             "llama.attention.head_count": 9, "llama.attention.head_count_kv": 3,
             "llama.rope.freq_base": 100000.0, "llama.attention.layer_norm_rms_epsilon": 1e-5,
             "llama.vocab_size": 49152, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.bos_token_id": 1}
-    c = ModelConfig.from_gguf(meta, has_output_weight=False)
+    c = ModelConfig.from_gguf(meta, tensor_names={"token_embd.weight"})
     assert (c.num_layers, c.head_dim, c.num_kv_heads, c.tie_word_embeddings, c.eos_token_ids) == (30, 64, 3, True, (2,))
     assert ModelConfig.from_json(c.to_json()) == c
 

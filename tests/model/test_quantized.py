@@ -17,7 +17,8 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.weights import gguf as gguf_weights
 from radixserve.weights.loader import resolve_quantization
 from tests.conftest import build_tiny_llama
-from tests.model.test_gguf import greedy, write_tiny_gguf
+from tests.model.gguf_convert import write_gguf
+from tests.model.test_gguf import greedy
 
 TYPES = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_0",
          "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q4_1", "token_embd": "Q8_0"}
@@ -28,7 +29,7 @@ PROMPT = [5, 17, 33, 9, 120, 64, 7, 200, 31, 45, 88, 3, 150, 99, 12, 71]
 def tiny_q4(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-q4")
     hf_dir = build_tiny_llama(folder / "hf", vocab_size=256, num_attention_heads=4, num_key_value_heads=2)
-    write_tiny_gguf(hf_dir, folder / "tiny-q4.gguf", TYPES)
+    write_gguf(hf_dir, folder / "tiny-q4.gguf", TYPES)
     return folder / "tiny-q4.gguf", hf_dir
 
 

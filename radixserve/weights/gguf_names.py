@@ -1,0 +1,89 @@
+"""GGUF tensor names -> transformers parameter names, per family, as llama.cpp's converter writes them.
+
+The names are those of llama.cpp's convert_hf_to_gguf.py, encoded in the `gguf` library's
+`constants.MODEL_TENSORS` / `tensor_mapping` (tests/model/test_gguf_families.py checks every
+name here against it). Where the converter reshapes a tensor, one GGUF tensor becomes several
+transformers tensors:
+
+    blk.{i}.ffn_{gate,up,down}_exps   (E, rows, cols) stacked experts -> mlp.experts.{e}.{gate,up,down}_proj
+    blk.{i}.attn_qkv                  rows [q | k | v] (ChatGLM)      -> self_attn.{q,k,v}_proj
+    blk.{i}.ffn_up  (chatglm, glm4)   rows [gate | up]               -> mlp.gate_up_proj (loaded fused)
+
+Row permutations are not undone here: llama.cpp permutes q/k rows for the Llama family only
+(weights/gguf.py undoes it); Qwen and GLM tensors keep transformers' row order.
+"""
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from radixserve.models.model_config import ModelConfig
+
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ATTENTION = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_FFN_NORM = {"ffn_norm": "post_attention_layernorm"}
+_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# GLM's fused SwiGLU input ([gate | up] rows, as transformers' gate_up_proj) and fused q/k/v.
+_GLM_MLP = {"ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj", "attn_qkv": "self_attn.qkv_proj"}
+_ROUTER = {"ffn_gate_inp": "mlp.gate"}
+_SHARED = {"ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+           "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# GGUF layer tensor name part -> transformers module path, per family.
+LAYER_NAMES: dict[str, dict[str, str]] = {
+    "llama": {**_ATTENTION, **_FFN_NORM, **_MLP},
+    "qwen2": {**_ATTENTION, **_FFN_NORM, **_MLP},
+    "qwen3": {**_ATTENTION, **_QK_NORM, **_FFN_NORM, **_MLP},
+    "qwen3_moe": {**_ATTENTION, **_QK_NORM, **_FFN_NORM, **_ROUTER},
+    "glm": {**_ATTENTION, **_FFN_NORM, **_GLM_MLP},
+    "glm4": {**_ATTENTION, **_FFN_NORM, **_GLM_MLP, "post_attention_norm": "post_self_attn_layernorm",
+             "post_ffw_norm": "post_mlp_layernorm"},
+    # glm4moe's "post_attention_norm" is transformers' post_attention_layernorm (the MLP's input norm).
+    "glm4_moe": {**_ATTENTION, **_QK_NORM, "post_attention_norm": "post_attention_layernorm", **_MLP,
+                 **_ROUTER, **_SHARED},
+}
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
+# The sigmoid router's selection bias: `blk.{i}.exp_probs_b.bias`.
+_CORRECTION_BIAS = ("exp_probs_b", "mlp.gate.e_score_correction_bias")
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+class Piece(NamedTuple):
+    """One transformers tensor cut from a GGUF tensor: `index` along its first dim (an expert
+    number, or a row range), None for the whole tensor."""
+
+    name: str
+    index: int | slice | None = None
+
+
+def hf_pieces(config: ModelConfig, gguf_name: str) -> list[Piece]:
+    """The transformers tensors GGUF tensor `gguf_name` holds, for a model of `config`; [] for
+    the multi-token-prediction blocks past config.num_layers (GLM-4.5's nextn layers), which
+    are not loaded. Raises ValueError for a tensor this family has no mapping for."""
+    family = config.architecture
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _TOP:
+        return [Piece(f"{_TOP[base]}.{suffix}")]
+    m = _BLOCK.match(gguf_name)
+    if m is None:
+        raise ValueError(f"GGUF {family}: tensor {gguf_name!r} has no transformers mapping"
+                         + (" (rope_freqs: llama3 frequency factors are not supported)" if base == "rope_freqs" else ""))
+    layer, part, suffix = int(m[1]), m[2], m[3]
+    if layer >= config.num_layers:
+        return []
+    prefix = f"model.layers.{layer}"
+    if family in MOE_FAMILIES and part in EXPERTS:
+        return [Piece(f"{prefix}.mlp.experts.{e}.{EXPERTS[part]}.{suffix}", e)
+                for e in range(config.moe.num_experts)]
+    if family == "glm4_moe" and (part, suffix) == (_CORRECTION_BIAS[0], "bias"):
+        return [Piece(f"{prefix}.{_CORRECTION_BIAS[1]}")]
+    module = LAYER_NAMES[family].get(part)
+    if module is None:
+        raise ValueError(f"GGUF {family}: tensor {gguf_name!r} has no transformers mapping")
+    if module == "self_attn.qkv_proj":   # split, so GLM's RoPE row order is fixed per q / k
+        q, kv = config.q_size, config.num_kv_heads * config.head_dim
+        return [Piece(f"{prefix}.self_attn.{p}_proj.{suffix}", rows)
+                for p, rows in (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, q + 2 * kv)))]
+    return [Piece(f"{prefix}.{module}.{suffix}")]
