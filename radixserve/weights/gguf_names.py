@@ -8,6 +8,7 @@ transformers tensors:
     blk.{i}.ffn_{gate,up,down}_exps   (E, rows, cols) stacked experts -> mlp.experts.{e}.{gate,up,down}_proj
     blk.{i}.attn_qkv                  rows [q | k | v] (ChatGLM)      -> self_attn.{q,k,v}_proj
     blk.{i}.ffn_up  (chatglm, glm4)   rows [gate | up]               -> mlp.gate_up_proj (loaded fused)
+    blk.{i}.exp_probs_b.bias  (glm4moe)                               -> mlp.gate.e_score_correction_bias
 
 Row permutations are not undone here: llama.cpp permutes q/k rows for the Llama family only
 (weights/gguf.py undoes it); Qwen and GLM tensors keep transformers' row order.
@@ -45,8 +46,6 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
                  **_ROUTER, **_SHARED},
 }
 MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
-# The sigmoid router's selection bias: `blk.{i}.exp_probs_b.bias`.
-_CORRECTION_BIAS = ("exp_probs_b", "mlp.gate.e_score_correction_bias")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)\.(weight|bias)$")
 
 
@@ -68,8 +67,7 @@ def hf_pieces(config: ModelConfig, gguf_name: str) -> list[Piece]:
         return [Piece(f"{_TOP[base]}.{suffix}")]
     m = _BLOCK.match(gguf_name)
     if m is None:
-        raise ValueError(f"GGUF {family}: tensor {gguf_name!r} has no transformers mapping"
-                         + (" (rope_freqs: llama3 frequency factors are not supported)" if base == "rope_freqs" else ""))
+        raise _unmapped(family, gguf_name)
     layer, part, suffix = int(m[1]), m[2], m[3]
     if layer >= config.num_layers:
         return []
@@ -77,13 +75,18 @@ def hf_pieces(config: ModelConfig, gguf_name: str) -> list[Piece]:
     if family in MOE_FAMILIES and part in EXPERTS:
         return [Piece(f"{prefix}.mlp.experts.{e}.{EXPERTS[part]}.{suffix}", e)
                 for e in range(config.moe.num_experts)]
-    if family == "glm4_moe" and (part, suffix) == (_CORRECTION_BIAS[0], "bias"):
-        return [Piece(f"{prefix}.{_CORRECTION_BIAS[1]}")]
+    if family == "glm4_moe" and (part, suffix) == ("exp_probs_b", "bias"):   # the sigmoid router's selection bias
+        return [Piece(f"{prefix}.mlp.gate.e_score_correction_bias")]
     module = LAYER_NAMES[family].get(part)
     if module is None:
-        raise ValueError(f"GGUF {family}: tensor {gguf_name!r} has no transformers mapping")
+        raise _unmapped(family, gguf_name)
     if module == "self_attn.qkv_proj":   # split, so GLM's RoPE row order is fixed per q / k
         q, kv = config.q_size, config.num_kv_heads * config.head_dim
         return [Piece(f"{prefix}.self_attn.{p}_proj.{suffix}", rows)
                 for p, rows in (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, q + 2 * kv)))]
     return [Piece(f"{prefix}.{module}.{suffix}")]
+
+
+def _unmapped(family: str, gguf_name: str) -> ValueError:
+    note = " (llama3 RoPE frequency factors are not supported)" if gguf_name.startswith("rope_freqs.") else ""
+    return ValueError(f"GGUF {family}: tensor {gguf_name!r} has no transformers mapping{note}")
