@@ -38,10 +38,12 @@ FAMILIES = {
 LENGTHS = [1, 7, 23, 24, 25, 63, 64, 65, 129, 300]
 
 
-def build_family(folder, family: str, seed: int = 0):
+def build_family(folder, family: str, seed: int = 0, spec: tuple[str, str, dict] | None = None):
+    """Save the tiny random checkpoint of `family` (FAMILIES, or `spec` = (config class, model
+    class, config kwargs over COMMON)) into folder."""
     import transformers
 
-    config_cls, model_cls, extra = FAMILIES[family]
+    config_cls, model_cls, extra = spec or FAMILIES[family]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**COMMON, **extra})).eval()
     with torch.no_grad():
