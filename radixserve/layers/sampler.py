@@ -110,12 +110,15 @@ class Sampler:
         """(R,) int64 argmax of an all-greedy batch in one pass over `logits`, or None when a
         row's logits need processing first (penalties, min-tokens masking, or a NaN / +inf /
         all -inf row, which `max` propagates). The common decode batch: it skips the copy the
-        general path makes (22 ms -> 8 ms of sampling at batch 64 x 49k vocab, 2-core AVX2)."""
-        if any(r.params.adjusts_logits or (r.min_tokens_left > 0 and (self.eos_token_ids or r.params.stop_token_ids))
-               for r in rows):
+        general path makes (docs/benchmarks.md, "Per-step overhead")."""
+        if any(r.params.adjusts_logits or self._min_tokens_masked(r) for r in rows):
             return None
         top, tokens = logits.max(dim=-1)   # ties: the first index, as argmax
         return tokens if bool(torch.isfinite(top).all()) else None
+
+    def _min_tokens_masked(self, r: SampleRow) -> bool:
+        """Whether row `r` still masks eos and its stop ids (min_tokens not reached)."""
+        return r.min_tokens_left > 0 and bool(self.eos_token_ids or r.params.stop_token_ids)
 
     def _masked(self, logits: torch.Tensor, rows: Sequence[SampleRow],
                 constrain: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
@@ -130,7 +133,7 @@ class Sampler:
         x = logits
         for i, r in enumerate(rows):
             p = r.params
-            masked = r.min_tokens_left > 0 and (self.eos_token_ids or p.stop_token_ids)
+            masked = self._min_tokens_masked(r)
             if not (p.adjusts_logits or masked):
                 continue
             if x is logits:
