@@ -1,7 +1,5 @@
 """`python -m radixserve ...`: the same command line as the `radixserve` script."""
-import sys
-
-from radixserve.cli import main
+from radixserve.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import random
 import signal
+import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import msgspec
 import zmq
@@ -239,3 +241,17 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
         inbox.close(0)
         outbox.close()
         ctx.term()
+    end_process_now(0)
+
+
+def end_process_now(code: int) -> NoReturn:
+    """Flush logs and stdio, then os._exit(code). For a process whose shutdown is done (its
+    sockets closed, its disk writes flushed): interpreter finalization would spend about a
+    second tearing down torch's and transformers' modules with nothing left to release."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -252,16 +252,12 @@ def _hf_dir_eos_ids(model_dir: str) -> list[int]:
 
 def _gguf_tokenizer_meta(path: str) -> dict:
     """eos/eot/eom ids and the chat template from GGUF metadata."""
-    from gguf import GGUFReader
-    fields = GGUFReader(path).fields
+    from radixserve.weights.gguf_header import read_scalars
 
-    def value(key: str) -> Any:
-        field = fields.get(key)
-        return None if field is None else field.contents()
-
-    eos = [int(v) for k in ("eos", "eot", "eom")
-           if isinstance(v := value(f"tokenizer.ggml.{k}_token_id"), int)]
-    template = value("tokenizer.chat_template")
+    id_keys = [f"tokenizer.ggml.{k}_token_id" for k in ("eos", "eot", "eom")]
+    values = read_scalars(path, [*id_keys, "tokenizer.chat_template"])
+    eos = [int(v) for k in id_keys if isinstance(v := values.get(k), int) and not isinstance(v, bool)]
+    template = values.get("tokenizer.chat_template")
     return {"eos_token_ids": eos, "chat_template": template if isinstance(template, str) else None}
 
 

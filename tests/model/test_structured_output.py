@@ -41,8 +41,9 @@ def test_every_output_matches_its_schema(llm):
     spec = importlib.util.spec_from_file_location("structured_bench", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    result = bench.run(llm, per_schema=2, max_tokens=160, compare=False)["constrained"]
-    assert result["valid"] == result["total"] == 20, result["invalid"]
+    # One prompt per schema: every schema's grammar is exercised; the benchmark runs more.
+    result = bench.run(llm, per_schema=1, max_tokens=160, compare=False)["constrained"]
+    assert result["valid"] == result["total"] == len(bench.SCHEMAS) == 10, result["invalid"]
 
 
 def allowed(so: StructuredOutput, rows: list[Row], vocab: int) -> torch.Tensor:
