@@ -105,7 +105,12 @@ def hf_gguf_model(path: str):
     model is shaped from radixserve's reading of the metadata, and the config transformers
     parses along with the tensors must agree with that shape on every field; the weights are
     transformers' alone."""
+    import functools
+    from unittest import mock
+
+    import gguf
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from radixserve.weights.loader import load_checkpoint
@@ -118,8 +123,12 @@ def hf_gguf_model(path: str):
                          head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
                          rope_theta=mc.rope_theta, max_position_embeddings=mc.max_position_embeddings,
                          tie_word_embeddings=mc.tie_word_embeddings)
-    model = LlamaForCausalLM(config).float().eval()
-    loaded = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
+    with no_init_weights():   # every weight is loaded below (the check after load_state_dict)
+        model = LlamaForCausalLM(config).float().eval()
+    # transformers builds gguf's TensorNameMap once per submodule (397 times here, ~6 s); the
+    # map depends only on its (arch, n_blocks) arguments, so one build per pair serves them all.
+    with mock.patch.object(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map)):
+        loaded = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
     theirs = LlamaConfig.from_dict(loaded["config"])
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
