@@ -149,8 +149,18 @@ def start_fleet(args: argparse.Namespace, out: pathlib.Path) -> tuple[subprocess
         if fleet.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"fleet did not start (exit {fleet.poll()})")
         time.sleep(1)
-    time.sleep(3)   # the router's first health checks
-    return fleet, json.loads(manifest.read_text())
+    fleet_info = json.loads(manifest.read_text())
+    wait_until(lambda: _all_healthy(fleet_info["router_url"], len(fleet_info["workers"])),
+               "the router's health checks to pass on every worker", 120)
+    return fleet, fleet_info
+
+
+def _all_healthy(router_url: str, num_workers: int) -> bool:
+    try:
+        workers = httpx.get(router_url + "/admin/workers", timeout=5).json()["workers"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return False
+    return sum(bool(w.get("healthy")) for w in workers) == num_workers
 
 
 def wait_hang_outcome(log: pathlib.Path, url: str, t_fault: float, timeout_s: float) -> dict:
