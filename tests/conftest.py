@@ -31,6 +31,17 @@ def build_tiny_llama(folder: pathlib.Path, vocab_size: int = 512, seed: int = 0,
     return folder
 
 
+def build_tiny_api_model(folder: pathlib.Path, tokenizer_hf) -> pathlib.Path:
+    """Tiny random-weight Llama with `tokenizer_hf` (a transformers tokenizer) saved next to it.
+    The model's vocabulary must be the tokenizer's: smaller and prompt ids index past the
+    embedding, larger and the model samples ids that decode to nothing. Untied lm_head: with
+    tied embeddings a random model's greedy output repeats its input token."""
+    build_tiny_llama(folder, vocab_size=len(tokenizer_hf), bos_token_id=tokenizer_hf.bos_token_id,
+                     eos_token_id=tokenizer_hf.eos_token_id, tie_word_embeddings=False)
+    tokenizer_hf.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> pathlib.Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from radixserve.bench.launch import free_port
-from tests.conftest import build_tiny_llama
+from tests.conftest import build_tiny_api_model
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 300.0
@@ -155,16 +155,8 @@ def terminate(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_tokenizer) -> pathlib.Path:
-    """Tiny random-weight Llama with the default model's tokenizer saved next to it. The model's
-    vocabulary must be the tokenizer's (49152): smaller and prompt ids index past the embedding,
-    larger and the model samples ids that decode to nothing."""
-    folder = tmp_path_factory.mktemp("tiny-llama-api")
-    hf = default_tokenizer.hf
-    # Untied lm_head: with tied embeddings a random model's greedy output repeats its input token.
-    build_tiny_llama(folder, vocab_size=len(hf), bos_token_id=hf.bos_token_id,
-                     eos_token_id=hf.eos_token_id, tie_word_embeddings=False)
-    hf.save_pretrained(folder)
-    return folder
+    """Tiny random-weight Llama with the default model's tokenizer (build_tiny_api_model)."""
+    return build_tiny_api_model(tmp_path_factory.mktemp("tiny-llama-api"), default_tokenizer.hf)
 
 
 TINY_CONTEXT = 512
