@@ -184,12 +184,16 @@ def soak(router_url: str, reference_url: str, prefill_url: str, decode_url: str,
     return report
 
 
-def launch(model_path: str | None, log_dir: pathlib.Path) -> tuple[list[subprocess.Popen], dict]:
-    """Start a reference worker, a prefill and a decode worker and a PD router on loopback."""
+def launch(model_path: str | None, log_dir: pathlib.Path,
+           num_threads: int | None = None) -> tuple[list[subprocess.Popen], dict]:
+    """Start a reference worker, a prefill and a decode worker and a PD router on loopback
+    (each worker with --num-threads `num_threads` when given)."""
     from radixserve.bench.launch import free_ports
     base = free_ports(6)
     model = ["--model-path", model_path] if model_path else []
-    common = [*model, "--max-total-tokens", "65536", "--enable-debug-endpoints", "--log-level", "warning"]
+    threads = ["--num-threads", str(num_threads)] if num_threads else []
+    common = [*model, *threads, "--max-total-tokens", "65536", "--enable-debug-endpoints",
+              "--log-level", "warning"]
     urls = {name: f"http://127.0.0.1:{base + i}" for i, name in enumerate(("reference", "prefill", "decode", "router"))}
     cmds = {
         "reference": ["serve", *common, "--port", str(base)],
@@ -228,6 +232,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--launch", action="store_true", help="start the workers and router here")
     p.add_argument("--model-path", default=None, help="with --launch (default: the embedded model)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="with --launch: each worker's torch threads (1 suits a tiny model)")
     for name in ("router", "reference", "prefill", "decode"):
         p.add_argument(f"--{name}-url")
     p.add_argument("--num-requests", type=int, default=10_000)
@@ -242,7 +248,7 @@ def main() -> int:
     if args.launch:
         import tempfile
         log_dir = pathlib.Path(tempfile.mkdtemp(prefix="pd-soak-"))
-        procs, urls = launch(args.model_path, log_dir)
+        procs, urls = launch(args.model_path, log_dir, args.num_threads)
         print(f"logs in {log_dir}", file=sys.stderr)
     else:
         urls = {n: getattr(args, f"{n}_url") for n in ("router", "reference", "prefill", "decode")}
