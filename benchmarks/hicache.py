@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/hicache.py warm  [--model-path P]
     PYTHONPATH=. python benchmarks/hicache.py soak  [--model-path P] [--num-prompts 10000]
                                                     [--concurrency 32] [--delay-ms 2 --jitter-ms 2]
+                                                    [--device-tokens N] [--host-ratio R]
 
 bench: one `radixserve serve` at a time (2 cores), device KV pool of --device-tokens; side
 "off" is the radix cache alone, side "on" adds the host tier (ratio 4). Workloads: bench's
@@ -18,9 +19,11 @@ soak: a reference server (tier off, large pool) saves every greedy output (bench
 then a server with the tier on and a small device pool, with the hicache.h2d.layer fault
 delaying each layer's load U(delay - jitter, delay + jitter) ms, serves the same requests at
 --concurrency with bench --check-output: corrupted outputs per 10k (first differing position
-and its top-2 gap) and guard aborts per 10k. tests/api/test_api_hicache.py runs the checked
-run (check_under_delays) scaled down on the tiny model in CI, with the session's tier-off tiny
-server as the reference.
+and its top-2 gap) and guard aborts per 10k. Every client's next turn waits behind the other
+clients' (num_prompts / 5 of them), so the host tier must hold that many conversations to serve
+anything (--host-ratio); the soak fails when it served no prompt token.
+tests/api/test_api_hicache.py runs the checked run (check_under_delays) scaled down on the tiny
+model in CI, with the session's tier-off tiny server as the reference.
 """
 from __future__ import annotations
 
@@ -179,13 +182,15 @@ def check_under_delays(url: str, reference: str, work: list[str], delay_ms: floa
 
 
 def soak(model_path: str | None, num_prompts: int, concurrency: int, delay_ms: float,
-         jitter_ms: float, device_tokens: int, tmp: pathlib.Path) -> dict:
-    """The soak (module doc): a tier-off reference run saved, then the checked run."""
+         jitter_ms: float, device_tokens: int, tmp: pathlib.Path, host_ratio: float = 8.0) -> dict:
+    """The soak (module doc): a tier-off reference run saved, then the checked run with a host
+    tier of `host_ratio` x the device pool. A client's next turn comes about num_prompts / 5
+    requests after its last, so the tier serves it only if it holds that many conversations."""
     work = soak_workload(num_prompts, concurrency)
     ref = tmp / "ref.jsonl"
     with Server(["--max-total-tokens", "65536"], model_path, tmp / "ref.log") as s:
         bench(s.url, [*work, "--save-output", str(ref)], tmp / "s.jsonl")
-    args = ["--max-total-tokens", str(device_tokens), "--enable-hierarchical-cache", "--hicache-ratio", "8",
+    args = ["--max-total-tokens", str(device_tokens), "--enable-hierarchical-cache", "--hicache-ratio", str(host_ratio),
             "--enable-fault-injection"]
     with Server(args, model_path, tmp / "tier.log") as s:
         return check_under_delays(s.url, str(ref), work, delay_ms, jitter_ms, tmp / "s.jsonl")
@@ -201,6 +206,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--delay-ms", type=float, default=2.0)
     p.add_argument("--jitter-ms", type=float, default=2.0)
+    p.add_argument("--host-ratio", type=float, default=8.0, help="soak: host tier / device pool")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = pathlib.Path(d)
@@ -210,8 +216,13 @@ def main() -> None:
             run_warm(a, tmp)
         else:
             report = soak(a.model_path, a.num_prompts, a.concurrency, a.delay_ms, a.jitter_ms,
-                          a.device_tokens, tmp)
+                          a.device_tokens, tmp, a.host_ratio)
             print(f"load {os.getloadavg()[0]:.2f}; " + json.dumps(report))
+            if not report["num_cached_tokens_host"]:
+                raise SystemExit("the host tier served no prompt token, so this soak tested nothing: "
+                                 "raise --host-ratio until it holds num_prompts / 5 conversations")
+            if report["corrupted"]:
+                raise SystemExit(f"{report['corrupted']} corrupted outputs")
 
 
 if __name__ == "__main__":
