@@ -255,7 +255,13 @@ def _gguf_tokenizer_meta(path: str) -> dict:
     from radixserve.weights.gguf_header import read_scalars
 
     id_keys = [f"tokenizer.ggml.{k}_token_id" for k in ("eos", "eot", "eom")]
-    values = read_scalars(path, [*id_keys, "tokenizer.chat_template"])
+    keys = [*id_keys, "tokenizer.chat_template"]
+    try:
+        values = read_scalars(path, keys)
+    except ValueError:   # big-endian or v1 files: gguf's full reader handles those (slowly)
+        from gguf import GGUFReader
+        fields = GGUFReader(path).fields
+        values = {k: fields[k].contents() for k in keys if k in fields}
     eos = [int(v) for k in id_keys if isinstance(v := values.get(k), int) and not isinstance(v, bool)]
     template = values.get("tokenizer.chat_template")
     return {"eos_token_ids": eos, "chat_template": template if isinstance(template, str) else None}

@@ -52,3 +52,22 @@ def test_not_gguf_or_cut_short_is_value_error(gguf_file, tmp_path):
     cut.write_bytes(data[:60])   # inside the token array
     with pytest.raises(ValueError, match="ends early"):
         read_scalars(str(cut), ["a.str"])
+
+
+def test_big_endian_file_is_refused_here_and_read_by_the_tokenizer_fallback(tmp_path):
+    from gguf import GGUFEndian
+
+    from radixserve.tokenizer.tokenizer import _gguf_tokenizer_meta
+
+    path = str(tmp_path / "be.gguf")
+    w = GGUFWriter(path, "llama", endianess=GGUFEndian.BIG)
+    w.add_eos_token_id(7)
+    w.add_chat_template("{{ messages }}")
+    w.add_tensor("t", np.zeros((2, 3), dtype=np.float32).byteswap())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="not a little-endian GGUF"):
+        read_scalars(path, ["tokenizer.ggml.eos_token_id"])
+    assert _gguf_tokenizer_meta(path) == {"eos_token_ids": [7], "chat_template": "{{ messages }}"}
