@@ -1,6 +1,6 @@
 """N-gram speculative decoding on vs off on the default model, same run, output tok/s and the ratio.
 
-Run:  python benchmarks/speculative.py [--rounds 2] [--draft-tokens 4]
+Run:  python benchmarks/speculative.py [--rounds 2] [--draft-tokens 8] [--break-even-tokens R] [--only chat]
 
 Workloads (greedy, offline API, one fresh engine per side, sides interleaved ABBA):
 - copy-edit, concurrency 1: the model is asked to repeat a code file with one identifier
@@ -49,13 +49,17 @@ def workloads():
     return {"copy-edit c1": ([edit], 300), "chat c16": ([[{"role": "user", "content": q}] for q in QUESTIONS], 64)}
 
 
-def measure(spec: bool, draft_tokens: int) -> dict:
+def measure(spec: bool, args: argparse.Namespace) -> dict:
     from radixserve import LLM, SamplingParams
 
-    kwargs = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": draft_tokens} if spec else {}
+    kwargs = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": args.draft_tokens,
+              **({"speculative_break_even_tokens": args.break_even_tokens}
+                 if args.break_even_tokens is not None else {})} if spec else {}
     llm = LLM(max_total_tokens=32768, **kwargs)
     out = {}
     for name, (conversations, max_tokens) in workloads().items():
+        if args.only and args.only not in name:
+            continue
         params = SamplingParams(max_tokens=max_tokens, temperature=0)
         llm.chat(conversations[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
         llm.engine.flush_cache()
@@ -73,13 +77,17 @@ def measure(spec: bool, draft_tokens: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--draft-tokens", type=int, default=8)
+    ap.add_argument("--break-even-tokens", type=float, default=None,
+                    help="--speculative-break-even-tokens (default: the engine's)")
+    ap.add_argument("--only", default="", help="run only the workloads whose name contains this")
     args = ap.parse_args()
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for _ in range(args.rounds):
         for spec in (False, True, True, False):
-            runs[spec].append(measure(spec, args.draft_tokens))
-    print(f"load {os.getloadavg()[0]:.2f}; draft tokens {args.draft_tokens}; {args.rounds} ABBA rounds")
+            runs[spec].append(measure(spec, args))
+    print(f"load {os.getloadavg()[0]:.2f}; draft tokens {args.draft_tokens}; break-even tokens "
+          f"{args.break_even_tokens or 'default'}; {args.rounds} ABBA rounds")
     for name in runs[False][0]:
         off = [r[name]["tok_s"] for r in runs[False]]
         on = [r[name]["tok_s"] for r in runs[True]]

@@ -69,7 +69,14 @@ class EngineConfig:
               "prompt and output (or recent requests' outputs); draft = a self-draft model, "
               "the target's first --speculative-draft-layers layers with its own KV; drafts are "
               "verified in one step (off by default)", ("ngram", "draft"))
-    speculative_num_draft_tokens: int = _opt(4, "most draft tokens verified per request and step")
+    speculative_num_draft_tokens: int = _opt(
+        8, "most draft tokens verified per request and step (a request's draft grows to this "
+           "while its drafts are accepted)")
+    speculative_break_even_tokens: float = _opt(
+        16.0, "a step's fixed cost (reading the weights) in tokens of compute: with B requests "
+              "decoding, a request drafts only while the fraction of its drafts accepted is above "
+              "B / (B + this), where drafting still raises throughput (0: always draft; "
+              "measured 16 on a 2-core AVX2 CPU, larger on a GPU)")
     speculative_draft_layers: int | None = _opt(
         None, "draft: how many of the target's first layers (with its final norm and LM head) "
               "make the self-draft model (with --speculative-draft-model-path: of that model's; "
@@ -125,6 +132,8 @@ class EngineConfig:
                              "(drop --disable-radix-cache)")
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
+        if self.speculative_break_even_tokens < 0:
+            raise ValueError("speculative_break_even_tokens must be >= 0")
         draft_given = (self.speculative_draft_layers is not None
                        or self.speculative_draft_model_path is not None)
         if (self.speculative_algorithm == "draft") != draft_given:

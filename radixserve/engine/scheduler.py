@@ -52,9 +52,14 @@ class Scheduler:
         self.fetching: list[Request] = []     # WAITING_FOR_KV: a disk fetch brings their pages
         self.num_preemptions = 0
         k = config.speculative_num_draft_tokens
+        # Deterministic inference: a seeded request's drafts (so its sampled tokens) must not
+        # depend on other requests, so no batch gate and no shared n-gram table.
+        alone = config.enable_deterministic_inference
+        gate = 0.0 if alone else config.speculative_break_even_tokens
         self.proposer: NgramProposer | ModelDraftProposer | None = (
-            NgramProposer(k) if config.speculative_algorithm == "ngram"
-            else ModelDraftProposer(k) if config.speculative_algorithm == "draft" else None)
+            NgramProposer(k, shared_entries=0 if alone else 1 << 16, break_even_tokens=gate)
+            if config.speculative_algorithm == "ngram"
+            else ModelDraftProposer(k, gate) if config.speculative_algorithm == "draft" else None)
         self.max_request_tokens = max_request_tokens
 
     def add(self, req: Request) -> None:
@@ -89,6 +94,8 @@ class Scheduler:
         num_preemptions = self.num_preemptions
         if self.fetching:
             self._settle_fetches()
+        if self.proposer is not None:
+            self.proposer.set_batch(sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running))
         for req in list(self.running):
             if budget <= 0:
                 break

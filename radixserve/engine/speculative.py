@@ -16,9 +16,19 @@ Agents and chat users send the same questions and get the same answers again; a 
 prompt only holds what it was given. (SGLang's NGRAM shares a trie across requests the same way.)
 
 Adaptive k: each request keeps an exponential moving average of the drafts it got accepted per
-verify step; the next draft is `clamp(round(avg) + 1, 1, max_draft)` tokens, so requests whose
-drafts keep failing cost at most one extra position per step, and requests that copy get the
-full `max_draft`. Drafting stops for a request while its average is below MIN_USEFUL.
+verify step; the next draft is `clamp(round(avg) + 1, 1, max_draft)` tokens, or one more than
+the last draft when all of that was accepted (a copy grows its draft by one token a step), so
+requests whose drafts keep failing cost at most one extra position per step, and requests that
+copy reach `max_draft`. Drafting stops for a request while its average is below MIN_USEFUL.
+
+Batch gate: a step's time is about a + b * n for n tokens (a: reading the weights once, b:
+compute per token; break_even_tokens = a / b). With B requests decoding, d more draft positions
+of which a fraction r is accepted raise the output per second only while r > B / (B + a/b)
+(throughput (B + r d) / (a + b (B + d)) against B / (a + b B)). Each request keeps an average
+of r, and drafts only while it is above that bound (probing every RETRY_EVERY steps): at batch
+1 nearly any draft pays, at batch 16 with a/b = 16 only one that is accepted half the time.
+The default a/b = 16 is measured on a 2-core AVX2 CPU (docs/benchmarks.md); a GPU's is larger.
+The gate changes only which steps carry drafts, never a token: greedy output is the same.
 """
 from __future__ import annotations
 
@@ -38,28 +48,46 @@ class _State:
     index: dict[tuple[int, ...], int] = field(default_factory=dict)   # n-gram -> position after it
     indexed: int = 0          # tokens [0, indexed) are in the index
     avg_accepted: float = 1.0
+    rate: float = 1.0         # average fraction of draft tokens accepted
+    last_full: int = 0        # length of the last draft if all of it was accepted, else 0
     steps_since_draft: int = 0
 
 
 class _AdaptiveProposer:
     """Per-request draft length from recent acceptance (module doc): `record` feeds it back."""
 
-    def __init__(self, max_draft: int):
+    def __init__(self, max_draft: int, break_even_tokens: float = 16.0):
+        """`break_even_tokens`: a / b of the batch gate (module doc); 0 turns the gate off."""
         self.max_draft = max_draft
+        self.break_even_tokens = break_even_tokens
+        self._min_rate = 0.0
         self._states: dict[str, _State] = {}
+
+    def set_batch(self, num_decoding: int) -> None:
+        """Start a step with `num_decoding` requests decoding: sets the acceptance rate a
+        request's drafts need to pay at this batch size (module doc, batch gate)."""
+        r = self.break_even_tokens
+        self._min_rate = num_decoding / (num_decoding + r) if r > 0 and num_decoding > 1 else 0.0
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
         """Feed back one verify step: `accepted` of `proposed` draft tokens were kept."""
         state = self._states.get(request_id)
         if state is not None and proposed:
             state.avg_accepted = (1 - EMA) * state.avg_accepted + EMA * accepted
+            state.rate = (1 - EMA) * state.rate + EMA * accepted / proposed
+            state.last_full = proposed if accepted == proposed else 0
+
+    def _paying(self, state: _State) -> bool:
+        """Whether the request's drafts pay at this step's batch size (or a probe is due)."""
+        return ((state.avg_accepted >= MIN_USEFUL and state.rate >= self._min_rate)
+                or state.steps_since_draft >= RETRY_EVERY)
 
     def _draft_len(self, state: _State, limit: int) -> int:
         """Tokens to draft now: 0 while backing off (and no probe is due) or at the limit."""
-        k = min(self.max_draft, max(1, round(state.avg_accepted) + 1), limit)
+        k = min(self.max_draft, max(1, round(state.avg_accepted) + 1, state.last_full + 1), limit)
         if k <= 0:
             return 0
-        if state.avg_accepted < MIN_USEFUL and state.steps_since_draft < RETRY_EVERY:
+        if not self._paying(state):
             state.steps_since_draft += 1
             return 0
         return k
@@ -69,8 +97,8 @@ class NgramProposer(_AdaptiveProposer):
     """Drafts for running requests, keyed by request id. Call `release(id, tokens)` when a
     request ends (its output then feeds the shared table)."""
 
-    def __init__(self, max_draft: int, shared_entries: int = 1 << 16):
-        super().__init__(max_draft)
+    def __init__(self, max_draft: int, shared_entries: int = 1 << 16, break_even_tokens: float = 16.0):
+        super().__init__(max_draft, break_even_tokens)
         self.shared_entries = shared_entries
         self._shared: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
 
@@ -130,8 +158,8 @@ class ModelDraftProposer(_AdaptiveProposer):
     An offer made for another sequence length (the request was cut, preempted or had a token
     forced since) is dropped."""
 
-    def __init__(self, max_draft: int):
-        super().__init__(max_draft)
+    def __init__(self, max_draft: int, break_even_tokens: float = 16.0):
+        super().__init__(max_draft, break_even_tokens)
         self._offers: dict[str, tuple[int, tuple[int, ...]]] = {}
 
     def offer(self, request_id: str, draft: tuple[int, ...], num_tokens: int) -> None:
@@ -153,8 +181,7 @@ class ModelDraftProposer(_AdaptiveProposer):
         """Whether the request's next step will take a draft: False while it backs off and no
         probe is due, so the runner need not make one (K draft forwards)."""
         state = self._states.get(request_id)
-        return (state is None or state.avg_accepted >= MIN_USEFUL
-                or state.steps_since_draft >= RETRY_EVERY)
+        return state is None or self._paying(state)
 
     def release(self, request_id: str, tokens: list[int] | None = None,
                 num_output: int = 0) -> None:

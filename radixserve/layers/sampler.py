@@ -185,13 +185,15 @@ class Sampler:
         al. 2023; Chen et al. 2023) with a point-mass draft q = delta(d): accept d with
         probability p(d), else draw from the residual max(p - q, 0), i.e. p without d,
         renormalised; after k acceptances the last token is drawn exactly as an ordinary step.
-        The emitted tokens are distributed exactly as without speculation; uniforms come from
+        A greedy row without penalties or masks reads the argmax off the raw logits (as
+        `sample`), and logprobs are NaN unless the request asked for them. The emitted tokens are distributed exactly as without speculation; uniforms come from
         the request seed and step, so a seed reproduces."""
         k = len(draft)
         rows = [_Shifted(row, list(draft[:i])) for i in range(k + 1)]
-        x = finite_or_masked(self._penalised(logits, rows))
+        picks = self._plain_greedy(logits, rows) if row.params.is_greedy else None
+        x = None if picks is not None else finite_or_masked(self._penalised(logits, rows))
         if row.params.is_greedy:
-            picks = x.argmax(dim=-1).tolist()
+            picks = (picks if picks is not None else x.argmax(dim=-1)).tolist()
             j = next((i for i in range(k) if picks[i] != draft[i]), k)
             final = picks[j]
         else:
@@ -208,8 +210,11 @@ class Sampler:
             if final is None:
                 final = int(self._draw(x[k:k + 1], rows[k:k + 1])[0])
         ids = list(draft[:j]) + [final]
-        top = max(row.params.logprobs or 0, 0)
-        out = token_logprobs(logits[:j + 1], torch.tensor(ids, device=logits.device), top)
+        if row.params.logprobs is None:       # nobody reads them: skip the log-softmax (as sample)
+            out = [TokenLogprob(t, math.nan, []) for t in ids]
+        else:
+            out = token_logprobs(logits[:j + 1], torch.tensor(ids, device=logits.device),
+                                 max(row.params.logprobs, 0))
         return out[:j], out[j]
 
     def _uniform(self, seed: int, step: int) -> float:

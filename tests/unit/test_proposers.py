@@ -3,6 +3,8 @@ continuation, adaptive k with back-off, the bounded shared table of finished req
 ModelDraftProposer: a runner's draft is taken once, for the sequence length it was made for."""
 from __future__ import annotations
 
+import pytest
+
 from radixserve.engine.speculative import RETRY_EVERY, ModelDraftProposer, NgramProposer
 
 
@@ -10,9 +12,13 @@ def test_prompt_lookup_copies_what_followed_the_last_three_tokens():
     p = NgramProposer(max_draft=4)
     tokens = [1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3]
     assert p.propose("a", tokens, limit=8) == [4, 5]         # k = round(1.0) + 1 at first
+    p.record("a", 2, 1)
+    assert p.propose("a", tokens, limit=8) == [4, 5]         # round(1.0) + 1: partly accepted
     p.record("a", 2, 2)
     p.record("a", 3, 3)
-    assert p.propose("a", tokens, limit=8) == [4, 5, 6]      # acceptance raised k
+    assert p.propose("a", tokens, limit=8) == [4, 5, 6, 7]   # all of 3 accepted: one more
+    p.record("a", 4, 1)
+    assert p.propose("a", tokens, limit=8) == [4, 5, 6]      # back to round(avg 1.57) + 1
     assert p.propose("a", tokens, limit=1) == [4]            # never past the limit
     assert p.propose("b", [1, 2, 3, 4], limit=8) == []       # no earlier occurrence
 
@@ -72,3 +78,32 @@ def test_a_backing_off_model_draft_is_not_asked_for_until_its_probe():
         asked.append(p.wants_draft("a"))
         assert p.propose("a", list(range(n)), limit=8) == []      # no offer made meanwhile
     assert asked == [False] * RETRY_EVERY + [True]                # then one probe is due
+
+
+@pytest.mark.parametrize("cls", [NgramProposer, ModelDraftProposer])
+def test_batch_gate_drafts_only_where_acceptance_pays_at_this_batch_size(cls):
+    """With a/b = 16, a request accepting 40 % of its drafts drafts at batch 1 and 8 (bound
+    8/24 = 0.33) but not at batch 32 (bound 0.67), where it only probes every RETRY_EVERY steps."""
+    p = cls(max_draft=4, break_even_tokens=16)
+    tokens = [1, 2, 3, 8, 9, 1, 2, 3]
+
+    def drafts() -> bool:
+        if isinstance(p, ModelDraftProposer):
+            p.offer("a", (8, 9, 1), num_tokens=len(tokens))
+        return bool(p.propose("a", tokens, limit=8))
+
+    assert drafts()
+    for _ in range(12):                      # rate 1.0 -> ~0.41, avg accepted ~1.2
+        p.record("a", 3, 1) if _ % 5 else p.record("a", 3, 2)
+    for batch, expected in ((1, True), (8, True), (32, False)):
+        p.set_batch(batch)
+        assert drafts() is expected, batch
+    p.set_batch(32)
+    assert [drafts() for _ in range(RETRY_EVERY)] == [False] * (RETRY_EVERY - 1) + [True]
+    for gate, expected in ((16, False), (0, True)):      # 0: the gate is off
+        p = cls(max_draft=4, break_even_tokens=gate)
+        drafts()
+        p.record("a", 3, 0)
+        p.record("a", 3, 0)                              # rate 0.49, avg 0.49 >= MIN_USEFUL
+        p.set_batch(64)                                  # bound 64 / 80 = 0.8
+        assert drafts() is expected, gate
