@@ -97,6 +97,7 @@ def main() -> None:
                                     last["spec_num_accepted_tokens"])
         print(f"{name:14s} off {statistics.median(off):6.1f} tok/s  spec {statistics.median(on):6.1f} tok/s  "
               f"ratio {statistics.median(on) / statistics.median(off):.2f}  greedy outputs equal: {same}  "
+              f"(runs off {' '.join(f'{x:.1f}' for x in off)}, spec {' '.join(f'{x:.1f}' for x in on)})  "
               f"verify steps {steps}, accepted {accepted}/{drafted} drafted "
               f"({accepted / drafted if drafted else 0:.2f})")
 

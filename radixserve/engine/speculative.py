@@ -25,7 +25,8 @@ Batch gate: a step's time is about a + b * n for n tokens (a: reading the weight
 compute per token; break_even_tokens = a / b). With B requests decoding, d more draft positions
 of which a fraction r is accepted raise the output per second only while r > B / (B + a/b)
 (throughput (B + r d) / (a + b (B + d)) against B / (a + b B)). Each request keeps an average
-of r, and drafts only while it is above that bound (probing every RETRY_EVERY steps): at batch
+of r (starting from the average over all requests' verify steps, so that short requests need
+not each learn it), and drafts only while it is above that bound (probing every RETRY_EVERY steps): at batch
 1 nearly any draft pays, at batch 16 with a/b = 16 only one that is accepted half the time.
 The default a/b = 16 is measured on a 2-core AVX2 CPU (docs/benchmarks.md); a GPU's is larger.
 The gate changes only which steps carry drafts, never a token: greedy output is the same.
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 MAX_MATCH = 3        # longest suffix n-gram looked up
 MIN_MATCH = 3        # shortest: shorter matches (", and", "the") draft badly in prose
 EMA = 0.3            # weight of the latest verify step in the acceptance average
+PRIOR_EMA = 0.05     # ... in the all-requests acceptance rate a new request starts from
 MIN_USEFUL = 0.15    # below this average accepted drafts per step, stop drafting ...
 RETRY_EVERY = 16     # ... except one probe every this many steps
 SHARED_CONTINUATION = 16   # tokens kept after each n-gram of the shared table
@@ -61,7 +63,14 @@ class _AdaptiveProposer:
         self.max_draft = max_draft
         self.break_even_tokens = break_even_tokens
         self._min_rate = 0.0
+        self._prior_rate = 1.0
         self._states: dict[str, _State] = {}
+
+    def _state(self, request_id: str) -> _State:
+        state = self._states.get(request_id)
+        if state is None:
+            state = self._states[request_id] = _State(rate=self._prior_rate)
+        return state
 
     def set_batch(self, num_decoding: int) -> None:
         """Start a step with `num_decoding` requests decoding: sets the acceptance rate a
@@ -75,6 +84,7 @@ class _AdaptiveProposer:
         if state is not None and proposed:
             state.avg_accepted = (1 - EMA) * state.avg_accepted + EMA * accepted
             state.rate = (1 - EMA) * state.rate + EMA * accepted / proposed
+            self._prior_rate = (1 - PRIOR_EMA) * self._prior_rate + PRIOR_EMA * accepted / proposed
             state.last_full = proposed if accepted == proposed else 0
 
     def _paying(self, state: _State) -> bool:
@@ -104,7 +114,7 @@ class NgramProposer(_AdaptiveProposer):
 
     def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
         """Up to min(k, limit) draft tokens to follow `tokens` (the request's prompt + output)."""
-        state = self._states.setdefault(request_id, _State())
+        state = self._state(request_id)
         self._extend(state, tokens)
         k = self._draft_len(state, limit)
         if k <= 0:
@@ -169,7 +179,7 @@ class ModelDraftProposer(_AdaptiveProposer):
     def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
         """The offered draft for `tokens`, up to the adaptive length and `limit`. Called every
         decode step, offer or not, so that a request backing off counts towards its probe."""
-        state = self._states.setdefault(request_id, _State())
+        state = self._state(request_id)
         offer = self._offers.pop(request_id, None)
         k = self._draft_len(state, limit)
         if k <= 0 or offer is None or offer[0] != len(tokens) or not offer[1]:

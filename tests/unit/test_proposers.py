@@ -107,3 +107,19 @@ def test_batch_gate_drafts_only_where_acceptance_pays_at_this_batch_size(cls):
         p.record("a", 3, 0)                              # rate 0.49, avg 0.49 >= MIN_USEFUL
         p.set_batch(64)                                  # bound 64 / 80 = 0.8
         assert drafts() is expected, gate
+
+
+def test_a_new_request_starts_from_the_acceptance_of_earlier_ones():
+    """Short requests verify too few times to learn their own rate: a new one starts from the
+    average over all requests, so under a batch gate it drafts only if earlier drafts paid."""
+    tokens = [1, 2, 3, 8, 9, 1, 2, 3]
+    p = NgramProposer(max_draft=4, break_even_tokens=16)
+    p.set_batch(32)                                       # bound 32 / 48 = 0.67
+    assert p.propose("fresh", tokens, limit=8)            # no history: optimistic
+    for i in range(40):                                   # earlier requests kept 1 of 4
+        p.propose(f"old{i}", tokens, limit=8)
+        p.record(f"old{i}", 4, 1)
+        p.release(f"old{i}")
+    assert p.propose("new", tokens, limit=8) == []
+    p.set_batch(4)                                        # bound 0.2: a quarter kept pays
+    assert p.propose("new", tokens, limit=8)
