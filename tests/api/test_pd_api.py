@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation over HTTP: 1 prefill + 1 decode tiny worker behind `radixserve route --prefill --decode`, against a colocated reference worker (C22, C24, C25, C26, C28)."""
+"""Prefill/decode disaggregation over HTTP: 1 prefill + 1 decode tiny worker behind `radixserve route --prefill --decode`, against a colocated reference worker (C22, C24, C25, C26, C28). Every worker runs the glm45 reasoning parser (C26: a reasoning block opened by the handed-off first token)."""
 from __future__ import annotations
 
 import importlib.util
@@ -17,7 +17,7 @@ from tests.api.conftest import REPO, ServerProcess
 SOAK = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "pd_soak.py"
 WAIT_S = 60.0   # bound on waits for a state change (never a pass/fail timing)
 COMMON = ["--max-total-tokens", "16384", "--page-size", "16", "--served-model-name", "tiny",
-          "--enable-debug-endpoints"]
+          "--enable-debug-endpoints", "--reasoning-parser", "glm45"]
 PD_COUNTERS = ("radixserve:pd_transfer_bytes_total", "radixserve:pd_late_writes_refused_total",
                "radixserve:pd_late_writes_landed_total", "radixserve:pd_bootstrap_failures_total",
                "radixserve:pd_transfer_latency_seconds_count", "radixserve:pd_queue_time_seconds_count")
@@ -35,7 +35,7 @@ def wait_for(predicate, what: str):
 @pytest.fixture(scope="module")
 def pd_fleet(tiny_model_dir):
     model = ["--model-path", str(tiny_model_dir)]
-    ref = ServerProcess([*model, *COMMON, "--context-length", "1024"])
+    ref = ServerProcess([*model, *COMMON, "--context-length", "1024", "--enable-fault-injection"])
     prefill = ServerProcess([*model, *COMMON, "--context-length", "512", "--disaggregation-mode",
                              "prefill", "--disaggregation-bootstrap-port", str(free_port()),
                              "--disaggregation-transfer-timeout", "10", "--enable-fault-injection"])
@@ -144,6 +144,84 @@ def test_first_token_handoff_cases(pd_fleet, extra):
         assert lp_g["tokens"] == lp_w["tokens"]
         for a, b in zip(lp_g["token_logprobs"][1:], lp_w["token_logprobs"][1:]):
             assert abs(a - b) < 1e-3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_completed_by_the_first_token(pd_fleet, stream):
+    """C26: a stop string that the first token (sampled on prefill) completes ends the request
+    there, as on the colocated worker: empty text, finish_reason stop, 1 completion token."""
+    ref, _, _, router = pd_fleet
+    prompt = [310 + i for i in range(19)]
+    first = ref.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1,
+                                               "temperature": 0}).json()["choices"][0]["text"]
+    assert first, "the first token decodes to no text"
+    body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": 6, "stop": [first],
+            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+    got, want = router.post("/v1/completions", json=body), ref.post("/v1/completions", json=body)
+    assert got.status_code == 200, got.text
+    assert _completion_view(got, stream) == _completion_view(want, stream)
+    assert _completion_view(got, stream) == ("", "stop", 1)
+
+
+def _completion_view(r: httpx.Response, stream: bool) -> tuple[str, str | None, int | None]:
+    """(text, finish_reason, completion_tokens) of a /v1/completions reply, streamed or not."""
+    if not stream:
+        c = r.json()["choices"][0]
+        return c["text"], c["finish_reason"], r.json()["usage"]["completion_tokens"]
+    text, reason, usage = "", None, None
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            event = json.loads(line[6:])
+            for c in event.get("choices", []):
+                text += c.get("text") or ""
+                reason = c.get("finish_reason") or reason
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+    return text, reason, usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_block_opened_by_the_first_token(pd_fleet, default_tokenizer, stream):
+    """C26: a reply whose first token (sampled on prefill, forced with sampler.force_tokens on
+    every worker) opens the thinking block splits into the same reasoning_content and content,
+    with the same completion_tokens, through PD as on the colocated worker."""
+    ref, prefill, decode, router = pd_fleet
+    hf = default_tokenizer.hf
+    ids = [*hf.encode("<think>\nIt is 4.\n</think>\n\nFour.", add_special_tokens=False),
+           hf.convert_tokens_to_ids("<|im_end|>")]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 40,
+            "temperature": 0, "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+    views = []
+    for target, servers in ((router, (prefill, decode)), (ref, (ref,))):
+        for s in servers:
+            r = s.post("/admin/fault", json={"kind": "sampler.force_tokens", "token_ids": ids,
+                                             "count": 1})
+            assert r.status_code == 200, r.text
+        got = target.post("/v1/chat/completions", json=body)
+        assert got.status_code == 200, got.text
+        views.append(_chat_view(got, stream))
+    assert views[1] == ("It is 4.", "Four.", "stop", len(ids)), views[1]   # colocated
+    assert views[0] == views[1]
+
+
+def _chat_view(r: httpx.Response, stream: bool) -> tuple[str | None, str | None, str | None, int | None]:
+    """(reasoning_content, content, finish_reason, completion_tokens) of a chat reply."""
+    if not stream:
+        c = r.json()["choices"][0]
+        return (c["message"].get("reasoning_content"), c["message"]["content"], c["finish_reason"],
+                r.json()["usage"]["completion_tokens"])
+    reasoning, content, reason, usage = "", "", None, None
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            event = json.loads(line[6:])
+            for c in event.get("choices", []):
+                reasoning += c["delta"].get("reasoning_content") or ""
+                content += c["delta"].get("content") or ""
+                reason = c.get("finish_reason") or reason
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+    return reasoning, content, reason, usage
 
 
 def _first_id(server, prompt: list[int]) -> int:
