@@ -1,6 +1,8 @@
 """Weight-only quantized linear layers on the default model: speed and quality of int4 / int8 against fp32, in one run.
 
-Run:  python benchmarks/quantized.py [--modes none,int4,int8] [--batches 1,16,64] [--reps 3] [--kernels]
+Run:  python benchmarks/quantized.py [--modes none,int4,int8,int4@12] [--batches 1,16,64] [--reps 3] [--kernels]
+
+A mode `int4@N` is int4 with --quantized-max-tokens N (steps of more than N tokens on fp32).
 
 Speed (greedy, ignore_eos, 16-token random prompts, runs interleaved mode by mode so load
 drift hits all alike; median of --reps): batch-1 decode ms/token = (time for 1 + T tokens -
@@ -101,7 +103,15 @@ def linear_bytes(llm: LLM) -> int:
             total += module.weight.numel() * module.weight.element_size()
         else:
             total += sum(t.numel() * t.element_size() for t in vars(quant).values() if hasattr(t, "numel"))
+            if module._packed is not None:          # int4@N: the fp32 copy for large steps
+                total += module.in_features * module.out_features * 4
     return total
+
+
+def engine_args(mode: str) -> dict:
+    """`int4@12` -> quantization int4 with --quantized-max-tokens 12; `none`, `int4`, ... as is."""
+    name, _, limit = mode.partition("@")
+    return {"quantization": name, **({"quantized_max_tokens": int(limit)} if limit else {})}
 
 
 def kernels(batches: list[int], reps: int) -> None:
@@ -161,9 +171,9 @@ def main() -> None:
     print(f"# benchmarks/quantized.py ({load()}, {os.cpu_count()} CPUs, threads {args.threads or 'all'})\n")
     print("| mode | load s (cached) | decoder linear weights MB (lm_head: tied fp32 embedding) |\n|---|---:|---:|")
     for mode in args.modes.split(","):
-        LLM(quantization=mode, **common)                   # first load writes the cache
+        LLM(**engine_args(mode), **common)                 # first load writes the cache
         start = time.perf_counter()
-        llms[mode] = LLM(quantization=mode, **common)
+        llms[mode] = LLM(**engine_args(mode), **common)
         print(f"| {mode} | {time.perf_counter() - start:.1f} | {linear_bytes(llms[mode]) / 1e6:.1f} |")
     if args.kernels:
         kernels([int(b) for b in args.batches.split(",")], 5 * args.reps)

@@ -89,6 +89,11 @@ class EngineConfig:
                 "batch 1, slower at batch >= 16 on AVX2: docs/benchmarks.md), int8 requantizes every "
                 "linear weight per row; auto = int4 for a GGUF (its stored 4-bit precision), none "
                 "otherwise and under --enable-deterministic-inference", ("none", "int8", "int4", "auto"))
+    quantized_max_tokens: int = _opt(
+        0, "int4 / int8: steps of more than this many tokens run the quantized layers on their fp32 "
+           "dequantization, kept alongside (+4 bytes per weight): the quantized kernels beat fp32 "
+           "only for a few tokens per step (measured crossover ~12-16 on AVX2, docs/benchmarks.md); "
+           "0 = the quantized kernel at every size, no fp32 copy")
     enable_deterministic_inference: bool = _opt(
         False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
                "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
@@ -141,6 +146,8 @@ class EngineConfig:
                              "--speculative-draft-model-path, and they need it")
         if self.speculative_draft_layers is not None and self.speculative_draft_layers < 1:
             raise ValueError("speculative_draft_layers must be >= 1")
+        if self.quantized_max_tokens < 0:
+            raise ValueError("quantized_max_tokens must be >= 0")
         if self.quantization in ("int4", "int8") and self.enable_deterministic_inference:
             raise ValueError(f"--quantization {self.quantization} cannot be combined with "
                              f"--enable-deterministic-inference: the quantized kernels are not "

@@ -10,7 +10,9 @@ SmolLM2 weights takes ~46 ms, the split-bmm below ~12 ms). So after loading:
 Both fall back to `F.linear` where unavailable (non-CPU, no oneDNN).
 Quantized checkpoints (`--quantization int4|int8|auto`): a layer whose every shard was loaded as
 an `Int4Weight` (or every one as an `Int8Weight`) runs on that kernel instead (quant_linear.py)
-and keeps no float weight.
+and keeps no float weight; with `quantized_max_tokens` N > 0 it also keeps the float weight
+(dequantized, with its fast paths) and runs inputs of more than N rows on it: torch's CPU int4 /
+int8 kernels re-dequantize per block of rows and lose to the fp32 GEMM from ~12-16 rows on AVX2.
 Batch-invariant mode (`prepare(batch_invariant=True)`, for --enable-deterministic-inference) uses
 the packed oneDNN path for every M, M == 1 included: see batch_invariant.py.
 """
@@ -50,6 +52,7 @@ class Linear(torch.nn.Module):
         self._packed: torch.Tensor | None = None   # oneDNN-layout weight for M > 1
         self._quant_shards: dict[str | None, QuantWeight] = {}
         self._quant = None                         # Int4Matmul or Int8Matmul
+        self._quant_max_rows = 0                   # > 0: larger inputs take the float weight
 
     def load(self, tensor: torch.Tensor | QuantWeight, shard: str | None = None, is_bias: bool = False) -> None:
         """Copy a checkpoint tensor ((rows, in) or (rows,) for a bias) into the weight or one
@@ -72,12 +75,17 @@ class Linear(torch.nn.Module):
         assert tuple(weight.shape) == (self.out_features, self.in_features), "tied shapes differ"
         self.weight = weight
 
-    def prepare(self, batch_invariant: bool = False) -> None:
+    def prepare(self, batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
         """Build the CPU fast paths for the current weight (see module docstring). With
-        `batch_invariant` every M takes the packed path; raises ValueError where it cannot."""
+        `batch_invariant` every M takes the packed path; raises ValueError where it cannot.
+        A quantized layer runs inputs of up to `quantized_max_tokens` rows (0: all) on its
+        kernel and larger ones on the dequantized float weight, then kept as well."""
         self._split, self._packed = None, None
-        if self._quant_shards and self._prepare_quant(batch_invariant):
-            return
+        if self._quant_shards:
+            if self._prepare_quant(batch_invariant, keep_float=quantized_max_tokens > 0):
+                self._quant_max_rows = quantized_max_tokens
+                if not quantized_max_tokens:
+                    return
         w = self.weight.data
         if batch_invariant:
             self._packed = bi.pack(w)
@@ -95,11 +103,15 @@ class Linear(torch.nn.Module):
                     _UNPACKABLE.add(w.dtype)
                     logger.warning("oneDNN weight prepacking unavailable for %s (%s); using F.linear",
                                    str(w.dtype).removeprefix("torch."), exc)
+        if self._quant_max_rows and self._packed is not None:   # M = 1 runs on the kernel
+            self._split = None
+            self.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
 
-    def _prepare_quant(self, batch_invariant: bool) -> bool:
-        """Pack the quantized shards for their kernel and drop the float weight; or, where the
-        layer cannot run on it (shards missing or of two kinds, no kernel, a non-CPU weight,
-        batch-invariant mode), dequantize them into the float weight. Returns whether it packed."""
+    def _prepare_quant(self, batch_invariant: bool, keep_float: bool = False) -> bool:
+        """Pack the quantized shards for their kernel and drop the float weight (`keep_float`:
+        dequantize them into it as well); or, where the layer cannot run on it (shards missing
+        or of two kinds, no kernel, a non-CPU weight, batch-invariant mode), only dequantize
+        them into the float weight. Returns whether it packed."""
         order = [None] if None in self._quant_shards else list(self.shards)
         kinds = {type(q) for q in self._quant_shards.values()}
         complete = all(s in self._quant_shards for s in order) and len(kinds) == 1
@@ -110,17 +122,24 @@ class Linear(torch.nn.Module):
             except ValueError as exc:
                 logger.warning("quantized layer %dx%d kept in float: %s", self.out_features, self.in_features, exc)
             else:
-                self.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
-                self._quant_shards = {}
+                if not keep_float:
+                    self.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+                    self._quant_shards = {}
+                    return True
+                self._dequantize_into(w)
                 return True
+        self._dequantize_into(w)
+        return False
+
+    def _dequantize_into(self, w: torch.Tensor) -> None:
+        """Copy every quantized shard's float32 dequantization into its rows of `w`."""
         for shard, q in self._quant_shards.items():
             rows = w if shard is None else w.narrow(0, *self.shards[shard])
             rows.copy_(q.dequantize())
         self._quant_shards = {}
-        return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._quant is not None:
+        if self._quant is not None and (not self._quant_max_rows or x.shape[0] <= self._quant_max_rows):
             y = self._quant(x)
             return y if self.bias is None else y.add_(self.bias)
         if x.shape[0] == 1 and self._split is not None:

@@ -132,10 +132,11 @@ class LlamaForCausalLM(torch.nn.Module):
         return tensor.reshape(heads, c.head_dim, -1)[:, order].reshape(tensor.shape)
 
     def prepare(self, dtype: torch.dtype, device: torch.device | str = "cpu",
-                batch_invariant: bool = False) -> None:
+                batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
         """After loading: move to `device` in the compute dtype, rebuild the RoPE tables in it,
         and build the linear layers' fast paths (CPU only), or their batch-invariant form
-        (layers/batch_invariant.py; raises ValueError where it cannot be built)."""
+        (layers/batch_invariant.py; raises ValueError where it cannot be built).
+        `quantized_max_tokens`: see Linear.prepare."""
         routers = [m for m in self.modules() if isinstance(m, Router)]
         kept = [[p.data.float() for p in r.parameters()] for r in routers]   # routers stay fp32
         self.to(device=device, dtype=dtype)
@@ -145,7 +146,9 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rotary.cos_cache = self.rotary.cos_cache.to(device=device, dtype=dtype)
         self.rotary.sin_cache = self.rotary.sin_cache.to(device=device, dtype=dtype)
         for module in self.modules():
-            if isinstance(module, (Linear, Router, Experts)):
+            if isinstance(module, Linear):
+                module.prepare(batch_invariant, quantized_max_tokens)
+            elif isinstance(module, (Router, Experts)):
                 module.prepare(batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,

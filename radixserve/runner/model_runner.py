@@ -81,7 +81,8 @@ class ModelRunner:
         deterministic = config.enable_deterministic_inference
         if deterministic:
             check_row_invariance(self.dtype, self.device)
-        self.model.prepare(self.dtype, self.device, batch_invariant=deterministic)
+        self.model.prepare(self.dtype, self.device, batch_invariant=deterministic,
+                           quantized_max_tokens=config.quantized_max_tokens)
         self.model.eval()
         self.num_pages = self._num_pages(config, model_config)
         kv_dtype = kv_storage_dtype(config)

@@ -118,6 +118,25 @@ def test_linear_runs_quantized_shards_on_the_kernel():
     assert ((layer(x) - x @ ref.t()).abs() <= bf16_bound(x, ref)).all()
 
 
+def test_quantized_max_tokens_runs_larger_inputs_on_the_dequantized_weight():
+    """--quantized-max-tokens 4: up to 4 rows on the int4 kernel (bf16 bound, not fp32-exact),
+    more rows on the fp32 dequantization (fp32 GEMM rounding only)."""
+    layer, shards, ref = _qkv_layer()
+    for name, w in shards.items():
+        layer.load(w, name)
+    layer.prepare(quantized_max_tokens=4)
+    calls = []
+    kernel = layer._quant
+    layer._quant = lambda x: calls.append(x.shape[0]) or kernel(x)
+    for m in (1, 4, 5, 16):
+        x = torch.randn(m, COLS)
+        err = (layer(x) - x @ ref.t()).abs()
+        assert (err <= bf16_bound(x, ref)).all(), m
+        if m > 4:
+            assert (err <= 1e-4 * (x.abs() @ ref.abs().t())).all(), m   # fp32, not bf16
+    assert calls == [1, 4]
+
+
 def test_linear_falls_back_to_fp32_when_it_cannot_run_quantized(monkeypatch):
     x = torch.randn(3, COLS)
     layer, shards, ref = _qkv_layer()        # one shard plain fp32: the whole layer dequantizes
