@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -93,6 +94,8 @@ def main() -> int:
     p.add_argument("--llama-server", help="path of a built llama-server (default: build it)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--output-file", default="peers_llama_cpp.jsonl")
+    p.add_argument("--radixserve-args", default="",
+                   help="extra `radixserve serve` flags, e.g. \"--quantization int4 --quantized-max-tokens 12\"")
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     gguf = resolve_model_path(None)
@@ -103,7 +106,8 @@ def main() -> int:
                   "--parallel", str(max(levels)), "-c", str(ctx_per_slot * max(levels)),
                   "--cont-batching", "-t", str(args.threads), "--no-webui"], peer_url, "llama-server")
     ours = start([sys.executable, "-m", "radixserve", "serve", "--host", "127.0.0.1",
-                  "--port", ours_url.rsplit(":", 1)[1], "--log-level", "warning"], ours_url, "radixserve")
+                  "--port", ours_url.rsplit(":", 1)[1], "--log-level", "warning",
+                  *shlex.split(args.radixserve_args)], ours_url, "radixserve")
     rows = []
     try:
         for workload in args.datasets.split(","):
@@ -125,7 +129,8 @@ def main() -> int:
         fa = "-" if a is None else f"{a:.2f}"
         fb = "-" if b is None else f"{b:.2f}"
         print(f"| {w} | {c} | {label} | {fa} | {fb} | {r} |")
-    print("\nllama.cpp computes with the GGUF's 4-bit (Q4_1) weights; radixserve dequantizes them.")
+    print("\nllama.cpp computes with the GGUF's 4-bit (Q4_1) weights; radixserve serve flags: "
+          + (args.radixserve_args or "none (fp32: the weights dequantized at load)"))
     return 0
 
 
