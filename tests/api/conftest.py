@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from radixserve.bench.launch import free_port
+from radixserve.http_common import poller_limits
 from tests.conftest import build_tiny_api_model
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -45,7 +46,8 @@ class ServerProcess:
                                      env=env, start_new_session=new_session)
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=120)
+        self.http = httpx.Client(limits=poller_limits(), base_url=self.base_url,
+                                 headers=self.headers, timeout=120)
 
     def wait_ready(self) -> ServerProcess:
         """Wait for /health and read the model id; on any failure the server is stopped

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from radixserve.bench.launch import free_ports
+from radixserve.http_common import poller_limits
 from tests.api.conftest import API_KEY, REPO, STARTUP_TIMEOUT_S
 
 ADMIN_KEY = "admin-key"
@@ -73,7 +74,8 @@ class Fleet:
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
         self.router_url = f"http://127.0.0.1:{self.port}"
-        self.http = httpx.Client(base_url=self.router_url, timeout=120, trust_env=False,
+        self.http = httpx.Client(limits=poller_limits(), base_url=self.router_url, timeout=120,
+                                 trust_env=False,
                                  headers={"Authorization": f"Bearer {API_KEY}"})
         self.restarted: dict[str, subprocess.Popen] = {}
 

@@ -16,6 +16,7 @@ import pytest
 
 from radixserve.agent.observe import parse_metrics
 from radixserve.bench.launch import free_port
+from radixserve.http_common import poller_limits
 from tests.api.conftest import REPO, ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -62,7 +63,7 @@ class Fleet:
              "--port", str(self.port), "--log-level", "warning", *ROUTER_FLAGS],
             cwd=REPO, stdout=self.router_log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.http = httpx.Client(base_url=self.url, timeout=60)
+        self.http = httpx.Client(limits=poller_limits(), base_url=self.url, timeout=60)
         wait_for(lambda: self._routable() == 3, "the router to see three workers")
         self.manifest = pathlib.Path(tempfile.mkdtemp()) / "fleet.json"
         self.manifest.write_text(json.dumps({"router_url": self.url, "workers": [
@@ -148,7 +149,7 @@ class Load:
             t.start()
 
     def _loop(self, i: int) -> None:
-        with httpx.Client(base_url=self.url, timeout=60) as http:
+        with httpx.Client(limits=poller_limits(), base_url=self.url, timeout=60) as http:
             n = 0
             while not self.stop_flag.is_set():
                 n += 1

@@ -10,6 +10,8 @@ import time
 import httpx
 import pytest
 
+from radixserve.http_common import poller_limits
+
 from tests.api.conftest import start_tiny_server
 
 
@@ -42,7 +44,7 @@ def test_stream_disconnect_aborts(long_server, route):
     body.update({"prompt": "Write an essay"} if "chat" not in route else
                 {"messages": [{"role": "user", "content": "Write an essay"}]})
     before = long_server.stats()["num_aborted_requests"]
-    with httpx.Client(base_url=long_server.base_url) as http:
+    with httpx.Client(limits=poller_limits(), base_url=long_server.base_url) as http:
         with http.stream("POST", route, json=body) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
@@ -68,7 +70,7 @@ def test_overload_is_503_and_recovers(long_server):
     """With 2 running + 1 queued allowed, a 4th concurrent request is refused with 503."""
     body = {"model": long_server.model, "prompt": "Go on", "max_tokens": 2000,
             "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=long_server.base_url, timeout=30) as http:
+    with httpx.Client(limits=poller_limits(), base_url=long_server.base_url, timeout=30) as http:
         streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(3)]
         responses = [s.__enter__() for s in streams]
         try:

@@ -14,6 +14,8 @@ import threading
 import httpx
 import pytest
 
+from radixserve.http_common import poller_limits
+
 from tests.api.conftest import start_tiny_server
 from tests.api.test_api_lifecycle import wait_for
 
@@ -122,7 +124,7 @@ def test_abort_request_by_response_id(prod_server):
     body = {"model": prod_server.model, "prompt": "Go", "max_tokens": 1900, "ignore_eos": True,
             "stream": True}
     before = prod_server.metrics()
-    with httpx.Client(base_url=prod_server.base_url, timeout=60) as http:
+    with httpx.Client(limits=poller_limits(), base_url=prod_server.base_url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             rid = first_chunk(lines)["id"]

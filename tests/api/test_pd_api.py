@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from radixserve.bench.launch import free_port
+from radixserve.http_common import poller_limits
 from tests.api.conftest import REPO, ServerProcess
 
 SOAK = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "pd_soak.py"
@@ -57,7 +58,7 @@ def pd_fleet(tiny_model_dir):
              "--log-level", "warning"], cwd=REPO)
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _ok(url + "/health"), "the router to be ready")
-        yield ref, prefill, decode, httpx.Client(base_url=url, timeout=120)
+        yield ref, prefill, decode, httpx.Client(limits=poller_limits(), base_url=url, timeout=120)
     finally:
         if router is not None:
             router.terminate()

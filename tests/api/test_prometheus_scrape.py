@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from radixserve.bench.launch import free_port
+from radixserve.http_common import poller_limits
 from tests.api.conftest import REPO, STARTUP_TIMEOUT_S, terminate
 from tests.api.router_fixtures import ADMIN_KEY, Fleet, port_open, wait_for
 from tests.unit.test_deploy_monitoring import dashboard_exprs, scrape_jobs
@@ -72,7 +73,7 @@ class Prometheus:
              f"--storage.tsdb.path={folder / 'tsdb'}", "--storage.tsdb.retention.time=1h",
              f"--web.listen-address={self.url.removeprefix('http://')}", "--log.level=warn"],
             stdout=self.log, stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=self.url, timeout=30, trust_env=False)
+        self.http = httpx.Client(limits=poller_limits(), base_url=self.url, timeout=30, trust_env=False)
 
     def output(self) -> str:
         self.log.flush()
