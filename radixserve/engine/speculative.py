@@ -26,8 +26,9 @@ compute per token; break_even_tokens = a / b). With B requests decoding, d more 
 of which a fraction r is accepted raise the output per second only while r > B / (B + a/b)
 (throughput (B + r d) / (a + b (B + d)) against B / (a + b B)). Each request keeps an average
 of r (starting from the average over all requests' verify steps, so that short requests need
-not each learn it), and drafts only while it is above that bound (probing every RETRY_EVERY steps): at batch
-1 nearly any draft pays, at batch 16 with a/b = 16 only one that is accepted half the time.
+not each learn it), and drafts only while it is above that bound (probing every RETRY_EVERY
+steps): at batch 1 nearly any draft pays, at batch 16 with a/b = 16 only one that is accepted
+half the time.
 The default a/b = 16 is measured on a 2-core AVX2 CPU (docs/benchmarks.md); a GPU's is larger.
 The gate changes only which steps carry drafts, never a token: greedy output is the same.
 """
@@ -107,7 +108,8 @@ class NgramProposer(_AdaptiveProposer):
     """Drafts for running requests, keyed by request id. Call `release(id, tokens)` when a
     request ends (its output then feeds the shared table)."""
 
-    def __init__(self, max_draft: int, shared_entries: int = 1 << 16, break_even_tokens: float = 16.0):
+    def __init__(self, max_draft: int, shared_entries: int = 1 << 16,
+                 break_even_tokens: float = 16.0):
         super().__init__(max_draft, break_even_tokens)
         self.shared_entries = shared_entries
         self._shared: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()

@@ -122,11 +122,11 @@ class Linear(torch.nn.Module):
             except ValueError as exc:
                 logger.warning("quantized layer %dx%d kept in float: %s", self.out_features, self.in_features, exc)
             else:
-                if not keep_float:
+                if keep_float:
+                    self._dequantize_into(w)
+                else:
                     self.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
                     self._quant_shards = {}
-                    return True
-                self._dequantize_into(w)
                 return True
         self._dequantize_into(w)
         return False

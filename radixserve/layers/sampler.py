@@ -186,8 +186,9 @@ class Sampler:
         probability p(d), else draw from the residual max(p - q, 0), i.e. p without d,
         renormalised; after k acceptances the last token is drawn exactly as an ordinary step.
         A greedy row without penalties or masks reads the argmax off the raw logits (as
-        `sample`), and logprobs are NaN unless the request asked for them. The emitted tokens are distributed exactly as without speculation; uniforms come from
-        the request seed and step, so a seed reproduces."""
+        `sample`), and logprobs are NaN unless the request asked for them. The emitted tokens
+        are distributed exactly as without speculation; uniforms come from the request seed
+        and step, so a seed reproduces."""
         k = len(draft)
         rows = [_Shifted(row, list(draft[:i])) for i in range(k + 1)]
         picks = self._plain_greedy(logits, rows) if row.params.is_greedy else None
