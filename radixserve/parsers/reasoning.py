@@ -17,11 +17,35 @@ that ends while thinking is all reasoning.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from radixserve.parsers.events import Content, Event, Reasoning
 from radixserve.parsers.scan import Trimmer, held_prefix_len
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("glm45", "qwen3")
+
+
+def reasoning_token_count(ids: Sequence[int], decode: Callable[[Sequence[int]], str],
+                          starts_in_reasoning: bool = False) -> int:
+    """How many of a reply's output tokens `ids` are thinking (usage's `reasoning_tokens`): those
+    up to and including the one that completes `</think>`, all of them when the block never
+    closes, 0 when the reply has no block (the parser's rules above). `decode` gives the text
+    the parser saw for a prefix of `ids`; a binary search over prefixes, O(log n) decodes."""
+    text = decode(ids)
+    if not starts_in_reasoning and not text.lstrip().startswith(THINK_OPEN):
+        return 0
+    start = 0 if starts_in_reasoning else text.find(THINK_OPEN) + len(THINK_OPEN)
+    if text.find(THINK_CLOSE, start) < 0:
+        return len(ids)
+    lo, hi = 1, len(ids)               # the shortest prefix whose text holds the close
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if decode(ids[:mid]).find(THINK_CLOSE, start) >= 0:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def opens_thinking(prompt_tail: str) -> bool:

@@ -19,13 +19,14 @@ response in one piece.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from radixserve.errors import InvalidRequest
 from radixserve.parsers.chat_output import ChatOutputParser
 from radixserve.parsers.events import CallArgs, CallStart, Content, Event, ParsedMessage, Reasoning
-from radixserve.parsers.reasoning import opens_thinking
+from radixserve.parsers.reasoning import opens_thinking, reasoning_token_count
 from radixserve.parsers.schema import ToolSpec
 from radixserve.server.protocol import (ChatCompletionRequest, ChatMessageOut, FunctionCallOut,
                                         NamedToolChoice, ToolCallOut)
@@ -119,6 +120,14 @@ class ChatOutputs:
             return events
         return [e for e in events
                 if not isinstance(e, (CallStart, CallArgs)) or e.index < self._max_calls]
+
+    def reasoning_tokens(self, choices_ids: list[list[int]],
+                         decode: Callable[[Sequence[int]], str]) -> int | None:
+        """usage's `reasoning_tokens` for the choices' output token ids, summed; None when
+        this request splits no reasoning (no --reasoning-parser, or a json_schema plan)."""
+        if not self._reasoning:
+            return None
+        return sum(reasoning_token_count(ids, decode, self._starts_in_reasoning) for ids in choices_ids)
 
     def _finish_reason(self, reason: str | None, num_calls: int) -> str | None:
         return self._calls_finish_reason if reason == "stop" and num_calls else reason

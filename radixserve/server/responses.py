@@ -157,7 +157,7 @@ async def chat_response(ctx: ServingContext, run: GenerationRun, req: ChatComple
         choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                   finish_reason=finish_reason, stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=rid, created=created, model=ctx.model_name, choices=choices,
-                                  usage=run.usage())
+                                  usage=run.usage(run.reasoning_tokens(outputs)))
 
 
 async def chat_chunks(ctx: ServingContext, run: GenerationRun, req: ChatCompletionRequest,
@@ -186,7 +186,7 @@ async def chat_chunks(ctx: ServingContext, run: GenerationRun, req: ChatCompleti
                 yield chunk(ChatStreamChoice(index=index, delta={}, finish_reason=reason))
         if req.include_usage:
             yield sse(ChatCompletionChunk(id=rid, created=created, model=ctx.model_name,
-                                          choices=[], usage=run.usage()))
+                                          choices=[], usage=run.usage(run.reasoning_tokens(outputs))))
     except Exception as exc:
         yield _error_event(exc)
     finally:

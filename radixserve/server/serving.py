@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -27,6 +27,9 @@ from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest
                                         PromptTokensDetails, Usage)
 from radixserve.server.validation import validation_error
 from radixserve.tokenizer.output_processor import ChoiceUpdate, RequestTracker
+
+if TYPE_CHECKING:
+    from radixserve.server.chat_tools import ChatOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +306,9 @@ class GenerationRun:
         return OutputAnomaly(f"The output of choice {index} looked broken ({kind}: {detail}); "
                              "the request was stopped. Retrying it may succeed.", kind)
 
-    def usage(self) -> Usage:
+    def usage(self, reasoning_tokens: int | None = None) -> Usage:
+        """Usage over every choice; `reasoning_tokens` (chat with a reasoning parser) goes into
+        OpenAI's `completion_tokens_details`."""
         prompt = sum(t.prompt_tokens for t in self.trackers)
         completion = sum(t.completion_tokens for t in self.trackers)
         cached = sum(t.cached_tokens for t in self.trackers)
@@ -312,9 +317,19 @@ class GenerationRun:
                                       **({"cached_tokens_host": sum(hosts)} if hosts else {}))
         counts = [t.spec for t in self.trackers if t.spec is not None]
         spec = sum(counts[1:], counts[0]).usage_fields() if counts else {}
+        if reasoning_tokens is not None:
+            spec["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return Usage(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion,
                      prompt_tokens_details=details, **spec)
+
+    def reasoning_tokens(self, outputs: ChatOutputs) -> int | None:
+        """usage's `reasoning_tokens` of a chat run's choices so far (ChatOutputs decides)."""
+        tracker = self.trackers[0]            # chat has one prompt
+        skip = tracker.params.skip_special_tokens
+        return outputs.reasoning_tokens(
+            [c.token_ids for c in tracker.result().outputs],
+            lambda ids: self.ctx.tokenizer.decode(ids, skip_special_tokens=skip))
 
     def prompt_text(self, prompt_index: int) -> str:
         prompt = self.prompts[prompt_index]

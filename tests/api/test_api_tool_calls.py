@@ -57,14 +57,20 @@ def test_reasoning_split_and_usage(server, default_tokenizer):
     assert (msg["reasoning_content"], msg["content"]) == ("2 + 2 is 4.", "The answer is 4.")
     assert msg["tool_calls"] is None and full["choices"][0]["finish_reason"] == "stop"
     assert full["usage"]["completion_tokens"] == num_tokens   # thinking tokens count too
-    streamed = streamed_message(stream(server))
+    thinking = len(default_tokenizer.hf.encode("<think>\n2 + 2 is 4.\n</think>", add_special_tokens=False))
+    assert full["usage"]["completion_tokens_details"] == {"reasoning_tokens": thinking}
+    res = stream(server)
+    streamed = streamed_message(res)
     assert (streamed["reasoning"], streamed["content"]) == ("2 + 2 is 4.", "The answer is 4.")
+    assert res.usage["completion_tokens_details"] == {"reasoning_tokens": thinking}
 
 
 def test_no_think_block_is_all_content(server, default_tokenizer):
     force(server, default_tokenizer, "Plain answer, no thinking.")
-    msg = chat(server)["choices"][0]["message"]
+    full = chat(server)
+    msg = full["choices"][0]["message"]
     assert (msg["content"], msg["reasoning_content"]) == ("Plain answer, no thinking.", None)
+    assert full["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
 
 
 @pytest.mark.parametrize("reply", [

@@ -185,7 +185,7 @@ def _completion_view(r: httpx.Response, stream: bool) -> tuple[str, str | None, 
 def test_reasoning_block_opened_by_the_first_token(pd_fleet, default_tokenizer, stream):
     """C26: a reply whose first token (sampled on prefill, forced with sampler.force_tokens on
     every worker) opens the thinking block splits into the same reasoning_content and content,
-    with the same completion_tokens, through PD as on the colocated worker."""
+    with the same completion_tokens and reasoning_tokens, through PD as on the colocated worker."""
     ref, prefill, decode, router = pd_fleet
     hf = default_tokenizer.hf
     ids = [*hf.encode("<think>\nIt is 4.\n</think>\n\nFour.", add_special_tokens=False),
@@ -202,17 +202,19 @@ def test_reasoning_block_opened_by_the_first_token(pd_fleet, default_tokenizer, 
         got = target.post("/v1/chat/completions", json=body)
         assert got.status_code == 200, got.text
         views.append(_chat_view(got, stream))
-    assert views[1] == ("It is 4.", "Four.", "stop", len(ids)), views[1]   # colocated
+    thinking = len(hf.encode("<think>\nIt is 4.\n</think>", add_special_tokens=False))
+    assert views[1] == ("It is 4.", "Four.", "stop", len(ids), thinking), views[1]   # colocated
     assert views[0] == views[1]
 
 
-def _chat_view(r: httpx.Response, stream: bool) -> tuple[str | None, str | None, str | None, int | None]:
-    """(reasoning_content, content, finish_reason, completion_tokens) of a chat reply."""
+def _chat_view(r: httpx.Response, stream: bool) -> tuple:
+    """(reasoning_content, content, finish_reason, completion_tokens, reasoning_tokens) of a
+    chat reply."""
     if not stream:
-        c = r.json()["choices"][0]
+        c, usage = r.json()["choices"][0], r.json()["usage"]
         return (c["message"].get("reasoning_content"), c["message"]["content"], c["finish_reason"],
-                r.json()["usage"]["completion_tokens"])
-    reasoning, content, reason, usage = "", "", None, None
+                usage["completion_tokens"], usage["completion_tokens_details"]["reasoning_tokens"])
+    reasoning, content, reason, usage = "", "", None, {}
     for line in r.text.splitlines():
         if line.startswith("data: {"):
             event = json.loads(line[6:])
@@ -221,8 +223,9 @@ def _chat_view(r: httpx.Response, stream: bool) -> tuple[str | None, str | None,
                 content += c["delta"].get("content") or ""
                 reason = c.get("finish_reason") or reason
             if event.get("usage"):
-                usage = event["usage"]["completion_tokens"]
-    return reasoning, content, reason, usage
+                usage = event["usage"]
+    return (reasoning, content, reason, usage.get("completion_tokens"),
+            usage.get("completion_tokens_details", {}).get("reasoning_tokens"))
 
 
 def _first_id(server, prompt: list[int]) -> int:

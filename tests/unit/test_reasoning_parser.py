@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.parsers.reasoning import opens_thinking
+from radixserve.parsers.reasoning import opens_thinking, reasoning_token_count
 from tests.unit.parser_cases import (CHUNKS, assert_stream_shape, calls_json, char_chunks, glm45,
                                      parse, same_message, token_chunks)
 
@@ -86,3 +86,34 @@ def test_any_text_at_any_chunking(parts, seed, parser, reasoning):
     streamed, per_feed = parse(parser, chunks, reasoning=reasoning)
     assert_stream_shape(per_feed)
     assert same_message(streamed, whole), chunks
+
+
+@pytest.mark.parametrize("reply, starts_inside, thinking", [
+    ("<think>\nIt is 4.\n</think>\n\nFour.", False, "<think>\nIt is 4.\n</think>"),
+    ("  <think>a</think>b", False, "  <think>a</think>"),
+    ("It is 4.</think>Four.", True, "It is 4.</think>"),
+    ("<think>never closed", False, "<think>never closed"),
+    ("Four. <think>late</think>", False, ""),              # not a reasoning block: content
+    ("Four.", True, "Four."),                              # opened by the prompt, never closed
+])
+def test_reasoning_tokens_count_up_to_the_one_that_closes_the_block(reply, starts_inside, thinking,
+                                                                   default_tokenizer):
+    """usage's reasoning_tokens: the tokens of the reply up to and including the one that
+    completes </think> (with the real tokenizer, where that boundary is a token boundary)."""
+    hf = default_tokenizer.hf
+    ids = hf.encode(reply, add_special_tokens=False)
+    expected = len(hf.encode(thinking, add_special_tokens=False)) if thinking else 0
+    assert ids[:expected] == hf.encode(thinking, add_special_tokens=False)   # boundary aligns
+    decodes = []
+
+    def decode(prefix):
+        decodes.append(len(prefix))
+        return default_tokenizer.decode(prefix)
+    assert reasoning_token_count(ids, decode, starts_inside) == expected
+    assert len(decodes) <= 2 + len(ids).bit_length()                 # a binary search
+
+
+def test_reasoning_tokens_one_char_per_token():
+    reply = "<think>abc</think>xyz"
+    assert reasoning_token_count(list(range(len(reply))),
+                                 lambda ids: "".join(reply[i] for i in ids)) == len("<think>abc</think>")
