@@ -316,12 +316,12 @@ class GenerationRun:
         details = PromptTokensDetails(cached_tokens=cached,
                                       **({"cached_tokens_host": sum(hosts)} if hosts else {}))
         counts = [t.spec for t in self.trackers if t.spec is not None]
-        spec = sum(counts[1:], counts[0]).usage_fields() if counts else {}
+        extra = sum(counts[1:], counts[0]).usage_fields() if counts else {}
         if reasoning_tokens is not None:
-            spec["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+            extra["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return Usage(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion,
-                     prompt_tokens_details=details, **spec)
+                     prompt_tokens_details=details, **extra)
 
     def reasoning_tokens(self, outputs: ChatOutputs) -> int | None:
         """usage's `reasoning_tokens` of a chat run's choices so far (ChatOutputs decides)."""
