@@ -6,9 +6,14 @@
 
 The client's status is decided before any byte is relayed: a non-stream answer is complete
 when it comes; a stream is committed only at the decode leg's first event, which comes after
-the KV landed (or is an error event). Until then a failed leg's error is the answer: the
-prefill leg's own 4xx (context length, bad parameters) or a 502 / 5xx for a transport
-failure. No retry on another pair (a documented gap: docs/disaggregation.md).
+the KV landed (or is an error event). Until then a failed leg is retried on another pair by the
+colocated router's rules (outcome.classify: transport errors, 408, 429, 5xx; the router's
+retry budget and jittered backoff): the worker whose leg failed is excluded, the other side may
+be picked again, and every attempt has its own bootstrap room, so a late write of a cancelled
+attempt can never reach the next one's pages. A non-retryable error (the prefill leg's own 4xx:
+context length, bad parameters) is the answer at once; when the budget or the workers run out,
+the last failure's error is (a 502 for a transport failure). Each leg's outcome feeds its
+worker's circuit breaker.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import asyncio
 import json
 import logging
 import random
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
 
@@ -23,10 +29,28 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.errors import error_body
+from radixserve.router.outcome import classify, error_kind
 
 logger = logging.getLogger(__name__)
 
 UNREACHABLE = (httpx.TransportError, httpx.InvalidURL)
+
+
+@dataclass
+class LegFailed:
+    """One leg of an attempt failed. `status` None: no answer (transport error); `kind`: the
+    error body's type; `response`: the client's answer if no other pair does better."""
+
+    side: str   # "prefill" or "decode"
+    url: str
+    status: int | None
+    kind: str | None
+    response: Response
+
+    @property
+    def retry(self) -> bool:
+        """Whether another pair may be tried (outcome.classify's rules)."""
+        return classify(self.status, self.status is None, self.kind).retry
 
 
 class PDRouter:
@@ -61,17 +85,44 @@ class PDRouter:
 
     async def forward(self, path: str, body: dict, headers: dict[str, bytes], key: Any,
                       stream: bool) -> Response:
-        """One client request over a pair (module doc)."""
-        p_all, d_all = self.prefill.registry.routable(), self.decode.registry.routable()
-        if not p_all or not d_all:
-            side = "prefill" if not p_all else "decode"
-            return _error(503, f"no routable {side} worker", "no_worker_available")
-        p = self.prefill.policy.select(key, p_all).worker
-        d = self.decode.policy.select(key, d_all).worker
+        """One client request over a pair, retried on other pairs (module doc)."""
+        tried: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        forwarder = self.prefill.forwarder
+        last: LegFailed | None = None
+        for attempt in range(forwarder.max_attempts):
+            p_all = self.prefill.registry.routable(exclude=tried["prefill"])
+            d_all = self.decode.registry.routable(exclude=tried["decode"])
+            if not p_all or not d_all:
+                break
+            if attempt:
+                await asyncio.sleep(forwarder.backoff_s(attempt))
+                self.prefill.metrics.retries.inc()
+            p = self.prefill.policy.select(key, p_all).worker
+            d = self.decode.policy.select(key, d_all).worker
+            answer = await self._attempt(path, body, headers, stream, p, d)
+            if not isinstance(answer, LegFailed):
+                return answer
+            last = answer
+            if not answer.retry:
+                return answer.response
+            tried[answer.side].add(answer.url)
+            logger.info("PD attempt %d failed on the %s leg (%s): %s", attempt + 1, answer.side,
+                        answer.url, answer.status or "transport error")
+        if last is not None:
+            self.prefill.metrics.retries_exhausted.inc()
+            return last.response
+        side = "prefill" if not self.prefill.registry.routable() else "decode"
+        return _error(503, f"no routable {side} worker", "no_worker_available")
+
+    async def _attempt(self, path: str, body: dict, headers: dict[str, bytes], stream: bool,
+                       p: Any, d: Any) -> Response | LegFailed:
+        """Both legs over the pair (p, d) with a fresh bootstrap room: the client's answer, or
+        the failed leg (the other cancelled). Records each leg's outcome on its breaker."""
         try:
             host, port = await self.bootstrap_of(p.url)
         except LookupError as exc:
-            return _error(503, str(exc), "no_worker_available")
+            self.prefill.forwarder.record(p, None, True)
+            return LegFailed("prefill", p.url, None, None, _error(503, str(exc), "no_worker_available"))
         room = random.getrandbits(63)
         extra = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
         p_body = {**body, **extra, "stream": False}
@@ -91,10 +142,14 @@ class PDRouter:
             d_leg.cancel()
             self.decode.registry.release(d.url)
             raise
-        if isinstance(answer, Response):
+        if isinstance(answer, LegFailed):
             self.decode.registry.release(d.url)
+            state, worker = (self.prefill, p) if answer.side == "prefill" else (self.decode, d)
+            state.forwarder.record(worker, answer.status, answer.status is None, answer.kind)
             return answer
         resp, first = answer
+        self.prefill.forwarder.record(p, 200, False)
+        self.decode.forwarder.record(d, resp.status_code, False)
         self._keep(p_leg)   # a succeeded decode means the prefill is done or about to be
         return StreamingResponse(self._relay(resp, first, d.url), status_code=resp.status_code,
                                  media_type=resp.headers.get("content-type"))
@@ -119,8 +174,8 @@ class PDRouter:
             raise
 
     async def _race(self, p_leg: asyncio.Task, d_leg: asyncio.Task, p_url: str, d_url: str):
-        """Wait for the decode leg's first chunk while watching the prefill leg. Returns an
-        error Response (the other leg cancelled) or (decode response, first chunk)."""
+        """Wait for the decode leg's first chunk while watching the prefill leg. Returns the
+        LegFailed of a failed leg (the other leg cancelled) or (decode response, first chunk)."""
         pending = {p_leg, d_leg}
         while True:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -161,12 +216,13 @@ class PDRouter:
         d_leg.add_done_callback(close)
 
 
-def _leg_failure(leg: asyncio.Task, url: str, side: str) -> Response | None:
-    """The client's error Response when `leg` failed, else None."""
+def _leg_failure(leg: asyncio.Task, url: str, side: str) -> LegFailed | None:
+    """How `leg` failed (its error as the client would get it), or None when it did not."""
     exc = leg.exception()
     if isinstance(exc, UNREACHABLE):
         logger.warning("PD %s leg to %s failed: %r", side, url, exc)
-        return _error(502, f"the {side} worker {url} failed: {type(exc).__name__}", "upstream_error")
+        return LegFailed(side, url, None, None, _error(
+            502, f"the {side} worker {url} failed: {type(exc).__name__}", "upstream_error"))
     if exc is not None:
         raise exc
     result = leg.result()
@@ -176,7 +232,8 @@ def _leg_failure(leg: asyncio.Task, url: str, side: str) -> Response | None:
             error = json.loads(body.split(b"\n\n", 1)[0].removeprefix(b"data: "))
             code = error["error"].get("code")
             status = code if isinstance(code, int) and code >= 400 else 500
-            return JSONResponse(error, status_code=status)
+            return LegFailed(side, url, status, error["error"].get("type"),
+                             JSONResponse(error, status_code=status))
         return None
     if side == "decode" and resp.headers.get("content-type", "").startswith("text/event-stream"):
         body = body.removeprefix(b"data: ").strip()
@@ -186,7 +243,8 @@ def _leg_failure(leg: asyncio.Task, url: str, side: str) -> Response | None:
     except ValueError:
         content = error_body(f"the {side} worker answered {resp.status_code}", "upstream_error",
                              resp.status_code)
-    return JSONResponse(content, status_code=resp.status_code)
+    return LegFailed(side, url, resp.status_code, error_kind(body),
+                     JSONResponse(content, status_code=resp.status_code))
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:

@@ -1,4 +1,4 @@
-"""The router's PD dispatch over mock workers: when one leg fails the other is cancelled, not awaited (C28); a prefill 4xx reaches the client; a stream is committed only at decode's first event."""
+"""The router's PD dispatch over mock workers: when one leg fails the other is cancelled, not awaited (C28); a prefill 4xx reaches the client; a stream is committed only at decode's first event; a retryable failure is retried on another pair within the budget."""
 from __future__ import annotations
 
 import asyncio
@@ -8,18 +8,19 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from radixserve.router.outcome import classify
 from radixserve.router.pd import PDRouter
 
 P, D = "http://prefill:1", "http://decode:2"
 
 
 class Registry:
-    def __init__(self, url):
-        self.worker = SimpleNamespace(url=url)
+    def __init__(self, urls):
+        self.workers = [SimpleNamespace(url=u) for u in urls]
         self.in_flight = 0
 
-    def routable(self):
-        return [self.worker]
+    def routable(self, exclude=frozenset()):
+        return [w for w in self.workers if w.url not in exclude]
 
     def acquire(self, url):
         self.in_flight += 1
@@ -28,26 +29,53 @@ class Registry:
         self.in_flight -= 1
 
 
-def side(url, http):
+class Count:
+    def __init__(self):
+        self.value = 0
+
+    def inc(self):
+        self.value += 1
+
+
+class Forwarder:
+    """The router Forwarder's part PD mode uses: the retry budget, backoff and breaker records."""
+
+    def __init__(self, attempts):
+        self.max_attempts = attempts
+        self.outcomes: list[tuple[str, str]] = []
+
+    def backoff_s(self, retry):
+        return 0.0
+
+    def record(self, worker, status, transport_error, kind=None):
+        self.outcomes.append((worker.url, classify(status, transport_error, kind).breaker))
+
+
+def side(urls, http, attempts):
     policy = SimpleNamespace(select=lambda key, cands: SimpleNamespace(worker=cands[0]))
-    return SimpleNamespace(registry=Registry(url), policy=policy, http=http,
-                           config=SimpleNamespace(connect_timeout_s=1.0))
+    return SimpleNamespace(registry=Registry(urls), policy=policy, http=http,
+                           config=SimpleNamespace(connect_timeout_s=1.0), forwarder=Forwarder(attempts),
+                           metrics=SimpleNamespace(retries=Count(), retries_exhausted=Count()))
 
 
-def run(prefill_handler, decode_handler, body=None):
-    """Forward one request; returns (response status, body bytes, events seen by handlers)."""
-    seen: dict[str, object] = {}
+def run(prefill_handler, decode_handler, body=None, prefill=(P,), decode=(D,), attempts=5):
+    """Forward one request; returns (response status, body bytes, what the handlers saw).
+    `seen` also gets "in_flight" (both registries after the request), "router" (the PDRouter)
+    and "hosts" (every leg's worker host, in order)."""
+    seen: dict[str, object] = {"hosts": []}
 
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/get_server_info":
             return httpx.Response(200, json={"disaggregation_mode": "prefill",
                                              "bootstrap_address": "tcp://127.0.0.1:8998"})
-        fn = prefill_handler if request.url.host == "prefill" else decode_handler
+        seen["hosts"].append(request.url.host)
+        fn = prefill_handler if request.url.host.startswith("prefill") else decode_handler
         return await fn(request, seen)
 
     async def main():
         http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        router = PDRouter(side(P, http), side(D, http))
+        router = PDRouter(side(prefill, http, attempts), side(decode, http, attempts))
+        seen["router"] = router
         resp = await asyncio.wait_for(router.forward(
             "/v1/completions", body or {"prompt": "hi", "max_tokens": 2}, {}, None,
             bool((body or {}).get("stream"))), 10)
@@ -66,7 +94,7 @@ def run(prefill_handler, decode_handler, body=None):
 
 
 async def hang(request, seen):
-    key = "prefill" if request.url.host == "prefill" else "decode"
+    key = "prefill" if request.url.host.startswith("prefill") else "decode"
     seen[key + "_body"] = json.loads(request.content)
     try:
         await asyncio.Event().wait()
@@ -101,10 +129,11 @@ def test_prefill_error_cancels_the_decode_leg_and_reaches_the_client():
     async def too_long(request, seen):
         return httpx.Response(400, json={"error": {"message": "too long", "type": "invalid_request_error",
                                                    "code": "context_length_exceeded"}})
-    status, data, seen = run(too_long, hang)
+    status, data, seen = run(too_long, hang, prefill=(P, "http://prefill-b:1"))
     assert status == 400 and json.loads(data)["error"]["code"] == "context_length_exceeded"
     assert seen.get("decode_cancelled"), seen
     assert seen["in_flight"] == (0, 0)
+    assert seen["hosts"].count("prefill") == 1 and "prefill-b" not in seen["hosts"], "a 4xx is not retried"
 
 
 def test_both_legs_share_the_bootstrap_room_and_prefill_is_not_streamed():
@@ -132,3 +161,64 @@ def test_a_decode_error_before_any_token_is_the_status(stream):
         return httpx.Response(500, json=error)
     status, data, _ = run(prefill_ok, decode_fails, {"prompt": "hi", "stream": stream})
     assert status == 500 and json.loads(data)["error"]["code"] == "kv_transfer_failed"
+
+
+async def decode_ok(request, seen):
+    seen.setdefault("decode_rooms", []).append(json.loads(request.content)["bootstrap_room"])
+    return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+
+
+def test_a_busy_prefill_worker_is_retried_on_another_pair():
+    async def busy_then_ok(request, seen):
+        seen.setdefault("prefill_rooms", []).append(json.loads(request.content)["bootstrap_room"])
+        if request.url.host == "prefill":
+            return httpx.Response(503, json={"error": {"message": "queue full", "type": "server_overloaded"}})
+        return httpx.Response(200, json={"choices": [{"text": "x"}]})
+
+    status, data, seen = run(busy_then_ok, decode_ok, prefill=(P, "http://prefill-b:1"))
+    assert status == 200 and json.loads(data)["choices"][0]["text"] == "ok"
+    router = seen["router"]
+    assert router.prefill.metrics.retries.value == 1
+    assert router.prefill.forwarder.outcomes == [(P, "neutral"), ("http://prefill-b:1", "success")]
+    assert router.decode.forwarder.outcomes == [(D, "success")]
+    rooms = seen["prefill_rooms"]
+    assert len(set(rooms)) == 2 and seen["decode_rooms"][-1] == rooms[-1], "each attempt has its own room"
+    assert seen["in_flight"] == (0, 0)
+
+
+def test_a_failed_decode_leg_is_retried_on_another_decode_worker_and_its_prefill_cancelled():
+    async def prefill_waits_for_first_decode(request, seen):
+        if "first_prefill" not in seen:
+            seen["first_prefill"] = True
+            return await hang(request, seen)
+        return httpx.Response(200, json={"choices": [{"text": "x"}]})
+
+    async def first_decode_resets(request, seen):
+        if request.url.host == "decode":
+            raise httpx.ConnectError("connection reset")
+        return await decode_ok(request, seen)
+
+    status, data, seen = run(prefill_waits_for_first_decode, first_decode_resets,
+                             decode=(D, "http://decode-b:2"))
+    assert status == 200
+    assert seen.get("prefill_cancelled"), "the failed attempt's prefill leg was cancelled, not awaited"
+    assert seen["router"].decode.forwarder.outcomes == [(D, "failure"), ("http://decode-b:2", "success")]
+    assert seen["hosts"].count("prefill") == 2, "the prefill worker itself is tried again"
+    assert seen["in_flight"] == (0, 0)
+
+
+@pytest.mark.parametrize("attempts", [1, 2, 5])
+def test_retries_stop_at_the_budget_and_the_last_error_is_the_answer(attempts):
+    async def broken(request, seen):
+        return httpx.Response(500, json={"error": {"message": f"broken {request.url.host}", "type": "internal_error"}})
+
+    prefill = tuple(f"http://prefill-{i}:1" for i in range(3))
+    status, data, seen = run(broken, hang, prefill=prefill, attempts=attempts)
+    tried = min(attempts, len(prefill))
+    assert status == 500 and json.loads(data)["error"]["message"] == f"broken prefill-{tried - 1}"
+    router = seen["router"]
+    assert sum(h.startswith("prefill") for h in seen["hosts"]) == tried
+    assert router.prefill.metrics.retries.value == tried - 1
+    assert router.prefill.metrics.retries_exhausted.value == 1
+    assert [o for _, o in router.prefill.forwarder.outcomes] == ["failure"] * tried
+    assert seen["in_flight"] == (0, 0)
