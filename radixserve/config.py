@@ -155,10 +155,6 @@ class EngineConfig:
         if self.disaggregation_mode != "null" and self.speculative_algorithm == "draft":
             raise ValueError("--speculative-algorithm draft cannot run on a prefill or decode "
                              "worker: the draft model's KV is not transferred")
-        if self.disaggregation_mode == "decode" and self.enable_hierarchical_cache:
-            raise ValueError("--enable-hierarchical-cache is not supported with "
-                             "--disaggregation-mode decode yet (decode imports KV into "
-                             "preallocated pages outside the radix tree; untested together)")
         if not 0 <= self.disaggregation_bootstrap_port <= 65535:
             raise ValueError("disaggregation_bootstrap_port must be in [0, 65535]")
         if self.disaggregation_transfer_timeout <= 0 or self.disaggregation_chunk_pages < 1:

@@ -122,3 +122,34 @@ def test_pd_parity_with_colocated(mha_dir):
         assert rig.finals[f"r{len(prompts) - 1}"].num_cached_tokens == 16
     finally:
         rig.close()
+
+
+def test_decode_kv_pressure_with_a_host_tier_resumes_from_host(mha_dir):
+    """C27, host-offload variant, on the real runner: a decode worker whose pool holds about
+    two of these requests preempts under decode pressure; a preempted request's KV, evicted
+    from the device meanwhile, comes back from the host tier (every layer's load delayed) when
+    it resumes, and every output equals its colocated reference."""
+    rng = random.Random(27)
+    prompts = [[rng.randrange(1, 384) for _ in range(20)] for _ in range(8)]
+    want = colocated(mha_dir, prompts, 30)
+    p = pd("prefill", mha_dir, 4096)
+    d = pd("decode", mha_dir, 24 * PAGE, enable_hierarchical_cache=True, hicache_ratio=8.0)
+    d.runner.host_kv.faults.h2d_delay_ms = 1
+    rig = Rig(p, d)
+    try:
+        for i, prompt in enumerate(prompts):
+            rig.submit(p, d, f"r{i}", prompt, greedy(30), room=500 + i)
+        rig.finish(*(f"r{i}" for i in range(len(prompts))))
+        assert [rig.tokens[f"r{i}"] for i in range(len(prompts))] == want
+        stats = d.stats()
+        assert stats["num_preemptions"] > 0 and stats["hicache_loads"] > 0, stats
+        assert stats["hicache_failed_loads"] == 0
+        rig.idle()
+        for engine in (p, d):
+            engine.check_invariants()
+            s = engine.stats()
+            assert s["num_free_pages"] + s["num_cached_pages"] == s["num_pages"], s
+        d.kv.tier.check()
+        assert not d.kv.tier.loads and not d.kv.tier.pinned
+    finally:
+        rig.close()

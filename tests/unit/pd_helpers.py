@@ -7,7 +7,7 @@ from radixserve.config import EngineConfig
 from radixserve.disagg.engine import PDEngine
 from radixserve.disagg.protocol import PDTarget
 from radixserve.sampling_params import SamplingParams
-from tests.unit.fake_runner import FakeRunner
+from tests.unit.fake_runner import FakeHostKV, FakeRunner
 
 VOCAB = 1000
 HANG_GUARD_S = 30.0   # a driver loop that runs this long has hung: fail (never a timing assertion)
@@ -26,12 +26,16 @@ class FakeClock:
         self.now += seconds
 
 
-def pd_engine(mode: str, num_pages: int = 64, page_size: int = 4, clock=None, **cfg) -> PDEngine:
+def pd_engine(mode: str, num_pages: int = 64, page_size: int = 4, clock=None, host_pages: int = 0,
+              **cfg) -> PDEngine:
+    """A PDEngine over the fake runner; `host_pages` > 0 adds a host KV tier of that many pages."""
     cfg.setdefault("chunked_prefill_size", 32)
     cfg.setdefault("disaggregation_chunk_pages", 2)
     config = EngineConfig(page_size=page_size, disaggregation_mode=mode,
                           disaggregation_bootstrap_port=0, **cfg)
     runner = FakeRunner(num_pages, page_size, VOCAB, 4096)
+    if host_pages:
+        runner.host_kv = FakeHostKV(runner, host_pages)
     return PDEngine(config, runner, clock=clock or time.monotonic)
 
 

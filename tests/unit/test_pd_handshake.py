@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from tests.unit.pd_helpers import FakeClock, Rig, greedy, pd_engine
 from tests.unit.test_engine import reference
 
@@ -113,11 +115,14 @@ def test_unsafe_switch_frees_at_once_and_lands_late_writes_blindly():
         rig.close()
 
 
-def test_decode_kv_pressure_neither_crashes_nor_starves():
+@pytest.mark.parametrize("host_pages", [0, 400], ids=["no-host-tier", "host-tier"])
+def test_decode_kv_pressure_neither_crashes_nor_starves(host_pages):
     # Decode holds 40 pages of 4 tokens; 12 requests of 20-token prompts each want 5 pages
     # for the prompt and 8 more for 30 output tokens, so decoding preempts and preallocation
     # waits; some preallocations are delayed so that several sit preallocated at once.
-    p, d = pd_engine("prefill", num_pages=512), pd_engine("decode", num_pages=40)
+    # With a host tier (C27's offload variant) a preempted request's KV, evicted from the
+    # device meanwhile, comes back from the host when it resumes.
+    p, d = pd_engine("prefill", num_pages=512), pd_engine("decode", num_pages=40, host_pages=host_pages)
     d.arm_pd_fault("pd.decode.prealloc", "delay", delay_ms=1, delay_max_ms=20, probability=0.5)
     rig = Rig(p, d)
     try:
@@ -128,9 +133,15 @@ def test_decode_kv_pressure_neither_crashes_nor_starves():
         rig.finish(*(f"r{i}" for i in range(12)))
         for i, prompt in enumerate(prompts):
             assert rig.tokens[f"r{i}"] == reference(prompt, 30), i
-        assert d.stats()["num_preemptions"] > 0
+        stats = d.stats()
+        assert stats["num_preemptions"] > 0
+        if host_pages:
+            assert stats["hicache_loads"] > 0 and stats["hicache_failed_loads"] == 0, stats
         rig.idle()
         assert_idle(p, d)
+        if host_pages:
+            d.kv.tier.check()
+            assert not d.kv.tier.loads and not d.kv.tier.pinned
     finally:
         rig.close()
 
