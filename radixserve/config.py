@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from radixserve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
+from radixserve.server.native_tools import FORMATS as NATIVE_FORMATS
 
 
 #: Default --graceful-shutdown-timeout of workers and routers, in s: under Kubernetes' default
@@ -200,6 +201,10 @@ class ServerConfig:
     tool_call_parser: str | None = _opt(None, "tool-call format of the model's output, parsed into "
                                               "OpenAI tool_calls (default: tools are refused)",
                                         tuple(TOOL_CALL_PARSERS))
+    tool_call_constraint: str = _opt(
+        "json", "how tool_choice \"required\" or a named function is enforced while decoding: json "
+                "(a JSON array of calls, as vLLM and SGLang do) or native (the --tool-call-parser's "
+                "own format, thinking allowed first; qwen25, glm45, glm47)", ("json", "native"))
     reasoning_parser: str | None = _opt(None, "split <think> text into reasoning_content "
                                               "(default: thinking stays in content)",
                                         REASONING_PARSERS)
@@ -215,6 +220,9 @@ class ServerConfig:
             raise ValueError("max_request_body_bytes must be >= 1")
         if not self.graceful_shutdown_timeout >= 0:
             raise ValueError("graceful_shutdown_timeout must be >= 0")
+        if self.tool_call_constraint == "native" and self.tool_call_parser not in NATIVE_FORMATS:
+            raise ValueError("--tool-call-constraint native needs --tool-call-parser "
+                             + " | ".join(NATIVE_FORMATS) + f", got {self.tool_call_parser}")
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:

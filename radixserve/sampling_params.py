@@ -55,7 +55,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)   # (token id, bias)
     json_schema: str | None = None   # structured output: the output must match this JSON schema (text)
-    json_schema_param: str = "response_format"   # the request field json_schema came from (named in errors)
+    structural_tag: str | None = None   # ... or this xgrammar structural tag (JSON text; native tool calls)
+    json_schema_param: str = "response_format"   # the request field the grammar came from (named in errors)
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the object stays hashable and immutable.
@@ -84,6 +85,16 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0 or bool(self.logit_bias))
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """The grammar the output must match, as (kind, text): ("json_schema", schema) or
+        ("structural_tag", tag); None when the output is free (runner/structured.py)."""
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        if self.structural_tag is not None:
+            return "structural_tag", self.structural_tag
+        return None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Check every field's range but n (checked where choices fan out: check_n). Raises
@@ -134,10 +145,12 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if not isinstance(tid, int) or tid < 0 or (vocab_size is not None and tid >= vocab_size):
                 raise bad("stop_token_ids", f"contains an invalid token id {tid!r}")
-        if self.json_schema is not None and (not isinstance(self.json_schema, str)
-                                             or len(self.json_schema) > MAX_JSON_SCHEMA_CHARS):
-            raise bad(self.json_schema_param,
-                      f"the JSON schema must be text of at most {MAX_JSON_SCHEMA_CHARS} characters")
+        for grammar in (self.json_schema, self.structural_tag):
+            if grammar is not None and (not isinstance(grammar, str) or len(grammar) > MAX_JSON_SCHEMA_CHARS):
+                raise bad(self.json_schema_param,
+                          f"the grammar must be text of at most {MAX_JSON_SCHEMA_CHARS} characters")
+        if self.json_schema is not None and self.structural_tag is not None:
+            raise bad(self.json_schema_param, "a request has one grammar: a JSON schema or a structural tag")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise bad("logit_bias", f"allows at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for tid, bias in self.logit_bias:

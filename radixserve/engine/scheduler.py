@@ -115,7 +115,7 @@ class Scheduler:
     def _draft(self, req: Request, budget: int) -> tuple[int, ...]:
         """Draft tokens for a decoding request: never past max_tokens (the verified step also
         emits one token of its own), the sequence limit, or the step's budget."""
-        if self.proposer is None or req.params.json_schema is not None:
+        if self.proposer is None or req.params.grammar is not None:
             return ()
         limit = min(req.max_tokens - len(req.output_ids) - 1,
                     self.max_request_tokens - req.num_tokens - 1, budget - 1)
@@ -126,7 +126,7 @@ class Scheduler:
     def _lookahead(self, req: Request, num_step_tokens: int) -> int:
         """Model drafts: positions a decoding request's draft model writes after this step (it
         proposes the next step's draft from the token sampled now), within the sequence limit."""
-        if (not isinstance(self.proposer, ModelDraftProposer) or req.params.json_schema is not None
+        if (not isinstance(self.proposer, ModelDraftProposer) or req.params.grammar is not None
                 or not self.proposer.wants_draft(req.request_id)):
             return 0
         room = self.max_request_tokens - (req.num_computed_tokens + num_step_tokens)

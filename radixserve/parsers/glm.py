@@ -10,7 +10,9 @@
 GLM-4.7 writes the same tags without the newlines (`<tool_call>get_weather<arg_key>city</arg_key>
 <arg_value>...`); whitespace between tags is optional here, so one parser reads both formats.
 Values are typed per the tool's schema (schema.type_text). A string-only parameter is streamed
-as it is generated; other values go out whole once their closing tag is read.
+as it is generated; other values go out whole once their closing tag is read. Whitespace
+around a value is not part of it (as vLLM's and SGLang's GLM parsers strip it, and as
+xgrammar's `glm_xml` grammar pads values with it: server/native_tools.py).
 
 A value may itself contain "</arg_value>" (code, XML): a closing tag counts only when what
 follows it, after whitespace, is `<arg_key>`, `</tool_call>` or the end of the reply, so the
@@ -44,6 +46,7 @@ class GlmToolParser(ToolCallParser):
         self._tool = ToolSpec("")
         self._key = ""
         self._scan_from = 0     # where the search for the value's closing tag resumes
+        self._leading = False   # a string value's leading whitespace is still to be skipped
 
     def _step_call(self, final: bool) -> bool:
         return getattr(self, "_read_" + self._state)(final)
@@ -99,7 +102,7 @@ class GlmToolParser(ToolCallParser):
             self._buf, self._scan_from = rest[len(VALUE_OPEN):], 0
             if is_string_only(self._tool.param_schema(self._key)):
                 self._args(self.writer.open_string(self._key))
-                self._state = "string"
+                self._state, self._leading = "string", True
             else:
                 self._state = "value"
             return True
@@ -110,10 +113,19 @@ class GlmToolParser(ToolCallParser):
         return True
 
     def _read_string(self, final: bool) -> bool:
-        """Stream the characters known to belong to the value; close it at its closing tag."""
+        """Stream the characters known to belong to the value; close it at its closing tag.
+        Whitespace around the value is not part of it (module doc): leading whitespace is
+        dropped, trailing whitespace held until more text or the closing tag decides."""
+        if self._leading:
+            lead = skip_ws(self._buf, 0)
+            if lead == len(self._buf) and not final:
+                return False
+            self._buf, self._scan_from = self._buf[lead:], max(self._scan_from - lead, 0)
+            self._leading = False
         end, safe = self._value_end(final)
-        cut = safe if end is None else end
-        self._args(self.writer.string_chars(self._buf[:cut]))
+        emit = len(self._buf[:safe if end is None else end].rstrip())
+        cut = emit if end is None else end
+        self._args(self.writer.string_chars(self._buf[:emit]))
         self._buf, self._scan_from = self._buf[cut:], max(self._scan_from - cut, 0)
         if end is None:
             return False

@@ -69,17 +69,18 @@ def loads_json(text: str) -> Any:
 
 
 def type_text(text: str, schema: dict[str, Any] | None) -> Any:
-    """The value of a parameter written as text (GLM). String-only schemas keep the text as
-    written; other schemas try their non-string types in _TEXT_TYPES order on the stripped
-    text, else keep the text; a parameter without a schema is JSON when the text is JSON."""
+    """The value of a parameter written as text (GLM), whitespace around it stripped.
+    String-only schemas keep the text; other schemas try their non-string types in
+    _TEXT_TYPES order, else keep the text; a parameter without a schema is JSON when the
+    text is JSON."""
     types = schema_types(schema)
-    if types == {"string"}:
-        return text
     stripped = text.strip()
+    if types == {"string"}:
+        return stripped
     try:
         return loads_json(stripped) if not types else _as_types(stripped, types)
     except ValueError:
-        return text
+        return stripped
 
 
 def type_json(value: Any, schema: dict[str, Any] | None) -> Any:

@@ -172,10 +172,11 @@ class ModelRunner:
         return out
 
     def validate_params(self, params: SamplingParams) -> None:
-        """What only the runner can check of a request (Engine.add_request calls it): a JSON
-        schema must compile (runner/structured.py). Raises InvalidRequest."""
-        if params.json_schema is not None:
-            self.structured.check(params.json_schema, params.json_schema_param)
+        """What only the runner can check of a request (Engine.add_request calls it): its
+        grammar (a JSON schema or a structural tag) must compile (runner/structured.py). Raises
+        InvalidRequest."""
+        if params.grammar is not None:
+            self.structured.check(params.grammar, params.json_schema_param)
 
     def corrupt_kv(self, page_ids: list[int], mode: str, source_page_ids: list[int] | None,
                    seed: int) -> None:

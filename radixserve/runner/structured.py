@@ -1,4 +1,4 @@
-"""Structured output: grammar-constrained decoding against a JSON schema with xgrammar, masks built for the whole batch.
+"""Structured output: grammar-constrained decoding against a JSON schema or a structural tag with xgrammar, masks built for the whole batch.
 
 Why xgrammar (measured on the default model's 49,152-token vocabulary, AVX2 EPYC, 2 cores,
 /tmp/gram_bench.py in the issue-15 note): compiling a nested schema took 8 ms (outlines-core:
@@ -7,10 +7,12 @@ worst), and it accepts any JSON for `json_object` (a pushdown automaton) where o
 needs a regular expression. Its package metadata pulls triton, which only its GPU kernels use;
 install.sh installs it with --no-deps (see README).
 
-Flow: `check(schema, param)` compiles once per distinct schema (cached) and raises InvalidRequest
-for a schema xgrammar refuses (naming `param`, the request field the schema came from: response_format,
-or tools for tool_choice) -- Engine.add_request calls it through `ModelRunner.validate_params`, so
-bad schemas get a 400 before anything is queued. At sampling time `token_mask(rows)` returns an
+A request's grammar (`SamplingParams.grammar`) is a JSON schema (response_format, tool_choice
+"required" or named) or an xgrammar structural tag (tool calls in the model's own format,
+server/native_tools.py). Flow: `check(grammar, param)` compiles once per distinct grammar
+(cached) and raises InvalidRequest for one xgrammar refuses (naming `param`, the request field
+it came from: response_format, or tools) -- Engine.add_request calls it through
+`ModelRunner.validate_params`, so bad grammars get a 400 before anything is queued. At sampling time `token_mask(rows)` returns an
 (n, V) bool mask, True where a token is allowed: each constrained request has a GrammarMatcher
 (LRU-bounded, keyed by request id) that first accepts the output tokens it has not yet seen
 (so preemption and recompute need nothing special: a lost matcher is rebuilt from the output
@@ -34,6 +36,7 @@ from radixserve.layers.sampler import SampleRow
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install --no-deps xgrammar apache-tvm-ffi"
+Grammar = tuple[str, str]   # SamplingParams.grammar: ("json_schema" | "structural_tag", text)
 
 
 class StructuredOutput:
@@ -48,8 +51,8 @@ class StructuredOutput:
         self.max_matchers, self.max_grammars = max_matchers, max_grammars
         self._xgr: Any = None
         self._compiler: Any = None
-        self._grammars: OrderedDict[str, Any] = OrderedDict()
-        self._matchers: OrderedDict[str, tuple[str, Any, int]] = OrderedDict()   # id -> (schema, matcher, seen)
+        self._grammars: OrderedDict[Grammar, Any] = OrderedDict()
+        self._matchers: OrderedDict[str, tuple[Grammar, Any, int]] = OrderedDict()   # id -> (grammar, matcher, seen)
 
     def _ensure_compiler(self) -> Any:
         if self._compiler is None:
@@ -69,31 +72,34 @@ class StructuredOutput:
             logger.info("structured output: xgrammar ready (%d-token vocabulary)", self.vocab_size)
         return self._compiler
 
-    def check(self, schema: str, param: str = "response_format") -> None:
-        """Compile `schema` (JSON-schema text), cached. Raises InvalidRequest when xgrammar is
-        missing (param response_format) or refuses the schema (param `param`: the request field
-        the schema came from, e.g. "tools" for tool_choice)."""
+    def check(self, grammar: Grammar, param: str = "response_format") -> None:
+        """Compile `grammar` (SamplingParams.grammar), cached. Raises InvalidRequest when
+        xgrammar is missing (param response_format) or refuses it (param `param`: the request
+        field it came from, e.g. "tools" for tool_choice)."""
         try:
-            self._grammar(schema)
+            self._grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise InvalidRequest(f"{param}: the JSON schema cannot be used: {exc}",
-                                 param=param) from exc
+            what = "the JSON schema" if grammar[0] == "json_schema" else "the tool-call grammar"
+            raise InvalidRequest(f"{param}: {what} cannot be used: {exc}", param=param) from exc
 
-    def _grammar(self, schema: str) -> Any:
-        if schema in self._grammars:
-            self._grammars.move_to_end(schema)
-            return self._grammars[schema]
-        grammar = self._ensure_compiler().compile_json_schema(schema, any_whitespace=False)
-        self._grammars[schema] = grammar
+    def _grammar(self, grammar: Grammar) -> Any:
+        if grammar in self._grammars:
+            self._grammars.move_to_end(grammar)
+            return self._grammars[grammar]
+        kind, text = grammar
+        compiler = self._ensure_compiler()
+        compiled = (compiler.compile_json_schema(text, any_whitespace=False) if kind == "json_schema"
+                    else compiler.compile_structural_tag(text))
+        self._grammars[grammar] = compiled
         if len(self._grammars) > self.max_grammars:
             self._grammars.popitem(last=False)
-        return grammar
+        return compiled
 
     def token_mask(self, rows: Sequence[SampleRow], device: torch.device) -> Callable[[torch.Tensor], None] | None:
         """A function that sets to -inf, in place, the logits (n, vocab_size) of tokens row i
         may not sample (xgrammar's packed bitmask, applied by its own kernel: no (n, V) mask is
         built); None when no row is constrained."""
-        constrained = [i for i, r in enumerate(rows) if r.params.json_schema is not None]
+        constrained = [i for i, r in enumerate(rows) if r.params.grammar is not None]
         if not constrained:
             return None
         self._ensure_compiler()
@@ -117,17 +123,17 @@ class StructuredOutput:
     def _matcher(self, row: SampleRow) -> Any:
         """The row's matcher advanced over its output ids; None once an output token broke the
         grammar (then only end-of-sequence is allowed)."""
-        schema, rid = row.params.json_schema, row.request_id
+        grammar, rid = row.params.grammar, row.request_id
         entry = self._matchers.get(rid)
-        if entry is None or entry[0] != schema or entry[2] > len(row.output_ids):
-            entry = (schema, self._xgr.GrammarMatcher(self._grammar(schema)), 0)
-        schema, matcher, seen = entry
+        if entry is None or entry[0] != grammar or entry[2] > len(row.output_ids):
+            entry = (grammar, self._xgr.GrammarMatcher(self._grammar(grammar)), 0)
+        grammar, matcher, seen = entry
         for token in row.output_ids[seen:]:
             if matcher is None:
                 break
             if matcher.is_terminated() or not matcher.accept_token(token):
                 matcher = None
-        self._matchers[rid] = (schema, matcher, len(row.output_ids))
+        self._matchers[rid] = (grammar, matcher, len(row.output_ids))
         self._matchers.move_to_end(rid)
         if len(self._matchers) > self.max_matchers:
             self._matchers.popitem(last=False)

@@ -32,6 +32,7 @@ from radixserve.server.chat_tools import ChatOutputs, plan_tools, prompt_tail
 from radixserve.server.engine_client import EngineClient
 from radixserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.native_tools import native_calls_tag
 from radixserve.server.pd import pd_target
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                         ModelList, new_id, now_s)
@@ -133,7 +134,7 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
                       else req.max_tokens)
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                      None)
-        plan = plan_tools(req, ctx.tool_call_parser)
+        plan = plan_tools(req, ctx.tool_call_parser, ctx.tool_call_constraint)
         if plan.json_schema is not None:   # tool_choice "required" or a named function
             params = dataclasses.replace(params, json_schema=plan.json_schema,
                                          json_schema_param="tools")
@@ -141,6 +142,9 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         reasoning = ctx.reasoning_parser is not None
         outputs = ChatOutputs(plan, ctx.tool_call_parser, reasoning,
                               prompt_tail(ctx.tokenizer, prompt.ids) if reasoning else "")
+        if plan.native is not None:   # calls in the model's own format (native_tools.py)
+            tag = native_calls_tag(plan.native, outputs.reasoning, outputs.starts_in_reasoning)
+            params = dataclasses.replace(params, structural_tag=tag, json_schema_param="tools")
         if outputs.is_parsing and "skip_special_tokens" not in req.model_fields_set:
             # markers such as <think> and <tool_call> are special tokens in some vocabularies
             params = dataclasses.replace(params, skip_special_tokens=False)
@@ -258,6 +262,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
         ctx = ServingContext(client, tokenizer, name, model_path, max_open,
                              max_body_bytes=server_config.max_request_body_bytes,
                              tool_call_parser=server_config.tool_call_parser,
+                             tool_call_constraint=server_config.tool_call_constraint,
                              reasoning_parser=server_config.reasoning_parser)
         app = build_app(ctx, server_config)
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,

@@ -3,14 +3,19 @@
     tool_choice        tools offered    decoding                     calls parsed         finish_reason
                        to the template                                                    after calls
     "none"             no               free                         no                   -
-    "auto" (default)   yes              free                         native format, any   "tool_calls"
+    "auto" (default)   yes              free (strict tools: native)  native format, any   "tool_calls"
     "required"         yes              JSON array of calls          json, any offered    "tool_calls"
     {"function": f}    yes              JSON array of calls to f     json, f only         "stop"
 
 "required" and a named function are enforced while decoding: the reply must match the JSON
 schema of an array of calls (tool_schema.py), which travels as the request's json_schema and is
 read back with the `json` parser, whatever --tool-call-parser says (as vLLM and SGLang do it).
-The grammar holds from the first token, so there is no thinking to split off then. A named
+That grammar holds from the first token, so there is no thinking to split off then. With
+`--tool-call-constraint native` (and a parser of native_tools.FORMATS) they are enforced in the
+model's own format instead, thinking allowed first, and read back with the server's parser.
+Under "auto", a tool with `strict: true` makes the calls the model chooses to write follow the
+native format and the strict tools' schemas (native_tools.py), unless a response_format
+already constrains the reply (then strict is not enforced). A named
 function finishes with "stop", as OpenAI and vLLM answer it. parallel_tool_calls false allows
 one call: the grammar's maxItems for the enforced choices, and for "auto" every call after the
 first is dropped from the output. Streaming and full responses parse with the same
@@ -30,7 +35,8 @@ from radixserve.parsers.reasoning import opens_thinking, reasoning_token_count
 from radixserve.parsers.schema import ToolSpec
 from radixserve.server.protocol import (ChatCompletionRequest, ChatMessageOut, FunctionCallOut,
                                         NamedToolChoice, ToolCallOut)
-from radixserve.server.tool_schema import calls_schema
+from radixserve.server.native_tools import FORMATS, NativeCalls
+from radixserve.server.tool_schema import EMPTY_PARAMETERS, calls_schema
 
 PROMPT_TAIL_TOKENS = 16   # enough to see whether the prompt ends inside <think>
 
@@ -41,20 +47,24 @@ class ToolPlan:
     `parse_tools` are the functions a parsed call may name (empty: calls are not parsed);
     `json_schema` is the call array the reply must match ("required" or a named function, else
     None); `max_calls` is 1 with parallel_tool_calls false (None: no limit);
-    `calls_finish_reason` replaces "stop" when calls were made."""
+    `calls_finish_reason` replaces "stop" when calls were made; `native` is what a tag in the
+    model's own format enforces (native_tools.py; None: no such tag)."""
 
     template_tools: list[dict[str, Any]] | None
     parse_tools: dict[str, ToolSpec]
     json_schema: str | None = None
     max_calls: int | None = None
     calls_finish_reason: str = "tool_calls"
+    native: NativeCalls | None = None
 
 
-def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> ToolPlan:
-    """The ToolPlan of a request (table in the module doc; "auto" without tools is "none").
-    Raises InvalidRequest (400) for duplicate function names, "required" or a named function
-    without tools or with a response_format, a name not in `tools`, parameters that cannot be
-    enforced (tool_schema.py), and "auto" on a server without --tool-call-parser."""
+def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None,
+               constraint: str = "json") -> ToolPlan:
+    """The ToolPlan of a request (table in the module doc; "auto" without tools is "none");
+    `constraint` is --tool-call-constraint ("json" or "native"). Raises InvalidRequest (400)
+    for duplicate function names, "required" or a named function without tools or with a
+    response_format, a name not in `tools`, parameters that cannot be enforced
+    (tool_schema.py), and "auto" on a server without --tool-call-parser."""
     tools = req.tools or []
     names = [t.function.name for t in tools]
     duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
@@ -82,10 +92,21 @@ def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> Tool
     allowed = {named: specs[named]} if named is not None else specs
     template_tools = [t.model_dump(exclude_none=True) for t in tools]
     max_calls = None if req.parallel_tool_calls else 1
+    native_format = tool_call_parser in FORMATS
     if not forced:
-        return ToolPlan(template_tools, allowed, max_calls=max_calls)
+        strict = {t.function.name for t in tools if t.function.strict}
+        free = req.response_format is None or req.response_format.type == "text"
+        native = (NativeCalls(tool_call_parser, tuple((n, s.parameters if n in strict else None)
+                                                      for n, s in allowed.items()), False, max_calls == 1)
+                  if strict and free and native_format else None)
+        return ToolPlan(template_tools, allowed, max_calls=max_calls, native=native)
+    finish = "stop" if named is not None else "tool_calls"
+    if constraint == "native" and native_format:
+        functions = tuple((n, s.parameters or EMPTY_PARAMETERS) for n, s in allowed.items())
+        return ToolPlan(template_tools, allowed, None, max_calls, finish,
+                        NativeCalls(tool_call_parser, functions, True, max_calls == 1))
     return ToolPlan(template_tools, allowed, calls_schema(list(allowed.values()), max_calls is None),
-                    max_calls, "stop" if named is not None else "tool_calls")
+                    max_calls, finish)
 
 
 class ChatOutputs:
@@ -104,6 +125,16 @@ class ChatOutputs:
         self._max_calls = plan.max_calls
         self._calls_finish_reason = plan.calls_finish_reason
         self._streams: dict[int, ChatOutputParser] = {}
+
+    @property
+    def reasoning(self) -> bool:
+        """Whether thinking text is split off (a reasoning parser, no JSON-array plan)."""
+        return self._reasoning
+
+    @property
+    def starts_in_reasoning(self) -> bool:
+        """Whether the prompt ends inside a <think> block, so the reply starts in it."""
+        return self._starts_in_reasoning
 
     @property
     def is_parsing(self) -> bool:

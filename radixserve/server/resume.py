@@ -26,7 +26,7 @@ def resumed_params(req: Any, params: SamplingParams, num_prompts: int) -> Sampli
         why = "no echo and no logprobs"
     elif params.frequency_penalty or params.presence_penalty:
         why = "no frequency or presence penalty"
-    elif params.json_schema is not None:
+    elif params.grammar is not None:
         why = "no structured output"
     elif params.max_tokens is not None and params.max_tokens <= num_resumed:
         why = "max_tokens larger than the number of resumed tokens"

@@ -53,6 +53,7 @@ class ServingContext:
     acceptance: AcceptanceConfig | None = None   # the guard's speculative-acceptance judge
     faults: FaultInjector | None = None     # None: fault injection is off
     tool_call_parser: str | None = None     # --tool-call-parser; None: tools are refused
+    tool_call_constraint: str = "json"      # --tool-call-constraint: json or native
     reasoning_parser: str | None = None     # --reasoning-parser; None: thinking stays content
     max_body_bytes: int = MAX_BODY_BYTES    # larger request bodies get 413
     runs: dict[str, GenerationRun] = field(default_factory=dict)   # response id -> open run
