@@ -1,6 +1,6 @@
 """Host KV tier: tiers off vs on in one run (hit rate, TTFT, throughput), warm start, and the corruption soak.
 
-    PYTHONPATH=. python benchmarks/hicache.py bench [--model-path P] [--device-tokens N]
+    PYTHONPATH=. python benchmarks/hicache.py bench [--model-path P] [--device-tokens N] [--workloads W,...]
     PYTHONPATH=. python benchmarks/hicache.py warm  [--model-path P]
     PYTHONPATH=. python benchmarks/hicache.py soak  [--model-path P] [--num-prompts 10000]
                                                     [--concurrency 32] [--delay-ms 2 --jitter-ms 2]
@@ -10,6 +10,8 @@ bench: one `radixserve serve` at a time (2 cores), device KV pool of --device-to
 "off" is the radix cache alone, side "on" adds the host tier (ratio 4). Workloads: bench's
 multi-turn and agent datasets sized so the working set is about 4x the device pool. Prints per
 side and workload the hit rate, TTFT p50/p99, output tok/s, and on/off ratios, with the load.
+The agent workloads: every session on one shared repository context (`agent`), or sessions
+spread over four repositories (`agent-repos`, the traffic of several agents on several repos).
 
 warm: TTFT of the first 64 requests of a shared-prefix burst on a fresh server: cold; after a
 restart over the same --hicache-storage-dir that served the burst (disk-warm); and with
@@ -39,13 +41,18 @@ import httpx
 
 from radixserve.bench.launch import free_port, wait_healthy
 
-WORKLOADS = {   # bench arguments; working sets ~23k tokens, ~3.7x the default --device-tokens
+WORKLOADS = {   # bench arguments; working sets 21-23k tokens, 3.5-3.7x the default --device-tokens
     "multi-turn": ["--dataset-name", "multi-turn", "--num-clients", "8", "--num-rounds", "4",
                    "--client-system-len", "2400", "--user-len", "120", "--output-len", "16",
                    "--max-concurrency", "4"],
     "agent": ["--dataset-name", "agent", "--num-sessions", "10", "--num-turns", "4",
               "--context-len", "3000", "--task-len", "150", "--tool-len", "300",
               "--output-len", "16", "--max-concurrency", "3"],
+    # agents on four repositories (session i on repository i % 4): three sessions in flight
+    # always span three repositories, more than the device pool holds (~21k tokens in all)
+    "agent-repos": ["--dataset-name", "agent", "--num-sessions", "8", "--num-turns", "4",
+                    "--num-contexts", "4", "--context-len", "2500", "--task-len", "150",
+                    "--tool-len", "300", "--output-len", "16", "--max-concurrency", "3"],
 }
 
 
@@ -93,7 +100,8 @@ def run_bench(a: argparse.Namespace, tmp: pathlib.Path) -> None:
     rows: dict[str, dict[str, dict]] = {}
     for side, args in sides.items():
         with Server(args, a.model_path, tmp / f"{side}.log") as s:
-            for name, wargs in WORKLOADS.items():
+            for name in a.workloads.split(","):
+                wargs = WORKLOADS[name]
                 s.post("/flush_cache")
                 rows.setdefault(name, {})[side] = bench(s.url, wargs, tmp / "b.jsonl")
     print(f"load {os.getloadavg()[0]:.2f}; device pool {a.device_tokens} tokens")
@@ -207,6 +215,8 @@ def main() -> None:
     p.add_argument("--delay-ms", type=float, default=2.0)
     p.add_argument("--jitter-ms", type=float, default=2.0)
     p.add_argument("--host-ratio", type=float, default=8.0, help="soak: host tier / device pool")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="bench: comma-separated, of "
+                   + ", ".join(WORKLOADS))
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = pathlib.Path(d)

@@ -63,6 +63,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-sessions", type=int, default=4, help="agent")
     g.add_argument("--num-turns", type=int, default=6, help="agent")
     g.add_argument("--context-len", type=int, default=4096, help="agent: shared repository context")
+    g.add_argument("--num-contexts", type=int, default=1,
+                   help="agent: repositories; session i works on repository i %% num-contexts")
     g.add_argument("--task-len", type=int, default=128, help="agent")
     g.add_argument("--tool-len", type=int, default=256, help="agent")
     g.add_argument("--sharegpt-output-len", type=int, default=None)
@@ -101,7 +103,8 @@ def build_workload(args: argparse.Namespace, hf):
                                            args.seed)
     if name == "agent":
         return datasets.agent_dataset(src, args.num_sessions, args.num_turns, args.context_len,
-                                      args.task_len, args.tool_len, args.output_len, args.seed)
+                                      args.task_len, args.tool_len, args.output_len, args.seed,
+                                      args.num_contexts)
     if not args.dataset_path:
         raise SystemExit(f"--dataset-name {name} needs --dataset-path")
     if name == "sharegpt":

@@ -94,20 +94,25 @@ def multi_turn_dataset(source: WordSource, num_clients: int, num_rounds: int, sy
 
 
 def agent_dataset(source: WordSource, num_sessions: int, num_turns: int, context_len: int,
-                  task_len: int, tool_len: int, output_len: int, seed: int) -> Workload:
-    """Coding-agent sessions: one large repository context shared by every session (system), a
-    task, then turns that append the agent's code (the reference answer, output_len tokens) and a
-    tool result (tool_len tokens). Ideal reuse: the first session's first turn misses; other first
-    turns reuse the context and user marker; turn k reuses all of turn k-1."""
+                  task_len: int, tool_len: int, output_len: int, seed: int,
+                  num_contexts: int = 1) -> Workload:
+    """Coding-agent sessions: a large repository context (system; session i works on repository
+    i % num_contexts, so one repository is shared by every session by default), a task, then
+    turns that append the agent's code (the reference answer, output_len tokens) and a tool
+    result (tool_len tokens). Ideal reuse: the first session on each repository misses on its
+    first turn; other first turns reuse the context and user marker; turn k reuses all of turn
+    k-1. Raises ValueError when num_contexts is not in [1, num_sessions]."""
+    if not 1 <= num_contexts <= num_sessions:
+        raise ValueError(f"num_contexts must be in [1, num_sessions], got {num_contexts}")
     rng = random.Random(seed)
-    head = [{"role": "system", "content": source.text(rng, context_len)}]
-    sessions = [Session(_conversation(source, rng, head, task_len, num_turns, "tool", tool_len,
-                                      output_len)) for _ in range(num_sessions)]
+    heads = [[{"role": "system", "content": source.text(rng, context_len)}] for _ in range(num_contexts)]
+    sessions = [Session(_conversation(source, rng, heads[i % num_contexts], task_len, num_turns, "tool",
+                                      tool_len, output_len)) for i in range(num_sessions)]
     m_u, m_a, m_t = (source.count(ROLE_MARK[r]) for r in ("user", "assistant", "tool"))
     first = context_len + m_u + task_len + m_a
     lens = [first + (k - 1) * (output_len + m_t + tool_len + m_a) for k in range(1, num_turns + 1)]
-    first_hits = [0] + [context_len + m_u] * (num_sessions - 1)
+    first_hits = [0 if i < num_contexts else context_len + m_u for i in range(num_sessions)]
     info = {"num_sessions": num_sessions, "num_turns": num_turns, "context_len": context_len,
-            "task_len": task_len, "tool_len": tool_len, "output_len": output_len,
-            "theory_reuse": _chain_reuse([lens] * num_sessions, first_hits)}
+            "num_contexts": num_contexts, "task_len": task_len, "tool_len": tool_len,
+            "output_len": output_len, "theory_reuse": _chain_reuse([lens] * num_sessions, first_hits)}
     return Workload("agent", sessions, info)

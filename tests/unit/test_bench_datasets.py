@@ -87,6 +87,19 @@ def test_agent_reuse_matches_theory(hf, src):
     assert all(s.requests[0].messages[0] == w.sessions[0].requests[0].messages[0] for s in w.sessions)
 
 
+def test_agent_sessions_spread_over_repositories(hf, src):
+    w = datasets.agent_dataset(src, num_sessions=5, num_turns=3, context_len=300, task_len=20,
+                               tool_len=40, output_len=10, seed=5, num_contexts=2)
+    assert reuse_ratio(token_ids(hf, w)) == pytest.approx(w.info["theory_reuse"], abs=0.005)
+    heads = [s.requests[0].messages[0]["content"] for s in w.sessions]
+    assert heads[0] != heads[1] and heads[0] == heads[2] == heads[4] and heads[1] == heads[3]
+    one = datasets.agent_dataset(src, num_sessions=5, num_turns=3, context_len=300, task_len=20,
+                                 tool_len=40, output_len=10, seed=5)
+    assert w.info["theory_reuse"] < one.info["theory_reuse"]   # a second repository misses once more
+    with pytest.raises(ValueError):
+        datasets.agent_dataset(src, 2, 3, 300, 20, 40, 10, 5, num_contexts=3)
+
+
 def test_reuse_ratio_page_aligned():
     a = list(range(40))
     b = list(range(35)) + [99] * 5
