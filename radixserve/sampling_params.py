@@ -147,8 +147,9 @@ class SamplingParams:
                 raise bad("stop_token_ids", f"contains an invalid token id {tid!r}")
         for grammar in (self.json_schema, self.structural_tag):
             if grammar is not None and (not isinstance(grammar, str) or len(grammar) > MAX_JSON_SCHEMA_CHARS):
-                raise bad(self.json_schema_param,
-                          f"the grammar must be text of at most {MAX_JSON_SCHEMA_CHARS} characters")
+                size = f"{len(grammar)} characters" if isinstance(grammar, str) else "not text"
+                raise bad(self.json_schema_param, f"make a grammar (JSON schema or tool-call tags) of "
+                          f"{size}; at most {MAX_JSON_SCHEMA_CHARS} are allowed")
         if self.json_schema is not None and self.structural_tag is not None:
             raise bad(self.json_schema_param, "a request has one grammar: a JSON schema or a structural tag")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

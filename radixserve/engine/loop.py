@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, NoReturn
 
 import msgspec
@@ -26,6 +27,7 @@ from radixserve.errors import RadixServeError
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500        # how often an idle engine checks that its parent is alive
+GRAMMAR_POLL_MS = 20      # how often an engine waiting only for a grammar compile looks at it
 SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hanging forever
 HEARTBEAT_S = 1.0         # the loop says it is alive at least this often (between steps)
 CALL_METHODS = ("flush_cache", "stats", "check_invariants", "add_eos_token_ids",  # Engine methods
@@ -74,6 +76,11 @@ class EngineLoop:
         self.running = True
         self.last_send_s = time.monotonic()
         self.step_latency: StepLatency | None = None
+        # Submits whose new grammars compile on a worker thread meanwhile (seconds for some
+        # schemas; xgrammar releases the GIL), so they never stall the other requests' steps.
+        self.compiling: list[tuple[Submit, Future]] = []
+        self.aborted_while_compiling: set[str] = set()
+        self._grammar_pool: ThreadPoolExecutor | None = None
 
     def send(self, msg: FromEngine) -> None:
         data = self.encoder.encode(msg)
@@ -92,8 +99,9 @@ class EngineLoop:
         for sock in getattr(self.engine, "io_sockets", list)():   # PD: wake on the peer too
             poller.register(sock, zmq.POLLIN)
         while self.running:
+            self.settle_compiles()
             busy = self.engine.has_unfinished()
-            if busy or poller.poll(IDLE_POLL_MS):
+            if busy or poller.poll(GRAMMAR_POLL_MS if self.compiling else IDLE_POLL_MS):
                 self.drain()
             elif not _parent_alive():
                 logger.info("parent process is gone; engine exits")
@@ -122,13 +130,40 @@ class EngineLoop:
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
                 self.engine.abort(rid)
+            if self.compiling:   # aborted before they were added: added, then aborted at once
+                self.aborted_while_compiling.update(msg.request_ids)
         elif isinstance(msg, Call):
             self.call(msg)
         elif isinstance(msg, Shutdown):
             self.running = False
 
     def submit(self, msg: Submit) -> None:
-        """Add all requests of a group or none of them."""
+        """Add all requests of a group or none of them; a group with a grammar not yet compiled
+        waits (answered later by settle_compiles) while its grammars compile on a worker thread."""
+        pending = getattr(self.engine.runner, "grammar_pending", None)
+        if pending is not None and any(pending(add.params) for add in msg.adds):
+            if self._grammar_pool is None:
+                self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            validate = self.engine.runner.validate_params
+            self.compiling.append((msg, self._grammar_pool.submit(
+                lambda: [_quietly(validate, add.params) for add in msg.adds])))
+            return
+        self.add_group(msg)
+
+    def settle_compiles(self) -> None:
+        """Add the groups whose grammars are compiled (the compile's error, if any, is raised
+        again, from the cache, by add_request)."""
+        for entry in [e for e in self.compiling if e[1].done()]:
+            self.compiling.remove(entry)
+            self.add_group(entry[0])
+            for add in entry[0].adds:
+                if add.request_id in self.aborted_while_compiling:
+                    self.engine.abort(add.request_id)
+        if not self.compiling:
+            self.aborted_while_compiling.clear()
+
+    def add_group(self, msg: Submit) -> None:
+        """Add all requests of a group or none of them, and answer Submitted."""
         added: list[str] = []
         try:
             for add in msg.adds:
@@ -194,6 +229,14 @@ def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, (set, frozenset)):
         return sorted(obj)
     return str(obj)
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> None:
+    """fn(*args), errors dropped: a grammar compiled ahead raises again when the group is added."""
+    try:
+        fn(*args)
+    except Exception:   # noqa: BLE001 -- reported by add_request, from the cache
+        pass
 
 
 def _parent_alive() -> bool:

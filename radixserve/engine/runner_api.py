@@ -92,3 +92,8 @@ class Runner(Protocol):
         """Raise InvalidRequest for what only the runner can judge (a JSON schema it cannot
         compile); runners without such checks do nothing."""
         ...
+
+    def grammar_pending(self, params: SamplingParams) -> bool:
+        """Whether validate_params(params) has slow work to do first (a grammar to compile;
+        thread-safe, releasing the GIL); optional, runners without it are never pending."""
+        ...

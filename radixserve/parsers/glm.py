@@ -29,8 +29,8 @@ VALUE_OPEN, VALUE_CLOSE = "<arg_value>", "</arg_value>"
 CALL_CLOSE = "</tool_call>"
 NAME_ENDS = ("\n", KEY_OPEN, CALL_CLOSE)
 AFTER_VALUE = (KEY_OPEN, CALL_CLOSE)
-MAX_NAME_CHARS = 256
-MAX_KEY_CHARS = 256
+MAX_NAME_CHARS = 256    # the longest function name a request may offer (server/protocol.py)
+MAX_KEY_CHARS = 4096    # longer argument keys end the call (read as text), streamed or not
 
 
 class GlmToolParser(ToolCallParser):
@@ -54,8 +54,8 @@ class GlmToolParser(ToolCallParser):
     def _read_name(self, final: bool) -> bool:
         start = skip_ws(self._buf, 0)
         ends = [at for end in NAME_ENDS if (at := self._buf.find(end, start)) >= 0]
-        if not ends:
-            if final or len(self._buf) > MAX_NAME_CHARS:
+        if not ends:   # wait for the name's end, unless no offered name can be this long
+            if final or len(self._buf) - start > MAX_NAME_CHARS + max(map(len, NAME_ENDS)):
                 self._reject_call()
                 return True
             return False
@@ -87,11 +87,11 @@ class GlmToolParser(ToolCallParser):
 
     def _read_key(self, final: bool) -> bool:
         at = self._buf.find(KEY_CLOSE)
-        if at < 0:
-            if final or len(self._buf) > MAX_KEY_CHARS:
-                self._end_call()     # the unfinished key is read as text
-                return True
+        if at < 0 and not final and len(self._buf) <= MAX_KEY_CHARS + len(KEY_CLOSE):
             return False
+        if at < 0 or at > MAX_KEY_CHARS:
+            self._end_call()     # the unfinished (or too long) key is read as text
+            return True
         self._key = self._buf[:at].strip()
         self._buf, self._state = self._buf[at + len(KEY_CLOSE):], "value_open"
         return True
@@ -117,7 +117,7 @@ class GlmToolParser(ToolCallParser):
         Whitespace around the value is not part of it (module doc): leading whitespace is
         dropped, trailing whitespace held until more text or the closing tag decides."""
         if self._leading:
-            lead = skip_ws(self._buf, 0)
+            lead = len(self._buf) - len(self._buf.lstrip())   # str.strip's whitespace, as at the end
             if lead == len(self._buf) and not final:
                 return False
             self._buf, self._scan_from = self._buf[lead:], max(self._scan_from - lead, 0)

@@ -178,6 +178,11 @@ class ModelRunner:
         if params.grammar is not None:
             self.structured.check(params.grammar, params.json_schema_param)
 
+    def grammar_pending(self, params: SamplingParams) -> bool:
+        """Whether validate_params would compile a new grammar (slow: up to seconds); the
+        engine loop then runs it on a worker thread first (engine/loop.py)."""
+        return params.grammar is not None and not self.structured.is_compiled(params.grammar)
+
     def corrupt_kv(self, page_ids: list[int], mode: str, source_page_ids: list[int] | None,
                    seed: int) -> None:
         """Fault point kv_corrupt (engine/kv_corrupt.py): overwrite `page_ids` in every layer

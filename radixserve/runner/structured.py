@@ -24,6 +24,8 @@ blank lines until max_tokens.
 from __future__ import annotations
 
 import logging
+import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +41,12 @@ INSTALL_HINT = "pip install --no-deps xgrammar apache-tvm-ffi"
 Grammar = tuple[str, str]   # SamplingParams.grammar: ("json_schema" | "structural_tag", text)
 
 
+def _reason(exc: Exception) -> str:
+    """xgrammar's error without its log prefix ("[05:31:22] /project/cpp/x.cc:1727: ...")."""
+    text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\[[0-9:]+\]\s+\S+:\d+:\s*", "", text)
+
+
 class StructuredOutput:
     """Per-runner grammar state. `model_path`: where the tokenizer is loaded from (lazily, on the
     first constrained request); `vocab_size`: the model's logit width (>= the tokenizer's);
@@ -51,10 +59,15 @@ class StructuredOutput:
         self.max_matchers, self.max_grammars = max_matchers, max_grammars
         self._xgr: Any = None
         self._compiler: Any = None
-        self._grammars: OrderedDict[Grammar, Any] = OrderedDict()
+        self._grammars: OrderedDict[Grammar, Any] = OrderedDict()   # compiled, or the compile's error
+        self._lock = threading.RLock()
         self._matchers: OrderedDict[str, tuple[Grammar, Any, int]] = OrderedDict()   # id -> (grammar, matcher, seen)
 
     def _ensure_compiler(self) -> Any:
+        with self._lock:
+            return self._compiler or self._make_compiler()
+
+    def _make_compiler(self) -> Any:
         if self._compiler is None:
             try:
                 import xgrammar
@@ -80,20 +93,35 @@ class StructuredOutput:
             self._grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
             what = "the JSON schema" if grammar[0] == "json_schema" else "the tool-call grammar"
-            raise InvalidRequest(f"{param}: {what} cannot be used: {exc}", param=param) from exc
+            raise InvalidRequest(f"{param}: {what} cannot be used: {_reason(exc)}", param=param) from exc
+
+    def is_compiled(self, grammar: Grammar) -> bool:
+        """Whether `grammar` is in the cache (compiled, or known to fail): check() is then fast."""
+        with self._lock:
+            return grammar in self._grammars
 
     def _grammar(self, grammar: Grammar) -> Any:
-        if grammar in self._grammars:
-            self._grammars.move_to_end(grammar)
-            return self._grammars[grammar]
-        kind, text = grammar
-        compiler = self._ensure_compiler()
-        compiled = (compiler.compile_json_schema(text, any_whitespace=False) if kind == "json_schema"
-                    else compiler.compile_structural_tag(text))
-        self._grammars[grammar] = compiled
-        if len(self._grammars) > self.max_grammars:
-            self._grammars.popitem(last=False)
-        return compiled
+        """The compiled grammar (cached, a failure too). Thread-safe: the engine loop compiles
+        new grammars on a worker thread (xgrammar releases the GIL while compiling)."""
+        with self._lock:
+            compiler = self._ensure_compiler()
+            cached = self._grammars.get(grammar)
+            if cached is not None:
+                self._grammars.move_to_end(grammar)
+        if cached is None:
+            kind, text = grammar
+            try:
+                cached = (compiler.compile_json_schema(text, any_whitespace=False) if kind == "json_schema"
+                          else compiler.compile_structural_tag(text))
+            except (RuntimeError, ValueError, TypeError) as exc:
+                cached = exc
+            with self._lock:
+                self._grammars[grammar] = cached
+                if len(self._grammars) > self.max_grammars:
+                    self._grammars.popitem(last=False)
+        if isinstance(cached, Exception):
+            raise cached
+        return cached
 
     def token_mask(self, rows: Sequence[SampleRow], device: torch.device) -> Callable[[torch.Tensor], None] | None:
         """A function that sets to -inf, in place, the logits (n, vocab_size) of tokens row i

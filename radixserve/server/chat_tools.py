@@ -36,7 +36,7 @@ from radixserve.parsers.schema import ToolSpec
 from radixserve.server.protocol import (ChatCompletionRequest, ChatMessageOut, FunctionCallOut,
                                         NamedToolChoice, ToolCallOut)
 from radixserve.server.native_tools import FORMATS, NativeCalls
-from radixserve.server.tool_schema import EMPTY_PARAMETERS, calls_schema
+from radixserve.server.tool_schema import calls_schema, object_parameters
 
 PROMPT_TAIL_TOKENS = 16   # enough to see whether the prompt ends inside <think>
 
@@ -96,13 +96,13 @@ def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None,
     if not forced:
         strict = {t.function.name for t in tools if t.function.strict}
         free = req.response_format is None or req.response_format.type == "text"
-        native = (NativeCalls(tool_call_parser, tuple((n, s.parameters if n in strict else None)
+        native = (NativeCalls(tool_call_parser, tuple((n, object_parameters(s) if n in strict else None)
                                                       for n, s in allowed.items()), False, max_calls == 1)
                   if strict and free and native_format else None)
         return ToolPlan(template_tools, allowed, max_calls=max_calls, native=native)
     finish = "stop" if named is not None else "tool_calls"
     if constraint == "native" and native_format:
-        functions = tuple((n, s.parameters or EMPTY_PARAMETERS) for n, s in allowed.items())
+        functions = tuple((n, object_parameters(s)) for n, s in allowed.items())
         return ToolPlan(template_tools, allowed, None, max_calls, finish,
                         NativeCalls(tool_call_parser, functions, True, max_calls == 1))
     return ToolPlan(template_tools, allowed, calls_schema(list(allowed.values()), max_calls is None),

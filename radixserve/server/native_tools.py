@@ -12,7 +12,7 @@ Used in two cases (server/chat_tools.py):
   function's arguments must match its `parameters` (others: any JSON object);
 - tool_choice "required" or a named function under `--tool-call-constraint native`: the reply
   is one or more calls (to the named function only, if one is named), at most a newline
-  between two, with every function's arguments matching its schema, and then ends.
+  before each, with every function's arguments matching its schema, and then ends.
   No text comes before the first call, except a thinking block when a reasoning parser is on:
   one that the prompt already opened (`starts_in_reasoning`) must be closed, one that the model
   opens is optional.
@@ -60,8 +60,9 @@ def _call_tag(parser: str, name: str, schema: dict[str, Any] | None) -> dict[str
 
 def _thinking(starts_in_reasoning: bool) -> list[dict[str, Any]]:
     """Elements before the calls: the rest of a thinking block the prompt opened, or an
-    optional one the model opens; each may be followed by whitespace."""
-    gap = {"type": "regex", "pattern": r"[ \n]*"}
+    optional one the model opens; each may be followed by up to two spaces or newlines
+    (Qwen3 writes "</think>\n\n")."""
+    gap = {"type": "regex", "pattern": r"[ \n]{0,2}"}
     if starts_in_reasoning:
         return [{"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "</think>"}, gap]
     block = {"type": "tag", "begin": "<think>", "content": {"type": "any_text"}, "end": "</think>"}
@@ -77,8 +78,9 @@ def native_calls_tag(calls: NativeCalls, reasoning: bool, starts_in_reasoning: b
                                "at_least_one": False, "stop_after_first": calls.single}
         return json.dumps({"type": "structural_tag", "format": fmt})
     call = {"type": "or", "elements": tags}
-    fmt = call if calls.single else {"type": "sequence", "elements": [call, {"type": "star", "content": {
-        "type": "sequence", "elements": [{"type": "regex", "pattern": r"\n?"}, call]}}]}
+    # one copy of the calls' schemas: (newline? call)+ rather than call (newline? call)*
+    fmt = call if calls.single else {"type": "plus", "content": {
+        "type": "sequence", "elements": [{"type": "regex", "pattern": r"\n?"}, call]}}
     if reasoning:
         fmt = {"type": "sequence", "elements": [*_thinking(starts_in_reasoning), fmt]}
     return json.dumps({"type": "structural_tag", "format": fmt})

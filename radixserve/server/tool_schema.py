@@ -45,13 +45,20 @@ def calls_schema(tools: Sequence[ToolSpec], parallel: bool) -> str:
     return json.dumps(schema)
 
 
-def _call_item(tool: ToolSpec, definitions: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The schema of one call to `tool`; its definitions are moved into `definitions`."""
-    parameters = copy.deepcopy(tool.parameters or EMPTY_PARAMETERS)
+def object_parameters(tool: ToolSpec) -> dict[str, Any]:
+    """`tool`'s parameters schema for an enforced call (EMPTY_PARAMETERS when it has none).
+    Raises InvalidRequest (param "tools") when it does not describe a JSON object."""
+    parameters = tool.parameters or EMPTY_PARAMETERS
     types = schema_types(parameters)
     if types and "object" not in types:
         raise InvalidRequest(f"tools: the parameters of {tool.name!r} must describe a JSON object "
-                             f"to be called with tool_choice, got type {sorted(types)}", param="tools")
+                             f"to be enforced (tool_choice or strict), got type {sorted(types)}", param="tools")
+    return parameters
+
+
+def _call_item(tool: ToolSpec, definitions: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The schema of one call to `tool`; its definitions are moved into `definitions`."""
+    parameters = copy.deepcopy(object_parameters(tool))
     for key in DEFINITION_KEYS:
         defs = parameters.get(key)
         if not isinstance(defs, dict):

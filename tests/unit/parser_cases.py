@@ -40,9 +40,10 @@ def qwen(name: str, args: dict) -> str:
 
 
 def parse(parser: str, pieces: list[str], reasoning: bool = False,
-          starts_in_reasoning: bool = False) -> tuple[ParsedMessage, list[list[Event]]]:
-    """Feed `pieces` one by one, then finish; the folded message and each feed's events."""
-    p = ChatOutputParser(parser, TOOLS, reasoning=reasoning,
+          starts_in_reasoning: bool = False, tools: dict | None = None) -> tuple[ParsedMessage, list[list[Event]]]:
+    """Feed `pieces` one by one, then finish; the folded message and each feed's events
+    (`tools`: the offered functions, default TOOLS)."""
+    p = ChatOutputParser(parser, TOOLS if tools is None else tools, reasoning=reasoning,
                          starts_in_reasoning=starts_in_reasoning)
     per_feed = [p.feed(piece) for piece in pieces] + [p.finish()]
     message = ParsedMessage()

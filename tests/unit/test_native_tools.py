@@ -6,6 +6,7 @@ import json
 import pytest
 
 from radixserve.config import ServerConfig
+from radixserve.errors import InvalidRequest
 from radixserve.server.chat_tools import ChatOutputs, plan_tools
 from radixserve.server.native_tools import native_calls_tag
 from tests.unit.parser_cases import glm45, glm47
@@ -47,6 +48,20 @@ def test_native_constraint_replaces_the_json_array(choice, names, finish):
     assert plan_tools(request(tools=[WEATHER, TIME], tool_choice=choice), "glm45").json_schema
     # a parser without a native format keeps the JSON array
     assert plan_tools(request(tools=[WEATHER], tool_choice="required"), None, "native").json_schema
+
+
+@pytest.mark.parametrize("fields, constraint", [({"tool_choice": "required"}, "native"), ({}, "json")])
+def test_parameters_that_are_not_an_object_are_400(fields, constraint):
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "string"}}}
+    with pytest.raises(InvalidRequest) as err:
+        plan_tools(request(tools=[tool], **fields), "glm45", constraint)
+    assert err.value.param == "tools" and "JSON object" in str(err.value)
+
+
+def test_each_schema_is_in_the_tag_once():
+    plan = plan_tools(request(tools=[WEATHER, TIME], tool_choice="required"), "glm45", "native")
+    tag = native_calls_tag(plan.native, True, False)
+    assert tag.count('"<tool_call>get_weather"') == 1 and tag.count('"days"') == 1
 
 
 def test_native_constraint_needs_a_native_parser():
@@ -107,6 +122,7 @@ def test_qwen25_tags_and_thinking(compiler):
     opened = tag_of("qwen25", "required", reasoning=True, starts=True)
     assert accepts(compiler, opened, "plan</think>\n\n" + ok)
     assert not accepts(compiler, opened, "plan" + ok), "the open block must be closed first"
+    assert not accepts(compiler, opened, "plan</think>" + "\n" * 4 + ok), "a bounded gap after it"
 
 
 def test_auto_with_a_strict_tool_leaves_text_free_but_checks_calls(compiler):

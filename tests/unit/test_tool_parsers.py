@@ -6,6 +6,7 @@ import json
 import pytest
 
 from radixserve.parsers.events import CallArgs
+from radixserve.parsers.schema import ToolSpec
 from tests.unit.parser_cases import (CHUNKS, TRICKY, assert_stream_shape, calls_json, char_chunks,
                                      glm45, glm47, parse, qwen, same_message, token_chunks)
 
@@ -22,7 +23,7 @@ ARGS = {
     "unknown_parameter_read_as_json": ([("extra", "[true]"), ("word", "plain")],
                                        {"extra": [True], "word": "plain"}),
     # whitespace around a value is not part of it (vLLM / SGLang strip it; xgrammar pads with it)
-    "padded_values": ([("text", "\n  two  words \n"), ("n", " 7\n")], {"text": "two  words", "n": 7}),
+    "padded_values": ([("text", "\u3000\n  two  words \u00a0\n"), ("n", " 7\n")], {"text": "two  words", "n": 7}),
 }
 NAMES = {"no_arguments": "get_time"}
 
@@ -143,6 +144,20 @@ def test_generic_json_format(reply, calls, content):
         streamed, per_feed = parse("json", char_chunks(reply, size))
         assert_stream_shape(per_feed)
         assert same_message(streamed, whole)
+
+
+def test_glm_long_names_and_keys_stream_as_they_parse_whole():
+    """A 250-character name (256 may be offered) and a 300-character key are read streamed as
+    whole; a key over the parser's limit ends the call as text, streamed or not."""
+    name, key = "f" * 250, "k" * 300
+    tools = {name: ToolSpec(name, {"type": "object", "properties": {key: {"type": "string"}}})}
+    for text, calls in ((glm45(name, [(key, "v")]), [(name, {key: "v"})]),
+                        (glm45(name, [("k" * 5000, "v")]), None)):
+        whole, _ = parse("glm45", [text], tools=tools)
+        assert calls is None or calls_json(whole) == calls
+        for size in (1, 7, 64):
+            streamed, _ = parse("glm45", char_chunks(text, size), tools=tools)
+            assert same_message(streamed, whole), size
 
 
 def test_whitespace_and_text_without_calls_pass_through_unchanged():
