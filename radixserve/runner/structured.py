@@ -12,7 +12,9 @@ A request's grammar (`SamplingParams.grammar`) is a JSON schema (response_format
 server/native_tools.py). Flow: `check(grammar, param)` compiles once per distinct grammar
 (cached) and raises InvalidRequest for one xgrammar refuses (naming `param`, the request field
 it came from: response_format, or tools) -- Engine.add_request calls it through
-`ModelRunner.validate_params`, so bad grammars get a 400 before anything is queued. At sampling time `token_mask(rows)` returns an
+`ModelRunner.validate_params`, so bad grammars get a 400 before anything is queued; the engine
+loop runs a new grammar's compile on a worker thread first (engine/loop.py), and the cache is
+thread-safe and keeps failures too. At sampling time `token_mask(rows)` returns an
 (n, V) bool mask, True where a token is allowed: each constrained request has a GrammarMatcher
 (LRU-bounded, keyed by request id) that first accepts the output tokens it has not yet seen
 (so preemption and recompute need nothing special: a lost matcher is rebuilt from the output
