@@ -140,8 +140,7 @@ class EngineLoop:
     def submit(self, msg: Submit) -> None:
         """Add all requests of a group or none of them; a group with a grammar not yet compiled
         waits (answered later by settle_compiles) while its grammars compile on a worker thread."""
-        pending = getattr(self.engine.runner, "grammar_pending", None)
-        if pending is not None and any(pending(add.params) for add in msg.adds):
+        if any(self._compiles_first(add.params) for add in msg.adds):
             if self._grammar_pool is None:
                 self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
             validate = self.engine.runner.validate_params
@@ -149,6 +148,18 @@ class EngineLoop:
                 lambda: [_quietly(validate, add.params) for add in msg.adds])))
             return
         self.add_group(msg)
+
+    def _compiles_first(self, params: Any) -> bool:
+        """Whether `params` is valid (else add_group answers its error at once) and carries a
+        grammar the runner has yet to compile."""
+        pending = getattr(self.engine.runner, "grammar_pending", None)
+        if pending is None:
+            return False
+        try:
+            params.validate(self.engine.runner.vocab_size)
+        except RadixServeError:
+            return False
+        return pending(params)
 
     def settle_compiles(self) -> None:
         """Add the groups whose grammars are compiled (the compile's error, if any, is raised

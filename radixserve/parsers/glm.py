@@ -11,7 +11,7 @@ GLM-4.7 writes the same tags without the newlines (`<tool_call>get_weather<arg_k
 <arg_value>...`); whitespace between tags is optional here, so one parser reads both formats.
 Values are typed per the tool's schema (schema.type_text). A string-only parameter is streamed
 as it is generated; other values go out whole once their closing tag is read. Whitespace
-around a value is not part of it (as vLLM's and SGLang's GLM parsers strip it, and as
+around a value is not part of it (as vLLM's GLM tool parser strips it, and as
 xgrammar's `glm_xml` grammar pads values with it: server/native_tools.py).
 
 A value may itself contain "</arg_value>" (code, XML): a closing tag counts only when what

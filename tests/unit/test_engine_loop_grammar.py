@@ -120,3 +120,11 @@ def test_an_abort_while_compiling_ends_the_request(loop):
     assert seen["submitted"]["g1"] is None     # accepted, then aborted at once
     until(lambda: not seen["engine"].has_unfinished(), "the engine to be idle")
     assert "r1" not in seen["engine"].requests and "r1" not in seen["finished"]
+
+
+def test_params_that_fail_validation_are_refused_before_any_compile(loop):
+    runner, send, until, seen = loop
+    too_long = "x" * (64 << 10 | 1)   # over the grammar limit: refused without compiling it
+    send(add("g1", "r1", too_long))
+    until(lambda: "g1" in seen["submitted"], "the group's answer")
+    assert seen["submitted"]["g1"].param == "response_format" and too_long not in runner.compiled

@@ -22,7 +22,7 @@ ARGS = {
     "wrong_type_kept_as_text": ([("n", "forty")], {"n": "forty"}),
     "unknown_parameter_read_as_json": ([("extra", "[true]"), ("word", "plain")],
                                        {"extra": [True], "word": "plain"}),
-    # whitespace around a value is not part of it (vLLM / SGLang strip it; xgrammar pads with it)
+    # whitespace around a value is not part of it (vLLM strips it; xgrammar pads with it)
     "padded_values": ([("text", "\u3000\n  two  words \u00a0\n"), ("n", " 7\n")], {"text": "two  words", "n": 7}),
 }
 NAMES = {"no_arguments": "get_time"}
