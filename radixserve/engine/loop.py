@@ -153,13 +153,13 @@ class EngineLoop:
         """Whether `params` is valid (else add_group answers its error at once) and carries a
         grammar the runner has yet to compile."""
         pending = getattr(self.engine.runner, "grammar_pending", None)
-        if pending is None:
+        if pending is None or not pending(params):   # most requests: no new grammar, no work here
             return False
         try:
             params.validate(self.engine.runner.vocab_size)
         except RadixServeError:
             return False
-        return pending(params)
+        return True
 
     def settle_compiles(self) -> None:
         """Add the groups whose grammars are compiled (the compile's error, if any, is raised

@@ -28,6 +28,7 @@ KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
 VALUE_OPEN, VALUE_CLOSE = "<arg_value>", "</arg_value>"
 CALL_CLOSE = "</tool_call>"
 NAME_ENDS = ("\n", KEY_OPEN, CALL_CLOSE)
+NAME_END_CHARS = max(map(len, NAME_ENDS))
 AFTER_VALUE = (KEY_OPEN, CALL_CLOSE)
 MAX_NAME_CHARS = 256    # the longest function name a request may offer (server/protocol.py)
 MAX_KEY_CHARS = 4096    # longer argument keys end the call (read as text), streamed or not
@@ -55,7 +56,7 @@ class GlmToolParser(ToolCallParser):
         start = skip_ws(self._buf, 0)
         ends = [at for end in NAME_ENDS if (at := self._buf.find(end, start)) >= 0]
         if not ends:   # wait for the name's end, unless no offered name can be this long
-            if final or len(self._buf) - start > MAX_NAME_CHARS + max(map(len, NAME_ENDS)):
+            if final or len(self._buf) - start > MAX_NAME_CHARS + NAME_END_CHARS:
                 self._reject_call()
                 return True
             return False
