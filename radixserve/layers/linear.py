@@ -15,10 +15,16 @@ and keeps no float weight; with `quantized_max_tokens` N > 0 it also keeps the f
 int8 kernels re-dequantize per block of rows and lose to the fp32 GEMM from ~12-16 rows on AVX2.
 Batch-invariant mode (`prepare(batch_invariant=True)`, for --enable-deterministic-inference) uses
 the packed oneDNN path for every M, M == 1 included: see batch_invariant.py.
+fp16 weights (`enable_fp16_weight`, the LM head of a quantized model): inputs of up to a few rows
+run on FBGEMM's fp16-weight GEMM (`torch.fbgemm_linear_fp16_weight`: fp32 activations, fp16
+weights, fp32 accumulation and output), which reads half the bytes of the fp32 weight. On the
+default model's 49152 x 576 head (2 threads, AVX2): 1.4-1.7x faster than the paths above at
+M = 1..4, even at 8, slower from 16 (docs/benchmarks.md).
 """
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +34,10 @@ from radixserve.layers.quant_linear import MATMULS, QuantWeight, kernel_availabl
 
 logger = logging.getLogger(__name__)
 _UNPACKABLE: set[torch.dtype] = set()   # dtypes whose prepacking failed (already logged)
+_NO_FP16_WEIGHT: list[str] = []          # why FBGEMM's fp16-weight GEMM is unavailable (logged once)
+# torch marks the two FBGEMM fp16 functions deprecated (a UserWarning on first use); torch is
+# pinned (2.13), and a build without them takes the fallback in enable_fp16_weight.
+warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
 
 
 class Linear(torch.nn.Module):
@@ -53,6 +63,9 @@ class Linear(torch.nn.Module):
         self._quant_shards: dict[str | None, QuantWeight] = {}
         self._quant = None                         # Int4Matmul or Int8Matmul
         self._quant_max_rows = 0                   # > 0: larger inputs take the float weight
+        self._fp16: torch.Tensor | None = None     # FBGEMM-packed fp16 weight for small M
+        self._fp16_bias: torch.Tensor | None = None
+        self._fp16_max_rows = 0
 
     def load(self, tensor: torch.Tensor | QuantWeight, shard: str | None = None, is_bias: bool = False) -> None:
         """Copy a checkpoint tensor ((rows, in) or (rows,) for a bias) into the weight or one
@@ -80,7 +93,7 @@ class Linear(torch.nn.Module):
         `batch_invariant` every M takes the packed path; raises ValueError where it cannot.
         A quantized layer runs inputs of up to `quantized_max_tokens` rows (0: all) on its
         kernel and larger ones on the dequantized float weight, then kept as well."""
-        self._split, self._packed = None, None
+        self._split, self._packed, self._fp16 = None, None, None
         if self._quant_shards:
             if self._prepare_quant(batch_invariant, keep_float=quantized_max_tokens > 0):
                 self._quant_max_rows = quantized_max_tokens
@@ -106,6 +119,29 @@ class Linear(torch.nn.Module):
         if self._quant_max_rows and self._packed is not None:   # M = 1 runs on the kernel
             self._split = None
             self.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether this layer runs on a quantized kernel (for some input sizes at least)."""
+        return self._quant is not None
+
+    def enable_fp16_weight(self, max_rows: int) -> bool:
+        """Also keep an fp16 copy of the fp32 CPU weight (+2 bytes per weight), packed for
+        FBGEMM, and run inputs of up to `max_rows` rows on it; weights are rounded to fp16
+        (relative error <= 2^-11 each), activations, accumulation and output stay fp32.
+        Returns False, with one log line per process, where FBGEMM is not in the torch build."""
+        w = self.weight.data
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() == 0 or _NO_FP16_WEIGHT:
+            return False
+        try:
+            self._fp16 = torch.fbgemm_pack_gemm_matrix_fp16(w)
+        except (RuntimeError, AttributeError) as exc:
+            _NO_FP16_WEIGHT.append(str(exc))
+            logger.warning("FBGEMM fp16-weight GEMM unavailable (%s); the LM head stays fp32", exc)
+            return False
+        self._fp16_bias = self.bias.data if self.bias is not None else torch.zeros(self.out_features)
+        self._fp16_max_rows = max_rows
+        return True
 
     def _prepare_quant(self, batch_invariant: bool, keep_float: bool = False) -> bool:
         """Pack the quantized shards for their kernel and drop the float weight (`keep_float`:
@@ -139,6 +175,8 @@ class Linear(torch.nn.Module):
         self._quant_shards = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fp16 is not None and x.shape[0] <= self._fp16_max_rows:
+            return torch.fbgemm_linear_fp16_weight(x, self._fp16, self._fp16_bias)
         if self._quant is not None and (not self._quant_max_rows or x.shape[0] <= self._quant_max_rows):
             y = self._quant(x)
             return y if self.bias is None else y.add_(self.bias)

@@ -158,3 +158,48 @@ def test_linear_falls_back_to_fp32_when_it_cannot_run_quantized(monkeypatch):
     plain.prepare()
     assert plain._quant is None and torch.equal(plain.weight.data, ref)
     assert torch.allclose(plain(x), x @ ref.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_fp16_weight_path_runs_small_inputs_on_rounded_weights():
+    """enable_fp16_weight(4): up to 4 rows compute with the weight rounded to fp16 (fp32
+    activations and accumulation), more rows on the exact fp32 weight."""
+    gen = torch.Generator().manual_seed(3)
+    layer = Linear(COLS, 4096, bias=True)
+    layer.weight.data.copy_(torch.randn(4096, COLS, generator=gen))
+    layer.bias.data.copy_(torch.randn(4096, generator=gen))
+    layer.prepare()
+    w, b = layer.weight.data, layer.bias.data
+    if not layer.enable_fp16_weight(4):
+        pytest.skip("this torch build has no FBGEMM fp16-weight GEMM")
+    rounded = w.half().float()
+    assert not torch.equal(rounded, w), "the random weight must not be fp16-exact"
+    for m in (1, 4, 5, 16):
+        x = torch.randn(m, COLS, generator=gen)
+        scale = x.abs() @ w.abs().t() + b.abs()
+        got = layer(x)
+        to_exact = (got - (x @ w.t() + b)).abs()
+        if m <= 4:
+            assert ((got - (x @ rounded.t() + b)).abs() <= 1e-5 * scale).all(), m
+            assert to_exact.max() > 1e-5 * scale.max(), "small inputs must take the fp16 weights"
+            assert (to_exact <= 2.0 ** -11 * scale).all(), m
+        else:
+            assert (to_exact <= 1e-5 * scale).all(), m
+
+
+def test_fp16_weight_path_falls_back_once_without_fbgemm(monkeypatch, caplog):
+    from radixserve.layers import linear
+
+    monkeypatch.setattr(linear, "_NO_FP16_WEIGHT", [])
+
+    def missing(_w):
+        raise RuntimeError("no FBGEMM in this build")
+
+    monkeypatch.setattr(torch, "fbgemm_pack_gemm_matrix_fp16", missing)
+    x = torch.randn(2, COLS)
+    for _ in range(2):
+        layer = Linear(COLS, ROWS)
+        layer.weight.data.normal_()
+        layer.prepare()
+        assert layer.enable_fp16_weight(4) is False
+        assert torch.allclose(layer(x), x @ layer.weight.data.t(), rtol=1e-4, atol=1e-4)
+    assert sum("fp16-weight GEMM unavailable" in r.message for r in caplog.records) == 1
