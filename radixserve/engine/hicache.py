@@ -177,10 +177,16 @@ class HostTier:
                 n.host_ids = None
 
     # ---- host -> device ----------------------------------------------------------------------
-    def start_load(self, host_path: list[RadixNode],
-                   take_device_pages: Callable[[int], list[int] | None]) -> Load | None:
+    def start_load(self, host_path: list[RadixNode], take_device_pages: Callable[[int], list[int] | None],
+                   max_pages: int | None = None) -> Load | None:
         """Load host-only nodes (a matched path, in order) back to the device; None when the
-        device pages cannot be had. See the module doc for the order of the steps."""
+        device pages cannot be had. With `max_pages`, only the path's first `max_pages` pages
+        load (the node they end in is split there; the rest stays host-only for a later
+        match). See the module doc for the order of the steps."""
+        if max_pages is not None:
+            host_path = self._head(host_path, max_pages)
+            if not host_path:
+                return None
         host_ids = [p for n in host_path for p in n.host_ids]
         self.pinned.update(host_ids)
         device = take_device_pages(len(host_ids))
@@ -202,6 +208,19 @@ class HostTier:
         c["hicache_load_pages"] += len(device)
         c["hicache_load_bytes"] += len(device) * self.io.page_bytes
         return load
+
+    def _head(self, host_path: list[RadixNode], max_pages: int) -> list[RadixNode]:
+        """The longest head of host_path with at most max_pages pages, splitting the node
+        that crosses the bound."""
+        head: list[RadixNode] = []
+        for n in host_path:
+            if max_pages <= 0:
+                break
+            if len(n.host_ids) > max_pages:
+                n = self.cache.split(n, max_pages)
+            head.append(n)
+            max_pages -= len(n.host_ids)
+        return head
 
     def finish_loads(self, wait: bool = False) -> list[Load]:
         """Release loads that are done (all of them, waiting, with `wait`); returns the failed

@@ -48,11 +48,15 @@ class KVManager:
         return self.cache.match_len(req.all_ids[:req.num_tokens - 1])
 
     # ---- match / allocate / commit / free ---------------------------------------------------
-    def match(self, req: Request) -> int:
+    def match(self, req: Request, keep_free_pages: int = 0) -> int:
         """Attach the longest cached prefix to a request that holds no pages; lock it.
 
         At least one token is always left to compute (its logits are needed), so the match
-        is capped at num_tokens - 1, rounded down to pages. Returns the matched tokens.
+        is capped at num_tokens - 1, rounded down to pages. Host pages past the device match
+        start loading back, as many of them as leave `keep_free_pages` device pages available
+        (the scheduler's headroom): under page pressure a head of the host match loads now and
+        the rest at a later match, where loading all or nothing would recompute it all.
+        Returns the matched tokens.
         """
         assert not req.page_ids and req.last_node is None, "match on a request holding pages"
         if not self._may_match(req):
@@ -69,7 +73,7 @@ class KVManager:
             node.hits += 1
         if self.tier is not None:
             if result.host_path and not req.skip_host_tier:
-                self._load_back(req, result.host_path)
+                self._load_back(req, result.host_path, keep_free_pages)
             self.tier.on_match(result.device_path)
         if self.disk is not None and not req.skip_host_tier and not req.skip_disk:
             tree_pages = result.num_pages + sum(len(h.host_ids) for h in result.host_path)
@@ -78,10 +82,11 @@ class KVManager:
         req.num_computed_tokens = len(req.page_ids) * self.page_size
         return req.num_computed_tokens
 
-    def _load_back(self, req: Request, host_path: list) -> None:
-        """Start loading req's host-only matched nodes to the device; on success they join
-        req's tree pages (the forward waits per layer for them, KVCache.wait_ready)."""
-        load = self.tier.start_load(host_path, self._take_pages)
+    def _load_back(self, req: Request, host_path: list, keep_free_pages: int) -> None:
+        """Start loading req's host-only matched nodes to the device, at most as many pages as
+        leave `keep_free_pages` available; on success they join req's tree pages (the forward
+        waits per layer for them, KVCache.wait_ready)."""
+        load = self.tier.start_load(host_path, self._take_pages, self.num_available_pages - keep_free_pages)
         if load is None:
             return
         self.cache.lock(load.node)

@@ -118,7 +118,7 @@ class RadixCache:
                 break
             k = self._common_pages(child.key, rest)
             if k * self.page_size < len(child.key):
-                child = self._split(child, k)
+                child = self.split(child, k)
             child.last_access_s = now
             if child.page_ids is None or host_path:
                 host_path.append(child)
@@ -238,9 +238,9 @@ class RadixCache:
                 self.num_locked_pages -= len(node.page_ids)
             node = node.parent
 
-    # ---- internals --------------------------------------------------------------------------
-    def _split(self, child: RadixNode, num_pages: int) -> RadixNode:
-        """Split child after num_pages pages; returns the new upper node (same lock count)."""
+    def split(self, child: RadixNode, num_pages: int) -> RadixNode:
+        """Split child after num_pages pages (0 < num_pages < its pages); returns the new upper
+        node (same lock count, device and host pages split alike)."""
         cut = num_pages * self.page_size
 
         def halves(ids: list[int] | None) -> tuple[list[int] | None, list[int] | None]:
@@ -256,6 +256,7 @@ class RadixCache:
         upper.children[child.key[:self.page_size]] = child
         return upper
 
+    # ---- internals --------------------------------------------------------------------------
     def _now(self) -> float:
         # Monotonic time plus a tie-breaking counter, so LRU order is total even within a tick.
         return time.monotonic() + next(self._clock) * 1e-9

@@ -148,7 +148,8 @@ class Scheduler:
         for req in self._policy_order():
             if len(self.running) >= self.config.max_running_requests:
                 break
-            cached = self.kv.match(req)
+            # Host loads leave the admission check's headroom and one page to compute.
+            cached = self.kv.match(req, keep_free_pages=len(self.running) + 1)
             if req.fetch is not None:     # its next pages are on disk: wait for them
                 self.kv.free(req)
                 req.num_computed_tokens = 0

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.sampling_params import SamplingParams
-from tests.regression.workload import (EOS_ID, VOCAB_SIZE, Conversation, mixed, multi_turn,
-                                       random_prompts, shared_prefix)
-from tests.unit.fake_runner import FakeRunner
+from tests.regression.workload import (EOS_ID, VOCAB_SIZE, Conversation, agent_repos, mixed,
+                                       multi_turn, random_prompts, shared_prefix)
+from tests.unit.fake_runner import FakeHostKV, FakeRunner
 
 PAGE_SIZE = 8
 EOS_EVERY = 40           # the fake model ends an answer early about once in 40 tokens
@@ -41,11 +41,13 @@ METRICS = {
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
-    """A request set and the KV budget it runs under (`num_pages` pages of PAGE_SIZE tokens)."""
+    """A request set and the KV budget it runs under (`num_pages` pages of PAGE_SIZE tokens;
+    `host_pages` > 0: with a host KV tier of that many pages)."""
 
     name: str
     conversations: Callable[[], list[Conversation]]
     num_pages: int
+    host_pages: int = 0
 
 
 # Budgets are small on purpose: every set evicts, shared_prefix, random and mixed also preempt.
@@ -54,6 +56,8 @@ SCENARIOS = (
     Scenario("shared_prefix", shared_prefix, 48),
     Scenario("random", random_prompts, 48),
     Scenario("mixed", mixed, 88),
+    # a working set (~230 pages) four times the device pool, all of it fitting in host memory
+    Scenario("agent_repos_host_tier", agent_repos, 56, host_pages=256),
 )
 ENGINE_CONFIG = {"page_size": PAGE_SIZE, "chunked_prefill_size": 64, "max_running_requests": 8}
 
@@ -63,6 +67,8 @@ def run_scenario(scenario: Scenario, **config_overrides) -> dict[str, int | floa
     `config_overrides` replace ENGINE_CONFIG fields (e.g. disable_radix_cache=True). Raises
     AssertionError when the engine breaks a page-ownership invariant or never goes idle."""
     runner = FakeRunner(scenario.num_pages, PAGE_SIZE, VOCAB_SIZE, eos=EOS_ID, eos_every=EOS_EVERY)
+    if scenario.host_pages:
+        runner.host_kv = FakeHostKV(runner, scenario.host_pages)
     engine = Engine(EngineConfig(**{**ENGINE_CONFIG, **config_overrides}), runner)
     order = itertools.count()
     pending = [(c.arrival_step, next(order), c, 0, ()) for c in scenario.conversations()]

@@ -82,3 +82,17 @@ def test_command_line_update_then_gate(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gate, "run_all", lambda: {"toy": {"num_steps": 9, "cache_hit_rate": 0.6}})
     assert gate.main(["--baseline", str(path)]) == 0
     assert gate.REFRESH_COMMAND in capsys.readouterr().out
+
+
+def test_gate_fails_when_host_loads_go_back_to_all_or_nothing(monkeypatch):
+    """The host-tier set catches a scheduler that loads a host match only when all of it fits
+    the device (the behaviour before partial loads): most of the tier's hits are lost."""
+    from radixserve.engine.hicache import HostTier
+
+    start_load = HostTier.start_load
+    monkeypatch.setattr(HostTier, "start_load",
+                        lambda self, path, take, max_pages=None: start_load(self, path, take))
+    verdicts = verdicts_of("agent_repos_host_tier", run_scenario(SCENARIO["agent_repos_host_tier"]))
+    assert verdicts["cache_hit_rate"].verdict == "REGRESSED"
+    assert verdicts["cache_hit_rate"].now < 0.5 * verdicts["cache_hit_rate"].base
+    assert verdicts["num_prompt_tokens_computed"].verdict == "REGRESSED"

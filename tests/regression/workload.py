@@ -1,4 +1,4 @@
-"""The count gate's fixed, seeded request sets: multi-turn chats, shared-prefix groups, random prompts.
+"""The count gate's fixed, seeded request sets: multi-turn chats, shared-prefix groups, random prompts, agents on several repositories.
 
 Everything is token ids drawn from `random.Random(seed)`; arrivals are step numbers, never
 seconds, so a set is the same on every machine. A conversation is a chain of turns: turn k + 1
@@ -65,6 +65,18 @@ def random_prompts(seed: int = 3, num_requests: int = 16) -> list[Conversation]:
     return [Conversation(f"random{i}", 2 * i, (Turn(_ids(rng, rng.randint(16, 128)),
                                                     rng.randint(8, 48)),))
             for i in range(num_requests)]
+
+
+def agent_repos(seed: int = 4, num_sessions: int = 8, num_turns: int = 4, num_repos: int = 4,
+                repo_len: int = 160) -> list[Conversation]:
+    """Coding agents: session i works on repository i % num_repos (a `repo_len`-token context)
+    with a 16-token task, then tool results of 24-40 tokens a turn; answers of 8-16 tokens.
+    Session i starts at step 24 * i, so two or three are in flight."""
+    rng = random.Random(seed)
+    repos = [_ids(rng, repo_len) for _ in range(num_repos)]
+    return [Conversation(f"agent{i}", 24 * i, tuple(
+        Turn(repos[i % num_repos] + _ids(rng, 16) if k == 0 else _ids(rng, rng.randint(24, 40)),
+             rng.randint(8, 16)) for k in range(num_turns))) for i in range(num_sessions)]
 
 
 def mixed() -> list[Conversation]:

@@ -84,6 +84,30 @@ def test_a_prefix_evicted_from_the_device_hits_in_host_and_counts_there():
     check_all_idle(engine)
 
 
+def test_under_page_pressure_the_head_of_a_host_match_loads_instead_of_nothing():
+    """A 16-page prefix back from host while another request holds most of the 24-page pool:
+    the pages that fit load now (the node split where they end), the rest at a later match,
+    so the prefix is served from the tier, not recomputed (all-or-nothing loading gave 0)."""
+    rng = random.Random(5)
+    engine, _ = make()
+    sentinel = [rng.randrange(VOCAB) for _ in range(16 * P + 1)]
+    serve(engine, [sentinel])
+    serve(engine, [[rng.randrange(VOCAB) for _ in range(8 * P)] for _ in range(4)], start=1)
+    assert engine.kv.cache.match(sentinel).page_ids == []          # gone from the device
+    engine.add_request("busy", [rng.randrange(VOCAB) for _ in range(11 * P)], greedy(12))
+    while not engine.scheduler.running or engine.scheduler.running[0].is_prefilling:
+        engine.step()
+    assert engine.kv.num_available_pages < 16, "the whole prefix must not fit"
+    before = engine.stats()["hicache_loads"]
+    engine.add_request("again", sentinel, greedy(6))
+    outs = run_all(engine)
+    tokens, out = outs["again"]
+    assert tokens == reference(sentinel, 6)
+    assert out.num_cached_tokens >= 8 * P, out.num_cached_tokens
+    assert engine.stats()["hicache_loads"] >= before + 2, "the prefix came back in more than one load"
+    check_all_idle(engine)
+
+
 def test_a_failed_load_is_recomputed_and_never_counted_as_a_hit():
     """C30: the load writes wrong KV and says so; the request reruns without host hits."""
     rng = random.Random(3)
