@@ -158,7 +158,7 @@ def run(llm, items, concurrency: int, corrupt: str | None = None) -> list[dict]:
 def detect(trace: dict, detectors: str, acc: AcceptanceConfig) -> tuple[str, int] | None:
     """Replay the trace through one detector set; (kind, tokens generated at detection) or None."""
     extra = [AcceptanceDetector(acc, trace["greedy"])] if detectors != "text" else []
-    guard = AnomalyGuard(GuardConfig(), extra_detectors=extra, greedy=trace["greedy"])
+    guard = AnomalyGuard(GuardConfig(), extra_detectors=extra, loops_expected=trace["greedy"])
     if detectors == "acceptance":
         guard.detectors = extra
     num = 0

@@ -41,12 +41,12 @@ class AcceptanceDetector:
 
     kind = "spec_acceptance"
 
-    def __init__(self, config: AcceptanceConfig, greedy: bool = False):
-        """`greedy`: the choice decodes greedily, so the high-rate half (a loop) is not judged,
-        for the repetition detector's reason (anomaly.AnomalyGuard): a greedy loop is the
-        model's own answer, the same on any worker a retry would go to."""
+    def __init__(self, config: AcceptanceConfig, loops_expected: bool = False):
+        """`loops_expected`: the choice decodes greedily or under a grammar, so the high-rate
+        half (a loop) is not judged, for the repetition detector's reasons
+        (anomaly.AnomalyGuard)."""
         self.config = config
-        self.greedy = greedy
+        self.loops_expected = loops_expected
         self.num_tokens = 0
 
     def feed(self, delta: GuardInput) -> Detection | None:
@@ -59,7 +59,7 @@ class AcceptanceDetector:
             return Detection(self.kind, f"accept length {spec.accept_length:.2f} < "
                                         f"{cfg.min_accept_length} over {spec.verify_steps} verify "
                                         f"steps and {self.num_tokens} tokens")
-        if not self.greedy and spec.accept_rate > cfg.max_accept_rate:
+        if not self.loops_expected and spec.accept_rate > cfg.max_accept_rate:
             return Detection(self.kind, f"accept rate {spec.accept_rate:.3f} > "
                                         f"{cfg.max_accept_rate} ({spec.accepted_tokens} of "
                                         f"{spec.draft_tokens} draft tokens)")

@@ -229,16 +229,18 @@ class AnomalyGuard:
     """All detectors of one choice. `feed` returns the first Detection (and the same one on
     every later call: a choice that went wrong stays wrong).
 
-    `greedy`: the choice is decoded greedily, so repetition is not judged. A loop under
-    greedy decoding is the model's own deterministic answer, the same on every healthy
-    worker (small models fall into them: 2.3 % of greedy SmolLM2-135M answers,
-    docs/anomaly_guard.md); stopping it would turn that answer into an error that no retry
-    can fix. Garbled text and rare characters are judged either way.
+    `loops_expected`: the choice decodes greedily or under a grammar (JSON schema, tool-call
+    tags), so repetition is not judged. A loop under greedy decoding is the model's own
+    deterministic answer, the same on every healthy worker (small models fall into them:
+    2.3 % of greedy SmolLM2-135M answers, docs/anomaly_guard.md); text a grammar forces (a
+    long function name, enum value or `const`, repeated array items) is periodic by
+    construction. Stopping either would turn the answer into an error that no retry can fix.
+    Garbled text and rare characters are judged either way.
     """
 
     def __init__(self, config: GuardConfig, extra_detectors: Sequence[Detector] = (),
-                 greedy: bool = False):
-        repetition: list[Detector] = [] if greedy else [RepetitionDetector(config)]
+                 loops_expected: bool = False):
+        repetition: list[Detector] = [] if loops_expected else [RepetitionDetector(config)]
         self.detectors: list[Detector] = [*repetition, GarbledDetector(config),
                                           RareCharDetector(config), *extra_detectors]
         self.detection: Detection | None = None

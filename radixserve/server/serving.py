@@ -222,9 +222,9 @@ class GenerationRun:
         self.stream: RequestStream | None = None
         self._timers: dict[str, RequestTimer] = {}
         num_choices = len(prompts) * self.n
-        greedy = params.is_greedy
-        self._guards = [AnomalyGuard(ctx.guard, [AcceptanceDetector(ctx.acceptance, greedy)]
-                                     if ctx.acceptance else [], greedy=greedy)
+        loops_expected = params.is_greedy or params.grammar is not None
+        self._guards = [AnomalyGuard(ctx.guard, [AcceptanceDetector(ctx.acceptance, loops_expected)]
+                                     if ctx.acceptance else [], loops_expected=loops_expected)
                         for _ in range(num_choices)] if ctx.guard else []
 
     async def __aenter__(self) -> GenerationRun:

@@ -66,3 +66,18 @@ def test_a_schema_xgrammar_refuses_is_400(server, streaming):
     body = {"model": server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
             "stream": streaming, "tools": [UNCOMPILABLE], "tool_choice": "required"}
     assert assert_error(server.post("/v1/chat/completions", json=body), 400)["param"] == "tools"
+
+
+def test_text_a_grammar_forces_is_not_judged_as_a_repetition_loop(server):
+    """A sampled reply whose schema forces a 320-character periodic `const`: the output-anomaly
+    guard's repetition detector would call that a loop; under a grammar it is not judged."""
+    loop = "ab" * 160
+    schema = {"type": "object", "properties": {"code": {"const": loop}}, "required": ["code"],
+              "additionalProperties": False}
+    fields = {"messages": [{"role": "user", "content": "code?"}], "temperature": 1.0, "seed": 3,
+              "max_tokens": 400, "response_format": {"type": "json_schema",
+                                                     "json_schema": {"name": "c", "schema": schema}}}
+    r = server.post("/v1/chat/completions", json=fields)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert loop in choice["message"]["content"] and choice["finish_reason"] == "stop", choice

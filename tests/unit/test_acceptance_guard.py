@@ -48,7 +48,7 @@ def test_glm_rule_high_accept_rate_fires_and_either_half_can_be_turned_off():
     assert found is not None and "accept rate" in found.detail
     off = AcceptanceConfig(max_accept_rate=1.0)
     assert feed_steps(AcceptanceDetector(off), loop)[0] is None
-    greedy = AcceptanceDetector(AcceptanceConfig(), greedy=True)
+    greedy = AcceptanceDetector(AcceptanceConfig(), loops_expected=True)
     assert feed_steps(greedy, loop)[0] is None      # a greedy loop is the model's own answer
     off = AcceptanceConfig(min_accept_length=0.0)
     assert feed_steps(AcceptanceDetector(off), [(4, 0)] * 200)[0] is None
@@ -64,7 +64,7 @@ def test_few_verify_steps_or_no_speculation_are_not_judged():
 
 def test_the_guard_ends_the_choice_with_the_acceptance_kind():
     guard = AnomalyGuard(GuardConfig(), [AcceptanceDetector(AcceptanceConfig(),
-                                                            greedy=True)], greedy=True)
+                                                            loops_expected=True)], loops_expected=True)
     found, _ = feed_steps(guard, [(4, 0)] * 200)
     assert found is not None and found.kind == "spec_acceptance"
     assert guard.feed(GuardInput("more", [1])) == found    # the first detection sticks

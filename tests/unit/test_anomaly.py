@@ -131,6 +131,6 @@ def test_greedy_choices_are_not_judged_for_repetition():
     """A greedy loop is the model's deterministic answer; garbling still counts."""
     loop = "The water flows,\n" * 40
     assert AnomalyGuard(CONFIG).feed(GuardInput(loop)).kind == "repetition"
-    assert AnomalyGuard(CONFIG, greedy=True).feed(GuardInput(loop)) is None
-    garbled = AnomalyGuard(CONFIG, greedy=True).feed(GuardInput("ok " + "\ufffd" * 6))
+    assert AnomalyGuard(CONFIG, loops_expected=True).feed(GuardInput(loop)) is None
+    garbled = AnomalyGuard(CONFIG, loops_expected=True).feed(GuardInput("ok " + "\ufffd" * 6))
     assert garbled is not None and garbled.kind == "garbled"
