@@ -88,6 +88,7 @@ class HostTier:
         self.counters = {"hicache_backups": 0, "hicache_backup_pages": 0, "hicache_backup_bytes": 0,
                          "hicache_loads": 0, "hicache_load_pages": 0, "hicache_load_bytes": 0,
                          "hicache_load_seconds": 0.0, "hicache_failed_loads": 0,
+                         "hicache_partial_loads": 0,
                          "hicache_host_evicted_pages": 0, "hicache_host_alloc_failures": 0,
                          "hicache_evictions_skipped_pinned": 0}
 
@@ -183,7 +184,8 @@ class HostTier:
         device pages cannot be had. With `max_pages`, only the path's first `max_pages` pages
         load (the node they end in is split there; the rest stays host-only for a later
         match). See the module doc for the order of the steps."""
-        if max_pages is not None:
+        partial = max_pages is not None and sum(len(n.host_ids) for n in host_path) > max_pages
+        if partial:
             host_path = self._head(host_path, max_pages)
             if not host_path:
                 return None
@@ -205,6 +207,7 @@ class HostTier:
         self.loads.append(load)
         c = self.counters
         c["hicache_loads"] += 1
+        c["hicache_partial_loads"] += partial
         c["hicache_load_pages"] += len(device)
         c["hicache_load_bytes"] += len(device) * self.io.page_bytes
         return load

@@ -77,6 +77,8 @@ HICACHE_COUNTERS = (
     ("hicache_load_bytes", "hicache_load_bytes", "Host KV tier: bytes loaded host->device."),
     ("hicache_load_seconds", "hicache_load_seconds", "Host KV tier: wall seconds of finished loads, summed."),
     ("hicache_failed_loads", "hicache_failed_loads", "Host KV tier: loads that failed (recomputed)."),
+    ("hicache_partial_loads", "hicache_partial_loads", "Host KV tier: loads of only the head of a "
+     "host match, the rest left for a later match (device pages short)."),
     ("hicache_backup_pages", "hicache_backup_pages", "Host KV tier: pages copied device->host."),
     ("hicache_backup_bytes", "hicache_backup_bytes", "Host KV tier: bytes copied device->host."),
     ("hicache_host_evicted_pages", "hicache_host_evicted_pages", "Host KV tier: host pages evicted."),
