@@ -173,7 +173,7 @@ def check_under_delays(url: str, reference: str, work: list[str], delay_ms: floa
     """Arm hicache.h2d.layer (each layer's load waits U(delay - jitter, delay + jitter) ms) on
     the tier server at `url`, run `work` against it with --check-output `reference` (a saved
     file or a tier-off server's URL), clear the fault; bench's check report plus the server's
-    load and host-hit counters."""
+    load (partial loads too) and host-hit counters."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     r = httpx.post(url + "/admin/fault", json={"kind": "hicache.h2d.layer", "latency_ms": delay_ms,
                                                "jitter_ms": jitter_ms, "fail_fraction": 0.0},
@@ -186,6 +186,7 @@ def check_under_delays(url: str, reference: str, work: list[str], delay_ms: floa
         httpx.delete(url + "/admin/fault", headers=headers, timeout=30, trust_env=False)
     stats = httpx.get(url + "/get_server_info", headers=headers, timeout=30, trust_env=False).json()["engine"]
     return {**record["check_output"], "hicache_loads": stats["hicache_loads"],
+            "hicache_partial_loads": stats["hicache_partial_loads"],
             "num_cached_tokens_host": stats["num_cached_tokens_host"]}
 
 
