@@ -1,6 +1,7 @@
 """Weight-only quantized linear layers on the default model: speed and quality of int4 / int8 against fp32, in one run.
 
 Run:  python benchmarks/quantized.py [--modes none,int4,int8,int4@12] [--batches 1,16,64] [--reps 3] [--kernels]
+                                    [--llama-cpp]
 
 A mode `int4@N` is int4 with --quantized-max-tokens N (steps of more than N tokens on fp32).
 
@@ -12,6 +13,7 @@ Quality, on the parity prompts (tests/model/parity.py) as chat turns: each promp
 greedy continuation (--quality-tokens) is teacher-forced through each mode with
 prompt_logprobs=1; greedy agreement = the mode's top-1 equals the fp32 token, mean |Δ logprob|
 of the fp32 token; plus the first position where free-running greedy output leaves fp32's.
+`--llama-cpp` scores llama.cpp on the same GGUF the same way (benchmarks/peers/llama_cpp_logits.py).
 Also: linear-layer weight bytes and (cached) load time. `uptime` load is printed with each table.
 """
 from __future__ import annotations
@@ -70,7 +72,9 @@ def speed(llms: dict[str, LLM], batches: list[int], out_tokens: int, reps: int) 
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-def quality(ref: LLM, runs: dict[str, LLM], num_tokens: int) -> None:
+def quality(ref: LLM, runs: dict[str, LLM], num_tokens: int, peer=None) -> None:
+    """The quality table (module doc); `peer`: a LlamaCppScorer, scored the same way as one
+    more row (llama.cpp computing with the GGUF's own weights)."""
     prompts = [ref.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in PARITY_TEXTS]
     params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
     reference = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
@@ -89,8 +93,24 @@ def quality(ref: LLM, runs: dict[str, LLM], num_tokens: int) -> None:
                 delta += abs(got[pos].logprob - want[pos].logprob)
                 total += 1
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        first = [next((j for j, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(outs, reference)]
-        print(f"| {name} | {agree / total:.2%} | {delta / total:.4f} | {', '.join(map(str, first))} (of {num_tokens}) |")
+        _row(name, agree, total, delta, outs, reference, num_tokens)
+    if peer is not None:
+        agree = total = 0
+        delta = 0.0
+        for p, r, want in zip(prompts, reference, base):
+            top, logprobs = peer.teacher_forced(p + r, len(p) - 1)
+            for j, (t, lp) in enumerate(zip(top, logprobs)):
+                agree += t == r[j]
+                delta += abs(lp - want[len(p) - 1 + j].logprob)
+                total += 1
+        outs = [peer.greedy(p, num_tokens) for p in prompts]
+        _row("llama.cpp (GGUF weights, its own compute)", agree, total, delta, outs, reference, num_tokens)
+
+
+def _row(name: str, agree: int, total: int, delta: float, outs: list[list[int]],
+         reference: list[list[int]], num_tokens: int) -> None:
+    first = [next((j for j, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(outs, reference)]
+    print(f"| {name} | {agree / total:.2%} | {delta / total:.4f} | {', '.join(map(str, first))} (of {num_tokens}) |")
 
 
 def linear_bytes(llm: LLM) -> int:
@@ -159,6 +179,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quality-tokens", type=int, default=32, help="0: skip the quality tables")
     ap.add_argument("--kernels", action="store_true", help="also time single layers (fp32 vs int4 vs int8)")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="add llama.cpp's own logits on the same GGUF to the quality table "
+                         "(builds llama.cpp like benchmarks/peers/llama_cpp.py; default model only)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: all cores); 1 is steadier on a shared, loaded box")
     args = ap.parse_args()
@@ -179,7 +202,12 @@ def main() -> None:
         kernels([int(b) for b in args.batches.split(",")], 5 * args.reps)
     speed(llms, [int(b) for b in args.batches.split(",")], args.out_tokens, args.reps)
     if "none" in llms and args.quality_tokens:
-        quality(llms["none"], {m: llm for m, llm in llms.items() if m != "none"}, args.quality_tokens)
+        peer = None
+        if args.llama_cpp:
+            from benchmarks.peers.llama_cpp_logits import LlamaCppScorer
+            from radixserve.weights.paths import resolve_model_path
+            peer = LlamaCppScorer(str(resolve_model_path(None)), args.threads)
+        quality(llms["none"], {m: llm for m, llm in llms.items() if m != "none"}, args.quality_tokens, peer)
     print(f"\n{load()}")
 
 
