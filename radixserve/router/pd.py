@@ -14,6 +14,13 @@ attempt can never reach the next one's pages. A non-retryable error (the prefill
 context length, bad parameters) is the answer at once; when the budget or the workers run out,
 the last failure's error is (a 502 for a transport failure). Each leg's outcome feeds its
 worker's circuit breaker.
+
+A stream that breaks after content reached the client (the decode worker died, failed or was
+ejected) is continued on another pair, as the colocated router continues it on another worker
+(docs/stream_migration.md): the same request with `resume_token_ids` = the tokens the client
+has, so the new prefill worker computes the prompt and those tokens and samples the next one,
+and the new decode worker goes on from there. The failed decode worker is not picked again;
+continuations count against the same attempt budget.
 """
 from __future__ import annotations
 
@@ -26,10 +33,14 @@ from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from radixserve.errors import error_body
+from radixserve.router.eject import Ejected
 from radixserve.router.outcome import classify, error_kind
+from radixserve.router.proxy import Attempts, Lease
+from radixserve.router.relay import Opened, Relay, RelayResponse
+from radixserve.router.stream import StreamLedger, sse_events
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +62,19 @@ class LegFailed:
     def retry(self) -> bool:
         """Whether another pair may be tried (outcome.classify's rules)."""
         return classify(self.status, self.status is None, self.kind).retry
+
+
+@dataclass
+class DecodeOpened:
+    """The decode leg's answer so far: its response and `head`, the whole body (not a stream,
+    or not a 200) or the stream's last event read (its first content or an error event);
+    for a stream also the events read (`pending`, role chunks held before `head`) and the
+    iterator the relay goes on reading."""
+
+    resp: httpx.Response
+    head: bytes
+    pending: list[bytes]
+    events: AsyncIterator[bytes] | None = None
 
 
 class PDRouter:
@@ -85,39 +109,80 @@ class PDRouter:
 
     async def forward(self, path: str, body: dict, headers: dict[str, bytes], key: Any,
                       stream: bool) -> Response:
-        """One client request over a pair, retried on other pairs (module doc)."""
+        """One client request over a pair, retried on other pairs, a stream continued on
+        another pair when it breaks (module doc)."""
         tried: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        attempts = Attempts()
+        ledger = None
+        if stream:
+            ledger = StreamLedger(path, json.dumps(body).encode(), self.prefill.forwarder.migration_on)
+            body = json.loads(ledger.first_body())
+        answer = await self._dispatch(path, body, headers, key, ledger, tried, attempts)
+        if isinstance(answer, Opened):
+            async def resend() -> tuple[Opened | None, str]:
+                return await self._continue(path, headers, key, ledger, tried, attempts)
+            return RelayResponse(Relay(self.prefill.forwarder, ledger, answer, resend))
+        if isinstance(answer, LegFailed):
+            self.prefill.metrics.retries_exhausted.inc()
+            return answer.response
+        if answer is not None:
+            return answer
+        side = "prefill" if not self.prefill.registry.routable() else "decode"
+        return _error(503, f"no routable {side} worker", "no_worker_available")
+
+    async def _continue(self, path: str, headers: dict[str, bytes], key: Any, ledger: StreamLedger,
+                        tried: dict[str, set[str]], attempts: Attempts) -> tuple[Opened | None, str]:
+        """Continue a cut stream on another pair; (the opened continuation or None, the
+        stream_migrations_total outcome)."""
+        body = json.loads(ledger.continuation_body())
+        result = await self._dispatch(path, body, headers, key, ledger, tried, attempts)
+        if isinstance(result, Opened):
+            logger.info("PD stream continued on %s after %d tokens", result.lease.worker.url,
+                        len(ledger.token_ids))
+            return result, "success"
+        if isinstance(result, Response):
+            logger.warning("PD continuation refused (%d): %s", result.status_code, bytes(result.body)[:200])
+            return None, "refused"
+        return None, "exhausted"
+
+    async def _dispatch(self, path: str, body: dict, headers: dict[str, bytes], key: Any,
+                        ledger: StreamLedger | None, tried: dict[str, set[str]],
+                        attempts: Attempts) -> Response | Opened | LegFailed | None:
+        """Attempts on pairs of untried workers within the budget: the client's answer (a
+        non-retryable failure's error included), an Opened stream, the last retryable
+        LegFailed when the budget or the workers ran out, or None when no pair was tried."""
         forwarder = self.prefill.forwarder
         last: LegFailed | None = None
-        for attempt in range(forwarder.max_attempts):
+        while attempts.made < forwarder.max_attempts:
             p_all = self.prefill.registry.routable(exclude=tried["prefill"])
             d_all = self.decode.registry.routable(exclude=tried["decode"])
             if not p_all or not d_all:
                 break
-            if attempt:
-                await asyncio.sleep(forwarder.backoff_s(attempt))
+            if attempts.made:
+                await asyncio.sleep(forwarder.backoff_s(attempts.made))
                 self.prefill.metrics.retries.inc()
+            attempts.made += 1
             p = self.prefill.policy.select(key, p_all).worker
             d = self.decode.policy.select(key, d_all).worker
-            answer = await self._attempt(path, body, headers, stream, p, d)
+            answer = await self._attempt(path, body, headers, ledger, p, d)
+            if isinstance(answer, Opened):
+                tried["decode"].add(d.url)   # a continuation goes to another decode worker
+                return answer
             if not isinstance(answer, LegFailed):
                 return answer
             last = answer
             if not answer.retry:
                 return answer.response
             tried[answer.side].add(answer.url)
-            logger.info("PD attempt %d failed on the %s leg (%s): %s", attempt + 1, answer.side,
+            logger.info("PD attempt %d failed on the %s leg (%s): %s", attempts.made, answer.side,
                         answer.url, answer.status or "transport error")
-        if last is not None:
-            self.prefill.metrics.retries_exhausted.inc()
-            return last.response
-        side = "prefill" if not self.prefill.registry.routable() else "decode"
-        return _error(503, f"no routable {side} worker", "no_worker_available")
+        return last
 
-    async def _attempt(self, path: str, body: dict, headers: dict[str, bytes], stream: bool,
-                       p: Any, d: Any) -> Response | LegFailed:
-        """Both legs over the pair (p, d) with a fresh bootstrap room: the client's answer, or
-        the failed leg (the other cancelled). Records each leg's outcome on its breaker."""
+    async def _attempt(self, path: str, body: dict, headers: dict[str, bytes],
+                       ledger: StreamLedger | None, p: Any, d: Any) -> Response | Opened | LegFailed:
+        """Both legs over the pair (p, d) with a fresh bootstrap room: the client's answer (a
+        stream: Opened, which then owns the decode lease), or the failed leg (the other
+        cancelled). Records each leg's outcome on its breaker."""
         try:
             host, port = await self.bootstrap_of(p.url)
         except LookupError as exc:
@@ -129,10 +194,10 @@ class PDRouter:
         p_body.pop("stream_options", None)
         d_body = {**body, **extra}
         self.prefill.registry.acquire(p.url)
-        self.decode.registry.acquire(d.url)
+        lease = Lease(self.decode.registry, d)
         p_leg = asyncio.create_task(self.http.post(p.url + path, json=p_body, headers=headers),
                                     name=f"pd-prefill-{room}")
-        d_leg = asyncio.create_task(self._open_decode(d.url + path, d_body, headers, stream),
+        d_leg = asyncio.create_task(self._open_decode(d.url + path, d_body, headers, lease, ledger),
                                     name=f"pd-decode-{room}")
         p_leg.add_done_callback(lambda _: self.prefill.registry.release(p.url))
         try:
@@ -140,42 +205,51 @@ class PDRouter:
         except BaseException:   # the client left: neither leg is awaited
             p_leg.cancel()
             d_leg.cancel()
-            self.decode.registry.release(d.url)
+            lease.release()
             raise
         if isinstance(answer, LegFailed):
-            self.decode.registry.release(d.url)
+            lease.release()
+            if d_leg.done() and not d_leg.cancelled() and d_leg.exception() is None:
+                self._keep(asyncio.ensure_future(d_leg.result().resp.aclose()))
             state, worker = (self.prefill, p) if answer.side == "prefill" else (self.decode, d)
             state.forwarder.record(worker, answer.status, answer.status is None, answer.kind)
             return answer
-        resp, first = answer
         self.prefill.forwarder.record(p, 200, False)
-        self.decode.forwarder.record(d, resp.status_code, False)
         self._keep(p_leg)   # a succeeded decode means the prefill is done or about to be
-        return StreamingResponse(self._relay(resp, first, d.url), status_code=resp.status_code,
-                                 media_type=resp.headers.get("content-type"))
+        if answer.events is not None:   # the relay records the decode leg's outcome at its end
+            return Opened(lease, answer.resp, answer.events, answer.pending)
+        self.decode.forwarder.record(d, answer.resp.status_code, False)
+        lease.release()
+        return Response(answer.head, status_code=answer.resp.status_code,
+                        media_type=answer.resp.headers.get("content-type"))
 
-    async def _open_decode(self, url: str, body: dict, headers: dict[str, bytes],
-                           stream: bool) -> tuple[httpx.Response, bytes]:
-        """Send the decode leg; return its response and its first body chunk (the whole body
-        when it is not a stream, or not a 200)."""
+    async def _open_decode(self, url: str, body: dict, headers: dict[str, bytes], lease: Lease,
+                           ledger: StreamLedger | None) -> DecodeOpened:
+        """Send the decode leg. Not a stream, or not a 200: read the whole body. A stream:
+        read its events through the lease's StreamWatch (cut when the worker is ejected) up
+        to the first that is not a held role chunk."""
         req = self.http.build_request("POST", url, json=body, headers=headers)
         resp = await self.http.send(req, stream=True)
         try:
-            if not stream or resp.status_code != 200:
-                return resp, await resp.aread()
-            chunks = resp.aiter_raw()
-            resp.extensions["pd_chunks"] = chunks   # the relay goes on from the same iterator
-            async for chunk in chunks:
-                if chunk:
-                    return resp, chunk
-            return resp, b""
+            if ledger is None or resp.status_code != 200:
+                body_bytes = await resp.aread()
+                await resp.aclose()
+                return DecodeOpened(resp, body_bytes, [])
+            events = lease.watch().events(sse_events(resp.aiter_raw()))
+            pending: list[bytes] = []
+            async for event in events:
+                pending.append(event)
+                if not ledger.is_held(event):
+                    break
+            return DecodeOpened(resp, pending[-1] if pending else b"", pending, events)
         except BaseException:
             await resp.aclose()
             raise
 
     async def _race(self, p_leg: asyncio.Task, d_leg: asyncio.Task, p_url: str, d_url: str):
-        """Wait for the decode leg's first chunk while watching the prefill leg. Returns the
-        LegFailed of a failed leg (the other leg cancelled) or (decode response, first chunk)."""
+        """Wait for the decode leg's answer (a stream: its first content event) while watching
+        the prefill leg. Returns the LegFailed of a failed leg (the other leg cancelled) or the
+        decode leg's DecodeOpened."""
         pending = {p_leg, d_leg}
         while True:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -192,18 +266,6 @@ class PDRouter:
                     return failure
                 return d_leg.result()
 
-    async def _relay(self, resp: httpx.Response, first: bytes, d_url: str) -> AsyncIterator[bytes]:
-        try:
-            if first:
-                yield first
-            chunks = resp.extensions.get("pd_chunks")
-            if chunks is not None:
-                async for chunk in chunks:
-                    yield chunk
-        finally:
-            await resp.aclose()
-            self.decode.registry.release(d_url)
-
     def _keep(self, task: asyncio.Task) -> None:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -212,21 +274,21 @@ class PDRouter:
         """A cancelled decode leg may have opened its response just before: close it."""
         def close(task: asyncio.Task) -> None:
             if not task.cancelled() and task.exception() is None:
-                self._keep(asyncio.ensure_future(task.result()[0].aclose()))
+                self._keep(asyncio.ensure_future(task.result().resp.aclose()))
         d_leg.add_done_callback(close)
 
 
 def _leg_failure(leg: asyncio.Task, url: str, side: str) -> LegFailed | None:
     """How `leg` failed (its error as the client would get it), or None when it did not."""
     exc = leg.exception()
-    if isinstance(exc, UNREACHABLE):
+    if isinstance(exc, (*UNREACHABLE, Ejected)):   # an ejection counts as a transport error
         logger.warning("PD %s leg to %s failed: %r", side, url, exc)
         return LegFailed(side, url, None, None, _error(
             502, f"the {side} worker {url} failed: {type(exc).__name__}", "upstream_error"))
     if exc is not None:
         raise exc
     result = leg.result()
-    resp, body = (result, result.content) if side == "prefill" else result
+    resp, body = (result, result.content) if side == "prefill" else (result.resp, result.head)
     if resp.status_code < 400:
         if side == "decode" and body.startswith(b'data: {"error"'):   # failed before any token
             error = json.loads(body.split(b"\n\n", 1)[0].removeprefix(b"data: "))

@@ -334,3 +334,37 @@ def test_no_leaks_and_no_tracebacks(pd_fleet):
         wait_for(lambda s=s: s.pages()["num_in_use_pages"] == 0, "idle pages")
         s.assert_no_leak()
         s.assert_no_tracebacks()
+
+
+def _stream_text_and_ids(r: httpx.Response) -> tuple[str, list[int], int | None]:
+    assert r.status_code == 200, r.text
+    text, ids, usage = "", [], None
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            event = json.loads(line[6:])
+            for c in event.get("choices", []):
+                text += c.get("text") or ""
+                ids += c.get("token_ids") or []
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+    return text, ids, usage
+
+
+def test_a_stream_continuation_through_a_pair_equals_the_colocated_one(pd_fleet):
+    """What the router sends when it continues a cut stream on another pair (router/pd.py): the
+    request with resume_token_ids = the tokens the client has. The prefill worker computes the
+    prompt and those tokens and samples the next; decode goes on. The rest equals a colocated
+    worker's continuation and the uncut greedy run, token for token, with usage counting every
+    completion token once."""
+    ref, _, decode, router = pd_fleet
+    prompt = list(range(300, 340))
+    body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": 12, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    _, uncut, _ = _stream_text_and_ids(ref.post("/v1/completions", json=body))
+    assert len(uncut) == 12
+    resumed = {**body, "resume_token_ids": uncut[:5]}
+    want_text, want, want_usage = _stream_text_and_ids(ref.post("/v1/completions", json=resumed))
+    got_text, got, got_usage = _stream_text_and_ids(router.post("/v1/completions", json=resumed))
+    assert got == want == uncut[5:]
+    assert got_text == want_text and got_usage == want_usage == 12
+    wait_for(lambda: decode.pages()["num_in_use_pages"] == 0, "decode pages back")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ P, D = "http://prefill:1", "http://decode:2"
 
 class Registry:
     def __init__(self, urls):
-        self.workers = [SimpleNamespace(url=u) for u in urls]
+        self.workers = [SimpleNamespace(url=u, streams=set()) for u in urls]
         self.in_flight = 0
 
     def routable(self, exclude=frozenset()):
@@ -28,21 +29,36 @@ class Registry:
     def release(self, url):
         self.in_flight -= 1
 
+    @contextlib.contextmanager
+    def dispatch(self, worker):
+        self.in_flight += 1
+        try:
+            yield worker
+        finally:
+            self.in_flight -= 1
+
 
 class Count:
     def __init__(self):
         self.value = 0
+        self.by_label: dict[str, int] = {}
 
     def inc(self):
         self.value += 1
+
+    def labels(self, label):
+        counter = self
+        return SimpleNamespace(inc=lambda: counter.by_label.__setitem__(label, counter.by_label.get(label, 0) + 1))
 
 
 class Forwarder:
     """The router Forwarder's part PD mode uses: the retry budget, backoff and breaker records."""
 
-    def __init__(self, attempts):
+    def __init__(self, attempts, migrations):
         self.max_attempts = attempts
         self.outcomes: list[tuple[str, str]] = []
+        self.migration_on = True
+        self.metrics = SimpleNamespace(migrations=migrations)
 
     def backoff_s(self, retry):
         return 0.0
@@ -53,9 +69,12 @@ class Forwarder:
 
 def side(urls, http, attempts):
     policy = SimpleNamespace(select=lambda key, cands: SimpleNamespace(worker=cands[0]))
+    migrations = Count()
     return SimpleNamespace(registry=Registry(urls), policy=policy, http=http,
-                           config=SimpleNamespace(connect_timeout_s=1.0), forwarder=Forwarder(attempts),
-                           metrics=SimpleNamespace(retries=Count(), retries_exhausted=Count()))
+                           config=SimpleNamespace(connect_timeout_s=1.0),
+                           forwarder=Forwarder(attempts, migrations),
+                           metrics=SimpleNamespace(retries=Count(), retries_exhausted=Count(),
+                                                   migrations=migrations))
 
 
 def run(prefill_handler, decode_handler, body=None, prefill=(P,), decode=(D,), attempts=5):
@@ -221,4 +240,69 @@ def test_retries_stop_at_the_budget_and_the_last_error_is_the_answer(attempts):
     assert router.prefill.metrics.retries.value == tried - 1
     assert router.prefill.metrics.retries_exhausted.value == 1
     assert [o for _, o in router.prefill.forwarder.outcomes] == ["failure"] * tried
+    assert seen["in_flight"] == (0, 0)
+
+
+def event(text, ids, finish=None):
+    data = {"id": "cmpl-x", "created": 7, "choices": [{"index": 0, "text": text, "token_ids": ids,
+                                                       "finish_reason": finish}]}
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+async def cut_after(events):
+    """A stream that delivers `events`, then loses its connection."""
+    for e in events:
+        yield e
+    raise httpx.ReadError("connection reset mid-stream")
+
+
+def migrating_decode(first_events):
+    """decode-a streams `first_events` and breaks; decode-b answers the continuation."""
+    async def handler(request, seen):
+        body = json.loads(request.content)
+        seen.setdefault("decode_bodies", []).append(body)
+        headers = {"content-type": "text/event-stream"}
+        if request.url.host == "decode":
+            return httpx.Response(200, content=cut_after(first_events), headers=headers)
+        return httpx.Response(200, content=chunks([event("c", [3], "length"), b"data: [DONE]\n\n"]),
+                              headers=headers)
+    return handler
+
+
+async def prefill_records(request, seen):
+    seen.setdefault("prefill_bodies", []).append(json.loads(request.content))
+    return httpx.Response(200, json={"choices": [{"text": "x"}]})
+
+
+def test_a_stream_cut_after_content_is_continued_on_another_pair():
+    """The decode worker dies after two tokens: the router resends the request with those
+    tokens as resume_token_ids to both legs of a new pair (never the dead decode worker), and
+    the client sees one stream: each token once, one id, no token ids it did not ask for."""
+    body = {"prompt": "hi", "max_tokens": 3, "stream": True}
+    status, data, seen = run(prefill_records, migrating_decode([event("a", [1]), event("b", [2])]),
+                             body, decode=(D, "http://decode-b:2"))
+    assert status == 200
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in data.split(b"\n\n")
+             if e.startswith(b"data: {")]
+    assert texts == ["a", "b", "c"] and data.endswith(b"data: [DONE]\n\n")
+    assert b"token_ids" not in data and data.count(b'"id":"cmpl-x"') == 3
+    first, second = seen["decode_bodies"]
+    assert first["return_token_ids"] is True and "resume_token_ids" not in first
+    assert second["resume_token_ids"] == [1, 2]
+    assert seen["prefill_bodies"][1]["resume_token_ids"] == [1, 2], "the new prefill computes them too"
+    assert seen["prefill_bodies"][1]["bootstrap_room"] == second["bootstrap_room"] != first["bootstrap_room"]
+    assert seen["hosts"] == ["prefill", "decode", "prefill", "decode-b"]
+    router = seen["router"]
+    assert router.prefill.metrics.migrations.by_label == {"success": 1}
+    assert seen["in_flight"] == (0, 0)
+
+
+def test_a_cut_stream_ends_with_an_error_event_when_no_pair_is_left():
+    body = {"prompt": "hi", "max_tokens": 3, "stream": True}
+    status, data, seen = run(prefill_records, migrating_decode([event("a", [1])]), body)
+    assert status == 200
+    assert data.count(b'"text": "a"') + data.count(b'"text":"a"') == 1
+    assert b'"worker_error"' in data and data.endswith(b"data: [DONE]\n\n")
+    assert seen["router"].prefill.metrics.migrations.by_label == {"exhausted": 1}
+    assert seen["hosts"] == ["prefill", "decode"], "the dead decode worker is not tried again"
     assert seen["in_flight"] == (0, 0)
