@@ -204,7 +204,7 @@ class ServerConfig:
     tool_call_constraint: str = _opt(
         "json", "how tool_choice \"required\" or a named function is enforced while decoding: json "
                 "(a JSON array of calls, as vLLM and SGLang do) or native (the --tool-call-parser's "
-                "own format, thinking allowed first; qwen25, glm45, glm47)", ("json", "native"))
+                "own format, thinking allowed first; qwen25, glm45, glm47, qwen3_coder)", ("json", "native"))
     reasoning_parser: str | None = _opt(None, "split <think> text into reasoning_content "
                                               "(default: thinking stays in content)",
                                         REASONING_PARSERS)

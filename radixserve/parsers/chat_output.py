@@ -12,17 +12,17 @@ import uuid
 from collections.abc import Mapping
 
 from radixserve.parsers.events import Content, Event
-from radixserve.parsers.glm import GlmToolParser
 from radixserve.parsers.json_calls import JsonToolParser, Qwen25ToolParser
 from radixserve.parsers.reasoning import REASONING_PARSERS, ReasoningParser
 from radixserve.parsers.schema import ToolSpec
 from radixserve.parsers.tool_parser import ToolCallParser
+from radixserve.parsers.xml_calls import GlmToolParser, Qwen3CoderToolParser
 
 # --tool-call-parser names (SGLang's). glm47 is GLM-4.7's tag layout without newlines, which the
-# GLM parser reads as well.
+# GLM parser reads as well; qwen3_coder is Qwen3-Coder's (and Qwen3.5's) XML layout.
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     "glm45": GlmToolParser, "glm47": GlmToolParser, "qwen25": Qwen25ToolParser,
-    "json": JsonToolParser}
+    "qwen3_coder": Qwen3CoderToolParser, "json": JsonToolParser}
 __all__ = ["ChatOutputParser", "REASONING_PARSERS", "TOOL_CALL_PARSERS", "new_call_id"]
 
 

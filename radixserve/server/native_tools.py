@@ -5,6 +5,8 @@
     glm45, glm47    <tool_call>f <arg_key>k</arg_key><arg_value>v</arg_value>... </tool_call>
                     (xgrammar's `glm_xml` style: string values as text, others as JSON;
                     whitespace between the tags as either GLM version writes it)
+    qwen3_coder     <tool_call>\n<function=f>\n<parameter=k>\nv\n</parameter>...\n</function>\n</tool_call>
+                    (xgrammar's `qwen_xml` style, laid out as Qwen3-Coder's chat template writes it)
 
 Used in two cases (server/chat_tools.py):
 - tool_choice "auto" with a tool whose `strict` is true (as SGLang does it): text stays free, but
@@ -33,7 +35,7 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # Whitespace characters allowed in one gap between JSON tokens or GLM tags: the formats need
 # one (", ", ": ", a newline between tags); free whitespace lets a weak model pad until max_tokens.
 MAX_WHITESPACE = 1
-FORMATS = ("qwen25", "glm45", "glm47")   # --tool-call-parser values with a native tag
+FORMATS = ("qwen25", "glm45", "glm47", "qwen3_coder")   # --tool-call-parser values with a native tag
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,12 @@ def _call_tag(parser: str, name: str, schema: dict[str, Any] | None) -> dict[str
     if parser == "qwen25":
         return {"type": "tag", "begin": f'{TRIGGER}\n{{"name": {json.dumps(name)}, "arguments": ',
                 "content": content, "end": "}\n</tool_call>"}
+    if parser == "qwen3_coder":
+        content["style"] = "qwen_xml"
+        # As Qwen3-Coder's chat template writes a call: a newline after each parameter, so a
+        # call without arguments is "<function=f>\n</function>" (the content takes the newline).
+        return {"type": "tag", "begin": f"{TRIGGER}\n<function={name}>\n", "content": content,
+                "end": "</function>\n</tool_call>"}
     content["style"] = "glm_xml"
     return {"type": "tag", "begin": TRIGGER + name, "content": content, "end": "</tool_call>"}
 

@@ -18,9 +18,11 @@ TOOLS = {
     "search": ToolSpec("search", {"type": "object", "properties": {"query": {"type": "string"}}}),
 }
 CHUNKS = (1, 2, 3, 8)
-# Quotes, a backslash, a newline, unicode, and tags that close nothing here: "</arg_value>" not
-# followed by another argument or the end of the call, "</tool_call>" and "<arg_key>" inside.
-TRICKY = 'He said "hi" \\ then\nleft: naïve 日本 🎉 </arg_value> x </tool_call> <arg_key> done'
+# Quotes, a backslash, a newline, unicode, and tags that close nothing here: "</arg_value>" and
+# "</parameter>" not followed by another argument or the end of the call, "</tool_call>",
+# "</function>", "<arg_key>" and "<parameter=" inside.
+TRICKY = ('He said "hi" \\ then\nleft: naïve 日本 🎉 </arg_value> x </tool_call> <arg_key> done'
+          ' </parameter> y </function> <parameter= z')
 
 
 def glm45(name: str, args: list[tuple[str, str]]) -> str:
@@ -33,6 +35,12 @@ def glm47(name: str, args: list[tuple[str, str]]) -> str:
     """A GLM-4.7 call: the same tags without newlines."""
     body = "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in args)
     return f"<tool_call>{name}{body}</tool_call>"
+
+
+def qwen3_coder(name: str, args: list[tuple[str, str]]) -> str:
+    """A Qwen3-Coder call: a newline around every tag and value, as its chat template writes."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
 
 
 def qwen(name: str, args: dict) -> str:

@@ -9,7 +9,7 @@ from radixserve.config import ServerConfig
 from radixserve.errors import InvalidRequest
 from radixserve.server.chat_tools import ChatOutputs, plan_tools
 from radixserve.server.native_tools import native_calls_tag
-from tests.unit.parser_cases import glm45, glm47
+from tests.unit.parser_cases import glm45, glm47, qwen3_coder
 from tests.unit.test_chat_tools import TIME, request
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
@@ -92,8 +92,9 @@ def tag_of(parser: str, choice, reasoning=False, starts=False, tools=(WEATHER, T
     return native_calls_tag(plan.native, reasoning, starts)
 
 
-@pytest.mark.parametrize("parser, call", [("glm45", glm45), ("glm47", glm47)])
-def test_glm_tags(compiler, parser, call):
+@pytest.mark.parametrize("parser, call", [("glm45", glm45), ("glm47", glm47),
+                                          ("qwen3_coder", qwen3_coder)])
+def test_xml_tags(compiler, parser, call):
     required = tag_of(parser, "required")
     ok = call("get_weather", [("city", "Paris"), ("days", "3")])
     assert accepts(compiler, required, ok)
@@ -103,7 +104,7 @@ def test_glm_tags(compiler, parser, call):
     assert not accepts(compiler, required, "Sure." + ok), "text before the calls"
     assert not accepts(compiler, required, ok + "Done."), "text after the calls"
     assert accepts(compiler, required, ok + "\n" + ok) and not accepts(compiler, required, ok + "\n\n" + ok)
-    padded = ok.replace("<arg_value>3", "<arg_value>\n\n3")
+    padded = ok.replace("<arg_value>3", "<arg_value>\n\n3").replace("=days>\n3", "=days>\n\n\n3")
     assert not accepts(compiler, required, padded), "at most one whitespace character in a gap"
     assert not accepts(compiler, required, "Sure."), "no call"
     assert not accepts(compiler, tag_of(parser, NAMED), call("get_time", []))

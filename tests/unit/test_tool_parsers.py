@@ -1,4 +1,4 @@
-"""Tool-call parsers (GLM-4.5/4.7, Qwen2.5, generic JSON): every C43 case, streamed at 1, 2, 3 and 8 tokens and characters per chunk, equals the whole reply parsed at once."""
+"""Tool-call parsers (GLM-4.5/4.7, Qwen2.5, Qwen3-Coder, generic JSON): every C43 case, streamed at 1, 2, 3 and 8 tokens and characters per chunk, equals the whole reply parsed at once."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,10 @@ import pytest
 from radixserve.parsers.events import CallArgs
 from radixserve.parsers.schema import ToolSpec
 from tests.unit.parser_cases import (CHUNKS, TRICKY, assert_stream_shape, calls_json, char_chunks,
-                                     glm45, glm47, parse, qwen, same_message, token_chunks)
+                                     glm45, glm47, parse, qwen, qwen3_coder, same_message,
+                                     token_chunks)
 
-# case -> (GLM arguments as text, the typed arguments expected)
+# case -> (GLM / Qwen3-Coder arguments as text, the typed arguments expected)
 ARGS = {
     "scalars": ([("n", "42"), ("x", "-2.5e3"), ("ok", "true"), ("none", "null"), ("maybe", "null")],
                 {"n": 42, "x": -2500.0, "ok": True, "none": None, "maybe": None}),
@@ -32,8 +33,9 @@ def replies(fmt: str) -> dict[str, tuple[str, list, str]]:
     """case -> (reply text, [(name, arguments)], content) in format `fmt`."""
     def call(name: str, case: str) -> str:
         text_args, typed = ARGS[case]
-        return qwen(name, typed) if fmt == "qwen25" else (glm45 if fmt == "glm45" else glm47)(
-            name, text_args)
+        if fmt == "qwen25":
+            return qwen(name, typed)
+        return {"glm45": glm45, "glm47": glm47, "qwen3_coder": qwen3_coder}[fmt](name, text_args)
 
     out = {case: (call(NAMES.get(case, "calc"), case), [(NAMES.get(case, "calc"), typed)], "")
            for case, (_, typed) in ARGS.items()}
@@ -45,7 +47,7 @@ def replies(fmt: str) -> dict[str, tuple[str, list, str]]:
     return out
 
 
-FORMATS = ("glm45", "glm47", "qwen25")
+FORMATS = ("glm45", "glm47", "qwen25", "qwen3_coder")
 CASES = [(fmt, case) for fmt in FORMATS for case in replies(fmt)]
 
 
@@ -89,6 +91,10 @@ MALFORMED = {
     "glm45": ["<tool_call>unknown_fn\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
               "<tool_call>\n</tool_call>", "<tool_call>" + "x" * 300,
               "<tool_call>calc"],   # the reply ends before the name does
+    "qwen3_coder": ["<tool_call>\n<function=unknown_fn>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
+                    "<tool_call>\n</tool_call>", "<tool_call>\n<function=" + "x" * 300,
+                    "<tool_call>\n<function=calc",   # the reply ends before the name does
+                    '<tool_call>\n{"name": "calc", "arguments": {}}\n</tool_call>'],   # Qwen2.5's JSON
     "qwen25": ['<tool_call>\n{"name": "calc", "arguments": {"n": }}\n</tool_call>',
                '<tool_call>\n{"name": "unknown_fn", "arguments": {}}\n</tool_call>',
                "<tool_call>\nnot json at all\n</tool_call>",
@@ -110,6 +116,21 @@ def test_qwen_without_closing_tag_and_with_string_arguments():
                '<tool_call>{"arguments": {"x": 1}, "name": "calc"}')
     message, _ = parse("qwen25", char_chunks(lenient, 3))
     assert calls_json(message) == [("calc", {"n": 7}), ("calc", {"x": 1})]
+
+
+def test_qwen3_coder_string_argument_streams_and_a_cut_call_closes():
+    """As GLM: a string parameter streams before its closing tag; a call the reply ends
+    inside keeps what was read, its JSON closed."""
+    _, per_feed = parse("qwen3_coder", ["<tool_call>\n<function=search>\n<parameter=query>\n",
+                                        "weather in", " Paris", "\n</parameter>\n</function>\n</tool_call>"])
+    fragments = ["".join(e.text for e in events if isinstance(e, CallArgs)) for events in per_feed]
+    assert "".join(fragments) == '{"query": "weather in Paris"}'
+    assert fragments[1:3] == ["weather in", " Paris"]
+    text = "<tool_call>\n<function=calc>\n<parameter=n>\n5\n</parameter>\n<parameter=text>\nhalf a sen"
+    for size in CHUNKS:
+        message, per_feed = parse("qwen3_coder", char_chunks(text, size))
+        assert_stream_shape(per_feed)
+        assert calls_json(message) == [("calc", {"n": 5, "text": "half a sen"})], size
 
 
 def test_glm_call_cut_short_is_closed_as_valid_json():
@@ -161,7 +182,7 @@ def test_glm_long_names_and_keys_stream_as_they_parse_whole():
 
 
 def test_whitespace_and_text_without_calls_pass_through_unchanged():
-    for fmt in ("glm45", "qwen25", "json"):
+    for fmt in ("glm45", "qwen25", "qwen3_coder", "json"):
         reply = "  Hello,\n  world <tool_call is not a tag>  \n\n"
         for size in CHUNKS:
             message, _ = parse(fmt, char_chunks(reply, size))
