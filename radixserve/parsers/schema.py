@@ -61,11 +61,21 @@ def is_string_only(schema: dict[str, Any] | None) -> bool:
 
 
 def loads_json(text: str) -> Any:
-    """json.loads without NaN / Infinity (not JSON; they would make the arguments invalid).
-    Raises ValueError for anything that is not one complete JSON value."""
+    """json.loads without NaN / Infinity, written (`NaN`) or overflowing (`1e999`): they are not
+    JSON and would make the arguments invalid. Raises ValueError for anything that is not one
+    complete JSON value, nesting too deep for the parser included."""
     def refuse(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
-    return json.loads(text, parse_constant=refuse)
+
+    def finite(digits: str) -> float:
+        value = float(digits)
+        if not math.isfinite(value):
+            raise ValueError(f"{digits[:40]} overflows a double")
+        return value
+    try:
+        return json.loads(text, parse_constant=refuse, parse_float=finite)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def type_text(text: str, schema: dict[str, Any] | None) -> Any:

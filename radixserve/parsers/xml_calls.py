@@ -34,6 +34,7 @@ from radixserve.parsers.tool_parser import ToolCallParser
 
 MAX_NAME_CHARS = 256    # the longest function name a request may offer (server/protocol.py)
 MAX_KEY_CHARS = 4096    # longer argument keys end the call (read as text), streamed or not
+MAX_GAP_CHARS = 256     # a longer whitespace run around the name means no call (read as text)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class XmlToolParser(ToolCallParser):
         self._state = "name"
         self._tool = ToolSpec("")
         self._key = ""
+        self._keys: set[str] = set()   # keys written: a repeated key's value is read and dropped
         self._scan_from = 0     # where the search for the value's closing tag resumes
         self._leading = False   # a string value's leading whitespace is still to be skipped
 
@@ -88,8 +90,15 @@ class XmlToolParser(ToolCallParser):
         return getattr(self, "_read_" + self._state)(final)
 
     def _read_name(self, final: bool) -> bool:
+        """The function name: a call when it is an offered one. Whitespace runs around it
+        longer than MAX_GAP_CHARS, or a name longer than any offered one can be, mean no call;
+        the same text gives the same answer at any chunking (each bound is a property of the
+        text so far, checked whole or streamed), and no feed rescans more than the bounds."""
         t = self.tags
         start = skip_ws(self._buf, 0)
+        if start > MAX_GAP_CHARS:
+            self._reject_call()
+            return True
         if t.name_open:
             head = self._buf[start:start + len(t.name_open)]
             if head != t.name_open:
@@ -97,15 +106,21 @@ class XmlToolParser(ToolCallParser):
                     self._reject_call()
                     return True
                 return False
-            start += len(t.name_open)
-        ends = [at for end in t.name_ends if (at := self._buf.find(end, start)) >= 0]
-        if not ends:   # wait for the name's end, unless no offered name can be this long
-            if final or len(self._buf) - start > MAX_NAME_CHARS + max(map(len, t.name_ends)):
+            gap = start + len(t.name_open)
+            start = skip_ws(self._buf, gap)
+            if start - gap > MAX_GAP_CHARS:
                 self._reject_call()
                 return True
+        ends = [at for end in t.name_ends if (at := self._buf.find(end, start)) >= 0]
+        raw = self._buf[start:min(ends)] if ends else self._buf[start:]
+        name = raw.rstrip()
+        if (len(raw) - len(name) > MAX_GAP_CHARS or len(name) > MAX_NAME_CHARS
+                or not ends and final):
+            self._reject_call()
+            return True
+        if not ends:   # wait for the name's end
             return False
         at = min(ends)
-        name = self._buf[start:at].strip()
         if name not in self.tools:
             self._reject_call()
             return True
@@ -125,6 +140,7 @@ class XmlToolParser(ToolCallParser):
             self._buf, self._state = rest[len(t.call_close):], "tail"
             return True
         if not final and (not rest or is_marker_prefix(rest, t.after_value)):
+            self._buf = rest   # the whitespace goes whatever follows: never scanned twice
             return False
         self._buf = rest     # broken, or the reply ended inside the call
         self._end_call()
@@ -137,6 +153,7 @@ class XmlToolParser(ToolCallParser):
         if tail and rest.startswith(tail):
             self._buf = rest[len(tail):]
         elif tail and not final and (not rest or is_marker_prefix(rest, (tail,))):
+            self._buf = rest   # dropped either way (_end_call strips what follows a call)
             return False
         self._end_call()
         return True
@@ -158,13 +175,17 @@ class XmlToolParser(ToolCallParser):
         rest = self._buf[skip_ws(self._buf, 0):] if value_open else self._buf
         if rest.startswith(value_open):
             self._buf, self._scan_from = rest[len(value_open):], 0
-            if is_string_only(self._tool.param_schema(self._key)):
+            if self._key in self._keys:   # first one wins: the JSON object keeps one of each key
+                self._state = "value"
+            elif is_string_only(self._tool.param_schema(self._key)):
+                self._keys.add(self._key)
                 self._args(self.writer.open_string(self._key))
                 self._state, self._leading = "string", True
             else:
                 self._state = "value"
             return True
         if not final and (not rest or is_marker_prefix(rest, (value_open,))):
+            self._buf = rest
             return False
         self._buf = rest     # a key without a value
         self._end_call()
@@ -195,8 +216,9 @@ class XmlToolParser(ToolCallParser):
         end, _ = self._value_end(final)
         if end is None:
             return False
-        value = type_text(self._buf[:end], self._tool.param_schema(self._key))
-        self._args(self.writer.add(self._key, value))
+        if self._key not in self._keys:
+            self._keys.add(self._key)
+            self._args(self.writer.add(self._key, type_text(self._buf[:end], self._tool.param_schema(self._key))))
         self._buf = self._buf[end:]
         self._close_value()
         return True

@@ -193,3 +193,54 @@ def test_arguments_are_compact_json_the_same_in_every_format():
     glm, _ = parse("glm45", [glm45("calc", ARGS["scalars"][0])])
     qw, _ = parse("qwen25", [qwen("calc", ARGS["scalars"][1])])
     assert glm.calls[0].arguments == qw.calls[0].arguments == json.dumps(ARGS["scalars"][1])
+
+
+@pytest.mark.parametrize("fmt", ["glm45", "qwen3_coder"])
+def test_values_json_cannot_hold_stay_text(fmt):
+    """An overflowing number (json.loads reads 1e999 as inf, which JSON cannot write) or nesting
+    too deep for the JSON reader: the value stays text, never an exception."""
+    call = glm45 if fmt == "glm45" else qwen3_coder
+    deep = "[" * 100_000 + "]" * 100_000
+    for name, key, raw, want in (("get_time", "z", "1e999", "1e999"), ("calc", "opts", '{"a": -1e400}', '{"a": -1e400}'),
+                                 ("calc", "items", deep, deep)):
+        text = call(name, [(key, raw)])
+        for pieces in ([text], char_chunks(text, 4096)):
+            message, _ = parse(fmt, pieces)
+            assert calls_json(message) == [(name, {key: want})]
+
+
+def test_a_json_call_holding_an_overflowing_number_is_text():
+    text = '<tool_call>\n{"name": "calc", "arguments": {"x": 1e999}}\n</tool_call>'
+    message, _ = parse("qwen25", [text])
+    assert message.calls == [] and message.content == text
+
+
+@pytest.mark.parametrize("fmt", ["glm45", "qwen3_coder"])
+def test_whitespace_around_names_and_between_tags_reads_alike_at_any_chunking(fmt):
+    """Padding inside the name's tag within the bound is a call, beyond it text, streamed as
+    whole; long whitespace runs between tags are read the same at any chunking."""
+    pad = "\n" if fmt == "glm45" else ""
+    texts = {"qwen3_coder": ["<tool_call>\n<function=search" + " " * 100 + ">\n</function>\n</tool_call>",
+                             "<tool_call>\n<function=search" + " " * 300 + ">\n</function>\n</tool_call>",
+                             "<tool_call>\n<function=" + " " * 300 + "search>\n</function>\n</tool_call>",
+                             "<tool_call>" + "\n" * 20_000 + "<function=search>\n</function>\n</tool_call>",
+                             "<tool_call>\n<function=search>" + "\n" * 20_000 + "</function>" + "\n" * 20_000
+                             + "</tool_call>"],
+             "glm45": ["<tool_call>search" + " " * 100 + pad + "</tool_call>",
+                       "<tool_call>search" + " " * 300 + pad + "</tool_call>",
+                       "<tool_call>search" + "\n" * 20_000 + "</tool_call>"]}[fmt]
+    for text in texts:
+        whole, _ = parse(fmt, [text])
+        for size in (1, 2, 50):
+            streamed, _ = parse(fmt, char_chunks(text, size))
+            assert same_message(streamed, whole), (text[:40], size)
+    assert [len(parse(fmt, [t])[0].calls) for t in texts[:2]] == [1, 0]
+
+
+@pytest.mark.parametrize("fmt", ["glm45", "qwen3_coder"])
+def test_a_repeated_argument_keeps_its_first_value(fmt):
+    call = glm45 if fmt == "glm45" else qwen3_coder
+    text = call("calc", [("n", "1"), ("text", "a"), ("n", "2"), ("text", "b"), ("x", "2.5")])
+    for size in CHUNKS:
+        message, _ = parse(fmt, char_chunks(text, size))
+        assert message.calls[0].arguments == '{"n": 1, "text": "a", "x": 2.5}', size
