@@ -37,10 +37,10 @@ from fastapi.responses import JSONResponse, Response
 
 from radixserve.errors import error_body
 from radixserve.router.eject import Ejected
-from radixserve.router.outcome import classify, error_kind
+from radixserve.router.outcome import classify, error_kind, event_status
 from radixserve.router.proxy import Attempts, Lease
 from radixserve.router.relay import Opened, Relay, RelayResponse
-from radixserve.router.stream import StreamLedger, sse_events
+from radixserve.router.stream import StreamLedger, error_of, sse_events
 
 logger = logging.getLogger(__name__)
 
@@ -291,11 +291,11 @@ def _leg_failure(leg: asyncio.Task, url: str, side: str) -> LegFailed | None:
     resp, body = (result, result.content) if side == "prefill" else (result.resp, result.head)
     if resp.status_code < 400:
         if side == "decode" and body.startswith(b'data: {"error"'):   # failed before any token
-            error = json.loads(body.split(b"\n\n", 1)[0].removeprefix(b"data: "))
-            code = error["error"].get("code")
-            status = code if isinstance(code, int) and code >= 400 else 500
-            return LegFailed(side, url, status, error["error"].get("type"),
-                             JSONResponse(error, status_code=status))
+            error = error_of(body) or {"message": f"the decode worker {url} sent a malformed error "
+                                                  "event", "type": "upstream_error", "code": 502}
+            status = event_status(error)
+            return LegFailed(side, url, status, error.get("type"),
+                             JSONResponse({"error": error}, status_code=status))
         return None
     if side == "decode" and resp.headers.get("content-type", "").startswith("text/event-stream"):
         body = body.removeprefix(b"data: ").strip()

@@ -104,7 +104,9 @@ class Relay:
         for event in pending:
             if (out := ledger.relay(event)) is not None:
                 yield out
+        last = pending[-1] if pending else b""
         async for event in opened.events:
+            last = event
             error = error_of(event)
             if error is not None and self.forwarder.migration_on:
                 status, kind = event_status(error), error.get("type")
@@ -112,6 +114,8 @@ class Relay:
                     raise StreamCut(f"error event {kind}", event, status, kind)
             if (out := ledger.relay(event)) is not None:
                 yield out
+        if last.strip() != DONE.strip():   # a worker ends every stream with [DONE]: this one was cut
+            raise httpx.RemoteProtocolError("the worker's stream ended without data: [DONE]")
 
     async def _continued(self) -> bool:
         """Move to a continuation if the stream can go on; count the migration's outcome."""

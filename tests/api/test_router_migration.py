@@ -206,3 +206,19 @@ def test_streams_that_cannot_continue_end_with_an_error_event_and_done(case):
     expected = {"disabled": ({}, 1), "n2": ({"unsupported": 1.0}, 1),
                 "refused": ({"refused": 1.0}, 2), "exhausted": ({"exhausted": 1.0}, 3)}[case]
     assert (migrations(fwd), len(calls)) == expected
+
+
+def test_a_stream_that_ends_cleanly_without_done_is_continued():
+    """Every worker stream ends with `data: [DONE]`; one that closes cleanly before it was cut
+    short (not a complete answer): continued on another worker like a broken one."""
+    def handler(url, n, body):
+        if n == 1:
+            return httpx.Response(200, headers=SSE, stream=Chunks([text_chunk("a", "He", [1])]))
+        return httpx.Response(200, headers=SSE, stream=Chunks([
+            text_chunk("b", "llo", [2], "length"), b"data: [DONE]\n\n"]))
+    out, calls, fwd, registry = run(handler, {"prompt": "hi", "max_tokens": 2})
+    got = events(out)
+    assert got[-1] == b"[DONE]" and "".join(c["text"] for e in got[:-1] for c in e["choices"]) == "Hello"
+    assert calls[1][1]["resume_token_ids"] == [1]
+    assert registry.get(calls[0][0]).num_failures == 1
+    assert migrations(fwd) == {"success": 1.0}

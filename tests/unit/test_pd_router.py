@@ -306,3 +306,39 @@ def test_a_cut_stream_ends_with_an_error_event_when_no_pair_is_left():
     assert seen["router"].prefill.metrics.migrations.by_label == {"exhausted": 1}
     assert seen["hosts"] == ["prefill", "decode"], "the dead decode worker is not tried again"
     assert seen["in_flight"] == (0, 0)
+
+
+@pytest.mark.parametrize("first", [b'data: {"error": "boom"}\n\n', b'data: {"error": {"message": "x"}} trailing\n\n'])
+def test_a_malformed_error_event_before_content_is_a_retryable_failure(first):
+    """Found by a bad-input pass: such an event raised out of the router (AttributeError /
+    JSONDecodeError). It is a worker failure: retried on another decode worker."""
+    async def decode(request, seen):
+        headers = {"content-type": "text/event-stream"}
+        if request.url.host == "decode":
+            return httpx.Response(200, content=chunks([first, b"data: [DONE]\n\n"]), headers=headers)
+        return httpx.Response(200, content=chunks([event("ok", [1], "stop"), b"data: [DONE]\n\n"]),
+                              headers=headers)
+    status, data, seen = run(prefill_records, decode, {"prompt": "hi", "stream": True},
+                             decode=(D, "http://decode-b:2"))
+    assert status == 200 and b'"ok"' in data and data.endswith(b"data: [DONE]\n\n")
+    assert seen["hosts"] == ["prefill", "decode", "prefill", "decode-b"]
+    assert seen["in_flight"] == (0, 0)
+
+
+def test_a_stream_that_ends_early_without_done_is_continued():
+    """A decode stream that closes cleanly after content but without `data: [DONE]` was cut
+    short: it is continued like a broken one, not passed on as a complete answer."""
+    async def decode(request, seen):
+        body = json.loads(request.content)
+        seen.setdefault("decode_bodies", []).append(body)
+        headers = {"content-type": "text/event-stream"}
+        if request.url.host == "decode":
+            return httpx.Response(200, content=chunks([event("a", [1])]), headers=headers)
+        return httpx.Response(200, content=chunks([event("b", [2], "stop"), b"data: [DONE]\n\n"]),
+                              headers=headers)
+    status, data, seen = run(prefill_records, decode, {"prompt": "hi", "stream": True},
+                             decode=(D, "http://decode-b:2"))
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in data.split(b"\n\n") if e.startswith(b"data: {")]
+    assert status == 200 and texts == ["a", "b"] and data.endswith(b"data: [DONE]\n\n")
+    assert seen["decode_bodies"][1]["resume_token_ids"] == [1]
+    assert seen["in_flight"] == (0, 0)
