@@ -36,10 +36,13 @@ class FakeWorkers:
             body = {}
         else:
             body = OK
+        data = json.dumps(body).encode()
+        kind = b"application/json"
+        if request.method == "POST" and json.loads(request.content or b"{}").get("stream"):
+            data, kind = b"data: " + data + b"\n\ndata: [DONE]\n\n", b"text/event-stream"
         # A stream, as from a real transport (content= would count as already read).
-        return httpx.Response(200, stream=httpx.ByteStream(json.dumps(body).encode()),
-                              headers=[(b"content-type", b"application/json")]
-                              + self.reply_headers)
+        return httpx.Response(200, stream=httpx.ByteStream(data),
+                              headers=[(b"content-type", kind)] + self.reply_headers)
 
     def client_calls(self) -> list[bytes]:
         """Raw paths of what reached a worker other than health checks and load polls."""
