@@ -30,12 +30,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.errors import InvalidRequest
+
 TRIGGER = "<tool_call>"
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # Whitespace characters allowed in one gap between JSON tokens or GLM tags: the formats need
 # one (", ", ": ", a newline between tags); free whitespace lets a weak model pad until max_tokens.
 MAX_WHITESPACE = 1
 FORMATS = ("qwen25", "glm45", "glm47", "qwen3_coder")   # --tool-call-parser values with a native tag
+# Text an argument key cannot hold in each XML format (the key ends there): the grammar would
+# let it through and the parser read another key.
+KEY_BREAKERS = {"glm45": "</arg_key>", "glm47": "</arg_key>", "qwen3_coder": ">"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,22 @@ class NativeCalls:
     functions: tuple[tuple[str, dict[str, Any] | None], ...]
     forced: bool
     single: bool
+
+    def __post_init__(self) -> None:
+        """Raises InvalidRequest (param "tools") for an enforced property name the format's
+        tags cannot carry: one containing KEY_BREAKERS[parser], or with whitespace around it
+        (the parser strips a key)."""
+        breaker = KEY_BREAKERS.get(self.parser)
+        if breaker is None:
+            return
+        for name, schema in self.functions:
+            properties = (schema or {}).get("properties")
+            for key in properties if isinstance(properties, dict) else ():
+                if breaker in key or key != key.strip():
+                    raise InvalidRequest(
+                        f"tools: the parameter name {key!r} of {name!r} cannot be written in the "
+                        f"{self.parser} tool-call format (it contains {breaker!r} or whitespace at "
+                        "an end), so the call cannot be enforced", param="tools")
 
 
 def _call_tag(parser: str, name: str, schema: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Tool calls enforced in the model's own format (server/native_tools.py): which requests get a native tag, and what each tag lets through, checked with xgrammar's matcher on the default tokenizer."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -143,3 +144,20 @@ def test_native_reply_is_read_with_the_servers_parser_and_reasoning():
     message, finish = outputs.message("<think>plan</think>" + glm45("get_time", []), "stop")
     assert message.reasoning_content == "plan" and finish == "tool_calls"
     assert [c.function.name for c in message.tool_calls] == ["get_time"]
+
+
+@pytest.mark.parametrize("parser, key", [("qwen3_coder", "a>b"), ("glm45", "x</arg_key>y"),
+                                         ("glm47", " padded "), ("qwen3_coder", "tail\n")])
+def test_property_names_the_tags_cannot_carry_are_400(parser, key):
+    """The grammar would enforce them and the parser then read another key (found by a
+    bad-input pass: `<parameter=a>b>` was read as key "a"); the JSON format carries any name."""
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {key: {"type": "string"}}, "required": [key]}}}
+    for fields, constraint in (({"tool_choice": "required"}, "native"), ({}, "json")):
+        with pytest.raises(InvalidRequest) as err:
+            plan_tools(request(tools=[tool], **fields), parser, constraint)
+        assert err.value.param == "tools" and repr(key) in str(err.value)
+    assert plan_tools(request(tools=[tool], tool_choice="required"), "qwen25", "native").native
+    loose = copy.deepcopy(tool)
+    del loose["function"]["strict"]
+    assert plan_tools(request(tools=[loose]), parser).native is None, "not enforced: no check"
