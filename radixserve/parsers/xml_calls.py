@@ -76,7 +76,7 @@ class XmlToolParser(ToolCallParser):
     Anything unexpected after the name commits ends the call (its arguments so far stand) and
     is read as text again."""
 
-    tags = GLM_TAGS
+    tags: XmlTags   # set by each format's subclass
 
     def _begin_call(self) -> None:
         self._state = "name"
@@ -112,7 +112,8 @@ class XmlToolParser(ToolCallParser):
                 self._reject_call()
                 return True
         ends = [at for end in t.name_ends if (at := self._buf.find(end, start)) >= 0]
-        raw = self._buf[start:min(ends)] if ends else self._buf[start:]
+        at = min(ends, default=len(self._buf))
+        raw = self._buf[start:at]
         name = raw.rstrip()
         if (len(raw) - len(name) > MAX_GAP_CHARS or len(name) > MAX_NAME_CHARS
                 or not ends and final):
@@ -120,11 +121,10 @@ class XmlToolParser(ToolCallParser):
             return True
         if not ends:   # wait for the name's end
             return False
-        at = min(ends)
         if name not in self.tools:
             self._reject_call()
             return True
-        self._buf = self._buf[at + len(t.name_close) if self._buf.startswith(t.name_close, at) else at:]
+        self._buf = self._buf[at + len(t.name_close):]   # name_close: "" or the only name end
         self._tool = self.tools[name]
         self._start_call(name)
         self._state = "args"
@@ -175,9 +175,8 @@ class XmlToolParser(ToolCallParser):
         rest = self._buf[skip_ws(self._buf, 0):] if value_open else self._buf
         if rest.startswith(value_open):
             self._buf, self._scan_from = rest[len(value_open):], 0
-            if self._key in self._keys:   # first one wins: the JSON object keeps one of each key
-                self._state = "value"
-            elif is_string_only(self._tool.param_schema(self._key)):
+            # A repeated key's value is read as "value" and dropped (first one wins).
+            if self._key not in self._keys and is_string_only(self._tool.param_schema(self._key)):
                 self._keys.add(self._key)
                 self._args(self.writer.open_string(self._key))
                 self._state, self._leading = "string", True
@@ -218,7 +217,8 @@ class XmlToolParser(ToolCallParser):
             return False
         if self._key not in self._keys:
             self._keys.add(self._key)
-            self._args(self.writer.add(self._key, type_text(self._buf[:end], self._tool.param_schema(self._key))))
+            value = type_text(self._buf[:end], self._tool.param_schema(self._key))
+            self._args(self.writer.add(self._key, value))
         self._buf = self._buf[end:]
         self._close_value()
         return True
