@@ -7,7 +7,9 @@ near a CDF boundary, a near-tie under greedy), so a request's output would depen
 was batched. oneDNN's matmul over a weight prepacked by `torch.ops.mkldnn._reorder_linear_weight`
 takes its blocking from the packed weight instead: on torch 2.13 (AVX2 EPYC, fp32) every row of
 every M in 1..700, at every row position and for every layer shape we serve, was bit-identical
-to the same row computed alone (MKL differed for every M >= 2).
+to the same row computed alone (MKL differed for every M >= 2). On an AVX-512 EPYC (Zen 4,
+torch 2.13) oneDNN takes another kernel for M == 1 when K > 1024: that row differs from the same
+row at every M >= 2, while all M in 2..300 agree; so `matmul` runs a single row as two.
 Row-wise ops (softmax, log-softmax, cumsum, sort, RMSNorm, elementwise) were row-invariant in
 the same probe and need nothing. Batched matmul (`torch.bmm`) whose items all have one shape
 gave each item the same bits whatever the number of items, the item's position, and whether an
@@ -38,7 +40,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) @ W.T (+ bias) -> (M, N) in x's dtype, W packed by `pack`."""
+    """x (M, K) @ W.T (+ bias) -> (M, N) in x's dtype, W packed by `pack`. M == 1 runs as
+    the row twice, so it takes the same kernel as every M >= 2 (see the module docstring)."""
+    if x.shape[0] == 1:
+        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), packed, bias, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -51,7 +56,7 @@ def check_row_invariance(dtype: torch.dtype, device: torch.device) -> None:
         raise ValueError(f"--enable-deterministic-inference runs on the CPU only (device {device}); "
                          f"no batch-invariant kernels exist here for other devices yet")
     gen = torch.Generator().manual_seed(0)
-    for k, n in ((64, 17), (96, 200), (576, 960)):
+    for k, n in ((64, 17), (96, 200), (576, 960), (1536, 64)):   # K > 1024: oneDNN's M == 1 kernel differs on some CPUs
         weight = torch.randn(n, k, generator=gen).to(dtype)
         rows = torch.randn(70, k, generator=gen).to(dtype)
         packed = pack(weight)
