@@ -4,9 +4,11 @@ Run:  python benchmarks/moe_layer.py [--tokens 64] [--experts 64] [--top-k 8] [-
                                      [--moe-intermediate 512] [--repeats 30]
 
 Builds `Glm4MoeMoE` (sigmoid router, 2 groups, a shared expert) with random weights, copies them
-into radixserve's MoE, checks the outputs agree (max abs diff printed), then times both
-forwards interleaved (ABAB...) on the same (tokens, hidden) fp32 input and prints medians and
-the ratio. Prints the 1-minute load average next to the numbers.
+into radixserve's MoE, checks the outputs agree (max abs diff printed), then times the forwards
+interleaved on the same (tokens, hidden) fp32 input: transformers' experts both as `eager` (a
+loop over hit experts with F.linear) and as `grouped_mm` (torch's grouped GEMM, what
+`from_pretrained` picks where torch has it), and radixserve's. Prints medians, each ratio and
+the 1-minute load average.
 """
 from __future__ import annotations
 
@@ -66,19 +68,29 @@ def main() -> None:
     args = ap.parse_args()
     hf, ours = build(args)
     x = torch.randn(args.tokens, args.hidden)
-    times: dict[str, list[float]] = {"transformers": [], "radixserve": []}
+    def transformers_as(impl: str):
+        def run():
+            hf.experts.config._experts_implementation = impl
+            return hf(x[None]).squeeze(0)
+        return run
+
+    runs = {"transformers eager": transformers_as("eager"), "transformers grouped_mm": transformers_as("grouped_mm"),
+            "radixserve": lambda: ours(x)}
+    times: dict[str, list[float]] = {name: [] for name in runs}
     with torch.inference_mode():
-        diff = (hf(x[None]).squeeze(0) - ours(x)).abs().max().item()
+        ref = ours(x)
+        diffs = {name: (fn() - ref).abs().max().item() for name, fn in runs.items() if name != "radixserve"}
         for _ in range(args.repeats):
-            for name, fn in (("transformers", lambda: hf(x[None])), ("radixserve", lambda: ours(x))):
+            for name, fn in runs.items():
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
-    a, b = statistics.median(times["transformers"]), statistics.median(times["radixserve"])
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     print(f"MoE layer, {args.tokens} tokens, {args.experts} experts top-{args.top_k}, hidden {args.hidden}, "
           f"expert width {args.moe_intermediate}, fp32, {torch.get_num_threads()} threads; "
-          f"load {os.getloadavg()[0]:.2f}; max |diff| {diff:.2e}")
-    print(f"transformers {a * 1e3:.2f} ms  radixserve {b * 1e3:.2f} ms  speed-up {a / b:.2f}x")
+          f"load {os.getloadavg()[0]:.2f}; max |diff| " + ", ".join(f"{n} {d:.2e}" for n, d in diffs.items()))
+    for name in ("transformers eager", "transformers grouped_mm"):
+        print(f"{name} {ms[name]:.2f} ms  radixserve {ms['radixserve']:.2f} ms  speed-up {ms[name] / ms['radixserve']:.2f}x")
 
 
 if __name__ == "__main__":
