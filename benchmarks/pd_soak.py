@@ -113,6 +113,8 @@ async def pd_run(router_url: str, prompts: list[Prompt], max_tokens: int, concur
                     return
             counts[f"status_{r.status_code}"] = counts.get(f"status_{r.status_code}", 0) + 1
             results.append(_result(p.index, r.json() if r.status_code == 200 else None, r.text[:300]))
+            if r.status_code != 200:   # each failure's answer, for the post-mortem
+                print(f"request {p.index}: {r.status_code} {r.text[:300]}", file=sys.stderr)
         await asyncio.gather(*(one(p) for p in prompts))
     return results, counts
 
@@ -184,16 +186,17 @@ def soak(router_url: str, reference_url: str, prefill_url: str, decode_url: str,
     return report
 
 
-def launch(model_path: str | None, log_dir: pathlib.Path,
-           num_threads: int | None = None) -> tuple[list[subprocess.Popen], dict]:
+def launch(model_path: str | None, log_dir: pathlib.Path, num_threads: int | None = None,
+           log_level: str = "warning") -> tuple[list[subprocess.Popen], dict]:
     """Start a reference worker, a prefill and a decode worker and a PD router on loopback
-    (each worker with --num-threads `num_threads` when given)."""
+    (each worker with --num-threads `num_threads` when given; every process at `log_level`,
+    the workers' logs under `log_dir`, the router's in `log_dir`/router.log)."""
     from radixserve.bench.launch import free_ports
     base = free_ports(6)
     model = ["--model-path", model_path] if model_path else []
     threads = ["--num-threads", str(num_threads)] if num_threads else []
     common = [*model, *threads, "--max-total-tokens", "65536", "--enable-debug-endpoints",
-              "--log-level", "warning"]
+              "--log-level", log_level]
     urls = {name: f"http://127.0.0.1:{base + i}" for i, name in enumerate(("reference", "prefill", "decode", "router"))}
     cmds = {
         "reference": ["serve", *common, "--port", str(base)],
@@ -209,9 +212,11 @@ def launch(model_path: str | None, log_dir: pathlib.Path,
                                       stdout=log, stderr=subprocess.STDOUT))
     for name in cmds:
         _wait(urls[name] + "/health")
+    router_log = open(log_dir / "router.log", "w")
     procs.append(subprocess.Popen([sys.executable, "-m", "radixserve", "route", "--prefill",
                                    urls["prefill"], "--decode", urls["decode"], "--port",
-                                   str(base + 3), "--log-level", "warning"], cwd=REPO))
+                                   str(base + 3), "--log-level", log_level], cwd=REPO,
+                                  stdout=router_log, stderr=subprocess.STDOUT))
     _wait(urls["router"] + "/health")
     return procs, urls
 
@@ -234,6 +239,7 @@ def main() -> int:
     p.add_argument("--model-path", default=None, help="with --launch (default: the embedded model)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="with --launch: each worker's torch threads (1 suits a tiny model)")
+    p.add_argument("--log-level", default="warning", help="with --launch: the workers' and router's")
     for name in ("router", "reference", "prefill", "decode"):
         p.add_argument(f"--{name}-url")
     p.add_argument("--num-requests", type=int, default=10_000)
@@ -248,7 +254,7 @@ def main() -> int:
     if args.launch:
         import tempfile
         log_dir = pathlib.Path(tempfile.mkdtemp(prefix="pd-soak-"))
-        procs, urls = launch(args.model_path, log_dir, args.num_threads)
+        procs, urls = launch(args.model_path, log_dir, args.num_threads, args.log_level)
         print(f"logs in {log_dir}", file=sys.stderr)
     else:
         urls = {n: getattr(args, f"{n}_url") for n in ("router", "reference", "prefill", "decode")}
