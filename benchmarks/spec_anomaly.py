@@ -1,4 +1,4 @@
-"""Acceptance as an anomaly detector: detection rate, tokens to detection and false positives of the text, acceptance and combined detectors.
+"""Acceptance and confidence as anomaly detectors: detection rate, tokens to detection and false positives of the text, acceptance, confidence and combined detectors.
 
 Run:  PYTHONPATH=. python benchmarks/spec_anomaly.py [--algorithm ngram|draft] [--draft-layers L]
           [--num-normal 2000] [--num-faulted 200] [--max-tokens 160] [--concurrency 32] [--out DIR]
@@ -16,10 +16,13 @@ belongs to one request only):
    16 generated tokens). A request counts as corrupted when the fault hit it and its output then
    differs from its clean run (same seed); the detection rate is over those.
 
-Every request's stream (text deltas, token ids, cumulative acceptance counts) is recorded and
-the detectors are replayed over it, exactly as the server feeds them, for each detector set:
-text (repetition, garbled, rare_chars), acceptance (AcceptanceDetector) and combined. Writes
-traces.jsonl and summary.json under --out and prints the table for docs/anomaly_guard.md.
+Every request's stream (text deltas, token ids, cumulative acceptance counts, each token's
+confidence) is recorded and the detectors are replayed over it, exactly as the server feeds
+them, for each detector set: text (repetition, garbled, rare_chars), acceptance
+(AcceptanceDetector), confidence (ConfidenceDetector) and combined (all of them). Detection
+is also reported per corruption mode. Writes traces.jsonl and summary.json under --out and
+prints the table for docs/anomaly_guard.md. `--summarize TRACES` replays a recorded run with
+the current detector settings (`--confidence-*` as the server's flags).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from radixserve.outputs import SpecCounts
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
+from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetector, judged
 
 TOPICS = ["photosynthesis", "black holes", "the French Revolution", "machine learning", "volcanoes",
           "the stock market", "honey bees", "the Roman Empire", "climate change", "coffee",
@@ -111,14 +115,15 @@ def workload(rng: random.Random, num: int, max_tokens: int) -> list[tuple[str, l
         category = categories[i % 4]
         greedy = (i // 4) % 2 == 0
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else 0.7,
-                                seed=None if greedy else rng.getrandbits(31))
+                                seed=None if greedy else rng.getrandbits(31), guard_confidence=True)
         items.append((category, conversation(rng, category), params))
     return items
 
 
 def run(llm, items, concurrency: int, corrupt: str | None = None) -> list[dict]:
     """Generate every item, `concurrency` in flight; return per item its trace: deltas
-    [text, token ids, [verify, draft, accepted] or None], tokens, and the kv_corrupt hit."""
+    [text, token ids, [verify, draft, accepted] or None, confidences], tokens, and the
+    kv_corrupt hit."""
     from radixserve.tokenizer.output_processor import RequestTracker
 
     engine, tok = llm.engine, llm.tokenizer
@@ -136,7 +141,8 @@ def run(llm, items, concurrency: int, corrupt: str | None = None) -> list[dict]:
             (child, child_params), = tracker.child_requests()
             engine.add_request(child, ids, child_params)
             trackers[child] = (i, tracker)
-            traces[i] = {"category": category, "greedy": params.temperature == 0, "deltas": []}
+            traces[i] = {"category": category, "greedy": params.temperature == 0,
+                         "temperature": params.temperature, "deltas": []}
         for out in engine.step():
             i, tracker = trackers[out.request_id]
             u = tracker.process(out)
@@ -144,7 +150,7 @@ def run(llm, items, concurrency: int, corrupt: str | None = None) -> list[dict]:
                 engine.abort(u.abort_child)
             if not u.is_empty:
                 spec = dataclasses.astuple(u.spec) if u.spec is not None else None
-                traces[i]["deltas"].append([u.text, u.token_ids, spec])
+                traces[i]["deltas"].append([u.text, u.token_ids, spec, u.confidences])
             if tracker.finished:
                 del trackers[out.request_id]
                 traces[i]["tokens"] = tracker.result().outputs[0].token_ids
@@ -155,33 +161,44 @@ def run(llm, items, concurrency: int, corrupt: str | None = None) -> list[dict]:
     return traces
 
 
-def detect(trace: dict, detectors: str, acc: AcceptanceConfig) -> tuple[str, int] | None:
-    """Replay the trace through one detector set; (kind, tokens generated at detection) or None."""
-    extra = [AcceptanceDetector(acc, trace["greedy"])] if detectors != "text" else []
+SETS = ("text", "acceptance", "confidence", "combined")
+
+
+def detect(trace: dict, detectors: str, acc: AcceptanceConfig, conf: ConfidenceConfig) -> tuple[str, int] | None:
+    """Replay the trace through one detector set (SETS); (kind, tokens generated at detection)
+    or None. Traces recorded before confidences were (3-item deltas) have none."""
+    extra = []
+    if detectors in ("acceptance", "combined"):
+        extra.append(AcceptanceDetector(acc, trace["greedy"]))
+    if detectors in ("confidence", "combined") and judged(conf, trace.get("temperature", 0.0), False):
+        extra.append(ConfidenceDetector(conf))
     guard = AnomalyGuard(GuardConfig(), extra_detectors=extra, loops_expected=trace["greedy"])
-    if detectors == "acceptance":
+    if detectors in ("acceptance", "confidence"):
         guard.detectors = extra
     num = 0
-    for text, ids, spec in trace["deltas"]:
+    for text, ids, spec, *conf_values in trace["deltas"]:
         num += len(ids)
-        found = guard.feed(GuardInput(text, ids, SpecCounts(*spec) if spec else None))
+        found = guard.feed(GuardInput(text, ids, SpecCounts(*spec) if spec else None,
+                                      conf_values[0] if conf_values else ()))
         if found is not None:
             return found.kind, num
     return None
 
 
 def summarize(normal: list[dict], clean: list[dict], faulted: list[dict],
-              acc: AcceptanceConfig) -> dict:
+              acc: AcceptanceConfig, conf: ConfidenceConfig) -> dict:
     corrupted = [f for c, f in zip(clean, faulted)
                  if f["hit_at"] is not None and f["tokens"] != c["tokens"]]
     out = {"num_normal": len(normal), "num_faulted": len(faulted), "num_corrupted": len(corrupted),
-           "acceptance_config": dataclasses.asdict(acc)}
-    for detectors in ("text", "acceptance", "combined"):
-        fp = [detect(t, detectors, acc) for t in normal]
-        hits = [(detect(t, detectors, acc), t["hit_at"]) for t in corrupted]
+           "num_corrupted_by_mode": {m: sum(t.get("mode") == m for t in corrupted) for m in ("noise", "swap")},
+           "acceptance_config": dataclasses.asdict(acc), "confidence_config": dataclasses.asdict(conf)}
+    for detectors in SETS:
+        fp = [detect(t, detectors, acc, conf) for t in normal]
+        hits = [(detect(t, detectors, acc, conf), t["hit_at"], t.get("mode")) for t in corrupted]
         # tokens from the hit to the detection (a detection before the hit is not one)
-        caught = [found[1] - hit_at for found, hit_at in hits
+        caught = [(found[1] - hit_at, mode) for found, hit_at, mode in hits
                   if found is not None and found[1] >= hit_at]
+        delays = sorted(d for d, _ in caught)
         by_cat: dict[str, list[int]] = {}
         for t, found in zip(normal, fp):
             by_cat.setdefault(t["category"], []).append(found is not None)
@@ -190,7 +207,8 @@ def summarize(normal: list[dict], clean: list[dict], faulted: list[dict],
             "false_positive_rate": sum(f is not None for f in fp) / max(len(normal), 1),
             "false_positives_by_category": {k: sum(v) for k, v in by_cat.items()},
             "detected": len(caught), "detection_rate": len(caught) / max(len(corrupted), 1),
-            "tokens_to_detection_median": sorted(caught)[len(caught) // 2] if caught else None,
+            "detected_by_mode": {m: sum(mode == m for _, mode in caught) for m in ("noise", "swap")},
+            "tokens_to_detection_median": delays[len(delays) // 2] if delays else None,
         }
     return out
 
@@ -223,11 +241,17 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=8, help="draft: self-draft depth")
     ap.add_argument("--summarize", metavar="TRACES", help="only recompute the summary of a "
                     "traces.jsonl written before (e.g. with other detector settings)")
+    ap.add_argument("--confidence-window", type=int, default=ConfidenceConfig.window)
+    ap.add_argument("--confidence-min-mean-logprob", type=float, default=ConfidenceConfig.min_mean_logprob)
+    ap.add_argument("--confidence-max-temperature", type=float, default=ConfidenceConfig.max_temperature)
     args = ap.parse_args()
+    conf = ConfidenceConfig(window=args.confidence_window, min_tokens=args.confidence_window,
+                            min_mean_logprob=args.confidence_min_mean_logprob,
+                            max_temperature=args.confidence_max_temperature)
     from radixserve import LLM
 
     if args.summarize:
-        print(json.dumps(summarize(*load_traces(args.summarize), AcceptanceConfig()), indent=2))
+        print(json.dumps(summarize(*load_traces(args.summarize), AcceptanceConfig(), conf), indent=2))
         return
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -247,7 +271,7 @@ def main() -> None:
         for phase, traces in (("normal", normal), ("clean", clean), ("faulted", faulted)):
             for t in traces:
                 f.write(json.dumps({"phase": phase, **t}) + "\n")
-    summary = summarize(normal, clean, faulted, AcceptanceConfig())
+    summary = summarize(normal, clean, faulted, AcceptanceConfig(), conf)
     summary["algorithm"] = args.algorithm if args.algorithm == "ngram" else f"self-draft L={args.draft_layers}"
     summary["normal_accept_length_median"] = median_accept_length(normal)
     summary["wall_s"] = round(time.monotonic() - start, 1)

@@ -198,6 +198,15 @@ class ServerConfig:
     spec_anomaly_min_tokens: int = _opt(128, "generated tokens before acceptance is judged")
     spec_anomaly_min_verify_steps: int = _opt(16, "... and verify steps (a request whose drafts "
                                                   "fail drafts less and less)")
+    enable_confidence_detector: bool = _opt(
+        False, "also stop greedy and low-temperature requests whose model confidence (largest raw "
+               "logprob per token) collapses for a window of tokens, as after KV corruption "
+               "(--confidence-*; docs/anomaly_guard.md)")
+    confidence_window: int = _opt(32, "confidence detector: tokens per judged window")
+    confidence_min_mean_logprob: float = _opt(
+        -1.6, "confidence detector: a window whose mean top logprob is below this is an anomaly")
+    confidence_max_temperature: float = _opt(
+        0.8, "confidence detector: requests sampled hotter than this are not judged")
     tool_call_parser: str | None = _opt(None, "tool-call format of the model's output, parsed into "
                                               "OpenAI tool_calls (default: tools are refused)",
                                         tuple(TOOL_CALL_PARSERS))

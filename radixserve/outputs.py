@@ -1,6 +1,7 @@
 """Typed results the engine and the offline API hand out."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -8,11 +9,15 @@ from dataclasses import dataclass, field
 class TokenLogprob:
     """One token's natural-log probability under the raw model distribution (log-softmax of
     the logits, before penalties and warpers), with the k most likely (token_id, logprob),
-    most likely first. The sampler makes them; the engine, server and offline API pass them on."""
+    most likely first, and `top_logprob`, the most likely token's logprob (the model's
+    confidence at this position, which the output-anomaly guard's confidence detector reads;
+    NaN where not computed). The sampler makes them; the engine, server and offline API pass
+    them on."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    top_logprob: float = math.nan
 
 
 @dataclass(frozen=True, slots=True)

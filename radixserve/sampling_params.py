@@ -57,6 +57,7 @@ class SamplingParams:
     json_schema: str | None = None   # structured output: the output must match this JSON schema (text)
     structural_tag: str | None = None   # ... or this xgrammar structural tag (JSON text; native tool calls)
     json_schema_param: str = "response_format"   # the request field the grammar came from (named in errors)
+    guard_confidence: bool = False   # set by the server, not the API: report each token's top_logprob (confidence detector)
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the object stays hashable and immutable.
@@ -76,6 +77,12 @@ class SamplingParams:
         request out into n engine requests of n=1 (RequestTracker), before it does."""
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise InvalidRequest(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", param="n")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the sampler's logprobs are read: the client asked for them, or the output-
+        anomaly guard's confidence detector watches the request (`guard_confidence`)."""
+        return self.logprobs is not None or self.guard_confidence
 
     @property
     def is_greedy(self) -> bool:

@@ -195,7 +195,7 @@ class Engine(FaultPoints):
             if reason is not None:
                 break
         ids = [t.token_id for t in kept]
-        logprobs = kept if req.params.logprobs is not None else None
+        logprobs = kept if req.params.wants_logprobs else None
         if reason is not None:
             return self._finish(req, ids, logprobs, reason)
         return self._output(req, ids, logprobs)

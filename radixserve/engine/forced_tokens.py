@@ -73,14 +73,14 @@ def force_run(forced_ids: tuple[int, ...] | None, num_output_ids: int,
     from its sample, since the samples after it were conditioned on the sample. Returns the
     tokens and how many leading ones are their samples unchanged (the KV a verify step computed
     for those positions is valid). A forced token's logprob is 0.0 (it was chosen with
-    certainty); its `top` list is the model's."""
+    certainty); its `top` list and `top_logprob` are the model's."""
     out: list[TokenLogprob] = []
     for k, token in enumerate(sampled):
         position = num_output_ids + k
         if forced_ids is None or position >= len(forced_ids):
             out.append(token)
             continue
-        out.append(TokenLogprob(forced_ids[position], 0.0, token.top))
+        out.append(TokenLogprob(forced_ids[position], 0.0, token.top, token.top_logprob))
         if forced_ids[position] != token.token_id:
             return out, k
     return out, len(out)

@@ -58,15 +58,18 @@ def step_seed(seed: int, step: int) -> int:
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> list[TokenLogprob]:
     """Log-softmax of raw `logits` (R, V) fp32 at `token_ids` (R,) int64, plus the top_k
-    most likely per row (top_k = 0: none)."""
+    most likely per row (top_k = 0: none) and each row's largest logprob (`top_logprob`)."""
     logprobs = torch.log_softmax(logits, dim=-1)             # (R, V); faster than logsumexp on CPU
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    best = logprobs.max(dim=-1).values.tolist()
     ids = token_ids.tolist()
     if top_k <= 0:
-        return [TokenLogprob(t, lp, []) for t, lp in zip(ids, chosen)]
+        return [TokenLogprob(t, lp, [], b) for t, lp, b in zip(ids, chosen, best)]
     vals, idx = torch.topk(logprobs, min(top_k, logits.shape[1]), dim=-1)
     top_lp, top_ids = vals.tolist(), idx.tolist()
-    return [TokenLogprob(t, lp, list(zip(ti, tl))) for t, lp, ti, tl in zip(ids, chosen, top_ids, top_lp)]
+    return [TokenLogprob(t, lp, list(zip(ti, tl)), b)
+            for t, lp, ti, tl, b in zip(ids, chosen, top_ids, top_lp, best)]
+
 
 
 class Sampler:
@@ -99,11 +102,12 @@ class Sampler:
                 tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
                 tokens[greedy] = x[greedy].argmax(dim=-1)
                 tokens[drawn] = self._draw(x[drawn], [rows[i] for i in drawn])
-        if all(r.params.logprobs is None for r in rows):   # nobody reads them: skip the log-softmax
+        if not any(r.params.wants_logprobs for r in rows):   # nobody reads them: skip the log-softmax
             return [TokenLogprob(t, math.nan, []) for t in tokens.tolist()]
         k = max((r.params.logprobs or 0) for r in rows)
         out = token_logprobs(logits, tokens, k)
-        return [TokenLogprob(s.token_id, s.logprob, s.top[:r.params.logprobs or 0]) for s, r in zip(out, rows)]
+        return [TokenLogprob(s.token_id, s.logprob, s.top[:r.params.logprobs or 0], s.top_logprob)
+                for s, r in zip(out, rows)]
 
     # ---- logit processing ----------------------------------------------------------------
     def _plain_greedy(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor | None:
@@ -211,11 +215,11 @@ class Sampler:
             if final is None:
                 final = int(self._draw(x[k:k + 1], rows[k:k + 1])[0])
         ids = list(draft[:j]) + [final]
-        if row.params.logprobs is None:       # nobody reads them: skip the log-softmax (as sample)
+        if not row.params.wants_logprobs:   # nobody reads them: skip the log-softmax (as sample)
             out = [TokenLogprob(t, math.nan, []) for t in ids]
         else:
             out = token_logprobs(logits[:j + 1], torch.tensor(ids, device=logits.device),
-                                 max(row.params.logprobs, 0))
+                                 max(row.params.logprobs or 0, 0))
         return out[:j], out[j]
 
     def _uniform(self, seed: int, step: int) -> float:

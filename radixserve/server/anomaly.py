@@ -56,12 +56,15 @@ class Detection(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class GuardInput:
-    """One delta of one choice: its new text and token ids, and the choice's speculative
-    decoding counts so far (cumulative; None while it has not verified a draft)."""
+    """One delta of one choice: its new text and token ids, the choice's speculative
+    decoding counts so far (cumulative; None while it has not verified a draft), and each new
+    token's confidence (the model's largest raw logprob there; empty unless the confidence
+    detector asked for them, NaN where the engine had none)."""
 
     text: str
     token_ids: Sequence[int] = ()
     spec: SpecCounts | None = None
+    confidences: Sequence[float] = ()
 
 
 class Detector(Protocol):

@@ -27,6 +27,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server import responses
 from radixserve.server.admin_routes import install_admin_routes
 from radixserve.server.acceptance_guard import AcceptanceConfig
+from radixserve.server.confidence_guard import ConfidenceConfig
 from radixserve.server.anomaly import GuardConfig
 from radixserve.server.chat_tools import ChatOutputs, plan_tools, prompt_tail
 from radixserve.server.engine_client import EngineClient
@@ -102,6 +103,10 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
                                           min_verify_steps=c.spec_anomaly_min_verify_steps,
                                           min_accept_length=c.spec_anomaly_min_accept_length,
                                           max_accept_rate=c.spec_anomaly_max_accept_rate)
+    if not c.disable_anomaly_guard and c.enable_confidence_detector:
+        ctx.confidence = ConfidenceConfig(window=c.confidence_window, min_tokens=c.confidence_window,
+                                          min_mean_logprob=c.confidence_min_mean_logprob,
+                                          max_temperature=c.confidence_max_temperature)
     auth = [Depends(api_key_check(server_config.api_key))]
     v1 = APIRouter(prefix="/v1", dependencies=auth)
     created = now_s()

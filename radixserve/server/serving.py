@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -18,7 +19,8 @@ from radixserve.errors import (BodyTooLarge, ContextLengthExceeded, InvalidReque
 from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
-from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
+from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetector, judged
+from radixserve.server.anomaly import AnomalyGuard, Detector, GuardConfig, GuardInput
 from radixserve.server.engine_client import EngineClient, RequestStream
 from radixserve.server.faults import FaultInjector
 from radixserve.server.metrics import RequestTimer, ServerMetrics
@@ -51,6 +53,7 @@ class ServingContext:
     metrics: ServerMetrics | None = None
     guard: GuardConfig | None = None        # None: the output-anomaly guard is off
     acceptance: AcceptanceConfig | None = None   # the guard's speculative-acceptance judge
+    confidence: ConfidenceConfig | None = None   # the guard's model-confidence judge
     faults: FaultInjector | None = None     # None: fault injection is off
     tool_call_parser: str | None = None     # --tool-call-parser; None: tools are refused
     tool_call_constraint: str = "json"      # --tool-call-constraint: json or native
@@ -205,6 +208,10 @@ class GenerationRun:
         self.base_id = base_id
         self.prompts = prompts
         self.n = params.n
+        watch_confidence = (ctx.guard is not None and ctx.confidence is not None and judged(
+            ctx.confidence, 0.0 if params.is_greedy else params.temperature, params.grammar is not None))
+        if watch_confidence:   # the engine then reports each token's confidence
+            params = dataclasses.replace(params, guard_confidence=True)
         corrupter = ctx.faults.corrupter() if ctx.faults is not None else None
         self.trackers = [
             RequestTracker(f"{base_id}-{i}", p.ids, params, ctx.tokenizer, p.text,
@@ -223,9 +230,18 @@ class GenerationRun:
         self._timers: dict[str, RequestTimer] = {}
         num_choices = len(prompts) * self.n
         loops_expected = params.is_greedy or params.grammar is not None
-        self._guards = [AnomalyGuard(ctx.guard, [AcceptanceDetector(ctx.acceptance, loops_expected)]
-                                     if ctx.acceptance else [], loops_expected=loops_expected)
+        self._guards = [AnomalyGuard(ctx.guard, self._extra_detectors(loops_expected, watch_confidence),
+                                     loops_expected=loops_expected)
                         for _ in range(num_choices)] if ctx.guard else []
+
+    def _extra_detectors(self, loops_expected: bool, watch_confidence: bool) -> list[Detector]:
+        """One choice's detectors beyond the text ones: acceptance, confidence (when on)."""
+        extra: list[Detector] = []
+        if self.ctx.acceptance:
+            extra.append(AcceptanceDetector(self.ctx.acceptance, loops_expected))
+        if watch_confidence:
+            extra.append(ConfidenceDetector(self.ctx.confidence))
+        return extra
 
     async def __aenter__(self) -> GenerationRun:
         """Submit to the engine and wait for it to accept (raises its rejection). While open,
@@ -285,7 +301,7 @@ class GenerationRun:
                 continue
             index = prompt_index * self.n + u.index
             if self._guards:
-                detection = self._guards[index].feed(GuardInput(u.text, u.token_ids, u.spec))
+                detection = self._guards[index].feed(GuardInput(u.text, u.token_ids, u.spec, u.confidences))
                 if detection is not None:
                     yield index, ChoiceUpdate(u.index, finish_reason="abort")
                     raise self._anomaly(index, detection.kind, detection.detail)

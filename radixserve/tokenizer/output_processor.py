@@ -27,6 +27,8 @@ class ChoiceUpdate:
     abort_child: set when a stop string ended the choice while the engine is still generating:
     the caller must abort that engine request. error: the engine's message for an abort.
     spec: the choice's speculative-decoding counts so far (None: it never verified a draft).
+    confidences: each kept token's `top_logprob` (the model's largest logprob at that
+    position) when the guard's confidence detector asked for them (params.guard_confidence).
     An update for a choice that had already finished is empty (`is_empty`) and must be ignored.
     """
 
@@ -39,6 +41,7 @@ class ChoiceUpdate:
     abort_child: str | None = None
     error: str | None = None
     spec: SpecCounts | None = None
+    confidences: list[float] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -160,6 +163,8 @@ class RequestTracker:
         if self.params.logprobs is not None:
             update.logprobs = list(out.new_logprobs or [])[:num_kept]
             choice.logprobs.extend(update.logprobs)
+        if self.params.guard_confidence:
+            update.confidences = [lp.top_logprob for lp in (out.new_logprobs or [])[:num_kept]]
         return update
 
     def resume(self, token_ids: list[int]) -> str:
