@@ -86,16 +86,39 @@ class PDRouter:
         self.decode = decode
         self.http: httpx.AsyncClient = prefill.http
         self._bootstrap: dict[str, tuple[str, int]] = {}   # prefill url -> (host, port)
+        self._lookups: dict[str, asyncio.Future] = {}      # prefill url -> its lookup in flight
         self._background: set[asyncio.Task] = set()
 
     async def bootstrap_of(self, url: str) -> tuple[str, int]:
         """The prefill worker's bootstrap (host, port), from its /get_server_info (cached).
-        Raises LookupError when the worker is not a prefill worker or cannot say."""
+        Concurrent requests share one lookup (a burst of first requests makes one GET, not one
+        each), which a client leaving does not cancel. Raises LookupError when the worker is
+        not a prefill worker or cannot say."""
         cached = self._bootstrap.get(url)
         if cached is not None:
             return cached
+        lookup = self._lookups.get(url)
+        if lookup is None:
+            lookup = self._lookups[url] = asyncio.ensure_future(self._lookup(url))
+            lookup.add_done_callback(lambda done: self._lookup_done(url, done))
+        return await asyncio.shield(lookup)
+
+    def _lookup_done(self, url: str, lookup: asyncio.Future) -> None:
+        """Forget a finished lookup (its waiters have its result or error; a failure is
+        looked up again by the next request). Reading the error here keeps asyncio from
+        logging it when every waiter had left."""
+        self._lookups.pop(url, None)
+        if not lookup.cancelled():
+            lookup.exception()
+
+    async def _lookup(self, url: str) -> tuple[str, int]:
+        """One GET /get_server_info of `url` for its bootstrap address. The worker answers it
+        between engine steps, so under load it may take as long as a step: the read is given
+        the silence timeout, as a leg's is (not the connect timeout)."""
+        config = self.prefill.config
         try:
-            r = await self.http.get(url + "/get_server_info", timeout=self.prefill.config.connect_timeout_s)
+            r = await self.http.get(url + "/get_server_info", timeout=httpx.Timeout(
+                config.silence_timeout_s, connect=config.connect_timeout_s))
             info = r.json()
         except (httpx.HTTPError, ValueError) as exc:
             raise LookupError(f"cannot read {url}/get_server_info: {exc!r}") from None

@@ -71,7 +71,7 @@ def side(urls, http, attempts):
     policy = SimpleNamespace(select=lambda key, cands: SimpleNamespace(worker=cands[0]))
     migrations = Count()
     return SimpleNamespace(registry=Registry(urls), policy=policy, http=http,
-                           config=SimpleNamespace(connect_timeout_s=1.0),
+                           config=SimpleNamespace(connect_timeout_s=1.0, silence_timeout_s=30.0),
                            forwarder=Forwarder(attempts, migrations),
                            metrics=SimpleNamespace(retries=Count(), retries_exhausted=Count(),
                                                    migrations=migrations))
@@ -342,3 +342,36 @@ def test_a_stream_that_ends_early_without_done_is_continued():
     assert status == 200 and texts == ["a", "b"] and data.endswith(b"data: [DONE]\n\n")
     assert seen["decode_bodies"][1]["resume_token_ids"] == [1]
     assert seen["in_flight"] == (0, 0)
+
+
+def test_a_burst_of_first_requests_makes_one_bootstrap_lookup_that_may_be_slow():
+    """16 requests arrive before the router knows the prefill worker's bootstrap address: one
+    GET /get_server_info serves them all, and an answer slower than the connect timeout (the
+    worker answers between engine steps) is no failure."""
+    lookups = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/get_server_info":
+            lookups.append(request.url.host)
+            await asyncio.sleep(1.5)   # longer than connect_timeout_s (1.0)
+            return httpx.Response(200, json={"disaggregation_mode": "prefill",
+                                             "bootstrap_address": "tcp://0.0.0.0:8998"})
+        if request.url.host.startswith("prefill"):
+            return httpx.Response(200, json={"choices": [{"text": "x"}]})
+        return httpx.Response(200, json={"choices": [{"text": "y"}]})
+
+    async def main():
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        prefill, decode = side((P,), http, 1), side((D,), http, 1)
+        router = PDRouter(prefill, decode)
+        answers = await asyncio.wait_for(asyncio.gather(*(
+            router.forward("/v1/completions", {"prompt": "hi", "max_tokens": 2}, {}, None, False)
+            for _ in range(16))), 30)
+        await http.aclose()
+        return router, prefill, answers
+
+    router, prefill, answers = asyncio.run(main())
+    assert lookups == ["prefill"]
+    assert [a.status_code for a in answers] == [200] * 16
+    assert router._bootstrap[P] == ("prefill", 8998)   # 0.0.0.0: the worker's own host
+    assert ("http://prefill:1", "failure") not in prefill.forwarder.outcomes
