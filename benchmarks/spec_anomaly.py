@@ -1,6 +1,6 @@
 """Acceptance and confidence as anomaly detectors: detection rate, tokens to detection and false positives of the text, acceptance, confidence and combined detectors.
 
-Run:  PYTHONPATH=. python benchmarks/spec_anomaly.py [--algorithm ngram|draft] [--draft-layers L]
+Run:  PYTHONPATH=. python benchmarks/spec_anomaly.py [--algorithm ngram|draft|none] [--draft-layers L]
           [--num-normal 2000] [--num-faulted 200] [--max-tokens 160] [--concurrency 32] [--out DIR]
 
 In-process on the embedded SmolLM2-135M-Instruct with speculation on (n-gram drafts, or a
@@ -32,6 +32,7 @@ import json
 import os
 import pathlib
 import random
+import sys
 import time
 
 from radixserve.outputs import SpecCounts
@@ -237,7 +238,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--out", default="/tmp/spec_anomaly")
-    ap.add_argument("--algorithm", choices=("ngram", "draft"), default="ngram")
+    ap.add_argument("--algorithm", choices=("ngram", "draft", "none"), default="ngram",
+                    help="none: no speculation (the acceptance detector then sees nothing)")
     ap.add_argument("--draft-layers", type=int, default=8, help="draft: self-draft depth")
     ap.add_argument("--summarize", metavar="TRACES", help="only recompute the summary of a "
                     "traces.jsonl written before (e.g. with other detector settings)")
@@ -256,23 +258,27 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     draft = {"speculative_draft_layers": args.draft_layers} if args.algorithm == "draft" else {}
-    llm = LLM(speculative_algorithm=args.algorithm, speculative_num_draft_tokens=4,
+    spec = {} if args.algorithm == "none" else {"speculative_algorithm": args.algorithm,
+                                                "speculative_num_draft_tokens": 4}
+    llm = LLM(**spec,
               disable_radix_cache=True, max_total_tokens=65536, **draft)
     start = time.monotonic()
     normal = run(llm, workload(random.Random(1), args.num_normal, args.max_tokens), args.concurrency)
     (out / "normal.json").write_text(json.dumps(normal))   # kept if a later phase fails
+    print(f"normal phase done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     faulted_items = workload(random.Random(2), args.num_faulted, args.max_tokens)
     half = len(faulted_items) // 2
     clean, faulted = [], []
     for mode, part in (("noise", faulted_items[:half]), ("swap", faulted_items[half:])):
         clean += run(llm, part, args.concurrency)
         faulted += [dict(t, mode=mode) for t in run(llm, part, args.concurrency, corrupt=mode)]
+        print(f"{mode} phase done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     with open(out / "traces.jsonl", "w") as f:
         for phase, traces in (("normal", normal), ("clean", clean), ("faulted", faulted)):
             for t in traces:
                 f.write(json.dumps({"phase": phase, **t}) + "\n")
     summary = summarize(normal, clean, faulted, AcceptanceConfig(), conf)
-    summary["algorithm"] = args.algorithm if args.algorithm == "ngram" else f"self-draft L={args.draft_layers}"
+    summary["algorithm"] = args.algorithm if args.algorithm != "draft" else f"self-draft L={args.draft_layers}"
     summary["normal_accept_length_median"] = median_accept_length(normal)
     summary["wall_s"] = round(time.monotonic() - start, 1)
     summary["load_avg_1m_at_end"] = os.getloadavg()[0]
