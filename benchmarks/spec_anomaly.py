@@ -245,10 +245,11 @@ def main() -> None:
                     "traces.jsonl written before (e.g. with other detector settings)")
     ap.add_argument("--confidence-window", type=int, default=ConfidenceConfig.window)
     ap.add_argument("--confidence-min-mean-logprob", type=float, default=ConfidenceConfig.min_mean_logprob)
+    ap.add_argument("--confidence-min-drop", type=float, default=ConfidenceConfig.min_drop)
     ap.add_argument("--confidence-max-temperature", type=float, default=ConfidenceConfig.max_temperature)
     args = ap.parse_args()
     conf = ConfidenceConfig(window=args.confidence_window, min_tokens=args.confidence_window,
-                            min_mean_logprob=args.confidence_min_mean_logprob,
+                            min_mean_logprob=args.confidence_min_mean_logprob, min_drop=args.confidence_min_drop,
                             max_temperature=args.confidence_max_temperature)
     from radixserve import LLM
 

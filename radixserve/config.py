@@ -204,7 +204,9 @@ class ServerConfig:
                "(--confidence-*; docs/anomaly_guard.md)")
     confidence_window: int = _opt(32, "confidence detector: tokens per judged window")
     confidence_min_mean_logprob: float = _opt(
-        -1.6, "confidence detector: a window whose mean top logprob is below this is an anomaly")
+        -1.4, "confidence detector: a window whose mean top logprob is below this ...")
+    confidence_min_drop: float = _opt(
+        0.6, "... and this far below the mean of the answer's first 16 tokens is an anomaly")
     confidence_max_temperature: float = _opt(
         0.8, "confidence detector: requests sampled hotter than this are not judged")
     tool_call_parser: str | None = _opt(None, "tool-call format of the model's output, parsed into "

@@ -106,6 +106,7 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
     if not c.disable_anomaly_guard and c.enable_confidence_detector:
         ctx.confidence = ConfidenceConfig(window=c.confidence_window, min_tokens=c.confidence_window,
                                           min_mean_logprob=c.confidence_min_mean_logprob,
+                                          min_drop=c.confidence_min_drop,
                                           max_temperature=c.confidence_max_temperature)
     auth = [Depends(api_key_check(server_config.api_key))]
     v1 = APIRouter(prefix="/v1", dependencies=auth)

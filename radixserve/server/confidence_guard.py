@@ -5,12 +5,18 @@ an answer into fluent-looking word salad: no replacement characters, no mixed sc
 so the text detectors see nothing, and with n-gram drafts speculative acceptance sees little
 (docs/anomaly_guard.md). The model itself can no longer predict its next token: the largest
 raw logprob at each position (`TokenLogprob.top_logprob`, the model's confidence, whatever
-token was then sampled) stays low for many tokens in a row. Ordinary answers have
-low-confidence stretches too (names, numbers, list items), but short ones; the rule is judged
-over a window of tokens.
+token was then sampled) stays low for many tokens in a row, well below where it was at the
+start of the same answer. Ordinary answers have low-confidence stretches too (names, numbers,
+list items), but short ones, and some answers are unsure throughout (a small model
+translating into Japanese): so the rule is judged over a window of tokens and against the
+answer's own start.
 
+    baseline = mean confidence of the first `baseline_tokens` generated tokens
     after `min_tokens` generated tokens, over every window of the last `window` tokens:
-      mean confidence < `min_mean_logprob`  -> "low_confidence"
+      mean < `min_mean_logprob` and mean < baseline - `min_drop`  -> "low_confidence"
+
+Corruption present from the first token (a wrong prompt KV) lowers the baseline too and is
+seen only where the answer's start was still confident.
 
 Only greedy and low-temperature choices (temperature <= `max_temperature`) are judged: at a
 high temperature the sampled text itself drifts where the model is unsure, which is what the
@@ -34,8 +40,10 @@ class ConfidenceConfig:
     """Thresholds (flags --confidence-*). Logprobs are natural logs."""
 
     window: int = 32                 # tokens per judged window
-    min_tokens: int = 32             # generated tokens before anything is judged
-    min_mean_logprob: float = -1.6   # window mean of the top logprob below this: anomaly
+    min_tokens: int = 32             # generated tokens before anything is judged (>= baseline_tokens)
+    min_mean_logprob: float = -1.4   # window mean of the top logprob below this ...
+    min_drop: float = 0.6            # ... and this far below the baseline: anomaly
+    baseline_tokens: int = 16        # the answer's first tokens, whose mean is the baseline
     max_temperature: float = 0.8     # choices sampled hotter than this are not judged
 
 
@@ -56,6 +64,7 @@ class ConfidenceDetector:
         self.num_tokens = 0
         self._window: deque[float] = deque()
         self._sum = 0.0
+        self._baseline_sum = 0.0
 
     def feed(self, delta: GuardInput) -> Detection | None:
         cfg = self.config
@@ -63,13 +72,17 @@ class ConfidenceDetector:
             if math.isnan(value):
                 continue
             self.num_tokens += 1
+            if self.num_tokens <= cfg.baseline_tokens:
+                self._baseline_sum += value
             self._window.append(value)
             self._sum += value
             if len(self._window) > cfg.window:
                 self._sum -= self._window.popleft()
-            if self.num_tokens >= cfg.min_tokens and len(self._window) == cfg.window:
-                mean = self._sum / cfg.window
-                if mean < cfg.min_mean_logprob:
-                    return Detection(self.kind, f"mean top logprob {mean:.2f} < {cfg.min_mean_logprob} "
-                                                f"over the last {cfg.window} tokens (token {self.num_tokens})")
+            if self.num_tokens >= max(cfg.min_tokens, cfg.baseline_tokens) and len(self._window) == cfg.window:
+                mean, baseline = self._sum / cfg.window, self._baseline_sum / cfg.baseline_tokens
+                if mean < cfg.min_mean_logprob and mean < baseline - cfg.min_drop:
+                    return Detection(self.kind, f"mean top logprob {mean:.2f} over the last {cfg.window} "
+                                                f"tokens (token {self.num_tokens}) < {cfg.min_mean_logprob}, "
+                                                f"and {baseline - mean:.2f} below the answer's first "
+                                                f"{cfg.baseline_tokens} tokens")
         return None

@@ -1,7 +1,8 @@
 """--enable-confidence-detector through a real tiny-model worker: which requests the detector
 watches, how a detection ends them (as any output anomaly), and that the confidences it reads
-never reach a client that did not ask for logprobs. The threshold here is 0: every window of a
-watched request is "low", so the test shows the plumbing; the detection and false-positive
+never reach a client that did not ask for logprobs. The thresholds here make every window of
+a watched request "low" (mean below 0 and below its start + 100), judged from token 16 (the
+baseline's length), so the test shows the plumbing; the detection and false-positive
 rates on real corruption are measured on the default model (benchmarks/spec_anomaly.py,
 docs/anomaly_guard.md)."""
 from __future__ import annotations
@@ -22,7 +23,8 @@ def server(request):
     server = start_tiny_server(request, ["--context-length", str(TINY_CONTEXT), "--max-total-tokens", "8192",
                                          "--enable-debug-endpoints", "--enable-confidence-detector",
                                          "--confidence-window", str(WINDOW),
-                                         "--confidence-min-mean-logprob", "0"])
+                                         "--confidence-min-mean-logprob", "0",
+                                         "--confidence-min-drop", "-100"])
     yield server
     try:
         server.assert_no_tracebacks()
@@ -67,7 +69,7 @@ def test_a_stream_ends_with_the_anomaly_error_event(server):
 
 
 def test_unwatched_requests_finish_and_get_no_logprobs(server):
-    short = complete(server, max_tokens=WINDOW - 1, temperature=0)     # never a full window
+    short = complete(server, max_tokens=WINDOW - 1, temperature=0)     # never judged (< 16 tokens)
     hot = complete(server, max_tokens=3 * WINDOW, temperature=1.0, seed=5)   # above --confidence-max-temperature
     for r, n in ((short, WINDOW - 1), (hot, 3 * WINDOW)):
         assert r.status_code == 200, r.text

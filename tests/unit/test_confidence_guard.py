@@ -15,7 +15,7 @@ from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetec
 from radixserve.tokenizer.output_processor import RequestTracker
 from tests.unit.test_sampler import V, Row
 
-CFG = ConfidenceConfig(window=8, min_tokens=8, min_mean_logprob=-1.5)
+CFG = ConfidenceConfig(window=8, min_tokens=8, min_mean_logprob=-1.5, min_drop=0.6, baseline_tokens=4)
 
 
 def feed(detector: ConfidenceDetector, values: list[float], chunk: int = 3):
@@ -37,10 +37,19 @@ def test_a_sustained_collapse_is_caught_and_a_short_dip_is_not():
 
 
 def test_nothing_is_judged_before_min_tokens_and_nan_is_skipped():
-    assert feed(ConfidenceDetector(CFG), [-9.0] * 7) is None
-    assert feed(ConfidenceDetector(CFG), [math.nan] * 30 + [-9.0] * 7) is None
-    assert feed(ConfidenceDetector(CFG), [math.nan] * 30 + [-9.0] * 8) is not None
+    start = [-0.2] * 4   # the baseline
+    assert feed(ConfidenceDetector(CFG), start + [-9.0] * 3) is None
+    assert feed(ConfidenceDetector(CFG), [math.nan] * 30 + start + [-9.0] * 3) is None
+    assert feed(ConfidenceDetector(CFG), [math.nan] * 30 + start + [-9.0] * 8) is not None
     assert ConfidenceDetector(CFG).feed(GuardInput("text only")) is None
+
+
+def test_an_answer_unsure_from_its_start_is_not_a_collapse():
+    """A small model translating into Japanese is unsure throughout: the window is low, but not
+    below the answer's own start; the same low window after a confident start is caught."""
+    assert feed(ConfidenceDetector(CFG), [-2.5] * 40) is None
+    found = feed(ConfidenceDetector(CFG), [-0.5] * 4 + [-2.5] * 36)
+    assert found is not None and "below the answer's first 4 tokens" in found[0].detail
 
 
 def test_only_greedy_and_cool_unconstrained_choices_are_judged():
