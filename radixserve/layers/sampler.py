@@ -71,7 +71,6 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) ->
             for t, lp, ti, tl, b in zip(ids, chosen, top_ids, top_lp, best)]
 
 
-
 class Sampler:
     """Samples one token per row. `eos_token_ids` are masked (with each row's stop_token_ids)
     while a row's min_tokens_left > 0."""

@@ -19,8 +19,8 @@ from radixserve.errors import (BodyTooLarge, ContextLengthExceeded, InvalidReque
 from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
-from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetector, judged
 from radixserve.server.anomaly import AnomalyGuard, Detector, GuardConfig, GuardInput
+from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetector, judged
 from radixserve.server.engine_client import EngineClient, RequestStream
 from radixserve.server.faults import FaultInjector
 from radixserve.server.metrics import RequestTimer, ServerMetrics
