@@ -31,5 +31,15 @@ def test_single_row_with_bias_matches_the_batched_row():
     torch.testing.assert_close(bi.matmul(rows[:1], packed, bias), rows[:1] @ weight.T + bias, rtol=1e-4, atol=1e-4)
 
 
-def test_start_up_check_passes_here():
+def test_start_up_check_refuses_a_matmul_whose_single_row_differs(monkeypatch):
+    """The check passes here, and refuses a matmul that computes M == 1 apart (as oneDNN's own
+    M == 1 kernel did for K > 1024 on Zen 4) once that kernel's bits differ."""
     bi.check_row_invariance(torch.float32, torch.device("cpu"))
+    plain = bi.matmul
+
+    def single_row_apart(x, packed, bias=None):
+        y = plain(x, packed, bias)
+        return y + 1e-3 if x.shape[0] == 1 and x.shape[1] > 1024 else y
+    monkeypatch.setattr(bi, "matmul", single_row_apart)
+    with pytest.raises(ValueError, match="not batch-invariant"):
+        bi.check_row_invariance(torch.float32, torch.device("cpu"))
