@@ -248,7 +248,7 @@ def main() -> None:
     ap.add_argument("--confidence-min-drop", type=float, default=ConfidenceConfig.min_drop)
     ap.add_argument("--confidence-max-temperature", type=float, default=ConfidenceConfig.max_temperature)
     args = ap.parse_args()
-    conf = ConfidenceConfig(window=args.confidence_window, min_tokens=args.confidence_window,
+    conf = ConfidenceConfig(window=args.confidence_window,
                             min_mean_logprob=args.confidence_min_mean_logprob, min_drop=args.confidence_min_drop,
                             max_temperature=args.confidence_max_temperature)
     from radixserve import LLM

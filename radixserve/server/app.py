@@ -104,7 +104,7 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
                                           min_accept_length=c.spec_anomaly_min_accept_length,
                                           max_accept_rate=c.spec_anomaly_max_accept_rate)
     if not c.disable_anomaly_guard and c.enable_confidence_detector:
-        ctx.confidence = ConfidenceConfig(window=c.confidence_window, min_tokens=c.confidence_window,
+        ctx.confidence = ConfidenceConfig(window=c.confidence_window,
                                           min_mean_logprob=c.confidence_min_mean_logprob,
                                           min_drop=c.confidence_min_drop,
                                           max_temperature=c.confidence_max_temperature)

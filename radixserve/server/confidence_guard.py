@@ -12,7 +12,7 @@ translating into Japanese): so the rule is judged over a window of tokens and ag
 answer's own start.
 
     baseline = mean confidence of the first `baseline_tokens` generated tokens
-    after `min_tokens` generated tokens, over every window of the last `window` tokens:
+    once the baseline is complete, over every window of the last `window` tokens:
       mean < `min_mean_logprob` and mean < baseline - `min_drop`  -> "low_confidence"
 
 Corruption present from the first token (a wrong prompt KV) lowers the baseline too and is
@@ -40,7 +40,6 @@ class ConfidenceConfig:
     """Thresholds (flags --confidence-*). Logprobs are natural logs."""
 
     window: int = 32                 # tokens per judged window
-    min_tokens: int = 32             # generated tokens before anything is judged (>= baseline_tokens)
     min_mean_logprob: float = -1.4   # window mean of the top logprob below this ...
     min_drop: float = 0.6            # ... and this far below the baseline: anomaly
     baseline_tokens: int = 16        # the answer's first tokens, whose mean is the baseline
@@ -78,7 +77,7 @@ class ConfidenceDetector:
             self._sum += value
             if len(self._window) > cfg.window:
                 self._sum -= self._window.popleft()
-            if self.num_tokens >= max(cfg.min_tokens, cfg.baseline_tokens) and len(self._window) == cfg.window:
+            if self.num_tokens >= cfg.baseline_tokens and len(self._window) == cfg.window:
                 mean, baseline = self._sum / cfg.window, self._baseline_sum / cfg.baseline_tokens
                 if mean < cfg.min_mean_logprob and mean < baseline - cfg.min_drop:
                     return Detection(self.kind, f"mean top logprob {mean:.2f} over the last {cfg.window} "

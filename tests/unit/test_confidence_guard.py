@@ -15,7 +15,7 @@ from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetec
 from radixserve.tokenizer.output_processor import RequestTracker
 from tests.unit.test_sampler import V, Row
 
-CFG = ConfidenceConfig(window=8, min_tokens=8, min_mean_logprob=-1.5, min_drop=0.6, baseline_tokens=4)
+CFG = ConfidenceConfig(window=8, min_mean_logprob=-1.5, min_drop=0.6, baseline_tokens=4)
 
 
 def feed(detector: ConfidenceDetector, values: list[float], chunk: int = 3):
@@ -36,7 +36,7 @@ def test_a_sustained_collapse_is_caught_and_a_short_dip_is_not():
     assert 20 + 6 <= (at + 1) * 3 <= 20 + 6 + 3
 
 
-def test_nothing_is_judged_before_min_tokens_and_nan_is_skipped():
+def test_nothing_is_judged_before_a_full_window_and_nan_is_skipped():
     start = [-0.2] * 4   # the baseline
     assert feed(ConfidenceDetector(CFG), start + [-9.0] * 3) is None
     assert feed(ConfidenceDetector(CFG), [math.nan] * 30 + start + [-9.0] * 3) is None
