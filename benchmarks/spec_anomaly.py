@@ -20,7 +20,10 @@ Every request's stream (text deltas, token ids, cumulative acceptance counts, ea
 confidence) is recorded and the detectors are replayed over it, exactly as the server feeds
 them, for each detector set: text (repetition, garbled, rare_chars), acceptance
 (AcceptanceDetector), confidence (ConfidenceDetector) and combined (all of them). Detection
-is also reported per corruption mode. Writes traces.jsonl and summary.json under --out and
+is also reported per corruption mode. With `--kv-checksum` the engine also runs its KV checksums
+(--enable-kv-checksum, engine/kv_checksum.py), which end a request whose KV was overwritten;
+the summary then has a `kv_checksum` row over every request the fault hit (whether or not its
+output changed) and the normal ones. Writes traces.jsonl and summary.json under --out and
 prints the table for docs/anomaly_guard.md. `--summarize TRACES` replays a recorded run with
 the current detector settings (`--confidence-*` as the server's flags).
 """
@@ -35,7 +38,7 @@ import random
 import sys
 import time
 
-from radixserve.outputs import SpecCounts
+from radixserve.outputs import KV_CHECKSUM_ERROR, SpecCounts
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
@@ -132,6 +135,7 @@ def run(llm, items, concurrency: int, corrupt: str | None = None) -> list[dict]:
         engine.arm_kv_corrupt(corrupt, fraction=0.5, after_tokens=16, count=len(items), seed=7)
     traces: list[dict] = [{} for _ in items]
     trackers: dict[str, tuple[int, RequestTracker]] = {}
+    generated: dict[int, int] = {}
     pending = list(range(len(items)))[::-1]
     while pending or trackers:
         while pending and len(trackers) < concurrency:
@@ -146,6 +150,9 @@ def run(llm, items, concurrency: int, corrupt: str | None = None) -> list[dict]:
                          "temperature": params.temperature, "deltas": []}
         for out in engine.step():
             i, tracker = trackers[out.request_id]
+            generated[i] = generated.get(i, 0) + len(out.new_token_ids)
+            if out.error_code == KV_CHECKSUM_ERROR:   # --kv-checksum ended it
+                traces[i]["checksum_at"] = generated[i]
             u = tracker.process(out)
             if u.abort_child is not None:
                 engine.abort(u.abort_child)
@@ -211,6 +218,15 @@ def summarize(normal: list[dict], clean: list[dict], faulted: list[dict],
             "detected_by_mode": {m: sum(mode == m for _, mode in caught) for m in ("noise", "swap")},
             "tokens_to_detection_median": delays[len(delays) // 2] if delays else None,
         }
+    if any("checksum_at" in t for t in normal + faulted) or any(t.get("checksum") for t in normal):
+        hit = [t for t in faulted if t["hit_at"] is not None]
+        delays = sorted(t["checksum_at"] - t["hit_at"] for t in hit if t.get("checksum_at") is not None)
+        out["kv_checksum"] = {
+            "false_positives": sum(t.get("checksum_at") is not None for t in normal),
+            "num_hit": len(hit), "detected": len(delays),
+            "detected_by_mode": {m: sum(t.get("mode") == m and t.get("checksum_at") is not None for t in hit)
+                                 for m in ("noise", "swap")},
+            "tokens_to_detection_median": delays[len(delays) // 2] if delays else None}
     return out
 
 
@@ -241,6 +257,7 @@ def main() -> None:
     ap.add_argument("--algorithm", choices=("ngram", "draft", "none"), default="ngram",
                     help="none: no speculation (the acceptance detector then sees nothing)")
     ap.add_argument("--draft-layers", type=int, default=8, help="draft: self-draft depth")
+    ap.add_argument("--kv-checksum", action="store_true", help="run the engine with --enable-kv-checksum")
     ap.add_argument("--summarize", metavar="TRACES", help="only recompute the summary of a "
                     "traces.jsonl written before (e.g. with other detector settings)")
     ap.add_argument("--confidence-window", type=int, default=ConfidenceConfig.window)
@@ -261,10 +278,12 @@ def main() -> None:
     draft = {"speculative_draft_layers": args.draft_layers} if args.algorithm == "draft" else {}
     spec = {} if args.algorithm == "none" else {"speculative_algorithm": args.algorithm,
                                                 "speculative_num_draft_tokens": 4}
-    llm = LLM(**spec,
+    llm = LLM(**spec, enable_kv_checksum=args.kv_checksum,
               disable_radix_cache=True, max_total_tokens=65536, **draft)
     start = time.monotonic()
     normal = run(llm, workload(random.Random(1), args.num_normal, args.max_tokens), args.concurrency)
+    for t in normal:
+        t["checksum"] = args.kv_checksum
     (out / "normal.json").write_text(json.dumps(normal))   # kept if a later phase fails
     print(f"normal phase done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     faulted_items = workload(random.Random(2), args.num_faulted, args.max_tokens)

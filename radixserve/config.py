@@ -98,6 +98,12 @@ class EngineConfig:
     enable_deterministic_inference: bool = _opt(
         False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
                "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
+    enable_kv_checksum: bool = _opt(
+        False, "checksum each KV slot once computed and re-check it while it is in use (every "
+               "--kv-checksum-interval steps and when the request ends): a request whose KV was "
+               "overwritten ends as output_anomaly kv_checksum (docs/anomaly_guard.md)")
+    kv_checksum_interval: int = _opt(16, "--enable-kv-checksum: steps between re-checks of a "
+                                         "running request's KV")
     # prefill/decode disaggregation (docs/disaggregation.md); flag names are SGLang's
     disaggregation_mode: str = _opt(
         "null", "null = colocated; prefill = compute prompts and send their KV and first token "
@@ -136,6 +142,8 @@ class EngineConfig:
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("--enable-hierarchical-cache needs the radix cache "
                              "(drop --disable-radix-cache)")
+        if self.kv_checksum_interval < 1:
+            raise ValueError("kv_checksum_interval must be >= 1")
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
         if self.speculative_break_even_tokens < 0:

@@ -86,7 +86,8 @@ class Draining(RadixServeError):
 
 class OutputAnomaly(RadixServeError):
     """The output-anomaly guard stopped a request whose text went wrong (HTTP 500, so a router
-    retries it elsewhere). `kind` is "repetition", "garbled" or "rare_chars"."""
+    retries it elsewhere). `kind`: the detector ("repetition", "garbled", "rare_chars",
+    "spec_acceptance", "low_confidence") or "kv_checksum" (the engine found its KV overwritten)."""
 
     type = "output_anomaly"
     code = "output_anomaly"

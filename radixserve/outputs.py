@@ -80,10 +80,13 @@ class EngineOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None                # set when finish_reason == "abort" for a reason
-    error_code: str | None = None           # "kv_transfer_failed": a PD failure (an HTTP 500)
+    error_code: str | None = None           # "kv_transfer_failed": a PD failure; KV_CHECKSUM_ERROR (both HTTP 500)
     queue_time_s: float | None = None       # arrival to first admission; None while still waiting
     spec: SpecCounts | None = None          # speculative decoding so far; None: never verified
     num_cached_tokens_host: int | None = None   # of num_cached_tokens: loaded from the host tier (None: tier off)
+
+
+KV_CHECKSUM_ERROR = "kv_checksum_mismatch"   # error_code: KV overwritten after it was computed (engine/kv_checksum.py)
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ import time
 from radixserve.config import EngineConfig
 from radixserve.engine.fault_points import FaultPoints
 from radixserve.engine.forced_tokens import ForcedTokens, force_run
+from radixserve.engine.kv_checksum import ChecksumChecks
 from radixserve.engine.kv_corrupt import KVCorruptFault
 from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
@@ -17,7 +18,7 @@ from radixserve.outputs import EngineOutput, SpecCounts, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
 
-class Engine(FaultPoints):
+class Engine(FaultPoints, ChecksumChecks):
     """Continuous-batching engine. Single-threaded: call every method from one thread.
 
     `step()` returns one EngineOutput per request that gained tokens, finished, or has
@@ -43,6 +44,7 @@ class Engine(FaultPoints):
                          "num_cached_tokens_host": 0,  # of num_cached_tokens: loaded from host
                          "num_finished_requests": 0, "num_aborted_requests": 0,
                          "num_kv_corruptions": 0,     # kv_corrupt fault hits
+                         "num_kv_checksum_failures": 0,   # requests ended by a KV checksum mismatch
                          # speculative decoding: verify steps, draft tokens proposed and accepted
                          "spec_num_verify_steps": 0, "spec_num_draft_tokens": 0,
                          "spec_num_accepted_tokens": 0,
@@ -51,6 +53,7 @@ class Engine(FaultPoints):
                          "spec_num_accepted_by_position": [0] * config.speculative_num_draft_tokens}
         self._forced: ForcedTokens | None = None   # armed sampler.force_tokens fault
         self._kv_corrupt: KVCorruptFault | None = None   # armed kv_corrupt fault
+        self._init_checksums(config, runner)               # --enable-kv-checksum
 
     def add_eos_token_ids(self, token_ids: list[int]) -> None:
         """End requests on these ids too (the HTTP process sends its tokenizer's once it has
@@ -114,6 +117,8 @@ class Engine(FaultPoints):
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if self.checksums is not None:
+            self.checksums.forget(req)
         self.scheduler.finish(req, "abort")
         self.counters["num_aborted_requests"] += 1
         self._count_prompt(req)
@@ -134,7 +139,8 @@ class Engine(FaultPoints):
         output = self.runner.run(batch)
         for req in self.kv.finish_loads([s.req for s in scheduled]):
             self.scheduler.requeue(req)   # it read a failed host load: recompute, no output
-        return self._update(scheduled, batch, output)
+        outs = self._update(scheduled, batch, output)
+        return outs + self._check_step([s.req for s in scheduled if s.req.status is Status.RUNNING])
 
     def _seq(self, s: Scheduled) -> ScheduledSeq:
         req = s.req
@@ -238,11 +244,16 @@ class Engine(FaultPoints):
         return None
 
     def _finish(self, req: Request, new_ids: list[int], logprobs, reason: str) -> EngineOutput:
+        bad = self._check_end(req)
         self.scheduler.finish(req, reason)
         del self.requests[req.request_id]
         self.counters["num_finished_requests"] += 1
         self._count_prompt(req)
-        return self._output(req, new_ids, logprobs)
+        out = self._output(req, new_ids, logprobs)
+        if bad:
+            out = self._failed_output(out)
+            self._on_mismatch(bad)
+        return out
 
     def _count_prompt(self, req: Request) -> None:
         # Hit rate counts admitted requests once, at their end (recompute is never a hit).

@@ -192,6 +192,18 @@ class KVManager:
         self.pool.free(self.cache.reset())
         return True
 
+    def purge(self, page_ids: set[int]) -> set[int]:
+        """Take every radix node holding one of `page_ids` (KV found overwritten) out of the
+        tree with its subtree, so no later request matches it; their pages return to the pool.
+        A node still locked stays (call again once its holders have ended). Returns the pages
+        of `page_ids` still in the tree."""
+        while True:
+            hits = [n for n in self.cache.nodes() if n.page_ids and not page_ids.isdisjoint(n.page_ids)]
+            node = next((n for n in hits if n.lock_ref == 0), None)
+            if node is None:
+                return {p for n in hits for p in n.page_ids} & page_ids
+            self.pool.free(self.cache.remove(node))
+
     def _may_match(self, req: Request) -> bool:
         # Prompt-logprob requests recompute the prompt: logits of cached positions are never
         # stored, so they bypass the cache (field case C02, documented alternative).

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 
 class PagePool:
@@ -16,6 +17,7 @@ class PagePool:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
+        self.on_free: Callable[[list[int]], None] | None = None   # told of every freed batch of pages
 
     @property
     def num_free(self) -> int:
@@ -32,6 +34,8 @@ class PagePool:
         for p in page_ids:
             assert 0 <= p < self.num_pages, f"page id {p} out of range"
         self._free.extend(page_ids)
+        if self.on_free is not None:
+            self.on_free(page_ids)
 
     def free_ids(self) -> list[int]:
         """Snapshot of the free list (for invariant checks)."""

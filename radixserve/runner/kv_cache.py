@@ -253,6 +253,20 @@ class KVCache:
         return KVPages(take(self._k, 1), take(self._v, 1),
                        {name: take(bufs, 0) for name, bufs in self._side.items()})
 
+    def slot_checksums(self, slots: list[int]) -> list[int]:
+        """Per slot id, the integer sum of its stored bits (viewed as signed ints of the storage
+        width) over every layer's K and V; side buffers excluded. Exact, so equal bytes always
+        give equal sums (engine/kv_checksum.py). Does not wait for fills in flight: the slots
+        it is given are final ones."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        bits = {4: torch.int32, 2: torch.int16, 1: torch.int8}[self._k[0].element_size()]
+        total = torch.zeros(len(idx), dtype=torch.int64, device=self.device)
+        for layer in range(self.num_layers):
+            for store in (self._k[layer], self._v[layer]):
+                rows = store.view(bits).view(self.num_kv_heads, -1, self.head_dim).index_select(1, idx)
+                total += rows.sum(dim=(0, 2), dtype=torch.int64)
+        return total.tolist()
+
     def import_pages(self, page_ids: list[int], data: KVPages) -> None:
         """Write exported pages into `page_ids` (same count, same layout and stored dtype).
         Raises ValueError on a shape or dtype mismatch."""

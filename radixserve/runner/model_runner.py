@@ -207,6 +207,10 @@ class ModelRunner:
         if mirror is not None:
             mirror.reset()
 
+    def kv_slot_checksums(self, slots: list[int]) -> list[int]:
+        """--enable-kv-checksum: KVCache.slot_checksums of the target model's KV."""
+        return self.kv.slot_checksums(slots)
+
     # ---- prefill->decode KV transfer (radixserve/disagg) ------------------------------------
     def kv_layout(self) -> dict:
         """What a prefill and a decode worker must share (disagg.protocol.KVLayout fields)."""

@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 from radixserve.outputs import SpecCounts
 from radixserve.server.acceptance_guard import AcceptanceDetector
 from radixserve.server.anomaly import KINDS as ANOMALY_KINDS
+from radixserve.server.confidence_guard import ConfidenceDetector
 from radixserve.server.pd_metrics import PDCollector
 
 PREFIX = "radixserve:"
@@ -177,7 +178,8 @@ class ServerMetrics:
         self.model_name = model_name
         self.anomalies = Counter(PREFIX + "num_anomalies", "Requests stopped by the output-anomaly "
                                  "guard, by detector.", ["model_name", "kind"], registry=self.registry)
-        for kind in (*ANOMALY_KINDS, AcceptanceDetector.kind):   # every kind, at 0, from the start
+        kinds = (*ANOMALY_KINDS, AcceptanceDetector.kind, ConfidenceDetector.kind, "kv_checksum")
+        for kind in kinds:   # every kind, at 0, from the start
             self.anomalies.labels(model_name=model_name, kind=kind)
         ProcessCollector(registry=self.registry)   # process_resident_memory_bytes, ...
 

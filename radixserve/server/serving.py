@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from radixserve.engine.messages import AddReq, PDTarget
 from radixserve.errors import (BodyTooLarge, ContextLengthExceeded, InvalidRequest, ModelNotFound,
                                OutputAnomaly, Overloaded)
-from radixserve.outputs import RequestOutput, TokenLogprob
+from radixserve.outputs import KV_CHECKSUM_ERROR, RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
 from radixserve.server.anomaly import AnomalyGuard, Detector, GuardConfig, GuardInput
@@ -300,6 +300,9 @@ class GenerationRun:
             if u.is_empty:
                 continue
             index = prompt_index * self.n + u.index
+            if out.error_code == KV_CHECKSUM_ERROR:   # the engine found its KV overwritten
+                yield index, ChoiceUpdate(u.index, finish_reason="abort")
+                raise self._anomaly(index, "kv_checksum", out.error or "")
             if self._guards:
                 detection = self._guards[index].feed(GuardInput(u.text, u.token_ids, u.spec, u.confidences))
                 if detection is not None:

@@ -1,6 +1,7 @@
 """Fault injection (/admin/fault) and the output-anomaly guard through a real tiny-model worker
 (n-gram speculation and the acceptance detector on, judging after 40 tokens: the random model
-drafts only where its output is forced to repeat, so the other tests never reach it)."""
+drafts only where its output is forced to repeat, so the other tests never reach it; KV
+checksums on, checking every step, so every test here also shows they raise no false alarm)."""
 from __future__ import annotations
 
 import json
@@ -25,7 +26,8 @@ def server(request):
                                          "--enable-spec-anomaly-detector",
                                          "--spec-anomaly-min-tokens", "40",
                                          "--spec-anomaly-min-verify-steps", "8",
-                                         "--spec-anomaly-min-accept-length", "1.5"])
+                                         "--spec-anomaly-min-accept-length", "1.5",
+                                         "--enable-kv-checksum", "--kv-checksum-interval", "1"])
     yield server
     try:
         server.assert_no_tracebacks()
@@ -288,11 +290,29 @@ def engine_stats(server) -> dict:
     return r.json()["engine"]
 
 
+def test_kv_checksum_stops_a_stream_whose_kv_was_overwritten(server):
+    """(swap, which needs two requests running at once, is tested on the engine:
+    tests/model/test_kv_checksum.py)"""
+    seen = anomalies(server)["kv_checksum"]
+    inject(server, kind="kv_corrupt", mode="noise", fraction=0.5, after_tokens=4)
+    r = completion(server, stream=True, max_tokens=32)
+    assert r.status_code == 200
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+    assert len(errors) == 1 and errors[0]["type"] == "output_anomaly", errors
+    assert "kv_checksum" in errors[0]["message"]
+    assert anomalies(server)["kv_checksum"] == seen + 1
+    wait_for(lambda: no_pages_in_use(server), "pages to be freed")
+
+
 def test_kv_corrupt_hits_one_running_request_and_frees_its_pages(server):
     before = engine_stats(server)["num_kv_corruptions"]
     inject(server, kind="kv_corrupt", mode="noise", fraction=1.0, after_tokens=4)
     assert faults(server)["kv_corrupt"]["after_tokens"] == 4
-    assert completion(server, max_tokens=16).status_code == 200
+    r = completion(server, max_tokens=16)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "output_anomaly", r.text
+    assert "kv_checksum" in r.json()["error"]["message"]
     assert engine_stats(server)["num_kv_corruptions"] == before + 1
     assert completion(server, max_tokens=16).status_code == 200     # count 1: spent
     assert engine_stats(server)["num_kv_corruptions"] == before + 1

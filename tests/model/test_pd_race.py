@@ -17,6 +17,7 @@ import pytest
 from radixserve.config import EngineConfig
 from radixserve.disagg.engine import PDEngine
 from radixserve.engine.engine import Engine
+from radixserve.outputs import KV_CHECKSUM_ERROR
 from radixserve.runner.model_runner import ModelRunner
 from tests.unit.pd_helpers import FakeClock, Rig, greedy
 
@@ -49,8 +50,11 @@ def colocated(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list
     return [tokens[f"c{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("skip_handshake", [True, False], ids=["unsafe-skip-handshake", "handshake"])
-def test_six_step_slot_reuse_race(mha_dir, skip_handshake):
+@pytest.mark.parametrize("skip_handshake,checksum", [(True, False), (False, False), (True, True)],
+                         ids=["unsafe-skip-handshake", "handshake", "unsafe-skip-handshake-kv-checksum"])
+def test_six_step_slot_reuse_race(mha_dir, skip_handshake, checksum):
+    """With --enable-kv-checksum the late write is caught instead: request 2 ends with the
+    checksum error, never with a full corrupted answer."""
     rng = random.Random(14)
     prompt1 = [rng.randrange(1, 384) for _ in range(10)]
     prompt2 = [rng.randrange(1, 384) for _ in range(10)]
@@ -59,7 +63,8 @@ def test_six_step_slot_reuse_race(mha_dir, skip_handshake):
     p1, p2 = pd("prefill", mha_dir, 256), pd("prefill", mha_dir, 256)
     # D holds 4 pages: request 1 takes 3 of them, so request 2 can only get pages request 1 had.
     d = pd("decode", mha_dir, 4 * PAGE, clock=clock,
-           disaggregation_unsafe_skip_abort_handshake=skip_handshake)
+           disaggregation_unsafe_skip_abort_handshake=skip_handshake,
+           enable_kv_checksum=checksum, kv_checksum_interval=1)
     rig = Rig(p1, p2, d)
     try:
         # 1. request 1: P1's writes start but hang in flight
@@ -91,7 +96,11 @@ def test_six_step_slot_reuse_race(mha_dir, skip_handshake):
         rig.idle()
         # 6. the verdict
         stats = d.stats()["pd"]
-        if skip_handshake:
+        if checksum:
+            assert stats["late_writes_landed"] == 3
+            assert rig.finals["r2"].error_code == KV_CHECKSUM_ERROR
+            assert d.stats()["num_kv_checksum_failures"] == 1
+        elif skip_handshake:
             assert stats["late_writes_landed"] == 3
             assert rig.tokens["r2"] != want2, "the late write did not corrupt request 2"
         else:

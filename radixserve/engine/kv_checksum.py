@@ -1,0 +1,155 @@
+"""KV checksums (--enable-kv-checksum): catch KV that something overwrote after it was computed.
+
+A slot's KV is *final* once its position is below its request's `num_computed_tokens`: nothing
+may write it again until its page returns to the free list. Any later write is corruption: a
+prefill->decode transfer landing after its pages were reused (issue 14's race), a host-tier load
+into the wrong pages, a page with two owners, the `kv_corrupt` fault. So:
+
+    seal     after each step, every slot that became final gets a checksum: the integer sum of
+             its stored bits, K and V, every layer (`KVCache.slot_checksums`; exact, so the same
+             bytes always give the same sum and there are no false alarms)
+    verify   a sealed slot is recomputed and compared: when a request that maps it is checked
+             (each running request every `interval` steps, staggered; every request when it
+             ends; a radix hit's slots when the request that hit them is first sealed)
+    unseal   when its page goes back to the free list (its next owner writes it afresh)
+
+What it cannot see: KV read before it was written (a layer read while its load was still in
+flight leaves correct bytes behind) and KV that was wrong when computed; the output-side
+detectors (server/anomaly.py) are for those. Side buffers and a draft model's own KV are not
+summed. Cost: reading the new slots once (sealing) plus each running request's KV once every
+`interval` steps and once at its end (docs/anomaly_guard.md has the measurement).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from array import array
+from collections.abc import Callable
+
+from radixserve.engine.request import Request
+from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput
+
+logger = logging.getLogger(__name__)
+
+
+class KVChecksums:
+    """Checksums of `num_pages * page_size` slots (slot = page * page_size + offset).
+    `checksum(slots)`: slot ids -> their sums, same order (the runner's `kv_slot_checksums`)."""
+
+    def __init__(self, num_pages: int, page_size: int, checksum: Callable[[list[int]], list[int]],
+                 interval: int):
+        self.page_size = page_size
+        self.interval = interval
+        self._checksum = checksum
+        self._sums = array("q", bytes(8 * num_pages * page_size))
+        self._sealed = bytearray(num_pages * page_size)
+        self._sealed_upto: dict[str, int] = {}    # request id -> positions [0, n) sealed or checked
+        self._step = 0
+        self.num_checked_slots = 0                 # slots summed so far (sealing and verifying)
+        self.num_mismatched_slots = 0
+
+    def unseal(self, page_ids: list[int]) -> None:
+        """Pages back on the free list: their slots are no longer final."""
+        p = self.page_size
+        for page in page_ids:
+            self._sealed[page * p:(page + 1) * p] = bytes(p)
+
+    def after_step(self, requests: list[Request]) -> set[int]:
+        """Seal what `requests` (the step's running ones) computed, and verify the sealed KV of
+        those whose turn it is (every `interval` steps each). Returns the pages whose checksum
+        no longer matches (empty when all is well)."""
+        self._step += 1
+        slots: list[int] = []
+        for req in requests:
+            due = (self._step + hash(req.request_id)) % self.interval == 0
+            slots += self._slots(req, 0 if due else self._sealed_upto.get(req.request_id, 0))
+        return self._check(slots)
+
+    def at_end(self, req: Request) -> set[int]:
+        """Verify (and seal the rest of) everything `req` computed, before its KV is released.
+        Returns the mismatched pages."""
+        bad = self._check(self._slots(req, 0))
+        self._sealed_upto.pop(req.request_id, None)
+        return bad
+
+    def forget(self, req: Request) -> None:
+        """`req` released its pages without being checked (aborted)."""
+        self._sealed_upto.pop(req.request_id, None)
+
+    def _slots(self, req: Request, start: int) -> list[int]:
+        """Slots of `req`'s final positions [start, num_computed_tokens); marks them done."""
+        end = req.num_computed_tokens
+        self._sealed_upto[req.request_id] = end
+        p, slots = self.page_size, []
+        for index in range(start // p, -(-end // p)):
+            base = req.page_ids[index] * p
+            slots += range(base + max(start - index * p, 0), base + min(end - index * p, p))
+        return slots
+
+    def _check(self, slots: list[int]) -> set[int]:
+        """Sum `slots`: sealed ones are compared, the others sealed. Returns mismatched pages."""
+        if not slots:
+            return set()
+        ids = list(dict.fromkeys(slots))
+        bad: set[int] = set()
+        sealed, stored = self._sealed, self._sums
+        for slot, value in zip(ids, self._checksum(ids)):
+            if not sealed[slot]:
+                stored[slot], sealed[slot] = value, 1
+            elif stored[slot] != value:
+                bad.add(slot // self.page_size)
+                self.num_mismatched_slots += 1
+        self.num_checked_slots += len(ids)
+        return bad
+
+
+class ChecksumChecks:
+    """The engine's side (mixed into Engine): build the checksums, run them after each step and
+    at each request's end, and end every request that maps a mismatched page."""
+
+    def _init_checksums(self, config, runner) -> None:
+        """Raises ValueError when --enable-kv-checksum is set and the runner cannot sum its KV."""
+        self.checksums: KVChecksums | None = None
+        self._failed: list[EngineOutput] = []    # outputs of requests ended by a mismatch
+        self._poisoned: set[int] = set()         # mismatched pages the tree could not drop yet
+        if not config.enable_kv_checksum:
+            return
+        checksum = getattr(runner, "kv_slot_checksums", None)
+        if checksum is None:
+            raise ValueError("--enable-kv-checksum: this runner cannot checksum its KV")
+        self.checksums = KVChecksums(runner.num_pages, runner.page_size, checksum,
+                                     config.kv_checksum_interval)
+        self.kv.pool.on_free = self.checksums.unseal
+
+    def _check_step(self, requests: list[Request]) -> list[EngineOutput]:
+        """After a step's update: seal and verify `requests` (still running); returns the
+        outputs of every request a mismatch ended (this step's and earlier finishes')."""
+        if self.checksums is None:
+            return []
+        self._on_mismatch(self.checksums.after_step(requests))
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _check_end(self, req: Request) -> set[int]:
+        """Before `req`'s KV is released: its mismatched pages (empty when all is well)."""
+        return self.checksums.at_end(req) if self.checksums is not None else set()
+
+    def _on_mismatch(self, bad: set[int]) -> None:
+        """KV in the `bad` pages was overwritten: end every request that maps one (its output
+        carries KV_CHECKSUM_ERROR) and take the pages out of the radix tree."""
+        bad = bad | self._poisoned
+        if not bad:
+            return
+        logger.warning("KV checksum mismatch in pages %s: ending the requests that read them", sorted(bad))
+        for req in [r for r in self.requests.values() if not bad.isdisjoint(r.page_ids)]:
+            self.checksums.forget(req)
+            out = self.abort(req.request_id)
+            if out is not None:
+                self._failed.append(self._failed_output(out))
+        self._poisoned = self.kv.purge(bad)
+
+    def _failed_output(self, out: EngineOutput) -> EngineOutput:
+        self.counters["num_kv_checksum_failures"] += 1
+        return dataclasses.replace(out, finished=True, finish_reason="abort", error_code=KV_CHECKSUM_ERROR,
+                                   error="the request's KV was overwritten after it was computed "
+                                         "(KV checksum mismatch)")
