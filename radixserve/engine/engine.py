@@ -292,6 +292,9 @@ class Engine(FaultPoints, ChecksumChecks):
             **(kv.tier.stats() if kv.tier is not None else {}),
             **(kv.disk.stats() if kv.disk is not None else {}),
             "num_waiting_for_kv": len(self.scheduler.fetching),
+            **({"kv_checksum_slots_checked": self.checksums.num_checked_slots,
+                "kv_checksum_slots_mismatched": self.checksums.num_mismatched_slots}
+               if self.checksums is not None else {}),
             "runner": self.runner.info(),
         }
 
