@@ -18,3 +18,13 @@ def resolve_device(name: str | None) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present")
     return device
+
+
+def huge_pages_mb() -> int | None:
+    """This process's anonymous memory on transparent huge pages, in MiB (None off Linux)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            line = next((ln for ln in f if ln.startswith("AnonHugePages:")), None)
+    except OSError:
+        return None
+    return int(line.split()[1]) // 1024 if line else None

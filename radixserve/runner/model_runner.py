@@ -18,7 +18,7 @@ from radixserve.outputs import TokenLogprob
 from radixserve.runner import kv_scales, kv_transfer
 from radixserve.runner.attention.base import AttentionBackend, create_backend
 from radixserve.runner.batch import build_step
-from radixserve.runner.device import resolve_device
+from radixserve.runner.device import huge_pages_mb, resolve_device
 from radixserve.runner.disk_kv import DiskKV, fingerprint
 from radixserve.runner.draft import DraftModel
 from radixserve.runner.host_kv import HostKV
@@ -119,10 +119,11 @@ class ModelRunner:
             draft = model_class(draft_config)(draft_config)
             load_weights(draft, draft_weights)
         runner = cls(model, model_config, config, scales, draft)
-        logger.info("loaded %s (%s, %d layers, quantization %s) in %.1f s on %s; KV: %d pages x %d tokens, %s",
-                    path, model_config.architecture, model_config.num_layers, quantization,
-                    time.perf_counter() - start, runner.device, runner.num_pages, runner.page_size,
-                    str(runner.kv.dtype).removeprefix("torch."))
+        logger.info("loaded %s (%s, %d layers, quantization %s) in %.1f s on %s; KV: %d pages x %d tokens, "
+                    "%s; transparent huge pages: %s MiB", path, model_config.architecture,
+                    model_config.num_layers, quantization, time.perf_counter() - start, runner.device,
+                    runner.num_pages, runner.page_size, str(runner.kv.dtype).removeprefix("torch."),
+                    huge_pages_mb())
         return runner
 
     def _kv_scales(self, kv_dtype: torch.dtype, from_checkpoint: dict[str, torch.Tensor]) -> kv_scales.KVScales | None:
