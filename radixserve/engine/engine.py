@@ -140,7 +140,7 @@ class Engine(FaultPoints, ChecksumChecks):
         for req in self.kv.finish_loads([s.req for s in scheduled]):
             self.scheduler.requeue(req)   # it read a failed host load: recompute, no output
         outs = self._update(scheduled, batch, output)
-        return outs + self._check_step([s.req for s in scheduled if s.req.status is Status.RUNNING])
+        return outs + self._check_step(scheduled) if self.checksums is not None else outs
 
     def _seq(self, s: Scheduled) -> ScheduledSeq:
         req = s.req

@@ -26,7 +26,7 @@ import logging
 from array import array
 from collections.abc import Callable
 
-from radixserve.engine.request import Request
+from radixserve.engine.request import Request, Status
 from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput
 
 logger = logging.getLogger(__name__)
@@ -121,12 +121,12 @@ class ChecksumChecks:
                                      config.kv_checksum_interval)
         self.kv.pool.on_free = self.checksums.unseal
 
-    def _check_step(self, requests: list[Request]) -> list[EngineOutput]:
-        """After a step's update: seal and verify `requests` (still running); returns the
-        outputs of every request a mismatch ended (this step's and earlier finishes')."""
-        if self.checksums is None:
-            return []
-        self._on_mismatch(self.checksums.after_step(requests))
+    def _check_step(self, scheduled: list) -> list[EngineOutput]:
+        """After a step's update (checksums on): seal and verify the step's requests that still
+        run; returns the outputs of every request a mismatch ended (this step's and earlier
+        finishes')."""
+        running = [s.req for s in scheduled if s.req.status is Status.RUNNING]
+        self._on_mismatch(self.checksums.after_step(running))
         failed, self._failed = self._failed, []
         return failed
 
