@@ -297,12 +297,12 @@ class GenerationRun:
             u = self.trackers[prompt_index].process(out)
             if u.abort_child is not None:
                 self.stream.abort(u.abort_child)
-            if u.is_empty:
-                continue
             index = prompt_index * self.n + u.index
             if out.error_code == KV_CHECKSUM_ERROR:   # the engine found its KV overwritten
                 yield index, ChoiceUpdate(u.index, finish_reason="abort")
                 raise self._anomaly(index, "kv_checksum", out.error or "")
+            if u.is_empty:
+                continue
             if self._guards:
                 detection = self._guards[index].feed(GuardInput(u.text, u.token_ids, u.spec, u.confidences))
                 if detection is not None:
