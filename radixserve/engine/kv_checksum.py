@@ -150,6 +150,6 @@ class ChecksumChecks:
 
     def _failed_output(self, out: EngineOutput) -> EngineOutput:
         self.counters["num_kv_checksum_failures"] += 1
-        return dataclasses.replace(out, finished=True, finish_reason="abort", error_code=KV_CHECKSUM_ERROR,
+        return dataclasses.replace(out, finish_reason="abort", error_code=KV_CHECKSUM_ERROR,
                                    error="the request's KV was overwritten after it was computed "
                                          "(KV checksum mismatch)")
