@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/hicache.py warm  [--model-path P]
     PYTHONPATH=. python benchmarks/hicache.py soak  [--model-path P] [--num-prompts 10000]
                                                     [--concurrency 32] [--delay-ms 2 --jitter-ms 2]
-                                                    [--device-tokens N] [--host-ratio R]
+                                                    [--device-tokens N] [--host-ratio R] [--wave-clients N]
 
 bench: one `radixserve serve` at a time (2 cores), device KV pool of --device-tokens; side
 "off" is the radix cache alone, side "on" adds the host tier (ratio 4). Workloads: bench's
@@ -21,9 +21,12 @@ soak: a reference server (tier off, large pool) saves every greedy output (bench
 then a server with the tier on and a small device pool, with the hicache.h2d.layer fault
 delaying each layer's load U(delay - jitter, delay + jitter) ms, serves the same requests at
 --concurrency with bench --check-output: corrupted outputs per 10k (first differing position
-and its top-2 gap) and guard aborts per 10k. Every client's next turn waits behind the other
-clients' (num_prompts / 5 of them), so the host tier must hold that many conversations to serve
-anything (--host-ratio); the soak fails when it served no prompt token.
+and its top-2 gap) and guard aborts per 10k. Requests come in waves (--wave-clients
+conversations of 5 turns each, one wave after another, default one wave): every client's next
+turn waits behind the wave's other clients, so the host tier must hold a wave's conversations
+to serve anything (--host-ratio); the soak fails when it served no prompt token. Waves let a
+model with large KV (the default model: 46 KB per token) soak 10,000 requests in a host tier
+that fits in memory.
 tests/api/test_api_hicache.py runs the checked run (check_under_delays) scaled down on the tiny
 model in CI, with the session's tier-off tiny server as the reference.
 """
@@ -39,6 +42,7 @@ import tempfile
 
 import httpx
 
+from radixserve.bench import check
 from radixserve.bench.launch import free_port, wait_healthy
 
 WORKLOADS = {   # bench arguments; working sets 21-23k tokens, 3.5-3.7x the default --device-tokens
@@ -158,22 +162,29 @@ def _default_model() -> str:
     return str(resolve_model_path(None))
 
 
-def soak_workload(num_prompts: int, concurrency: int, system_len: int = 200, user_len: int = 40,
-                  output_len: int = 12) -> list[str]:
-    """bench arguments of the soak: multi-turn conversations of 5 turns (each turn reuses, and
-    after eviction reloads, the previous one's KV), num_prompts requests in all."""
+def soak_waves(num_prompts: int, concurrency: int, wave_clients: int | None = None,
+               system_len: int = 200, user_len: int = 40, output_len: int = 12) -> list[list[str]]:
+    """bench arguments of the soak, one list per wave. A wave is `wave_clients` multi-turn
+    conversations of 5 turns (each turn reuses, and after eviction reloads, the previous one's
+    KV); waves run one after another with seeds 1, 2, ... so their prompts differ, num_prompts
+    requests in all, rounded up to whole waves. A client's next turn comes about `wave_clients`
+    requests after its last, so the host tier must hold that many conversations. None: one
+    wave of num_prompts / 5 clients."""
     rounds = 5
-    return ["--dataset-name", "multi-turn", "--num-clients", str(max(num_prompts // rounds, concurrency)),
-            "--num-rounds", str(rounds), "--client-system-len", str(system_len), "--user-len",
-            str(user_len), "--output-len", str(output_len), "--max-concurrency", str(concurrency)]
+    clients = max(wave_clients or num_prompts // rounds, concurrency)
+    waves = max(1, -(-num_prompts // (clients * rounds)))
+    return [["--dataset-name", "multi-turn", "--num-clients", str(clients), "--num-rounds", str(rounds),
+             "--client-system-len", str(system_len), "--user-len", str(user_len), "--output-len",
+             str(output_len), "--max-concurrency", str(concurrency), "--seed", str(w + 1)]
+            for w in range(waves)]
 
 
-def check_under_delays(url: str, reference: str, work: list[str], delay_ms: float,
+def check_under_delays(url: str, waves: list[tuple[list[str], str]], delay_ms: float,
                        jitter_ms: float, out: pathlib.Path, api_key: str | None = None) -> dict:
     """Arm hicache.h2d.layer (each layer's load waits U(delay - jitter, delay + jitter) ms) on
-    the tier server at `url`, run `work` against it with --check-output `reference` (a saved
-    file or a tier-off server's URL), clear the fault; bench's check report plus the server's
-    load (partial loads too) and host-hit counters."""
+    the tier server at `url`, run each wave's bench arguments against it with --check-output its
+    reference (a saved file or a tier-off server's URL), clear the fault; bench's check reports
+    merged, plus the server's load (partial loads too) and host-hit counters."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     r = httpx.post(url + "/admin/fault", json={"kind": "hicache.h2d.layer", "latency_ms": delay_ms,
                                                "jitter_ms": jitter_ms, "fail_fraction": 0.0},
@@ -181,28 +192,31 @@ def check_under_delays(url: str, reference: str, work: list[str], delay_ms: floa
     r.raise_for_status()
     try:
         key = ["--api-key", api_key] if api_key else []
-        record = bench(url, [*work, *key, "--check-output", reference], out)
+        reports = [bench(url, [*work, *key, "--check-output", ref], out)["check_output"]
+                   for work, ref in waves]
     finally:
         httpx.delete(url + "/admin/fault", headers=headers, timeout=30, trust_env=False)
     stats = httpx.get(url + "/get_server_info", headers=headers, timeout=30, trust_env=False).json()["engine"]
-    return {**record["check_output"], "hicache_loads": stats["hicache_loads"],
+    return {**check.merge(reports), "waves": len(reports), "hicache_loads": stats["hicache_loads"],
             "hicache_partial_loads": stats["hicache_partial_loads"],
             "num_cached_tokens_host": stats["num_cached_tokens_host"]}
 
 
 def soak(model_path: str | None, num_prompts: int, concurrency: int, delay_ms: float,
-         jitter_ms: float, device_tokens: int, tmp: pathlib.Path, host_ratio: float = 8.0) -> dict:
-    """The soak (module doc): a tier-off reference run saved, then the checked run with a host
-    tier of `host_ratio` x the device pool. A client's next turn comes about num_prompts / 5
-    requests after its last, so the tier serves it only if it holds that many conversations."""
-    work = soak_workload(num_prompts, concurrency)
-    ref = tmp / "ref.jsonl"
+         jitter_ms: float, device_tokens: int, tmp: pathlib.Path, host_ratio: float = 8.0,
+         wave_clients: int | None = None) -> dict:
+    """The soak (module doc): each wave's tier-off reference run saved, then the checked runs
+    with a host tier of `host_ratio` x the device pool, which must hold a wave's conversations."""
+    waves = soak_waves(num_prompts, concurrency, wave_clients)
+    refs = [str(tmp / f"ref{w}.jsonl") for w in range(len(waves))]
     with Server(["--max-total-tokens", "65536"], model_path, tmp / "ref.log") as s:
-        bench(s.url, [*work, "--save-output", str(ref)], tmp / "s.jsonl")
+        for work, ref in zip(waves, refs):
+            bench(s.url, [*work, "--save-output", ref], tmp / "s.jsonl")
+    print(f"reference saved ({len(waves)} waves), load {os.getloadavg()[0]:.2f}", flush=True)
     args = ["--max-total-tokens", str(device_tokens), "--enable-hierarchical-cache", "--hicache-ratio", str(host_ratio),
             "--enable-fault-injection"]
     with Server(args, model_path, tmp / "tier.log") as s:
-        return check_under_delays(s.url, str(ref), work, delay_ms, jitter_ms, tmp / "s.jsonl")
+        return check_under_delays(s.url, list(zip(waves, refs)), delay_ms, jitter_ms, tmp / "s.jsonl")
 
 
 def main() -> None:
@@ -216,6 +230,8 @@ def main() -> None:
     p.add_argument("--delay-ms", type=float, default=2.0)
     p.add_argument("--jitter-ms", type=float, default=2.0)
     p.add_argument("--host-ratio", type=float, default=8.0, help="soak: host tier / device pool")
+    p.add_argument("--wave-clients", type=int, default=None,
+                   help="soak: conversations per wave (default: one wave of num-prompts / 5)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="bench: comma-separated, of "
                    + ", ".join(WORKLOADS))
     a = p.parse_args()
@@ -227,11 +243,11 @@ def main() -> None:
             run_warm(a, tmp)
         else:
             report = soak(a.model_path, a.num_prompts, a.concurrency, a.delay_ms, a.jitter_ms,
-                          a.device_tokens, tmp, a.host_ratio)
+                          a.device_tokens, tmp, a.host_ratio, a.wave_clients)
             print(f"load {os.getloadavg()[0]:.2f}; " + json.dumps(report))
             if not report["num_cached_tokens_host"]:
                 raise SystemExit("the host tier served no prompt token, so this soak tested nothing: "
-                                 "raise --host-ratio until it holds num_prompts / 5 conversations")
+                                 "raise --host-ratio until it holds a wave's conversations")
             if report["corrupted"]:
                 raise SystemExit(f"{report['corrupted']} corrupted outputs")
 

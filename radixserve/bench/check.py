@@ -104,11 +104,28 @@ def compare(reference: dict[int, dict], results: Sequence[RequestResult],
                 examples.append({"index": r.index, "position": i, "top2_gap": gap,
                                  "expected": a[i] if i < len(a) else None,
                                  "got": b[i] if i < len(b) else None})
+    return _report(counts, tie_gap, examples)
+
+
+def _report(counts: dict[str, int], tie_gap: float, examples: list[dict]) -> dict:
     judged = counts["identical"] + counts["tie"] + counts["corrupted"] + counts["guard_abort"]
     per_10k = (lambda n: 1e4 * n / judged if judged else None)
     return {**counts, "compared": judged, "tie_gap": tie_gap,
             "corrupted_per_10k": per_10k(counts["corrupted"]),
-            "guard_aborts_per_10k": per_10k(counts["guard_abort"]), "first_corrupted": examples}
+            "guard_aborts_per_10k": per_10k(counts["guard_abort"]),
+            "first_corrupted": examples[:MAX_EXAMPLES]}
+
+
+def merge(reports: Sequence[dict]) -> dict:
+    """One report over several runs checked one after another (e.g. a soak in waves): counts
+    summed, rates recomputed, the first corrupted examples kept in run order. Each example's
+    `index` is its request's index within its own run. Raises ValueError on an empty sequence
+    or reports with different tie gaps."""
+    if not reports or len({r["tie_gap"] for r in reports}) != 1:
+        raise ValueError("merge needs at least one report, all with the same tie_gap")
+    keys = ("identical", "tie", "corrupted", "guard_abort", "failed", "no_reference")
+    counts = {k: sum(r[k] for r in reports) for k in keys}
+    return _report(counts, reports[0]["tie_gap"], [e for r in reports for e in r["first_corrupted"]])
 
 
 def summary_line(report: dict) -> str:

@@ -157,8 +157,9 @@ def test_soak_scaled_down_finds_no_corrupted_output(server, tiny_server, tmp_pat
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     server.http.post("/flush_cache")
-    work = bench.soak_workload(50, 4, system_len=100, user_len=20, output_len=8)
-    report = bench.check_under_delays(server.base_url, tiny_server.base_url, work, 2.0, 2.0,
+    waves = bench.soak_waves(50, 4, wave_clients=5, system_len=100, user_len=20, output_len=8)
+    assert len(waves) == 2
+    report = bench.check_under_delays(server.base_url, [(w, tiny_server.base_url) for w in waves], 2.0, 2.0,
                                       tmp_path / "run.jsonl", api_key=API_KEY)
     assert report["compared"] >= 49, report
     assert report["corrupted"] == 0, report["first_corrupted"]

@@ -51,6 +51,20 @@ def test_compare_judges_each_output():
     assert "1 corrupted" in check.summary_line(shorter)
 
 
+def test_merge_sums_runs_and_recomputes_rates():
+    ref = {i: {"index": i, "tokens": list("ab"), "gaps": [2.0, 2.0]} for i in range(2)}
+    clean = check.compare(ref, [result(0, "ab"), result(1, "ab")])
+    bad = check.compare(ref, [result(0, "ab"), result(1, "ax")])
+    merged = check.merge([clean, bad, clean])
+    assert merged["compared"] == 6 and merged["identical"] == 5 and merged["corrupted"] == 1
+    assert merged["corrupted_per_10k"] == pytest.approx(1e4 / 6)
+    assert merged["first_corrupted"] == bad["first_corrupted"]
+    with pytest.raises(ValueError):
+        check.merge([])
+    with pytest.raises(ValueError):
+        check.merge([clean, check.compare(ref, [result(0, "ab")], tie_gap=0.1)])
+
+
 def test_save_then_load_round_trips_and_rejects_other_files(tmp_path):
     path = tmp_path / "ref.jsonl"
     check.save(str(path), [result(1, "xy"), result(0, "ab")])
