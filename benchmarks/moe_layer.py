@@ -2,10 +2,12 @@
 
 Run:  python benchmarks/moe_layer.py [--tokens 64] [--experts 64] [--top-k 8] [--hidden 1024]
                                      [--moe-intermediate 512] [--repeats 30]
+                                     [--dtype float32|bfloat16]
 
 Builds `Glm4MoeMoE` (sigmoid router, 2 groups, a shared expert) with random weights, copies them
 into radixserve's MoE, checks the outputs agree (max abs diff printed), then times the forwards
-interleaved on the same (tokens, hidden) fp32 input: transformers' experts both as `eager` (a
+interleaved on the same (tokens, hidden) input in --dtype (bfloat16: both layers cast, as a
+bf16 checkpoint serves; radixserve's router stays fp32 as the model's `prepare` keeps it): transformers' experts both as `eager` (a
 loop over hit experts with F.linear) and as `grouped_mm` (torch's grouped GEMM, what
 `from_pretrained` picks where torch has it), and radixserve's. Prints medians, each ratio and
 the 1-minute load average.
@@ -51,6 +53,10 @@ def build(args):
         shared = hf.shared_experts
         ours.shared_experts.gate_up_proj.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
         ours.shared_experts.down_proj.weight.copy_(shared.down_proj.weight)
+    hf.to(args.dtype)
+    ours.to(args.dtype)
+    with torch.no_grad():
+        ours.gate.float()
     for module in ours.modules():
         if hasattr(module, "prepare"):   # oneDNN-packed weights, as the model runner does
             module.prepare()
@@ -65,9 +71,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--moe-intermediate", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args()
+    args.dtype = getattr(torch, args.dtype)
     hf, ours = build(args)
-    x = torch.randn(args.tokens, args.hidden)
+    x = torch.randn(args.tokens, args.hidden).to(args.dtype)
     def transformers_as(impl: str):
         def run():
             hf.experts.config._experts_implementation = impl
@@ -87,7 +95,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     print(f"MoE layer, {args.tokens} tokens, {args.experts} experts top-{args.top_k}, hidden {args.hidden}, "
-          f"expert width {args.moe_intermediate}, fp32, {torch.get_num_threads()} threads; "
+          f"expert width {args.moe_intermediate}, {str(args.dtype)[6:]}, {torch.get_num_threads()} threads; "
           f"load {os.getloadavg()[0]:.2f}; max |diff| " + ", ".join(f"{n} {d:.2e}" for n, d in diffs.items()))
     for name in ("transformers eager", "transformers grouped_mm"):
         print(f"{name} {ms[name]:.2f} ms  radixserve {ms['radixserve']:.2f} ms  speed-up {ms[name] / ms['radixserve']:.2f}x")
