@@ -248,8 +248,9 @@ def main() -> None:
             if not report["num_cached_tokens_host"]:
                 raise SystemExit("the host tier served no prompt token, so this soak tested nothing: "
                                  "raise --host-ratio until it holds a wave's conversations")
-            if report["corrupted"]:
-                raise SystemExit(f"{report['corrupted']} corrupted outputs")
+            if report["corrupted"] or report["failed"] or report["no_reference"]:
+                raise SystemExit(f"{report['corrupted']} corrupted, {report['failed']} failed and "
+                                 f"{report['no_reference']} unreferenced outputs")
 
 
 if __name__ == "__main__":
