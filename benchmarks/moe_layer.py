@@ -8,8 +8,9 @@ Builds `Glm4MoeMoE` (sigmoid router, 2 groups, a shared expert) with random weig
 into radixserve's MoE, checks the outputs agree (max abs diff printed), then times the forwards
 interleaved on the same (tokens, hidden) input in --dtype (bfloat16: both layers cast, as a
 bf16 checkpoint serves; radixserve's router stays fp32 as the model's `prepare` keeps it):
-transformers' experts both as `eager` (a loop over hit experts with F.linear) and as `grouped_mm` (torch's grouped GEMM, what
-`from_pretrained` picks where torch has it), and radixserve's. Prints medians, each ratio and
+transformers' experts both as `eager` (a loop over hit experts with F.linear) and as
+`grouped_mm` (torch's grouped GEMM, what `from_pretrained` picks where torch has it), and
+radixserve's. Prints medians, each ratio and
 the 1-minute load average.
 """
 from __future__ import annotations
@@ -95,7 +96,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     print(f"MoE layer, {args.tokens} tokens, {args.experts} experts top-{args.top_k}, hidden {args.hidden}, "
-          f"expert width {args.moe_intermediate}, {str(args.dtype).removeprefix("torch.")}, {torch.get_num_threads()} threads; "
+          f"expert width {args.moe_intermediate}, {str(args.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads; "
           f"load {os.getloadavg()[0]:.2f}; max |diff| " + ", ".join(f"{n} {d:.2e}" for n, d in diffs.items()))
     for name in ("transformers eager", "transformers grouped_mm"):
         print(f"{name} {ms[name]:.2f} ms  radixserve {ms['radixserve']:.2f} ms  speed-up {ms[name] / ms['radixserve']:.2f}x")
