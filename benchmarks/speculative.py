@@ -1,14 +1,20 @@
-"""N-gram speculative decoding on vs off on the default model, same run, output tok/s and the ratio.
+"""N-gram speculative decoding on vs off on the default model, same process, output tok/s and the ratio.
 
-Run:  python benchmarks/speculative.py [--rounds 2] [--draft-tokens 8] [--break-even-tokens R] [--only chat]
+Run:  python benchmarks/speculative.py [--reps 4] [--draft-tokens 8] [--break-even-tokens R] [--only chat]
 
-Workloads (greedy, offline API, one fresh engine per side, sides interleaved ABBA):
-- copy-edit, concurrency 1: the model is asked to repeat a code file with one identifier
-  renamed: most output tokens copy the context, where prompt lookup pays.
-- chat, concurrency 16: 16 short unrelated chat questions at once (little to copy: speculation
-  must back off and cost little).
-Prints per side tok/s, the spec/off ratio, the acceptance counters and the load average.
-Greedy outputs of both sides are compared (they must be equal).
+Both sides are engines in this process (offline API, greedy, at most 16 requests running), built
+once; each repetition runs every workload on both, in alternating order (AB BA ...), from an
+empty prefix cache and an empty shared n-gram table (the repeated prompts would otherwise be
+drafted from the last repetition's answers). The acceptance prior a server learns from its
+traffic is kept, as on a warm server. Workloads:
+- copy-edit c1: the model is asked to repeat a code file with one identifier renamed: most
+  output tokens copy the context, where prompt lookup pays.
+- chat c16: 64 short unrelated chat questions, 16 running at a time (SGLang's
+  `--max-concurrency 16`): little to copy, speculation must back off and cost little.
+- chat burst16: the first 16 of them at once, one wave: the wall time is the longest answer's.
+Prints per side the median tok/s over the repetitions, every run, the spec/off ratio, the
+acceptance counters summed over the repetitions, and the load average. Greedy outputs of the
+two sides are compared (they must be equal).
 """
 from __future__ import annotations
 
@@ -43,58 +49,71 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Wh
              "How many days are in a week?", "What is the opposite of cold?", "Name a fruit that is yellow.",
              "What do bees make?"]
 
+TOPICS = ["photosynthesis", "black holes", "the Roman Empire", "volcanoes", "the moon", "rainbows",
+          "electricity", "bicycles", "coffee", "the ocean", "gravity", "dinosaurs", "the internet",
+          "music", "chess", "glaciers"]
+TEMPLATES = ["Explain {t} in one sentence.", "Give two facts about {t}.", "Why is {t} interesting?"]
+CONCURRENCY = 16
 
-def workloads():
+
+def workloads() -> dict[str, tuple[list[list[dict]], int]]:
+    """name -> (conversations, max_tokens)."""
     edit = [{"role": "user", "content": "Repeat this code exactly, but rename `config` to `settings`:\n\n" + CODE}]
-    return {"copy-edit c1": ([edit], 300), "chat c16": ([[{"role": "user", "content": q}] for q in QUESTIONS], 64)}
+    chat = [[{"role": "user", "content": q}]
+            for q in QUESTIONS + [t.format(t=topic) for t in TEMPLATES for topic in TOPICS]]
+    return {"copy-edit c1": ([edit], 300), "chat c16": (chat, 64), "chat burst16": (chat[:CONCURRENCY], 64)}
 
 
-def measure(spec: bool, args: argparse.Namespace) -> dict:
+def build(spec: bool, args: argparse.Namespace):
     from radixserve import LLM, SamplingParams
 
     kwargs = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": args.draft_tokens,
               **({"speculative_break_even_tokens": args.break_even_tokens}
                  if args.break_even_tokens is not None else {})} if spec else {}
-    llm = LLM(max_total_tokens=32768, **kwargs)
-    out = {}
-    for name, (conversations, max_tokens) in workloads().items():
-        if args.only and args.only not in name:
-            continue
-        params = SamplingParams(max_tokens=max_tokens, temperature=0)
-        llm.chat(conversations[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
-        llm.engine.flush_cache()
-        before = {k: v for k, v in llm.engine.counters.items() if isinstance(v, int)}
-        start = time.perf_counter()
-        results = llm.chat(conversations, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        tokens = [r.outputs[0].token_ids for r in results]
-        c = {k: llm.engine.counters[k] - before[k] for k in before
-             if k.startswith("spec_") and isinstance(before[k], int)}   # not the by-position lists
-        out[name] = {"tok_s": sum(map(len, tokens)) / elapsed, "tokens": tokens, **c}
-    return out
+    llm = LLM(max_total_tokens=32768, max_running_requests=CONCURRENCY, **kwargs)
+    llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=4, temperature=0),
+             use_tqdm=False)   # warm-up
+    return llm
+
+
+def measure(llm, conversations: list[list[dict]], max_tokens: int) -> dict:
+    """One run from an empty prefix cache and shared n-gram table (`flush_cache`): tok/s, the outputs and the
+    speculation counters' increase."""
+    from radixserve import SamplingParams
+
+    engine = llm.engine
+    assert engine.flush_cache()
+    before = {k: v for k, v in engine.counters.items() if k.startswith("spec_") and isinstance(v, int)}
+    start = time.perf_counter()
+    results = llm.chat(conversations, SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = [r.outputs[0].token_ids for r in results]
+    return {"tok_s": sum(map(len, tokens)) / elapsed, "tokens": tokens,
+            **{k: engine.counters[k] - v for k, v in before.items()}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--draft-tokens", type=int, default=8)
     ap.add_argument("--break-even-tokens", type=float, default=None,
                     help="--speculative-break-even-tokens (default: the engine's)")
     ap.add_argument("--only", default="", help="run only the workloads whose name contains this")
     args = ap.parse_args()
-    runs: dict[bool, list[dict]] = {False: [], True: []}
-    for _ in range(args.rounds):
-        for spec in (False, True, True, False):
-            runs[spec].append(measure(spec, args))
+    llms = {False: build(False, args), True: build(True, args)}
+    chosen = {name: w for name, w in workloads().items() if args.only in name}
+    runs: dict[str, dict[bool, list[dict]]] = {name: {False: [], True: []} for name in chosen}
+    for rep in range(args.reps):
+        for spec in ((False, True) if rep % 2 == 0 else (True, False)):
+            for name, (conversations, max_tokens) in chosen.items():
+                runs[name][spec].append(measure(llms[spec], conversations, max_tokens))
     print(f"load {os.getloadavg()[0]:.2f}; draft tokens {args.draft_tokens}; break-even tokens "
-          f"{args.break_even_tokens or 'default'}; {args.rounds} ABBA rounds")
-    for name in runs[False][0]:
-        off = [r[name]["tok_s"] for r in runs[False]]
-        on = [r[name]["tok_s"] for r in runs[True]]
-        same = all(r[name]["tokens"] == runs[False][0][name]["tokens"] for r in runs[True] + runs[False])
-        last = runs[True][-1][name]
-        steps, drafted, accepted = (last["spec_num_verify_steps"], last["spec_num_draft_tokens"],
-                                    last["spec_num_accepted_tokens"])
+          f"{args.break_even_tokens or 'default'}; {args.reps} repetitions")
+    for name, sides in runs.items():
+        off, on = ([r["tok_s"] for r in sides[s]] for s in (False, True))
+        same = all(r["tokens"] == sides[False][0]["tokens"] for r in sides[True] + sides[False])
+        steps, drafted, accepted = (sum(r[k] for r in sides[True]) for k in (
+            "spec_num_verify_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens"))
         print(f"{name:14s} off {statistics.median(off):6.1f} tok/s  spec {statistics.median(on):6.1f} tok/s  "
               f"ratio {statistics.median(on) / statistics.median(off):.2f}  greedy outputs equal: {same}  "
               f"(runs off {' '.join(f'{x:.1f}' for x in off)}, spec {' '.join(f'{x:.1f}' for x in on)})  "

@@ -299,8 +299,13 @@ class Engine(FaultPoints, ChecksumChecks):
         }
 
     def flush_cache(self) -> bool:
-        """Drop every cached prefix. Refused (False) while requests hold KV."""
-        return not self.has_unfinished() and self.kv.flush()
+        """Drop every cached prefix and the shared n-gram table (engine/speculative.py). Refused
+        (False) while requests hold KV."""
+        if self.has_unfinished() or not self.kv.flush():
+            return False
+        if self.scheduler.proposer is not None:
+            self.scheduler.proposer.flush()
+        return True
 
     def check_invariants(self) -> None:
         """Assert page ownership (free + cached + private == total) and tree structure."""

@@ -88,6 +88,10 @@ class _AdaptiveProposer:
             self._prior_rate = (1 - PRIOR_EMA) * self._prior_rate + PRIOR_EMA * accepted / proposed
             state.last_full = proposed if accepted == proposed else 0
 
+    def flush(self) -> None:
+        """Forget what finished requests' outputs taught (NgramProposer: the shared table); the
+        acceptance prior stays, as it describes the traffic, not the cached text."""
+
     def _paying(self, state: _State) -> bool:
         """Whether the request's drafts pay at this step's batch size (or a probe is due)."""
         return ((state.avg_accepted >= MIN_USEFUL and state.rate >= self._min_rate)
@@ -150,6 +154,9 @@ class NgramProposer(_AdaptiveProposer):
             table.move_to_end(key)
         while len(table) > self.shared_entries:
             table.popitem(last=False)
+
+    def flush(self) -> None:
+        self._shared.clear()
 
     @staticmethod
     def _extend(state: _State, tokens: list[int]) -> None:

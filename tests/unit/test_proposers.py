@@ -42,7 +42,7 @@ def test_failing_drafts_back_off_and_probe_again():
     assert p.propose("a", tokens, 8) == [8]                  # the probe
 
 
-def test_shared_table_drafts_from_finished_outputs_and_is_bounded():
+def test_shared_table_drafts_from_finished_outputs_is_bounded_and_flushed():
     p = NgramProposer(max_draft=4, shared_entries=6)
     prompt, output = [100, 101], [10, 11, 12, 13, 14, 15, 16]
     p.release("done", prompt + output, num_output=len(output))
@@ -52,6 +52,8 @@ def test_shared_table_drafts_from_finished_outputs_and_is_bounded():
     p.release("later", [70, 71, 72, 73, 74, 75, 76, 77], num_output=8)
     assert p.propose("x", [9, 100, 101, 10], limit=8) == []  # evicted (LRU, 6 entries)
     assert p.propose("y", [9, 74, 75, 76], limit=8) == [77]
+    p.flush()                                                # the engine's flush_cache
+    assert p.propose("z", [9, 74, 75, 76], limit=8) == []
 
 
 def test_model_drafts_are_taken_once_for_the_length_they_were_made_for():
