@@ -31,6 +31,9 @@ class EngineConfig:
                                         "default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF")
     dtype: str = _opt("float32", "compute dtype (and KV dtype unless --kv-cache-dtype)", ("float32", "bfloat16"))
     device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda when torch sees a GPU, else cpu)")
+    disable_cascade_attention: bool = _opt(
+        False, "turn off cascade decode attention (CPU: running requests that share a prefix read "
+               "its KV once together; runner/attention/cascade.py)")
     attention_backend: str = _opt("auto", "attention backend (auto: triton on CUDA when installed, else torch)",
                                   ("auto", "torch", "triton"))
     kv_cache_dtype: str = _opt("auto", "KV storage dtype (auto: the compute dtype); fp8 stores K/V "

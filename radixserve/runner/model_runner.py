@@ -92,7 +92,8 @@ class ModelRunner:
                           kv_dtype, self.device, self.dtype,
                           *((self.kv_scales.k, self.kv_scales.v) if self.kv_scales else ()))
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device,
-                                                        batch_invariant=deterministic)
+                                                        batch_invariant=deterministic,
+                                                        cascade=not config.disable_cascade_attention)
         self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
         self.draft = self._draft_model(config, draft_model)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)

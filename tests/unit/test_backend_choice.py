@@ -1,4 +1,4 @@
-"""create_backend: which attention backend each name and device gets, and the errors for triton where it cannot run (no triton needed)."""
+"""create_backend: which attention backend each name and device gets, cascade on the CPU mirror, and the errors for triton where it cannot run (no triton needed)."""
 from __future__ import annotations
 
 import pytest
@@ -29,3 +29,9 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch, kv):
     assert base.create_backend("auto", kv, torch.device("cpu")).name == "torch"
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         base.create_backend("triton", kv, torch.device("cpu"))
+
+
+def test_cascade_attention_is_on_for_the_cpu_mirror_unless_disabled(kv):
+    assert base.create_backend("torch", kv, torch.device("cpu")).mirror.cascade
+    assert not base.create_backend("torch", kv, torch.device("cpu"), cascade=False).mirror.cascade
+    assert base.create_backend("torch", kv, torch.device("cuda")).mirror is None    # no mirror, no cascade

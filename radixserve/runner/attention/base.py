@@ -31,13 +31,14 @@ class AttentionBackend(Protocol):
 
 
 def create_backend(name: str, kv: KVCache, device: torch.device,
-                   batch_invariant: bool = False) -> AttentionBackend:
+                   batch_invariant: bool = False, cascade: bool = True) -> AttentionBackend:
     """`name`: "auto" or one of BACKENDS. `batch_invariant` (deterministic inference, name
     "auto" only): the batch-invariant backend (batch_invariant.py). auto = triton on CUDA
     devices when triton is installed, else torch (whose CPU-only fast paths, DecodeMirror and cache-sized decode sub-batches, are
     on only for CPU). triton on a CPU device runs only under the Triton interpreter
     (TRITON_INTERPRET=1, for tests). Raises ValueError for unknown names and for triton where it
-    cannot run (not installed or not importable, or CPU without the interpreter)."""
+    cannot run (not installed or not importable, or CPU without the interpreter). `cascade`: the
+    torch backend's CPU decodes read shared prefixes once (cascade.py)."""
     if name not in ("auto", *KNOWN_BACKENDS):
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(KNOWN_BACKENDS)}")
     if batch_invariant:
@@ -54,7 +55,7 @@ def create_backend(name: str, kv: KVCache, device: torch.device,
     from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 
     if device.type == "cpu":
-        return TorchAttentionBackend(kv, mirror_bytes=2 << 30)
+        return TorchAttentionBackend(kv, mirror_bytes=2 << 30, cascade=cascade)
     # Elsewhere no mirror, and one decode sub-batch: the sub-batch budget is a CPU-cache size.
     return TorchAttentionBackend(kv, decode_chunk_bytes=0, mirror_bytes=0)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixserve.runner.attention.cascade import CascadePlan, cascade_attend, plan_cascade
 from radixserve.runner.attention.torch_metadata import DecodeGroup, additive_mask
 from radixserve.runner.kv_cache import KVCache
 
@@ -37,10 +38,12 @@ class _Slot:
 
 
 class DecodeMirror:
-    """Persistent state; `plan(kv, decode)` once per step returns the step's MirrorStep."""
+    """Persistent state; `plan(kv, decode)` once per step returns the step's MirrorStep.
+    `cascade`: let decode steps read prefixes that sequences share once (cascade.py)."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, cascade: bool = True):
         self.max_bytes = max_bytes
+        self.cascade = cascade
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.num_slots = self.capacity = 0
@@ -81,7 +84,9 @@ class DecodeMirror:
         for i, rid in enumerate(d.request_ids):
             slot = self.slots[rid]
             slot.length, slot.pages = d.lens[i], d.page_lists[i]
-        return MirrorStep(self, kv, slot_idx, d.lens)
+        cascade = (plan_cascade(slot_idx, d.lens, d.page_lists, kv.page_size, kv.compute_dtype, kv.device)
+                   if self.cascade and batch > 1 else None)
+        return MirrorStep(self, kv, slot_idx, d.lens, cascade)
 
     # ---- internals -----------------------------------------------------------------------------
     @staticmethod
@@ -159,10 +164,12 @@ def _round(n: int) -> int:
 
 
 class MirrorStep:
-    """One step's view of the mirror: append the new token, then attend over the slots."""
+    """One step's view of the mirror: append the new token, then attend over the slots (or by
+    the step's cascade plan, when it has one)."""
 
-    def __init__(self, mirror: DecodeMirror, kv: KVCache, slot_idx: list[int], lens: list[int]):
-        self.mirror, self.kv = mirror, kv
+    def __init__(self, mirror: DecodeMirror, kv: KVCache, slot_idx: list[int], lens: list[int],
+                 cascade: CascadePlan | None = None):
+        self.mirror, self.kv, self.cascade = mirror, kv, cascade
         self.num_kv, self.head_dim = kv.num_kv_heads, kv.head_dim
         batch = len(slot_idx)
         self.num_used = max(slot_idx) + 1
@@ -184,6 +191,8 @@ class MirrorStep:
         flat = (self.num_kv, m.num_slots * m.capacity, self.head_dim)
         m.k[layer].view(flat).index_copy_(1, self.write_idx, k.transpose(0, 1))
         m.v[layer].view(flat).index_copy_(1, self.write_idx, v.transpose(0, 1))
+        if self.cascade is not None:
+            return cascade_attend(self.cascade, q, m.k[layer], m.v[layer])
         k_all = m.k[layer][:, :self.num_used, :self.ctx].transpose(0, 1)       # (S, KV, L, D)
         v_all = m.v[layer][:, :self.num_used, :self.ctx].transpose(0, 1)
         if not self.in_order:

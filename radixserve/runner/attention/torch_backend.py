@@ -34,14 +34,16 @@ class TorchAttentionBackend:
     `mirror_bytes`: memory the DecodeMirror may hold (0: always gather). Decode groups that do
     not fit fall back to gathering pages, in sub-batches whose gathered K + V stay under
     `decode_chunk_bytes` so SDPA reads them back from cache instead of DRAM (0: one sub-batch).
+    `cascade`: mirrored decodes read prefixes several of them share once (cascade.py).
     """
 
     name = "torch"
 
-    def __init__(self, kv: KVCache, decode_chunk_bytes: int = 4 << 20, mirror_bytes: int = 2 << 30):
+    def __init__(self, kv: KVCache, decode_chunk_bytes: int = 4 << 20, mirror_bytes: int = 2 << 30,
+                 cascade: bool = True):
         self.kv = kv
         self.decode_chunk_bytes = decode_chunk_bytes
-        self.mirror = DecodeMirror(mirror_bytes) if mirror_bytes else None
+        self.mirror = DecodeMirror(mirror_bytes, cascade) if mirror_bytes else None
 
     def prepare(self, step: StepBatch) -> TorchStepAttention:
         """The step's decode group and prefill chunks with masks in the compute dtype, and

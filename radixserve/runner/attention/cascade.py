@@ -1,0 +1,150 @@
+"""Cascade decode attention on the DecodeMirror: a prefix several decoding sequences share is read once.
+
+Chat behind one system prompt, few-shot prompts and agents decode many sequences whose first
+pages are the same radix-cache pages. Plain decode attention reads every sequence's whole KV,
+so a shared prefix is read once per sequence; on CPU that read is most of a long-context decode
+step. A group (sequences whose page lists start with the same pages) attends in two parts per
+layer, then merges them:
+
+    prefix  all members' query rows against the prefix K/V [0, P), one attention with
+            members * H/KV query rows per KV head              -> o_p (m, H, D), lse_p (m, H)
+    suffix  every grouped sequence against its own tokens [P_i, len_i): one batched attention
+            over the window [W, ctx) (W = the smallest P), masked per row -> o_s, lse_s
+    merge   o = (o_p e^(lse_p - M) + o_s e^(lse_s - M)) / (e^(lse_p - M) + e^(lse_s - M)),
+            M = max(lse_p, lse_s)
+
+            key position:  0 ............ P_i ........ len_i - 1 ... ctx
+            prefix part:   [=== group ===)
+            suffix part:         W ....[== own ==]     (masked outside [P_i, len_i))
+
+The merge is exact up to rounding: a softmax over a union of key sets, from each part's
+log-sum-exp (Hydragen, Juravsky et al. 2024; FlashInfer's cascade attention). The mirror holds
+every member's copy of the prefix (the same pages copied), so the prefix K/V are read from the
+first member's slot in place. Sequences in no group attend over their whole context, read
+in place from their slot too, as a part of their own with no suffix. `plan_cascade` returns a
+plan only when the estimated KV reads (module constants) fall by at least MIN_SAVED_TOKENS;
+otherwise decoding attends as before.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.runner.attention.torch_metadata import additive_mask
+
+MIN_PREFIX_TOKENS = 64      # a shorter common prefix is not worth a group
+MIN_SAVED_TOKENS = 1024     # KV token reads per layer a plan must save
+CALL_TOKENS = 512           # an attention call's fixed cost, in token reads (~50 us on CPU)
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@dataclass(slots=True)
+class CascadePlan:
+    """One step's parts, from `plan_cascade`. A part is a group (members sharing a prefix P) or
+    a single sequence (P = its whole length, no suffix). Rows index the decode group."""
+
+    parts: list[tuple[torch.Tensor, int, int]]   # (rows (m,) int64, first row's slot, P)
+    part_rows: torch.Tensor          # (B,) int64: the parts' rows, part after part
+    part_slots: torch.Tensor         # (B,) int64: their mirror slots
+    no_suffix: torch.Tensor          # (B, 1) bool, part order: single sequences
+    num_slots: int                   # slots [0, num_slots) the suffix attention spans
+    window: tuple[int, int]          # its key positions [W, ctx)
+    suffix_mask: torch.Tensor        # (num_slots, 1, 1, ctx - W) additive, per slot: [P_i, len_i)
+
+
+def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int]], page_size: int,
+                 dtype: torch.dtype, device: torch.device) -> CascadePlan | None:
+    """Group the decode group's sequences by shared leading pages; None when it saves too little.
+
+    slot_idx / lens / page_lists: per sequence, its mirror slot, its length including the new
+    token, and the page ids under it. A group's prefix P is its members' longest common page
+    prefix in tokens, at most each member's length - 1 (the new token is always its own)."""
+    buckets: dict[int, list[int]] = {}
+    for i, pages in enumerate(page_lists):
+        if pages and lens[i] - 1 >= MIN_PREFIX_TOKENS:
+            buckets.setdefault(pages[0], []).append(i)
+    groups: list[tuple[list[int], int]] = []
+    for members in buckets.values():
+        if len(members) < 2:
+            continue
+        common = len(page_lists[members[0]])
+        for i in members[1:]:
+            common = _common_len(page_lists[members[0]], page_lists[i], common)
+        prefix = min(common * page_size, min(lens[i] for i in members) - 1)
+        if prefix >= MIN_PREFIX_TOKENS:
+            groups.append((members, prefix))
+    if not groups:
+        return None
+    grouped = {i for members, _ in groups for i in members}
+    singles = [([i], lens[i]) for i in range(len(lens)) if i not in grouped]
+    start = min(p for _, p in groups)
+    ctx, num_slots = max(lens), max(slot_idx) + 1
+    # KV token reads per layer: plain decode reads every slot's padded context; the plan reads
+    # each part's prefix once and every slot's window, plus a fixed cost per attention call.
+    plain = num_slots * ctx
+    planned = (sum(p for _, p in groups + singles) + num_slots * (ctx - start)
+               + CALL_TOKENS * (len(groups) + len(singles) + 1))
+    if plain - planned < MIN_SAVED_TOKENS:
+        return None
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    parts = groups + singles
+    rows = [i for members, _ in parts for i in members]
+    # Per slot, the suffix keys it sees: [P_i, len_i) for grouped rows; one key (W) elsewhere,
+    # so that unused rows stay finite (their output is dropped, or weighted 0 for singles).
+    lo, hi = [start] * num_slots, [start + 1] * num_slots
+    for members, p in groups:
+        for i in members:
+            lo[slot_idx[i]], hi[slot_idx[i]] = p, lens[i]
+    positions = torch.arange(start, ctx, device=device)[None, :]
+    visible = (positions >= tensor(lo)[:, None]) & (positions < tensor(hi)[:, None])
+    return CascadePlan(
+        parts=[(tensor(members), slot_idx[members[0]], p) for members, p in parts],
+        part_rows=tensor(rows), part_slots=tensor([slot_idx[i] for i in rows]),
+        no_suffix=torch.tensor([i not in grouped for i in rows], device=device)[:, None],
+        num_slots=num_slots, window=(start, ctx),
+        suffix_mask=additive_mask(visible, dtype)[:, None, None])
+
+
+def cascade_attend(plan: CascadePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q: (B, H, D), the decode group's queries; k, v: one layer's mirror (KV, slots, capacity, D),
+    the new tokens already appended -> attention output (B, H, D) in q's dtype."""
+    batch, num_heads, head_dim = q.shape
+    num_kv = k.shape[0]
+    rep = num_heads // num_kv
+    o_p, lse_p = [], []
+    for rows, slot, prefix in plan.parts:          # prefixes, read in place from one slot each
+        m = rows.shape[0]
+        q_part = q.index_select(0, rows).view(m, num_kv, rep, head_dim).transpose(0, 1)  # (KV, m, rep, D)
+        o, lse = _flash(q_part.reshape(1, num_kv, m * rep, head_dim),
+                        k[:, slot, :prefix].unsqueeze(0), v[:, slot, :prefix].unsqueeze(0))
+        o_p.append(o.reshape(num_kv, m, rep, head_dim).transpose(0, 1).reshape(m, num_heads, head_dim))
+        lse_p.append(lse.reshape(num_kv, m, rep).transpose(0, 1).reshape(m, num_heads))
+    # Suffixes: every slot's window in one call, queries placed by slot, as the mirror holds them.
+    start, ctx = plan.window
+    n = plan.num_slots
+    q_slots = torch.zeros(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    q_slots.index_copy_(0, plan.part_slots, q.index_select(0, plan.part_rows))
+    o_s, lse_s = _flash(q_slots.view(n, num_kv, rep, head_dim), k[:, :n, start:ctx].transpose(0, 1),
+                        v[:, :n, start:ctx].transpose(0, 1), attn_mask=plan.suffix_mask)
+    o_s = o_s.reshape(n, num_heads, head_dim).index_select(0, plan.part_slots).float()
+    lse_s = lse_s.reshape(n, num_heads).index_select(0, plan.part_slots).float()
+    lse_s.masked_fill_(plan.no_suffix, float("-inf"))
+    lse_p_all = torch.cat(lse_p).float()
+    top = torch.maximum(lse_p_all, lse_s)
+    w_p, w_s = torch.exp(lse_p_all - top), torch.exp(lse_s - top)
+    merged = (torch.cat(o_p).float() * w_p[..., None] + o_s * w_s[..., None]) / (w_p + w_s)[..., None]
+    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    return out.index_copy_(0, plan.part_rows, merged.to(q.dtype))
+
+
+def _common_len(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of page lists a and b, at most `limit`."""
+    n = min(limit, len(a), len(b))
+    for j in range(n):
+        if a[j] != b[j]:
+            return j
+    return n

@@ -1,0 +1,119 @@
+"""Cascade decode attention (runner/attention/cascade.py): shared prefixes read once, merged by log-sum-exp.
+
+The merge against plain attention on random K/V (groups with different prefixes, sequences in
+no group, out-of-order slots, fp32 and bf16); the planner's grouping and its cost rule; and
+the runner end to end: requests behind shared prefix pages decode together with the plan in use,
+every token checked against transformers.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import radixserve.runner.attention.cascade as cascade
+from radixserve.runner.attention.cascade import cascade_attend, plan_cascade
+from tests.model.test_runner import Harness, Seq
+
+KV, REP, D = 2, 3, 16
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[int],
+              lens: list[int]) -> torch.Tensor:
+    """Plain attention per sequence over its slot's [0, len): q (B, H, D) -> (B, H, D), fp64."""
+    out = []
+    for i, (slot, n) in enumerate(zip(slots, lens)):
+        keys = k[:, slot, :n].double().repeat_interleave(REP, 0)      # (H, n, D)
+        vals = v[:, slot, :n].double().repeat_interleave(REP, 0)
+        scores = torch.einsum("hd,hnd->hn", q[i].double(), keys) / math.sqrt(D)
+        out.append(torch.einsum("hn,hnd->hd", torch.softmax(scores, -1), vals))
+    return torch.stack(out)
+
+
+def mirror_with_groups(lens: list[int], groups: list[tuple[list[int], int]], slots: list[int], page: int):
+    """Random mirror K/V (KV, slots, capacity, D) whose grouped sequences hold the same prefix,
+    and page lists sharing their first prefix // page pages."""
+    g = torch.Generator().manual_seed(0)
+    num_slots, capacity = max(slots) + 2, max(lens) + 8
+    k = torch.randn(KV, num_slots, capacity, D, generator=g)
+    v = torch.randn(KV, num_slots, capacity, D, generator=g)
+    next_page = 1000
+    pages = []
+    for n in lens:
+        pages.append(list(range(next_page, next_page + -(-n // page))))
+        next_page += len(pages[-1])
+    for members, prefix in groups:
+        lead = members[0]
+        for i in members[1:]:
+            k[:, slots[i], :prefix] = k[:, slots[lead], :prefix]
+            v[:, slots[i], :prefix] = v[:, slots[lead], :prefix]
+            pages[i][:prefix // page] = pages[lead][:prefix // page]
+    return k, v, pages
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cascade_equals_plain_attention(monkeypatch, dtype, tol):
+    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", -10**9)     # plan whatever it costs
+    lens = [150, 97, 160, 133, 40, 150, 88]
+    slots = [3, 0, 5, 1, 6, 2, 4]                 # not in batch order
+    groups = [([0, 2, 5], 128), ([1, 3], 80)]     # 4 and 6 are in no group
+    k, v, pages = mirror_with_groups(lens, groups, slots, page=16)
+    q = torch.randn(len(lens), KV * REP, D, generator=torch.Generator().manual_seed(1))
+    plan = plan_cascade(slots, lens, pages, 16, dtype, torch.device("cpu"))
+    assert plan is not None
+    assert sorted((sorted(r.tolist()), p) for r, _, p in plan.parts) == [
+        ([0, 2, 5], 128), ([1, 3], 80), ([4], 40), ([6], 88)]        # singles: their whole length
+    got = cascade_attend(plan, q.to(dtype), k.to(dtype), v.to(dtype))
+    assert got.dtype == dtype and got.shape == q.shape
+    ref = reference(q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), slots, lens)
+    assert torch.allclose(got.double(), ref, atol=tol, rtol=0)
+
+
+def test_planner_caps_the_prefix_and_keeps_what_does_not_pay(monkeypatch):
+    page = 16
+    # Two sequences whose pages are all shared but the last: the prefix stops before the new token.
+    lens = [129, 129]
+    pages = [list(range(9)), list(range(8)) + [99]]
+    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", -10**9)
+    plan = plan_cascade([0, 1], lens, pages, page, torch.float32, torch.device("cpu"))
+    assert [p for *_, p in plan.parts] == [128]
+    # Same pages on a 129-token and a 100-token sequence: P <= the shorter one's length - 1.
+    plan = plan_cascade([0, 1], [129, 100], [list(range(9)), list(range(7))], page, torch.float32,
+                        torch.device("cpu"))
+    assert [p for *_, p in plan.parts] == [99]
+    # No shared first page, or a prefix under MIN_PREFIX_TOKENS: no plan.
+    assert plan_cascade([0, 1], lens, [list(range(9)), list(range(10, 19))], page, torch.float32,
+                        torch.device("cpu")) is None
+    assert plan_cascade([0, 1], lens, [list(range(9)), [0, 1, 2] + list(range(20, 26))], page,
+                        torch.float32, torch.device("cpu")) is None
+    # The default cost rule: sharing 128 tokens between two saves less than the calls cost.
+    monkeypatch.undo()
+    assert plan_cascade([0, 1], lens, pages, page, torch.float32, torch.device("cpu")) is None
+
+
+def shared(h: Harness, lead: Seq, rid: str, num_pages: int, own_len: int) -> Seq:
+    """A request behind `lead`'s first `num_pages` pages (a radix hit): their KV is not recomputed."""
+    prefix = lead.prompt[:num_pages * h.page_size]
+    seq = h.new_seq(rid, own_len)
+    seq.prompt = prefix + seq.prompt
+    seq.pages = lead.pages[:num_pages] + seq.pages[:len(seq.pages) - num_pages]
+    seq.computed = len(prefix)
+    return seq
+
+
+def test_runner_decodes_shared_prefixes_through_the_cascade_like_transformers(gqa_dir, monkeypatch):
+    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", -10**9)
+    monkeypatch.setattr(cascade, "MIN_PREFIX_TOKENS", 8)
+    calls = []
+    monkeypatch.setattr("radixserve.runner.attention.decode_mirror.cascade_attend",
+                        lambda *a: calls.append(1) or cascade_attend(*a))
+    h = Harness(gqa_dir, page_size=8, seed=5)
+    a, x = h.new_seq("a", 70), h.new_seq("x", 30)            # x shares nothing
+    h.step([(a, a.chunk()), (x, x.chunk())])
+    b, c = shared(h, a, "b", 6, 5), shared(h, a, "c", 4, 9)  # 48- and 32-token shared prefixes
+    h.step([(b, b.chunk()), (c, c.chunk()), (a, a.chunk()), (x, x.chunk())])
+    for _ in range(6):
+        h.step([(s, s.chunk()) for s in (c, a, x, b)])
+    assert calls, "the cascade plan was never used"
+    assert [len(s.output) for s in (a, x, b, c)] == [8, 8, 7, 7]
