@@ -108,6 +108,9 @@ def main() -> None:
     rng = random.Random(0)
     scale = 4 if args.quick else 1
     print(f"model {name}, dtype {args.dtype}, torch threads {torch.get_num_threads()}")
+    # Warm-up, both sides: first calls pack weights and allocate, which no workload should pay.
+    run_radixserve(llm, random_workload(random.Random(1), vocab, 4, 16, 32))
+    run_transformers(hf, random_workload(random.Random(1), vocab, 2, 4, 8), args.hf_batch_size)
     for wl in args.workload.split(","):
         if wl == "random":
             items = random_workload(rng, vocab, 64 // scale, 64, 512)
