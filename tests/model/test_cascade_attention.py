@@ -3,7 +3,7 @@
 The merge against plain attention on random K/V (groups with different prefixes, sequences in
 no group, out-of-order slots, fp32 and bf16); the planner's grouping and its cost rule; and
 the runner end to end: requests behind shared prefix pages decode together with the plan in use,
-every token checked against transformers.
+every token checked against transformers, and with FP8 KV against the page-gather path.
 """
 from __future__ import annotations
 
@@ -117,3 +117,28 @@ def test_runner_decodes_shared_prefixes_through_the_cascade_like_transformers(gq
         h.step([(s, s.chunk()) for s in (c, a, x, b)])
     assert calls, "the cascade plan was never used"
     assert [len(s.output) for s in (a, x, b, c)] == [8, 8, 7, 7]
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_cascade_agrees_with_the_page_gather_path(gqa_dir, monkeypatch, kv_dtype):
+    """FP8 KV included: the mirror holds what the pages return (round_trip), so the prefix read
+    from one member's slot is what every member's pages hold; tokens and logprobs as gathering."""
+    from radixserve.runner.attention.torch_backend import TorchAttentionBackend
+    from tests.model.test_decode_mirror import run_both
+
+    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", -10**9)
+    monkeypatch.setattr(cascade, "MIN_PREFIX_TOKENS", 8)
+    calls = []
+    monkeypatch.setattr("radixserve.runner.attention.decode_mirror.cascade_attend",
+                        lambda *args: calls.append(1) or cascade_attend(*args))
+    h = Harness(gqa_dir, page_size=8, seed=7, kv_cache_dtype=kv_dtype)
+    with_cascade = TorchAttentionBackend(h.runner.kv)
+    gather = TorchAttentionBackend(h.runner.kv, mirror_bytes=0)
+    a, x = h.new_seq("a", 60), h.new_seq("x", 20)
+    run_both(h, with_cascade, gather, [(a, a.chunk()), (x, x.chunk())])
+    b, c = shared(h, a, "b", 7, 3), shared(h, a, "c", 5, 6)
+    run_both(h, with_cascade, gather, [(s, s.chunk()) for s in (b, c, a, x)])
+    for _ in range(5):
+        run_both(h, with_cascade, gather, [(s, s.chunk()) for s in (x, c, b, a)])
+    assert [len(s.output) for s in (a, x, b, c)] == [7, 7, 6, 6]
+    assert calls, "the cascade plan was never used"
