@@ -179,10 +179,12 @@ class MirrorStep:
         self.slot_idx = torch.tensor(slot_idx, dtype=torch.long, device=device)
         lens_t = torch.tensor(lens, dtype=torch.long, device=device)
         self.write_idx = self.slot_idx * mirror.capacity + lens_t - 1          # (B,) flat token index
-        slot_len = torch.ones(self.num_used, dtype=torch.long, device=device)  # holes: attend to t=0
-        slot_len[self.slot_idx] = lens_t
-        visible = torch.arange(self.ctx, device=device)[None, :] < slot_len[:, None]
-        self.mask = additive_mask(visible, kv.compute_dtype)[:, None, None]
+        self.mask = None                 # a cascade plan brings its own masks
+        if cascade is None:
+            slot_len = torch.ones(self.num_used, dtype=torch.long, device=device)  # holes: attend to t=0
+            slot_len[self.slot_idx] = lens_t
+            visible = torch.arange(self.ctx, device=device)[None, :] < slot_len[:, None]
+            self.mask = additive_mask(visible, kv.compute_dtype)[:, None, None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (B, H, D), k and v: (B, KV, D) of the decode group -> (B, H, D)."""
