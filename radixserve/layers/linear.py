@@ -15,11 +15,17 @@ and keeps no float weight; with `quantized_max_tokens` N > 0 it also keeps the f
 int8 kernels re-dequantize per block of rows and lose to the fp32 GEMM from ~12-16 rows on AVX2.
 Batch-invariant mode (`prepare(batch_invariant=True)`, for --enable-deterministic-inference) uses
 the packed oneDNN path for every M, M == 1 included: see batch_invariant.py.
-fp16 weights (`enable_fp16_weight`, the LM head of a quantized model): inputs of up to a few rows
-run on FBGEMM's fp16-weight GEMM (`torch.fbgemm_linear_fp16_weight`: fp32 activations, fp16
-weights, fp32 accumulation and output), which reads half the bytes of the fp32 weight. On the
-default model's 49152 x 576 head (2 threads, AVX2): 1.4-1.7x faster than the paths above at
-M = 1..4, even at 8, slower from 16 (docs/benchmarks.md).
+Where the CPU multiplies bf16 natively (`native_bf16()`: AVX512_BF16 or AMX), a quantized layer's
+kept float weight is packed in bf16, not fp32: its kernel already rounds activations, weights and
+output to bf16, so its large steps lose nothing more, and run 1.6-1.9x faster (prefill).
+Small-step weights of a quantized model's fp32 LM head (`enable_small_step_weights`; the model is
+not fp32-exact anyway): with native bf16, up to a few rows on a per-row int8 copy
+(`_weight_int8pack_mm`, a quarter of the fp32 bytes) and more rows on a bf16 copy; without it,
+up to a few rows on FBGEMM's fp16-weight GEMM (`torch.fbgemm_linear_fp16_weight`: fp32
+activations, fp16 weights, fp32 accumulation and output) and more on fp32. Measured on the
+default model's 49152 x 576 head: fp16 1.4-1.7x faster than fp32 at M = 1..4 (AVX2); int8
+1.8-2.3x faster than fp16 at M = 1..4 and bf16 1.4-5x faster than fp16 above (AVX-512 with
+bf16; docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -30,13 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers import batch_invariant as bi
-from radixserve.layers.quant_linear import MATMULS, QuantWeight, kernel_available
+from radixserve.layers.quant_linear import (MATMULS, Int8Matmul, Int8Weight, QuantWeight,
+                                            kernel_available, native_bf16)
 
 logger = logging.getLogger(__name__)
 _UNPACKABLE: set[torch.dtype] = set()   # dtypes whose prepacking failed (already logged)
 _NO_FP16_WEIGHT: list[str] = []          # why FBGEMM's fp16-weight GEMM is unavailable (logged once)
 # torch marks the two FBGEMM fp16 functions deprecated (a UserWarning on first use); torch is
-# pinned (2.13), and a build without them takes the fallback in enable_fp16_weight.
+# pinned (2.13), and a build without them takes the fallback in enable_small_step_weights.
 warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
 
 
@@ -60,12 +67,12 @@ class Linear(torch.nn.Module):
         self.shards = shards or {}
         self._split: torch.Tensor | None = None    # (s, out/s, in) view for M == 1
         self._packed: torch.Tensor | None = None   # oneDNN-layout weight for M > 1
+        self._packed_dtype: torch.dtype | None = None   # its dtype (inputs are cast to it)
         self._quant_shards: dict[str | None, QuantWeight] = {}
         self._quant = None                         # Int4Matmul or Int8Matmul
         self._quant_max_rows = 0                   # > 0: larger inputs take the float weight
-        self._fp16: torch.Tensor | None = None     # FBGEMM-packed fp16 weight for small M
-        self._fp16_bias: torch.Tensor | None = None
-        self._fp16_max_rows = 0
+        self._small = None                         # small-step kernel (enable_small_step_weights)
+        self._small_max_rows = 0
 
     def load(self, tensor: torch.Tensor | QuantWeight, shard: str | None = None, is_bias: bool = False) -> None:
         """Copy a checkpoint tensor ((rows, in) or (rows,) for a bias) into the weight or one
@@ -93,7 +100,7 @@ class Linear(torch.nn.Module):
         `batch_invariant` every M takes the packed path; raises ValueError where it cannot.
         A quantized layer runs inputs of up to `quantized_max_tokens` rows (0: all) on its
         kernel and larger ones on the dequantized float weight, then kept as well."""
-        self._split, self._packed, self._fp16 = None, None, None
+        self._split, self._packed, self._packed_dtype, self._small = None, None, None, None
         if self._quant_shards:
             if self._prepare_quant(batch_invariant, keep_float=quantized_max_tokens > 0):
                 self._quant_max_rows = quantized_max_tokens
@@ -101,47 +108,73 @@ class Linear(torch.nn.Module):
                     return
         w = self.weight.data
         if batch_invariant:
-            self._packed = bi.pack(w)
+            self._packed, self._packed_dtype = bi.pack(w), w.dtype
             return
         if w.device.type != "cpu":
             return
-        splits = next((s for s in (4, 2) if self.out_features % s == 0), 0)
-        if splits and w.dtype == torch.float32:
-            self._split = w.view(splits, self.out_features // splits, self.in_features)
-        if torch.backends.mkldnn.is_available():
-            try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(w, bi.PACK_BATCH_HINT)
-            except (RuntimeError, AttributeError) as exc:  # older/odd builds, bf16 without AVX-512
-                if w.dtype not in _UNPACKABLE:   # one line per dtype, not one per layer
-                    _UNPACKABLE.add(w.dtype)
-                    logger.warning("oneDNN weight prepacking unavailable for %s (%s); using F.linear",
-                                   str(w.dtype).removeprefix("torch."), exc)
+        if self._quant_max_rows and w.dtype == torch.float32 and native_bf16():
+            self._pack(w.to(torch.bfloat16))          # like the kernel: bf16 (module docstring)
+        else:
+            splits = next((s for s in (4, 2) if self.out_features % s == 0), 0)
+            if splits and w.dtype == torch.float32:
+                self._split = w.view(splits, self.out_features // splits, self.in_features)
+            self._pack(w)
         if self._quant_max_rows and self._packed is not None:   # M = 1 runs on the kernel
             self._split = None
             self.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+
+    def _pack(self, w: torch.Tensor) -> None:
+        """Prepack `w` for oneDNN (its dtype becomes the inputs'); one log line per dtype
+        where this build cannot, and the layer keeps F.linear."""
+        if not torch.backends.mkldnn.is_available():
+            return
+        try:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, bi.PACK_BATCH_HINT)
+            self._packed_dtype = w.dtype
+        except (RuntimeError, AttributeError) as exc:  # older/odd builds, bf16 without AVX-512
+            if w.dtype not in _UNPACKABLE:   # one line per dtype, not one per layer
+                _UNPACKABLE.add(w.dtype)
+                logger.warning("oneDNN weight prepacking unavailable for %s (%s); using F.linear",
+                               str(w.dtype).removeprefix("torch."), exc)
 
     @property
     def quantized(self) -> bool:
         """Whether this layer runs on a quantized kernel (for some input sizes at least)."""
         return self._quant is not None
 
-    def enable_fp16_weight(self, max_rows: int) -> bool:
-        """Also keep an fp16 copy of the fp32 CPU weight (+2 bytes per weight), packed for
-        FBGEMM, and run inputs of up to `max_rows` rows on it; weights are rounded to fp16
-        (relative error <= 2^-11 each), activations, accumulation and output stay fp32.
-        Returns False, with one log line per process, where FBGEMM is not in the torch build."""
+    def enable_small_step_weights(self, max_rows: int) -> str:
+        """Cheaper weights for an fp32 CPU layer that need not be fp32-exact (the LM head of a
+        quantized model); see the module docstring. With native bf16: inputs of up to
+        `max_rows` rows run on a per-row int8 copy (+1 byte per weight; error per weight <=
+        max|row| / 254, activations and output rounded to bf16) and larger ones on a bf16 copy
+        that replaces the fp32 packed one. Otherwise up to `max_rows` rows run on an fp16 copy
+        (+2 bytes per weight; relative error <= 2^-11 per weight, fp32 activations and output)
+        and larger ones stay fp32. The fp32 weight itself stays (a tied embedding reads it).
+        Returns what it chose: "int8+bf16", "fp16", or "fp32" where neither is available here
+        (FBGEMM missing from the torch build: logged once per process)."""
         w = self.weight.data
-        if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() == 0 or _NO_FP16_WEIGHT:
-            return False
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() == 0:
+            return "fp32"
+        bias = self.bias.data if self.bias is not None else None
+        if native_bf16() and kernel_available(Int8Weight):
+            int8 = Int8Matmul([Int8Weight.from_float(w)])
+            self._small = int8 if bias is None else (lambda x: int8(x).add_(bias))
+            self._small_max_rows = max_rows
+            self._split = None
+            self._pack(w.to(torch.bfloat16))
+            return "int8+bf16"
+        if _NO_FP16_WEIGHT:
+            return "fp32"
         try:
-            self._fp16 = torch.fbgemm_pack_gemm_matrix_fp16(w)
+            fp16 = torch.fbgemm_pack_gemm_matrix_fp16(w)
         except (RuntimeError, AttributeError) as exc:
             _NO_FP16_WEIGHT.append(str(exc))
             logger.warning("FBGEMM fp16-weight GEMM unavailable (%s); the LM head stays fp32", exc)
-            return False
-        self._fp16_bias = self.bias.data if self.bias is not None else torch.zeros(self.out_features)
-        self._fp16_max_rows = max_rows
-        return True
+            return "fp32"
+        fp16_bias = bias if bias is not None else torch.zeros(self.out_features)
+        self._small = lambda x: torch.fbgemm_linear_fp16_weight(x, fp16, fp16_bias)
+        self._small_max_rows = max_rows
+        return "fp16"
 
     def _prepare_quant(self, batch_invariant: bool, keep_float: bool = False) -> bool:
         """Pack the quantized shards for their kernel and drop the float weight (`keep_float`:
@@ -175,17 +208,21 @@ class Linear(torch.nn.Module):
         self._quant_shards = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fp16 is not None and x.shape[0] <= self._fp16_max_rows:
-            return torch.fbgemm_linear_fp16_weight(x, self._fp16, self._fp16_bias)
-        if self._quant is not None and (not self._quant_max_rows or x.shape[0] <= self._quant_max_rows):
+        rows = x.shape[0]
+        if self._small is not None and rows <= self._small_max_rows:
+            return self._small(x)
+        if self._quant is not None and (not self._quant_max_rows or rows <= self._quant_max_rows):
             y = self._quant(x)
             return y if self.bias is None else y.add_(self.bias)
-        if x.shape[0] == 1 and self._split is not None:
+        if rows == 1 and self._split is not None:
             s = self._split.shape[0]
             y = torch.bmm(self._split, x.t().unsqueeze(0).expand(s, -1, 1)).view(1, self.out_features)
             return y if self.bias is None else y.add_(self.bias)
         if self._packed is not None:
-            return bi.matmul(x, self._packed, self.bias)
+            if x.dtype == self._packed_dtype:
+                return bi.matmul(x, self._packed, self.bias)
+            y = bi.matmul(x.to(self._packed_dtype), self._packed).to(x.dtype)
+            return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

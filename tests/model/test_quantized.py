@@ -11,6 +11,7 @@ import torch
 from radixserve.cli import build_parser
 from radixserve.config import EngineConfig
 from radixserve.engine.runner_api import ScheduledBatch, ScheduledSeq
+from radixserve.layers import quant_linear
 from radixserve.layers.linear import Linear
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
@@ -33,9 +34,10 @@ def tiny_q4(tmp_path_factory):
     return folder / "tiny-q4.gguf", hf_dir
 
 
-def runner(path, quantization: str) -> ModelRunner:
+def runner(path, quantization: str, quantized_max_tokens: int = 0) -> ModelRunner:
     return ModelRunner.from_config(EngineConfig(model_path=str(path), page_size=4, max_total_tokens=256,
-                                                quantization=quantization))
+                                                quantization=quantization,
+                                                quantized_max_tokens=quantized_max_tokens))
 
 
 def prompt_logits(r: ModelRunner, prompt: list[int]) -> torch.Tensor:
@@ -55,8 +57,8 @@ def test_int4_logits_match_the_dequantized_twin(tiny_q4, monkeypatch, tmp_path):
     fp32, int4 = runner(path, "none"), runner(path, "int4")
     quantized = [m for m in int4.model.modules() if isinstance(m, Linear) and m._quant is not None]
     assert len(quantized) == 2 * 4, "qkv, o, gate_up and down of both layers run on the int4 kernel"
-    assert fp32.model.lm_head._fp16 is None, "the unquantized model's head stays fp32-exact"
-    assert int4.model.lm_head._fp16 is not None, "a quantized model's head reads fp16 for small steps"
+    assert fp32.model.lm_head._small is None, "the unquantized model's head stays fp32-exact"
+    assert int4.model.lm_head._small is not None, "a quantized model's head reads fewer bytes for small steps"
     ref, got = prompt_logits(fp32, PROMPT), prompt_logits(int4, PROMPT)
     assert got.shape == ref.shape == (len(PROMPT), 256)
     # bf16 activations and scales inside the kernel: a few 1e-3 of the logits' scale.
@@ -69,6 +71,25 @@ def test_int4_logits_match_the_dequantized_twin(tiny_q4, monkeypatch, tmp_path):
     tokens, _ = greedy(int4, PROMPT, 8)
     ref_tokens, _ = greedy(fp32, PROMPT, 8)
     assert tokens == ref_tokens
+
+
+def test_large_steps_of_a_quantized_model_match_the_twin(tiny_q4, monkeypatch, tmp_path):
+    """--quantized-max-tokens 4: the 16-token prefill runs the quantized layers on their float
+    copy (bf16 where this CPU multiplies bf16 natively, else fp32) and the 16 logit rows on
+    the head's large-step weights; logits stay within the int4 kernel's bound of the fp32
+    twin and greedy decoding (small steps on the int4 kernel) gives the same tokens."""
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    path, _ = tiny_q4
+    fp32, mixed = runner(path, "none"), runner(path, "int4", quantized_max_tokens=4)
+    layers = [m for m in mixed.model.modules() if isinstance(m, Linear) and m._quant is not None]
+    want = torch.bfloat16 if quant_linear.native_bf16() else torch.float32
+    assert len(layers) == 8 and all(m._packed_dtype == want for m in layers)
+    assert mixed.model.lm_head._packed_dtype == want
+    ref, got = prompt_logits(fp32, PROMPT), prompt_logits(mixed, PROMPT)
+    err = float((got - ref).abs().max())
+    assert err <= 2e-2 * float(ref.abs().max()), err
+    tokens, _ = greedy(mixed, PROMPT, 8)
+    assert tokens == greedy(fp32, PROMPT, 8)[0]
 
 
 def test_int4_cache_round_trips(tiny_q4, monkeypatch, tmp_path):
