@@ -1,15 +1,13 @@
-"""A quantized model's LM head weights (layers/linear.py `enable_small_step_weights`) against the fp32 head, in one run.
+"""The LM head's fp16-weight path (layers/linear.py `enable_fp16_weight`) against its fp32 paths, in one run.
 
     PYTHONPATH=. python benchmarks/lm_head.py [--rows 1,2,4,8,16,32] [--batches 1,4] [--quantization int4]
 
 1. The default model's head alone (49152 x 576, random weights): median ms per call of the
-   fp32 paths (split bmm at M = 1, oneDNN-packed above), FBGEMM's fp16-weight GEMM, the
-   per-row int8 kernel and a oneDNN-packed bf16 copy (where this CPU has native bf16), for each
-   number of logit rows M, alternated.
+   fp32 paths (split bmm at M = 1, oneDNN-packed above) and of FBGEMM's fp16-weight GEMM, for
+   each number of logit rows M, alternating the two.
 2. The engine (default model, `--quantization`, `--quantized-max-tokens 12`): decode steps of
-   `--batches` running requests with the head this CPU gets (what `enable_small_step_weights`
-   chose) and a plain fp32 head swapped in every 6 steps, median ms per step of each. The
-   ratio is fp32 head time / chosen head time.
+   `--batches` running requests with the fp16 head switched on and off every 6 steps, median
+   ms per step of each. The ratio is fp32 head time / fp16 head time.
 """
 from __future__ import annotations
 
@@ -24,9 +22,7 @@ import torch
 from radixserve.cli import build_runner
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
-from radixserve.layers import batch_invariant as bi
 from radixserve.layers.linear import Linear
-from radixserve.layers.quant_linear import Int8Matmul, Int8Weight, kernel_available, native_bf16
 from radixserve.sampling_params import SamplingParams
 
 
@@ -40,42 +36,34 @@ def median_ms(fn, reps: int) -> float:
 
 
 def head_alone(rows: list[int], reps: int) -> None:
-    fp32 = Linear(576, 49152)
+    fp32, fp16 = Linear(576, 49152), Linear(576, 49152)
     fp32.weight.data.normal_(0, 0.02)
+    fp16.weight = fp32.weight
     fp32.prepare()
-    w = fp32.weight.data
-    kernels = {"fp32": fp32}
-    fp16 = torch.fbgemm_pack_gemm_matrix_fp16(w)
-    zero = torch.zeros(49152)
-    kernels["fp16"] = lambda x: torch.fbgemm_linear_fp16_weight(x, fp16, zero)
-    if kernel_available(Int8Weight):
-        kernels["int8"] = Int8Matmul([Int8Weight.from_float(w)])
-    if native_bf16():
-        bf16 = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 64)
-        kernels["bf16"] = lambda x: bi.matmul(x.to(torch.bfloat16), bf16).float()
-    print(f"\n## head alone, 49152 x 576, ms per call (load {os.getloadavg()[0]:.2f})\n")
-    print("| rows | " + " | ".join(kernels) + " |\n|---:|" + "---:|" * len(kernels))
+    fp16.prepare()
+    if not fp16.enable_fp16_weight(max(rows)):
+        sys.exit("no FBGEMM fp16-weight GEMM in this torch build")
+    print(f"\n## head alone, 49152 x 576 (load {os.getloadavg()[0]:.2f})\n")
+    print("| rows | fp32 ms | fp16 weights ms | fp32 / fp16 |\n|---:|---:|---:|---:|")
     for m in rows:
         x = torch.randn(m, 576)
-        times: dict[str, list[float]] = {name: [] for name in kernels}
+        a, b = [], []
         for _ in range(reps):
-            for name, fn in kernels.items():
-                times[name].append(median_ms(lambda: fn(x), 3))
-        print(f"| {m} | " + " | ".join(f"{statistics.median(t):.2f}" for t in times.values()) + " |")
+            a.append(median_ms(lambda: fp32(x), 3))
+            b.append(median_ms(lambda: fp16(x), 3))
+        a_ms, b_ms = statistics.median(a), statistics.median(b)
+        print(f"| {m} | {a_ms:.2f} | {b_ms:.2f} | {a_ms / b_ms:.2f}x |")
 
 
 def engine_steps(quantization: str, batches: list[int], rounds: int) -> None:
     config = EngineConfig(quantization=quantization, quantized_max_tokens=12, max_running_requests=256)
     engine = Engine(config, build_runner(config))
-    model = engine.runner.model
-    chosen = model.lm_head
-    if chosen._small is None:
-        sys.exit(f"--quantization {quantization}: the head keeps fp32 (unquantized model or no kernel)")
-    fp32 = Linear(576, chosen.out_features)
-    fp32.weight = chosen.weight
-    fp32.prepare()
+    head = engine.runner.model.lm_head
+    packed = head._fp16
+    if packed is None:
+        sys.exit(f"--quantization {quantization}: the head has no fp16 path (only quantized models)")
     print(f"\n## engine decode steps, --quantization {quantization} --quantized-max-tokens 12\n")
-    print("| batch | fp32 head ms/step | chosen head ms/step | fp32 / chosen | load |\n|---:|---:|---:|---:|---:|")
+    print("| batch | fp32 head ms/step | fp16 head ms/step | fp32 / fp16 | load |\n|---:|---:|---:|---:|---:|")
     for batch in batches:
         for i in range(batch):
             prompt = [(i * 7919 + j * 31) % 1000 + 10 for j in range(64)]
@@ -85,14 +73,14 @@ def engine_steps(quantization: str, batches: list[int], rounds: int) -> None:
             engine.step()
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(rounds):
-            for use_chosen in (True, False):
-                model.lm_head = chosen if use_chosen else fp32
+            for fp16 in (True, False):
+                head._fp16 = packed if fp16 else None
                 engine.step()                               # one untimed step after each switch
                 for _ in range(6):
                     start = time.perf_counter()
                     engine.step()
-                    times[use_chosen].append(time.perf_counter() - start)
-        model.lm_head = chosen
+                    times[fp16].append(time.perf_counter() - start)
+        head._fp16 = packed
         for rid in list(engine.requests):
             engine.abort(rid)
         on, off = (1000 * statistics.median(times[k]) for k in (True, False))

@@ -3,7 +3,9 @@
 Run:  python benchmarks/quantized.py [--modes none,int4,int8,int4@12] [--batches 1,16,64] [--reps 3] [--kernels]
                                     [--llama-cpp]
 
-A mode `int4@N` is int4 with --quantized-max-tokens N (steps of more than N tokens on fp32).
+A mode `int4@N` is int4 with --quantized-max-tokens N (steps of more than N tokens on the float
+copy: bf16 where the CPU multiplies bf16 natively, else fp32). A suffix `/fp32` loads the mode as
+a CPU without native bf16 would (`native_bf16` patched to False while loading): fp32 copies.
 
 Speed (greedy, ignore_eos, 16-token random prompts, runs interleaved mode by mode so load
 drift hits all alike; median of --reps): batch-1 decode ms/token = (time for 1 + T tokens -
@@ -24,7 +26,10 @@ import random
 import statistics
 import time
 
+import torch
+
 from radixserve import LLM, SamplingParams
+from radixserve.layers import linear
 from radixserve.layers.linear import Linear
 from tests.model.parity import PARITY_TEXTS
 
@@ -123,22 +128,34 @@ def linear_bytes(llm: LLM) -> int:
             total += module.weight.numel() * module.weight.element_size()
         else:
             total += sum(t.numel() * t.element_size() for t in vars(quant).values() if hasattr(t, "numel"))
-            if module._packed is not None:          # int4@N: the fp32 copy for large steps
-                total += module.in_features * module.out_features * 4
+            if module._packed is not None:          # int4@N: the float copy for large steps
+                itemsize = torch.empty((), dtype=module._packed_dtype).element_size()
+                total += module.in_features * module.out_features * itemsize
     return total
 
 
 def engine_args(mode: str) -> dict:
-    """`int4@12` -> quantization int4 with --quantized-max-tokens 12; `none`, `int4`, ... as is."""
-    name, _, limit = mode.partition("@")
+    """`int4@12` -> quantization int4 with --quantized-max-tokens 12; `none`, `int4`, ... as is
+    (a `/fp32` suffix is handled by `build`)."""
+    name, _, limit = mode.removesuffix("/fp32").partition("@")
     return {"quantization": name, **({"quantized_max_tokens": int(limit)} if limit else {})}
+
+
+def build(mode: str, **common) -> LLM:
+    """The LLM of `mode`; `/fp32`: loaded with native bf16 switched off (module docstring)."""
+    if not mode.endswith("/fp32"):
+        return LLM(**engine_args(mode), **common)
+    saved = linear.native_bf16
+    linear.native_bf16 = lambda: False
+    try:
+        return LLM(**engine_args(mode), **common)
+    finally:
+        linear.native_bf16 = saved
 
 
 def kernels(batches: list[int], reps: int) -> None:
     """Per-layer times of the default model's linear shapes: fp32 Linear (its CPU fast paths)
     vs the int4 / int8 kernels on bf16 activations, and int4 on fp32 activations."""
-    import torch
-
     from radixserve.layers.quant_linear import Int4Matmul, Int4Weight, Int8Matmul, Int8Weight
 
     def median_us(fn) -> float:
@@ -186,7 +203,6 @@ def main() -> None:
                     help="torch threads (default: all cores); 1 is steadier on a shared, loaded box")
     args = ap.parse_args()
     if args.threads:
-        import torch
         torch.set_num_threads(args.threads)
     common = dict(max_total_tokens=8192, chunked_prefill_size=1024, max_running_requests=128,
                   num_threads=args.threads)
@@ -194,9 +210,9 @@ def main() -> None:
     print(f"# benchmarks/quantized.py ({load()}, {os.cpu_count()} CPUs, threads {args.threads or 'all'})\n")
     print("| mode | load s (cached) | decoder linear weights MB (lm_head: the tied fp32 embedding, plus its fp16 copy for steps of <= 4 rows when quantized) |\n|---|---:|---:|")
     for mode in args.modes.split(","):
-        LLM(**engine_args(mode), **common)                 # first load writes the cache
+        build(mode, **common)                                # first load writes the cache
         start = time.perf_counter()
-        llms[mode] = LLM(**engine_args(mode), **common)
+        llms[mode] = build(mode, **common)
         print(f"| {mode} | {time.perf_counter() - start:.1f} | {linear_bytes(llms[mode]) / 1e6:.1f} |")
     if args.kernels:
         kernels([int(b) for b in args.batches.split(",")], 5 * args.reps)

@@ -13,19 +13,16 @@ an `Int4Weight` (or every one as an `Int8Weight`) runs on that kernel instead (q
 and keeps no float weight; with `quantized_max_tokens` N > 0 it also keeps the float weight
 (dequantized, with its fast paths) and runs inputs of more than N rows on it: torch's CPU int4 /
 int8 kernels re-dequantize per block of rows and lose to the fp32 GEMM from ~12-16 rows on AVX2.
+Where the CPU multiplies bf16 natively (`native_bf16()`: AVX512_BF16 or AMX), that kept float
+weight is a bf16 copy instead: the kernel already rounds activations, weights and output to bf16,
+so the large steps lose little more, and run 1.6-1.9x faster (prefill) on half the bytes.
 Batch-invariant mode (`prepare(batch_invariant=True)`, for --enable-deterministic-inference) uses
 the packed oneDNN path for every M, M == 1 included: see batch_invariant.py.
-Where the CPU multiplies bf16 natively (`native_bf16()`: AVX512_BF16 or AMX), a quantized layer's
-kept float weight is packed in bf16, not fp32: its kernel already rounds activations, weights and
-output to bf16, so its large steps lose nothing more, and run 1.6-1.9x faster (prefill).
-Small-step weights of a quantized model's fp32 LM head (`enable_small_step_weights`; the model is
-not fp32-exact anyway): with native bf16, up to a few rows on a per-row int8 copy
-(`_weight_int8pack_mm`, a quarter of the fp32 bytes) and more rows on a bf16 copy; without it,
-up to a few rows on FBGEMM's fp16-weight GEMM (`torch.fbgemm_linear_fp16_weight`: fp32
-activations, fp16 weights, fp32 accumulation and output) and more on fp32. Measured on the
-default model's 49152 x 576 head: fp16 1.4-1.7x faster than fp32 at M = 1..4 (AVX2); int8
-1.8-2.3x faster than fp16 at M = 1..4 and bf16 1.4-5x faster than fp16 above (AVX-512 with
-bf16; docs/benchmarks.md).
+fp16 weights (`enable_fp16_weight`, the LM head of a quantized model): inputs of up to a few rows
+run on FBGEMM's fp16-weight GEMM (`torch.fbgemm_linear_fp16_weight`: fp32 activations, fp16
+weights, fp32 accumulation and output), which reads half the bytes of the fp32 weight. On the
+default model's 49152 x 576 head (2 threads, AVX2): 1.4-1.7x faster than the paths above at
+M = 1..4, even at 8, slower from 16 (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -36,14 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers import batch_invariant as bi
-from radixserve.layers.quant_linear import (MATMULS, Int8Matmul, Int8Weight, QuantWeight,
-                                            kernel_available, native_bf16)
+from radixserve.layers.quant_linear import MATMULS, QuantWeight, kernel_available, native_bf16
 
 logger = logging.getLogger(__name__)
 _UNPACKABLE: set[torch.dtype] = set()   # dtypes whose prepacking failed (already logged)
 _NO_FP16_WEIGHT: list[str] = []          # why FBGEMM's fp16-weight GEMM is unavailable (logged once)
 # torch marks the two FBGEMM fp16 functions deprecated (a UserWarning on first use); torch is
-# pinned (2.13), and a build without them takes the fallback in enable_small_step_weights.
+# pinned (2.13), and a build without them takes the fallback in enable_fp16_weight.
 warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
 
 
@@ -71,8 +67,9 @@ class Linear(torch.nn.Module):
         self._quant_shards: dict[str | None, QuantWeight] = {}
         self._quant = None                         # Int4Matmul or Int8Matmul
         self._quant_max_rows = 0                   # > 0: larger inputs take the float weight
-        self._small = None                         # small-step kernel (enable_small_step_weights)
-        self._small_max_rows = 0
+        self._fp16: torch.Tensor | None = None     # FBGEMM-packed fp16 weight for small M
+        self._fp16_bias: torch.Tensor | None = None
+        self._fp16_max_rows = 0
 
     def load(self, tensor: torch.Tensor | QuantWeight, shard: str | None = None, is_bias: bool = False) -> None:
         """Copy a checkpoint tensor ((rows, in) or (rows,) for a bias) into the weight or one
@@ -100,7 +97,7 @@ class Linear(torch.nn.Module):
         `batch_invariant` every M takes the packed path; raises ValueError where it cannot.
         A quantized layer runs inputs of up to `quantized_max_tokens` rows (0: all) on its
         kernel and larger ones on the dequantized float weight, then kept as well."""
-        self._split, self._packed, self._packed_dtype, self._small = None, None, None, None
+        self._split, self._packed, self._packed_dtype, self._fp16 = None, None, None, None
         if self._quant_shards:
             if self._prepare_quant(batch_invariant, keep_float=quantized_max_tokens > 0):
                 self._quant_max_rows = quantized_max_tokens
@@ -142,39 +139,23 @@ class Linear(torch.nn.Module):
         """Whether this layer runs on a quantized kernel (for some input sizes at least)."""
         return self._quant is not None
 
-    def enable_small_step_weights(self, max_rows: int) -> str:
-        """Cheaper weights for an fp32 CPU layer that need not be fp32-exact (the LM head of a
-        quantized model); see the module docstring. With native bf16: inputs of up to
-        `max_rows` rows run on a per-row int8 copy (+1 byte per weight; error per weight <=
-        max|row| / 254, activations and output rounded to bf16) and larger ones on a bf16 copy
-        that replaces the fp32 packed one. Otherwise up to `max_rows` rows run on an fp16 copy
-        (+2 bytes per weight; relative error <= 2^-11 per weight, fp32 activations and output)
-        and larger ones stay fp32. The fp32 weight itself stays (a tied embedding reads it).
-        Returns what it chose: "int8+bf16", "fp16", or "fp32" where neither is available here
-        (FBGEMM missing from the torch build: logged once per process)."""
+    def enable_fp16_weight(self, max_rows: int) -> bool:
+        """Also keep an fp16 copy of the fp32 CPU weight (+2 bytes per weight), packed for
+        FBGEMM, and run inputs of up to `max_rows` rows on it; weights are rounded to fp16
+        (relative error <= 2^-11 each), activations, accumulation and output stay fp32.
+        Returns False, with one log line per process, where FBGEMM is not in the torch build."""
         w = self.weight.data
-        if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() == 0:
-            return "fp32"
-        bias = self.bias.data if self.bias is not None else None
-        if native_bf16() and kernel_available(Int8Weight):
-            int8 = Int8Matmul([Int8Weight.from_float(w)])
-            self._small = int8 if bias is None else (lambda x: int8(x).add_(bias))
-            self._small_max_rows = max_rows
-            self._split = None
-            self._pack(w.to(torch.bfloat16))
-            return "int8+bf16"
-        if _NO_FP16_WEIGHT:
-            return "fp32"
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() == 0 or _NO_FP16_WEIGHT:
+            return False
         try:
-            fp16 = torch.fbgemm_pack_gemm_matrix_fp16(w)
+            self._fp16 = torch.fbgemm_pack_gemm_matrix_fp16(w)
         except (RuntimeError, AttributeError) as exc:
             _NO_FP16_WEIGHT.append(str(exc))
             logger.warning("FBGEMM fp16-weight GEMM unavailable (%s); the LM head stays fp32", exc)
-            return "fp32"
-        fp16_bias = bias if bias is not None else torch.zeros(self.out_features)
-        self._small = lambda x: torch.fbgemm_linear_fp16_weight(x, fp16, fp16_bias)
-        self._small_max_rows = max_rows
-        return "fp16"
+            return False
+        self._fp16_bias = self.bias.data if self.bias is not None else torch.zeros(self.out_features)
+        self._fp16_max_rows = max_rows
+        return True
 
     def _prepare_quant(self, batch_invariant: bool, keep_float: bool = False) -> bool:
         """Pack the quantized shards for their kernel and drop the float weight (`keep_float`:
@@ -208,13 +189,12 @@ class Linear(torch.nn.Module):
         self._quant_shards = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self._small is not None and rows <= self._small_max_rows:
-            return self._small(x)
-        if self._quant is not None and (not self._quant_max_rows or rows <= self._quant_max_rows):
+        if self._fp16 is not None and x.shape[0] <= self._fp16_max_rows:
+            return torch.fbgemm_linear_fp16_weight(x, self._fp16, self._fp16_bias)
+        if self._quant is not None and (not self._quant_max_rows or x.shape[0] <= self._quant_max_rows):
             y = self._quant(x)
             return y if self.bias is None else y.add_(self.bias)
-        if rows == 1 and self._split is not None:
+        if x.shape[0] == 1 and self._split is not None:
             s = self._split.shape[0]
             y = torch.bmm(self._split, x.t().unsqueeze(0).expand(s, -1, 1)).view(1, self.out_features)
             return y if self.bias is None else y.add_(self.bias)

@@ -130,15 +130,14 @@ class Int8Matmul:
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512_BF16 or AMX, as torch reports it) and
     oneDNN packs and runs a bf16 weight here. There oneDNN's bf16 GEMM takes 0.52-0.62x the time
-    of its fp32 GEMM on the default model's layer shapes at 256-1,024 rows, casts included, and
-    a 49152 x 576 LM head 0.42-0.56x at 1-64 rows (AVX-512 EPYC, 2 threads,
-    docs/benchmarks.md); without native bf16 it emulates and loses. Checked once per process,
-    the choice logged once."""
+    of its fp32 GEMM on the default model's layer shapes at 256-1,024 rows, casts included
+    (AVX-512 EPYC, 2 threads, docs/benchmarks.md); without native bf16 it emulates and loses.
+    Checked once per process, the choice logged once."""
     cpu = getattr(torch, "cpu", None)
     flags = [getattr(cpu, name, lambda: False)() for name in
              ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     if not any(flags) or not torch.backends.mkldnn.is_available():
-        logger.info("no native bf16 on this CPU: a quantized model's float paths stay fp32")
+        logger.info("no native bf16 on this CPU: quantized layers keep fp32 copies")
         return False
     try:
         w = torch.randn(32, 64)
@@ -146,13 +145,13 @@ def native_bf16() -> bool:
         x = torch.randn(4, 64)
         got = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
     except (RuntimeError, AttributeError) as exc:
-        logger.info("bf16 GEMM unavailable (%s): a quantized model's float paths stay fp32", exc)
+        logger.info("bf16 GEMM unavailable (%s): quantized layers keep fp32 copies", exc)
         return False
     ref = x @ w.t()
     if float((got.float() - ref).abs().max()) > 2e-2 * float(ref.abs().max()):
-        logger.warning("bf16 GEMM disagrees with fp32 here: a quantized model's float paths stay fp32")
+        logger.warning("bf16 GEMM disagrees with fp32 here: quantized layers keep fp32 copies")
         return False
-    logger.info("native bf16 on this CPU: a quantized model's float paths compute in bf16")
+    logger.info("native bf16 on this CPU: quantized layers keep bf16 copies for large steps")
     return True
 
 

@@ -21,11 +21,10 @@ from radixserve.models.model_config import ModelConfig
 from radixserve.models.moe import Experts, MoE, Router
 
 
-# Logit rows up to which a quantized model's LM head runs on its small-step weights
-# (Linear.enable_small_step_weights): FBGEMM's fp16 GEMM beats the fp32 paths 1.4-1.7x at 1-4 rows
-# on the default model's head and is even at 8 (2 threads, AVX2); the per-row int8 copy beats the
-# bf16 one at 1-4 rows and loses at 8 (AVX-512 with bf16; docs/benchmarks.md).
-HEAD_SMALL_MAX_ROWS = 4
+# Logit rows up to which a quantized model's LM head runs on fp16 weights: FBGEMM's fp16 GEMM
+# beats the fp32 paths 1.4-1.7x at 1-4 rows on the default model's head and is even at 8
+# (2 threads, AVX2; docs/benchmarks.md).
+HEAD_FP16_MAX_ROWS = 4
 
 
 class LlamaAttention(torch.nn.Module):
@@ -139,13 +138,12 @@ class LlamaForCausalLM(torch.nn.Module):
         return tensor.reshape(heads, c.head_dim, -1)[:, order].reshape(tensor.shape)
 
     def prepare(self, dtype: torch.dtype, device: torch.device | str = "cpu",
-                batch_invariant: bool = False, quantized_max_tokens: int = 0) -> str:
+                batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
         """After loading: move to `device` in the compute dtype, rebuild the RoPE tables in it,
         and build the linear layers' fast paths (CPU only), or their batch-invariant form
         (layers/batch_invariant.py; raises ValueError where it cannot be built).
         `quantized_max_tokens`: see Linear.prepare. When some layer runs quantized, the LM
-        head also takes cheaper weights (Linear.enable_small_step_weights); returns what it chose
-        there ("fp32" for an unquantized model)."""
+        head also takes fp16 weights for up to HEAD_FP16_MAX_ROWS logit rows."""
         routers = [m for m in self.modules() if isinstance(m, Router)]
         kept = [[p.data.float() for p in r.parameters()] for r in routers]   # routers stay fp32
         self.to(device=device, dtype=dtype)
@@ -161,9 +159,8 @@ class LlamaForCausalLM(torch.nn.Module):
                 module.prepare(batch_invariant)
         if any(isinstance(m, Linear) and m.quantized for m in self.modules()):
             # A quantized model is not fp32-exact anyway: its LM head (the largest matrix, a
-            # third of the default model's bytes per decode token) reads fewer bytes.
-            return self.lm_head.enable_small_step_weights(HEAD_SMALL_MAX_ROWS)
-        return "fp32"
+            # third of the default model's bytes per decode token) reads fp16 for small steps.
+            self.lm_head.enable_fp16_weight(HEAD_FP16_MAX_ROWS)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
                 logit_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:

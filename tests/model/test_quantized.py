@@ -57,8 +57,8 @@ def test_int4_logits_match_the_dequantized_twin(tiny_q4, monkeypatch, tmp_path):
     fp32, int4 = runner(path, "none"), runner(path, "int4")
     quantized = [m for m in int4.model.modules() if isinstance(m, Linear) and m._quant is not None]
     assert len(quantized) == 2 * 4, "qkv, o, gate_up and down of both layers run on the int4 kernel"
-    assert fp32.model.lm_head._small is None, "the unquantized model's head stays fp32-exact"
-    assert int4.model.lm_head._small is not None, "a quantized model's head reads fewer bytes for small steps"
+    assert fp32.model.lm_head._fp16 is None, "the unquantized model's head stays fp32-exact"
+    assert int4.model.lm_head._fp16 is not None, "a quantized model's head reads fp16 for small steps"
     ref, got = prompt_logits(fp32, PROMPT), prompt_logits(int4, PROMPT)
     assert got.shape == ref.shape == (len(PROMPT), 256)
     # bf16 activations and scales inside the kernel: a few 1e-3 of the logits' scale.
@@ -76,15 +76,15 @@ def test_int4_logits_match_the_dequantized_twin(tiny_q4, monkeypatch, tmp_path):
 def test_large_steps_of_a_quantized_model_match_the_twin(tiny_q4, monkeypatch, tmp_path):
     """--quantized-max-tokens 4: the 16-token prefill runs the quantized layers on their float
     copy (bf16 where this CPU multiplies bf16 natively, else fp32) and the 16 logit rows on
-    the head's large-step weights; logits stay within the int4 kernel's bound of the fp32
-    twin and greedy decoding (small steps on the int4 kernel) gives the same tokens."""
+    the fp32 head; logits stay within the int4 kernel's bound of the fp32 twin, and greedy
+    decoding (small steps on the int4 kernel) gives the same tokens."""
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
     path, _ = tiny_q4
     fp32, mixed = runner(path, "none"), runner(path, "int4", quantized_max_tokens=4)
     layers = [m for m in mixed.model.modules() if isinstance(m, Linear) and m._quant is not None]
     want = torch.bfloat16 if quant_linear.native_bf16() else torch.float32
     assert len(layers) == 8 and all(m._packed_dtype == want for m in layers)
-    assert mixed.model.lm_head._packed_dtype == want
+    assert mixed.model.lm_head._packed_dtype == torch.float32
     ref, got = prompt_logits(fp32, PROMPT), prompt_logits(mixed, PROMPT)
     err = float((got - ref).abs().max())
     assert err <= 2e-2 * float(ref.abs().max()), err

@@ -170,26 +170,17 @@ def test_linear_falls_back_to_fp32_when_it_cannot_run_quantized(monkeypatch):
     assert torch.allclose(plain(x), x @ ref.t(), rtol=1e-4, atol=1e-4)
 
 
-def _head(gen: torch.Generator) -> Linear:
-    """An fp32 layer with a bias, prepared, its random weight not fp16- or bf16-exact."""
+def test_fp16_weight_path_runs_small_inputs_on_rounded_weights():
+    """enable_fp16_weight(4): up to 4 rows compute with the weight rounded to fp16 (fp32
+    activations and accumulation), more rows on the exact fp32 weight."""
+    gen = torch.Generator().manual_seed(3)
     layer = Linear(COLS, 4096, bias=True)
     layer.weight.data.copy_(torch.randn(4096, COLS, generator=gen))
     layer.bias.data.copy_(torch.randn(4096, generator=gen))
     layer.prepare()
-    return layer
-
-
-def test_small_step_weights_without_native_bf16_are_fp16(monkeypatch):
-    """enable_small_step_weights(4), no native bf16: up to 4 rows compute with the weight
-    rounded to fp16 (fp32 activations and accumulation), more rows on the exact fp32 weight."""
-    monkeypatch.setattr(linear, "native_bf16", lambda: False)
-    gen = torch.Generator().manual_seed(3)
-    layer = _head(gen)
     w, b = layer.weight.data, layer.bias.data
-    choice = layer.enable_small_step_weights(4)
-    if choice == "fp32":
+    if not layer.enable_fp16_weight(4):
         pytest.skip("this torch build has no FBGEMM fp16-weight GEMM")
-    assert choice == "fp16"
     rounded = w.half().float()
     assert not torch.equal(rounded, w), "the random weight must not be fp16-exact"
     for m in (1, 4, 5, 16):
@@ -205,31 +196,10 @@ def test_small_step_weights_without_native_bf16_are_fp16(monkeypatch):
             assert (to_exact <= 1e-5 * scale).all(), m
 
 
-def test_small_step_weights_with_native_bf16_are_int8_then_bf16():
-    """With native bf16: up to 4 rows on the per-row int8 copy (error per weight <= max|row| /
-    254, plus bf16 rounding of activations and output), more rows on a bf16 copy (bf16 bound);
-    the fp32 weight itself is kept (a tied embedding reads it)."""
-    if not quant_linear.native_bf16():
-        pytest.skip("no native bf16 on this CPU")
-    gen = torch.Generator().manual_seed(4)
-    layer = _head(gen)
-    w, b = layer.weight.data.clone(), layer.bias.data
-    assert layer.enable_small_step_weights(4) == "int8+bf16"
-    assert torch.equal(layer.weight.data, w) and layer._packed_dtype == torch.bfloat16
-    int8_step = w.abs().amax(dim=1) / 254                                   # (N,) per row
-    for m in (1, 4, 5, 16):
-        x = torch.randn(m, COLS, generator=gen)
-        err = (layer(x) - (x @ w.t() + b)).abs()
-        bound = bf16_bound(x, w) + 2.0 ** -8 * b.abs()
-        if m <= 4:
-            bound = bound + x.abs().sum(1, keepdim=True) * int8_step
-        assert (err <= bound).all(), m
-        assert err.max() > 1e-4 * float((x.abs() @ w.abs().t()).max()), "not the fp32 weight"
+def test_fp16_weight_path_falls_back_once_without_fbgemm(monkeypatch, caplog):
+    from radixserve.layers import linear
 
-
-def test_small_step_weights_fall_back_once_without_fbgemm(monkeypatch, caplog):
     monkeypatch.setattr(linear, "_NO_FP16_WEIGHT", [])
-    monkeypatch.setattr(linear, "native_bf16", lambda: False)
 
     def missing(_w):
         raise RuntimeError("no FBGEMM in this build")
@@ -240,6 +210,6 @@ def test_small_step_weights_fall_back_once_without_fbgemm(monkeypatch, caplog):
         layer = Linear(COLS, ROWS)
         layer.weight.data.normal_()
         layer.prepare()
-        assert layer.enable_small_step_weights(4) == "fp32"
+        assert layer.enable_fp16_weight(4) is False
         assert torch.allclose(layer(x), x @ layer.weight.data.t(), rtol=1e-4, atol=1e-4)
     assert sum("fp16-weight GEMM unavailable" in r.message for r in caplog.records) == 1
