@@ -188,22 +188,28 @@ class Linear(torch.nn.Module):
             rows.copy_(q.dequantize())
         self._quant_shards = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
+        """x: (M, in) -> (M, out) in x's dtype; with `cast_back=False`, in the dtype the path
+        computed in where that differs (bf16 from a quantized kernel or a bf16 copy), saving
+        a cast of the output when the next op takes that dtype anyway."""
         if self._fp16 is not None and x.shape[0] <= self._fp16_max_rows:
             return torch.fbgemm_linear_fp16_weight(x, self._fp16, self._fp16_bias)
         if self._quant is not None and (not self._quant_max_rows or x.shape[0] <= self._quant_max_rows):
-            y = self._quant(x)
+            y = self._quant(x, cast_back)
             return y if self.bias is None else y.add_(self.bias)
         if x.shape[0] == 1 and self._split is not None:
             s = self._split.shape[0]
-            y = torch.bmm(self._split, x.t().unsqueeze(0).expand(s, -1, 1)).view(1, self.out_features)
-            return y if self.bias is None else y.add_(self.bias)
+            xt = x.t().to(self._split.dtype).unsqueeze(0).expand(s, -1, 1)
+            y = torch.bmm(self._split, xt).view(1, self.out_features)
+            y = y if self.bias is None else y.add_(self.bias)
+            return y.to(x.dtype)
         if self._packed is not None:
-            if x.dtype == self._packed_dtype:
+            if x.dtype == self._packed_dtype and (self.bias is None or self.bias.dtype == x.dtype):
                 return bi.matmul(x, self._packed, self.bias)
-            y = bi.matmul(x.to(self._packed_dtype), self._packed).to(x.dtype)
+            y = bi.matmul(x.to(self._packed_dtype), self._packed)
+            y = y.to(x.dtype) if cast_back else y
             return y if self.bias is None else y.add_(self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
 
 class QKVLinear(Linear):

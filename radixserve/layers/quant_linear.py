@@ -60,7 +60,8 @@ class Int4Matmul:
     """y = x @ W.T for W the row-wise concatenation of `weights` (fused layers: q|k|v,
     gate|up), packed once for `_weight_int4pack_mm_for_cpu`.
 
-    x: (M, K) float32 or bfloat16 -> (M, N) in x's dtype. Memory: N*K/2 bytes of codes plus
+    x: (M, K) float32 or bfloat16 -> (M, N) in x's dtype (`cast_back=False`: in bf16, the
+    kernel's output, saving a cast where the next op takes bf16). Memory: N*K/2 bytes of codes plus
     4 bytes per group of 32 (bf16 scale and zero). Raises ValueError when the rows do not
     share K or N is not a multiple of 16 (the packing op's requirement).
     """
@@ -77,10 +78,10 @@ class Int4Matmul:
         # (K/g, N, 2) in the activation dtype, the kernel's layout.
         self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(ACTIVATION_DTYPE).contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(ACTIVATION_DTYPE), self.packed,
                                                        GROUP_SIZE, self.scales_zeros)
-        return y.to(x.dtype)
+        return y.to(x.dtype) if cast_back else y
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,9 @@ class Int8Weight:
 
 class Int8Matmul:
     """y = x @ W.T on `_weight_int8pack_mm` for W the row-wise concatenation of `weights`.
-    x: (M, K) float32 or bfloat16 -> (M, N) in x's dtype (computed with bf16 activations and
-    scales, like Int4Matmul). Memory: N*K bytes plus 2 bytes a row."""
+    x: (M, K) float32 or bfloat16 -> (M, N) in x's dtype, or bf16 with `cast_back=False`
+    (computed with bf16 activations and scales, like Int4Matmul). Memory: N*K bytes plus 2
+    bytes a row."""
 
     def __init__(self, weights: list[Int8Weight]):
         if len({w.shape[1] for w in weights}) != 1:
@@ -122,8 +124,9 @@ class Int8Matmul:
         self.values = torch.cat([w.values for w in weights]).contiguous()      # (N, K) int8
         self.scale = torch.cat([w.scale for w in weights]).to(ACTIVATION_DTYPE)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x.to(ACTIVATION_DTYPE), self.values, self.scale).to(x.dtype)
+    def __call__(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(ACTIVATION_DTYPE), self.values, self.scale)
+        return y.to(x.dtype) if cast_back else y
 
 
 @functools.cache

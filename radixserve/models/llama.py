@@ -63,7 +63,10 @@ class LlamaMLP(torch.nn.Module):
         self.down_proj = Linear(width, config.hidden_size, config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        """x: (T, hidden) -> (T, hidden), fp32 or (quantized layers) bf16. gate_up's output stays
+        in the dtype it was computed in: a quantized layer rounds down_proj's input to bf16
+        anyway, and casting (T, 2 * I) to fp32 and back costs more than the layer at prefill."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, cast_back=False)))
 
 
 class LlamaDecoderLayer(torch.nn.Module):

@@ -133,7 +133,7 @@ def test_quantized_max_tokens_runs_larger_inputs_on_the_dequantized_weight(nativ
     assert layer._packed_dtype == (torch.bfloat16 if native else torch.float32)
     calls = []
     kernel = layer._quant
-    layer._quant = lambda x: calls.append(x.shape[0]) or kernel(x)
+    layer._quant = lambda x, cast_back=True: calls.append(x.shape[0]) or kernel(x, cast_back)
     for m in (1, 4, 5, 16):
         x = torch.randn(m, COLS)
         got = layer(x)
@@ -145,6 +145,30 @@ def test_quantized_max_tokens_runs_larger_inputs_on_the_dequantized_weight(nativ
         if m > 4 and native:
             assert err.max() > 1e-4 * float((x.abs() @ ref.abs().t()).max()), "bf16, not fp32"
     assert calls == [1, 4]
+
+
+def test_cast_back_false_keeps_the_compute_dtype_and_every_path_takes_bf16_input():
+    """`cast_back=False` (what the MLP asks of gate_up): a quantized layer returns the kernel's
+    bf16 at small steps and its float copy's dtype at large ones, within the bf16 bound; an
+    fp32 layer given bf16 input (split bmm at M = 1, packed above) returns bf16."""
+    layer, shards, ref = _qkv_layer()
+    for name, w in shards.items():
+        layer.load(w, name)
+    layer.prepare(quantized_max_tokens=4)
+    for m in (1, 5):
+        x = torch.randn(m, COLS)
+        y = layer(x, cast_back=False)
+        assert y.dtype == (torch.bfloat16 if m <= 4 else layer._packed_dtype), m
+        assert ((y.float() - x @ ref.t()).abs() <= bf16_bound(x, ref)).all(), m
+    plain = Linear(COLS, ROWS)
+    plain.weight.data.normal_()
+    plain.prepare()
+    w = plain.weight.data
+    for m in (1, 5):
+        x = torch.randn(m, COLS).bfloat16()
+        y = plain(x)
+        assert y.dtype == torch.bfloat16, m
+        assert ((y.float() - x.float() @ w.t()).abs() <= bf16_bound(x.float(), w)).all(), m
 
 
 def test_linear_falls_back_to_fp32_when_it_cannot_run_quantized(monkeypatch):
