@@ -94,10 +94,11 @@ class EngineConfig:
                 "linear weight per row; auto = int4 for a GGUF (its stored 4-bit precision), none "
                 "otherwise and under --enable-deterministic-inference", ("none", "int8", "int4", "auto"))
     quantized_max_tokens: int = _opt(
-        0, "int4 / int8: steps of more than this many tokens run the quantized layers on their fp32 "
-           "dequantization, kept alongside (+4 bytes per weight): the quantized kernels beat fp32 "
+        0, "int4 / int8: steps of more than this many tokens run the quantized layers on their "
+           "dequantization, kept alongside (bf16 where the CPU has native bf16, +2 bytes per "
+           "weight; else fp32, +4): the quantized kernels beat fp32 "
            "only for a few tokens per step (measured crossover ~12-16 on AVX2, docs/benchmarks.md); "
-           "0 = the quantized kernel at every size, no fp32 copy")
+           "0 = the quantized kernel at every size, no float copy")
     enable_deterministic_inference: bool = _opt(
         False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
                "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
