@@ -18,7 +18,7 @@ from radixserve.outputs import TokenLogprob
 from radixserve.runner import kv_scales, kv_transfer
 from radixserve.runner.attention.base import AttentionBackend, create_backend
 from radixserve.runner.batch import build_step
-from radixserve.runner.device import huge_pages_mb, resolve_device
+from radixserve.runner.device import huge_pages_mb, resolve_device, reuse_freed_cpu_buffers
 from radixserve.runner.disk_kv import DiskKV, fingerprint
 from radixserve.runner.draft import DraftModel
 from radixserve.runner.host_kv import HostKV
@@ -105,7 +105,8 @@ class ModelRunner:
         """Resolve config.model_path (None: the embedded default GGUF), read its ModelConfig and
         weights, and allocate the KV cache. Sets torch's thread count from config.num_threads."""
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        resolve_device(config.device)  # fail before loading anything
+        if resolve_device(config.device).type == "cpu":  # fails before loading anything
+            reuse_freed_cpu_buffers()
         path = resolve_model_path(config.model_path)
         start = time.perf_counter()
         logger.info("loading the model from %s", path)
