@@ -42,19 +42,22 @@ if sys.argv[1] == "tuned":
 x = torch.randn(1024, 3072).bfloat16()
 for _ in range(3):
     x.float()                                     # a fresh 12 MiB fp32 tensor, freed at once
-start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
+counts = []
+for _ in range(11):
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x.float()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / 10)
+    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+print(sorted(counts)[5])                          # the median allocation's faults
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and minor-fault counts")
 def test_freed_cpu_buffers_are_reused_without_page_faults():
     """reuse_freed_cpu_buffers(): a step's 12 MiB activation lands in the memory the last one
-    freed (no minor page faults), where glibc's default maps fresh pages every time; a user's
-    MALLOC_MMAP_THRESHOLD_ is left alone."""
-    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "0"}   # 4 KiB pages: countable faults
+    freed (no minor page faults), where glibc's default maps fresh pages every time for torch's
+    2 MiB-aligned blocks; a user's MALLOC_MMAP_THRESHOLD_ is left alone. Medians over 11
+    allocations: a one-off move of the heap faults once and does not count."""
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}   # radixserve's default: 2 MiB-aligned blocks
 
     def faults(mode: str, **extra: str) -> float:
         done = subprocess.run([sys.executable, "-c", FAULTS, mode], env={**env, **extra},
