@@ -4,6 +4,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
+import mmap
 import os
 
 import torch
@@ -66,3 +68,21 @@ def reuse_freed_cpu_buffers() -> bool:
         logger.info("mallopt refused the thresholds: freed CPU buffers are returned to the kernel")
         return False
     return True
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zero tensor of `shape` and `dtype`. On CPU it lies on its own anonymous mapping, which
+    the kernel zero-fills page by page on first touch: pages never written cost nothing (a read
+    maps the shared zero page), where torch.zeros writes, and so faults in, every page first
+    (about 1.4 ms per MB on a 2-core VM, docs/benchmarks.md). With THP_MEM_ALLOC_ENABLE=1
+    (radixserve's default) the mapping asks for transparent huge pages, as torch's own large
+    buffers do. The tensor keeps the mapping alive. For large buffers of which much may stay
+    unwritten (the decode mirror's spare capacity); the KV pool stays torch.zeros, so its pages
+    are faulted in at start-up rather than under the first requests."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    buf = mmap.mmap(-1, max(1, count * torch.empty((), dtype=dtype).element_size()))
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)

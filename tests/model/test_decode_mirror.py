@@ -80,8 +80,10 @@ def test_mirror_grows_and_compacts(gqa_dir):
         run_both(h, mirror, gather, [(s, s.chunk()) for s in seqs])
     first_capacity = mirror.mirror.capacity
     keep = [seqs[0], seqs[7]]                                                  # slots 0 and 7: holes
-    for _ in range(30):                                                        # seqs[0] passes 128
+    for _ in range(first_capacity):                   # until seqs[0] passes the first capacity
         run_both(h, mirror, gather, [(s, s.chunk()) for s in keep])
+        if mirror.mirror.capacity > first_capacity:
+            break
     assert mirror.mirror.capacity > first_capacity
     assert max(slot.index for slot in mirror.mirror.slots.values()) < 2 + 4
 
@@ -139,13 +141,13 @@ def test_kept_slot_counts_against_capacity(gqa_dir):
     h = Harness(gqa_dir, 16, seed=8)
     backend = TorchAttentionBackend(h.runner.kv)
     h.runner.backend = backend
-    seqs = [h.new_seq(f"s{i}", 5 + i) for i in range(13)]
+    seqs = [h.new_seq(f"s{i}", 5 + i) for i in range(17)]
     h.step([(s, s.chunk()) for s in seqs[:8]])
-    h.step([(s, s.chunk()) for s in seqs[:8]])                                  # 8 decode: 12 slots
-    h.step([(s, s.chunk()) for s in seqs])                                      # 8 decode, 5 prefill
-    assert backend.mirror.num_slots == 12
+    h.step([(s, s.chunk()) for s in seqs[:8]])                                  # 8 decode: 16 slots
+    h.step([(s, s.chunk()) for s in seqs])                                      # 8 decode, 9 prefill
+    assert backend.mirror.num_slots == 16
     seqs[0].output += [7, 11]                                                    # s0 verifies a draft
-    h.step([(s, s.chunk()) for s in seqs])                                      # 12 decode + 1 kept
-    assert backend.mirror.num_slots >= 13
+    h.step([(s, s.chunk()) for s in seqs])                                      # 16 decode + 1 kept
+    assert backend.mirror.num_slots >= 17
     h.step([(s, s.chunk()) for s in seqs])
     assert all(len(s.output) >= 3 for s in seqs[8:])

@@ -71,3 +71,16 @@ def test_freed_cpu_buffers_are_reused_without_page_faults():
                            "print(reuse_freed_cpu_buffers())"], env={**env, "MALLOC_MMAP_THRESHOLD_": "131072"},
                           capture_output=True, text=True, timeout=120)
     assert keep.stdout.split()[-1] == "False"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_zeros_is_a_writable_zero_tensor_that_keeps_its_mapping(dtype):
+    from radixserve.runner.device import zeros
+
+    a, b = zeros((3, 5, 700), dtype), zeros((3, 5, 700), dtype)
+    assert a.shape == (3, 5, 700) and a.dtype == dtype and a.is_contiguous()
+    assert torch.count_nonzero(a.view(torch.uint8)) == 0
+    a.view(torch.uint8).fill_(1)
+    import gc
+    gc.collect()                                  # only the tensor holds the mapping now
+    assert torch.all(a.view(torch.uint8) == 1) and torch.count_nonzero(b.view(torch.uint8)) == 0

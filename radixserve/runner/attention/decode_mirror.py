@@ -15,6 +15,9 @@ speculative draft tokens as a short chunk) catches up by copying only the missin
 Slots of sequences that left the step are freed at once. Growing the buffer or compacting
 holes re-copies all.
 Memory is bounded by `max_bytes`; a step that does not fit returns None (gather instead).
+On CPU the buffers are fresh anonymous mappings (`device.zeros`): only the pages something
+writes are faulted in; torch.zeros wrote all of the capacity (0.5-2.4 s per reallocation of a
+0.45-2 GB mirror on a 2-core VM, docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 from radixserve.runner.attention.cascade import CascadePlan, cascade_attend, plan_cascade
 from radixserve.runner.attention.torch_metadata import DecodeGroup, additive_mask
+from radixserve.runner.device import zeros
 from radixserve.runner.kv_cache import KVCache
 
 _ROUND = 128  # capacity granularity in tokens
@@ -75,9 +79,9 @@ class DecodeMirror:
         stale = [i for i, rid in enumerate(d.request_ids) if not self._current(rid, d, i, kv.page_size)]
         used = [s.index for rid, s in self.slots.items() if rid not in {d.request_ids[i] for i in stale}]
         held = sum(1 for rid in self.slots if rid not in live)          # kept for verifying sequences
-        if (longest > self.capacity or batch + held > self.num_slots
-                or (used and max(used) >= batch + max(4, batch // 4))):
-            self._allocate(kv, batch, longest)          # compaction or growth: re-copy everyone
+        grow = longest > self.capacity or batch + held > self.num_slots
+        if grow or (used and max(used) >= batch + max(4, batch // 4)):
+            self._allocate(kv, batch, longest, grow)    # growth or compaction: re-copy everyone
             stale = list(range(batch))
         self._fill(kv, d, stale)
         slot_idx = [self.slots[rid].index for rid in d.request_ids]
@@ -112,9 +116,15 @@ class DecodeMirror:
             return 0
         return slot.length
 
-    def _allocate(self, kv: KVCache, batch: int, longest: int) -> None:
-        capacity = max(_round(longest + longest // 4), self.capacity)   # headroom: growth re-copies all
-        num_slots = max(batch + batch // 2, self.num_slots, 8)
+    def _allocate(self, kv: KVCache, batch: int, longest: int, grow: bool = True) -> None:
+        """Free every slot; with `grow`, new buffers for `batch` sequences of up to `longest`
+        tokens (compaction alone keeps the buffers). Headroom, since growth re-copies everyone:
+        unwritten capacity and slots cost address space only (`zeros`), so be generous."""
+        if not grow:
+            self.slots.clear()
+            return
+        capacity = max(_round(longest + longest // 2), self.capacity)
+        num_slots = max(2 * batch, self.num_slots, 8)
         while num_slots * capacity * self._token_bytes(kv) > self.max_bytes and capacity > _round(longest):
             capacity -= _ROUND
         num_slots = max(batch, min(num_slots, self.max_bytes // (capacity * self._token_bytes(kv))))
@@ -122,8 +132,8 @@ class DecodeMirror:
         if (num_slots, capacity) != (self.num_slots, self.capacity):
             shape = (kv.num_kv_heads, num_slots, capacity, kv.head_dim)
             self.k, self.v = [], []  # free the old buffers before allocating new ones
-            self.k = [torch.zeros(shape, dtype=kv.compute_dtype, device=kv.device) for _ in range(kv.num_layers)]
-            self.v = [torch.zeros(shape, dtype=kv.compute_dtype, device=kv.device) for _ in range(kv.num_layers)]
+            self.k = [zeros(shape, kv.compute_dtype, kv.device) for _ in range(kv.num_layers)]
+            self.v = [zeros(shape, kv.compute_dtype, kv.device) for _ in range(kv.num_layers)]
             self.num_slots, self.capacity = num_slots, capacity
 
     def _fill(self, kv: KVCache, d: DecodeGroup, stale: list[int]) -> None:
