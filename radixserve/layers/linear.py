@@ -198,11 +198,11 @@ class Linear(torch.nn.Module):
             y = self._quant(x, cast_back)
             return y if self.bias is None else y.add_(self.bias)
         if x.shape[0] == 1 and self._split is not None:
-            s = self._split.shape[0]
-            xt = x.t().to(self._split.dtype).unsqueeze(0).expand(s, -1, 1)
+            s, same = self._split.shape[0], x.dtype == self._split.dtype   # same: the hot path
+            xt = (x if same else x.to(self._split.dtype)).t().unsqueeze(0).expand(s, -1, 1)
             y = torch.bmm(self._split, xt).view(1, self.out_features)
             y = y if self.bias is None else y.add_(self.bias)
-            return y.to(x.dtype)
+            return y if same else y.to(x.dtype)
         if self._packed is not None:
             if x.dtype == self._packed_dtype and (self.bias is None or self.bias.dtype == x.dtype):
                 return bi.matmul(x, self._packed, self.bias)
