@@ -93,10 +93,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--quantization", default="none", help="none | int8 | int4 | auto (EngineConfig)")
+    ap.add_argument("--quantized-max-tokens", type=int, default=0)
     ap.add_argument("--py-spy", default=None, help="flame graph of the timed steps (svg path)")
     args = ap.parse_args()
     config = EngineConfig(model_path=args.model_path, num_threads=args.num_threads,
-                          max_running_requests=256)
+                          max_running_requests=256, quantization=args.quantization,
+                          quantized_max_tokens=args.quantized_max_tokens)
     engine = Engine(config, build_runner(config))
     print(f"load {os.getloadavg()[0]:.2f} at start; threads {args.num_threads or os.cpu_count()}")
     rows = []

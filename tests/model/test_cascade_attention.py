@@ -142,3 +142,34 @@ def test_cascade_agrees_with_the_page_gather_path(gqa_dir, monkeypatch, kv_dtype
         run_both(h, with_cascade, gather, [(s, s.chunk()) for s in (x, c, b, a)])
     assert [len(s.output) for s in (a, x, b, c)] == [7, 7, 6, 6]
     assert calls, "the cascade plan was never used"
+
+
+def test_a_shared_prefix_is_copied_once_and_copied_again_before_any_slot_reads_it(gqa_dir, monkeypatch):
+    """Slots behind another decoding slot's pages borrow them (left unwritten); each step must
+    copy into a slot what that step reads from it: after the slot that held the prefix leaves,
+    and when the plan is declined (plain attention reads every slot whole)."""
+    from radixserve.runner.attention.torch_backend import TorchAttentionBackend
+    from tests.model.test_decode_mirror import run_both
+
+    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", -10**9)
+    monkeypatch.setattr(cascade, "MIN_PREFIX_TOKENS", 8)
+    h = Harness(gqa_dir, page_size=8, seed=11)
+    backend, gather = TorchAttentionBackend(h.runner.kv), TorchAttentionBackend(h.runner.kv, mirror_bytes=0)
+    mirror = backend.mirror
+    a, x = h.new_seq("a", 60), h.new_seq("x", 20)
+    run_both(h, backend, gather, [(a, a.chunk()), (x, x.chunk())])
+    b, c = shared(h, a, "b", 7, 3), shared(h, a, "c", 5, 6)
+    run_both(h, backend, gather, [(s, s.chunk()) for s in (b, c, a, x)])
+    run_both(h, backend, gather, [(s, s.chunk()) for s in (x, c, b, a)])
+    borrowed = {r: mirror.slots[r].borrowed for r in "abcx"}
+    # The group {a, b, c} shares 5 pages (40 tokens): b's pages 6-7 are read as its suffix.
+    assert borrowed == {"a": 0, "x": 0, "b": 40, "c": 40}
+    slot_b = mirror.slots["b"].index
+    assert not mirror.k[0][:, slot_b, :40].any(), "b's borrowed prefix was written"
+    assert mirror.k[0][:, slot_b, 40:b.computed].abs().sum() > 0
+    run_both(h, backend, gather, [(s, s.chunk()) for s in (x, c, b)])     # a, the holder, left
+    assert min(mirror.slots[r].borrowed for r in "bc") == 0, "nobody holds the group's prefix"
+    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 10**9)              # the plan is declined
+    run_both(h, backend, gather, [(s, s.chunk()) for s in (b, x, c)])
+    assert [mirror.slots[r].borrowed for r in "bcx"] == [0, 0, 0]
+    assert [len(s.output) for s in (a, x, b, c)] == [3, 5, 4, 4]

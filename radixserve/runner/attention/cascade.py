@@ -18,9 +18,10 @@ layer, then merges them:
             suffix part:         W ....[== own ==]     (masked outside [P_i, len_i))
 
 The merge is exact up to rounding: a softmax over a union of key sets, from each part's
-log-sum-exp (Hydragen, Juravsky et al. 2024; FlashInfer's cascade attention). The mirror holds
-every member's copy of the prefix (the same pages copied), so the prefix K/V are read from the
-first member's slot in place. Sequences in no group attend over their whole context, read
+log-sum-exp (Hydragen, Juravsky et al. 2024; FlashInfer's cascade attention). The prefix K/V
+are read in place from one member's slot, one that holds it whole where there is one (members'
+slots may borrow the prefix, decode_mirror.py; `CascadePlan.reads` tells the mirror what each
+slot must hold). Sequences in no group attend over their whole context, read
 in place from their slot too, as a part of their own with no suffix. `plan_cascade` returns a
 plan only when the estimated KV reads (module constants) fall by at least MIN_SAVED_TOKENS;
 otherwise decoding attends as before.
@@ -51,15 +52,19 @@ class CascadePlan:
     num_slots: int                   # slots [0, num_slots) the suffix attention spans
     window: tuple[int, int]          # its key positions [W, ctx)
     suffix_mask: torch.Tensor        # (num_slots, 1, 1, ctx - W) additive, per slot: [P_i, len_i)
+    reads: list[int]                 # per decode row, the first position read from its slot
 
 
 def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int]], page_size: int,
-                 dtype: torch.dtype, device: torch.device) -> CascadePlan | None:
+                 dtype: torch.dtype, device: torch.device,
+                 borrowed: list[int] | None = None) -> CascadePlan | None:
     """Group the decode group's sequences by shared leading pages; None when it saves too little.
 
     slot_idx / lens / page_lists: per sequence, its mirror slot, its length including the new
     token, and the page ids under it. A group's prefix P is its members' longest common page
-    prefix in tokens, at most each member's length - 1 (the new token is always its own)."""
+    prefix in tokens, at most each member's length - 1 (the new token is always its own).
+    `borrowed`: per sequence, the leading tokens its slot does not hold; a group's prefix is
+    read from the member that borrows the least (the first of those)."""
     buckets: dict[int, list[int]] = {}
     for i, pages in enumerate(page_lists):
         if pages and lens[i] - 1 >= MIN_PREFIX_TOKENS:
@@ -70,9 +75,12 @@ def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int
             continue
         common = len(page_lists[members[0]])
         for i in members[1:]:
-            common = _common_len(page_lists[members[0]], page_lists[i], common)
+            common = common_pages(page_lists[members[0]], page_lists[i], common)
         prefix = min(common * page_size, min(lens[i] for i in members) - 1)
         if prefix >= MIN_PREFIX_TOKENS:
+            if borrowed is not None:   # the reader first
+                reader = min(members, key=lambda i: borrowed[i])
+                members = [reader] + [i for i in members if i != reader]
             groups.append((members, prefix))
     if not groups:
         return None
@@ -99,6 +107,10 @@ def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int
     for members, p in groups:
         for i in members:
             lo[slot_idx[i]], hi[slot_idx[i]] = p, lens[i]
+    reads = [0] * len(lens)
+    for members, p in groups:
+        for i in members[1:]:
+            reads[i] = p
     positions = torch.arange(start, ctx, device=device)[None, :]
     visible = (positions >= tensor(lo)[:, None]) & (positions < tensor(hi)[:, None])
     return CascadePlan(
@@ -106,7 +118,7 @@ def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int
         part_rows=tensor(rows), part_slots=tensor([slot_idx[i] for i in rows]),
         no_suffix=torch.tensor([i not in grouped for i in rows], device=device)[:, None],
         num_slots=num_slots, window=(start, ctx),
-        suffix_mask=additive_mask(visible, dtype)[:, None, None])
+        suffix_mask=additive_mask(visible, dtype)[:, None, None], reads=reads)
 
 
 def cascade_attend(plan: CascadePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -141,7 +153,7 @@ def cascade_attend(plan: CascadePlan, q: torch.Tensor, k: torch.Tensor, v: torch
     return out.index_copy_(0, plan.part_rows, merged.to(q.dtype))
 
 
-def _common_len(a: list[int], b: list[int], limit: int) -> int:
+def common_pages(a: list[int], b: list[int], limit: int) -> int:
     """Length of the common prefix of page lists a and b, at most `limit`."""
     n = min(limit, len(a), len(b))
     for j in range(n):

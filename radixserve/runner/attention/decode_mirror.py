@@ -14,6 +14,21 @@ dedup, preemption). A slot that is merely behind (the sequence spent a step veri
 speculative draft tokens as a short chunk) catches up by copying only the missing tokens.
 Slots of sequences that left the step are freed at once. Growing the buffer or compacting
 holes re-copies all.
+
+Shared prefixes are copied once. When a sequence's slot is filled and another decoding
+sequence's slot already holds the same leading pages (a radix hit behind one system prompt),
+those tokens are not copied: the slot *borrows* them and leaves [0, borrowed) unwritten. Each
+step then makes every slot hold what the step reads from it before attention runs
+(`_own_what_is_read`, the one rule that keeps this correct):
+
+    slot of member i:   0 ........ borrowed ........... len_i
+                        [ unwritten )[=== its own KV ===)
+    cascade plan        group prefix [0, P) read from one member's slot that holds it;
+                        every member's [P, len) read from its own slot
+    plain attention     every slot's [0, len)
+    -> a slot whose reads start below `borrowed` is copied from its pages first.
+
+Unwritten positions are only ever read masked (weight 0), like the unused tail of a slot.
 Memory is bounded by `max_bytes`; a step that does not fit returns None (gather instead).
 On CPU the buffers are fresh anonymous mappings (`device.zeros`): only the pages something
 writes are faulted in; torch.zeros wrote all of the capacity (0.5-2.4 s per reallocation of a
@@ -26,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixserve.runner.attention.cascade import CascadePlan, cascade_attend, plan_cascade
+from radixserve.runner.attention.cascade import CascadePlan, cascade_attend, common_pages, plan_cascade
 from radixserve.runner.attention.torch_metadata import DecodeGroup, additive_mask
 from radixserve.runner.device import zeros
 from radixserve.runner.kv_cache import KVCache
@@ -39,6 +54,7 @@ class _Slot:
     index: int
     length: int          # tokens currently mirrored (positions [0, length))
     pages: list[int]     # page ids under those tokens, as the page table said
+    borrowed: int = 0    # [0, borrowed) not written here: another slot held those pages
 
 
 class DecodeMirror:
@@ -83,13 +99,15 @@ class DecodeMirror:
         if grow or (used and max(used) >= batch + max(4, batch // 4)):
             self._allocate(kv, batch, longest, grow)    # growth or compaction: re-copy everyone
             stale = list(range(batch))
-        self._fill(kv, d, stale)
-        slot_idx = [self.slots[rid].index for rid in d.request_ids]
-        for i, rid in enumerate(d.request_ids):
-            slot = self.slots[rid]
+        share = self.cascade and batch > 1
+        self._fill(kv, d, stale, share)
+        slots = [self.slots[rid] for rid in d.request_ids]
+        for i, slot in enumerate(slots):
             slot.length, slot.pages = d.lens[i], d.page_lists[i]
-        cascade = (plan_cascade(slot_idx, d.lens, d.page_lists, kv.page_size, kv.compute_dtype, kv.device)
-                   if self.cascade and batch > 1 else None)
+        slot_idx = [slot.index for slot in slots]
+        cascade = (plan_cascade(slot_idx, d.lens, d.page_lists, kv.page_size, kv.compute_dtype,
+                                kv.device, [slot.borrowed for slot in slots]) if share else None)
+        self._own_what_is_read(kv, d, slots, cascade)
         return MirrorStep(self, kv, slot_idx, d.lens, cascade)
 
     # ---- internals -----------------------------------------------------------------------------
@@ -136,27 +154,68 @@ class DecodeMirror:
             self.v = [zeros(shape, kv.compute_dtype, kv.device) for _ in range(kv.num_layers)]
             self.num_slots, self.capacity = num_slots, capacity
 
-    def _fill(self, kv: KVCache, d: DecodeGroup, stale: list[int]) -> None:
+    def _fill(self, kv: KVCache, d: DecodeGroup, stale: list[int], share: bool) -> None:
         """Give each stale sequence a slot and copy its computed tokens [kept, pos) from its
-        pages, `kept` being what a slot that is merely behind already holds (_valid_prefix)."""
+        pages, `kept` being what a slot that is merely behind already holds (_valid_prefix).
+        With `share`, a new slot borrows the leading pages another decoding slot holds."""
         size = kv.page_size
         kept = {i: self._valid_prefix(d.request_ids[i], d, i) for i in stale}
         reused = {d.request_ids[i] for i in stale if kept[i]}
-        taken = {s.index for rid, s in self.slots.items()
-                 if rid not in {d.request_ids[i] for i in stale} or rid in reused}
+        stale_ids = {d.request_ids[i] for i in stale}
+        taken = {s.index for rid, s in self.slots.items() if rid not in stale_ids or rid in reused}
         free = (i for i in range(self.num_slots) if i not in taken)
+        # Slots holding their whole length, by first page: what a new slot may borrow from.
+        holders: dict[int, list[tuple[list[int], int]]] = {}
+        if share:
+            for i, rid in enumerate(d.request_ids):
+                slot = self.slots.get(rid)
+                if rid not in stale_ids and slot.borrowed == 0 and slot.pages:
+                    holders.setdefault(slot.pages[0], []).append((slot.pages, slot.length))
+        jobs = []   # (slot, first token copied, end, pages covering them); first on a page boundary
         for i in stale:
-            if not kept[i]:
-                self.slots[d.request_ids[i]] = _Slot(next(free), 0, [])
-        # (slot, first token copied, end, pages covering them); the copy starts on a page boundary.
-        jobs = []
-        for i in stale:
-            end, first = d.lens[i] - 1, kept[i] // size * size
+            rid, end, pages = d.request_ids[i], d.lens[i] - 1, d.page_lists[i]
+            if kept[i]:
+                first = kept[i] // size * size
+            else:
+                borrowed = self._shareable(holders.get(pages[0], []) if pages else [], pages, end, size)
+                self.slots[rid] = _Slot(next(free), 0, [], borrowed)
+                first = borrowed
+                if share and borrowed == 0 and pages:
+                    holders.setdefault(pages[0], []).append((pages, end))
             if end > first:
-                jobs.append((self.slots[d.request_ids[i]].index, first, end,
-                             d.page_lists[i][first // size:-(-end // size)]))
+                jobs.append((self.slots[rid].index, first, end, pages[first // size:-(-end // size)]))
+        self._copy(kv, jobs)
+
+    @staticmethod
+    def _shareable(holders: list[tuple[list[int], int]], pages: list[int], end: int, size: int) -> int:
+        """Leading tokens of a sequence with `pages` and `end` computed tokens that a holder
+        (pages, tokens held) has in its slot: whole common pages, up to both lengths."""
+        best = 0
+        for held_pages, held_len in holders:
+            common = common_pages(held_pages, pages, len(pages)) * size
+            best = max(best, min(common, held_len // size * size, end // size * size))
+        return best
+
+    def _own_what_is_read(self, kv: KVCache, d: DecodeGroup, slots: list[_Slot],
+                          cascade: CascadePlan | None) -> None:
+        """Copy into each slot the borrowed tokens this step reads from it (module docstring):
+        from `cascade.reads` (per decode row, the first position read in its slot), or from 0
+        without a plan."""
+        reads = cascade.reads if cascade is not None else [0] * len(slots)
+        size, jobs = kv.page_size, []
+        for i, (slot, first) in enumerate(zip(slots, reads)):
+            if first < slot.borrowed:
+                start = first // size * size
+                jobs.append((slot.index, start, slot.borrowed, d.page_lists[i][start // size:slot.borrowed // size]))
+                slot.borrowed = start
+        self._copy(kv, jobs)
+
+    def _copy(self, kv: KVCache, jobs: list[tuple[int, int, int, list[int]]]) -> None:
+        """For each job (slot, first, end, pages), copy tokens [first, end) into the slot from
+        `pages`, the pages under [first, ...) (first on a page boundary)."""
         if not jobs:
             return
+        size = kv.page_size
         rows = kv.head_rows(torch.tensor([p for *_, pages in jobs for p in pages], dtype=torch.long,
                                          device=kv.device))
         counts = [len(pages) * size for *_, pages in jobs]
