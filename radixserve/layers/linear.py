@@ -18,29 +18,22 @@ weight is a bf16 copy instead: the kernel already rounds activations, weights an
 so the large steps lose little more, and run 1.6-1.9x faster (prefill) on half the bytes.
 Batch-invariant mode (`prepare(batch_invariant=True)`, for --enable-deterministic-inference) uses
 the packed oneDNN path for every M, M == 1 included: see batch_invariant.py.
-fp16 weights (`enable_fp16_weight`, the LM head of a quantized model): inputs of up to a few rows
-run on FBGEMM's fp16-weight GEMM (`torch.fbgemm_linear_fp16_weight`: fp32 activations, fp16
-weights, fp32 accumulation and output), which reads half the bytes of the fp32 weight. On the
-default model's 49152 x 576 head (2 threads, AVX2): 1.4-1.7x faster than the paths above at
-M = 1..4, even at 8, slower from 16 (docs/benchmarks.md).
+A quantized model's LM head (`enable_screened_head`) runs steps of a few rows on an int8 copy
+and recomputes the largest logits from the fp32 weight (screened_head.py).
 """
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.layers import batch_invariant as bi
-from radixserve.layers.quant_linear import MATMULS, QuantWeight, kernel_available, native_bf16
+from radixserve.layers.quant_linear import MATMULS, Int8Weight, QuantWeight, kernel_available, native_bf16
+from radixserve.layers.screened_head import ScreenedHead
 
 logger = logging.getLogger(__name__)
 _UNPACKABLE: set[torch.dtype] = set()   # dtypes whose prepacking failed (already logged)
-_NO_FP16_WEIGHT: list[str] = []          # why FBGEMM's fp16-weight GEMM is unavailable (logged once)
-# torch marks the two FBGEMM fp16 functions deprecated (a UserWarning on first use); torch is
-# pinned (2.13), and a build without them takes the fallback in enable_fp16_weight.
-warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
 
 
 class Linear(torch.nn.Module):
@@ -67,9 +60,8 @@ class Linear(torch.nn.Module):
         self._quant_shards: dict[str | None, QuantWeight] = {}
         self._quant = None                         # Int4Matmul or Int8Matmul
         self._quant_max_rows = 0                   # > 0: larger inputs take the float weight
-        self._fp16: torch.Tensor | None = None     # FBGEMM-packed fp16 weight for small M
-        self._fp16_bias: torch.Tensor | None = None
-        self._fp16_max_rows = 0
+        self._screen: ScreenedHead | None = None   # int8 screen of the LM head for small M
+        self._screen_max_rows = 0
 
     def load(self, tensor: torch.Tensor | QuantWeight, shard: str | None = None, is_bias: bool = False) -> None:
         """Copy a checkpoint tensor ((rows, in) or (rows,) for a bias) into the weight or one
@@ -97,7 +89,7 @@ class Linear(torch.nn.Module):
         `batch_invariant` every M takes the packed path; raises ValueError where it cannot.
         A quantized layer runs inputs of up to `quantized_max_tokens` rows (0: all) on its
         kernel and larger ones on the dequantized float weight, then kept as well."""
-        self._split, self._packed, self._packed_dtype, self._fp16 = None, None, None, None
+        self._split, self._packed, self._packed_dtype, self._screen = None, None, None, None
         if self._quant_shards:
             if self._prepare_quant(batch_invariant, keep_float=quantized_max_tokens > 0):
                 self._quant_max_rows = quantized_max_tokens
@@ -139,22 +131,18 @@ class Linear(torch.nn.Module):
         """Whether this layer runs on a quantized kernel (for some input sizes at least)."""
         return self._quant is not None
 
-    def enable_fp16_weight(self, max_rows: int) -> bool:
-        """Also keep an fp16 copy of the fp32 CPU weight (+2 bytes per weight), packed for
-        FBGEMM, and run inputs of up to `max_rows` rows on it; weights are rounded to fp16
-        (relative error <= 2^-11 each), activations, accumulation and output stay fp32.
-        Returns False, with one log line per process, where FBGEMM is not in the torch build."""
+    def enable_screened_head(self, max_rows: int, exact_top: int) -> bool:
+        """Run inputs of up to `max_rows` rows on an int8 screen of this fp32 CPU weight with the
+        `exact_top` largest outputs of each row recomputed in fp32 (screened_head.py; +1 byte
+        per weight). Returns False where it cannot: not an fp32 CPU weight, or no int8 kernel
+        on this CPU (kernel_available logs that once)."""
         w = self.weight.data
-        if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() == 0 or _NO_FP16_WEIGHT:
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() == 0:
             return False
-        try:
-            self._fp16 = torch.fbgemm_pack_gemm_matrix_fp16(w)
-        except (RuntimeError, AttributeError) as exc:
-            _NO_FP16_WEIGHT.append(str(exc))
-            logger.warning("FBGEMM fp16-weight GEMM unavailable (%s); the LM head stays fp32", exc)
+        if not kernel_available(Int8Weight):
             return False
-        self._fp16_bias = self.bias.data if self.bias is not None else torch.zeros(self.out_features)
-        self._fp16_max_rows = max_rows
+        self._screen = ScreenedHead(w, exact_top)
+        self._screen_max_rows = max_rows
         return True
 
     def _prepare_quant(self, batch_invariant: bool, keep_float: bool = False) -> bool:
@@ -192,8 +180,8 @@ class Linear(torch.nn.Module):
         """x: (M, in) -> (M, out) in x's dtype; with `cast_back=False`, in the dtype the path
         computed in where that differs (bf16 from a quantized kernel or a bf16 copy), saving
         a cast of the output when the next op takes that dtype anyway."""
-        if self._fp16 is not None and x.shape[0] <= self._fp16_max_rows:
-            return torch.fbgemm_linear_fp16_weight(x, self._fp16, self._fp16_bias)
+        if self._screen is not None and x.shape[0] <= self._screen_max_rows and x.dtype == torch.float32:
+            return self._screen(x, self.weight, self.bias)
         if self._quant is not None and (not self._quant_max_rows or x.shape[0] <= self._quant_max_rows):
             y = self._quant(x, cast_back)
             return y if self.bias is None else y.add_(self.bias)

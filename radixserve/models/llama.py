@@ -21,10 +21,12 @@ from radixserve.models.model_config import ModelConfig
 from radixserve.models.moe import Experts, MoE, Router
 
 
-# Logit rows up to which a quantized model's LM head runs on fp16 weights: FBGEMM's fp16 GEMM
-# beats the fp32 paths 1.4-1.7x at 1-4 rows on the default model's head and is even at 8
-# (2 threads, AVX2; docs/benchmarks.md).
-HEAD_FP16_MAX_ROWS = 4
+# A quantized model's LM head screens steps of up to this many logit rows in int8 and
+# recomputes the HEAD_EXACT_TOP largest logits of each in fp32 (layers/screened_head.py): 0.5,
+# 0.6 and 1.0 ms at 1, 2 and 4 rows against 1.6-1.7 ms for the fp32 head; at 8 rows it is slower
+# (AVX-512 EPYC, 2 threads; docs/benchmarks.md).
+HEAD_SCREEN_MAX_ROWS = 4
+HEAD_EXACT_TOP = 64
 
 
 class LlamaAttention(torch.nn.Module):
@@ -146,7 +148,7 @@ class LlamaForCausalLM(torch.nn.Module):
         and build the linear layers' fast paths (CPU only), or their batch-invariant form
         (layers/batch_invariant.py; raises ValueError where it cannot be built).
         `quantized_max_tokens`: see Linear.prepare. When some layer runs quantized, the LM
-        head also takes fp16 weights for up to HEAD_FP16_MAX_ROWS logit rows."""
+        head screens steps of up to HEAD_SCREEN_MAX_ROWS logit rows (layers/screened_head.py)."""
         routers = [m for m in self.modules() if isinstance(m, Router)]
         kept = [[p.data.float() for p in r.parameters()] for r in routers]   # routers stay fp32
         self.to(device=device, dtype=dtype)
@@ -162,8 +164,9 @@ class LlamaForCausalLM(torch.nn.Module):
                 module.prepare(batch_invariant)
         if any(isinstance(m, Linear) and m.quantized for m in self.modules()):
             # A quantized model is not fp32-exact anyway: its LM head (the largest matrix, a
-            # third of the default model's bytes per decode token) reads fp16 for small steps.
-            self.lm_head.enable_fp16_weight(HEAD_FP16_MAX_ROWS)
+            # third of the default model's bytes per decode token) reads int8 for small steps,
+            # with the logits that matter recomputed in fp32.
+            self.lm_head.enable_screened_head(HEAD_SCREEN_MAX_ROWS, HEAD_EXACT_TOP)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
                 logit_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:

@@ -194,46 +194,46 @@ def test_linear_falls_back_to_fp32_when_it_cannot_run_quantized(monkeypatch):
     assert torch.allclose(plain(x), x @ ref.t(), rtol=1e-4, atol=1e-4)
 
 
-def test_fp16_weight_path_runs_small_inputs_on_rounded_weights():
-    """enable_fp16_weight(4): up to 4 rows compute with the weight rounded to fp16 (fp32
-    activations and accumulation), more rows on the exact fp32 weight."""
+def test_screened_head_recomputes_its_top_in_fp32_and_keeps_larger_steps_exact():
+    """enable_screened_head(4, 16): up to 4 rows are screened in int8 (bf16 activations and
+    output); each row's 16 largest screened logits are then fp32's, the rest within int8's
+    error; more rows run on the exact fp32 weight. Greedy picks agree with fp32."""
     gen = torch.Generator().manual_seed(3)
     layer = Linear(COLS, 4096, bias=True)
     layer.weight.data.copy_(torch.randn(4096, COLS, generator=gen))
     layer.bias.data.copy_(torch.randn(4096, generator=gen))
     layer.prepare()
     w, b = layer.weight.data, layer.bias.data
-    if not layer.enable_fp16_weight(4):
-        pytest.skip("this torch build has no FBGEMM fp16-weight GEMM")
-    rounded = w.half().float()
-    assert not torch.equal(rounded, w), "the random weight must not be fp16-exact"
+    assert layer.enable_screened_head(4, 16)
     for m in (1, 4, 5, 16):
         x = torch.randn(m, COLS, generator=gen)
+        ref = x @ w.t() + b
         scale = x.abs() @ w.abs().t() + b.abs()
         got = layer(x)
-        to_exact = (got - (x @ w.t() + b)).abs()
+        assert got.dtype == torch.float32 and got.shape == ref.shape
+        exact = (got - ref).abs() <= 1e-5 * scale
         if m <= 4:
-            assert ((got - (x @ rounded.t() + b)).abs() <= 1e-5 * scale).all(), m
-            assert to_exact.max() > 1e-5 * scale.max(), "small inputs must take the fp16 weights"
-            assert (to_exact <= 2.0 ** -11 * scale).all(), m
+            assert int(exact.sum(1).min()) >= 16 and not exact.all(), "the top only is recomputed"
+            top = ref.topk(16).indices
+            assert exact.gather(1, top[:, :8]).all(), "fp32's largest logits are exact"
+            assert torch.equal(got.argmax(-1), ref.argmax(-1))
+            # int8 per row (scale max|row| / 127), bf16 activations and output.
+            assert ((got - ref).abs() <= 2 ** -6 * scale).all(), m
         else:
-            assert (to_exact <= 1e-5 * scale).all(), m
+            assert exact.all(), m
 
 
-def test_fp16_weight_path_falls_back_once_without_fbgemm(monkeypatch, caplog):
+def test_screened_head_is_refused_without_an_int8_kernel_or_an_fp32_weight(monkeypatch):
     from radixserve.layers import linear
 
-    monkeypatch.setattr(linear, "_NO_FP16_WEIGHT", [])
-
-    def missing(_w):
-        raise RuntimeError("no FBGEMM in this build")
-
-    monkeypatch.setattr(torch, "fbgemm_pack_gemm_matrix_fp16", missing)
+    layer = Linear(COLS, ROWS)
+    layer.weight.data.normal_()
+    layer.prepare()
+    monkeypatch.setattr(linear, "kernel_available", lambda kind: False)
+    assert layer.enable_screened_head(4, 8) is False
+    monkeypatch.undo()
+    half = Linear(COLS, ROWS).to(torch.bfloat16)
+    half.prepare()
+    assert half.enable_screened_head(4, 8) is False
     x = torch.randn(2, COLS)
-    for _ in range(2):
-        layer = Linear(COLS, ROWS)
-        layer.weight.data.normal_()
-        layer.prepare()
-        assert layer.enable_fp16_weight(4) is False
-        assert torch.allclose(layer(x), x @ layer.weight.data.t(), rtol=1e-4, atol=1e-4)
-    assert sum("fp16-weight GEMM unavailable" in r.message for r in caplog.records) == 1
+    assert torch.allclose(layer(x), x @ layer.weight.data.t(), rtol=1e-4, atol=1e-4)
