@@ -208,7 +208,7 @@ def main() -> None:
                   num_threads=args.threads)
     llms: dict[str, LLM] = {}
     print(f"# benchmarks/quantized.py ({load()}, {os.cpu_count()} CPUs, threads {args.threads or 'all'})\n")
-    print("| mode | load s (cached) | decoder linear weights MB (lm_head: the tied fp32 embedding, plus its fp16 copy for steps of <= 4 rows when quantized) |\n|---|---:|---:|")
+    print("| mode | load s (cached) | decoder linear weights MB (lm_head: the tied fp32 embedding, plus its int8 screen for steps of <= 4 rows when quantized) |\n|---|---:|---:|")
     for mode in args.modes.split(","):
         build(mode, **common)                                # first load writes the cache
         start = time.perf_counter()
