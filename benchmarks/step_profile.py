@@ -4,6 +4,8 @@ batch 1 and batch 64, in one process with the default model (or --model-path).
 
     PYTHONPATH=. python benchmarks/step_profile.py                  # batch 1 and 64
     PYTHONPATH=. python benchmarks/step_profile.py --batch-sizes 1 --py-spy /tmp/b1.svg
+    PYTHONPATH=. python benchmarks/step_profile.py --batch-sizes 1 --prompt-len 256 \
+        --quantization int4 --quantized-max-tokens 12                           # a quantized GGUF
 
 Each phase is timed by wrapping the method that does it (time.perf_counter, no profiler
 overhead inside the forward). "outside the forward" = the whole `Engine.step()` minus the
