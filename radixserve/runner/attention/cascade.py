@@ -107,6 +107,9 @@ def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int
     for members, p in groups:
         for i in members:
             lo[slot_idx[i]], hi[slot_idx[i]] = p, lens[i]
+    # What cascade_attend reads unmasked from each row's slot: a group's prefix [0, P) from its
+    # first member, every other member's suffix from P. The mirror copies borrowed tokens by
+    # this (decode_mirror.py); change one and the other must follow, or reads go unwritten.
     reads = [0] * len(lens)
     for members, p in groups:
         for i in members[1:]:
