@@ -4,7 +4,7 @@ Why: at batch 1 the head (vocab x hidden, a third of the default model's bytes p
 the largest single read of a quantized model's decode step. An int8 copy reads a quarter of
 the fp32 bytes (49152 x 576: 0.4-0.5 ms against 1.5-1.6 ms at one row, AVX-512 EPYC, 2 threads;
 docs/benchmarks.md). Its logits are coarse: per-row int8 weights, bf16 activations and a bf16
-output put them within ~0.1 of fp32 on average and ~0.7 at worst on the default model. So the
+output put them within ~0.06 of fp32 on average and ~0.8 at worst on the default model. So the
 `exact_top` largest screened logits of each row are recomputed from the fp32 weight, and only
 the tail keeps the screened values:
 
