@@ -3,8 +3,10 @@
 Why fast paths: on CPU, MKL's GEMV/small-M GEMM runs on one thread and reaches about half
 the memory bandwidth (perf.md §3.1 and our own probes: `F.linear` at M=1 on the 538 MB of
 SmolLM2 weights takes ~46 ms, the split-bmm below ~12 ms). So after loading:
-- M == 1 (batch-1 decode): the weight is viewed as `(s, out/s, in)` and multiplied with one
-  `bmm`, which MKL parallelises over the s slices.
+- M == 1 (batch-1 decode): one of three kernels, timed on the model's layers at start-up
+  (row_path.py): the weight viewed as `(s, out/s, in)` and multiplied with one `bmm`, which
+  MKL parallelises over the s slices (`split`); plain `F.linear` (`linear`); the packed
+  oneDNN weight below (`packed`). Which reads memory fastest differs from CPU to CPU.
 - M > 1: a oneDNN prepacked weight (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's
   freezing uses) avoids per-call reorders; 2-2.5x faster than `F.linear` at M = 2..64.
 Both fall back to `F.linear` where unavailable (non-CPU, no oneDNN).
@@ -55,6 +57,7 @@ class Linear(torch.nn.Module):
                      if bias else None)
         self.shards = shards or {}
         self._split: torch.Tensor | None = None    # (s, out/s, in) view for M == 1
+        self._row: str | None = None               # M == 1 path (row_path.PATHS); None: no float one
         self._packed: torch.Tensor | None = None   # oneDNN-layout weight for M > 1
         self._packed_dtype: torch.dtype | None = None   # its dtype (inputs are cast to it)
         self._quant_shards: dict[str | None, QuantWeight] = {}
@@ -90,6 +93,7 @@ class Linear(torch.nn.Module):
         A quantized layer runs inputs of up to `quantized_max_tokens` rows (0: all) on its
         kernel and larger ones on the dequantized float weight, then kept as well."""
         self._split, self._packed, self._packed_dtype, self._screen = None, None, None, None
+        self._row = None
         if self._quant_shards:
             if self._prepare_quant(batch_invariant, keep_float=quantized_max_tokens > 0):
                 self._quant_max_rows = quantized_max_tokens
@@ -111,6 +115,22 @@ class Linear(torch.nn.Module):
         if self._quant_max_rows and self._packed is not None:   # M = 1 runs on the kernel
             self._split = None
             self.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+        elif not self._quant_max_rows:
+            self._row = "split" if self._split is not None else ("packed" if self._packed is not None else "linear")
+
+    def row_paths(self) -> tuple[str, ...]:
+        """The single-row paths this layer can take (row_path.PATHS), () where M = 1 does not
+        run on its float weight (a quantized kernel or screened head, batch-invariant mode, not
+        on the CPU)."""
+        if self._row is None or self._screen is not None:
+            return ()
+        return tuple(p for p, ok in (("split", self._split is not None), ("linear", True),
+                                     ("packed", self._packed_dtype == self.weight.dtype)) if ok)
+
+    def use_row_path(self, path: str) -> None:
+        """Run M = 1 inputs on `path`, one of `row_paths()` (row_path.choose picks it)."""
+        assert path in self.row_paths(), f"{path!r} not among {self.row_paths()}"
+        self._row = path
 
     def _pack(self, w: torch.Tensor) -> None:
         """Prepack `w` for oneDNN (its dtype becomes the inputs'); one log line per dtype
@@ -185,13 +205,13 @@ class Linear(torch.nn.Module):
         if self._quant is not None and (not self._quant_max_rows or x.shape[0] <= self._quant_max_rows):
             y = self._quant(x, cast_back)
             return y if self.bias is None else y.add_(self.bias)
-        if x.shape[0] == 1 and self._split is not None:
+        if x.shape[0] == 1 and self._row == "split":
             s, same = self._split.shape[0], x.dtype == self._split.dtype   # same: the hot path
             xt = (x if same else x.to(self._split.dtype)).t().unsqueeze(0).expand(s, -1, 1)
             y = torch.bmm(self._split, xt).view(1, self.out_features)
             y = y if self.bias is None else y.add_(self.bias)
             return y if same else y.to(x.dtype)
-        if self._packed is not None:
+        if self._packed is not None and not (x.shape[0] == 1 and self._row == "linear"):
             if x.dtype == self._packed_dtype and (self.bias is None or self.bias.dtype == x.dtype):
                 return bi.matmul(x, self._packed, self.bias)
             y = bi.matmul(x.to(self._packed_dtype), self._packed)

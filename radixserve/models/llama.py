@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.layers import row_path
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.attention import Attention
 from radixserve.layers.embedding import VocabEmbedding
@@ -148,7 +149,8 @@ class LlamaForCausalLM(torch.nn.Module):
         and build the linear layers' fast paths (CPU only), or their batch-invariant form
         (layers/batch_invariant.py; raises ValueError where it cannot be built).
         `quantized_max_tokens`: see Linear.prepare. When some layer runs quantized, the LM
-        head screens steps of up to HEAD_SCREEN_MAX_ROWS logit rows (layers/screened_head.py)."""
+        head screens steps of up to HEAD_SCREEN_MAX_ROWS logit rows (layers/screened_head.py).
+        Then the single-row (batch-1) linear path is timed and chosen (layers/row_path.py)."""
         routers = [m for m in self.modules() if isinstance(m, Router)]
         kept = [[p.data.float() for p in r.parameters()] for r in routers]   # routers stay fp32
         self.to(device=device, dtype=dtype)
@@ -167,6 +169,7 @@ class LlamaForCausalLM(torch.nn.Module):
             # third of the default model's bytes per decode token) reads int8 for small steps,
             # with the logits that matter recomputed in fp32.
             self.lm_head.enable_screened_head(HEAD_SCREEN_MAX_ROWS, HEAD_EXACT_TOP)
+        row_path.choose([m for m in self.modules() if isinstance(m, Linear)])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
                 logit_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
