@@ -2,13 +2,13 @@
 model's own linear layers at start-up, because the answer differs from CPU to CPU.
 
 Why: at M = 1 the step reads every weight once and the kernel's memory throughput is the
-step's speed. Measured on the default model's 538 MB of fp32 weights, one pass over all its
-linear layers, 2 threads (docs/benchmarks.md, "The single-row linear path"):
+step's speed. One pass over the default model's 538 MB of fp32 linear weights, 2 threads
+(docs/benchmarks.md, "The batch-1 linear path"):
 
 | CPU | `split` (bmm over slices) | `linear` (F.linear, MKL GEMV) | `packed` (oneDNN) |
 |---|---:|---:|---:|
-| AMD EPYC, AVX-512 | ~12 ms | ~46 ms | - |
-| Intel Xeon, AVX-512 + AMX | 55.9 ms | 21.8 ms | 30.2 ms |
+| the first probe's machine (2026-11) | ~12 ms | ~46 ms | not measured |
+| Intel Xeon, AVX-512 + AMX (2026-12-03) | 55.9 ms | 21.8 ms | 30.2 ms |
 
 So no one path wins: `choose` runs a pass over the layers with each candidate (one warm-up
 pass, then `rounds` interleaved timed passes, fastest pass each) and every layer takes the
