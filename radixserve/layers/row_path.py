@@ -10,9 +10,9 @@ step's speed. One pass over the default model's 538 MB of fp32 linear weights, 2
 | the first probe's machine (2026-11) | ~12 ms | ~46 ms | not measured |
 | Intel Xeon, AVX-512 + AMX (2026-12-03) | 55.9 ms | 21.8 ms | 30.2 ms |
 
-So no one path wins: `choose` runs a pass over the layers with each candidate (one warm-up
-pass, then `rounds` interleaved timed passes, fastest pass each) and every layer takes the
-winner. The candidates round differently (their sums run in different orders); within a
+So no one path wins: `choose` runs a pass over the layers (the leading ones, up to
+MAX_TIMED_BYTES of weight) with each candidate (one warm-up pass, then `rounds` interleaved
+timed passes, fastest pass each) and every layer takes the winner. The candidates round differently (their sums run in different orders); within a
 process every layer uses the one chosen. `RADIXSERVE_SINGLE_ROW_PATH=split|linear|packed`
 skips the timing (the test suite pins it so its numerics do not depend on timing).
 """
@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 PATHS = ("split", "linear", "packed")
 ENV = "RADIXSERVE_SINGLE_ROW_PATH"
+# Bytes of weight one timed pass reads at most: larger than any last-level cache seen (480 MB),
+# so a pass streams from memory as decode does, and a large model's start-up pays about
+# 12 x 1 GB of reads (a fraction of a second to a few seconds) rather than 12 passes over it.
+MAX_TIMED_BYTES = 1 << 30
 
 
 def choose(layers: Sequence, rounds: int = 3, clock: Callable[[], float] = time.perf_counter) -> str | None:
@@ -51,13 +55,23 @@ def choose(layers: Sequence, rounds: int = 3, clock: Callable[[], float] = time.
     elif len(offered) == 1:
         chosen, note = offered[0], "the only one"
     else:
-        best = _time_paths(layers, offered, rounds, clock)
+        best = _time_paths(timed_prefix(layers, MAX_TIMED_BYTES), offered, rounds, clock)
         chosen = min(best, key=best.get)
         note = ", ".join(f"{p} {1000 * t:.1f} ms" for p, t in best.items())
     for m in layers:
         m.use_row_path(chosen)
     logger.info("single-row linear path: %s (%d layers, a pass: %s)", chosen, len(layers), note)
     return chosen
+
+
+def timed_prefix(layers: Sequence, max_bytes: int) -> list:
+    """The leading layers whose weights add up to `max_bytes` (at least one layer)."""
+    total = 0
+    for n, m in enumerate(layers):
+        total += m.weight.numel() * m.weight.element_size()
+        if total >= max_bytes:
+            return list(layers[:n + 1])
+    return list(layers)
 
 
 def _time_paths(layers: Sequence, paths: Sequence[str], rounds: int,

@@ -57,6 +57,14 @@ def test_choose_takes_the_fastest_path_and_sets_it_on_every_layer(monkeypatch):
         assert all(m._row == chosen for m in made)
 
 
+def test_a_pass_times_the_leading_layers_up_to_the_byte_cap():
+    made = layers(3)   # 96 x 64, 96 x 96, 96 x 128 fp32: 24,576, 36,864, 49,152 bytes
+    assert row_path.timed_prefix(made, 1) == made[:1]
+    assert row_path.timed_prefix(made, 24_577) == made[:2]
+    assert row_path.timed_prefix(made, 61_440) == made[:2]
+    assert row_path.timed_prefix(made, 1 << 30) == made
+
+
 def test_the_environment_pins_the_path_and_an_unknown_one_is_refused(monkeypatch):
     made = layers()
     untimed = lambda: pytest.fail("pinned: nothing is timed")   # noqa: E731
