@@ -115,8 +115,8 @@ class Linear(torch.nn.Module):
         if self._quant_max_rows and self._packed is not None:   # M = 1 runs on the kernel
             self._split = None
             self.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
-        elif not self._quant_max_rows:
-            self._row = "split" if self._split is not None else ("packed" if self._packed is not None else "linear")
+        elif not self._quant_max_rows:   # until row_path.choose times them: split, else packed
+            self._row = "split" if self._split is not None else "packed" if self._packed is not None else "linear"
 
     def row_paths(self) -> tuple[str, ...]:
         """The single-row paths this layer can take (row_path.PATHS), () where M = 1 does not
@@ -126,6 +126,11 @@ class Linear(torch.nn.Module):
             return ()
         return tuple(p for p, ok in (("split", self._split is not None), ("linear", True),
                                      ("packed", self._packed_dtype == self.weight.dtype)) if ok)
+
+    @property
+    def row_path(self) -> str | None:
+        """The path M = 1 inputs take on the float weight (row_path.PATHS), None where none does."""
+        return self._row
 
     def use_row_path(self, path: str) -> None:
         """Run M = 1 inputs on `path`, one of `row_paths()` (row_path.choose picks it)."""

@@ -12,8 +12,9 @@ step's speed. One pass over the default model's 538 MB of fp32 linear weights, 2
 
 So no one path wins: `choose` runs a pass over the layers (the leading ones, up to
 MAX_TIMED_BYTES of weight) with each candidate (one warm-up pass, then `rounds` interleaved
-timed passes, fastest pass each) and every layer takes the winner. The candidates round differently (their sums run in different orders); within a
-process every layer uses the one chosen. `RADIXSERVE_SINGLE_ROW_PATH=split|linear|packed`
+timed passes, fastest pass each) and every layer takes the winner. The candidates round
+differently (their sums run in different orders); within a process every layer uses the one
+chosen. `RADIXSERVE_SINGLE_ROW_PATH=split|linear|packed`
 skips the timing (the test suite pins it so its numerics do not depend on timing).
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ def choose(layers: Sequence, rounds: int = 3, clock: Callable[[], float] = time.
     if pinned and pinned not in PATHS:
         raise ValueError(f"{ENV}={pinned!r}: expected one of {PATHS}")
     if pinned:   # where the layers cannot take it (split needs fp32), their default, untimed
-        default = layers[0]._row if layers[0]._row in offered else offered[0]
+        default = layers[0].row_path if layers[0].row_path in offered else offered[0]
         chosen = pinned if pinned in offered else default
         note = f"{ENV}={pinned}" + ("" if chosen == pinned else ", not offered here")
     elif len(offered) == 1:

@@ -32,7 +32,7 @@ def test_every_single_row_path_matches_f_linear_and_larger_inputs_are_unaffected
     before8 = layer(x8)
     for path in row_path.PATHS:
         layer.use_row_path(path)
-        assert layer._row == path
+        assert layer.row_path == path
         got = layer(x1)
         assert got.shape == (1, 96) and got.dtype == torch.float32
         assert torch.allclose(got, ref1, rtol=1e-5, atol=1e-5), path
@@ -49,12 +49,12 @@ def test_choose_takes_the_fastest_path_and_sets_it_on_every_layer(monkeypatch):
         ticks = {"t": 0.0}
 
         def clock() -> float:   # every reading adds the current path's cost: end - start = it
-            ticks["t"] += costs[made[0]._row]
+            ticks["t"] += costs[made[0].row_path]
             return ticks["t"]
 
         chosen = row_path.choose(made, clock=clock)
         assert chosen == min(costs, key=costs.get)
-        assert all(m._row == chosen for m in made)
+        assert all(m.row_path == chosen for m in made)
 
 
 def test_a_pass_times_the_leading_layers_up_to_the_byte_cap():
@@ -70,11 +70,11 @@ def test_the_environment_pins_the_path_and_an_unknown_one_is_refused(monkeypatch
     untimed = lambda: pytest.fail("pinned: nothing is timed")   # noqa: E731
     monkeypatch.setenv(row_path.ENV, "linear")
     assert row_path.choose(made, clock=untimed) == "linear"
-    assert all(m._row == "linear" for m in made)
+    assert all(m.row_path == "linear" for m in made)
     half = [m.to(torch.bfloat16) for m in layers()]
     for m in half:
         m.prepare()
-    own = half[0]._row   # packed where oneDNN packs bf16 here, else linear
+    own = half[0].row_path   # packed where oneDNN packs bf16 here, else linear
     assert own in ("packed", "linear")
     monkeypatch.setenv(row_path.ENV, "split")   # not offered for bf16: prepare's own, untimed
     assert row_path.choose(half, clock=untimed) == own
@@ -110,4 +110,4 @@ def test_the_model_prepares_every_float_layer_on_one_path(monkeypatch, tiny_llam
     monkeypatch.setenv(row_path.ENV, "packed")
     runner = build_runner(EngineConfig(model_path=str(tiny_llama_dir)))
     rows = [m for m in runner.model.modules() if isinstance(m, Linear)]
-    assert rows and all(m._row == "packed" for m in rows)
+    assert rows and all(m.row_path == "packed" for m in rows)
