@@ -11,7 +11,11 @@ bf16 checkpoint serves; radixserve's router stays fp32 as the model's `prepare` 
 transformers' experts both as `eager` (a loop over hit experts with F.linear) and as
 `grouped_mm` (torch's grouped GEMM, what `from_pretrained` picks where torch has it), and
 radixserve's. Prints medians, each ratio and
-the 1-minute load average.
+the 1-minute load average, then the memory-bandwidth roofline: the weight bytes one forward
+must read (every expert the batch routes to, the shared expert, the router), the read
+bandwidth measured here (benchmarks/roofline.py), the floor in ms they give, the largest
+speed-up over each transformers variant that any implementation could reach on this machine,
+and the fraction of the floor radixserve reaches.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import statistics
 import time
 
 import torch
+from roofline import bandwidth_gbs
 
 
 def build(args):
@@ -64,6 +69,18 @@ def build(args):
     return hf, ours
 
 
+def weight_bytes(ours, x: torch.Tensor) -> int:
+    """Bytes of weights one forward of `ours` (radixserve's MoE) reads on input x (T, hidden):
+    the gate-up and down matrices of each expert the batch routes to, once each, plus the
+    shared experts and the router; activations are ignored (a few hundred KB here)."""
+    _, ids = ours.gate(x)
+    hit = torch.unique(ids).numel()
+    experts = ours.experts
+    per_expert = (experts.gate_up[0].numel() + experts.down[0].numel()) * experts.gate_up.element_size()
+    rest = sum(p.numel() * p.element_size() for m in (ours.gate, ours.shared_experts) for p in m.parameters())
+    return hit * per_expert + rest
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64)
@@ -100,6 +117,14 @@ def main() -> None:
           f"load {os.getloadavg()[0]:.2f}; max |diff| " + ", ".join(f"{n} {d:.2e}" for n, d in diffs.items()))
     for name in ("transformers eager", "transformers grouped_mm"):
         print(f"{name} {ms[name]:.2f} ms  radixserve {ms['radixserve']:.2f} ms  speed-up {ms[name] / ms['radixserve']:.2f}x")
+    with torch.inference_mode():
+        nbytes = weight_bytes(ours, x)
+    bw = bandwidth_gbs()
+    floor = nbytes / bw / 1e6   # ms
+    print(f"roofline: {nbytes / 1e6:.1f} MB of weights per forward at {bw:.1f} GB/s read -> {floor:.2f} ms; "
+          f"radixserve reaches {floor / ms['radixserve']:.0%} of it; the largest speed-up any "
+          f"implementation could show here: " + ", ".join(
+              f"{ms[n] / floor:.2f}x over {n}" for n in ("transformers eager", "transformers grouped_mm")))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Run:  python benchmarks/offline_throughput.py [--workload random,shared-prefix,b
 
 Prints tok/s for both and the ratio (radixserve / transformers), both measured in this run,
 plus batch-1 decode tok/s against the memory-bandwidth roofline (weight bytes per token /
-measured copy bandwidth). The reference uses the same dequantized weights (fp32).
+measured read bandwidth, benchmarks/roofline.py). The reference uses the same dequantized weights (fp32).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 import torch
 
 from radixserve import LLM, SamplingParams
+from roofline import bandwidth_gbs
 from radixserve.weights.paths import resolve_model_path
 
 
@@ -64,18 +65,6 @@ def run_transformers(model, items, batch_size):
         n_out += sum(o for _, o in chunk)  # only the tokens each request asked for count
     dt = time.perf_counter() - t0
     return n_out / dt, dt
-
-
-def bandwidth_gbs() -> float:
-    """DRAM read bandwidth: a reduction over a 1 GiB fp32 tensor (decode reads weights, it
-    writes almost nothing, so a read-only probe is the right ceiling)."""
-    buf = torch.ones(256 * 2**20, dtype=torch.float32)
-    buf.sum()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        buf.sum()
-    dt = (time.perf_counter() - t0) / 5
-    return buf.numel() * 4 / dt / 1e9
 
 
 def batch1_decode(llm, n_tokens=128):
