@@ -2,8 +2,8 @@
 
 Prompts repeat segments so the proposer finds matches (a tiny random model greedily falls into
 loops, which drafts then copy). Greedy output with speculation equals transformers' (tie rule)
-in the five scheduling scenarios of test_parity.py, with drafts proposed and accepted, and the
-page invariant checked after every step; a seed reproduces; the sampler's verification draws
+in the five scheduling scenarios of test_parity.py, on the tiny model and on the default one, with
+drafts proposed and accepted, and the page invariant checked after every step; a seed reproduces; the sampler's verification draws
 tokens with exactly the target distribution (chi-square). Per-token rules: test_speculative_engine.py.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from radixserve.layers.sampler import Sampler
 from radixserve.sampling_params import SamplingParams
 from tests.model.parity import assert_parity, engine_generate, hf_greedy
-from tests.model.test_parity import NUM_NEW, SCENARIOS, make_engine
+from tests.model.test_parity import DEFAULT_NEW, NUM_NEW, SCENARIOS, default_case, make_engine  # noqa: F401
 
 SPEC = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4}
 
@@ -46,13 +46,13 @@ SELF_DRAFT_FULL = {"speculative_algorithm": "draft", "speculative_draft_layers":
 SELF_DRAFT_HALF = {"speculative_algorithm": "draft", "speculative_draft_layers": 1}
 
 
-def run_spec_scenario(model_dir, spec_case, name: str, algorithm: dict) -> dict:
+def run_spec_scenario(model_dir, spec_case, name: str, algorithm: dict, num_new: int = NUM_NEW) -> dict:
     prompts, refs = spec_case
     spec = SCENARIOS[name]
-    engine = make_engine(model_dir, **spec["cfg"], **algorithm)
+    engine = make_engine(model_dir, **{**spec["cfg"], **algorithm})
     if spec.get("warm"):
         engine_generate(engine, prompts, 1)
-    outs, _ = engine_generate(engine, prompts, NUM_NEW, at_once=spec["at_once"])
+    outs, _ = engine_generate(engine, prompts, num_new, at_once=spec["at_once"])
     for i, (ours, (ref, logits)) in enumerate(zip(outs, refs)):
         assert_parity(ours, ref, logits, f"{name} prompt {i}")
     s = engine.stats()
@@ -66,6 +66,18 @@ def run_spec_scenario(model_dir, spec_case, name: str, algorithm: dict) -> dict:
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_greedy_with_speculation_matches_transformers(tiny_llama_dir, spec_case, name):
     run_spec_scenario(tiny_llama_dir, spec_case, name, SPEC)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_greedy_with_speculation_matches_transformers_on_the_default_model(default_gguf, default_case, name):
+    """The default model's parity prompts (test_parity.py: its texts, and spans of them
+    repeated, so n-gram drafts find matches) with n-gram drafts, fp32, against transformers."""
+    prompts, refs = default_case
+    if name == "a_one_at_a_time":   # as in test_default_model_parity: every third prompt
+        prompts, refs = prompts[::3], refs[::3]
+    budget = {"max_total_tokens": 448} if name == "e_preemption" else {}
+    run_spec_scenario(default_gguf, (prompts, refs), name, {**SPEC, **budget}, DEFAULT_NEW)
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
