@@ -23,7 +23,9 @@ them, for each detector set: text (repetition, garbled, rare_chars), acceptance
 is also reported per corruption mode. With `--kv-checksum` the engine also runs its KV checksums
 (--enable-kv-checksum, engine/kv_checksum.py), which end a request whose KV was overwritten;
 the summary then has a `kv_checksum` row over every request the fault hit (whether or not its
-output changed) and the normal ones. Writes traces.jsonl and summary.json under --out and
+output changed) and the normal ones, and a `combined_and_kv_checksum` row (either ends it). In
+such a run the output-side rows' detection is over outputs the checksum may have cut short; their
+false positives are unaffected. Writes traces.jsonl and summary.json under --out and
 prints the table for docs/anomaly_guard.md. `--summarize TRACES` replays a recorded run with
 the current detector settings (`--confidence-*` as the server's flags).
 """
@@ -227,6 +229,17 @@ def summarize(normal: list[dict], clean: list[dict], faulted: list[dict],
             "detected_by_mode": {m: sum(t.get("mode") == m and t.get("checksum_at") is not None for t in hit)
                                  for m in ("noise", "swap")},
             "tokens_to_detection_median": delays[len(delays) // 2] if delays else None}
+        # Every detector at once: the combined output-side set or the checksum. Over the hit
+        # requests (the checksum ends one before its output can be compared with the clean run).
+        def caught(t: dict) -> bool:
+            found = detect(t, "combined", acc, conf)
+            by_output = found is not None and (t["hit_at"] is None or found[1] >= t["hit_at"])
+            return by_output or t.get("checksum_at") is not None
+        out["combined_and_kv_checksum"] = {
+            "false_positives": sum(caught(t) for t in normal),
+            "false_positive_rate": sum(caught(t) for t in normal) / max(len(normal), 1),
+            "num_hit": len(hit), "detected": sum(caught(t) for t in hit),
+            "detection_rate": sum(caught(t) for t in hit) / max(len(hit), 1)}
     return out
 
 
