@@ -255,16 +255,19 @@ class KVCache:
 
     def slot_checksums(self, slots: list[int]) -> list[int]:
         """Per slot id, the integer sum of its stored bits (viewed as signed ints of the storage
-        width) over every layer's K and V; side buffers excluded. Exact, so equal bytes always
-        give equal sums (engine/kv_checksum.py). Does not wait for fills in flight: the slots
-        it is given are final ones."""
+        width) over every layer's K and V; side buffers excluded. Each layer's K or V sums in
+        int32: exact for 1- and 2-byte storage (at most 2 * heads * head_dim values below 2^15),
+        wrapping modulo 2^32 for 4-byte storage, which a two's-complement add does alike in any
+        order. So equal bytes always give equal sums (engine/kv_checksum.py); an int64
+        accumulator ran 2x slower on the default model's 4-byte KV (docs/anomaly_guard.md).
+        Does not wait for fills in flight: the slots it is given are final ones."""
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         bits = {4: torch.int32, 2: torch.int16, 1: torch.int8}[self._k[0].element_size()]
         total = torch.zeros(len(idx), dtype=torch.int64, device=self.device)
         for layer in range(self.num_layers):
             for store in (self._k[layer], self._v[layer]):
                 rows = store.view(bits).view(self.num_kv_heads, -1, self.head_dim).index_select(1, idx)
-                total += rows.sum(dim=(0, 2), dtype=torch.int64)
+                total += rows.sum(dim=(0, 2), dtype=torch.int32)
         return total.tolist()
 
     def import_pages(self, page_ids: list[int], data: KVPages) -> None:

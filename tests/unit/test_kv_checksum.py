@@ -1,6 +1,6 @@
 """KVChecksums on a fake KV memory (slot -> value): what gets sealed, when a sealed slot is
 compared, that freeing a page unseals it, and that nothing below a request's computed length
-is ever skipped by a full check."""
+is ever skipped by a full check; and the real cache's slot sums."""
 from __future__ import annotations
 
 from radixserve.engine.kv_checksum import KVChecksums
@@ -80,3 +80,25 @@ def test_after_a_preemption_the_recomputed_part_is_sealed_again():
     assert mem.summed[-1] == [20, 21, 22, 23, 24, 25]            # positions 4..9 on the new pages
     mem.values[21] = 7
     assert sums.at_end(req) == {5}
+
+
+def test_slot_sums_of_the_real_cache_depend_on_the_bytes_only():
+    """KVCache.slot_checksums, per storage width: a slot's sum is the same whatever other slots
+    are summed with it and in what order (fp32's int32 sums wrap, and wrap alike), and one
+    changed bit in any layer, K or V, changes it."""
+    import torch
+
+    from radixserve.runner.kv_cache import KVCache
+
+    for dtype in (torch.float32, torch.bfloat16):
+        kv = KVCache(3, 4, 4, 2, 16, dtype)
+        gen = torch.Generator().manual_seed(0)
+        for store in kv._k + kv._v:      # large values: fp32 bit patterns near 2^30 overflow int32 sums
+            store.copy_(torch.randn(store.shape, generator=gen) * 1e30)
+        alone = [kv.slot_checksums([s])[0] for s in range(16)]
+        assert kv.slot_checksums(list(range(16))) == alone
+        assert kv.slot_checksums([9, 2, 15]) == [alone[9], alone[2], alone[15]]
+        bits = {4: torch.int32, 2: torch.int16}[kv._v[2].element_size()]
+        kv._v[2].view(bits)[1, 2, 1, 5] ^= 1                 # layer 2, V, head 1, slot 2 * 4 + 1
+        changed = kv.slot_checksums(list(range(16)))
+        assert [s for s in range(16) if changed[s] != alone[s]] == [9]
