@@ -46,6 +46,11 @@ LOOP_METHODS = ("set_step_latency",)                          # EngineLoop metho
 RunnerFactory = Callable[[EngineConfig], Runner]
 
 
+class _Refused(Exception):
+    """The engine refused its configuration at start-up (a ValueError while building it):
+    reported as one line, the traceback only at debug level."""
+
+
 def build_engine(config: EngineConfig, runner_factory: RunnerFactory,
                  eos_token_ids: frozenset[int]) -> tuple[Engine, EngineInfo]:
     """The Engine over `runner_factory(config)`, stopping on the model's eos ids plus
@@ -272,7 +277,11 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
     outbox.connect(from_engine_addr)
     loop: EngineLoop | None = None
     try:
-        engine, info = build_engine(config, runner_factory, eos_token_ids)
+        try:
+            engine, info = build_engine(config, runner_factory, eos_token_ids)
+        except ValueError as exc:   # a setting the engine refuses: its message says it all
+            logger.debug("engine refused its configuration:\n%s", traceback.format_exc())
+            raise _Refused(f"{type(exc).__name__}: {exc}") from None
         loop = EngineLoop(engine, inbox, outbox)
         loop.send(Ready(info))
         loop.run()
@@ -281,9 +290,9 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
             disk.flush()
     except SystemExit:
         raise
-    except BaseException:
-        message = traceback.format_exc()
-        logger.error("engine failed:\n%s", message)
+    except BaseException as exc:
+        message = str(exc) if isinstance(exc, _Refused) else traceback.format_exc()
+        logger.error("engine failed:%s%s", " " if isinstance(exc, _Refused) else "\n", message)
         try:
             outbox.send(msgspec.msgpack.encode(Fatal(message)), zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -53,3 +53,8 @@ def wedging_runner(config: EngineConfig) -> FakeRunner:
 def failing_runner(config: EngineConfig) -> FakeRunner:
     """Fails while loading, like a missing model file."""
     raise FileNotFoundError(os.path.join("/nonexistent", "model.gguf"))
+
+
+def refusing_runner(config: EngineConfig) -> FakeRunner:
+    """Refuses a setting while loading, as the model does a bad RADIXSERVE_SINGLE_ROW_PATH."""
+    raise ValueError("RADIXSERVE_SINGLE_ROW_PATH='bogus': expected one of ('split', 'linear', 'packed')")

@@ -12,7 +12,7 @@ from radixserve.errors import ContextLengthExceeded, EngineDead, InvalidRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.engine_client import EngineClient
 from tests.api.fake_runners import (FAKE_CONTEXT, WEDGE_TOKEN, crashing_runner, failing_runner,
-                                    fake_runner, wedging_runner)
+                                    fake_runner, refusing_runner, wedging_runner)
 from tests.unit.fake_runner import reference_next_token
 
 CONFIG = EngineConfig(page_size=4, chunked_prefill_size=64, max_running_requests=8)
@@ -134,6 +134,15 @@ async def test_engine_crash_fails_waiting_requests():
 async def test_engine_load_failure_raises():
     with pytest.raises(RuntimeError, match="model.gguf"):
         await EngineClient.launch(CONFIG, failing_runner, log_level="critical")
+
+
+async def test_a_refused_setting_is_reported_in_one_line():
+    """A ValueError while the engine is built is a setting it refuses: the start-up error is
+    its message alone, not a traceback (that stays at debug level)."""
+    with pytest.raises(RuntimeError) as err:
+        await EngineClient.launch(CONFIG, refusing_runner, log_level="critical")
+    assert str(err.value) == ("engine failed to start:\nValueError: RADIXSERVE_SINGLE_ROW_PATH='bogus': "
+                              "expected one of ('split', 'linear', 'packed')")
 
 
 async def test_watchdog_kills_a_wedged_engine():
