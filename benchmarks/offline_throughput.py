@@ -15,8 +15,8 @@ import time
 import torch
 
 from radixserve import LLM, SamplingParams
-from roofline import bandwidth_gbs
 from radixserve.weights.paths import resolve_model_path
+from roofline import bandwidth_gbs
 
 
 def random_workload(rng, vocab, num, lo, hi):

@@ -256,10 +256,11 @@ class KVCache:
     def slot_checksums(self, slots: list[int]) -> list[int]:
         """Per slot id, the integer sum of its stored bits (viewed as signed ints of the storage
         width) over every layer's K and V; side buffers excluded. Each layer's K or V sums in
-        int32: exact for 1- and 2-byte storage (at most 2 * heads * head_dim values below 2^15),
-        wrapping modulo 2^32 for 4-byte storage, which a two's-complement add does alike in any
-        order. So equal bytes always give equal sums (engine/kv_checksum.py); an int64
-        accumulator ran 2x slower on the default model's 4-byte KV (docs/anomaly_guard.md).
+        int32: exact for 1- and 2-byte storage (heads * head_dim values of magnitude at most 2^15
+        each, exact below 65,536 of them), wrapping modulo 2^32 for 4-byte storage, which a
+        two's-complement add does alike in any order. So equal bytes always give equal sums
+        (engine/kv_checksum.py); with an int64 accumulator the re-checks of the default model's
+        4-byte KV ran 1.3x slower (docs/anomaly_guard.md).
         Does not wait for fills in flight: the slots it is given are final ones."""
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         bits = {4: torch.int32, 2: torch.int16, 1: torch.int8}[self._k[0].element_size()]
