@@ -9,8 +9,11 @@ into the wrong pages, a page with two owners, the `kv_corrupt` fault. So:
              its stored bits, K and V, every layer (`KVCache.slot_checksums`; exact, so the same
              bytes always give the same sum and there are no false alarms)
     verify   a sealed slot is recomputed and compared: when a request that maps it is checked
-             (each running request every `interval` steps, staggered; every request when it
-             ends; a radix hit's slots when the request that hit them is first sealed)
+             (each running request every `interval` steps, staggered, skipping slots a check
+             compared fewer than `interval` steps ago, so a shared prefix is
+             summed once per interval, not once per request; every request when it ends,
+             nothing skipped; a radix hit's slots when the request that hit them is first
+             sealed)
     unseal   when its page goes back to the free list (its next owner writes it afresh)
 
 What it cannot see: KV read before it was written (a layer read while its load was still in
@@ -30,6 +33,7 @@ from radixserve.engine.request import Request, Status
 from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput
 
 logger = logging.getLogger(__name__)
+_NEVER = -(1 << 62)
 
 
 class KVChecksums:
@@ -43,6 +47,8 @@ class KVChecksums:
         self._checksum = checksum
         self._sums = array("q", bytes(8 * num_pages * page_size))
         self._sealed = bytearray(num_pages * page_size)
+        # step of each slot's last compare (_NEVER: not since it was sealed)
+        self._verified_at = array("q", [_NEVER]) * (num_pages * page_size)
         self._sealed_upto: dict[str, int] = {}    # request id -> positions [0, n) sealed or checked
         self._step = 0
         self.num_checked_slots = 0                 # slots summed so far (sealing and verifying)
@@ -53,6 +59,7 @@ class KVChecksums:
         p = self.page_size
         for page in page_ids:
             self._sealed[page * p:(page + 1) * p] = bytes(p)
+            self._verified_at[page * p:(page + 1) * p] = array("q", [_NEVER]) * p
 
     def after_step(self, requests: list[Request]) -> set[int]:
         """Seal what `requests` (the step's running ones) computed, and verify the sealed KV of
@@ -63,7 +70,7 @@ class KVChecksums:
         for req in requests:
             due = (self._step + hash(req.request_id)) % self.interval == 0
             slots += self._slots(req, 0 if due else self._sealed_upto.get(req.request_id, 0))
-        return self._check(slots)
+        return self._check(slots, skip_recent=True)
 
     def at_end(self, req: Request) -> set[int]:
         """Verify (and seal the rest of) everything `req` computed, before its KV is released.
@@ -86,17 +93,22 @@ class KVChecksums:
             slots += range(base + max(start - index * p, 0), base + min(end - index * p, p))
         return slots
 
-    def _check(self, slots: list[int]) -> set[int]:
-        """Sum `slots`: sealed ones are compared, the others sealed. Returns mismatched pages."""
-        if not slots:
-            return set()
+    def _check(self, slots: list[int], skip_recent: bool = False) -> set[int]:
+        """Sum `slots`: sealed ones are compared, the others sealed. `skip_recent`: leave out
+        sealed slots compared fewer than `interval` steps ago. Returns mismatched pages."""
         ids = list(dict.fromkeys(slots))
+        sealed, stored, verified_at, step = self._sealed, self._sums, self._verified_at, self._step
+        if skip_recent:
+            ids = [s for s in ids if not sealed[s] or step - verified_at[s] >= self.interval]
+        if not ids:
+            return set()
         bad: set[int] = set()
-        sealed, stored = self._sealed, self._sums
         for slot, value in zip(ids, self._checksum(ids)):
             if not sealed[slot]:
                 stored[slot], sealed[slot] = value, 1
-            elif stored[slot] != value:
+                continue
+            verified_at[slot] = step
+            if stored[slot] != value:
                 bad.add(slot // self.page_size)
                 self.num_mismatched_slots += 1
         self.num_checked_slots += len(ids)

@@ -67,6 +67,23 @@ def test_freeing_a_page_unseals_it_and_a_shared_slot_is_summed_once():
     assert sums.after_step([b]) == {3}
 
 
+def test_a_prefix_shared_by_many_requests_is_summed_once_per_interval_and_still_checked():
+    """Eight requests map the same two prefix pages (radix hits) and one page each. Over 24
+    steps at interval 4 each prefix slot is summed about once per interval, not once per
+    request per interval; an overwrite there is still found within two intervals."""
+    mem = Memory()
+    sums = KVChecksums(16, P, mem.checksum, interval=4)
+    reqs = [request(f"r{i}", [0, 1, 2 + i], 10) for i in range(8)]
+    for _ in range(24):
+        assert sums.after_step(reqs) == set()
+    prefix_sums = sum(slot < 2 * P for summed in mem.summed for slot in summed)
+    assert 2 * P * 24 // 4 <= prefix_sums <= 2 * P * (24 // 4 + 2)   # 8x this without the skip
+    mem.values[5] = -1                                               # page 1, offset 1
+    found = [sums.after_step(reqs) for _ in range(2 * 4)]
+    assert {1} in found
+    assert all(f in (set(), {1}) for f in found)
+
+
 def test_after_a_preemption_the_recomputed_part_is_sealed_again():
     mem = Memory()
     sums = KVChecksums(8, P, mem.checksum, interval=1000)
