@@ -10,10 +10,9 @@ into the wrong pages, a page with two owners, the `kv_corrupt` fault. So:
              bytes always give the same sum and there are no false alarms)
     verify   a sealed slot is recomputed and compared: when a request that maps it is checked
              (each running request every `interval` steps, staggered, skipping slots a check
-             compared fewer than `interval` steps ago, so a shared prefix is
-             summed once per interval, not once per request; every request when it ends,
-             nothing skipped; a radix hit's slots when the request that hit them is first
-             sealed)
+             compared fewer than `interval` steps ago, so a shared prefix is summed once per
+             interval, not once per request; every request when it ends, nothing skipped; a
+             radix hit's slots when the request that hit them is first sealed)
     unseal   when its page goes back to the free list (its next owner writes it afresh)
 
 What it cannot see: KV read before it was written (a layer read while its load was still in

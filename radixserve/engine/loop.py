@@ -291,8 +291,9 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
     except SystemExit:
         raise
     except BaseException as exc:
-        message = str(exc) if isinstance(exc, _Refused) else traceback.format_exc()
-        logger.error("engine failed:%s%s", " " if isinstance(exc, _Refused) else "\n", message)
+        refused = isinstance(exc, _Refused)
+        message = str(exc) if refused else traceback.format_exc()
+        logger.error("engine failed:%s%s", " " if refused else "\n", message)
         try:
             outbox.send(msgspec.msgpack.encode(Fatal(message)), zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -2,9 +2,10 @@
 
 Prompts repeat segments so the proposer finds matches (a tiny random model greedily falls into
 loops, which drafts then copy). Greedy output with speculation equals transformers' (tie rule)
-in the five scheduling scenarios of test_parity.py, on the tiny model and on the default one, with
-drafts proposed and accepted, and the page invariant checked after every step; a seed reproduces; the sampler's verification draws
-tokens with exactly the target distribution (chi-square). Per-token rules: test_speculative_engine.py.
+in the five scheduling scenarios of test_parity.py, on the tiny model and on the default one,
+with drafts proposed and accepted, and the page invariant checked after every step; a seed
+reproduces; the sampler's verification draws tokens with exactly the target distribution
+(chi-square). Per-token rules: test_speculative_engine.py.
 """
 from __future__ import annotations
 
