@@ -5,6 +5,9 @@ Run:  python benchmarks/offline_throughput.py [--workload random,shared-prefix,b
 Prints tok/s for both and the ratio (radixserve / transformers), both measured in this run,
 plus batch-1 decode tok/s against the memory-bandwidth roofline (weight bytes per token /
 measured read bandwidth, benchmarks/roofline.py). The reference uses the same dequantized weights (fp32).
+For each workload it also prints the FLOPs each side had to compute (benchmarks/flops.py), the
+GFLOP/s each reached, and their FLOP ratio: the speed-up radixserve would show at equal kernel
+efficiency, the ceiling of what less work alone can give.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.weights.paths import resolve_model_path
+from flops import Dims, padded_batch_flops, serving_flops
 from roofline import bandwidth_gbs
 
 
@@ -44,7 +48,8 @@ def run_radixserve(llm, items):
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     cached = after["num_cached_tokens"] - before["num_cached_tokens"]
     prompt = after["num_prompt_tokens"] - before["num_prompt_tokens"]
-    return n_out / dt, cached / max(prompt, 1), dt
+    work = [(len(o.prompt_token_ids), o.num_cached_tokens, len(o.outputs[0].token_ids)) for o in outs]
+    return n_out / dt, cached / max(prompt, 1), dt, work
 
 
 def run_transformers(model, items, batch_size):
@@ -117,10 +122,18 @@ def main() -> None:
             continue
         else:
             raise SystemExit(f"unknown workload {wl}")
-        ours, hit, dt_ours = run_radixserve(llm, items)
+        ours, hit, dt_ours, work = run_radixserve(llm, items)
         ref, dt_ref = run_transformers(hf, items, args.hf_batch_size)
         print(f"[{wl}] {len(items)} requests: radixserve {ours:.1f} tok/s ({dt_ours:.1f} s, hit rate "
               f"{hit:.1%}) | transformers {ref:.1f} tok/s ({dt_ref:.1f} s) | ratio {ours / ref:.2f}x")
+        dims = Dims.of(llm.engine.runner.model_config)
+        hf_batches = [([len(p) for p, _ in items[i:i + args.hf_batch_size]],
+                       max(o for _, o in items[i:i + args.hf_batch_size]))
+                      for i in range(0, len(items), args.hf_batch_size)]
+        f_ours, f_ref = serving_flops(dims, work), padded_batch_flops(dims, hf_batches)
+        print(f"[{wl}] FLOPs: radixserve {f_ours / 1e12:.2f} T ({f_ours / dt_ours / 1e9:.0f} GFLOP/s) | "
+              f"transformers {f_ref / 1e12:.2f} T ({f_ref / dt_ref / 1e9:.0f} GFLOP/s) | FLOP ratio "
+              f"{f_ref / f_ours:.2f}x (the ratio at equal kernel efficiency)")
 
 
 if __name__ == "__main__":
