@@ -46,13 +46,16 @@ class CascadePlan:
     a single sequence (P = its whole length, no suffix). Rows index the decode group."""
 
     parts: list[tuple[torch.Tensor, int, int]]   # (rows (m,) int64, first row's slot, P)
-    part_rows: torch.Tensor          # (B,) int64: the parts' rows, part after part
-    part_slots: torch.Tensor         # (B,) int64: their mirror slots
-    no_suffix: torch.Tensor          # (B, 1) bool, part order: single sequences
+    row_slots: torch.Tensor          # (B,) int64: each decode row's mirror slot
+    no_suffix: torch.Tensor          # (B, 1) bool: rows of single sequences
     num_slots: int                   # slots [0, num_slots) the suffix attention spans
     window: tuple[int, int]          # its key positions [W, ctx)
     suffix_mask: torch.Tensor        # (num_slots, 1, 1, ctx - W) additive, per slot: [P_i, len_i)
     reads: list[int]                 # per decode row, the first position read from its slot
+    # Built by the step's first cascade_attend (it needs the number of heads), then reused by
+    # every layer: (B * H,) int64 rows of q viewed (B * H, D) in the order the prefix
+    # attentions take them (_head_order).
+    head_order: torch.Tensor | None = None
 
 
 def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int]], page_size: int,
@@ -100,7 +103,6 @@ def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int
         return torch.tensor(values, dtype=torch.long, device=device)
 
     parts = groups + singles
-    rows = [i for members, _ in parts for i in members]
     # Per slot, the suffix keys it sees: [P_i, len_i) for grouped rows; one key (W) elsewhere,
     # so that unused rows stay finite (their output is dropped, or weighted 0 for singles).
     lo, hi = [start] * num_slots, [start + 1] * num_slots
@@ -118,42 +120,65 @@ def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int
     visible = (positions >= tensor(lo)[:, None]) & (positions < tensor(hi)[:, None])
     return CascadePlan(
         parts=[(tensor(members), slot_idx[members[0]], p) for members, p in parts],
-        part_rows=tensor(rows), part_slots=tensor([slot_idx[i] for i in rows]),
-        no_suffix=torch.tensor([i not in grouped for i in rows], device=device)[:, None],
+        row_slots=tensor(slot_idx),
+        no_suffix=torch.tensor([i not in grouped for i in range(len(lens))], device=device)[:, None],
         num_slots=num_slots, window=(start, ctx),
         suffix_mask=additive_mask(visible, dtype)[:, None, None], reads=reads)
 
 
 def cascade_attend(plan: CascadePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q: (B, H, D), the decode group's queries; k, v: one layer's mirror (KV, slots, capacity, D),
-    the new tokens already appended -> attention output (B, H, D) in q's dtype."""
+    the new tokens already appended -> attention output (B, H, D) in q's dtype.
+
+    About 40 torch ops a layer whatever the number of parts: the queries are reordered for
+    every part's prefix attention by one index_select (`head_order`), its outputs put back in
+    row order by one index_copy_, and the merge runs on whole (B, H) tensors."""
     batch, num_heads, head_dim = q.shape
     num_kv = k.shape[0]
     rep = num_heads // num_kv
-    o_p, lse_p = [], []
+    if plan.head_order is None:
+        plan.head_order = _head_order(plan, num_heads, num_kv, q.device)
+    flat = batch * num_heads
+    q_parts = q.reshape(flat, head_dim).index_select(0, plan.head_order).view(1, num_kv, -1, head_dim)
+    o_p, lse_p, start = [], [], 0
     for rows, slot, prefix in plan.parts:          # prefixes, read in place from one slot each
-        m = rows.shape[0]
-        q_part = q.index_select(0, rows).view(m, num_kv, rep, head_dim).transpose(0, 1)  # (KV, m, rep, D)
-        o, lse = _flash(q_part.reshape(1, num_kv, m * rep, head_dim),
-                        k[:, slot, :prefix].unsqueeze(0), v[:, slot, :prefix].unsqueeze(0))
-        o_p.append(o.reshape(num_kv, m, rep, head_dim).transpose(0, 1).reshape(m, num_heads, head_dim))
-        lse_p.append(lse.reshape(num_kv, m, rep).transpose(0, 1).reshape(m, num_heads))
+        end = start + rows.shape[0] * rep
+        o, lse = _flash(q_parts[:, :, start:end], k[:, slot, :prefix].unsqueeze(0),
+                        v[:, slot, :prefix].unsqueeze(0))
+        o_p.append(o)
+        lse_p.append(lse)
+        start = end
+    o_prefix = torch.empty(flat, head_dim, dtype=q.dtype, device=q.device)
+    o_prefix.index_copy_(0, plan.head_order, torch.cat(o_p, dim=2).view(flat, head_dim))
+    lse_prefix = torch.empty(flat, dtype=torch.float32, device=q.device)
+    lse_prefix.index_copy_(0, plan.head_order, torch.cat(lse_p, dim=2).view(flat).float())
     # Suffixes: every slot's window in one call, queries placed by slot, as the mirror holds them.
-    start, ctx = plan.window
+    begin, ctx = plan.window
     n = plan.num_slots
     q_slots = torch.zeros(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    q_slots.index_copy_(0, plan.part_slots, q.index_select(0, plan.part_rows))
-    o_s, lse_s = _flash(q_slots.view(n, num_kv, rep, head_dim), k[:, :n, start:ctx].transpose(0, 1),
-                        v[:, :n, start:ctx].transpose(0, 1), attn_mask=plan.suffix_mask)
-    o_s = o_s.reshape(n, num_heads, head_dim).index_select(0, plan.part_slots).float()
-    lse_s = lse_s.reshape(n, num_heads).index_select(0, plan.part_slots).float()
+    q_slots.index_copy_(0, plan.row_slots, q)
+    o_s, lse_s = _flash(q_slots.view(n, num_kv, rep, head_dim), k[:, :n, begin:ctx].transpose(0, 1),
+                        v[:, :n, begin:ctx].transpose(0, 1), attn_mask=plan.suffix_mask)
+    o_s = o_s.reshape(n, num_heads, head_dim).index_select(0, plan.row_slots)
+    lse_s = lse_s.reshape(n, num_heads).index_select(0, plan.row_slots).float()
     lse_s.masked_fill_(plan.no_suffix, float("-inf"))
-    lse_p_all = torch.cat(lse_p).float()
-    top = torch.maximum(lse_p_all, lse_s)
-    w_p, w_s = torch.exp(lse_p_all - top), torch.exp(lse_s - top)
-    merged = (torch.cat(o_p).float() * w_p[..., None] + o_s * w_s[..., None]) / (w_p + w_s)[..., None]
-    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    return out.index_copy_(0, plan.part_rows, merged.to(q.dtype))
+    # Merge (module docstring): weights e^(lse_part - lse), lse = log(e^lse_p + e^lse_s).
+    lse_prefix = lse_prefix.view(batch, num_heads)
+    total = torch.logaddexp(lse_prefix, lse_s)
+    w_p = torch.exp(lse_prefix - total).unsqueeze(-1)
+    w_s = torch.exp(lse_s.sub_(total)).unsqueeze(-1)
+    merged = torch.mul(o_prefix.view(batch, num_heads, head_dim), w_p).addcmul_(o_s, w_s)
+    return merged.to(q.dtype)
+
+
+def _head_order(plan: CascadePlan, num_heads: int, num_kv: int, device: torch.device) -> torch.Tensor:
+    """CascadePlan.head_order: for each KV head, for each part, for each of its member rows,
+    that KV head's query heads, as rows of q viewed (B * H, D). Viewed (1, KV, B * H / KV, D),
+    a part's queries are one slice of the third dimension."""
+    rep = num_heads // num_kv
+    rows = torch.cat([rows for rows, _, _ in plan.parts]).to(device)          # part after part
+    heads = torch.arange(num_heads, device=device).view(num_kv, 1, rep)       # (KV, 1, rep)
+    return (rows.view(1, -1, 1) * num_heads + heads).reshape(-1)
 
 
 def common_pages(a: list[int], b: list[int], limit: int) -> int:
