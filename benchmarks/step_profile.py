@@ -13,6 +13,13 @@ model's `forward` call: the issue's per-step overhead (issue 17 item 2). Request
 only (prompts prefilled before timing starts, `ignore_eos`, enough `max_tokens` that none
 finishes while timed). `--py-spy FILE` also records a flame graph of the timed steps
 (`pip install py-spy` first; the package does not depend on it).
+
+`--ablate int4,int8,attention` replaces those kernels by zeros of the right shape and dtype
+(the quantized int4 / int8 matmuls, the int8-screened LM head included, and decode attention),
+so the step's time without them is what the rest costs: small ops, Python, scheduling. The
+tokens are meaningless then; the timing is not, since every request decodes to its length.
+    PYTHONPATH=. python benchmarks/step_profile.py --batch-sizes 1 --prompt-len 256 \
+        --quantization int4 --quantized-max-tokens 12 --ablate int4,int8,attention
 """
 from __future__ import annotations
 
@@ -23,6 +30,8 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+
+import torch
 
 from radixserve.cli import build_runner
 from radixserve.config import EngineConfig
@@ -54,6 +63,25 @@ def wrap(engine: Engine, times: dict[str, list[float]]) -> None:
             finally:
                 times[_phase].append(time.perf_counter() - start)
         setattr(obj, name, timed)
+
+
+def ablate(kernels: list[str]) -> None:
+    """Replace each named kernel by zeros of its output's shape and dtype (see the docstring)."""
+    from radixserve.layers import quant_linear
+    from radixserve.runner.attention import decode_mirror, torch_backend
+
+    for kernel in kernels:
+        if kernel in ("int4", "int8"):
+            cls = quant_linear.Int4Matmul if kernel == "int4" else quant_linear.Int8Matmul
+            rows = (lambda m: m.scales_zeros.shape[1]) if kernel == "int4" else (lambda m: m.values.shape[0])
+            cls.__call__ = lambda self, x, cast_back=True, _rows=rows: torch.zeros(
+                x.shape[0], _rows(self), dtype=x.dtype if cast_back else quant_linear.ACTIVATION_DTYPE)
+        elif kernel == "attention":
+            decode_mirror.decode_attention = torch_backend.decode_attention = \
+                lambda q, *_args: torch.zeros_like(q)                    # (q, k, v, mask)
+            decode_mirror.cascade_attend = lambda _plan, q, *_args: torch.zeros_like(q)
+        else:
+            raise SystemExit(f"--ablate: unknown kernel {kernel!r} (int4, int8, attention)")
 
 
 def profile(engine: Engine, batch: int, steps: int, prompt_len: int, py_spy: str | None) -> dict:
@@ -98,11 +126,13 @@ def main() -> int:
     ap.add_argument("--quantization", default="none", help="none | int8 | int4 | auto (EngineConfig)")
     ap.add_argument("--quantized-max-tokens", type=int, default=0)
     ap.add_argument("--py-spy", default=None, help="flame graph of the timed steps (svg path)")
+    ap.add_argument("--ablate", default="", help="kernels to replace by zeros: int4,int8,attention")
     args = ap.parse_args()
     config = EngineConfig(model_path=args.model_path, num_threads=args.num_threads,
                           max_running_requests=256, quantization=args.quantization,
                           quantized_max_tokens=args.quantized_max_tokens)
     engine = Engine(config, build_runner(config))
+    ablate([k for k in args.ablate.split(",") if k])
     print(f"load {os.getloadavg()[0]:.2f} at start; threads {args.num_threads or os.cpu_count()}")
     rows = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
