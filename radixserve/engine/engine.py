@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Callable
 
 from radixserve.config import EngineConfig
 from radixserve.engine.fault_points import FaultPoints
@@ -188,9 +189,12 @@ class Engine(FaultPoints, ChecksumChecks):
         if res.next_draft and req.status is Status.RUNNING:
             self.scheduler.proposer.offer(req.request_id, res.next_draft, req.num_tokens)
 
-    def _emit(self, req: Request, tokens: list[TokenLogprob]) -> EngineOutput:
+    def _emit(self, req: Request, tokens: list[TokenLogprob],
+              computed: Callable[[int], int] | None = None) -> EngineOutput:
         """Append sampled tokens one by one until one finishes the request (the rest are dropped:
-        stop ids, EOS, min_tokens and max_tokens hold per token, with or without speculation)."""
+        stop ids, EOS, min_tokens and max_tokens hold per token, with or without speculation).
+        `computed(kept)`: req's num_computed_tokens once `kept` tokens are appended, set before
+        a finish, whose radix commit reads it (a verify step's accepted tokens have KV)."""
         kept: list[TokenLogprob] = []
         reason = None
         for t in tokens:
@@ -200,6 +204,8 @@ class Engine(FaultPoints, ChecksumChecks):
             reason = self._finish_reason(req, t.token_id)
             if reason is not None:
                 break
+        if computed is not None:
+            req.num_computed_tokens = computed(len(kept))
         ids = [t.token_id for t in kept]
         logprobs = kept if req.params.wants_logprobs else None
         if reason is not None:
@@ -224,14 +230,10 @@ class Engine(FaultPoints, ChecksumChecks):
                               spec.accepted_tokens + accepted)
         if self.scheduler.proposer is not None:
             self.scheduler.proposer.record(req.request_id, len(s.draft), accepted)
-        before = len(req.output_ids)
-        tokens, num_as_sampled = force_run(req.forced_ids, before, [*res.accepted, res.token])
-        out = self._emit(req, tokens)
+        tokens, num_as_sampled = force_run(req.forced_ids, len(req.output_ids), [*res.accepted, res.token])
         # KV is valid for the last known token and the accepted drafts that were kept (and not
-        # replaced by a forced token).
-        req.num_computed_tokens = s.start + 1 + min(len(req.output_ids) - before, accepted,
-                                                     num_as_sampled)
-        return out
+        # replaced by a forced token); set before a finish commits the pages (CASES.md C35).
+        return self._emit(req, tokens, lambda kept: s.start + 1 + min(kept, accepted, num_as_sampled))
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
