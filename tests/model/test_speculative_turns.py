@@ -2,7 +2,8 @@
 path) and C35 (the radix cache after speculative finishes), on the tiny model.
 
 Prompts repeat segments so the n-gram proposer drafts and the tiny model accepts some drafts
-(test_speculative.py's copy-heavy prompts).
+(test_speculative.py's copy-heavy prompts). C35 found that a verify step which finished a
+request left its accepted tokens out of the radix commit: a page of the next turn's hit lost.
 """
 from __future__ import annotations
 
@@ -116,3 +117,26 @@ def test_multi_turn_reuse_with_speculation_matches_no_cache_no_speculation(tiny_
                 assert a["cached"] >= before["prompt"] + len(before["ids"]) - PAGE - 2, (s, t, a["cached"])
                 assert a["cached"] >= b["cached"] - PAGE, (s, t)
     assert spec.stats()["num_free_pages"] + spec.stats()["num_cached_pages"] == spec.stats()["num_pages"]
+
+
+def test_a_repeated_prompt_in_a_mixed_batch_matches_its_first_run(tiny_llama_dir):
+    """C35, draft slots over shared pages: prompts run once, then again each beside fresh
+    prompts in one batch, with speculation and the radix cache: the repeats hit every full page
+    before their last token and produce what they produced alone, and the fresh prompts what a
+    plain engine gives them."""
+    prompts = copy_heavy_prompts(384, 7)
+    repeated, fresh = prompts[2:6], copy_heavy_prompts(384, 8)[2:6]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    engine = make_engine(tiny_llama_dir, **SPEC)
+    first = _run(engine, {f"a{i}": (p, params) for i, p in enumerate(repeated)})
+    mixed = {}
+    for i in range(len(repeated)):
+        mixed[f"r{i}"] = (repeated[i], params)
+        mixed[f"f{i}"] = (fresh[i], params)
+    again = _run(engine, mixed)
+    plain = _run(make_engine(tiny_llama_dir), {f"f{i}": (p, params) for i, p in enumerate(fresh)})
+    assert engine.stats()["spec_num_accepted_tokens"] > 0
+    for i, p in enumerate(repeated):
+        assert again[f"r{i}"]["ids"] == first[f"a{i}"]["ids"], i
+        assert again[f"r{i}"]["cached"] >= (len(p) - 1) // PAGE * PAGE, (i, again[f"r{i}"]["cached"])
+        assert again[f"f{i}"]["ids"] == plain[f"f{i}"]["ids"], i
