@@ -23,7 +23,7 @@ from radixserve.engine.loop import RunnerFactory
 from radixserve.engine.messages import AddReq
 from radixserve.errors import EngineDead, InvalidRequest, RadixServeError, error_body
 from radixserve.http_common import SERVER_KEEP_ALIVE_S, bearer_key_check, quiet_signals
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from radixserve.server import responses
 from radixserve.server.admin_routes import install_admin_routes
 from radixserve.server.acceptance_guard import AcceptanceConfig
@@ -136,6 +136,9 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         ctx.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                 f"got {req.top_logprobs}", param="top_logprobs")
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,

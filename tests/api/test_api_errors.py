@@ -93,6 +93,15 @@ def test_invalid_params_same_status_stream_or_not(server, fields, code):
         assert errors[0]["param"] == errors[1]["param"]
 
 
+def test_too_many_top_logprobs_names_the_field_the_client_sent(server):
+    """Chat's top_logprobs and completions' logprobs share the engine's limit; the error names
+    the request's own field."""
+    for route, fields, param in ((chat, {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+                                 (completion, {"logprobs": 50}, "logprobs")):
+        err = assert_error(route(server, prompt="Hi", **fields), 400)
+        assert err["param"] == param and "50" in err["message"] and param in err["message"], err
+
+
 def test_openai_client_sees_bad_request_when_streaming(server):
     client = server.client()
     with pytest.raises(openai.BadRequestError) as err:
