@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from radixserve.sampling_params import SamplingParams
 from tests.model.test_parity import make_engine
-from tests.model.test_speculative import SPEC, copy_heavy_prompts
+from tests.model.test_speculative import SELF_DRAFT_HALF, SPEC, copy_heavy_prompts
 
 PAGE = 16
 
@@ -68,7 +69,8 @@ def test_sampled_logprobs_with_speculation_are_the_target_models(tiny_llama_dir)
         assert any(lp.logprob < -1e-6 for lp in lps), f"{rid}: every logprob is 0.0"
 
 
-def test_multi_turn_reuse_with_speculation_matches_no_cache_no_speculation(tiny_llama_dir):
+@pytest.mark.parametrize("algorithm", [SPEC, SELF_DRAFT_HALF], ids=["ngram", "self_draft"])
+def test_multi_turn_reuse_with_speculation_matches_no_cache_no_speculation(tiny_llama_dir, algorithm):
     """C35: sessions of 3 turns, each turn's prompt the previous prompt, what was delivered and a
     new question; turns end by length or by stop tokens (some the session's loops copy, often
     inside an accepted draft run; one that may never come). With speculation and the radix cache, every turn from the second hits
@@ -99,7 +101,7 @@ def test_multi_turn_reuse_with_speculation_matches_no_cache_no_speculation(tiny_
                 history[s] = history[s] + g["ids"] + questions[t]
         return turns
 
-    spec = make_engine(tiny_llama_dir, **SPEC)
+    spec = make_engine(tiny_llama_dir, **algorithm)
     with_spec = sessions(spec)
     without_spec = sessions(make_engine(tiny_llama_dir))
     reference = sessions(make_engine(tiny_llama_dir, disable_radix_cache=True))
