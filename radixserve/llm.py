@@ -136,6 +136,6 @@ class LLM:
                 if tracker is None:
                     continue
                 update = tracker.process(out)
-                if update.abort_child is not None:
-                    self.engine.abort(update.abort_child)
+                if update.abort_child is not None:   # its stop string matched
+                    self.engine.abort(update.abort_child, reason="stop")
                 yield tracker, update

@@ -79,11 +79,11 @@ class PDEngine(Engine):
                 self.scheduler.waiting.remove(req)
             raise
 
-    def abort(self, request_id: str) -> EngineOutput | None:
+    def abort(self, request_id: str, reason: str = "abort") -> EngineOutput | None:
         side = self.prefill or self.decode
         if side.abort(request_id):
             return self._outbox.pop() if self._outbox else None
-        return super().abort(request_id)
+        return super().abort(request_id, reason)
 
     def end_request(self, req: Request, error: str | None) -> None:
         """End a request wherever it is (the scheduler's queues or a PD state) as Engine.abort

@@ -112,16 +112,18 @@ class Engine(FaultPoints, ChecksumChecks):
             "Please reduce the length of the prompt or max_tokens.",
             param="max_tokens" if num_prompt_tokens < limit and max_tokens else "prompt")
 
-    def abort(self, request_id: str) -> EngineOutput | None:
+    def abort(self, request_id: str, reason: str = "abort") -> EngineOutput | None:
         """Stop a request at any point; its really computed KV stays in the radix cache and
-        everything else returns to the pool. Returns its final output, or None if unknown."""
+        everything else returns to the pool. Returns its final output, or None if unknown.
+        `reason` "stop": the caller ended it on a stop string it matched in the text, a normal
+        finish (counted as finished, not aborted); anything else counts as an abort."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         if self.checksums is not None:
             self.checksums.forget(req)
-        self.scheduler.finish(req, "abort")
-        self.counters["num_aborted_requests"] += 1
+        self.scheduler.finish(req, reason)
+        self.counters["num_finished_requests" if reason == "stop" else "num_aborted_requests"] += 1
         self._count_prompt(req)
         return self._output(req, [], None)
 

@@ -134,7 +134,7 @@ class EngineLoop:
             self.submit(msg)
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
-                self.engine.abort(rid)
+                self.engine.abort(rid, msg.reason)
             if self.compiling:   # aborted before they were added: added, then aborted at once
                 self.aborted_while_compiling.update(msg.request_ids)
         elif isinstance(msg, Call):

@@ -54,6 +54,7 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
     request_ids: list[str]
+    reason: str = "abort"      # "stop": ended on a matched stop string (Engine.abort)
 
 
 class Call(msgspec.Struct, frozen=True, tag=True):

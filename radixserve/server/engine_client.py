@@ -93,7 +93,7 @@ class RequestStream:
         if request_id in self.unfinished:
             self.unfinished.discard(request_id)
             self.client.unroute([request_id])
-            self.client.abort([request_id])
+            self.client.abort([request_id], reason="stop")
 
     def abort_all(self) -> None:
         """Abort every unfinished request and queue a final "abort" output for each, so that
@@ -239,9 +239,10 @@ class EngineClient:
             if self._routes.get(add.request_id) is stream:
                 del self._routes[add.request_id]
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], reason: str = "abort") -> None:
+        """Stop `request_ids` in the engine (Engine.abort's `reason`)."""
         if self.dead_reason is None and request_ids:
-            self._send(Abort(request_ids))
+            self._send(Abort(request_ids, reason))
 
     def unroute(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -63,6 +63,19 @@ def test_stop_string_is_never_leaked(server):
     assert res.texts[0] == " " and res.finish[0] == ["stop"]
 
 
+def test_a_stop_string_ending_is_counted_as_finished_not_aborted(server):
+    """The server stops the engine's request when a stop string matches in the text; in the
+    metrics that is a finished request, not an aborted one (the engine was still generating)."""
+    before = server.metrics()
+    out = post(server, "/v1/completions", prompt="Here is the English alphabet: A B C", max_tokens=12,
+               temperature=0, stop=["D E F G"])["choices"][0]
+    assert out["finish_reason"] == "stop" and out["stop_reason"] == "D E F G"
+    after = server.metrics()
+    for name, change in (("num_aborted_requests_total", 0), ("num_requests_total", 1)):
+        name = "radixserve:" + name
+        assert after[name] - before[name] == change, name
+
+
 @pytest.mark.parametrize("stop", [["\n"], ["?\n"], ["?"]])
 def test_held_back_tail_is_flushed(server, stop):
     """C16: text held back as a possible stop prefix is flushed on every ending."""

@@ -57,6 +57,19 @@ def test_closing_a_stream_early_aborts_its_request(llm):
     llm.engine.check_invariants()
 
 
+def test_a_stop_string_ending_counts_as_finished(llm):
+    """A stop string matched while the engine still generates ends the request early; it is a
+    finished request in the counters, not an aborted one."""
+    stats = llm.stats()
+    out = llm.generate(["Here is the English alphabet: A B C"],
+                       SamplingParams(max_tokens=12, temperature=0, stop=["D E F G"]), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "stop"
+    after = llm.stats()
+    assert after["num_aborted_requests"] == stats["num_aborted_requests"]
+    assert after["num_finished_requests"] == stats["num_finished_requests"] + 1
+    llm.engine.check_invariants()
+
+
 def test_n_choices_share_the_prompt_and_differ(llm):
     prompt = "Write a short poem about the sea. " * 4
     out = llm.generate(prompt, SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=3),
