@@ -127,9 +127,8 @@ def main() -> None:
         print(f"[{wl}] {len(items)} requests: radixserve {ours:.1f} tok/s ({dt_ours:.1f} s, hit rate "
               f"{hit:.1%}) | transformers {ref:.1f} tok/s ({dt_ref:.1f} s) | ratio {ours / ref:.2f}x")
         dims = Dims.of(llm.engine.runner.model_config)
-        hf_batches = [([len(p) for p, _ in items[i:i + args.hf_batch_size]],
-                       max(o for _, o in items[i:i + args.hf_batch_size]))
-                      for i in range(0, len(items), args.hf_batch_size)]
+        chunks = [items[i:i + args.hf_batch_size] for i in range(0, len(items), args.hf_batch_size)]
+        hf_batches = [([len(p) for p, _ in chunk], max(o for _, o in chunk)) for chunk in chunks]
         f_ours, f_ref = serving_flops(dims, work), padded_batch_flops(dims, hf_batches)
         print(f"[{wl}] FLOPs: radixserve {f_ours / 1e12:.2f} T ({f_ours / dt_ours / 1e9:.0f} GFLOP/s) | "
               f"transformers {f_ref / 1e12:.2f} T ({f_ref / dt_ref / 1e9:.0f} GFLOP/s) | FLOP ratio "

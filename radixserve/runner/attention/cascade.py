@@ -177,7 +177,7 @@ def _head_order(plan: CascadePlan, num_heads: int, num_kv: int, device: torch.de
     that KV head's query heads, as rows of q viewed (B * H, D). Viewed (1, KV, B * H / KV, D),
     a part's queries are one slice of the third dimension."""
     rep = num_heads // num_kv
-    rows = torch.cat([rows for rows, _, _ in plan.parts]).to(device)          # part after part
+    rows = torch.cat([rows for rows, _, _ in plan.parts])                     # part after part
     heads = torch.arange(num_heads, device=device).view(num_kv, 1, rep)       # (KV, 1, rep)
     return (rows.view(1, -1, 1) * num_heads + heads).reshape(-1)
 
