@@ -1,16 +1,7 @@
 """ArgumentsWriter: one tool call's arguments as JSON object text, written in fragments as arguments complete.
 
-Every parser format ends up here, so the joined fragments are the same JSON whatever the
-format or the chunking:
-
-    {"city": "Paris", "days": 3}        add("city", "Paris"), add("days", 3), close()
-    {"path": "a.py", "text": "x = 1\\n"} add(...), open_string("text"), string_chars("x = "),
-                                        string_chars("1\\n"), close()
-    {}                                  close() with no argument
-
-String values can be streamed character by character: JSON escapes each character on its own,
-so escape(a + b) == escape(a) + escape(b) and the split points never change the text.
-"""
+Every format writes through it, so the joined text is the same at any chunking; strings stream
+per character since JSON escapes each on its own (escape(a + b) == escape(a) + escape(b))."""
 from __future__ import annotations
 
 import json
@@ -18,13 +9,11 @@ from typing import Any
 
 
 def dumps(value: Any) -> str:
-    """Compact-spaced JSON as json.dumps writes it, non-ASCII kept (the values are finite)."""
     return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
 class ArgumentsWriter:
-    """Writes `{`, `"key": value` pairs separated by `, `, and `}` (see module doc). Each method
-    returns the fragment to send; `close()` must come last and also ends an open string."""
+    """Each method returns the next fragment of `{"key": value, ...}`; `close()` comes last."""
 
     def __init__(self) -> None:
         self.num_args = 0
@@ -36,13 +25,11 @@ class ArgumentsWriter:
         return self._key(key) + dumps(value)
 
     def open_string(self, key: str) -> str:
-        """Start a string argument whose characters follow through string_chars()."""
         prefix = self._key(key)
         self._in_string = True
         return prefix + '"'
 
     def string_chars(self, text: str) -> str:
-        """More characters of the open string argument, escaped."""
         assert self._in_string, "string_chars() without open_string()"
         return dumps(text)[1:-1]
 

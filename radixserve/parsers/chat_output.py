@@ -1,11 +1,7 @@
 """ChatOutputParser: one choice's text through the reasoning split and then the tool-call parser, and the parser names the CLI accepts.
 
-    text delta -> ReasoningParser -> Reasoning events
-                                  -> Content -> ToolCallParser -> Content / CallStart / CallArgs
-
-Either stage may be absent (no --reasoning-parser; no tools offered or tool_choice "none"):
-then text passes through that stage unchanged, so a request without either is plain content.
-"""
+text delta -> ReasoningParser -> Reasoning | Content -> ToolCallParser -> Content | CallStart | CallArgs;
+an absent stage passes text through unchanged."""
 from __future__ import annotations
 
 import uuid
@@ -18,8 +14,7 @@ from radixserve.parsers.schema import ToolSpec
 from radixserve.parsers.tool_parser import ToolCallParser
 from radixserve.parsers.xml_calls import GlmToolParser, Qwen3CoderToolParser
 
-# --tool-call-parser names (SGLang's). glm47 is GLM-4.7's tag layout without newlines, which the
-# GLM parser reads as well; qwen3_coder is Qwen3-Coder's (and Qwen3.5's) XML layout.
+# --tool-call-parser names, as SGLang's; glm47 (GLM-4.7, no newlines) reads with the GLM parser.
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     "glm45": GlmToolParser, "glm47": GlmToolParser, "qwen25": Qwen25ToolParser,
     "qwen3_coder": Qwen3CoderToolParser, "json": JsonToolParser}
@@ -32,9 +27,8 @@ def new_call_id() -> str:
 
 
 class ChatOutputParser:
-    """Parses one choice's output (module doc). `tool_parser`: a TOOL_CALL_PARSERS name or None;
-    `tools`: the functions a call may name (required with a tool parser); `reasoning`: whether
-    to split thinking; `starts_in_reasoning`: the prompt opened a `<think>` block."""
+    """One choice's output. `tool_parser`: a TOOL_CALL_PARSERS name (needs `tools`) or None;
+    `starts_in_reasoning`: the prompt opened a `<think>` block."""
 
     def __init__(self, tool_parser: str | None = None, tools: Mapping[str, ToolSpec] | None = None,
                  reasoning: bool = False, starts_in_reasoning: bool = False):
@@ -45,7 +39,6 @@ class ChatOutputParser:
 
     @property
     def num_calls(self) -> int:
-        """Tool calls committed so far."""
         return self._tools.num_calls if self._tools is not None else 0
 
     def feed(self, text: str) -> list[Event]:
@@ -56,7 +49,6 @@ class ChatOutputParser:
         return self._through_tools(events)
 
     def finish(self) -> list[Event]:
-        """Events for whatever was held when the choice ended."""
         events = self._through_tools(self._reasoning.finish() if self._reasoning else [])
         if self._tools is not None:
             events += self._tools.finish()

@@ -1,14 +1,7 @@
 """What the output parsers emit (content, reasoning, tool-call starts and argument fragments) and their fold into one message.
 
-A parser turns text deltas into a list of events; the events of a whole reply, in order,
-describe the message completely. Streaming sends each feed's events as they come; a full
-response folds all of them with `ParsedMessage`, so the two can only differ in how the text
-was split, never in what it says (field case C43):
-
-    content    = "".join(Content.text)
-    reasoning  = "".join(Reasoning.text)
-    call i     = CallStart(i) then "".join(CallArgs(i).text), a JSON object once the call ends
-"""
+A reply's events, in order, describe the message completely: streaming sends them as they come,
+a full response folds them with `ParsedMessage`, so the two differ only in how the text was split."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,15 +9,11 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class Content:
-    """Answer text outside any tool call and outside thinking."""
-
     text: str
 
 
 @dataclass(frozen=True, slots=True)
 class Reasoning:
-    """Thinking text (what a `<think>` block held)."""
-
     text: str
 
 
@@ -39,8 +28,6 @@ class CallStart:
 
 @dataclass(frozen=True, slots=True)
 class CallArgs:
-    """The next fragment of call `index`'s arguments, a JSON object text once all are joined."""
-
     index: int
     text: str
 
@@ -50,8 +37,6 @@ Event = Content | Reasoning | CallStart | CallArgs
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
-    """One finished tool call: `arguments` is a JSON object text."""
-
     call_id: str
     name: str
     arguments: str
@@ -59,14 +44,11 @@ class ToolCall:
 
 @dataclass(slots=True)
 class ParsedMessage:
-    """The events of one reply folded into a message (the non-streaming response)."""
-
     content: str = ""
     reasoning: str = ""
     calls: list[ToolCall] = field(default_factory=list)
 
     def add(self, events: list[Event]) -> None:
-        """Fold events in the order the parser emitted them."""
         for ev in events:
             if isinstance(ev, Content):
                 self.content += ev.text

@@ -1,18 +1,10 @@
-"""Tool calls written as JSON objects: Qwen2.5 / Qwen3 (`qwen25`) and the generic `json` format.
+r"""Tool calls written as JSON objects: Qwen2.5 / Qwen3 (`qwen25`) and the generic `json` format.
 
-    qwen25   <tool_call>
-             {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
-             </tool_call>
-    json     the reply starts with {"name": ..., "arguments": {...}} ("parameters" too, as
-             Llama-style models write it), or with a JSON array of such objects, or with
-             several such objects one after the other; text after them is content
+    qwen25   <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>
+    json     the reply opens with such objects ("parameters" too, as Llama writes), bare or in an array
 
-JSON can be malformed anywhere up to its last character, so a call is read whole (to
-`</tool_call>`, or to the end of the JSON object) and checked before anything of it is sent:
-a valid call goes out as CallStart plus its arguments, one fragment each (typed per
-schema.type_json); anything else, marker included, goes out as content. Arguments sent as a
-JSON string holding an object ("arguments": "{\"city\": \"Paris\"}") are read too.
-"""
+JSON can break at its last character, so a call is read whole and checked before any of it is
+sent; anything invalid, marker included, goes out as content."""
 from __future__ import annotations
 
 from typing import Any
@@ -25,9 +17,7 @@ CALL_CLOSE = "</tool_call>"
 
 
 def call_of(text: str) -> tuple[str, dict[str, Any]] | None:
-    """(name, arguments) of a call object's text, or None when it is not one: a JSON object
-    with a string "name" and an object (or a string holding one) as "arguments" /
-    "parameters"; a call without either has no arguments."""
+    """(name, arguments) of a call object's text, or None; "arguments" may be a string holding JSON."""
     try:
         obj = loads_json(text)
     except ValueError:
@@ -44,10 +34,8 @@ def call_of(text: str) -> tuple[str, dict[str, Any]] | None:
 
 
 class JsonCallParser(ToolCallParser):
-    """Sends one whole, checked call object (module doc); a format finds where it ends."""
-
     def _send_call(self, text: str) -> bool:
-        """Commit `text` as a call when it is one naming a known tool; False when it is not."""
+        """Commit `text` as a call when it names a known tool; else False."""
         call = call_of(text)
         if call is None or call[0] not in self.tools:
             return False
@@ -61,10 +49,7 @@ class JsonCallParser(ToolCallParser):
 
 
 class Qwen25ToolParser(JsonCallParser):
-    """`--tool-call-parser qwen25` (Qwen2.5, Qwen3): each call one JSON object between
-    `<tool_call>` and `</tool_call>` (a "</tool_call>" inside a JSON string does not end it).
-    A reply that ends right after the object, without the closing tag, still makes a call;
-    anything else in the tags (bad JSON, extra text, an unknown name) goes out as content."""
+    """`qwen25` (Qwen2.5, Qwen3); a reply ending right after the object, untagged, still calls."""
 
     def _begin_call(self) -> None:
         self._value_end = JsonValueEnd()
@@ -86,9 +71,9 @@ class Qwen25ToolParser(JsonCallParser):
         if rest.startswith(CALL_CLOSE):
             after = close + len(CALL_CLOSE)
         elif close >= 0 and not rest:
-            after = close   # the reply ended right after the object
+            after = close
         else:
-            after = -1      # unfinished object, or text between it and the closing tag
+            after = -1
         if after < 0 or not self._send_call(self._buf[start:start + end]):
             self._reject_call()
             return True
@@ -97,8 +82,7 @@ class Qwen25ToolParser(JsonCallParser):
 
 
 class JsonToolParser(JsonCallParser):
-    """`--tool-call-parser json`, for models without a format of their own (module doc). Once
-    anything but a call object, `,` or `]` of the opening array comes, the rest is content."""
+    """`json`: after anything but a call object, `,` or `]` of the opening array, the rest is content."""
 
     start_marker = ""
 
@@ -106,7 +90,7 @@ class JsonToolParser(JsonCallParser):
         super().__init__(*args, **kwargs)
         self._calls_allowed = True
         self._in_array = False
-        self._structure = ""    # "[", "," and whitespace consumed since the last call
+        self._structure = ""    # "[", "," and whitespace since the last call
 
     def _step_text(self, final: bool) -> bool:
         if not self._calls_allowed:

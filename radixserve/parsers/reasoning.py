@@ -1,20 +1,8 @@
 """Reasoning output (`--reasoning-parser glm45|qwen3`): `<think>` ... `</think>` text becomes reasoning, the rest content.
 
-GLM-4.5 and later and Qwen3 mark thinking the same way, so both names select this parser:
-
-    <think>Paris is in France; look it up.</think>The weather in Paris ...
-    `-------------- Reasoning -------------'`-------- Content --------
-
-Three openings are handled:
-  - the reply opens the block itself (`<think>` first, after whitespace);
-  - the prompt already opened it (the template ends the prompt with `<think>`, as Qwen3
-    thinking models and GLM templates with thinking forced on do): the reply starts inside
-    thinking and holds only `</think>` (see `opens_thinking`);
-  - no block at all (thinking off, or a template that closed an empty block in the prompt):
-    the whole reply is content.
-Whitespace at the edges of the reasoning and between `</think>` and the content is dropped. A reply
-that ends while thinking is all reasoning.
-"""
+GLM-4.5+ and Qwen3 mark thinking alike. The reply opens `<think>` itself, or the prompt did
+(`opens_thinking`), or there is no block (all content); an unclosed block is all reasoning.
+Whitespace at the reasoning's edges and before the content is dropped."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -28,17 +16,15 @@ REASONING_PARSERS = ("glm45", "qwen3")
 
 def reasoning_token_count(ids: Sequence[int], decode: Callable[[Sequence[int]], str],
                           starts_in_reasoning: bool = False) -> int:
-    """How many of a reply's output tokens `ids` are thinking (usage's `reasoning_tokens`): those
-    up to and including the one that completes `</think>`, all of them when the block never
-    closes, 0 when the reply has no block (the parser's rules above). `decode` gives the text
-    the parser saw for a prefix of `ids`; a binary search over prefixes, O(log n) decodes."""
+    """usage's `reasoning_tokens`: the tokens of `ids` up to the one completing `</think>` (all if
+    unclosed, 0 without a block); binary search, O(log n) `decode` calls of prefixes."""
     text = decode(ids)
     if not starts_in_reasoning and not text.lstrip().startswith(THINK_OPEN):
         return 0
     start = 0 if starts_in_reasoning else text.find(THINK_OPEN) + len(THINK_OPEN)
     if text.find(THINK_CLOSE, start) < 0:
         return len(ids)
-    lo, hi = 1, len(ids)               # the shortest prefix whose text holds the close
+    lo, hi = 1, len(ids)
     while lo < hi:
         mid = (lo + hi) // 2
         if decode(ids[:mid]).find(THINK_CLOSE, start) >= 0:
@@ -49,15 +35,13 @@ def reasoning_token_count(ids: Sequence[int], decode: Callable[[Sequence[int]], 
 
 
 def opens_thinking(prompt_tail: str) -> bool:
-    """True when the prompt text ends inside an open `<think>` block (only whitespace after
-    the last `<think>`, which no `</think>` closes): the reply then starts in reasoning."""
+    """True when the prompt ends in an open `<think>` (only whitespace after it)."""
     at = prompt_tail.rfind(THINK_OPEN)
     return at >= 0 and not prompt_tail[at + len(THINK_OPEN):].strip()
 
 
 class ReasoningParser:
-    """Splits one choice's text into Reasoning and Content events (module doc); `feed()` each
-    delta, then `finish()`. The split does not depend on how the text was cut."""
+    """One choice's Reasoning and Content events: `feed()` each delta, then `finish()`."""
 
     def __init__(self, starts_in_reasoning: bool = False):
         self._state = "reasoning" if starts_in_reasoning else "start"
@@ -86,7 +70,7 @@ class ReasoningParser:
             elif final or not THINK_OPEN.startswith(stripped):
                 self._state = "content"
             else:
-                return events   # whitespace or part of "<think>": undecided
+                return events
         if self._state == "reasoning":
             at = self._buf.find(THINK_CLOSE)
             end = at if at >= 0 else len(self._buf)

@@ -1,16 +1,13 @@
 """Text scanning the output parsers share: held-back marker prefixes, edge whitespace, the ends of JSON values in growing text.
 
-Parsers see text in arbitrary pieces, so each helper answers "not yet" (None) while more text
-could still change its answer, and scans each character a bounded number of times.
-"""
+Each helper answers None ("not yet") while more text could change its answer."""
 from __future__ import annotations
 
 WHITESPACE = " \t\r\n"
 
 
 def held_prefix_len(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is a proper prefix of one of `markers`: text
-    that must be held back because the next piece may complete a marker."""
+    """Length of the longest end of `text` that is a proper prefix of one of `markers`."""
     best = 0
     for marker in markers:
         for n in range(min(len(marker) - 1, len(text)), best, -1):
@@ -21,7 +18,6 @@ def held_prefix_len(text: str, markers: tuple[str, ...]) -> int:
 
 
 def is_marker_prefix(text: str, markers: tuple[str, ...]) -> bool:
-    """True when `text` is a proper prefix of one of `markers` (wait for more)."""
     return any(len(text) < len(m) and m.startswith(text) for m in markers)
 
 
@@ -32,16 +28,13 @@ def skip_ws(text: str, i: int) -> int:
 
 
 class Trimmer:
-    """Text with the whitespace at its edges removed as it streams: after `strip_next()` the
-    leading whitespace of what follows is dropped, and trailing whitespace is held until more
-    text shows whether it is inside (sent) or at the end (`drop_held()` / `flush()`)."""
+    """Streams text with its edge whitespace removed; trailing whitespace is held until more text comes."""
 
     def __init__(self, strip_leading: bool = False) -> None:
         self._strip_leading = strip_leading
         self.held = ""
 
     def push(self, text: str) -> str:
-        """The part of `text` that is now surely inside the trimmed text."""
         if self._strip_leading:
             text = text.lstrip()
             if not text:
@@ -64,8 +57,7 @@ class Trimmer:
 
 
 class JsonValueEnd:
-    """Finds the end of the one JSON value that starts at text[0], scanning each character once
-    over repeated calls with the same growing text (strings, nesting and escapes tracked)."""
+    """The end of the JSON value at text[0], each character scanned once over calls with growing text."""
 
     def __init__(self) -> None:
         self._pos = 0
@@ -75,10 +67,7 @@ class JsonValueEnd:
         self._end: int | None = None
 
     def scan(self, text: str, final: bool) -> int | None:
-        """Index just past the value once it is complete, else None. A number, true, false or
-        null ends at the next delimiter, or at the end of the text when `final`; a string or a
-        container that is still open at the end is never complete. Once found, the end stays
-        the same for later calls."""
+        """Index just past the value once complete, else None; a scalar ends at a delimiter or `final`."""
         if self._end is None and text:
             self._end = self._scan(text, final)
         return self._end

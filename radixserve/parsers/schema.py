@@ -1,11 +1,7 @@
 """Tool definitions as the parsers see them, and argument values typed per the tool's JSON schema.
 
-GLM writes every argument value as text (`<arg_value>5</arg_value>`), so the type comes from the
-schema: `type_text` turns "5" into 5 for an integer parameter and keeps it "5" for a string one.
-JSON formats (Qwen2.5, generic) carry types already; `type_json` only fixes a string the model
-wrote for a non-string parameter ("5" for an integer). Neither ever fails: a value that fits no
-schema type stays the text the model wrote.
-"""
+`type_text` types XML-format text values ("5" -> 5 for an integer); `type_json` only fixes a string
+written for a non-string parameter. Neither fails: a value fitting no type stays the model's text."""
 from __future__ import annotations
 
 import json
@@ -16,27 +12,24 @@ from typing import Any
 
 _INTEGER = re.compile(r"-?(0|[1-9]\d*)")
 _NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?([eE][+-]?\d+)?")
-# Non-string JSON schema types, in the order a text value is tried against them.
 _TEXT_TYPES = ("null", "boolean", "integer", "number", "object", "array")
 
 
 @dataclass(frozen=True, slots=True)
 class ToolSpec:
-    """One function the client offered: its name and its `parameters` JSON schema ({} if none)."""
+    """One offered function: its name and `parameters` JSON schema ({} if none)."""
 
     name: str
     parameters: dict[str, Any] = field(default_factory=dict)
 
     def param_schema(self, key: str) -> dict[str, Any] | None:
-        """The schema of parameter `key`, or None when the tool does not describe it."""
         props = self.parameters.get("properties")
         schema = props.get(key) if isinstance(props, dict) else None
         return schema if isinstance(schema, dict) else None
 
 
 def schema_types(schema: dict[str, Any] | None) -> frozenset[str]:
-    """JSON types a schema allows: `type` (a name or a list), `anyOf` / `oneOf` branches, and
-    "object" for a schema with `properties` but no type. Empty: anything (no constraint known)."""
+    """JSON types a schema allows (`type`, `anyOf`, `oneOf`, `properties`); empty means any."""
     if not isinstance(schema, dict):
         return frozenset()
     kind = schema.get("type")
@@ -56,14 +49,11 @@ def schema_types(schema: dict[str, Any] | None) -> frozenset[str]:
 
 
 def is_string_only(schema: dict[str, Any] | None) -> bool:
-    """True when the schema allows exactly one type, string: a GLM value is then the raw text."""
     return schema_types(schema) == {"string"}
 
 
 def loads_json(text: str) -> Any:
-    """json.loads without NaN / Infinity, written (`NaN`) or overflowing (`1e999`): they are not
-    JSON and would make the arguments invalid. Raises ValueError for anything that is not one
-    complete JSON value, nesting too deep for the parser included."""
+    """json.loads refusing NaN / Infinity / overflow (`1e999`); ValueError for anything not one JSON value."""
     def refuse(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
 
@@ -79,10 +69,7 @@ def loads_json(text: str) -> Any:
 
 
 def type_text(text: str, schema: dict[str, Any] | None) -> Any:
-    """The value of a parameter written as text (GLM), whitespace around it stripped.
-    String-only schemas keep the text; other schemas try their non-string types in
-    _TEXT_TYPES order, else keep the text; a parameter without a schema is JSON when the
-    text is JSON."""
+    """A parameter written as text, stripped, as the first of its schema's _TEXT_TYPES it fits."""
     types = schema_types(schema)
     stripped = text.strip()
     if types == {"string"}:
@@ -94,8 +81,6 @@ def type_text(text: str, schema: dict[str, Any] | None) -> Any:
 
 
 def type_json(value: Any, schema: dict[str, Any] | None) -> Any:
-    """A JSON-format argument value, with a string turned into the schema's type when the
-    schema does not allow strings ("5" -> 5 for an integer parameter); else unchanged."""
     types = schema_types(schema)
     if not isinstance(value, str) or not types or "string" in types:
         return value
@@ -106,8 +91,7 @@ def type_json(value: Any, schema: dict[str, Any] | None) -> Any:
 
 
 def _as_types(text: str, types: frozenset[str]) -> Any:
-    """`text` read as the first non-string type of `types` it fits (see _TEXT_TYPES); raises
-    ValueError when it fits none (the caller keeps the text then)."""
+    """`text` as the first of _TEXT_TYPES in `types` it fits; ValueError when none."""
     for kind in _TEXT_TYPES:
         if kind not in types:
             continue
