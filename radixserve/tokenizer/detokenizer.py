@@ -8,34 +8,22 @@ if TYPE_CHECKING:
     from radixserve.tokenizer.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
-# A character needs at most 4 byte tokens; when this many tokens in a row all leave the text ending
-# in U+FFFD, the replacement characters are real (invalid bytes from the model) and are released.
+# A character needs at most 4 byte tokens: a U+FFFD tail held this many tokens is real and released.
 MAX_HELD_TOKENS = 32
 # Past this many unread tokens an open byte-fallback run is released anyway (keeps work linear).
 MAX_GROUP_TOKENS = 256
 
 
 class IncrementalDetokenizer:
-    """Turns one choice's new token ids into text deltas whose concatenation equals
-    `tokenizer.decode(all_ids, skip_special_tokens)` exactly (field cases C12, C13).
-
-    Each `add()` decodes only a small window of ids, never the whole output:
+    """One choice's ids to text deltas that join to `tokenizer.decode(all_ids, skip_special_tokens)`.
 
         ids  [ done ............ | prefix window       | unread ids             ]
              0                   prefix_offset         read_offset              len(ids)
                                  `----- prefix text -----'`-- new text (delta) --'
 
-    The window text is decode(ids[prefix_offset:]); its first `prefix_len` characters are
-    decode(ids[prefix_offset:read_offset]), text already emitted, which is there only as context
-    so a token's leading space or merged bytes decode as they do in the full output. The rest
-    is the delta, minus any trailing U+FFFD: a character whose bytes are split across tokens
-    decodes to U+FFFD until its last byte arrives, so that tail is held back. A U+FFFD followed
-    by other text is final and goes out; `finish()` releases whatever is still held. With a
-    SentencePiece ByteFallback decoder a trailing run of `<0xNN>` tokens is held as a whole
-    until a text token closes it (the decoder maps an invalid run to U+FFFD byte by byte).
-    Once everything up to len(ids) has been emitted the window moves: prefix_offset becomes
-    the old read_offset and read_offset becomes len(ids), so each id is decoded O(1) times.
-    """
+    The prefix text (emitted already) is context, so leading spaces and merged bytes decode as in
+    the full output. A trailing U+FFFD (a split character) or ByteFallback `<0xNN>` run is held until
+    complete; then the window moves to [read_offset, len(ids)), so each id decodes O(1) times."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self._decode = tokenizer.decode
@@ -55,11 +43,7 @@ class IncrementalDetokenizer:
         return self._ids
 
     def add(self, token_ids: Sequence[int]) -> str:
-        """Append ids; return the text that is now final (may be "").
-
-        Ids are taken one at a time so the window can move at every token boundary that ends
-        a whole character, whatever the chunking.
-        """
+        """Append ids; return the text now final (may be ""), the same at any chunking."""
         deltas = []
         for tid in token_ids:
             if tid not in self._skipped_ids:
@@ -77,7 +61,7 @@ class IncrementalDetokenizer:
             return ""
         upto = len(self._ids) if final else self._open_group_start()
         if upto <= self._read_offset:
-            return ""  # only an open byte-fallback group is new; its text is not known yet
+            return ""
         text = self._decode(self._ids[self._prefix_offset:upto], self._skip_special_tokens)
         end = len(text)
         if not final and upto == len(self._ids) and text.endswith(REPLACEMENT_CHAR) \
@@ -91,12 +75,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _open_group_start(self) -> int:
-        """Start of a trailing run of SentencePiece byte tokens (`<0xE4>`), else len(ids).
-
-        A ByteFallback decoder turns a whole run into text or, if the run is not valid UTF-8,
-        into one U+FFFD per byte, so none of the run is final until a text token closes it.
-        Skipped special tokens do not close a run (they never reach the decoder).
-        """
+        """Start of a trailing run of byte tokens (`<0xE4>`, skipped specials inside), else len(ids):
+        ByteFallback decodes an invalid run to U+FFFD per byte, so no part of it is final."""
         ids, n = self._ids, len(self._ids)
         if not self._byte_ids or n - self._read_offset > MAX_GROUP_TOKENS:
             return n
@@ -112,8 +92,7 @@ class IncrementalDetokenizer:
     def _advance_window(self) -> None:
         new_prefix = self._read_offset
         if self._skipped_ids and 0 <= self._last_plain < new_prefix:
-            # Keep a token that decodes to text in the context window: some decoders strip the
-            # leading space of the first token they see, and skipped specials do not count.
+            # Keep a text token in context: some decoders strip the first token's leading space.
             new_prefix = self._last_plain
         self._prefix_offset = new_prefix
         self._read_offset = len(self._ids)
@@ -122,24 +101,16 @@ class IncrementalDetokenizer:
 
 
 class StopCheck(NamedTuple):
-    """Result of `StopStringMatcher.feed`: text safe to send now, and the stop string that
-    matched (then the choice is finished and `text` is its last piece)."""
+    """Text safe to send now, and the stop string that matched (then `text` is the last piece)."""
 
     text: str
     matched: str | None
 
 
 class StopStringMatcher:
-    """Finds stop strings in streamed text and holds back anything that could still become one
-    (field cases C15, C16).
-
-    The stop is the string whose first occurrence *ends* earliest in the text (ties: the one
-    that starts earliest), so the result never depends on how the text was chunked. The text is
-    cut where the match starts, or where it ends with `include_stop_str_in_output`.
-    Between feeds the matcher keeps only `pending`: the longest suffix of the text that is a
-    proper prefix of some stop string (shorter than the longest stop), so a feed of k new
-    characters costs O(k + longest stop) string work per stop string.
-    """
+    """Finds stop strings in streamed text, holding back what could still become one. The stop whose
+    first occurrence ends earliest wins (ties: starts earliest), whatever the chunking; the text is
+    cut at its start (its end with `include_stop_str_in_output`)."""
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False):
         self._stops = tuple(s for s in stop if s)
@@ -149,17 +120,13 @@ class StopStringMatcher:
 
     @property
     def pending(self) -> str:
-        """Text held back because it could still be the start of a stop string."""
         return self._pending
 
     def feed(self, text: str) -> StopCheck:
-        """Add newly decoded text; return what can be sent and the matched stop string, if any."""
         assert self.matched is None, "feed() after a stop string matched"
         if not self._stops:
             return StopCheck(text, None)
         buf = self._pending + text
-        # A match cannot lie wholly inside `pending` (it would have matched earlier), so
-        # searching `buf` finds only new matches.
         best: tuple[int, int, str] | None = None
         for s in self._stops:
             at = buf.find(s)

@@ -1,27 +1,9 @@
-"""A lower bound on how many tokens a text needs, from its UTF-8 size alone, so a text that
-cannot fit the context is refused before it is tokenized (issue 11, finding 3).
+"""A lower bound on the tokens a text needs, from its UTF-8 size, to refuse a too-long text before tokenizing.
 
-The bound: one token covers at most `max_bytes_per_token` bytes of text, the largest UTF-8
-size of any vocabulary piece (added tokens included). It holds when text reaches the model
-unshortened, piece by piece:
-
-- byte-level BPE (GPT-2, Llama 3, SmolLM2): each piece character stands for one text byte and
-  takes 1-2 bytes in UTF-8, so a piece's UTF-8 size >= the text bytes it covers;
-- SentencePiece / Metaspace: "▁" (3 bytes) stands for a space (1), `<0xNN>` (6) for one byte,
-  other characters for themselves.
-
-Text a tokenizer silently drops does not count: a byte-level BPE without an unknown token
-drops the bytes its vocabulary lacks (SmolLM2 lacks six ASCII control bytes, so "\x16" is
-zero tokens); those bytes are left out of the count.
-
-There is no bound (None) when the normalizer or pre-tokenizer can delete or compose characters
-(BERT's clean-up strips control characters, NFC/NFKC compose, "Whitespace" splits drop
-spaces, Strip, StripAccents, a Replace by ""), or when one token can stand for any length of
-text (WordPiece / WordLevel unknown words, fused unknowns, Unigram without byte fallback):
-then only the body-size limit and the engine's token check apply.
-So `counted bytes > context_len * bytes_per_token` means the text needs more than
-`context_len` tokens, whatever it is.
-"""
+One token covers at most `bytes_per_token` bytes, the largest UTF-8 size of a vocabulary piece (byte-level
+BPE writes a byte as a 1-2 byte character; SentencePiece "▁" a space, `<0xNN>` a byte). Bytes a byte-level
+BPE without an unknown token drops are not counted. None when the normalizer or pre-tokenizer may delete
+or compose characters, or one token may stand for text of any length (WordPiece, fused unknowns)."""
 from __future__ import annotations
 
 import json
@@ -39,8 +21,7 @@ _SAFE_TYPES = {"ByteLevel", "Metaspace", "Prepend", "Digits", "Punctuation", "Sp
 
 @dataclass(frozen=True)
 class TextBound:
-    """bytes_per_token: the largest UTF-8 size of a vocabulary piece; dropped: the byte values
-    the tokenizer drops (left out of the count)."""
+    """bytes_per_token: the largest UTF-8 size of a vocabulary piece; dropped: byte values not counted."""
 
     bytes_per_token: int
     dropped: bytes = b""
@@ -116,8 +97,7 @@ def _is_byte_level(component: dict | None) -> bool:
 
 
 def _byte_level_chars() -> dict[int, str]:
-    """Byte value -> the character byte-level BPE writes it as (GPT-2's scheme): printable
-    Latin-1 bytes stand for themselves, the other 68 take code points 256, 257, ... in order."""
+    """Byte value -> its byte-level BPE character (GPT-2's bytes_to_unicode)."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     chars = {b: chr(b) for b in printable}
     others = [b for b in range(256) if b not in chars]

@@ -16,38 +16,22 @@ from radixserve.tokenizer.text_bound import TextBound
 logger = logging.getLogger(__name__)
 
 _META_FILE = "radixserve.json"
-# Arguments of HF apply_chat_template that chat_template_kwargs must not reach: the ones this
-# class sets, and those that would swap the template or change what comes back.
+# apply_chat_template arguments chat_template_kwargs may not set (ours, or ones changing the output).
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
-# Probe text rendered as an assistant turn to find the token a template closes a turn with.
 _TURN_PROBE = "radixserve-turn-probe-7f3a"
 
 
 def default_cache_dir() -> str:
-    """Where converted GGUF tokenizers are cached: ~/.cache/radixserve/tokenizers."""
     return os.path.join(os.path.expanduser("~"), ".cache", "radixserve", "tokenizers")
 
 
 class Tokenizer:
-    """A transformers tokenizer plus what serving needs from it.
-
-    Attributes:
-        hf: the `transformers` tokenizer (fast backend).
-        eos_token_ids: ids that end generation: the tokenizer's eos, eos ids from
-            generation_config.json / config.json (HF directory) or eos/eot/eom from GGUF metadata,
-            and the token the chat template closes an assistant turn with (`<|im_end|>` for SmolLM2).
-        bos_token_id: the BOS id, or None when the tokenizer has none.
-        special_token_ids: ids of special added tokens (those `skip_special_tokens` drops).
-        byte_token_ids: SentencePiece byte tokens (`<0xE4>`) when the decoder has ByteFallback,
-            else empty (byte-level BPE such as SmolLM2's needs no special handling).
-        vocab_size: number of ids the tokenizer knows (base vocabulary + added tokens).
-        loaded_from_cache: True when a GGUF tokenizer came from the on-disk cache.
-        text_bound: the fewest tokens a text can take, from its bytes (text_bound.py), or None
-            when this tokenizer has no sound bound.
-    """
+    """A transformers tokenizer plus what serving needs. eos_token_ids: the tokenizer's eos, the
+    config's or GGUF's eos/eot/eom, and the token the chat template ends an assistant turn with;
+    byte_token_ids: `<0xNN>` tokens when the decoder has ByteFallback, else empty."""
 
     def __init__(self, hf: Any, eos_token_ids: Sequence[int] = (), loaded_from_cache: bool = False):
         self.hf = hf
@@ -59,7 +43,6 @@ class Tokenizer:
             eos.add(turn_end)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.bos_token_id: int | None = hf.bos_token_id
-        # Exactly the ids the backend drops under skip_special_tokens: added tokens marked special.
         self.special_token_ids: frozenset[int] = frozenset(
             tid for tid, tok in hf.added_tokens_decoder.items() if tok.special)
         self.vocab_size: int = len(hf)
@@ -67,17 +50,10 @@ class Tokenizer:
         self.loaded_from_cache = loaded_from_cache
         self.text_bound: TextBound | None = TextBound.of(hf)
 
-    # ----------------------------------------------------------------------------------- loading
     @classmethod
     def load(cls, model_path: str, cache_dir: str | None = None) -> Tokenizer:
-        """Load from an HF model directory or a `.gguf` file; never downloads.
-
-        A GGUF vocabulary is converted by transformers (seconds), then saved under
-        `cache_dir` (default `default_cache_dir()`) in a folder keyed by the file's path, size and
-        mtime and the transformers version; later loads read that folder. The GGUF chat template
-        (`tokenizer.chat_template`) and eos/eot ids travel with the cache.
-        Raises FileNotFoundError when the path does not exist.
-        """
+        """Load from an HF directory or a `.gguf` file (never downloads); a converted GGUF vocabulary is
+        cached under `cache_dir`, keyed by path, size, mtime and transformers version. FileNotFoundError."""
         if os.path.isdir(model_path):
             return cls(_from_folder(model_path), _hf_dir_eos_ids(model_path))
         if not os.path.isfile(model_path):
@@ -107,14 +83,8 @@ class Tokenizer:
         _save_to_cache(hf, {"eos_token_ids": meta["eos_token_ids"], "source": path}, cached)
         return cls(hf, meta["eos_token_ids"])
 
-    # ----------------------------------------------------------------------------------- encoding
     def encode(self, text: str) -> list[int]:
-        """Token ids of a completions prompt, with special tokens added the way HF adds them.
-
-        When the text already starts with the BOS token (pre-rendered chat template text) and the
-        tokenizer adds BOS itself, the added one is dropped, so the ids hold exactly one BOS
-        (field case C23).
-        """
+        """Prompt ids with HF's special tokens; a text already starting with BOS keeps exactly one BOS."""
         ids = self.hf.encode(text, add_special_tokens=True)
         bos = self.bos_token_id
         if (bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos
@@ -126,24 +96,14 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None,
                     template_kwargs: Mapping[str, Any] | None = None) -> str:
-        """The chat template rendered as text (arguments as in apply_chat_template)."""
         return self._chat(messages, add_generation_prompt, False, tools, template_kwargs)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None,
                             template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-        """Prompt ids of a chat: exactly HF `apply_chat_template(..., tokenize=True)`.
-
-        messages: OpenAI-style dicts with a non-empty string `role` and `content` that is a
-        string, None, or a list of {"type": "text", "text": ...} parts (joined); every other
-        field (tool_calls, tool_call_id, name, reasoning_content, ...) reaches the template.
-        tools: the OpenAI `tools` list for templates that describe tools (None: no tools).
-        template_kwargs: extra template variables (`chat_template_kwargs`, e.g.
-        {"enable_thinking": false}); names HF's own arguments use are refused.
-        The template emits its own special tokens; nothing more is added (one BOS, C23).
-        Raises InvalidRequest for an empty list, malformed messages, a reserved template
-        variable, a template error or a tokenizer without a chat template.
-        """
+        """Exactly HF `apply_chat_template(..., tokenize=True)`. messages: OpenAI-style dicts, `content` a
+        string, None or text parts (joined), other fields passed on; template_kwargs: template variables.
+        Raises InvalidRequest for malformed messages, a reserved variable or a template error."""
         return self._chat(messages, add_generation_prompt, True, tools, template_kwargs)
 
     def _chat(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool,
@@ -162,18 +122,17 @@ class Tokenizer:
                                               tokenize=tokenize, return_dict=False, **extra)
         except InvalidRequest:
             raise
-        except Exception as exc:  # jinja TemplateError, raise_exception() in templates, TypeError, ...
+        except Exception as exc:  # jinja TemplateError, a template's raise_exception(), TypeError, ...
             raise InvalidRequest(f"messages could not be rendered by the chat template: {exc}",
                                  param="messages") from exc
         return list(out) if tokenize else out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`, verbatim (no tokenization-space clean-up, so streaming can match it)."""
+        """Text of `ids`, verbatim (no clean-up of tokenization spaces)."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
                               clean_up_tokenization_spaces=False)
 
 
-# --------------------------------------------------------------------------------------- helpers
 def _normalize_messages(messages: Any) -> list[dict]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequest("messages must be a non-empty list", param="messages")
@@ -210,7 +169,7 @@ def _template_turn_end_id(hf: Any) -> int | None:
     convo = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _TURN_PROBE}]
     try:
         text = hf.apply_chat_template(convo, tokenize=False, add_generation_prompt=False)
-    except Exception as exc:  # a template may insist on other shapes; eos alone then
+    except Exception as exc:
         logger.debug("chat template probe failed: %s", exc)
         return None
     at = text.find(_TURN_PROBE)
@@ -225,7 +184,6 @@ def _template_turn_end_id(hf: Any) -> int | None:
 
 
 def _byte_fallback_ids(hf: Any) -> frozenset[int]:
-    """Ids of `<0xNN>` tokens when the fast tokenizer's decoder includes ByteFallback."""
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None or backend.decoder is None or "ByteFallback" not in repr(backend.decoder):
         return frozenset()
@@ -234,7 +192,6 @@ def _byte_fallback_ids(hf: Any) -> frozenset[int]:
 
 
 def _hf_dir_eos_ids(model_dir: str) -> list[int]:
-    """eos ids from generation_config.json and config.json (int or list) in an HF directory."""
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(model_dir, name)
@@ -251,14 +208,13 @@ def _hf_dir_eos_ids(model_dir: str) -> list[int]:
 
 
 def _gguf_tokenizer_meta(path: str) -> dict:
-    """eos/eot/eom ids and the chat template from GGUF metadata."""
     from radixserve.weights.gguf_header import read_scalars
 
     id_keys = [f"tokenizer.ggml.{k}_token_id" for k in ("eos", "eot", "eom")]
     keys = [*id_keys, "tokenizer.chat_template"]
     try:
         values = read_scalars(path, keys)
-    except ValueError:   # big-endian or v1 files: gguf's full reader handles those (slowly)
+    except ValueError:   # big-endian or v1 files: gguf's full reader
         from gguf import GGUFReader
         fields = GGUFReader(path).fields
         values = {k: fields[k].contents() for k in keys if k in fields}
@@ -275,16 +231,12 @@ def _cache_key(path: str) -> str:
     return f"{stem}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
 
 
-# tokenizer_config.json classes that are exactly transformers' generic `tokenizers` backend.
 _GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
 def _from_folder(folder: str) -> Any:
-    """The HF tokenizer saved in `folder`. A folder whose tokenizer_config.json names the generic
-    `tokenizers` backend (every converted GGUF vocabulary, SmolLM2) loads through that class
-    directly: `AutoTokenizer` imports transformers' config machinery and with it torch, seconds
-    of start-up in the HTTP process, which needs no torch. Any other class goes through
-    `AutoTokenizer`, which picks the model family's own tokenizer class."""
+    """The HF tokenizer in `folder`; the generic `tokenizers` backend loads directly, since
+    `AutoTokenizer` imports torch, which the HTTP process does not need."""
     try:
         with open(os.path.join(folder, "tokenizer_config.json")) as f:
             tokenizer_class = json.load(f).get("tokenizer_class")
@@ -311,9 +263,9 @@ def _save_to_cache(hf: Any, meta: dict, target: str) -> None:
         with open(os.path.join(tmp, _META_FILE), "w") as f:
             json.dump(meta, f)
         if os.path.isdir(target) and not os.path.isfile(os.path.join(target, _META_FILE)):
-            shutil.rmtree(target, ignore_errors=True)  # an unusable leftover; replace it
+            shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
-    except OSError as exc:  # another process won the race, or the disk is full
+    except OSError as exc:
         logger.warning("tokenizer cache write to %s skipped: %s", target, exc)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
