@@ -22,8 +22,7 @@ def _url_key(url: str) -> str:
 
 
 class Manifest:
-    """The JSON `radixserve fleet` writes: {"router_url", "workers": [{"url", "pid", "argv",
-    "log"}]}. Read on every use (the fleet may rewrite it); written atomically."""
+    """`radixserve fleet`'s JSON {"router_url", "workers": [{"url", "pid", "argv", "log"}]}; re-read on every use."""
 
     def __init__(self, path: str):
         self.path = pathlib.Path(path)
@@ -48,18 +47,16 @@ class Manifest:
 
 
 class Actions:
-    """Applies decisions. `manifest_path` set means supervising: restarts kill the worker's
-    process group (or process, when it leads none) and re-spawn its argv. Errors:
-    RouterAdminError / httpx errors from the router, OSError or KeyError from a restart."""
+    """Applies decisions; supervising when `manifest_path` is set. Raises RouterAdminError / httpx
+    errors from the router, OSError or KeyError from a restart."""
 
     def __init__(self, admin: AsyncRouterAdminClient, manifest_path: str | None,
                  kill_grace_s: float = 5.0):
         self.admin, self.kill_grace_s = admin, kill_grace_s
         self.manifest = Manifest(manifest_path) if manifest_path else None
-        self.children: dict[int, subprocess.Popen] = {}   # workers this agent re-spawned
+        self.children: dict[int, subprocess.Popen] = {}   # re-spawned workers by pid
 
     def supervised(self) -> frozenset[str]:
-        """Worker URLs the manifest lists (empty when not supervising)."""
         if self.manifest is None:
             return frozenset()
         try:
@@ -69,7 +66,7 @@ class Actions:
             return frozenset()
 
     async def apply(self, d: Decision, engine_pid: int | None = None) -> Any:
-        """Carry out one acting decision; returns what the router or the restart answered."""
+        """Carry out one acting decision; returns the router's or the restart's answer."""
         if d.action in ("drain", "isolate"):
             return await self.admin.drain(d.worker)
         if d.action == "undrain":
@@ -81,8 +78,7 @@ class Actions:
         raise ValueError(f"not an acting decision: {d.action}")
 
     async def restart(self, url: str, engine_pid: int | None) -> dict:
-        """Stop the worker (SIGTERM, SIGKILL after `kill_grace_s`; its engine too) and start
-        its argv again with output appended to its log; the manifest gets the new pid."""
+        """SIGTERM the worker and its engine (SIGKILL after `kill_grace_s`), re-spawn its argv; new pid to the manifest."""
         if self.manifest is None:
             raise RuntimeError("not supervising: no fleet manifest")
         entry = self.manifest.entry(url)
@@ -110,14 +106,13 @@ class Actions:
         if self._alive(pid):
             logger.warning("pid %d did not stop in %.1f s: SIGKILL", pid, self.kill_grace_s)
             _signal(pid, signal.SIGKILL)
-            if engine_pid:  # it would exit on its own once its parent is gone; do not wait
+            if engine_pid:
                 _signal(engine_pid, signal.SIGKILL, group=False)
         while self._alive(pid):
             await asyncio.sleep(0.05)
 
     def reap(self) -> None:
-        """Collect restarted workers that have exited (stopped by the fleet, or crashed), so
-        none lingers as a zombie, which the fleet's stop would take for a live worker."""
+        """Reap exited re-spawned workers, so no zombie looks alive to the fleet's stop."""
         for pid in list(self.children):
             self._alive(pid)
 
@@ -130,10 +125,10 @@ class Actions:
             return False
         try:
             with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie has exited
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
         except (FileNotFoundError, ProcessLookupError):
             return False
-        except OSError:   # no /proc (not Linux): ask the kernel
+        except OSError:   # no /proc (not Linux)
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
@@ -142,8 +137,7 @@ class Actions:
 
 
 def _signal(pid: int, sig: int, group: bool = True) -> None:
-    """Signal the process group `pid` leads, or only `pid` when it leads none (never the
-    group of whoever started it, which may be the fleet or this agent)."""
+    """Signal the process group `pid` leads, or only `pid` (never its starter's group)."""
     try:
         if group and os.getpgid(pid) == pid:
             os.killpg(pid, sig)

@@ -24,7 +24,6 @@ logger = logging.getLogger("radixserve.agent")
 
 
 def _count(value: object) -> int:
-    """A count the router reported; 0 when it is missing or not a finite number."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return 0
     return int(value)
@@ -45,10 +44,8 @@ class DecisionLog:
 
 
 class Agent:
-    """One agent over one router. `sweep()` does one pass; `run()` loops every
-    `sweep_interval_s` until cancelled. Each decision is logged with the sweep's evidence;
-    with `dry_run` acting decisions are logged with result "dry-run" and not carried out.
-    `wall_clock` (s since the epoch) stamps decisions and the timeline of the ops page."""
+    """One agent over one router: `sweep()` once, `run()` every `sweep_interval_s`; `dry_run` logs
+    acting decisions as "dry-run" without acting; `wall_clock`: s since the epoch."""
 
     def __init__(self, router_url: str, cfg: AgentConfig, rule_cfg: RuleConfig | None = None,
                  ladder_cfg: LadderConfig | None = None,
@@ -82,12 +79,11 @@ class Agent:
             t0 = time.monotonic()
             try:
                 await self.sweep()
-            except Exception:  # a bug in one sweep must not stop the agent; it is logged
+            except Exception:  # one sweep's bug must not stop the agent
                 logger.exception("sweep %d failed", self.num_sweeps)
             await asyncio.sleep(max(self.cfg.sweep_interval_s - (time.monotonic() - t0), 0.0))
 
     async def sweep(self) -> list[dict]:
-        """One sweep; returns the decision records it logged."""
         t0 = time.monotonic()
         self.num_sweeps += 1
         self.actions.reap()
@@ -143,17 +139,17 @@ class Agent:
             try:
                 answer = await self.actions.apply(d, self._engine_pid(d.worker))
                 result = f"ok: {json.dumps(answer, default=str)[:200]}"
-            except Exception as exc:  # the router or the restart failed: undo, log, go on
+            except Exception as exc:
                 logger.warning("%s %s failed: %s", d.action, d.worker, exc)
                 result = f"failed: {type(exc).__name__}: {exc}"
                 self.metrics.failed.labels(action=d.action).inc()
                 self.ladder.undo(d)
         if d.action in ("restart", "undrain") and d.worker and not result.startswith("failed"):
-            self.history.reset(d.worker)  # its old rates no longer describe it
+            self.history.reset(d.worker)
         return self._record(d, result, snap)
 
     def _engine_pid(self, url: str | None) -> int | None:
-        """The engine pid the worker last reported (a hung worker does not answer now)."""
+        """The engine pid the worker last reported (a hung one does not answer now)."""
         for snap in reversed(self.history.of(url) if url else []):
             pid = (snap.info or {}).get("engine_pid")
             if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:

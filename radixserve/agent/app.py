@@ -26,9 +26,7 @@ def _mean_ms(hist: list, pair: tuple[str, str], sweeps: int) -> float | None:
 
 
 def fleet_table(agent: Agent) -> list[dict]:
-    """One row per worker: ladder state, what the last sweep saw (`alive`: rules.answering,
-    /health answered or the worker is busy but still generating), window hit rate and
-    latencies (ms; TTFT p99 from the histogram's buckets)."""
+    """One row per worker: ladder state, `alive` (rules.answering), window hit rate, latencies (ms)."""
     rows = []
     window = agent.rule_cfg.window_sweeps
     snap = agent.last
@@ -58,8 +56,7 @@ def fleet_table(agent: Agent) -> list[dict]:
 
 
 def status_json(agent: Agent) -> dict:
-    """What /status answers and /status.html shows; times are wall-clock s since the epoch,
-    `timeline` one point per step over the last hour (timeline.Point.to_json)."""
+    """/status's body (also /status.html's); times are wall-clock s since the epoch."""
     last, now = agent.last, agent.wall_clock()
     return {"router": agent.router_url, "sweeps": agent.num_sweeps, "now": now,
             "last_sweep_at": agent.last_sweep_at,
@@ -77,13 +74,11 @@ def status_json(agent: Agent) -> dict:
 
 def error_response(message: str, type_: str, status: int,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    """An OpenAI error body {"error": {"message", "type", "param", "code"}}, as the worker
-    and the router answer."""
+    """An OpenAI error body {"error": {"message", "type", "param", "code"}}."""
     return JSONResponse(error_body(message, type_, status), status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """404 / 405 and bugs (500, logged) leave as OpenAI error bodies, not FastAPI's detail."""
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -117,7 +112,7 @@ def build_app(agent: Agent, run_loop: bool = True) -> FastAPI:
     app = FastAPI(title="radixserve agent", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     install_error_handlers(app)
-    read = ["GET", "HEAD"]   # uvicorn sends no body on HEAD
+    read = ["GET", "HEAD"]
 
     @app.api_route("/metrics", methods=read)
     async def metrics() -> Response:

@@ -13,9 +13,7 @@ LEFT, RIGHT, TOP, BOTTOM = 46, 10, 10, 22     # plot margins (px)
 
 @dataclass(frozen=True)
 class Series:
-    """One chart. `points`: (start of step, wall-clock s; value or None) oldest first;
-    `kind`: "line" or "bars"; `fmt` writes a value for a person; `y_max`: a fixed top of the
-    scale (None: from the data)."""
+    """`points`: (step start, wall-clock s; value or None) oldest first; `kind`: "line" | "bars"."""
 
     key: str
     title: str
@@ -26,13 +24,12 @@ class Series:
 
 
 def nice_ceiling(x: float) -> float:
-    """The smallest of 1, 2, 2.5, 5 x 10^k at or above `x` (> 0), for a readable scale."""
+    """The smallest of 1, 2, 2.5, 5 x 10^k at or above `x` (> 0)."""
     exp = 10.0 ** math.floor(math.log10(x))
     return next(m * exp for m in (1, 2, 2.5, 5, 10) if m * exp >= x * (1 - 1e-9))
 
 
 def summary(s: Series) -> str:
-    """The figure's caption number: the latest value of a line, the hour's total of bars."""
     values = [v for _, v in s.points if v is not None]
     if not values:
         return "—"
@@ -42,9 +39,7 @@ def summary(s: Series) -> str:
 
 
 def render(s: Series, now: float, span_s: float, step_s: float, gap_s: float) -> str:
-    """A <figure> with the caption and an <svg class="chart" data-series=key data-points=n>
-    (n: points with a value) drawing `s` over [now - span_s, now], one point per `step_s`; a
-    line breaks where points are more than `gap_s` apart (sweeps missing)."""
+    """A <figure> with an <svg class="chart" data-series=key data-points=n> of `s` over [now - span_s, now]."""
     values = [(t, v) for t, v in s.points if v is not None and t + step_s > now - span_s]
     top = s.y_max or nice_ceiling(max((v for _, v in values), default=0.0) or 1.0)
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
@@ -84,8 +79,7 @@ def render(s: Series, now: float, span_s: float, step_s: float, gap_s: float) ->
 
 def _line(values: list[tuple[float, float]], x: Callable[[float], float],
           y: Callable[[float], float], step_s: float, gap_s: float) -> list[str]:
-    """A path through the points (at the middle of their step), broken where the next one is
-    more than `gap_s` later; a point with no neighbour is drawn as a dot."""
+    """A path through the points, broken over gaps above `gap_s`; a lone point is a dot."""
     runs: list[list[tuple[float, float]]] = []
     for t, v in values:
         if runs and t - runs[-1][-1][0] <= gap_s:

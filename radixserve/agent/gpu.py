@@ -8,10 +8,7 @@ logger = logging.getLogger("radixserve.agent")
 
 
 def read_nvml() -> tuple[list[dict] | None, str]:
-    """Per-GPU readings (AIBrix diagnose inputs, research/routers.md §8 item 20): index, name,
-    volatile uncorrected ECC errors, retired pages pending, PCIe link width now and max,
-    temperature (C). Returns (readings, note); readings is None when NVML is not installed
-    or finds no GPU, and the note says which."""
+    """(per-GPU readings as AIBrix diagnose uses them, note); readings None without NVML or a GPU."""
     try:
         import pynvml  # type: ignore[import-not-found]
     except ImportError:
@@ -43,7 +40,7 @@ def _read_one(nvml: Any, index: int) -> dict:
     for key, read in probes.items():
         try:
             reading[key] = read()
-        except nvml.NVMLError as exc:  # not supported on this GPU: recorded as unknown
+        except nvml.NVMLError as exc:  # unsupported on this GPU: unknown
             logger.debug("NVML %s unavailable on GPU %d: %s", key, index, exc)
             reading[key] = None
     return reading

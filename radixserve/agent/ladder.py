@@ -1,10 +1,7 @@
 """Per-worker confirmation ladder (observe -> suspect -> draining -> restarted/isolated -> reintegrating) and routing-policy steps.
 
-The ladder is the agent's judgement and does no I/O: each sweep it takes the findings and
-what the sweep saw of the fleet and returns decisions; the agent applies them. Modelled on
-Envoy outlier detection (research/routers.md §5.1, §9): confirmation over sweeps, ejection
-time base x n (capped) for repeat offenders, at most a share of the fleet out (at least
-one), panic (alert only) when fewer than half the workers answer.
+No I/O: findings in, decisions out. Envoy outlier detection: confirmation over sweeps, ejection time
+base x n (capped), a capped share of the fleet out (at least one), panic (alert only) below a share.
 
     observe --finding--> suspect --held confirm_sweeps--> (gates) --+--> draining (slow) --probes ok--+
        ^  <--quiet clear_sweeps--'                                  +--> draining (hung) --> restarted --+
@@ -24,7 +21,7 @@ KIND_CLASS = {"hit_rate_collapsed": "watch", "ttft_outlier": "slow", "itl_outlie
               "anomaly_rate": "faulty", "memory_growth": "leak", "unresponsive": "hung"}
 SEVERITY = ("watch", "slow", "faulty", "leak", "hung")
 OUT_STATES = ("draining", "restarted", "isolated")
-# Every Decision.action (the agent's metrics start each at 0), and those that change the fleet.
+# Every Decision.action (metrics start each at 0), and those that change the fleet.
 ACTIONS = ("none", "suspect", "clear", "drain", "isolate", "restart", "undrain", "alert",
            "set_policy_params")
 ACTING = ("drain", "isolate", "restart", "undrain", "set_policy_params")
@@ -32,8 +29,7 @@ ACTING = ("drain", "isolate", "restart", "undrain", "set_policy_params")
 
 @dataclass(frozen=True)
 class Decision:
-    """One decision. `action` in ACTIONS; `worker` None for fleet-level ones; `reason` says why, also
-    when nothing was done."""
+    """`action` in ACTIONS; `worker` None for fleet-level ones; `reason` also when nothing was done."""
 
     action: str
     worker: str | None
@@ -55,9 +51,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class FleetView:
-    """What the ladder needs of one sweep: the workers, which answered /health, router
-    in-flight counts, drained workers whose recovery probes passed, restartable workers,
-    the router's policy params."""
+    """One sweep's view: workers, those answering /health, in-flight counts, recovered and supervised."""
 
     urls: tuple[str, ...]
     responsive: frozenset[str]
@@ -73,11 +67,11 @@ class Track:
 
     url: str
     state: str = "observe"
-    fault: str | None = None          # class being acted on
-    held: int = 0                     # consecutive sweeps with a finding (suspect)
+    fault: str | None = None
+    held: int = 0                     # consecutive sweeps with a finding
     quiet: int = 0                    # consecutive sweeps without one
-    ejections: int = 0                # times taken out, decays by one per max_ejection_s quiet
-    since: float = 0.0                # when the current state began
+    ejections: int = 0                # decays by one per max_ejection_s quiet
+    since: float = 0.0
     out_until: float = 0.0
     forgive_at: float = 0.0
 
@@ -93,9 +87,7 @@ class Ladder:
         self._noted: dict[str, str] = {}
 
     def ejection_s(self, n: int) -> float:
-        """Envoy: base_ejection_time x times ejected, capped at max_ejection_time (s). An
-        isolation lasts ejection_s(n); after a restart the worker returns once healthy the
-        first time, and after ejection_s(n - 1) when it is a repeat offender."""
+        """Envoy: base_ejection_time x times ejected, capped (s); a restarted repeat offender waits n - 1."""
         return min(self.cfg.base_ejection_s * max(n, 1), self.cfg.max_ejection_s)
 
     def step(self, now: float, view: FleetView, findings: list[Finding]) -> list[Decision]:
@@ -121,7 +113,7 @@ class Ladder:
         return decisions + self._fleet(fleet, now, view)
 
     def wants_probe(self) -> set[str]:
-        """Drained slow workers: the agent probes them each sweep to see them recover."""
+        """Drained slow workers, which the agent probes each sweep."""
         return {t.url for t in self.tracks.values() if t.state == "draining" and t.fault == "slow"}
 
     def undo(self, decision: Decision) -> None:
@@ -129,11 +121,9 @@ class Ladder:
         track = self.tracks.get(decision.worker or "")
         if track is not None and decision.state_from is not None:
             track.state = decision.state_from
-            track.held = self.cfg.confirm_sweeps - 1  # a confirmed fault retries next sweep
+            track.held = self.cfg.confirm_sweeps - 1  # still confirmed: retried next sweep
             if decision.action in ("drain", "isolate"):
                 track.ejections = max(track.ejections - 1, 0)
-
-    # ---- per worker ----------------------------------------------------------------------
 
     def _step_worker(self, t: Track, found: list[Finding], now: float, view: FleetView,
                      gate: _Gate) -> list[Decision]:
@@ -141,7 +131,7 @@ class Ladder:
         if t.state in ("observe", "reintegrating", "suspect"):
             return self._watch(t, found, fault, now, view, gate)
         if t.state == "draining":
-            if fault == "hung" and t.fault == "slow":  # a slow worker that stopped answering
+            if fault == "hung" and t.fault == "slow":
                 t.fault, t.since = "hung", now
                 if t.url not in view.supervised:
                     t.out_until = now + self.ejection_s(t.ejections)
@@ -156,7 +146,6 @@ class Ladder:
                                                   t.state, t.state, tuple(found)))
             in_flight = view.in_flight.get(t.url, 0)
             if in_flight == 0 or now - t.since >= self.cfg.drain_timeout_s:
-                # a fresh process returns once healthy; a repeat offender waits (n-1) x base
                 hold = self.ejection_s(t.ejections - 1) if t.ejections > 1 else 0.0
                 t.out_until = now + hold
                 back = (f"kept out {hold:.0f} s more (repeat offender)" if hold else
@@ -252,7 +241,7 @@ class Ladder:
         d = Decision(action, t.url, reason, t.state, state, tuple(found))
         if state != t.state or action in ("restart", "undrain"):
             t.since = now
-        if state not in (t.state, "suspect"):  # suspect keeps the count _watch just made
+        if state not in (t.state, "suspect"):  # suspect keeps _watch's count
             t.held = t.quiet = 0
         t.state = state
         self._noted.pop(t.url, None)
@@ -264,8 +253,6 @@ class Ladder:
             return []
         self._noted[key] = d.reason
         return [d]
-
-    # ---- fleet ---------------------------------------------------------------------------
 
     def _fleet(self, fleet: list[Finding], now: float, view: FleetView) -> list[Decision]:
         decisions = []

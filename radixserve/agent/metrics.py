@@ -15,8 +15,7 @@ STATES = ("observe", "suspect", "draining", "restarted", "isolated", "reintegrat
 
 
 class _StateCollector(Collector):
-    """Gauges read at scrape time from `state()` -> {"workers": {url: state}, "panic": bool,
-    "gpu_checks": bool}."""
+    """Gauges from `state()` -> {"workers": {url: state}, "panic": bool, "gpu_checks": bool}."""
 
     def __init__(self, state: Callable[[], dict]):
         self.state = state
@@ -39,10 +38,8 @@ class _StateCollector(Collector):
 
 
 class AgentMetrics:
-    """Counters the loop updates; gauges come from `state` at scrape time. Every known action
-    and finding kind is exported at 0 from the start: a series that first appears at 1 shows
-    no increase() in Prometheus (the agent's first drain would be invisible on the dashboard),
-    and a healthy fleet's dashboard would show "no data" instead of 0."""
+    """Counters the loop updates, each action and finding kind exported at 0 from the start (a series
+    first seen at 1 shows no increase() in Prometheus)."""
 
     def __init__(self, state: Callable[[], dict]):
         self.registry = CollectorRegistry(auto_describe=False)

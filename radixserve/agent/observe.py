@@ -18,8 +18,7 @@ logger = logging.getLogger("radixserve.agent")
 
 PROBE_PROMPT = "The quick brown fox jumps over the lazy dog. Count: one two three"
 
-#: What one read of one worker may raise: transport and protocol errors, and a URL httpx cannot
-#: parse (httpx.InvalidURL, e.g. "http://[::1", is not an httpx.HTTPError).
+#: What one read of one worker may raise (httpx.InvalidURL is not an httpx.HTTPError).
 READ_ERRORS = (httpx.HTTPError, httpx.InvalidURL)
 
 
@@ -31,8 +30,7 @@ def describe(exc: BaseException) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """One recovery probe: the same greedy request sent to the worker and to a routable peer
-    at once; latencies in s (None when the request failed or timed out)."""
+    """One greedy request sent to the worker and a routable peer at once; latencies in s (None: failed)."""
 
     latency_s: float | None
     peer_url: str | None
@@ -41,9 +39,7 @@ class Probe:
 
 @dataclass(frozen=True, slots=True)
 class WorkerSnapshot:
-    """What one sweep saw of one worker. `t` is monotonic s. `metrics` maps Prometheus sample
-    names (`radixserve:num_requests_total`, histograms as `_sum` / `_count`) to values summed
-    over label sets; empty when the scrape failed. `router` is the router's entry for it."""
+    """One sweep's view of a worker; `t` monotonic s; `metrics` as parse_metrics (empty: scrape failed)."""
 
     url: str
     t: float
@@ -57,8 +53,7 @@ class WorkerSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class FleetSnapshot:
-    """One sweep: every worker the router lists, the router's policy, GPU readings (None when
-    NVML is absent or there is no GPU)."""
+    """One sweep: every worker the router lists, its policy, GPU readings (None without NVML)."""
 
     t: float
     workers: dict[str, WorkerSnapshot]
@@ -67,19 +62,16 @@ class FleetSnapshot:
     gpus: list[dict] | None = None
 
 
-#: The one histogram whose buckets parse_metrics keeps: TTFT percentiles on the ops page.
 TTFT_BUCKET = "radixserve:time_to_first_token_seconds_bucket"
 
 
 def bucket_key(name: str, le: str) -> str:
-    """The key parse_metrics stores bucket `le` of histogram bucket family `name` under."""
     return f'{name}{{le="{le}"}}'
 
 
 def parse_metrics(text: str, kept_buckets: tuple[str, ...] = (TTFT_BUCKET,)) -> dict[str, float]:
-    """Prometheus text -> {sample name: value summed over label sets}. Buckets are dropped,
-    except those of `kept_buckets`, stored per bound as `bucket_key(name, le)`. Raises
-    ValueError on text the parser rejects."""
+    """Prometheus text -> {sample name: value summed over label sets}, buckets only of `kept_buckets`
+    (as `bucket_key(name, le)`). Raises ValueError on text the parser rejects."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -93,8 +85,7 @@ def parse_metrics(text: str, kept_buckets: tuple[str, ...] = (TTFT_BUCKET,)) -> 
 
 
 def router_entries(listing: Any) -> list[dict]:
-    """The router's /admin/workers list, checked: raises ValueError when it is not a list; an
-    entry that is not an object with a string "url" is skipped (logged), the others kept."""
+    """The router's /admin/workers list; ValueError when not a list; entries without a "url" skipped."""
     if not isinstance(listing, list):
         raise ValueError(f"/admin/workers is not a list: {type(listing).__name__}")
     entries = [e for e in listing if isinstance(e, dict) and isinstance(e.get("url"), str)]
@@ -118,7 +109,7 @@ class History:
             self._by_url.setdefault(url, deque(maxlen=self.maxlen)).append(snap)
 
     def reset(self, url: str) -> None:
-        """Forget a worker's past (after a restart or a return, old rates no longer apply)."""
+        """Forget a worker's past (after a restart or a return)."""
         self._by_url.pop(url, None)
 
     def of(self, url: str) -> list[WorkerSnapshot]:
@@ -129,10 +120,8 @@ class History:
 
 
 class Observer:
-    """Reads a fleet once per sweep. Each read has `timeout_s`; a worker that does not answer
-    is recorded as such, never raised. A read that fails on a dead pooled connection is sent
-    once more (http_common.send_resending_once): the agent's own connection pool must not make
-    a healthy worker look sick. GPU readings come from NVML when importable."""
+    """Reads a fleet once per sweep, each read within `timeout_s`; a worker not answering is recorded,
+    never raised; a read failing on a dead pooled connection is sent once more."""
 
     def __init__(self, admin: AsyncRouterAdminClient, timeout_s: float,
                  worker_api_key: str | None = None):
@@ -145,11 +134,11 @@ class Observer:
 
     async def collect(self, probe_urls: set[str] | None = None,
                       probe_timeout_s: float = 30.0, probe_max_tokens: int = 16) -> FleetSnapshot:
-        """One sweep over every worker the router lists, plus recovery probes of `probe_urls`."""
+        """One sweep over every listed worker, plus recovery probes of `probe_urls`."""
         try:
             entries = router_entries(await self.admin.list_workers())
             policy = await self.admin.get_policy()
-        except Exception as exc:  # router down or answering errors: record it, do not raise
+        except Exception as exc:  # router down: recorded, not raised
             reason = describe(exc)
             logger.warning("router view unavailable: %s", reason)
             return FleetSnapshot(time.monotonic(), {}, router_error=reason)
@@ -167,17 +156,15 @@ class Observer:
                              gpus=self.read_gpus())
 
     async def _isolated(self, entry: dict, probe: Any) -> WorkerSnapshot:
-        """`worker`, but an error reading this worker is recorded as it being unreadable (not
-        answering /health) instead of aborting the sweep for the whole fleet."""
+        """`worker`, an error recorded as the worker not answering instead of aborting the sweep."""
         try:
             return await self.worker(entry, probe)
-        except Exception as exc:  # one worker's error must not blind the agent to the others
+        except Exception as exc:
             logger.warning("%s: unreadable this sweep", entry["url"], exc_info=True)
             return WorkerSnapshot(entry["url"], time.monotonic(), False,
                                   f"unreadable: {describe(exc)}", router=entry)
 
     async def worker(self, entry: dict, probe: Any = None) -> WorkerSnapshot:
-        """Read one worker (router entry `entry`) and await its probe coroutine, if any."""
         url = entry["url"].rstrip("/")
         health, metrics, info, probed = await asyncio.gather(
             self._get(url + "/health"), self._get(url + "/metrics"),
@@ -233,9 +220,8 @@ class Observer:
         return time.monotonic() - t0 if r.status_code == 200 else None
 
     def read_gpus(self) -> list[dict] | None:
-        """NVML readings per GPU, or None (and `gpu_note` says why) without NVML or a GPU."""
         from radixserve.agent.gpu import read_nvml
-        if self._nvml_absent:   # not installed: do not search for it every sweep
+        if self._nvml_absent:
             return None
         readings, self.gpu_note = read_nvml()
         self._nvml_absent = "not installed" in self.gpu_note
@@ -251,8 +237,7 @@ async def _none() -> None:
 
 
 def _is_alive_503(health: httpx.Response) -> bool:
-    """A worker's 503 `degraded` /health (alive and busy: all request slots held) or `draining`
-    (alive and finishing its requests: SIGTERM or its /admin/drain): not sick."""
+    """A 503 /health that is `degraded` (all slots busy) or `draining`: alive, not sick."""
     if health.status_code != 503:
         return False
     try:

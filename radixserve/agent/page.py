@@ -43,8 +43,7 @@ def esc(value: object) -> str:
 
 
 def show(value: object) -> str:
-    """A value as a person reads it, escaped: "—" for None and empty values, yes / no for
-    booleans, floats with 3 significant digits, lists joined with commas."""
+    """A value as a person reads it, HTML-escaped ("—" for None and empty)."""
     if value is None or value == "" or value == [] or value == {} or value == ():
         return DASH
     if isinstance(value, bool):
@@ -63,7 +62,6 @@ def pct(value: float | None) -> str:
 
 
 def ms(value: float | None) -> str:
-    """Milliseconds as a person reads them: 4.2 ms, 475 ms, 1.2 s."""
     if value is None:
         return DASH
     if value == 0:
@@ -77,9 +75,7 @@ def count(value: float) -> str:
 
 
 def rotation(row: dict) -> str | None:
-    """Where a worker stands: "out" when the agent isolated or restarted it, or the router
-    finds it unhealthy; "draining" when drained (by the agent or by hand); "in" when the router
-    routes to it; None when the router did not list it."""
+    """"out" | "draining" | "in" for the router's rotation; None when the router does not list it."""
     if row["state"] in ("isolated", "restarted"):
         return "out"
     if row["state"] == "draining" or row.get("draining") is True:
@@ -125,7 +121,6 @@ def _header(status: dict) -> str:
 
 
 def _banner(status: dict, rows: list[dict], healthy: int, counts: dict) -> tuple[str, str]:
-    """(ok / warn / bad, one sentence) saying what matters most right now."""
     n = len(rows)
     if status.get("router_error"):
         return "bad", f"Router unreachable: {status['router_error']}; the agent waits for it."
@@ -145,7 +140,6 @@ def _banner(status: dict, rows: list[dict], healthy: int, counts: dict) -> tuple
 
 
 def _why_out(row: dict) -> str:
-    """What keeps a worker from being healthy and in rotation, in a few words."""
     if row["state"] != "observe":
         return row["state"] + (f" ({row['fault']})" if row.get("fault") else "")
     place = rotation(row)
@@ -196,7 +190,7 @@ def _charts(status: dict) -> str:
               Series("anomalies", "Output anomalies", series("anomalies"), "bars", count),
               Series("actions", "Agent actions", series("actions"), "bars", count)]
     step = status["timeline_step_s"]
-    gap = 2.5 * max(step, status["sweep_interval_s"])   # a line bridges one missed sweep
+    gap = 2.5 * max(step, status["sweep_interval_s"])
     return (f'<section><h2>Last hour, whole fleet <span class="sub">(one point per {step:g} s)'
             '</span></h2><div class="charts">' + "".join(
                 render(s, status["now"], status["timeline_span_s"], step, gap) for s in charts)
@@ -230,8 +224,7 @@ def _decisions(status: dict) -> str:
 
 
 def _runs(newest_first: list[dict]) -> list[tuple[dict, object, int]]:
-    """Decisions as (newest record, time of the oldest, count): a run of "did nothing"
-    records in a row with the same worker and reason (heartbeats of a quiet fleet) is one."""
+    """(newest record, oldest time, count) per run of records with the same worker and reason."""
     out: list[tuple[dict, object, int]] = []
     for d in newest_first:
         if out and d.get("action") == "none" and out[-1][0].get("action") == "none" and \
@@ -244,8 +237,6 @@ def _runs(newest_first: list[dict]) -> list[tuple[dict, object, int]]:
 
 
 def _evidence(d: dict) -> str:
-    """The findings behind a decision with their numbers, what the sweep saw of the worker,
-    and the policy parameters it set."""
     lines = [f'<b>{esc(f.get("kind"))}</b>: {show(f.get("text"))}<br><small>'
              f'{show(f.get("evidence"))}</small>' for f in d.get("findings") or []]
     seen = d.get("observed") or {}
@@ -261,7 +252,6 @@ def _evidence(d: dict) -> str:
 
 
 def _clock(iso: object) -> str:
-    """HH:MM:SS of an ISO time, the full time on hover."""
     try:
         t = datetime.datetime.fromisoformat(str(iso))
     except ValueError:

@@ -1,10 +1,7 @@
 """Findings: pure functions from recorded worker snapshots (oldest first) to findings with evidence.
 
-Every rule reads only its arguments, so it is tested on recorded or synthetic histories.
-Rates are taken over the last `window_sweeps` sweeps from counter differences (a counter
-that went down means the worker restarted, and that window is skipped). Thresholds are in
-RuleConfig, with their sources (Envoy outlier detection, research/routers.md §5.1, §8).
-"""
+Rates are counter differences over the last `window_sweeps` sweeps (a counter that went down means
+a restart: no rate). Thresholds are RuleConfig flags; docs/ops_agent.md gives each one's source."""
 from __future__ import annotations
 
 import statistics
@@ -44,8 +41,6 @@ class Finding:
         return {"kind": self.kind, "url": self.url, "text": self.text, "evidence": self.evidence}
 
 
-# ---- window helpers --------------------------------------------------------------------
-
 def _value(snap: WorkerSnapshot, key: str) -> float | None:
     """A metric sample, or a router counter when `key` starts with 'router.'."""
     if key.startswith("router."):
@@ -56,7 +51,7 @@ def _value(snap: WorkerSnapshot, key: str) -> float | None:
 
 def _delta(a: WorkerSnapshot, b: WorkerSnapshot, key: str) -> float | None:
     va, vb = _value(a, key), _value(b, key)
-    if va is None or vb is None or vb < va:  # missing, or the counter reset (restart)
+    if va is None or vb is None or vb < va:
         return None
     return vb - va
 
@@ -94,13 +89,9 @@ def _hit_rate(a: WorkerSnapshot, b: WorkerSnapshot) -> tuple[float, float] | Non
     return None if cached is None or not prompt else (cached / prompt, prompt)
 
 
-# ---- per-worker rules ------------------------------------------------------------------
-
 def answering(hist: History) -> bool:
-    """Whether the last sweep saw the worker alive: /health answered 200, or it timed out
-    while /metrics answered with more tokens generated than the sweep before (a worker too
-    busy to answer in time is not hung; health flapping under load is a known failure of
-    routers, research/routers.md §6.3 item 4). An error status (503: engine dead) is final."""
+    """The last sweep saw the worker alive: /health 200, or a timeout while /metrics shows new tokens
+    (too busy is not hung: health flaps under load); an error status (503: engine dead) is final."""
     if not hist:
         return False
     last = hist[-1]
@@ -112,8 +103,7 @@ def answering(hist: History) -> bool:
 
 
 def unresponsive(hist: History, cfg: RuleConfig) -> Finding | None:
-    """Not `answering` on each of the last N sweeps: /health failed (error status, or a
-    timeout or refusal without progress in /metrics)."""
+    """Not `answering` on each of the last `unresponsive_sweeps` sweeps."""
     n = cfg.unresponsive_sweeps
     if len(hist) < n or any(answering(hist[:len(hist) - k]) for k in range(n)):
         return None
@@ -123,13 +113,9 @@ def unresponsive(hist: History, cfg: RuleConfig) -> Finding | None:
 
 
 def error_rate(hist: History, cfg: RuleConfig) -> Finding | None:
-    """Failure share of what the router sent the worker in the window, with a minimum
-    request volume (Envoy failure_percentage); or the router's breaker for it open or
-    half-open on each of the last `breaker_sweeps` sweeps, with a failure somewhere in the
-    history (reset when the worker returns, so an idle breaker waiting in half-open for a
-    probe does not eject a healed worker again): the breaker is the router's consecutive-
-    failure detector (Envoy consecutive_5xx), and once it opens the worker gets only
-    probes, so the window alone would never see the volume."""
+    """Failure share of the router's requests to the worker, above a minimum volume (Envoy
+    failure_percentage); or its breaker not closed for `breaker_sweeps` sweeps with a failure in
+    the history (Envoy consecutive_5xx: an open breaker sends only probes, too few for the share)."""
     reqs = _window_delta(hist, "router.num_requests", cfg.window_sweeps)
     fails = _window_delta(hist, "router.num_failures", cfg.window_sweeps)
     if reqs is None or fails is None:
@@ -152,11 +138,9 @@ def error_rate(hist: History, cfg: RuleConfig) -> Finding | None:
 
 def latency_outlier(url: str, fleet: dict[str, History], cfg: RuleConfig,
                     which: str) -> Finding | None:
-    """`which` in {"ttft", "itl"}: the worker's window mean is above `latency_ratio` x the
-    median of its peers' means (and above it by an absolute floor), each with a minimum
-    sample count (Envoy's success-rate detector, on latency; median, not a fixed number).
-    A worker that also got far more requests than its peers is a hot spot, not slow: that is
-    fleet_ttft_spread's case, so it is left alone here."""
+    """`which` "ttft" | "itl": window mean above `latency_ratio` x the peers' median and an absolute
+    floor (Envoy success-rate detector, on latency); a worker with far more requests is a hot spot
+    (fleet_ttft_spread), not slow."""
     pair, min_samples, floor = ((TTFT, cfg.ttft_min_samples, cfg.ttft_min_abs_s) if which == "ttft"
                                 else (ITL, cfg.itl_min_samples, cfg.itl_min_abs_s))
     means = {u: window_mean(h, pair, cfg.window_sweeps) for u, h in fleet.items()}
@@ -179,8 +163,7 @@ def latency_outlier(url: str, fleet: dict[str, History], cfg: RuleConfig,
 
 
 def queue_building(hist: History, cfg: RuleConfig) -> Finding | None:
-    """Queue non-decreasing over the last 4 sweeps to at least `queue_min`, while generated
-    tokens/s in the window's second half fell below `throughput_drop` x its first half."""
+    """Queue non-decreasing over 4 sweeps to >= `queue_min` while tokens/s fell below `throughput_drop`x."""
     w = _window(hist, cfg.window_sweeps)
     queues = [s.metrics.get(QUEUE) for s in w]
     if len(w) < 5 or any(q is None for q in queues[-4:]):
@@ -214,8 +197,7 @@ def kv_pressure(hist: History, cfg: RuleConfig) -> Finding | None:
 
 
 def hit_rate_collapsed(hist: History, cfg: RuleConfig) -> Finding | None:
-    """Hit rate over the window fell below `hit_collapse_ratio` x the worker's own rate over
-    the older part of its history (both with enough prompt tokens)."""
+    """Window hit rate below `hit_collapse_ratio` x the worker's own older rate."""
     n = cfg.window_sweeps
     if len(hist) < n + 3:
         return None
@@ -234,8 +216,7 @@ def _collapsed(base: tuple[float, float] | None, recent: tuple[float, float] | N
 
 
 def anomaly_rate(hist: History, cfg: RuleConfig) -> Finding | None:
-    """Output anomalies (radixserve:num_anomalies_total) in the window: at least
-    `anomaly_min` and at least `anomaly_share` of the worker's requests."""
+    """At least `anomaly_min` output anomalies in the window, and `anomaly_share` of the requests."""
     anomalies = _window_delta(hist, ANOMALIES, cfg.window_sweeps)
     if anomalies is None or anomalies < cfg.anomaly_min:
         return None
@@ -248,13 +229,9 @@ def anomaly_rate(hist: History, cfg: RuleConfig) -> Finding | None:
 
 
 def memory_growth(hist: History, cfg: RuleConfig) -> Finding | None:
-    """Resident memory growing over the last `memory_window_sweeps`, sustained: no fall above
-    `memory_dip_mb` between sweeps (a GC sawtooth), a least-squares slope of at least
-    `memory_slope_mb_per_s` adding `memory_min_growth_mb`, and each of `memory_segments`
-    consecutive parts of the window (the most recent one included) growing at half that slope
-    or more. The last test tells a leak from a one-time step: one large request can raise RSS
-    by hundreds of MiB once (the allocator keeps the pages), which gives a steep fitted slope
-    but leaves every part of the window after the step flat."""
+    """RSS growing over `memory_window_sweeps`: no dip over `memory_dip_mb` (GC sawtooth), a
+    least-squares slope >= `memory_slope_mb_per_s` adding `memory_min_growth_mb`, and each of
+    `memory_segments` parts growing at >= half that slope (a leak, not a one-time step)."""
     w = [(s.t, s.metrics[RSS]) for s in _window(hist, cfg.memory_window_sweeps) if RSS in s.metrics]
     if len(w) < cfg.memory_window_sweeps + 1:
         return None
@@ -277,8 +254,7 @@ def memory_growth(hist: History, cfg: RuleConfig) -> Finding | None:
 
 
 def _segment_rates(w: list[tuple[float, float]], parts: int) -> list[float]:
-    """Growth rate (bytes/s) of each of `parts` consecutive, equal parts of the samples `w`
-    ((t s, value) pairs); neighbouring parts share their boundary sample."""
+    """Growth rate (bytes/s) of each of `parts` equal parts of `w`, (t s, bytes) samples."""
     n = len(w) - 1
     parts = max(1, min(parts, n))
     cuts = [w[round(i * n / parts)] for i in range(parts + 1)]
@@ -290,11 +266,8 @@ WORKER_RULES = (unresponsive, error_rate, queue_building, kv_pressure, hit_rate_
                 anomaly_rate, memory_growth)
 
 
-# ---- fleet-level rules -----------------------------------------------------------------
-
 def fleet_hit_rate_collapsed(fleet: dict[str, History], cfg: RuleConfig) -> Finding | None:
-    """The fleet's hit rate (all workers' cached / prompt tokens) collapsed against its own
-    past while requests were spread evenly (max/min <= even_ratio): affinity is too weak."""
+    """The fleet's hit rate collapsed while requests were even (max/min <= even_ratio): weak affinity."""
     n = cfg.window_sweeps
     hists = [h for h in fleet.values() if len(h) >= n + 3]
     if len(hists) < 2:
@@ -319,8 +292,8 @@ def fleet_hit_rate_collapsed(fleet: dict[str, History], cfg: RuleConfig) -> Find
 
 
 def fleet_ttft_spread(fleet: dict[str, History], cfg: RuleConfig) -> Finding | None:
-    """Slowest / fastest worker mean TTFT >= spread_ratio, and the slowest got at least
-    imbalance_ratio x the requests of the least-used worker: affinity made a hot spot."""
+    """Slowest / fastest mean TTFT >= spread_ratio, the slowest with imbalance_ratio x the least
+    requests: affinity made a hot spot."""
     means = {u: window_mean(h, TTFT, cfg.window_sweeps) for u, h in fleet.items()}
     means = {u: m for u, m in means.items() if m and m[1] >= cfg.ttft_min_samples}
     if len(means) < 2:
@@ -340,8 +313,7 @@ def fleet_ttft_spread(fleet: dict[str, History], cfg: RuleConfig) -> Finding | N
 
 
 def gpu_unhealthy(gpus: list[dict] | None) -> list[Finding]:
-    """NVML readings: uncorrected volatile ECC errors, pending retired pages, or a PCIe link
-    narrower than its maximum (AIBrix diagnose, research/routers.md §8 item 20)."""
+    """NVML: uncorrected ECC errors, retired pages pending, a narrowed PCIe link (AIBrix diagnose)."""
     findings = []
     for g in gpus or ():
         problems = [p for p, bad in (
@@ -371,8 +343,7 @@ def evaluate(fleet: dict[str, History], cfg: RuleConfig,
 
 
 def probe_recovered(hist: History, cfg: RuleConfig) -> bool:
-    """The last `recover_sweeps` probes of a drained worker each finished within
-    `recover_ratio` x its peer's latency (hysteresis: the drain needed `latency_ratio`)."""
+    """The last `recover_sweeps` probes each within `recover_ratio` x the peer's latency (hysteresis)."""
     probes = [s.probe for s in hist[-cfg.recover_sweeps:]]
     if len(probes) < cfg.recover_sweeps:
         return False

@@ -11,16 +11,13 @@ from radixserve.agent.observe import TTFT_BUCKET, WorkerSnapshot
 
 
 def buckets(snap: WorkerSnapshot, name: str = TTFT_BUCKET) -> dict[float, float]:
-    """Cumulative counts {upper bound s: observations at or below it} of histogram bucket
-    family `name` in one snapshot (parse_metrics keeps them as `name{le="bound"}`); empty
-    when they were not scraped."""
+    """{upper bound s: cumulative count} of bucket family `name` in one snapshot; empty if not scraped."""
     prefix = name + '{le="'
     return {float(k[len(prefix):-2]): v for k, v in snap.metrics.items() if k.startswith(prefix)}
 
 
 def bucket_increase(a: WorkerSnapshot, b: WorkerSnapshot) -> dict[float, float] | None:
-    """How much each TTFT bucket grew from `a` to `b`; None when either lacks them, their
-    bounds differ, or a count went down (the worker restarted)."""
+    """Each TTFT bucket's growth from `a` to `b`; None when missing, mismatched or reset."""
     before, after = buckets(a), buckets(b)
     if not after or before.keys() != after.keys():
         return None
@@ -29,10 +26,8 @@ def bucket_increase(a: WorkerSnapshot, b: WorkerSnapshot) -> dict[float, float] 
 
 
 def quantile(q: float, cumulative: dict[float, float]) -> float | None:
-    """The q-quantile (0 < q < 1) of a histogram given as cumulative bucket counts, computed
-    as Prometheus' histogram_quantile does: the bucket where rank q x total first falls, linear
-    interpolation inside it (the lowest bucket starts at 0), the highest finite bound when the
-    rank falls in the +Inf bucket. None when there is no +Inf bucket or nothing was observed."""
+    """The q-quantile of cumulative bucket counts, as Prometheus' histogram_quantile computes it;
+    None without a +Inf bucket or observations."""
     bounds = sorted(cumulative)
     if not bounds or not math.isinf(bounds[-1]) or cumulative[bounds[-1]] <= 0:
         return None
@@ -57,9 +52,7 @@ def window_ttft_quantile(hist: Sequence[WorkerSnapshot], sweeps: int, q: float) 
 
 @dataclass(slots=True)
 class Point:
-    """What the whole fleet did in one step: `t` is the step's start (wall-clock s); prompt
-    and cached tokens, output anomalies, actions the agent decided, and how much each TTFT
-    bucket grew (cumulative by bound, summed over workers)."""
+    """The fleet's counts in one step starting at `t` (wall-clock s); TTFT bucket growth summed over workers."""
 
     t: float
     cached: float = 0.0
@@ -84,9 +77,7 @@ class Point:
 
 
 class Timeline:
-    """Fleet-wide series over the last `span_s` of wall-clock time, one Point per `step_s`.
-    Sweeps that fall in the same step are added into one point, so a fast sweep does not grow
-    it: points older than `span_s` are dropped and at most span_s / step_s + 1 are kept."""
+    """One Point per `step_s` over the last `span_s` (sweeps in a step add up): at most span_s / step_s + 1."""
 
     def __init__(self, span_s: float = 3600.0, step_s: float = 10.0):
         assert span_s > 0 and step_s > 0, "span and step must be positive"
@@ -94,9 +85,7 @@ class Timeline:
         self._points: deque[Point] = deque(maxlen=int(span_s // step_s) + 1)
 
     def record(self, now: float, hists: dict[str, list[WorkerSnapshot]], num_actions: int) -> None:
-        """Add one sweep at wall-clock `now` (s): each worker's growth since its previous
-        snapshot (a worker without one, or whose counters went down, adds nothing) and the
-        number of acting decisions. A clock that steps back adds to the latest point."""
+        """Add one sweep at wall-clock `now` (s): worker growth since the previous snapshot, actions."""
         t = now - now % self.step_s
         if not self._points or t > self._points[-1].t:
             self._points.append(Point(t))
@@ -116,7 +105,6 @@ class Timeline:
         self._drop_old(now)
 
     def points(self, now: float) -> list[Point]:
-        """The points of the last `span_s` before `now`, oldest first."""
         self._drop_old(now)
         return list(self._points)
 
