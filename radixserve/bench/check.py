@@ -1,20 +1,8 @@
 """`radixserve bench --save-output FILE` / `--check-output REF`: every greedy output of a run compared token by token with a reference run.
 
-The seed's measure of KV corruption under load (issues 13 and 14): a run on the server under
-test is compared with a reference (a file saved by `--save-output`, or a reference server,
-http(s) URL, sent the same requests after the run). Both runs ask for each token's top-2
-logprobs, so a difference can be judged:
-
-    identical        same tokens
-    tie              the first difference is at a position where the reference's top-2 logprobs
-                     are within `tie_gap` (a numerical tie: batch shape changes which one wins)
-    corrupted        any other difference (the first differing position and its top-2 gap are
-                     reported)
-    guard abort      the run's request was stopped by the output-anomaly guard
-    failed           the run's request failed otherwise (not compared)
-
-and rates per 10,000 compared requests. Greedy only: a sampled output has no single reference.
-"""
+The reference is a `--save-output` file or a server sent the same requests; both ask for top-2 logprobs.
+Each request is identical, a tie (first difference where the reference's top-2 gap < `tie_gap`),
+corrupted, a guard abort, or failed (not compared); rates per 10,000 compared. Greedy only."""
 from __future__ import annotations
 
 import json
@@ -27,7 +15,6 @@ MAX_EXAMPLES = 10    # corrupted requests listed in the report
 
 
 def logprob_fields(backend: str) -> dict:
-    """Request-body fields that make a server return each token's top-2 logprobs."""
     return {"logprobs": True, "top_logprobs": 2} if backend == "chat" else {"logprobs": 2}
 
 
@@ -73,7 +60,7 @@ def load(path: str) -> dict[int, dict]:
 
 
 def as_reference(results: Sequence[RequestResult]) -> dict[int, dict]:
-    """A reference run's results in the shape `load` returns (failed requests left out)."""
+    """A reference run's results as `load` returns them (failed requests left out)."""
     return {r.index: {"index": r.index, "tokens": r.tokens, "gaps": r.top2_gaps}
             for r in results if r.success}
 
@@ -117,10 +104,8 @@ def _report(counts: dict[str, int], tie_gap: float, examples: list[dict]) -> dic
 
 
 def merge(reports: Sequence[dict]) -> dict:
-    """One report over several runs checked one after another (e.g. a soak in waves): counts
-    summed, rates recomputed, the first corrupted examples kept in run order. Each example's
-    `index` is its request's index within its own run. Raises ValueError on an empty sequence
-    or reports with different tie gaps."""
+    """One report over several runs' reports (counts summed, rates recomputed, examples' `index`
+    within their own run). Raises ValueError on none or on different tie gaps."""
     if not reports or len({r["tie_gap"] for r in reports}) != 1:
         raise ValueError("merge needs at least one report, all with the same tie_gap")
     keys = ("identical", "tie", "corrupted", "guard_abort", "failed", "no_reference")

@@ -115,7 +115,6 @@ def build_workload(args: argparse.Namespace, hf):
 
 
 def with_chat_lengths(workload, hf) -> None:
-    """For the chat backend, prompt_len counts the chat-templated prompt."""
     from dataclasses import replace
     for i, s in enumerate(workload.sessions):
         reqs = tuple(replace(r, prompt_len=len(hf.apply_chat_template(

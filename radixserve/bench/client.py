@@ -19,8 +19,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
-    """Where and how to send: backend "completions" or "chat"; ignore_eos is sent only when set
-    (servers that do not know it ignore unknown fields)."""
+    """Where and how to send: backend "completions" or "chat"; ignore_eos is sent only when set."""
 
     base_url: str
     model: str | None = None
@@ -30,7 +29,7 @@ class ClientConfig:
     temperature: float = 0.0
     timeout_s: float = 6 * 3600.0
     extra_body: str | None = None  # JSON object merged into each request body
-    token_logprobs: bool = False   # ask for top-2 logprobs and record tokens (bench/check.py)
+    token_logprobs: bool = False   # top-2 logprobs per token (bench/check.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +73,8 @@ def chunk_text(chunk: dict, backend: str) -> str:
 
 async def send_request(http: httpx.AsyncClient, cfg: ClientConfig, req: BenchRequest, model: str,
                        max_tokens: int | None = None) -> RequestResult:
-    """Send one streaming request and time it: TTFT at the first non-empty chunk, ITL between
-    non-empty chunks, latency at the end of the stream. Never raises for HTTP or stream errors;
-    they come back as success=False with `error` set."""
+    """Send one streaming request and time it (RequestResult); HTTP or stream errors come back as
+    success=False with `error`, never raised."""
     path = "/v1/chat/completions" if cfg.backend == "chat" else "/v1/completions"
     max_tokens = req.output_len if max_tokens is None else max_tokens
     result = RequestResult(prompt_len=req.prompt_len)
@@ -91,7 +89,7 @@ async def send_request(http: httpx.AsyncClient, cfg: ClientConfig, req: BenchReq
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
-                now = time.perf_counter()  # before parsing, so client JSON work is not server time
+                now = time.perf_counter()  # before parsing: client JSON work is not server time
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
@@ -149,9 +147,7 @@ async def flush_cache(http: httpx.AsyncClient) -> bool:
 
 
 def parse_cache_counters(text: str) -> tuple[float, float] | None:
-    """(prompt tokens, cached tokens) summed over label sets from a Prometheus text page, read from
-    radixserve's `radixserve:prompt_tokens_total` / `radixserve:cached_tokens_total` counters;
-    None when the page has neither (not a radixserve server)."""
+    """(prompt tokens, cached tokens) from radixserve's Prometheus counters; None without them."""
     totals = {"prompt_tokens": 0.0, "cached_tokens": 0.0}
     seen = False
     for line in text.splitlines():
@@ -175,7 +171,6 @@ async def scrape_cache_counters(http: httpx.AsyncClient) -> tuple[float, float] 
 
 
 def counter_hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
-    """Hit rate over the run from /metrics counter deltas (None without counters or prompts)."""
     if before is None or after is None or after[0] <= before[0]:
         return None
     return (after[1] - before[1]) / (after[0] - before[0])
@@ -184,10 +179,8 @@ def counter_hit_rate(before: tuple[float, float] | None, after: tuple[float, flo
 async def run_workload(workload: Workload, cfg: ClientConfig, run: RunConfig,
                        on_done: Callable[[], None] | None = None
                        ) -> tuple[list[RequestResult], float, float, float | None]:
-    """Warm up (copies of the first request, max_tokens <= 32, concurrently), optionally flush the
-    server's prefix cache, wait 1 s, then send every session from its scheduled offset; a session's
-    requests go one after another. Returns (results, t0, duration_s, hit rate from the server's
-    /metrics counters over the run or None)."""
+    """Warm up, optionally flush the prefix cache, then send each session from its offset, its requests
+    in order. Returns (results, t0, duration_s, server hit rate over the run or None)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers(cfg), limits=limits,
                                  timeout=httpx.Timeout(cfg.timeout_s, connect=30.0)) as http:

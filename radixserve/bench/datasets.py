@@ -9,8 +9,7 @@ from radixserve.bench.workload import (ROLE_MARK, BenchRequest, Session, Workloa
 
 def random_dataset(source: WordSource, num_prompts: int, input_len: int, output_len: int,
                    range_ratio: float, seed: int) -> Workload:
-    """Independent prompts of random words; lengths uniform in [max(int(L*r), 1), L] (SGLang's
-    range-ratio meaning). The prompt is sent as raw text (no role markers)."""
+    """Independent raw-text prompts of random words; lengths per `range_lengths` (SGLang's range ratio)."""
     rng = random.Random(seed)
     in_lens = range_lengths(rng, input_len, range_ratio, num_prompts)
     out_lens = range_lengths(rng, output_len, range_ratio, num_prompts)
@@ -28,12 +27,8 @@ def random_dataset(source: WordSource, num_prompts: int, input_len: int, output_
 def shared_prefix_dataset(source: WordSource, num_groups: int, prompts_per_group: int,
                           system_prompt_len: int, question_len: int, output_len: int,
                           seed: int) -> Workload:
-    """`num_groups` system prompts, each followed by `prompts_per_group` different questions
-    (SGLang's generated-shared-prefix), all shuffled. Ignores --num-prompts.
-
-    Ideal reuse (first prompt of each group misses, the others reuse the system prompt and the
-    user marker): (P - 1) / P * (S + m_user) / prompt_len.
-    """
+    """`num_groups` system prompts x `prompts_per_group` questions, shuffled (SGLang's
+    generated-shared-prefix). Ideal reuse: (P - 1) / P * (S + m_user) / prompt_len."""
     rng = random.Random(seed)
     requests = []
     for _ in range(num_groups):
@@ -55,8 +50,7 @@ def shared_prefix_dataset(source: WordSource, num_groups: int, prompts_per_group
 def _conversation(source: WordSource, rng: random.Random, head: list[dict[str, str]],
                   first_user_len: int, turns: int, turn_role: str, turn_len: int,
                   output_len: int) -> tuple[BenchRequest, ...]:
-    """Turn k's prompt = turn k-1's prompt + the reference assistant answer (output_len tokens)
-    + a new `turn_role` message of `turn_len` tokens."""
+    """Turn k's prompt = turn k-1's + the reference answer + a new `turn_role` message."""
     messages = [*head, {"role": "user", "content": source.text(rng, first_user_len)}]
     requests = [make_request(messages, output_len, source)]
     for _ in range(turns - 1):
@@ -67,17 +61,15 @@ def _conversation(source: WordSource, rng: random.Random, head: list[dict[str, s
 
 
 def _chain_reuse(prompt_lens: list[list[int]], first_hits: list[int]) -> float:
-    """Ideal reuse of sessions whose turn k reuses all of turn k-1's prompt; turn 1 of session i
-    reuses first_hits[i]."""
+    """Ideal reuse when turn k reuses turn k-1's prompt and session i's turn 1 reuses first_hits[i]."""
     hit = sum(first_hits) + sum(sum(lens[:-1]) for lens in prompt_lens)
     return hit / sum(sum(lens) for lens in prompt_lens)
 
 
 def multi_turn_dataset(source: WordSource, num_clients: int, num_rounds: int, system_prompt_len: int,
                        user_len: int, output_len: int, seed: int) -> Workload:
-    """`num_clients` chats of `num_rounds` rounds; round k's prompt is the whole conversation so far
-    (the dataset's reference answers) plus a new user turn; a client sends its rounds one after
-    another. Ideal reuse: round k reuses round k-1's prompt, L_k = S + k(m_u + U) + (k-1)(m_a + O) + m_a."""
+    """`num_clients` chats of `num_rounds` rounds, each prompt the conversation so far plus a user
+    turn: L_k = S + k(m_u + U) + (k-1)(m_a + O) + m_a."""
     rng = random.Random(seed)
     sessions = []
     for _ in range(num_clients):
@@ -96,12 +88,8 @@ def multi_turn_dataset(source: WordSource, num_clients: int, num_rounds: int, sy
 def agent_dataset(source: WordSource, num_sessions: int, num_turns: int, context_len: int,
                   task_len: int, tool_len: int, output_len: int, seed: int,
                   num_contexts: int = 1) -> Workload:
-    """Coding-agent sessions: a large repository context (system; session i works on repository
-    i % num_contexts, so one repository is shared by every session by default), a task, then
-    turns that append the agent's code (the reference answer, output_len tokens) and a tool
-    result (tool_len tokens). Ideal reuse: the first session on each repository misses on its
-    first turn; other first turns reuse the context and user marker; turn k reuses all of turn
-    k-1. Raises ValueError when num_contexts is not in [1, num_sessions]."""
+    """Coding-agent sessions: repository context i % num_contexts, a task, then turns appending the
+    answer and a tool result. Raises ValueError unless 1 <= num_contexts <= num_sessions."""
     if not 1 <= num_contexts <= num_sessions:
         raise ValueError(f"num_contexts must be in [1, num_sessions], got {num_contexts}")
     rng = random.Random(seed)

@@ -10,17 +10,14 @@ import httpx
 
 
 def free_port() -> int:
-    """A loopback port free now (chosen by the kernel)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def free_ports(n: int, low: int = 20000, high: int = 32000) -> int:
-    """First of n consecutive loopback ports free now, in [low, high): below the kernel's
-    ephemeral range, where outgoing connections' local ends could take them before our
-    servers bind. Random starting points, so runs side by side rarely pick the same ones.
-    Raises RuntimeError when 200 tries find none."""
+    """First of n consecutive free loopback ports in [low, high), below the ephemeral range, from a
+    random start. Raises RuntimeError when 200 tries find none."""
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(low, high - n)
@@ -36,8 +33,7 @@ def free_ports(n: int, low: int = 20000, high: int = 32000) -> int:
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600.0,
                  name: str = "server") -> None:
-    """Poll `url`/health every 0.5 s until it answers 200. Raises RuntimeError when `proc`
-    exits first or `timeout_s` (s) passes; the caller decides what to stop."""
+    """Poll `url`/health until 200; RuntimeError when `proc` exits or `timeout_s` passes first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -9,19 +9,10 @@ import numpy as np
 
 @dataclass(slots=True)
 class RequestResult:
-    """What the client measured for one request. Times in seconds.
-
-    start_s: perf_counter() when the request was sent (after the concurrency semaphore, so
-        client-side queueing is excluded, as in SGLang); ttft_s: start -> first non-empty chunk;
-    itl_s: gaps between consecutive non-empty chunks; latency_s: start -> end of stream.
-    prompt_len: the dataset's (client-tokenized) prompt length; output_len: server-reported
-    completion_tokens, else the requested output length (SGLang's fallback).
-    prompt_tokens / cached_tokens: server usage (None when the server sent no usage).
-    spec_verify_steps / spec_draft_tokens / spec_accepted_tokens: speculative-decoding usage
-    extras (None when the server did not speculate for this request).
-    index: position in the workload's request list; tokens / top2_gaps: each output token's text
-    and top-2 logprob gap, when the run asked for logprobs (bench/check.py).
-    """
+    """One request as the client measured it, times in s: start_s at send (client queueing excluded),
+    ttft_s to the first non-empty chunk, itl_s between non-empty chunks, latency_s to the stream's
+    end; output_len is the server's completion_tokens, else the requested length (SGLang's fallback);
+    usage and spec_* fields None when the server did not send them."""
 
     prompt_len: int
     output_len: int = 0
@@ -64,16 +55,14 @@ class Slo:
 
 
 def tpot_s(r: RequestResult) -> float | None:
-    """Time per output token excluding the first: (latency - ttft) / (n - 1); None when n <= 1."""
+    """(latency - ttft) / (n - 1); None when n <= 1."""
     if r.output_len <= 1:
         return None
     return (r.latency_s - r.ttft_s) / (r.output_len - 1)
 
 
 def stats_ms(values_s: list[float], name: str, percentiles: tuple[int, ...]) -> dict[str, float]:
-    """mean/median/std(population)/p{P} of `values_s` in ms under SGLang's key names
-    (`mean_ttft_ms`, `p99_ttft_ms`, ...). np.percentile with linear interpolation; an empty list
-    gives zeros, as SGLang does."""
+    """mean/median/std/p{P} of `values_s` in ms under SGLang's key names; zeros when empty, as SGLang."""
     arr = np.asarray(values_s, dtype=float) * 1000.0
     if arr.size == 0:
         arr = np.zeros(1)
@@ -94,7 +83,6 @@ def is_good(r: RequestResult, slo: Slo) -> bool:
 
 
 def token_times(r: RequestResult) -> list[float]:
-    """Absolute arrival time of each streamed chunk: start + ttft + cumsum(itl)."""
     if not r.success:
         return []
     first = r.start_s + r.ttft_s
@@ -102,7 +90,7 @@ def token_times(r: RequestResult) -> list[float]:
 
 
 def max_output_tokens_per_s(results: list[RequestResult], t0: float) -> float:
-    """Largest number of streamed chunks landing in one 1-second bucket [t0 + k, t0 + k + 1)."""
+    """Most streamed chunks landing in one 1-second bucket [t0 + k, t0 + k + 1)."""
     buckets: dict[int, int] = {}
     for r in results:
         for t in token_times(r):
@@ -126,15 +114,8 @@ def max_concurrent_requests(results: list[RequestResult]) -> int:
 
 def compute_metrics(results: list[RequestResult], duration_s: float, t0: float = 0.0,
                     slo: Slo | None = None) -> dict[str, float | int | None]:
-    """Run metrics over all requests of one run (SGLang bench_serving definitions; perf.md §2.2).
-
-    Failed requests count zero output tokens and do not enter the latency statistics.
-    `duration_s` is first dispatch -> last completion; `t0` the perf_counter() at first dispatch.
-    cache_hit_rate = sum(cached_tokens) / sum(server prompt_tokens) over requests with usage.
-    Speculative decoding, over requests that verified drafts: spec_accept_length = (accepted +
-    verify steps) / verify steps, spec_accept_rate = accepted / draft tokens (token-weighted),
-    and the per-request median accept length.
-    """
+    """Run metrics (SGLang bench_serving definitions); failed requests add no tokens or latencies.
+    `t0`: perf_counter() at first dispatch; cache_hit_rate = sum(cached) / sum(prompt_tokens)."""
     ok = [r for r in results if r.success]
     total_input = sum(r.prompt_len for r in ok)
     total_output = sum(r.output_len for r in ok)
@@ -172,7 +153,7 @@ def compute_metrics(results: list[RequestResult], duration_s: float, t0: float =
 
 
 def spec_metrics(ok: list[RequestResult]) -> dict[str, float | int | None]:
-    """Acceptance over the requests that verified drafts (all None when none did)."""
+    """Acceptance over requests that verified drafts: (accepted + steps) / steps, accepted / drafted."""
     spec = [r for r in ok if r.spec_verify_steps]
     steps = sum(r.spec_verify_steps or 0 for r in spec)
     drafted = sum(r.spec_draft_tokens or 0 for r in spec)

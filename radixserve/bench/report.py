@@ -24,7 +24,6 @@ def fmt(value) -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
-    """A Markdown table (right-aligned cells) that also reads well in a terminal."""
     cells = [[str(h) for h in headers]] + [[fmt(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |" for r in cells]
@@ -43,7 +42,6 @@ SUMMARY_KEYS = [
 
 
 def summary(record: dict) -> str:
-    """Console summary of one run (the most used keys of the JSON line)."""
     head = (f"== radixserve bench: {record.get('dataset_name')} backend={record.get('backend')} "
             f"rate={record.get('request_rate')} max_concurrency={record.get('max_concurrency')} "
             f"ignore_eos={record.get('ignore_eos')} ==")
@@ -64,15 +62,13 @@ def sweep_rows(records: Sequence[dict]) -> list[list]:
 
 
 def knee_index(throughputs: Sequence[float], fraction: float = 0.9) -> int:
-    """The first level whose throughput reaches `fraction` of the best: past it, more concurrency
-    buys under (1 - fraction) more throughput while queueing raises TTFT."""
+    """The first level whose throughput reaches `fraction` of the best."""
     best = max(throughputs)
     return next(i for i, t in enumerate(throughputs) if t >= fraction * best)
 
 
 def plot_sweep(records: Sequence[dict], path: str) -> None:
-    """PNG: total throughput (left axis) and TTFT p50/p99 (right axis) against concurrency, log2
-    x axis, the knee marked with a vertical line."""
+    """PNG: throughput and TTFT p50/p99 against concurrency (log2), the knee marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -115,9 +111,7 @@ class Comparison:
 
 
 def compare_records(base: dict, new: dict, metrics: Sequence[str], max_regression: float) -> list[Comparison]:
-    """Relative change of each metric, signed so that negative is worse (lower throughput or
-    hit rate, higher latency); a metric regresses when it got worse by more than `max_regression`
-    (a fraction). A metric missing on either side is reported, not judged."""
+    """Each metric's signed relative change (negative = worse); worse by over `max_regression` regresses."""
     out = []
     for metric in metrics:
         b, n = base.get(metric), new.get(metric)
@@ -139,8 +133,7 @@ def parse_fraction(text: str) -> float:
 
 
 def compare_files(base_path: str, new_path: str, metrics: Sequence[str], max_regression: float) -> tuple[str, bool]:
-    """Pair the runs of two JSONL files line by line (sweeps: level by level); returns the
-    side-by-side table and whether anything regressed."""
+    """Pair two JSONL files' runs line by line; returns the table and whether anything regressed."""
     base, new = read_jsonl(base_path), read_jsonl(new_path)
     if not base or not new:
         raise ValueError("both files need at least one run")

@@ -9,10 +9,8 @@ from radixserve.bench.workload import BenchRequest, Session, Workload, WordSourc
 
 def sharegpt_dataset(path: str, source: WordSource, num_prompts: int, seed: int,
                      output_len: int | None = None, context_len: int = 4096) -> Workload:
-    """ShareGPT JSON (a list of {"conversations": [{"from", "value"}, ...]}): prompt = turn 0,
-    output length = token count of turn 1 (or `output_len`); conversations with fewer than two
-    turns, prompt or output under 2 tokens, or prompt + output over `context_len` are dropped;
-    shuffled with `seed`, the first `num_prompts` kept (SGLang's filter)."""
+    """ShareGPT JSON: prompt = turn 0, output length = turn 1's tokens (or `output_len`), filtered as
+    SGLang does (under 2 tokens or over `context_len` dropped)."""
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     convs = [d["conversations"] for d in data if len(d.get("conversations", [])) >= 2]
@@ -39,18 +37,14 @@ def _field(row: dict, *names: str) -> int | float:
 
 
 def block_text(source: WordSource, hash_id: int, num_tokens: int) -> str:
-    """The same words for the same hash id in every request (seeded by the id), so requests that
-    share hash_ids share a prompt prefix exactly as in the original trace."""
+    """The same words for the same hash id, so shared hash_ids share a prompt prefix."""
     return source.text(random.Random(hash_id * 7919 + 17), num_tokens)
 
 
 def trace_dataset(path: str, source: WordSource, time_scale: float = 1.0, block_size: int = 512,
                   num_prompts: int | None = None, time_unit_s: float = 1e-3) -> Workload:
-    """Replay a JSONL trace: one request a line with `timestamp` (ms by default, `time_unit_s`
-    converts), `input_length` / `output_length` (or `input_len` / `output_len`) and optional
-    `hash_ids` (Mooncake: one id per `block_size` prompt tokens, equal ids = equal content).
-    Arrival offset = (timestamp - first timestamp) * time_unit_s * time_scale, so time_scale 0.5
-    replays twice as fast. Without hash_ids each prompt is unique words (seeded by its line)."""
+    """Replay a JSONL trace (`timestamp`, `input_length`, `output_length`, Mooncake `hash_ids`: one per
+    `block_size` tokens); arrival = (timestamp - first) * time_unit_s * time_scale."""
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     rows = rows[:num_prompts] if num_prompts else rows

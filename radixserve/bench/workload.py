@@ -13,9 +13,7 @@ import numpy as np
 
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
-    """One request: `prompt` (text, for /v1/completions) and the same conversation as `messages`
-    (for /v1/chat/completions). `prompt_len` counts the text prompt's tokens (no special tokens);
-    `output_len` is the max_tokens to ask for."""
+    """One request as `prompt` (completions) and `messages` (chat); `output_len` is max_tokens."""
 
     prompt: str
     messages: tuple[dict[str, str], ...]
@@ -25,9 +23,7 @@ class BenchRequest:
 
 @dataclass(frozen=True, slots=True)
 class Session:
-    """Requests one client sends in order, each after the previous one finished (multi-turn chat,
-    agent turns). `arrival_s` is the first request's scheduled offset from the run start; None lets
-    the run draw it from --request-rate."""
+    """Requests one client sends in order; `arrival_s` offset from the run start, None: --request-rate."""
 
     requests: tuple[BenchRequest, ...]
     arrival_s: float | None = None
@@ -35,8 +31,7 @@ class Session:
 
 @dataclass(slots=True)
 class Workload:
-    """A dataset ready to send. `info` goes into the output JSON (dataset parameters, the
-    length semantics used, `theory_reuse`: the ideal token hit rate the dataset's structure allows)."""
+    """A dataset ready to send; `info` goes into the output JSON (`theory_reuse`: ideal hit rate)."""
 
     name: str
     sessions: list[Session]
@@ -44,7 +39,7 @@ class Workload:
 
     @property
     def requests(self) -> list[BenchRequest]:
-        """All requests, round by round (every session's first request, then every second, ...)."""
+        """All requests, round by round across sessions."""
         depth = max((len(s.requests) for s in self.sessions), default=0)
         return [s.requests[k] for k in range(depth) for s in self.sessions if k < len(s.requests)]
 
@@ -53,9 +48,8 @@ _WORD = re.compile(r"^ [A-Za-z]{2,12}$")
 
 
 class WordSource:
-    """Text of an exact token length: random words that are each one vocabulary token (" word")
-    (`tokenizer` is a transformers tokenizer) and that the tokenizer's pre-tokenizer keeps apart, so `text(n)` encodes to exactly n tokens.
-    Random token ids decoded to text (SGLang's way) drift in length when re-encoded; these do not."""
+    """`text(n)` encodes to exactly n tokens: random words that are one vocabulary token each (" word")
+    and that the pre-tokenizer keeps apart (decoded random ids, SGLang's way, drift when re-encoded)."""
 
     def __init__(self, tokenizer: Any, max_words: int = 4000):
         self.tokenizer = tokenizer
@@ -67,7 +61,6 @@ class WordSource:
             raise ValueError(f"tokenizer has only {len(self.words)} single-token words")
 
     def text(self, rng: random.Random, num_tokens: int) -> str:
-        """`num_tokens` random words, each starting with a space."""
         return "".join(rng.choices(self.words, k=num_tokens))
 
     def count(self, text: str) -> int:
@@ -78,9 +71,8 @@ ROLE_MARK = {"system": "", "user": "\n\nUser:", "assistant": "\n\nAssistant:", "
 
 
 def render(messages: Sequence[dict[str, str]]) -> str:
-    """Plain-text rendering of a conversation for /v1/completions: role markers plus contents,
-    ending with the assistant marker so the model answers. A longer conversation's rendering starts
-    with a shorter one's up to that one's final marker, which is what makes turns reuse prefixes."""
+    """A conversation as plain text with role markers, ending with the assistant marker; a longer
+    conversation's rendering extends a shorter one's (turns reuse prefixes)."""
     return "".join(ROLE_MARK[m["role"]] + m["content"] for m in messages) + ROLE_MARK["assistant"]
 
 
@@ -90,8 +82,7 @@ def make_request(messages: list[dict[str, str]], output_len: int, source: WordSo
 
 
 def poisson_offsets(num: int, request_rate: float, rng: np.random.Generator) -> list[float]:
-    """Arrival offsets (s) of a Poisson process: cumulative exponential gaps of mean 1/rate, the
-    first gap included, as SGLang draws them; rate inf -> all at 0."""
+    """Poisson arrival offsets (s), first gap included, as SGLang draws them; rate inf -> all at 0."""
     if num == 0:
         return []
     if math.isinf(request_rate):
@@ -107,9 +98,8 @@ def schedule(workload: Workload, request_rate: float, seed: int) -> list[float]:
 
 
 def reuse_ratio(prompts: Sequence[Sequence[int]], page_size: int = 1) -> float:
-    """Ideal prefix hit rate of prompts sent in this order to a cache that never evicts:
-    sum over prompts of the longest prefix shared with any earlier prompt (page-aligned down, and
-    at most len - 1 so one token is always computed) / sum of lengths."""
+    """Ideal hit rate with no eviction: sum of each prompt's longest earlier-shared prefix (page-aligned
+    down, at most len - 1) / sum of lengths."""
     root: dict[int, dict] = {}
     hit = total = 0
     for ids in prompts:
@@ -126,8 +116,6 @@ def reuse_ratio(prompts: Sequence[Sequence[int]], page_size: int = 1) -> float:
 
 
 def range_lengths(rng: random.Random, length: int, range_ratio: float, num: int) -> list[int]:
-    """SGLang's --random-range-ratio meaning: uniform integers in [max(int(L*r), 1), L]
-    (r = 0: uniform in [1, L], mean ~L/2; r = 1: always L). vLLM's flag of the same name
-    means [L(1-r), L(1+r)] instead."""
+    """SGLang's --random-range-ratio: uniform in [max(int(L*r), 1), L] (vLLM's: [L(1-r), L(1+r)])."""
     low = max(int(length * range_ratio), 1)
     return [rng.randint(low, max(low, length)) for _ in range(num)]
