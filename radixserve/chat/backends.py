@@ -9,18 +9,16 @@ from typing import Protocol
 import httpx
 
 CONNECT_TIMEOUT_S = 5.0
-READ_TIMEOUT_S = 300.0   # between two chunks of a stream: a long prefill on a busy CPU server
+READ_TIMEOUT_S = 300.0   # between two chunks of a stream (a long prefill)
 
 
 class ChatError(Exception):
-    """A turn (or the start) failed in a way the user should read as one line: the server is
-    unreachable, answered an error, or the request was invalid for the local engine."""
+    """A failed turn or start, shown to the user as one line."""
 
 
 @dataclass(frozen=True)
 class Turn:
-    """What one reply is generated with: the whole conversation so far (OpenAI message dicts,
-    system prompt first when there is one) and the sampling settings."""
+    """The conversation so far (OpenAI message dicts) and the sampling settings of one reply."""
 
     messages: list[dict]
     temperature: float
@@ -28,8 +26,7 @@ class Turn:
 
 
 class ChatBackend(Protocol):
-    """One source of replies. `stream(turn)` yields the reply's text deltas; closing the iterator
-    early (Ctrl-C) must stop the generation. Raises ChatError for a failed turn."""
+    """`stream(turn)` yields text deltas; closing it early stops the generation; ChatError on failure."""
 
     def stream(self, turn: Turn) -> Iterator[str]: ...
 
@@ -37,9 +34,7 @@ class ChatBackend(Protocol):
 
 
 class HttpBackend:
-    """Streams from `url`'s /v1/chat/completions (a worker or a router). `model` None: the first
-    id /v1/models lists, read once at start. Raises ChatError (one line, the URL in it) when the
-    server cannot be reached or answers an error. `transport` replaces the network (tests)."""
+    """Streams from `url`'s /v1/chat/completions; `model` None: the first of /v1/models. ChatError."""
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
                  transport: httpx.BaseTransport | None = None):
@@ -62,7 +57,7 @@ class HttpBackend:
                 "temperature": turn.temperature, "max_tokens": turn.max_tokens}
         request = self.http.build_request("POST", "/v1/chat/completions", json=body)
         response = self._send(lambda: self.http.send(request, stream=True))
-        try:   # closing the response (Ctrl-C, break) drops the connection: the server aborts
+        try:   # closing the response drops the connection: the server aborts
             if response.status_code != 200:
                 response.read()
                 self._check(response)
@@ -107,9 +102,7 @@ class HttpBackend:
 
 
 class LocalBackend:
-    """Generates in this process through the offline API (`LLM.stream_chat`); `model_path` None
-    is the embedded default model. Loading takes seconds to minutes; ModelPathError (a
-    FileNotFoundError) for a bad path."""
+    """Generates in-process (`LLM.stream_chat`); `model_path` None: the default model. ModelPathError."""
 
     def __init__(self, model_path: str | None = None):
         from radixserve.llm import LLM
@@ -123,11 +116,11 @@ class LocalBackend:
         params = SamplingParams(temperature=turn.temperature, max_tokens=turn.max_tokens)
         try:
             yield from self.llm.stream_chat(turn.messages, params)
-        except RadixServeError as exc:   # context length exceeded, a bad setting
+        except RadixServeError as exc:
             raise ChatError(str(exc)) from None
 
     def close(self) -> None:
-        """Nothing to release: the engine goes with the process."""
+        """Nothing to release."""
 
 
 def _message(body: object) -> str:

@@ -1,11 +1,7 @@
 """`radixserve chat`: a terminal chat that streams replies from a server (--url) or a model in this process.
 
-Each line read is one user turn; the whole conversation goes with every turn. Replies go to
-stdout as they stream; notices and errors go to stderr, so piped output is the replies alone.
-
-    /reset   forget the conversation (the --system prompt stays)
-    /exit    leave (so do Ctrl-D and Ctrl-C at the prompt); Ctrl-C during a reply stops it
-"""
+Each line is a user turn; replies stream to stdout, notices and errors to stderr. `/reset` forgets
+the conversation (not --system), `/exit` (or Ctrl-D) leaves; Ctrl-C during a reply stops it."""
 from __future__ import annotations
 
 import argparse
@@ -46,11 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class ChatSession:
-    """The conversation and the read-reply loop over one backend.
-
-    `run(lines)` reads user turns from `lines` until it ends or /exit; returns the exit code,
-    1 when any turn failed (its error printed in one line) else 0. A failed or stopped turn
-    leaves the history as it was before it, so the next turn does not see half a reply."""
+    """The conversation and read-reply loop over one backend; a failed or stopped turn leaves the
+    history unchanged."""
 
     def __init__(self, backend: ChatBackend, system: str | None, temperature: float,
                  max_tokens: int, out: TextIO, err: TextIO):
@@ -60,11 +53,11 @@ class ChatSession:
         self.failed = False
 
     def run(self, read_line: Callable[[], str]) -> int:
-        """`read_line` returns the next line (without its newline) and raises EOFError at the end."""
+        """Turns from `read_line` (EOFError at the end) until /exit; 1 when any turn failed, else 0."""
         while True:
             try:
                 line = read_line().strip()
-            except (EOFError, KeyboardInterrupt):   # Ctrl-D, the end of piped input, Ctrl-C
+            except (EOFError, KeyboardInterrupt):
                 return int(self.failed)
             if not line:
                 continue
@@ -75,7 +68,6 @@ class ChatSession:
             self.reply(line)
 
     def command(self, line: str) -> bool:
-        """Carry out a /command; False means leave."""
         name = line.split()[0]
         if name in ("/exit", "/quit"):
             return False
@@ -87,7 +79,6 @@ class ChatSession:
         return True
 
     def messages(self, user_text: str) -> list[dict]:
-        """What the next turn sends: system prompt, history, the new user message."""
         system = [{"role": "system", "content": self.system}] if self.system else []
         return [*system, *self.history, {"role": "user", "content": user_text}]
 
@@ -102,7 +93,7 @@ class ChatSession:
                 self.out.write(text)
                 self.out.flush()
         except KeyboardInterrupt:
-            stream.close()   # stops the generation (server: the dropped connection aborts it)
+            stream.close()   # stops the generation
             self.out.write("\n")
             self.err.write("(reply stopped; this turn is not kept)\n")
             return
@@ -119,8 +110,7 @@ class ChatSession:
 
 
 def interactive_reader(err: TextIO) -> Callable[[], str]:
-    """input() with a prompt and line editing (readline where the platform has it); Ctrl-D and
-    Ctrl-C end the prompt's line before they leave, so the shell prompt starts on its own."""
+    """input() with a prompt and line editing (readline where available)."""
     try:
         import readline  # noqa: F401  (imported for its side effect on input())
     except ImportError:
@@ -136,7 +126,6 @@ def interactive_reader(err: TextIO) -> Callable[[], str]:
 
 
 def piped_reader(stream: TextIO) -> Callable[[], str]:
-    """One line of `stream` per call, no prompt; EOFError at its end."""
     def read() -> str:
         line = stream.readline()
         if not line:
@@ -146,8 +135,7 @@ def piped_reader(stream: TextIO) -> Callable[[], str]:
 
 
 def open_backend(args: argparse.Namespace) -> ChatBackend:
-    """The backend the flags name; raises ChatError (unreachable server) or ModelPathError (a
-    FileNotFoundError naming what a bad --model-path lacks)."""
+    """The backend the flags name; raises ChatError or ModelPathError (a FileNotFoundError)."""
     if args.url:
         return HttpBackend(args.url, args.api_key, args.model)
     sys.stderr.write(f"loading {args.model_path or 'the embedded default model'} ...\n")
@@ -155,8 +143,7 @@ def open_backend(args: argparse.Namespace) -> ChatBackend:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `radixserve chat`. Returns 0, 1 when the source cannot be opened or a turn
-    failed, 2 for bad flags."""
+    """Returns 0, 1 when the source cannot be opened or a turn failed, 2 for bad flags."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.max_tokens < 1 or args.temperature < 0:
@@ -165,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--api-key and --model go with --url (a local model is --model-path)")
     try:
         backend = open_backend(args)
-    except (ChatError, FileNotFoundError) as exc:   # FileNotFoundError: a bad --model-path
+    except (ChatError, FileNotFoundError) as exc:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return 1
     except KeyboardInterrupt:
