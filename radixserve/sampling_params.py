@@ -10,30 +10,18 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 128                 # choices of one request
 MAX_LOGIT_BIAS = 1024       # logit_bias entries per request
 MAX_JSON_SCHEMA_CHARS = 64 << 10
-# Temperatures below this sample greedily (clamped to 0): the T -> 0 limit of sampling is the
-# argmax, and vLLM draws the same line (_SAMPLING_EPS). Smaller positive values would still be
-# safe in the sampler (it divides max-subtracted logits), but only ties would differ.
+# Temperatures below this are clamped to 0, greedy (vLLM's _SAMPLING_EPS).
 MIN_TEMPERATURE = 1e-5
-# The smallest normal float32: a repetition penalty below it is 0 or subnormal in the float32
-# logits, and dividing by it is a division by zero (or an overflow to inf for every seen token).
+# The smallest normal float32: dividing logits by a smaller penalty overflows.
 MIN_REPETITION_PENALTY = 1.1754943508222875e-38
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-request sampling and stopping settings (OpenAI / vLLM meanings).
-
-    temperature 0 means greedy, and so does any temperature below MIN_TEMPERATURE (1e-5): it
-    is clamped to 0, the limit of sampling as T -> 0. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
-    max_tokens None means "up to the context length". logprobs=k returns the chosen token's
-    logprob plus the k most likely tokens per generated position (k=0: chosen only);
-    prompt_logprobs=k does the same for prompt positions. Logprobs always come from the model's
-    own distribution (log-softmax of the raw logits, before penalties, temperature and
-    top-k/top-p/min-p), so truncation never shortens or zeroes them (field case C18).
-    seed fixes the request's uniform draws whatever else is batched. The logits they are
-    compared against are bit-identical across batches only with --enable-deterministic-inference
-    (docs/runner.md, "Deterministic inference"); without it a draw near a CDF boundary can flip.
-    """
+    """Per-request sampling and stopping settings (OpenAI / vLLM meanings). temperature < MIN_TEMPERATURE
+    is greedy; top_k <= 0, top_p 1, min_p 0 disable filters; max_tokens None: up to the context.
+    logprobs=k: the chosen token's plus the top k, from the raw logits' log-softmax (before penalties
+    and filters). seed fixes the draws; bit-identical logits need --enable-deterministic-inference."""
 
     n: int = 1
     max_tokens: int | None = 16
@@ -54,13 +42,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)   # (token id, bias)
-    json_schema: str | None = None   # structured output: the output must match this JSON schema (text)
-    structural_tag: str | None = None   # ... or this xgrammar structural tag (JSON text; native tool calls)
-    json_schema_param: str = "response_format"   # the request field the grammar came from (named in errors)
-    guard_confidence: bool = False   # set by the server, not the API: report each token's top_logprob (confidence detector)
+    json_schema: str | None = None   # the output must match this JSON schema (text)
+    structural_tag: str | None = None   # ... or this xgrammar structural tag (JSON text)
+    json_schema_param: str = "response_format"   # the request field named in errors
+    guard_confidence: bool = False   # server-set: the confidence detector reads top_logprob
 
     def __post_init__(self) -> None:
-        # Accept lists from callers; store tuples so the object stays hashable and immutable.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
@@ -73,15 +60,12 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias or ()))
 
     def check_n(self) -> None:
-        """Raise InvalidRequest unless n is an integer in [1, MAX_N]. Called by whoever fans a
-        request out into n engine requests of n=1 (RequestTracker), before it does."""
+        """Raise InvalidRequest unless n is an integer in [1, MAX_N]; checked where choices fan out."""
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise InvalidRequest(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", param="n")
 
     @property
     def wants_logprobs(self) -> bool:
-        """Whether the sampler's logprobs are read: the client asked for them, or the output-
-        anomaly guard's confidence detector watches the request (`guard_confidence`)."""
         return self.logprobs is not None or self.guard_confidence
 
     @property
@@ -95,8 +79,7 @@ class SamplingParams:
 
     @property
     def grammar(self) -> tuple[str, str] | None:
-        """The grammar the output must match, as (kind, text): ("json_schema", schema) or
-        ("structural_tag", tag); None when the output is free (runner/structured.py)."""
+        """("json_schema" | "structural_tag", text) the output must match; None when free."""
         if self.json_schema is not None:
             return "json_schema", self.json_schema
         if self.structural_tag is not None:
@@ -104,8 +87,7 @@ class SamplingParams:
         return None
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Check every field's range but n (checked where choices fan out: check_n). Raises
-        InvalidRequest naming the offending field. Engine.add_request is its one caller."""
+        """Check every field's range but n (check_n); raises InvalidRequest naming the field."""
         def bad(param: str, why: str) -> InvalidRequest:
             return InvalidRequest(f"{param} {why}", param=param)
 
