@@ -134,7 +134,6 @@ class Observer:
 
     async def collect(self, probe_urls: set[str] | None = None,
                       probe_timeout_s: float = 30.0, probe_max_tokens: int = 16) -> FleetSnapshot:
-        """One sweep over every listed worker, plus recovery probes of `probe_urls`."""
         try:
             entries = router_entries(await self.admin.list_workers())
             policy = await self.admin.get_policy()

@@ -329,7 +329,6 @@ def gpu_unhealthy(gpus: list[dict] | None) -> list[Finding]:
 
 def evaluate(fleet: dict[str, History], cfg: RuleConfig,
              gpus: list[dict] | None = None) -> list[Finding]:
-    """Every rule over every worker's history, then the fleet-level rules."""
     findings: list[Finding] = []
     for url, hist in fleet.items():
         if not hist:

@@ -21,7 +21,6 @@ class ArgumentsWriter:
         self.closed = False
 
     def add(self, key: str, value: Any) -> str:
-        """A whole argument (value: any JSON-able, finite)."""
         return self._key(key) + dumps(value)
 
     def open_string(self, key: str) -> str:

@@ -27,8 +27,7 @@ def new_call_id() -> str:
 
 
 class ChatOutputParser:
-    """One choice's output. `tool_parser`: a TOOL_CALL_PARSERS name (needs `tools`) or None;
-    `starts_in_reasoning`: the prompt opened a `<think>` block."""
+    """`tool_parser`: a TOOL_CALL_PARSERS name (needs `tools`) or None."""
 
     def __init__(self, tool_parser: str | None = None, tools: Mapping[str, ToolSpec] | None = None,
                  reasoning: bool = False, starts_in_reasoning: bool = False):
@@ -42,7 +41,6 @@ class ChatOutputParser:
         return self._tools.num_calls if self._tools is not None else 0
 
     def feed(self, text: str) -> list[Event]:
-        """Events the next text delta makes final (possibly none)."""
         if not text:
             return []
         events = self._reasoning.feed(text) if self._reasoning is not None else [Content(text)]

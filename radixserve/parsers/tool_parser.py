@@ -1,13 +1,10 @@
 """ToolCallParser: the incremental base every tool-call format shares (content outside calls, call bookkeeping, failure rules).
 
-Decisions depend only on the text so far, so the joined events are the same at any chunking.
-
     text:   ... content ... <marker> call ... </end> ... content ... <marker> call ...
     state:  TEXT            CALL (uncommitted -> committed)         TEXT
 
-An uncommitted call sends nothing, and a malformed one goes out as content, marker included. A
-committed call (CallStart sent) is never taken back: if its rest breaks, the arguments close where
-the good part ends and the rest is text. Whitespace only separating content from a call is dropped."""
+An uncommitted call sends nothing (malformed: out as content); a committed one (CallStart sent) is never
+taken back. Whitespace only between content and a call is dropped; chunking never changes the result."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -40,7 +37,6 @@ class ToolCallParser:
         return self._take()
 
     def finish(self) -> list[Event]:
-        """The reply ended: settle what was held (an open call is closed)."""
         self._run(final=True)
         assert not self._in_call and not self._buf, "a format left text at the end"
         held = self._text.flush()

@@ -147,7 +147,6 @@ class StopStringMatcher:
         return out
 
     def _held_len(self, buf: str) -> int:
-        """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
         if not buf:
             return 0
         last, best = buf[-1], 0

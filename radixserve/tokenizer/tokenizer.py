@@ -122,7 +122,7 @@ class Tokenizer:
                                               tokenize=tokenize, return_dict=False, **extra)
         except InvalidRequest:
             raise
-        except Exception as exc:  # jinja TemplateError, a template's raise_exception(), TypeError, ...
+        except Exception as exc:
             raise InvalidRequest(f"messages could not be rendered by the chat template: {exc}",
                                  param="messages") from exc
         return list(out) if tokenize else out
@@ -214,7 +214,7 @@ def _gguf_tokenizer_meta(path: str) -> dict:
     keys = [*id_keys, "tokenizer.chat_template"]
     try:
         values = read_scalars(path, keys)
-    except ValueError:   # big-endian or v1 files: gguf's full reader
+    except ValueError:
         from gguf import GGUFReader
         fields = GGUFReader(path).fields
         values = {k: fields[k].contents() for k in keys if k in fields}
