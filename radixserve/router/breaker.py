@@ -1,4 +1,4 @@
-"""Per-worker circuit breaker: closed -> open -> half_open -> closed (SGLang router, §1.4)."""
+"""Per-worker circuit breaker: closed -> open -> half_open -> closed (SGLang router)."""
 from __future__ import annotations
 
 import logging
@@ -12,28 +12,14 @@ OUTCOMES = ("success", "failure", "neutral")
 
 
 class CircuitBreaker:
-    """Consecutive-failure circuit breaker (SGLang `core/circuit_breaker.rs`).
+    """Consecutive-failure breaker (SGLang `core/circuit_breaker.rs`); times in clock seconds.
 
-        closed --failure_threshold consecutive failures--> open
-        open   --timeout_s elapsed--> half_open (one probe request at a time)
-        half_open --success_threshold consecutive successes--> closed
-        half_open --any failure--> open (timer restarts)
+        closed --failure_threshold failures--> open --timeout_s--> half_open
+        half_open --success_threshold successes--> closed;  --a failure--> open
 
-    A success resets the consecutive-failure count; "neutral" (backpressure, client gone)
-    changes no count but frees the half-open probe slot. Outcomes recorded while open are
-    late answers to requests sent before it opened and are ignored. `disabled` keeps it
-    closed forever. `on_transition(from_state, to_state)` is called on every change (metrics);
-    `name` (the worker URL) only labels log lines.
-
-    Probe accounting: `can_execute()` only asks; `begin()` (called at dispatch, see
-    WorkerRegistry.dispatch) claims the half-open probe slot and returns a token;
-    `record()` frees the slot, and `end(token)` frees it if that probe never recorded
-    (error, cancellation) and nobody has claimed a newer one. A probe out for timeout_s
-    without an answer (a hung stream) no longer holds the slot, so a breaker is never stuck
-    half-open behind one request (SGLang #31206: a half-open breaker that never closed).
-
-    Raises ValueError on thresholds < 1 or a negative timeout.
-    """
+    "neutral" changes no count; outcomes recorded while open are ignored. Half_open admits one
+    probe: begin() claims it, record() or end(token) frees it, and it lapses after timeout_s.
+    Raises ValueError on thresholds < 1 or a negative timeout."""
 
     def __init__(self, failure_threshold: int, success_threshold: int, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic, disabled: bool = False,
@@ -48,38 +34,32 @@ class CircuitBreaker:
         self.timeout_s = timeout_s
         self.disabled = disabled
         self.on_transition = on_transition
-        self.name = name  # for logs (the worker URL)
+        self.name = name
         self._clock = clock
         self._state = CLOSED
-        self._failures = 0  # consecutive, while closed
-        self._successes = 0  # consecutive, while half-open
+        self._failures = 0
+        self._successes = 0
         self._opened_at = 0.0
-        self._probe: int | None = None  # token of the half-open probe in flight
-        self._probe_at = 0.0  # clock seconds when it was sent
+        self._probe: int | None = None
+        self._probe_at = 0.0
         self._next_token = 0
         self.num_transitions = 0
 
     @property
     def state(self) -> str:
-        """"closed", "open" or "half_open" (open turns half_open once timeout_s has passed)."""
         if self._state == OPEN and self._clock() - self._opened_at >= self.timeout_s:
             self._move(HALF_OPEN)
         return self._state
 
     @property
     def consecutive_failures(self) -> int:
-        """Consecutive failures counted while closed."""
         return self._failures
 
     def can_execute(self) -> bool:
-        """True if a request may be sent now: closed, or half_open with no probe in flight
-        (or only one older than timeout_s). Claims nothing (see begin())."""
         state = self.state
         return state == CLOSED or (state == HALF_OPEN and not self._probe_pending())
 
     def begin(self) -> int | None:
-        """Called at dispatch. In half_open, claims the probe slot and returns its token
-        (pass it to end()); otherwise returns None."""
         if self.state != HALF_OPEN:
             return None
         self._next_token += 1
@@ -87,13 +67,11 @@ class CircuitBreaker:
         return self._probe
 
     def end(self, token: int | None) -> None:
-        """Called when a dispatch finishes: frees the probe slot if `token` still holds it."""
         if token is not None and self._probe == token:
             self._probe = None
 
     def record(self, outcome: str) -> None:
-        """Record one request's outcome: "success", "failure" or "neutral".
-        Raises ValueError on any other value."""
+        """Raises ValueError unless `outcome` is "success", "failure" or "neutral"."""
         if outcome not in OUTCOMES:
             raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
         if self.disabled:
@@ -119,12 +97,10 @@ class CircuitBreaker:
         return self._probe is not None and self._clock() - self._probe_at < self.timeout_s
 
     def force_open(self) -> None:
-        """Open now (manual isolation); the usual timeout then leads to half_open."""
         if not self.disabled:
             self._open()
 
     def reset(self) -> None:
-        """Close now and clear all counts."""
         self._move(CLOSED)
 
     def _open(self) -> None:

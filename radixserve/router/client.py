@@ -9,8 +9,7 @@ from radixserve.http_common import fresh_client, poller_limits, send_resending_o
 
 
 class RouterAdminError(Exception):
-    """The router answered an admin call with an error status. `status` is the HTTP status,
-    `body` the decoded OpenAI error body (or {"raw": text} when it is not JSON)."""
+    """An admin call's error `status`; `body` is the error body ({"raw": text} if not JSON)."""
 
     def __init__(self, status: int, body: dict):
         message = body.get("error", {}).get("message") if isinstance(body, dict) else None
@@ -38,55 +37,43 @@ def _same(body: Any) -> Any:
 
 
 class _AdminCalls:
-    """The admin calls, written once; `_call` is sync in RouterAdminClient and async in
-    AsyncRouterAdminClient (then every method returns an awaitable)."""
+    """The admin calls; `_call` is sync or async (then each returns an awaitable)."""
 
     def _call(self, method: str, path: str, body: dict | None,
               transform: Callable[[Any], Any]) -> Any:
         raise NotImplementedError
 
     def list_workers(self) -> Any:
-        """Every worker's state (url, healthy, draining, weight, in_flight, load, breaker,
-        reported, hit_estimate, num_requests, num_failures): a list of dicts."""
         return self._call("GET", "/admin/workers", None, _workers)
 
     def get_policy(self) -> Any:
-        """{"policy", "cache_threshold", "balance_abs_threshold", "balance_rel_threshold"}."""
         return self._call("GET", "/admin/policy", None, _same)
 
     def add_worker(self, url: str, weight: float | None = None) -> Any:
-        """Register a worker; it gets traffic once its health checks pass."""
         body: dict[str, Any] = {"url": url}
         if weight is not None:
             body["weight"] = weight
         return self._call("POST", "/admin/add_worker", body, _same)
 
     def remove_worker(self, url: str) -> Any:
-        """Deregister a worker (in-flight requests still finish)."""
         return self._call("POST", "/admin/remove_worker", {"url": url}, _same)
 
     def drain(self, url: str) -> Any:
-        """Send the worker no new requests; in-flight ones finish."""
         return self._call("POST", "/admin/drain", {"url": url}, _same)
 
     def undrain(self, url: str) -> Any:
-        """Let a drained worker take requests again."""
         return self._call("POST", "/admin/undrain", {"url": url}, _same)
 
     def set_weight(self, url: str, weight: float) -> Any:
-        """Routing weight (load is divided by it; 0 takes the worker out of routing)."""
+        """Load is divided by `weight`; 0 takes the worker out of routing."""
         return self._call("POST", "/admin/set_weight", {"url": url, "weight": weight}, _same)
 
     def set_policy_params(self, **params: float) -> Any:
-        """Change cache_threshold / balance_abs_threshold / balance_rel_threshold; returns the
-        values in force."""
         return self._call("POST", "/admin/set_policy_params", params, _same)
 
 
 class RouterAdminClient(_AdminCalls):
-    """Blocking client. `base_url` is the router's (http://host:port); `api_key` its admin
-    key; `timeout_s` applies to each call. Errors: RouterAdminError for an error status,
-    httpx.TransportError when the router cannot be reached."""
+    """Raises RouterAdminError on an error status, httpx.TransportError if unreachable."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 10.0):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -107,9 +94,7 @@ class RouterAdminClient(_AdminCalls):
 
 
 class AsyncRouterAdminClient(_AdminCalls):
-    """The same calls for asyncio (the ops agent polls with them): every method returns an
-    awaitable. A GET that fails on a dead pooled connection is sent once more
-    (http_common.send_resending_once); changes are sent once."""
+    """A GET that fails on a dead pooled connection is sent once more; changes once."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 10.0):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

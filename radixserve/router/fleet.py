@@ -23,8 +23,7 @@ from radixserve.router.config import RouterConfig
 
 logger = logging.getLogger("radixserve.fleet")
 
-#: A stopped worker is SIGKILLed this long (s) after its --graceful-shutdown-timeout: time for
-#: its cut-off answers (drain.FLUSH_S) and its engine process to stop.
+#: A stopped worker is SIGKILLed this long (s) after its --graceful-shutdown-timeout.
 STOP_MARGIN_S = 10.0
 PR_SET_PDEATHSIG = 1
 
@@ -35,7 +34,6 @@ class Stop(Exception):
 
 @dataclass
 class WorkerProc:
-    """One worker subprocess, leader of its own process group (its engine is in it too)."""
 
     url: str
     argv: list[str]
@@ -48,7 +46,6 @@ class WorkerProc:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Fleet flags and the router's; anything else is passed to every worker."""
     parser = argparse.ArgumentParser(
         prog="radixserve fleet", allow_abbrev=False,
         description="Start N `radixserve serve` workers and a router in front of them; flags "
@@ -80,14 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _die_with_parent() -> None:
-    """Child-side (preexec): own process group, and SIGTERM if the fleet process dies
-    (Linux prctl PR_SET_PDEATHSIG), so a killed fleet leaves no orphans."""
+    """preexec: SIGTERM the child when the fleet dies (Linux PR_SET_PDEATHSIG)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def spawn_worker(argv: list[str], url: str, log_path: str) -> WorkerProc:
-    """Start one worker with `argv`; stdout and stderr go to `log_path`."""
     log = open(log_path, "ab")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=_die_with_parent)
@@ -96,12 +91,11 @@ def spawn_worker(argv: list[str], url: str, log_path: str) -> WorkerProc:
 
 def worker_commands(args: argparse.Namespace, config: RouterConfig,
                     worker_args: list[str]) -> list[tuple[str, list[str]]]:
-    """(URL, command line) of each worker: `radixserve serve` with `worker_args`, worker i on
-    --worker-base-port + i, by default the router's port + 1 + i, with the router's log level
-    and --graceful-shutdown-timeout. Raises ValueError when a port would pass 65535."""
+    """(URL, argv) of each worker, on ports from --worker-base-port (default --port + 1).
+    Raises ValueError when a port would pass 65535."""
     roles = worker_roles(args)
     base = config.port + 1 if args.worker_base_port is None else args.worker_base_port
-    last = base + len(roles) - 1 + roles.count("prefill")   # prefill bootstrap ports follow
+    last = base + len(roles) - 1 + roles.count("prefill")
     if last > 65535:
         raise ValueError(f"worker ports {base}..{last} pass 65535; "
                          f"choose a lower --port or --worker-base-port")
@@ -122,8 +116,8 @@ def worker_commands(args: argparse.Namespace, config: RouterConfig,
 
 
 def worker_roles(args: argparse.Namespace) -> list[str]:
-    """Each worker's --disaggregation-mode, in start order. Raises ValueError unless exactly
-    one of --num-workers (>= 1) and --num-prefill / --num-decode (both >= 1) is given."""
+    """Raises ValueError unless exactly one of --num-workers, --num-prefill + --num-decode is
+    given, each >= 1."""
     pd = args.num_prefill or args.num_decode
     if pd and args.num_workers is not None:
         raise ValueError("give --num-workers, or --num-prefill and --num-decode, not both")
@@ -137,9 +131,7 @@ def worker_roles(args: argparse.Namespace) -> list[str]:
 
 
 def check_ports(config: RouterConfig, worker_host: str, worker_urls: list[str]) -> None:
-    """Bind (and release) the router's port and every worker's now, before minutes of worker
-    start-up. Raises PortUnavailable (a RuntimeError) for the first that is taken, saying
-    which flag moves it."""
+    """Raises PortUnavailable (a RuntimeError) for the first of the fleet's ports taken."""
     try:
         bind_socket(config.host, config.port).close()
     except PortUnavailable as exc:
@@ -153,8 +145,7 @@ def check_ports(config: RouterConfig, worker_host: str, worker_urls: list[str]) 
 
 
 def wait_healthy(workers: list[WorkerProc], timeout_s: float) -> None:
-    """Block until every worker's GET /health is 200, logging each as it comes up. Raises
-    RuntimeError if one exits or the timeout passes."""
+    """Raises RuntimeError if a worker exits or is not healthy within timeout_s."""
     deadline = time.monotonic() + timeout_s
     pending = list(workers)
     while pending:
@@ -168,7 +159,7 @@ def wait_healthy(workers: list[WorkerProc], timeout_s: float) -> None:
                     logger.info("fleet: worker %s is up (%d of %d)", w.url,
                                 len(workers) - len(pending), len(workers))
             except httpx.TransportError:
-                pass  # not listening yet
+                pass
         if pending and time.monotonic() > deadline:
             raise RuntimeError(f"workers not healthy after {timeout_s} s: "
                                f"{[w.url for w in pending]}")
@@ -177,9 +168,7 @@ def wait_healthy(workers: list[WorkerProc], timeout_s: float) -> None:
 
 
 def stop_workers(workers: list[WorkerProc], grace_s: float) -> None:
-    """SIGTERM every worker's process group: each drains (finishes its requests in flight for
-    up to `grace_s`, its --graceful-shutdown-timeout) and exits. Waits up to grace_s +
-    STOP_MARGIN_S, then SIGKILLs what is left."""
+    """SIGTERM every worker's group; SIGKILL what is left after grace_s + STOP_MARGIN_S."""
     if workers:
         logger.info("fleet: stopping %d worker(s): SIGTERM, requests in flight get up to %g s "
                     "(--graceful-shutdown-timeout), SIGKILL after %g s", len(workers), grace_s,
@@ -193,16 +182,14 @@ def stop_workers(workers: list[WorkerProc], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             logger.warning("worker %s still running %g s after SIGTERM; killing it", w.url,
                            grace_s + STOP_MARGIN_S)
-        _kill_group(w.proc.pid, signal.SIGKILL)  # also reaps an engine left behind by its server
+        _kill_group(w.proc.pid, signal.SIGKILL)
         w.proc.wait()
         w.log.close()
 
 
 def stop_adopted(manifest_path: str | None, workers: list[WorkerProc], grace_s: float) -> None:
-    """Stop workers the manifest lists under a pid this fleet did not start: the ops agent
-    restarts a worker in a new process group and writes its pid to the manifest, so without
-    this a fleet stop would leave it running. SIGTERM to each group (it drains for up to
-    `grace_s`), SIGKILL after grace_s + STOP_MARGIN_S."""
+    """Stop, as stop_workers does, the manifest's workers this fleet did not start (restarted
+    by the ops agent)."""
     if not manifest_path or not os.path.exists(manifest_path):
         return
     ours = {w.proc.pid for w in workers}
@@ -217,11 +204,8 @@ def stop_adopted(manifest_path: str | None, workers: list[WorkerProc], grace_s: 
 
 
 def manifest_pids(manifest_path: str) -> list[int]:
-    """The worker pids a fleet manifest lists ({"workers": [{"pid": int, ...}, ...]}). A
-    manifest that cannot be read or is not of that shape gives none; an entry without a pid
-    that can only be a worker's process group is skipped: not an int above 1, or this
-    process's own group (os.killpg of 0, 1 or our group would signal the fleet itself, or
-    init's group). Both are logged."""
+    """The manifest's worker pids; none if it is unreadable. Pids <= 1 and our own group are
+    skipped (killpg would signal init or the fleet)."""
     try:
         with open(manifest_path) as f:
             body = json.load(f)
@@ -250,22 +234,19 @@ def _kill_group(pid: int, sig: int) -> None:
 
 
 def _group_alive(pid: int) -> bool:
-    """Whether process group `pid` has a member that is not a zombie. A zombie leader (an
-    exited worker its parent, e.g. the agent, has not reaped yet) makes os.killpg(pid, 0)
-    succeed, so /proc is read instead."""
+    """Whether group `pid` has a non-zombie member (killpg(pid, 0) succeeds on a zombie)."""
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
             with open(stat) as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
-            continue  # the process ended while we looked
+            continue
         if int(fields[2]) == pid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
             return True
     return False
 
 
 def write_manifest(path: str, router_url: str, workers: list[WorkerProc]) -> None:
-    """Write the manifest atomically (a reader never sees half a file)."""
     body = {"router_url": router_url, "workers": [w.to_json() for w in workers]}
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -274,8 +255,7 @@ def write_manifest(path: str, router_url: str, workers: list[WorkerProc]) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `radixserve fleet`. Returns 0 after a clean stop, 1 if start-up
-    failed, 2 on bad flags."""
+    """`radixserve fleet`: 0 after a clean stop, 1 if start-up failed, 2 on bad flags."""
     from radixserve.router.cli import run
 
     parser = build_parser()

@@ -10,10 +10,8 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "radixserve_router:"
 BREAKER_STATE_VALUES = {"closed": 0, "half_open": 1, "open": 2}
-# stream_migrations_total outcomes, each exported at 0 from the start: a series that first
-# appears at 1 shows no increase() in Prometheus, and no migration yet is 0, not "no data".
+# exported at 0 from the start: a series first seen at 1 shows no increase() in Prometheus
 MIGRATION_OUTCOMES = ("success", "exhausted", "refused", "unsupported")
-# Router overhead is sub-millisecond to tens of milliseconds; the default buckets start at 5 ms.
 ADDED_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                          0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -21,9 +19,7 @@ __all__ = ["CONTENT_TYPE", "RouterMetrics", "BREAKER_STATE_VALUES"]
 
 
 class RouterMetrics:
-    """The router's metrics (names from the router contract; the SMG gateway's set is the
-    template, research/routers.md §1.7). One instance per router app, with its own
-    CollectorRegistry, so several routers can live in one process (tests)."""
+    """The SMG gateway's metric set, in a CollectorRegistry per router app."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -68,22 +64,19 @@ class RouterMetrics:
                                  registry=r)
 
     def set_breaker_state(self, worker: str, state: str) -> None:
-        """Record a breaker's current state (state in closed, half_open, open)."""
         self.breaker_state.labels(worker).set(BREAKER_STATE_VALUES.get(state, 0))
 
     def on_transition(self, worker: str, from_state: str, to_state: str) -> None:
-        """Breaker transition hook: counts it and updates the state gauge."""
         self.breaker_transitions.labels(worker, from_state, to_state).inc()
         self.set_breaker_state(worker, to_state)
 
     def forget(self, worker: str) -> None:
-        """Drop the per-worker gauges of a removed worker (counters keep their history)."""
+        """Drop a removed worker's gauges; counters keep their history."""
         for gauge in (self.breaker_state, self.in_flight, self.healthy):
             try:
                 gauge.remove(worker)
-            except KeyError:  # never set for this worker: nothing to drop
+            except KeyError:
                 logger.debug("no %s sample for %s", gauge._name, worker)
 
     def render(self) -> bytes:
-        """Prometheus text exposition of every router metric."""
         return generate_latest(self.registry)

@@ -1,27 +1,4 @@
-"""PD mode of the router (`radixserve route --prefill URL... --decode URL...`): pick a (prefill, decode) pair, send both legs at once with a shared bootstrap room, relay the decode leg; when one leg fails, the other is cancelled, not awaited (field case C28).
-
-    client --POST--> router --leg P (stream off)--> prefill worker --KV + first token--+
-                            --leg D (as asked)----> decode worker <---------------------+
-                            <---------------------- decode's answer (streamed through)
-
-The client's status is decided before any byte is relayed: a non-stream answer is complete
-when it comes; a stream is committed only at the decode leg's first event, which comes after
-the KV landed (or is an error event). Until then a failed leg is retried on another pair by the
-colocated router's rules (outcome.classify: transport errors, 408, 429, 5xx; the router's
-retry budget and jittered backoff): the worker whose leg failed is excluded, the other side may
-be picked again, and every attempt has its own bootstrap room, so a late write of a cancelled
-attempt can never reach the next one's pages. A non-retryable error (the prefill leg's own 4xx:
-context length, bad parameters) is the answer at once; when the budget or the workers run out,
-the last failure's error is (a 502 for a transport failure). Each leg's outcome feeds its
-worker's circuit breaker.
-
-A stream that breaks after content reached the client (the decode worker died, failed or was
-ejected) is continued on another pair, as the colocated router continues it on another worker
-(docs/stream_migration.md): the same request with `resume_token_ids` = the tokens the client
-has, so the new prefill worker computes the prompt and those tokens and samples the next one,
-and the new decode worker goes on from there. The failed decode worker is not picked again;
-continuations count against the same attempt budget.
-"""
+"""PD mode of the router: each request goes to a (prefill, decode) pair, both legs at once with a shared bootstrap room, retried and continued on other pairs (docs/disaggregation.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -49,10 +26,10 @@ UNREACHABLE = (httpx.TransportError, httpx.InvalidURL)
 
 @dataclass
 class LegFailed:
-    """One leg of an attempt failed. `status` None: no answer (transport error); `kind`: the
-    error body's type; `response`: the client's answer if no other pair does better."""
+    """`side`: "prefill" or "decode"; `status` None: transport error; `kind`: the error type;
+    `response`: the client's answer if no other pair does better."""
 
-    side: str   # "prefill" or "decode"
+    side: str
     url: str
     status: int | None
     kind: str | None
@@ -60,16 +37,13 @@ class LegFailed:
 
     @property
     def retry(self) -> bool:
-        """Whether another pair may be tried (outcome.classify's rules)."""
         return classify(self.status, self.status is None, self.kind).retry
 
 
 @dataclass
 class DecodeOpened:
-    """The decode leg's answer so far: its response and `head`, the whole body (not a stream,
-    or not a 200) or the stream's last event read (its first content or an error event);
-    for a stream also the events read (`pending`, role chunks held before `head`) and the
-    iterator the relay goes on reading."""
+    """`head`: the whole body (not a 200 stream) or the stream's first content or error event;
+    `pending`: the events read up to it; `events`: the rest of the stream."""
 
     resp: httpx.Response
     head: bytes
@@ -78,22 +52,19 @@ class DecodeOpened:
 
 
 class PDRouter:
-    """Pairs prefill workers (`prefill`: the RouterState whose registry and cache-aware policy
-    hold them) with decode workers (`decode`: a second RouterState)."""
+    """`prefill` and `decode`: a RouterState each (registry, policy, forwarder)."""
 
     def __init__(self, prefill: Any, decode: Any):
         self.prefill = prefill
         self.decode = decode
         self.http: httpx.AsyncClient = prefill.http
-        self._bootstrap: dict[str, tuple[str, int]] = {}   # prefill url -> (host, port)
-        self._lookups: dict[str, asyncio.Future] = {}      # prefill url -> its lookup in flight
+        self._bootstrap: dict[str, tuple[str, int]] = {}
+        self._lookups: dict[str, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
 
     async def bootstrap_of(self, url: str) -> tuple[str, int]:
-        """The prefill worker's bootstrap (host, port), from its /get_server_info (cached).
-        Concurrent requests share one lookup (a burst of first requests makes one GET, not one
-        each), which a client leaving does not cancel. Raises LookupError when the worker is
-        not a prefill worker or cannot say."""
+        """The prefill worker's bootstrap (host, port), cached; concurrent callers share one
+        lookup. Raises LookupError when it is not a prefill worker or cannot say."""
         cached = self._bootstrap.get(url)
         if cached is not None:
             return cached
@@ -104,17 +75,13 @@ class PDRouter:
         return await asyncio.shield(lookup)
 
     def _lookup_done(self, url: str, lookup: asyncio.Future) -> None:
-        """Forget a finished lookup (its waiters have its result or error; a failure is
-        looked up again by the next request). Reading the error here keeps asyncio from
-        logging it when every waiter had left."""
+        """Reading the error keeps asyncio from logging it when every waiter had left."""
         self._lookups.pop(url, None)
         if not lookup.cancelled():
             lookup.exception()
 
     async def _lookup(self, url: str) -> tuple[str, int]:
-        """One GET /get_server_info of `url` for its bootstrap address. The worker answers it
-        between engine steps, so under load it may take as long as a step: the read is given
-        the silence timeout, as a leg's is (not the connect timeout)."""
+        """Answered between engine steps, so the read gets the silence timeout."""
         config = self.prefill.config
         try:
             r = await self.http.get(url + "/get_server_info", timeout=httpx.Timeout(
@@ -132,8 +99,6 @@ class PDRouter:
 
     async def forward(self, path: str, body: dict, headers: dict[str, bytes], key: Any,
                       stream: bool) -> Response:
-        """One client request over a pair, retried on other pairs, a stream continued on
-        another pair when it breaks (module doc)."""
         tried: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         attempts = Attempts()
         ledger = None
@@ -155,8 +120,7 @@ class PDRouter:
 
     async def _continue(self, path: str, headers: dict[str, bytes], key: Any, ledger: StreamLedger,
                         tried: dict[str, set[str]], attempts: Attempts) -> tuple[Opened | None, str]:
-        """Continue a cut stream on another pair; (the opened continuation or None, the
-        stream_migrations_total outcome)."""
+        """(the continuation opened on another pair or None, the migration outcome)."""
         body = json.loads(ledger.continuation_body())
         result = await self._dispatch(path, body, headers, key, ledger, tried, attempts)
         if isinstance(result, Opened):
@@ -171,9 +135,8 @@ class PDRouter:
     async def _dispatch(self, path: str, body: dict, headers: dict[str, bytes], key: Any,
                         ledger: StreamLedger | None, tried: dict[str, set[str]],
                         attempts: Attempts) -> Response | Opened | LegFailed | None:
-        """Attempts on pairs of untried workers within the budget: the client's answer (a
-        non-retryable failure's error included), an Opened stream, the last retryable
-        LegFailed when the budget or the workers ran out, or None when no pair was tried."""
+        """Attempts on untried pairs: an answer, an Opened stream, the last LegFailed when the
+        budget or the workers ran out, or None when no pair was tried."""
         forwarder = self.prefill.forwarder
         last: LegFailed | None = None
         while attempts.made < forwarder.max_attempts:
@@ -189,7 +152,7 @@ class PDRouter:
             d = self.decode.policy.select(key, d_all).worker
             answer = await self._attempt(path, body, headers, ledger, p, d)
             if isinstance(answer, Opened):
-                tried["decode"].add(d.url)   # a continuation goes to another decode worker
+                tried["decode"].add(d.url)
                 return answer
             if not isinstance(answer, LegFailed):
                 return answer
@@ -203,9 +166,8 @@ class PDRouter:
 
     async def _attempt(self, path: str, body: dict, headers: dict[str, bytes],
                        ledger: StreamLedger | None, p: Any, d: Any) -> Response | Opened | LegFailed:
-        """Both legs over the pair (p, d) with a fresh bootstrap room: the client's answer (a
-        stream: Opened, which then owns the decode lease), or the failed leg (the other
-        cancelled). Records each leg's outcome on its breaker."""
+        """Both legs with a fresh bootstrap room: an answer, an Opened stream (it owns the
+        decode lease) or the failed leg, the other cancelled."""
         try:
             host, port = await self.bootstrap_of(p.url)
         except LookupError as exc:
@@ -225,7 +187,7 @@ class PDRouter:
         p_leg.add_done_callback(lambda _: self.prefill.registry.release(p.url))
         try:
             answer = await self._race(p_leg, d_leg, p.url, d.url)
-        except BaseException:   # the client left: neither leg is awaited
+        except BaseException:
             p_leg.cancel()
             d_leg.cancel()
             lease.release()
@@ -238,8 +200,8 @@ class PDRouter:
             state.forwarder.record(worker, answer.status, answer.status is None, answer.kind)
             return answer
         self.prefill.forwarder.record(p, 200, False)
-        self._keep(p_leg)   # a succeeded decode means the prefill is done or about to be
-        if answer.events is not None:   # the relay records the decode leg's outcome at its end
+        self._keep(p_leg)
+        if answer.events is not None:   # the relay records the decode outcome at its end
             return Opened(lease, answer.resp, answer.events, answer.pending)
         self.decode.forwarder.record(d, answer.resp.status_code, False)
         lease.release()
@@ -248,9 +210,7 @@ class PDRouter:
 
     async def _open_decode(self, url: str, body: dict, headers: dict[str, bytes], lease: Lease,
                            ledger: StreamLedger | None) -> DecodeOpened:
-        """Send the decode leg. Not a stream, or not a 200: read the whole body. A stream:
-        read its events through the lease's StreamWatch (cut when the worker is ejected) up
-        to the first that is not a held role chunk."""
+        """Reads a stream through the lease's StreamWatch up to its first unheld event."""
         req = self.http.build_request("POST", url, json=body, headers=headers)
         resp = await self.http.send(req, stream=True)
         try:
@@ -270,9 +230,7 @@ class PDRouter:
             raise
 
     async def _race(self, p_leg: asyncio.Task, d_leg: asyncio.Task, p_url: str, d_url: str):
-        """Wait for the decode leg's answer (a stream: its first content event) while watching
-        the prefill leg. Returns the LegFailed of a failed leg (the other leg cancelled) or the
-        decode leg's DecodeOpened."""
+        """The decode leg's DecodeOpened, or a failed leg's LegFailed (the other cancelled)."""
         pending = {p_leg, d_leg}
         while True:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -294,7 +252,6 @@ class PDRouter:
         task.add_done_callback(self._background.discard)
 
     def _close_later(self, d_leg: asyncio.Task) -> None:
-        """A cancelled decode leg may have opened its response just before: close it."""
         def close(task: asyncio.Task) -> None:
             if not task.cancelled() and task.exception() is None:
                 self._keep(asyncio.ensure_future(task.result().resp.aclose()))
@@ -302,9 +259,8 @@ class PDRouter:
 
 
 def _leg_failure(leg: asyncio.Task, url: str, side: str) -> LegFailed | None:
-    """How `leg` failed (its error as the client would get it), or None when it did not."""
     exc = leg.exception()
-    if isinstance(exc, (*UNREACHABLE, Ejected)):   # an ejection counts as a transport error
+    if isinstance(exc, (*UNREACHABLE, Ejected)):
         logger.warning("PD %s leg to %s failed: %r", side, url, exc)
         return LegFailed(side, url, None, None, _error(
             502, f"the {side} worker {url} failed: {type(exc).__name__}", "upstream_error"))
@@ -313,7 +269,7 @@ def _leg_failure(leg: asyncio.Task, url: str, side: str) -> LegFailed | None:
     result = leg.result()
     resp, body = (result, result.content) if side == "prefill" else (result.resp, result.head)
     if resp.status_code < 400:
-        if side == "decode" and body.startswith(b'data: {"error"'):   # failed before any token
+        if side == "decode" and body.startswith(b'data: {"error"'):
             error = error_of(body) or {"message": f"the decode worker {url} sent a malformed error "
                                                   "event", "type": "upstream_error", "code": 502}
             status = event_status(error)

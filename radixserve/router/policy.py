@@ -15,33 +15,24 @@ REASONS = ("prefix_hit", "load_fallback", "imbalance", "round_robin", "random",
            "power_of_two", "session")
 PARAMS = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
 VIRTUAL_NODES = 160  # points per worker on the session hash ring (ketama's count)
-# Loads this close to the minimum (requests) count as tied: the smoothed external load decays
-# towards 0 but never reaches it, and a residue of 0.01 must not send every idle request to
-# the same worker (production-stack picks among workers "within +1 of the minimum").
+# loads (requests) this close to the minimum tie (production-stack: "within +1 of the minimum")
 LOAD_TIE = 0.5
 
 
 class RouteKey(NamedTuple):
-    """What a request is routed by: its prompt (token ids, or text without a tokenizer) and
-    its session key (header or `user` field), if any."""
+    """The prompt (token ids, or text without a tokenizer) and the session key, if any."""
 
     key: str | list[int]
     session: str | None = None
 
 
 class Decision(NamedTuple):
-    """The chosen worker and why (one of REASONS; the routing_decisions_total label)."""
 
     worker: WorkerState
     reason: str
 
 
 class Policy:
-    """Base policy: picks one of the routable `candidates` for a request.
-
-    Holds the runtime-tunable params (cache_threshold, balance_abs_threshold,
-    balance_rel_threshold; only cache_aware uses them) and the loads, divided by weight.
-    """
 
     name = "base"
 
@@ -53,8 +44,7 @@ class Policy:
         self._params = {p: float(getattr(config, p)) for p in PARAMS}
 
     def select(self, request: RouteKey, candidates: list[WorkerState]) -> Decision:
-        """Choose a worker among `candidates` (routable, already-tried ones excluded).
-        Raises ValueError if `candidates` is empty."""
+        """Raises ValueError if `candidates` is empty."""
         if not candidates:
             raise ValueError("no candidate workers")
         return self._select(request, candidates)
@@ -63,14 +53,11 @@ class Policy:
         raise NotImplementedError
 
     def params(self) -> dict[str, float]:
-        """The tunable params in force."""
         return dict(self._params)
 
     def set_params(self, **kw: float) -> dict[str, float]:
-        """Set any of cache_threshold ([0, 1]), balance_abs_threshold (>= 0, requests; also the
-        load a stale reading adds) and balance_rel_threshold (>= 1); all or nothing.
-        Returns the params in force.
-        Raises ValueError on an unknown name or a bad value."""
+        """Set some PARAMS, all or nothing; balance_abs_threshold (requests) is also the stale
+        penalty. Returns the params in force. Raises ValueError on an unknown name or value."""
         new = dict(self._params)
         for name, value in kw.items():
             if name not in PARAMS:
@@ -90,31 +77,20 @@ class Policy:
         return self.params()
 
     def loads(self, candidates: list[WorkerState]) -> dict[str, float]:
-        """Predicted load of each candidate divided by its weight (requests per unit)."""
         now = self.registry.clock()
         return {w.url: w.load(now) / w.weight for w in candidates}
 
     def least_loaded(self, candidates: list[WorkerState], loads: dict[str, float]) -> WorkerState:
-        """A lowest-load candidate: one at random among those within LOAD_TIE of the minimum
-        (no herd onto the first)."""
         low = min(loads[w.url] for w in candidates)
         return self.rng.choice([w for w in candidates if loads[w.url] <= low + LOAD_TIE])
 
 
 class CacheAwarePolicy(Policy):
-    """Prefix affinity traded against predicted load (SGLang router cache_aware, §1.1).
+    """Prefix affinity against predicted load (SGLang router cache_aware; SMG's dead-band).
 
-    1. match = longest prefix of the key the tree holds per candidate; ratio = match / len.
-       ratio > cache_threshold: the longest-match candidate (ties: lower load), "prefix_hit";
-       otherwise the least-loaded candidate (ties at random), "load_fallback" (never the
-       smallest tree: sglang#14305).
-    2. Dead-band, per request (SMG form): if the chosen load > mean + balance_abs_threshold
-       AND > balance_rel_threshold x mean (loads over candidates, divided by weight), choose
-       among candidates with load <= min + balance_abs_threshold the one with the longest
-       match (sglang#32195: keep affinity while spilling), "imbalance".
-    3. The tree records the key for the chosen worker; the worker counts routed and matched
-       length for its hit estimate.
-    """
+    match / len(key) > cache_threshold: the longest match, else the least loaded. If that load
+    exceeds both mean + balance_abs_threshold and balance_rel_threshold x mean: the longest
+    match among loads <= min + balance_abs_threshold ("imbalance")."""
 
     name = "cache_aware"
 
@@ -163,7 +139,7 @@ class PowerOfTwoPolicy(Policy):
 
 
 class RoundRobinPolicy(Policy):
-    """Candidates in turn (SGLang round_robin: one counter over the healthy list)."""
+    """Candidates in turn (SGLang round_robin)."""
 
     name = "round_robin"
 
@@ -178,7 +154,6 @@ class RoundRobinPolicy(Policy):
 
 
 class RandomPolicy(Policy):
-    """A uniformly random candidate."""
 
     name = "random"
 
@@ -187,9 +162,8 @@ class RandomPolicy(Policy):
 
 
 class SessionPolicy(Policy):
-    """Consistent hashing of the session key onto a ring of VIRTUAL_NODES points per
-    candidate (Karger et al. 1997; SGLang consistent_hashing): when a worker leaves, only
-    its ~1/N of the sessions move. No session key: the least-loaded candidate."""
+    """Consistent hashing of the session key (Karger et al. 1997; SGLang consistent_hashing);
+    no session key: the least loaded."""
 
     name = "session"
 
@@ -223,8 +197,7 @@ _POLICIES = {cls.name: cls for cls in (CacheAwarePolicy, PowerOfTwoPolicy, Round
 
 def make_policy(config: RouterConfig, registry: WorkerRegistry, tree: ApproxPrefixTree,
                 rng: random.Random | None = None) -> Policy:
-    """The policy named by config.policy. `rng` (seeded in tests) drives every random
-    choice. Raises ValueError on an unknown name."""
+    """The policy named by config.policy. Raises ValueError on an unknown name."""
     if config.policy not in _POLICIES:
         raise ValueError(f"unknown policy {config.policy!r}; known: {tuple(_POLICIES)}")
     return _POLICIES[config.policy](config, registry, tree, rng)

@@ -10,8 +10,7 @@ Key = str | Sequence[int]
 
 
 class PrefixMatch(NamedTuple):
-    """Result of ApproxPrefixTree.match: the longest matched length over all tenants
-    (characters or tokens) and each tenant's own matched length."""
+    """Longest matched length over all tenants (characters or tokens), and per tenant."""
 
     matched_len: int
     tenants: dict[str, int]
@@ -21,14 +20,13 @@ class _Node:
     __slots__ = ("edge", "children", "parent", "tenants")
 
     def __init__(self, edge: str | tuple, parent: _Node | None) -> None:
-        self.edge = edge  # the compressed edge from the parent, never empty except at the root
+        self.edge = edge  # from the parent; empty only at the root
         self.children: dict[object, _Node] = {}
         self.parent = parent
         self.tenants: dict[str, float] = {}  # tenant -> last access (clock seconds)
 
 
 def _common_len(a: str | tuple, b: str | tuple) -> int:
-    """Length of the common prefix of a and b, by binary search over C-level slice compares."""
     lo, hi = 0, min(len(a), len(b))
     if a[:hi] == b[:hi]:
         return hi
@@ -42,23 +40,11 @@ def _common_len(a: str | tuple, b: str | tuple) -> int:
 
 
 class ApproxPrefixTree:
-    """Radix tree (compressed edges) over str or list[int] keys; tenant = worker URL.
-
-    Built from the router's own routing history, so it is approximate: it says which worker
-    was *sent* a prefix recently, not what that worker still caches (SGLang router
-    `policies/tree.rs`). Every node records tenant -> last access; a tenant present on a node
-    is present on all its ancestors, and an ancestor's access time is never older.
-
-    Size is the sum of edge lengths (characters or tokens), i.e. what the tree holds.
-    `insert` keeps it at or below `max_size`: past it, least-recently-used tenant leaves are
-    dropped across all tenants down to 7/8 of `max_size` (so the cost is amortised; SGLang
-    runs the same eviction from a background thread). Keys are cut to that 7/8 so the key
-    just inserted always survives its own eviction. Entries unused for `ttl_s` seconds no
-    longer match and are dropped by the periodic sweep in `insert` or by `evict()`.
-    `clock` returns seconds (monotonic); inject a fake one in tests.
-
-    Raises ValueError on max_size < 1 or ttl_s <= 0.
-    """
+    """Radix tree over str or list[int] keys of which worker (tenant) was *sent* which prefix
+    (SGLang router `policies/tree.rs`). A tenant on a node is on all its ancestors, whose
+    access times are never older. Size (the sum of edge lengths) stays <= max_size: past it,
+    LRU tenant leaves go down to 7/8 of it. Entries unused for ttl_s seconds never match.
+    Raises ValueError on max_size < 1 or ttl_s <= 0."""
 
     def __init__(self, max_size: int, ttl_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -76,20 +62,16 @@ class ApproxPrefixTree:
 
     @property
     def size(self) -> int:
-        """Keys held in all (characters or tokens): the sum of edge lengths."""
         return self._size
 
     def tenant_size(self, tenant: str) -> int:
-        """Keys on the paths recorded for `tenant` (0 if unknown)."""
         return self._tenant_size.get(tenant, 0)
 
     def tenants(self) -> list[str]:
-        """Tenants that hold at least one entry."""
         return list(self._tenant_size)
 
     def insert(self, key: Key, tenant: str) -> None:
-        """Record that `key` was sent to `tenant` (refreshes access times along its path).
-        Keys are cut to 7/8 of max_size. Evicts as described above."""
+        """Keys are cut to 7/8 of max_size, so the key inserted survives its own eviction."""
         low_water = self.max_size - self.max_size // 8
         key = _normalise(key)[:low_water]
         now = self._clock()
@@ -114,8 +96,7 @@ class ApproxPrefixTree:
             self._evict_lru(low_water)
 
     def match(self, key: Key) -> PrefixMatch:
-        """Longest prefix of `key` recorded for each tenant (entries past ttl_s ignored).
-        Does not refresh access times: only insert does."""
+        """Does not refresh access times: only insert does."""
         key = _normalise(key)
         oldest = self._clock() - self.ttl_s
         matched: dict[str, int] = {}
@@ -137,22 +118,19 @@ class ApproxPrefixTree:
         return PrefixMatch(max(matched.values(), default=0), matched)
 
     def remove_tenant(self, tenant: str) -> None:
-        """Forget every entry of `tenant` (a removed worker)."""
         for node in self._nodes():
             if node.parent is None:
-                continue  # inside a subtree detached earlier in this loop
+                continue
             if node.tenants.pop(tenant, None) is not None and not node.tenants:
                 self._detach(node)
         self._tenant_size.pop(tenant, None)
 
     def evict(self) -> None:
-        """Drop entries unused for ttl_s, then LRU tenant leaves until size <= max_size."""
         self._expire(self._clock())
         if self._size > self.max_size:
             self._evict_lru(self.max_size)
 
     def _split(self, node: _Node, at: int) -> _Node:
-        """Cut node's edge at `at`; return the new upper node (same tenants and times)."""
         parent = node.parent
         assert parent is not None and 0 < at < len(node.edge), "bad split"
         upper = _Node(node.edge[:at], parent)
@@ -164,12 +142,12 @@ class ApproxPrefixTree:
         return upper
 
     def _detach(self, node: _Node) -> None:
-        """Unlink a node that holds no tenant (nor, then, any child) and its subtree."""
+        """Unlink a node without tenants (so without children) and its subtree."""
         assert node.parent is not None, "the root is never detached"
         del node.parent.children[node.edge[0]]
         for sub in list(_walk(node)):
             self._size -= len(sub.edge)
-            for tenant in sub.tenants:  # entries of the same tenants, older: drop them too
+            for tenant in sub.tenants:
                 self._drop_tenant_len(tenant, len(sub.edge))
             sub.parent = None  # marks it detached for loops over a snapshot of nodes
 
@@ -181,12 +159,11 @@ class ApproxPrefixTree:
             del self._tenant_size[tenant]
 
     def _expire(self, now: float) -> None:
-        """Drop every (tenant, node) entry older than ttl_s; detach emptied nodes."""
         self._last_sweep = now
         oldest = now - self.ttl_s
         for node in self._nodes():
             if node.parent is None:
-                continue  # inside a subtree detached earlier in this sweep
+                continue
             expired = [t for t, seen in node.tenants.items() if seen < oldest]
             for tenant in expired:
                 del node.tenants[tenant]
@@ -195,15 +172,14 @@ class ApproxPrefixTree:
                 self._detach(node)
 
     def _evict_lru(self, target: int) -> None:
-        """Remove least-recently-used tenant leaves (across tenants) until size <= target."""
-        order = itertools.count()  # tie-break so nodes are never compared
+        order = itertools.count()
         heap = [(seen, next(order), tenant, node) for node in self._nodes()
                 for tenant, seen in node.tenants.items() if _is_tenant_leaf(node, tenant)]
         heapq.heapify(heap)
         while heap and self._size > target:
             seen, _, tenant, node = heapq.heappop(heap)
             if node.tenants.get(tenant) != seen:
-                continue  # already gone
+                continue
             del node.tenants[tenant]
             self._drop_tenant_len(tenant, len(node.edge))
             parent = node.parent
@@ -214,12 +190,10 @@ class ApproxPrefixTree:
                 heapq.heappush(heap, (parent.tenants[tenant], next(order), tenant, parent))
 
     def _nodes(self) -> list[_Node]:
-        """Every node but the root, parents before children (a snapshot list)."""
         return list(_walk(self._root))[1:]
 
 
 def _walk(top: _Node):
-    """Yield `top` and its subtree, parents before children, without recursion."""
     stack = [top]
     while stack:
         node = stack.pop()

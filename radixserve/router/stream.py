@@ -11,9 +11,7 @@ CHAT_PATH = "/v1/chat/completions"
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Whole SSE events, each with its closing blank line, from a body's raw chunks. A transport
-    error propagates and drops the event it cut; bytes after the last blank line at a clean end
-    come out as one last event (closed)."""
+    """Whole SSE events, each with its closing blank line; a transport error drops the cut one."""
     buf = b""
     async for chunk in chunks:
         buf += chunk
@@ -35,14 +33,13 @@ def payload(event: bytes) -> Any:
 
 
 def error_of(event: bytes) -> dict | None:
-    """The error of an SSE error event (`data: {"error": {...}}`), else None."""
     data = payload(event)
     error = data.get("error") if isinstance(data, dict) else None
     return error if isinstance(error, dict) else None
 
 
 def error_event(message: str) -> bytes:
-    """A router-made `worker_error` event (502) that ends a stream no worker could finish."""
+    """A `worker_error` event (502) that ends a stream no worker could finish."""
     return b"data: " + json.dumps(error_body(message, "worker_error", 502)).encode() + b"\n\n"
 
 
@@ -55,27 +52,14 @@ def _is_role_only(data: Any) -> bool:
 
 
 def _is_blank(choice: dict) -> bool:
-    """A choice that says nothing once its token ids are gone (the worker sent it for them)."""
     return (not choice.get("text") and choice.get("delta", {}) in ({}, {"content": ""})
             and choice.get("logprobs") is None and choice.get("finish_reason") is None)
 
 
 class StreamLedger:
-    """What the client of one streamed request has been sent, so that another worker can
-    continue it (stream migration).
-
-    `migratable`: the stream can be continued at all: migration is on, the request has one
-    choice (n = 1, one prompt). Then the router asks the worker for each chunk's token ids
-    (`return_token_ids`), counts those that reach the client, takes them out again unless the
-    client asked for them, and gives a continuation's chunks the first response id and
-    created time. A continuation is the same request plus `resume_token_ids` (the worker
-    replays them, server/resume.py), so greedy output equals an uncut run's, and its usage
-    counts the original prompt and every completion token once.
-
-    Events from a worker pass `relay()` in order; `committed` turns true with the first event
-    that is neither an error nor a chat role-only chunk (role chunks wait for it, so a worker
-    that fails before any content can be retried as if nothing had been sent).
-    """
+    """What the client of one stream has been sent, so another worker can continue it
+    (docs/stream_migration.md). Every event passes `relay()` in order; `committed` turns true
+    at the first that is not a held role chunk. Migratable: migration on and one choice."""
 
     def __init__(self, path: str, body: bytes, migrate: bool):
         self.chat = path == CHAT_PATH
@@ -93,30 +77,24 @@ class StreamLedger:
         self.finished = False            # the choice's finish_reason reached the client
 
     def first_body(self) -> bytes:
-        """The body of the first attempts: the client's, asking for token ids if migratable."""
         if not self.migratable or not self.strip_ids:
             return self.raw
         return json.dumps({**self.fields, "return_token_ids": True}).encode()
 
     def continuation_body(self) -> bytes:
-        """The body that continues the stream after what the client has: the request plus
-        resume_token_ids (the client's own, if any, then the delivered tokens)."""
+        """The request plus resume_token_ids: the client's own, then the delivered tokens."""
         resumed = list(self.fields.get("resume_token_ids") or []) + self.token_ids
         return json.dumps({**self.fields, "return_token_ids": True,
                            "resume_token_ids": resumed}).encode()
 
     def can_continue(self) -> bool:
-        """Whether a cut stream can be continued: migratable, and its choice not finished."""
         return self.migratable and not self.finished
 
     def is_held(self, event: bytes) -> bool:
-        """Whether `event` is a chat role-only chunk (held until content comes; dropped when the
-        client has its role chunk already)."""
         return self.chat and _is_role_only(payload(event))
 
     def relay(self, event: bytes) -> bytes | None:
-        """The bytes of `event` for the client (None: nothing to send), counting what it
-        delivers. Events of a stream that cannot migrate pass unchanged."""
+        """The bytes of `event` for the client (None: nothing), counting what it delivers."""
         self.committed = self.committed or not self.is_held(event)
         if not self.migratable:
             return event

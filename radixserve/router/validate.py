@@ -13,16 +13,13 @@ import httpx
 from radixserve.errors import InvalidRequest
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
-# A DNS name or an IPv4 address: dot-separated labels (underscores allowed: container
-# service names use them).
+# a DNS name or an IPv4 address; underscores allowed (container service names)
 LABEL = r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?"
 HOST_NAME = re.compile(rf"{LABEL}(\.{LABEL})*")
 
 
 def json_object(raw: bytes, what: str = "request body") -> dict:
-    """`raw` parsed as a JSON object. Raises InvalidRequest (400) if it is not JSON, not an
-    object, or nested deeper than the parser's recursion limit (json raises RecursionError
-    there, not ValueError)."""
+    """Raises InvalidRequest (400) unless `raw` is a JSON object within the recursion limit."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -33,9 +30,7 @@ def json_object(raw: bytes, what: str = "request body") -> dict:
 
 
 def finite_number(value: Any, name: str) -> float:
-    """`value` as a float. Raises ValueError unless it is a JSON number (not a bool) whose
-    float is finite: NaN, +-Infinity and integers beyond the float range (1e400 written out
-    in digits, which float() turns into OverflowError) are refused."""
+    """Raises ValueError unless `value` is a non-bool number whose float is finite."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a finite number")
     try:
@@ -48,18 +43,16 @@ def finite_number(value: Any, name: str) -> float:
 
 
 def worker_url(url: Any) -> str:
-    """The canonical form of a worker base URL: `scheme://host:port`, scheme http or https,
-    scheme and host lower-case, the port always written (80 / 443 when absent), IPv6 hosts
-    in brackets. So `http://LOCALHOST:8000/` and `http://localhost:8000` are one worker.
-    Raises ValueError for anything else: no host, a bad port, a path other than "/", a
-    query, a fragment, user info, whitespace or control characters."""
+    """Canonical `scheme://host:port` (http/https, lower-case, port always written, IPv6 in
+    brackets). Raises ValueError on a bad host or port, a path but "/", a query, a fragment,
+    user info, whitespace or control characters."""
     if not isinstance(url, str):
         raise ValueError("worker url must be a string like http://host:port")
     if any(c.isspace() or not c.isprintable() for c in url):
         raise ValueError(f"worker url {url!r} contains whitespace or control characters")
     try:
         parts = urlsplit(url)
-        port = parts.port  # ValueError when not a number or out of 0-65535
+        port = parts.port
     except ValueError as exc:
         raise ValueError(f"worker url {url!r} is malformed: {exc}") from None
     scheme = parts.scheme.lower()
@@ -73,14 +66,13 @@ def worker_url(url: Any) -> str:
         raise ValueError(f"worker url {url!r} has port 0")
     canonical = f"{scheme}://{host}:{port or DEFAULT_PORTS[scheme]}"
     try:
-        httpx.URL(canonical)  # what the router will build requests from
+        httpx.URL(canonical)
     except httpx.InvalidURL as exc:
         raise ValueError(f"worker url {url!r} is not usable: {exc}") from None
     return canonical
 
 
 def _host(host: str, url: str) -> str:
-    """`host` (urlsplit's hostname: lower-case, brackets gone) as it goes into a URL."""
     if ":" in host:
         try:
             ipaddress.IPv6Address(host)
