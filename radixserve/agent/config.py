@@ -1,7 +1,7 @@
 """Ops agent settings: rule thresholds, ladder timings and the loop's own flags, each with its source.
 
-Defaults start from Envoy outlier detection and SGLang's health checks (research/routers.md
-§5.1, §8 items 12-16) and are adapted where a slow control loop over a small fleet differs;
+Defaults start from Envoy outlier detection and SGLang's health checks
+and are adapted where a slow control loop over a small fleet differs;
 each adaptation says why in its help text. Every field is a `radixserve agent` flag.
 """
 from __future__ import annotations

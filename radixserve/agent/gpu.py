@@ -8,7 +8,7 @@ logger = logging.getLogger("radixserve.agent")
 
 
 def read_nvml() -> tuple[list[dict] | None, str]:
-    """Per-GPU readings (AIBrix diagnose inputs, research/routers.md §8 item 20): index, name,
+    """Per-GPU readings (AIBrix diagnose inputs): index, name,
     volatile uncorrected ECC errors, retired pages pending, PCIe link width now and max,
     temperature (C). Returns (readings, note); readings is None when NVML is not installed
     or finds no GPU, and the note says which."""

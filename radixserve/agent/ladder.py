@@ -2,7 +2,7 @@
 
 The ladder is the agent's judgement and does no I/O: each sweep it takes the findings and
 what the sweep saw of the fleet and returns decisions; the agent applies them. Modelled on
-Envoy outlier detection (research/routers.md §5.1, §9): confirmation over sweeps, ejection
+Envoy outlier detection: confirmation over sweeps, ejection
 time base x n (capped) for repeat offenders, at most a share of the fleet out (at least
 one), panic (alert only) when fewer than half the workers answer.
 

@@ -3,7 +3,7 @@
 Every rule reads only its arguments, so it is tested on recorded or synthetic histories.
 Rates are taken over the last `window_sweeps` sweeps from counter differences (a counter
 that went down means the worker restarted, and that window is skipped). Thresholds are in
-RuleConfig, with their sources (Envoy outlier detection, research/routers.md §5.1, §8).
+RuleConfig, with their sources (Envoy outlier detection).
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def answering(hist: History) -> bool:
     """Whether the last sweep saw the worker alive: /health answered 200, or it timed out
     while /metrics answered with more tokens generated than the sweep before (a worker too
     busy to answer in time is not hung; health flapping under load is a known failure of
-    routers, research/routers.md §6.3 item 4). An error status (503: engine dead) is final."""
+    routers). An error status (503: engine dead) is final."""
     if not hist:
         return False
     last = hist[-1]
@@ -341,7 +341,7 @@ def fleet_ttft_spread(fleet: dict[str, History], cfg: RuleConfig) -> Finding | N
 
 def gpu_unhealthy(gpus: list[dict] | None) -> list[Finding]:
     """NVML readings: uncorrected volatile ECC errors, pending retired pages, or a PCIe link
-    narrower than its maximum (AIBrix diagnose, research/routers.md §8 item 20)."""
+    narrower than its maximum (AIBrix diagnose)."""
     findings = []
     for g in gpus or ():
         problems = [p for p, bad in (

@@ -126,7 +126,7 @@ def max_concurrent_requests(results: list[RequestResult]) -> int:
 
 def compute_metrics(results: list[RequestResult], duration_s: float, t0: float = 0.0,
                     slo: Slo | None = None) -> dict[str, float | int | None]:
-    """Run metrics over all requests of one run (SGLang bench_serving definitions; perf.md §2.2).
+    """Run metrics over all requests of one run (SGLang bench_serving definitions).
 
     Failed requests count zero output tokens and do not enter the latency statistics.
     `duration_s` is first dispatch -> last completion; `t0` the perf_counter() at first dispatch.

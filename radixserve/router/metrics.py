@@ -22,7 +22,7 @@ __all__ = ["CONTENT_TYPE", "RouterMetrics", "BREAKER_STATE_VALUES"]
 
 class RouterMetrics:
     """The router's metrics (names from the router contract; the SMG gateway's set is the
-    template, research/routers.md §1.7). One instance per router app, with its own
+    template). One instance per router app, with its own
     CollectorRegistry, so several routers can live in one process (tests)."""
 
     def __init__(self) -> None:

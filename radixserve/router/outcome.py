@@ -1,4 +1,4 @@
-"""Classify a worker's answer for the circuit breaker and the retry loop (routers.md §5.2)."""
+"""Classify a worker's answer for the circuit breaker and the retry loop."""
 from __future__ import annotations
 
 import json
@@ -25,7 +25,7 @@ def classify(status: int | None, transport_error: bool, kind: str | None = None)
     """Map an HTTP status (None when no response arrived), a transport fault and the error
     body's `type` (`kind`, see error_kind; None if unknown) to an Outcome.
 
-    Rules (routers.md §5.2, SGLang router #25811/#25822/#39464, retryable set from SGLang
+    Rules (SGLang router #25811/#25822/#39464, retryable set from SGLang
     `is_retryable_status`):
     - transport error or timeout (also a stream that broke after a 200): failure, retry;
     - no status and no transport error (the client went away): neutral, no retry;

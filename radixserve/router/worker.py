@@ -31,7 +31,7 @@ class WorkerState:
       at dispatch and released on finish, error or disconnect (SGLang `WorkerLoadGuard`,
       smg#1714 / sglang#27547: counting at first byte sent every burst to one worker);
     - `ema_external`: exponential moving average (weight `smoothing` on the newest reading,
-      alpha = 2/(N+1) for an N-reading window; routers.md §5.3) of the worker's reported
+      alpha = 2/(N+1) for an N-reading window) of the worker's reported
       running + queued requests minus our own in_flight at that poll, floored at 0: load
       from other routers or direct clients, which our counter cannot see;
     - `kv_term`: stale_penalty x (token_usage - 0.8) / 0.2 when reported KV usage is above
