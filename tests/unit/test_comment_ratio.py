@@ -37,4 +37,4 @@ def test_by_package(tmp_path):
 def test_comment_ratio_is_at_most_0_12():
     """Comments state contracts; measurements and history live in docs/benchmarks.md and commits."""
     ratio = comment_ratio.overall()
-    assert ratio <= 0.12, f"docstring + comment lines are {ratio:.2f} of code lines (python benchmarks/comment_ratio.py)"
+    assert ratio <= 0.12, f"docstring + comment lines are {ratio:.2f} of code lines (benchmarks/comment_ratio.py)"

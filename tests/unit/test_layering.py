@@ -48,7 +48,8 @@ UPWARD_EXCEPTIONS = {
     # parsers/ imports nothing of radixserve, so no cycle can form
     ("config", "radixserve.parsers.chat_output"),
 }
-NO_TORCH = {"engine", "disagg", "chaos", "router", "agent", "parsers", "chat"}  # engine/engine.py may import torch (it does not today)
+# engine/engine.py may import torch (it does not today)
+NO_TORCH = {"engine", "disagg", "chaos", "router", "agent", "parsers", "chat"}
 # The engine loop and its wire messages speak ZMQ / msgpack; the rest of engine/ stays stdlib.
 IPC = {"zmq", "msgspec"}
 ENGINE_IPC_FILES = {"loop.py", "messages.py"}
