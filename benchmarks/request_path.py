@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import inspect
 import json
 import multiprocessing
 import os
@@ -39,17 +40,19 @@ import pathlib
 import signal
 import sys
 import tempfile
+import textwrap
 import threading
 import types
 
 import httpx
+import msgspec
+import pydantic
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 PKG = str(REPO / "radixserve") + os.sep
 GROUPS = ("layers" + os.sep, os.path.join("runner", "attention") + os.sep)  # one module each
 BODY = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}
-VARARGS, VARKEYWORDS = 0x04, 0x08
 
 
 class Trace:
@@ -66,8 +69,6 @@ class Trace:
     def is_data(self, cls: type) -> bool:
         known = self._is_data.get(cls)
         if known is None:
-            import msgspec
-            import pydantic
             known = self._is_data[cls] = (
                 cls.__module__.split(".")[0] == "radixserve" and not issubclass(cls, BaseException)
                 and (dataclasses.is_dataclass(cls) or issubclass(cls, msgspec.Struct | pydantic.BaseModel)
@@ -98,8 +99,8 @@ class Trace:
         caller = module_of(back.f_code.co_filename) if back is not None else None
         if callee is None and caller is None:
             return
-        num_args = (code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & VARARGS)
-                    + bool(code.co_flags & VARKEYWORDS))
+        num_args = (code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)
+                    + bool(code.co_flags & inspect.CO_VARKEYWORDS))
         if not num_args:
             return
         local = frame.f_locals
@@ -155,8 +156,8 @@ class ThreadProcess(threading.Thread):
         except SystemExit as exc:
             self.exitcode = exc.code if isinstance(exc.code, int) else 1
 
-    def kill(self) -> None:
-        """A thread cannot be killed; the engine loop ends on the Shutdown message instead."""
+    def kill(self) -> None:   # a thread cannot be killed; the engine loop ends on Shutdown
+        pass
 
     terminate = kill
 
@@ -253,9 +254,9 @@ def main() -> None:
               "types": "request/token types (calls that took one)",
               "private_types": "not counted: types private to one module"}
     for key, title in titles.items():
-        print(f"{len(found[key])} {title}")
-        for name, n in found[key].items():
-            print(f"  {n:>7}  {name}")
+        print(f"{len(found[key])} {title}:")
+        entries = [f"{name} {n}".replace(" ", "\0") for name, n in found[key].items()]
+        print(textwrap.fill(", ".join(entries), 100, initial_indent="  ", subsequent_indent="  ").replace("\0", " "))
 
 
 if __name__ == "__main__":

@@ -118,13 +118,15 @@ def forbidden_imports(root: pathlib.Path, forbidden: dict[str, set[str]]) -> lis
 
 
 def upward_imports(root: pathlib.Path, roots: set[str], exceptions: set[tuple[str, str]]) -> list[str]:
-    """Imports from a root module (one file directly under root, not a composition root named
-    in `roots`) into a subpackage, except the (module, imported module) pairs in `exceptions`."""
+    """'a imports b' for every import from a root module (a file directly under root, not one of
+    the composition roots named in `roots`) into a subpackage, and from anywhere but a composition
+    root into a composition root; (importing unit, imported module) pairs in `exceptions` pass."""
     known = modules(root)
     subpackages = {unit_of(m) for m, p in known.items() if p.parent != root}
     bad = []
     for m, t in edges(module_graph(root)):
-        is_root_module = known[m].parent == root and unit_of(m) not in roots
-        if is_root_module and unit_of(t) in subpackages and (unit_of(m), t) not in exceptions:
+        if unit_of(m) in roots or (unit_of(m), t) in exceptions:
+            continue
+        if (known[m].parent == root and unit_of(t) in subpackages) or unit_of(t) in roots:
             bad.append(f"{m} imports {t}")
     return bad
