@@ -113,7 +113,7 @@ def main() -> None:
         elif wl == "batch1":
             bw = bandwidth_gbs()
             # Bytes read per decode step: every block weight plus the (tied) lm_head matrix once;
-            # the embedding lookup reads one row (perf.md §4.1).
+            # the embedding lookup reads one row.
             weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
             roof = bw * 1e9 / weight_bytes
             tps = batch1_decode(llm)

@@ -4,7 +4,7 @@
     python benchmarks/pd_soak.py --router-url URL --reference-url URL --prefill-url URL --decode-url URL
 
 Each prompt carries its own secret code ("Memorise this: the code is 48213907. <2-6 pages of
-filler> Repeat the code:", CASES.md conventions). The reference server (colocated, cache
+filler> Repeat the code:", as the C-case tests do). The reference server (colocated, cache
 flushed first) answers every prompt once, greedy, with top-2 logprobs. Then the pair serves
 them at --concurrency with `pd.transfer.write`, `pd.prefill.start` and `pd.decode.prealloc`
 delays armed (random, U(0, --max-delay-ms)), and --abort-fraction of requests are dropped by the

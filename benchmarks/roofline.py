@@ -1,4 +1,4 @@
-"""The memory-bandwidth ceiling the benchmarks compare against (perf.md §4.1).
+"""The memory-bandwidth ceiling the benchmarks compare against.
 
 A step that must read B bytes of weights from DRAM cannot finish in less than B / bandwidth
 seconds, whatever its kernels; `bandwidth_gbs()` measures that bandwidth here.

@@ -5,7 +5,7 @@
 
 llama-server is built from the llama-cpp-python source distribution (fetched with pip, the only
 registry this project reaches) with a portable AVX2 build: ggml's AMX-INT8 path crashes on
-quantized models on this CPU (perf.md §5.9), so AMX and AVX-512 are off. The peer computes with
+quantized models on this CPU, so AMX and AVX-512 are off. The peer computes with
 the GGUF's 4-bit weights (Q4_1 kernels), radixserve dequantizes them to float at load time, so
 the ratio compares engines *and* number formats.
 """

@@ -234,7 +234,7 @@ class Engine(FaultPoints, ChecksumChecks):
             self.scheduler.proposer.record(req.request_id, len(s.draft), accepted)
         tokens, num_as_sampled = force_run(req.forced_ids, len(req.output_ids), [*res.accepted, res.token])
         # KV is valid for the last known token and the accepted drafts that were kept (and not
-        # replaced by a forced token); set before a finish commits the pages (CASES.md C35).
+        # replaced by a forced token); set before a finish commits the pages (C35).
         return self._emit(req, tokens, lambda kept: s.start + 1 + min(kept, accepted, num_as_sampled))
 
     def _finish_reason(self, req: Request, token: int) -> str | None:

@@ -1,6 +1,6 @@
 """HostTier: the host-memory tier under the radix cache (--enable-hierarchical-cache); which pages move between device and host, and when.
 
-After SGLang's HiCache (research/sglang.md §3). The copies themselves are the runner's
+After SGLang's HiCache. The copies themselves are the runner's
 (runner/host_kv.py, the KVTierIO protocol below); this module keeps the books:
 
 - **Ownership.** Every host page has exactly one owner: the host free list or one radix node

@@ -42,7 +42,7 @@ LOOP_METHODS = ("set_step_latency",)                          # EngineLoop metho
 # ---- engine construction --------------------------------------------------------------------
 # A runner factory is `factory(config) -> Runner`, a module-level function (it is pickled by
 # reference into the spawned process). The real one, which loads the model, is
-# radixserve.cli.build_runner: neither engine/ nor server/ imports the runner (ARCHITECTURE.md §2).
+# radixserve.cli.build_runner: neither engine/ nor server/ imports the runner (docs/architecture.md).
 RunnerFactory = Callable[[EngineConfig], Runner]
 
 

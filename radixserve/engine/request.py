@@ -11,7 +11,7 @@ Lifecycle:
 
 WAITING_FOR_KV: the request's pages are being filled by someone other than the forward pass
 (a host/disk-tier load, or a prefill->decode KV transfer); the scheduler never reads them
-until the filler says they landed (ARCHITECTURE.md §8).
+until the filler says they landed (docs/architecture.md).
 """
 from __future__ import annotations
 

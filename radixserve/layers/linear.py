@@ -1,7 +1,7 @@
 """Linear layers (plain and fused QKV / gate-up) with CPU fast paths for skinny inputs.
 
 Why fast paths: on CPU, MKL's GEMV/small-M GEMM runs on one thread and reaches about half
-the memory bandwidth (perf.md §3.1 and our own probes: `F.linear` at M=1 on the 538 MB of
+the memory bandwidth (our own probes: `F.linear` at M=1 on the 538 MB of
 SmolLM2 weights takes ~46 ms, the split-bmm below ~12 ms). So after loading:
 - M == 1 (batch-1 decode): one of three kernels, timed on the model's layers at start-up
   (row_path.py): the weight viewed as `(s, out/s, in)` and multiplied with one `bmm`, which

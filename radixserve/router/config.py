@@ -1,6 +1,6 @@
 """RouterConfig: every router threshold as a flag with a documented default.
 
-Defaults start from SGLang's router (research/routers.md §1, §8) and are changed where our
+Defaults start from SGLang's router and are changed where our
 workers differ; each change says why in its help text.
 """
 from __future__ import annotations

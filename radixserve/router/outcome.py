@@ -1,4 +1,4 @@
-"""Classify a worker's answer for the circuit breaker and the retry loop (routers.md §5.2)."""
+"""Classify a worker's answer for the circuit breaker and the retry loop."""
 from __future__ import annotations
 
 import json

@@ -98,7 +98,7 @@ class Lease:
 
 class Forwarder:
     """Sends a request to the workers the policy picks, retrying per RouterConfig (SGLang
-    router retry rules, routers.md §1.3 and §8 item 10, with tried workers excluded).
+    router retry rules, with tried workers excluded).
     `registry`, `policy`: router-core's WorkerRegistry and Policy; `http`: the shared client."""
 
     def __init__(self, config: RouterConfig, registry: Any, policy: Any, metrics: RouterMetrics,

@@ -1,6 +1,6 @@
 """AcceptanceDetector: speculative-decoding acceptance as an output-anomaly signal.
 
-Why (GLM's serving team, ../shared/research/sglang.md §5): when a request's KV is corrupted the
+Why (GLM's serving team): when a request's KV is corrupted the
 target model stops agreeing with its draft, so the accept length collapses; a repetition loop
 makes the draft right every time, so the accept rate approaches 1. Their rule and thresholds
 (the flags' defaults; the detector itself is opt-in, --enable-spec-anomaly-detector):

@@ -2,7 +2,7 @@
 
 `gguf.GGUFReader` builds every field at construction, the 49k-entry token and merge arrays
 included: about 5 s for the default model. The tokenizer needs three token ids and the chat
-template, so this walks the key-value section (GGUF v2/v3 as llama.cpp's docs/gguf.md lays it
+template, so this walks the key-value section (GGUF v2/v3 as the ggml GGUF spec lays it
 out: magic, u32 version, u64 tensor count, u64 key count, then per key a u64-length string, a u32
 value type and the value), skipping arrays by their lengths.
 """

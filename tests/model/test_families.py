@@ -1,6 +1,6 @@
 """Qwen3, Qwen3-MoE, GLM-4 (glm), GLM-4-0414 (glm4) and GLM-4.5 (glm4_moe) against transformers.
 
-Tiny random-weight configs from shared/research/glm-archs.md §6 (router weights and the GLM
+Tiny random-weight configs (router weights and the GLM
 correction bias randomised: transformers initialises them to zero, which makes every expert
 tie). Engine level: the five scheduling scenarios of test_parity.py, greedy token for token
 (tie rule). Runner level: a mixed decode/prefill/cached-prefix batch, top-5 logprobs within

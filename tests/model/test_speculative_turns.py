@@ -1,4 +1,4 @@
-"""Speculative decoding across turns and under sampling: CASES.md C34 (logprobs on the verify
+"""Speculative decoding across turns and under sampling: C34 (logprobs on the verify
 path) and C35 (the radix cache after speculative finishes), on the tiny model.
 
 Prompts repeat segments so the n-gram proposer drafts and the tiny model accepts some drafts
