@@ -36,8 +36,7 @@ class StepBatch:
 
 
 def prompt_logprob_targets(seq: ScheduledSeq) -> list[int]:
-    """Prompt tokens whose logprob this chunk yields: positions max(start, prompt_logprob_start) + 1
-    .. min(end, len(prompt) - 1), each predicted from the position before it."""
+    """Prompt tokens at positions max(start, prompt_logprob_start) + 1 .. min(end, len(prompt) - 1) of this chunk."""
     first = max(seq.start_pos, seq.prompt_logprob_start or 0) + 1
     last = min(seq.start_pos + len(seq.input_ids), len(seq.prompt_ids) - 1)
     return seq.prompt_ids[first:last + 1]

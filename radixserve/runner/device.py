@@ -45,8 +45,7 @@ def huge_pages_mb() -> int | None:
 
 @functools.cache
 def reuse_freed_cpu_buffers() -> bool:
-    """Have glibc keep freed blocks up to 32 MiB (256 MiB in all) for reuse: each step reuses the last step's pages.
-    Process-wide, once, unless MALLOC_*_THRESHOLD_ are set. Returns whether it applied (False off glibc, logged)."""
+    """Have glibc keep freed blocks up to 32 MiB (256 MiB in all) for reuse, process-wide, unless MALLOC_* are set."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         logger.info("malloc thresholds left as the environment sets them")
         return False

@@ -1,7 +1,6 @@
 """DraftModel: the draft of `--speculative-algorithm draft` (the target's first L layers, or a small model) with its own KV.
 
-Its KV (L layers, the target's page ids) is its own, so corrupted target KV makes drafts disagree rather than agree
-(self-speculation: Draft & Verify, Zhang et al. 2023; LayerSkip, Elhoushi et al. 2024)."""
+Its own KV (L layers, the target's page ids) makes corrupted target KV show as disagreement (Draft & Verify; LayerSkip)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,7 +1,7 @@
 """KVCache: the one owner of paged K/V storage (layout, dtype incl. FP8 with scales, device) and every read and write of it.
 
-Per layer K, V: (num_kv_heads, num_pages, page_size, head_dim), slot = page_id * page_size + offset. FP8 stores x / scale
-per (layer, KV head), reads return stored * scale; reads wait while a begin_fill lacks its end_fill (docs/runner.md)."""
+Per layer K, V: (num_kv_heads, num_pages, page_size, head_dim), slot = page_id * page_size + offset. FP8 stores clamped
+x / scale per (layer, KV head), reads return stored * scale; reads wait while a begin_fill lacks its end_fill (docs/runner.md)."""
 from __future__ import annotations
 
 import threading
@@ -14,8 +14,7 @@ FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 @dataclass(frozen=True, slots=True)
 class KVPages:
-    """Exported pages in stored dtype on the CPU, in requested order: k, v (num_layers, num_kv_heads, n,
-    page_size, head_dim); side: name -> (num_layers, n, page_size, *shape)."""
+    """Stored dtype on the CPU: k, v (layers, KV, n, page_size, head_dim); side: name -> (layers, n, page_size, *shape)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -24,8 +23,7 @@ class KVPages:
 
 @dataclass(frozen=True, slots=True)
 class KernelView:
-    """One layer's storage, read-only: k, v (num_kv_heads, num_pages, page_size, head_dim) stored dtype, contiguous;
-    k_scale, v_scale (num_kv_heads,) fp32, 1.0 unless FP8. A key's value is k[h, page, offset] * k_scale[h]."""
+    """One layer's storage, read-only: k, v (KV, num_pages, page_size, D) stored dtype; k_scale, v_scale (KV,) fp32."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -34,7 +32,7 @@ class KernelView:
 
 
 class KVCache:
-    """Zero-initialised. `dtype`: stored; `compute_dtype`: read (default `dtype`); k_scale, v_scale (layers, KV) fp32 for FP8."""
+    """Zero-initialised; `dtype` stored, `compute_dtype` (default `dtype`) read; k_scale, v_scale (layers, KV) fp32 for FP8."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -168,7 +166,7 @@ class KVCache:
         return buf.view(-1, *buf.shape[2:]).index_select(0, slots)
 
     def copy_layer_from(self, src: KVCache, layer: int, src_ids: list[int], dst_ids: list[int]) -> None:
-        """Copy `src`'s pages src_ids of `layer` into dst_ids (same layout and dtype); no readiness wait: the caller orders it."""
+        """Copy `src`'s pages src_ids of `layer` into dst_ids (same layout, dtype); no readiness wait: the caller orders it."""
         s_idx = torch.tensor(src_ids, dtype=torch.long, device=src.device)
         d_idx = torch.tensor(dst_ids, dtype=torch.long, device=self.device)
         for mine, theirs in ((self._k, src._k), (self._v, src._v)):

@@ -34,8 +34,7 @@ class KVScales:
 
 
 def from_checkpoint(tensors: dict[str, torch.Tensor], num_layers: int, num_kv_heads: int) -> KVScales | None:
-    """None when `tensors` is empty. Raises ValueError for an unplaceable name or shape, or when only some
-    layers carry scales."""
+    """None without tensors; ValueError for an unplaceable name or shape, or scales on only some layers."""
     if not tensors:
         return None
     k, v = torch.full((num_layers, num_kv_heads), float("nan")), torch.full((num_layers, num_kv_heads), float("nan"))
@@ -75,8 +74,6 @@ def _checked(k: torch.Tensor, v: torch.Tensor, source: str) -> KVScales:
 
 
 class _Recorder:
-    """An `Attention` that records max |k|, |v| per (layer, KV head) and attends causally."""
-
     def __init__(self, num_layers: int, num_kv_heads: int):
         self.k_amax = torch.zeros(num_layers, num_kv_heads)
         self.v_amax = torch.zeros(num_layers, num_kv_heads)

@@ -1,7 +1,7 @@
 """Structured output: grammar-constrained decoding against a JSON schema or a structural tag with xgrammar, masks built for the whole batch.
 
-A request's GrammarMatcher first accepts the output ids it has not seen (so recompute needs nothing); a complete grammar
-allows only EOS. JSON is compact (any_whitespace=False): with free whitespace small models pad until max_tokens."""
+A request's matcher replays its unseen output ids (recompute needs nothing); a complete grammar allows only EOS.
+JSON is compact (any_whitespace=False): with free whitespace small models pad until max_tokens."""
 from __future__ import annotations
 
 import logging
@@ -39,7 +39,7 @@ class StructuredOutput:
         self._compiler: Any = None
         self._grammars: OrderedDict[Grammar, Any] = OrderedDict()
         self._lock = threading.RLock()
-        self._matchers: OrderedDict[str, tuple[Grammar, Any, int]] = OrderedDict()   # id -> (grammar, matcher, seen)
+        self._matchers: OrderedDict[str, tuple[Grammar, Any, int]] = OrderedDict()
 
     def _ensure_compiler(self) -> Any:
         with self._lock:
@@ -64,8 +64,7 @@ class StructuredOutput:
         return self._compiler
 
     def check(self, grammar: Grammar, param: str = "response_format") -> None:
-        """Compile `grammar`, cached. Raises InvalidRequest when xgrammar is missing (param response_format)
-        or refuses it (param `param`, the request field it came from)."""
+        """Compile `grammar`, cached; InvalidRequest (naming `param`) when xgrammar is missing or refuses it."""
         try:
             self._grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -103,7 +102,7 @@ class StructuredOutput:
         if not constrained:
             return None
         self._ensure_compiler()
-        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)          # (n, ceil(V/32)) int32
+        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         for i in constrained:
             matcher = self._matcher(rows[i])
             if matcher is None or matcher.is_terminated():

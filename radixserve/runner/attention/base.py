@@ -14,7 +14,6 @@ from radixserve.runner.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
-# found without importing triton: start-up stays light.
 BACKENDS = ("torch", "triton") if importlib.util.find_spec("triton") is not None else ("torch",)
 KNOWN_BACKENDS = ("torch", "triton")
 
@@ -31,8 +30,7 @@ class AttentionBackend(Protocol):
 def create_backend(name: str, kv: KVCache, device: torch.device,
                    batch_invariant: bool = False, cascade: bool = True) -> AttentionBackend:
     """`name`: "auto" (triton on CUDA when installed, else torch) or one of BACKENDS; `batch_invariant` needs "auto".
-    `cascade`: CPU decodes read shared prefixes once (cascade.py). Raises ValueError for unknown names and for
-    triton where it cannot run (not importable, or CPU without TRITON_INTERPRET=1)."""
+    Raises ValueError for unknown names and for triton where it cannot run (CPU needs TRITON_INTERPRET=1)."""
     if name not in ("auto", *KNOWN_BACKENDS):
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(KNOWN_BACKENDS)}")
     if batch_invariant:

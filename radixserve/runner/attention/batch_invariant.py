@@ -22,8 +22,6 @@ def _round_up(n: int, multiple: int) -> int:
 
 @dataclass(slots=True)
 class _DecodeGroup:
-    """One-token sequences of key length key_len: rows (N,), page_rows (N * KV * P,), hidden (N, 1, 1, key_len)."""
-
     key_len: int
     rows: torch.Tensor
     page_rows: torch.Tensor
@@ -32,8 +30,6 @@ class _DecodeGroup:
 
 @dataclass(slots=True)
 class _Block:
-    """Query rows of one sequence sharing a key block; hidden (rows, 1, key_len) bool, True after the row's position."""
-
     row_start: int
     row_end: int
     key_len: int
@@ -58,8 +54,6 @@ class BatchInvariantBackend:
 
 
 class BatchInvariantStepAttention:
-    """One step's decode groups (one gather and bmm pair per key length) and prefill blocks, as the `Attention`."""
-
     def __init__(self, kv: KVCache, step: StepBatch):
         self.kv, self.step = kv, step
         device, size = kv.device, kv.page_size

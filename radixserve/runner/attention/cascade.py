@@ -20,10 +20,9 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 @dataclass(slots=True)
 class CascadePlan:
-    """parts: (decode-group rows (m,) int64, the first row's slot, prefix P); a single's P is its length.
-    row_slots (B,) int64 mirror slots; no_suffix (B, 1) bool; the suffix call spans slots [0, num_slots) and keys
-    window [W, ctx) under suffix_mask (num_slots, 1, 1, ctx - W) additive; reads[i]: first position read from row i's
-    slot; head_order: (B * H,) int64 rows of q viewed (B * H, D), built by the step's first cascade_attend."""
+    """parts: (decode-group rows (m,) int64, the first row's slot, prefix P); row_slots (B,) int64; no_suffix (B, 1)
+    bool; the suffix call spans slots [0, num_slots), keys window [W, ctx), suffix_mask (num_slots, 1, 1, ctx - W);
+    reads[i]: first position read from row i's slot; head_order (B * H,) int64, built by the first cascade_attend."""
 
     parts: list[tuple[torch.Tensor, int, int]]
     row_slots: torch.Tensor
@@ -38,8 +37,8 @@ class CascadePlan:
 def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int]], page_size: int,
                  dtype: torch.dtype, device: torch.device,
                  borrowed: list[int] | None = None) -> CascadePlan | None:
-    """Group sequences (mirror slot, length incl. the new token, pages) by common leading pages; None when it saves too
-    little. A group's prefix is read from the member whose slot `borrowed` the fewest tokens."""
+    """Group sequences (slot, length incl. new token, pages) by leading pages, each read from its least-`borrowed` slot;
+    None if it saves too little."""
     buckets: dict[int, list[int]] = {}
     for i, pages in enumerate(page_lists):
         if pages and lens[i] - 1 >= MIN_PREFIX_TOKENS:
@@ -124,7 +123,6 @@ def cascade_attend(plan: CascadePlan, q: torch.Tensor, k: torch.Tensor, v: torch
     o_s = o_s.reshape(n, num_heads, head_dim).index_select(0, plan.row_slots)
     lse_s = lse_s.reshape(n, num_heads).index_select(0, plan.row_slots).float()
     lse_s.masked_fill_(plan.no_suffix, float("-inf"))
-    # o = o_p e^(lse_p - lse) + o_s e^(lse_s - lse), lse = log(e^lse_p + e^lse_s)
     lse_prefix = lse_prefix.view(batch, num_heads)
     total = torch.logaddexp(lse_prefix, lse_s)
     w_p = torch.exp(lse_prefix - total).unsqueeze(-1)
@@ -134,7 +132,6 @@ def cascade_attend(plan: CascadePlan, q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def _head_order(plan: CascadePlan, num_heads: int, num_kv: int, device: torch.device) -> torch.Tensor:
-    """Rows of q (B * H, D) ordered KV head, part, member, query head: each part is one slice of (1, KV, B * H / KV, D)."""
     rep = num_heads // num_kv
     rows = torch.cat([rows for rows, _, _ in plan.parts])
     heads = torch.arange(num_heads, device=device).view(num_kv, 1, rep)

@@ -44,8 +44,7 @@ class DecodeMirror:
         self.slots.clear()
 
     def retain(self, continuing: dict[str, int], decoding: frozenset[str] = frozenset()) -> None:
-        """Free every slot but those of `decoding` and of `continuing` (request id -> first position of a multi-token
-        verify chunk) sequences that continue exactly where their slot ends."""
+        """Keep only `decoding` slots and `continuing` ones (id -> first position) that go on where their slot ends."""
         for rid in [r for r, slot in self.slots.items()
                     if r not in decoding and continuing.get(r) != slot.length]:
             del self.slots[rid]
@@ -91,7 +90,6 @@ class DecodeMirror:
                 and d.page_lists[i][:len(slot.pages)] == slot.pages and len(slot.pages) * page_size >= pos)
 
     def _valid_prefix(self, rid: str, d: DecodeGroup, i: int) -> int:
-        """Tokens a stale slot keeps: its length when it is behind on unchanged pages, else 0."""
         slot = self.slots.get(rid)
         if slot is None or slot.length >= d.lens[i] - 1 or d.page_lists[i][:len(slot.pages)] != slot.pages:
             return 0
@@ -109,7 +107,7 @@ class DecodeMirror:
         self.slots.clear()
         if (num_slots, capacity) != (self.num_slots, self.capacity):
             shape = (kv.num_kv_heads, num_slots, capacity, kv.head_dim)
-            self.k, self.v = [], []  # free the old buffers first
+            self.k, self.v = [], []
             self.k = [zeros(shape, kv.compute_dtype, kv.device) for _ in range(kv.num_layers)]
             self.v = [zeros(shape, kv.compute_dtype, kv.device) for _ in range(kv.num_layers)]
             self.num_slots, self.capacity = num_slots, capacity
@@ -145,7 +143,6 @@ class DecodeMirror:
 
     @staticmethod
     def _shareable(holders: list[tuple[list[int], int]], pages: list[int], end: int, size: int) -> int:
-        """Leading tokens (whole common pages, within both lengths) a holder (pages, tokens held) has."""
         best = 0
         for held_pages, held_len in holders:
             common = common_pages(held_pages, pages, len(pages)) * size

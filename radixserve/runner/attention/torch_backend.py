@@ -1,7 +1,6 @@
 """Attention with torch ops only (CPU or any device): one SDPA per layer for all decodes, over a mirror or a gather.
 
-Without the DecodeMirror (disabled, over budget) decodes gather their pages each layer in cache-sized sub-batches.
-Prefill chunks attend one by one, over their own k, v or, after a cached prefix, their gathered pages."""
+Without the DecodeMirror decodes gather their pages per layer in cache-sized sub-batches; prefill chunks go one by one."""
 from __future__ import annotations
 
 import torch
@@ -108,7 +107,6 @@ class TorchStepAttention:
 
     def _prefill(self, layer_id: int, p: PrefillSeq, rows: torch.Tensor | None, q: torch.Tensor,
                  k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One chunk: q rows [row_start, row_end) -> (n, H, D); `rows`: its pages' gather rows."""
         qc = q[p.row_start:p.row_end].transpose(0, 1).unsqueeze(0)
         if p.page_ids is None:
             # k, v as the cache holds them: a lossy KV dtype gives the same result however the prompt is chunked.

@@ -10,9 +10,8 @@ from radixserve.runner.batch import StepBatch
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """Single-token sequences: rows (B,) int64 (row_slice too when they are rows [a, b)); page_table
-    (B * max_pages,) int64 padded with page 0; mask (B, 1, 1, max_pages * page_size) additive, -inf from each
-    length on; per sequence request_ids, page_lists and lens (context length incl. the new token)."""
+    """Single-token sequences: rows (B,) int64 (row_slice if contiguous); page_table (B * max_pages,) int64 padded with
+    page 0; mask (B, 1, 1, max_pages * page_size) additive; lens: context lengths incl. the new token."""
 
     rows: torch.Tensor
     row_slice: tuple[int, int] | None
@@ -26,8 +25,7 @@ class DecodeGroup:
 
 @dataclass(slots=True)
 class PrefillSeq:
-    """Rows [row_start, row_end) at positions start_pos..; with a cached prefix (start_pos > 0) attention reads
-    `page_ids` under `mask` (1, 1, n, context_len) additive: 0 where key j <= start_pos + i, else -inf."""
+    """Rows [row_start, row_end) at start_pos..; after a cached prefix, `page_ids` under `mask` (1, 1, n, context_len)."""
 
     row_start: int
     row_end: int
@@ -43,7 +41,6 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def split_step(step: StepBatch, page_size: int, dtype: torch.dtype) -> tuple[DecodeGroup | None, list[PrefillSeq]]:
-    """The step's decode group (None without decodes) and its prefill chunks, masks in `dtype`."""
     device = step.input_ids.device
     decode: list[int] = []
     prefills: list[PrefillSeq] = []

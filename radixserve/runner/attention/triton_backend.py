@@ -1,7 +1,6 @@
 """Attention with Triton kernels that read the paged KV cache through the page table in-kernel (CUDA; the Triton interpreter on CPU in tests).
 
-`prepare` splits the step once into decodes (decode_seqs; decode_rows, their query rows) and prefill chunks (extend_seqs,
-rows [cu_seqlens_q[s], cu_seqlens_q[s + 1])), int32; per layer at most two kernels write their rows of one output."""
+`prepare` splits the step once into decodes and prefill chunks; per layer at most two kernels write one output."""
 from __future__ import annotations
 
 import torch
@@ -12,8 +11,6 @@ from radixserve.runner.kv_cache import KVCache
 
 
 class TritonAttentionBackend:
-    """Reads any stored dtype (fp32, bf16, FP8 with per-(layer, KV head) scales), computes in fp32, outputs q's dtype."""
-
     name = "triton"
 
     def __init__(self, kv: KVCache):

@@ -1,9 +1,8 @@
 """Triton kernels of paged attention: decode (one query token per sequence) and extend (a prefill chunk over its cached prefix).
 
 Pages are read in-kernel (PagedAttention, Kwon et al. 2023), keys in blocks of BLOCK_N with an online softmax
-(Milakov & Gimelshein 2018) tiled as in FlashAttention (Dao et al. 2022). Key p of sequence s, head h is
-K[h, page_table[s, p // page_size], p % page_size]; K and V scales fold into the score scale and the output. Scores,
-softmax and accumulation are fp32; products take q's dtype (fp32 ones with input_precision="ieee": no TF32)."""
+(Milakov & Gimelshein 2018) tiled as in FlashAttention (Dao et al. 2022); K and V scales fold into the score scale and
+the output. Scores, softmax and accumulation are fp32; products take q's dtype (fp32 with input_precision="ieee")."""
 from __future__ import annotations
 
 import torch
@@ -21,8 +20,7 @@ def _key_offsets(PageTable, seq, stride_pt, pos, valid, stride_kp, stride_kt, PA
 
 @triton.jit
 def _online_softmax_block(q, kt, v, visible, qk_scale, m_i, l_i, acc):
-    """q (R, D), kt (D, N), v (N, D) stored values, visible (R, N) or broadcastable; m_i, l_i (R,) running max
-    and sum (base 2), acc (R, D) fp32 -> the updated (m_i, l_i, acc)."""
+    """q (R, D), kt (D, N), v (N, D), visible (R, N); running max and sum m_i, l_i (R,) (base 2), acc (R, D) fp32."""
     qk = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * qk_scale
     qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -123,7 +121,6 @@ def extend_kernel(Q, K, V, KScale, VScale, Out, PageTable, ContextLens, CuSeqlen
 
 
 def _block_d(head_dim: int) -> int:
-    """Head dim padded to a power of two, at least 16 (the smallest tl.dot operand on GPUs)."""
     return max(16, triton.next_power_of_2(head_dim))
 
 
@@ -140,9 +137,8 @@ def _block_n(q: torch.Tensor, head_dim: int) -> int:
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
                  v_scale: torch.Tensor, out: torch.Tensor, page_table: torch.Tensor,
                  context_lens: torch.Tensor, seq_idx: torch.Tensor, q_rows: torch.Tensor) -> None:
-    """Sequences seq_idx (n,) int32 with query rows q_rows (n,) int32 of q (T, H, D), last dim contiguous; writes those
-    rows of out (T, H, D). k, v (KV, num_pages, page_size, D) stored dtype; k_scale, v_scale (KV,) fp32;
-    page_table (B, max_pages) int32; context_lens (B,) int32."""
+    """Sequences seq_idx (n,) int32 with query rows q_rows (n,) int32 of q (T, H, D), last dim contiguous, into those rows
+    of out; k, v, scales as KVCache.kernel_view gives them; page_table (B, max_pages), context_lens (B,) int32."""
     num_kv, _, page_size, head_dim = k.shape
     group = q.shape[1] // num_kv
     decode_kernel[(seq_idx.shape[0], num_kv)](
@@ -157,8 +153,7 @@ def paged_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: tor
                  v_scale: torch.Tensor, out: torch.Tensor, page_table: torch.Tensor,
                  context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_idx: torch.Tensor,
                  max_q_len: int) -> None:
-    """Causal attention of chunks seq_idx (n,) int32, rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]) of q, over their whole
-    context; writes those rows of out. max_q_len: the longest chunk. Other arguments as in paged_decode."""
+    """Chunks seq_idx (n,) int32, rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]) of q, causally; else as paged_decode."""
     num_kv, _, page_size, head_dim = k.shape
     num_heads = q.shape[1]
     block_m = block_n = _block_n(q, head_dim)
