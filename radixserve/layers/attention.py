@@ -8,6 +8,6 @@ import torch
 
 class Attention(Protocol):
     """Bound to one step, called per layer: q (T, H, D), k, v (T, KV, D) in row order, any strides, compute dtype.
-    Writes k, v at the step's slots; returns (T, H * D) contiguous in q's dtype, rows attending causally over their context."""
+    Writes k, v at the step's slots; returns (T, H * D) contiguous in q's dtype, each row causal over its context."""
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...

@@ -1,7 +1,6 @@
 """Linear layers (plain and fused QKV / gate-up) with CPU fast paths for skinny inputs.
 
-M == 1 takes the path row_path.py times, M > 1 a oneDNN-packed weight; quantized shards run on quant_linear.py's
-kernels, a quantized model's LM head on screened_head.py. The paths and their trade-offs: docs/runner.md."""
+M == 1 takes row_path.py's timed path, M > 1 a oneDNN-packed weight, quantized shards quant_linear.py (docs/runner.md)."""
 from __future__ import annotations
 
 import logging
@@ -59,8 +58,8 @@ class Linear(torch.nn.Module):
         self.weight = weight
 
     def prepare(self, batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
-        """Build the fast paths; with `batch_invariant` every M is packed (ValueError where it cannot). A quantized
-        layer runs up to `quantized_max_tokens` rows (0: all) on its kernel, more on a kept dequantized copy."""
+        """Build the fast paths (ValueError where `batch_invariant` cannot be met); a quantized layer runs up to
+        `quantized_max_tokens` rows (0: all) on its kernel, more on a kept dequantized copy."""
         self._split, self._packed, self._packed_dtype, self._screen = None, None, None, None
         self._row = None
         if self._quant_shards:
@@ -103,7 +102,6 @@ class Linear(torch.nn.Module):
         self._row = path
 
     def _pack(self, w: torch.Tensor) -> None:
-        """Prepack `w` for oneDNN (inputs are cast to its dtype); where it cannot, log once per dtype, keep F.linear."""
         if not torch.backends.mkldnn.is_available():
             return
         try:

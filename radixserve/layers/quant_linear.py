@@ -30,7 +30,6 @@ class Int4Weight:
         return tuple(self.codes.shape)
 
     def take_rows(self, index: torch.Tensor) -> Int4Weight:
-        """Rows reordered by `index` (N,) int64 (llama.cpp's q/k permutation, GLM's RoPE rows)."""
         return Int4Weight(*(t.index_select(0, index) for t in (self.codes, self.scale, self.zero)))
 
     def dequantize(self) -> torch.Tensor:
@@ -40,8 +39,7 @@ class Int4Weight:
 
 
 class Int4Matmul:
-    """y = x @ W.T, W the row-wise concatenation of `weights`: x (M, K) fp32 or bf16 -> (M, N) in x's dtype (bf16 with
-    `cast_back=False`). Raises ValueError when the shards' K differ or N is not a multiple of 16."""
+    """x (M, K) @ W.T -> (M, N), W the shards' rows stacked; ValueError unless they share K and N % 16 == 0."""
 
     def __init__(self, weights: list[Int4Weight]):
         if len({w.shape[1] for w in weights}) != 1:

@@ -27,8 +27,7 @@ def rope_inv_freq(head_dim: int, theta: float, rope_type: str | None = None, fac
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos / signed-sin tables for positions [0, max_position); `inv_freq` has rotary_dim / 2 entries. With
-    rotary_dim < head_dim (GLM) the first rotary_dim dims rotate, pairing (i, i + rotary_dim / 2); the rest pass through."""
+    """cos / signed-sin tables for [0, max_position); with rotary_dim < head_dim only the first rotary_dim dims rotate."""
 
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor,
                  dtype: torch.dtype = torch.float32, rotary_dim: int | None = None):
@@ -48,7 +47,6 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_cache", cos.to(dtype), persistent=False)
         self.register_buffer("sin_cache", sin.to(dtype), persistent=False)
         self.half = half
-        # partial rotary: rotate_half as an index gather; None: a plain roll
         perm = torch.cat([torch.arange(half, rot), torch.arange(half), torch.arange(rot, head_dim)])
         self.register_buffer("partner", perm if rot < head_dim else None, persistent=False)
 

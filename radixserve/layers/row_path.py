@@ -18,8 +18,8 @@ MAX_TIMED_BYTES = 1 << 30
 
 
 def choose(layers: Sequence, rounds: int = 3, clock: Callable[[], float] = time.perf_counter) -> str | None:
-    """Set on every Linear of `layers` that offers one the fastest single-row path all offer; return it (None: no
-    choice). A pinned path the layers cannot take leaves their default. Raises ValueError for an unknown pinned path."""
+    """Set the fastest single-row path all `layers` offer on each and return it (None: none to choose); ValueError for
+    an unknown pinned path."""
     layers = [m for m in layers if m.row_paths()]
     if not layers:
         return None

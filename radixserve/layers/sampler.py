@@ -2,8 +2,7 @@
 
 Per row (vLLM v1 order): logprobs of the RAW logits; logit_bias, repetition (CTRL / HF), frequency and presence (OpenAI)
 penalties, EOS and stop ids masked while min_tokens_left > 0; argmax, or temperature, min-p, top-k, top-p and an
-inverse-CDF draw seeded by (seed, output length) alone. A drawn token always has probability > 0 where it was drawn.
-"""
+inverse-CDF draw seeded by (seed, output length) alone. A drawn token always has probability > 0 where it was drawn."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -60,8 +59,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow],
                constrain: Callable[[torch.Tensor], None] | None = None) -> list[TokenLogprob]:
-        """logits (R, V) fp32 raw, one row per `rows`; `constrain` masks in place after the penalties. One TokenLogprob
-        per row with params.logprobs top entries; NaN logprobs when no row of the batch asked for any."""
+        """logits (R, V) fp32 raw; `constrain` masks in place after the penalties. NaN logprobs if no row asked for any."""
         assert logits.shape[0] == len(rows), "one logits row per sample row"
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -143,9 +141,8 @@ class Sampler:
         return picked.squeeze(1)
 
     def verify(self, logits: torch.Tensor, row: SampleRow, draft: Sequence[int]) -> tuple[list[TokenLogprob], TokenLogprob]:
-        """Verify a deterministic draft: `logits` (k + 1, V) raw, row i processed as the step after draft[:i] -> (accepted
-        tokens, next token). Speculative sampling with a point-mass draft (Leviathan et al. 2023; Chen et al. 2023): accept
-        d with p(d), else draw from p without d; tokens are distributed exactly as without speculation."""
+        """`logits` (k + 1, V) raw, row i the step after draft[:i] -> (accepted tokens, next token); speculative sampling
+        with a point-mass draft (Leviathan et al. 2023; Chen et al. 2023): accept d with p(d), else draw from p without d."""
         k = len(draft)
         rows = [_Shifted(row, list(draft[:i])) for i in range(k + 1)]
         picks = self._plain_greedy(logits, rows) if row.params.is_greedy else None
@@ -181,7 +178,6 @@ class Sampler:
 
     @staticmethod
     def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
-        """Index drawn from non-negative `weights` (V,) by uniform u; never a zero-weight index."""
         cdf = torch.cumsum(weights, dim=0)
         i = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype), right=True)[0])
         i = min(i, weights.shape[0] - 1)

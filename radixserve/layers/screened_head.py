@@ -1,7 +1,6 @@
 """A screened LM head for small decode steps of a quantized model: int8 logits for the whole vocabulary, the largest recomputed in fp32.
 
-logits[r] = the int8 logits, except logits[r, top] = weight[top] @ x[r] (+ bias) for the exact_top largest: greedy
-picks are fp32's whenever fp32's argmax ranks within that top (docs/benchmarks.md, "Screened LM head")."""
+The exact_top largest int8 logits of each row are recomputed from the fp32 weight (docs/runner.md)."""
 from __future__ import annotations
 
 import torch
