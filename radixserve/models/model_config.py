@@ -37,8 +37,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """A routed-experts MLP (models/moe.py): `scoring` "softmax" (Qwen3-MoE) or "sigmoid" (GLM-4.5, group-limited top-k);
-    shared experts form one MLP of width intermediate_size * num_shared_experts; `dense_layers` use the plain MLP."""
+    """Routed experts (models/moe.py): `scoring` "softmax" (Qwen3-MoE) or "sigmoid" (GLM-4.5); `dense_layers` use the MLP."""
 
     num_experts: int
     top_k: int
@@ -136,8 +135,7 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], tensor_names: Collection[str]) -> ModelConfig:
-        """Normalise GGUF metadata as llama.cpp reads it; the optional tensors present set biases, q/k norms and tying.
-        GLM-4.5's MTP layers are not counted in num_layers. Raises ValueError naming what is missing or unsupported."""
+        """Normalise GGUF metadata as llama.cpp reads it (MTP layers not counted); ValueError naming what is unsupported."""
         arch = meta["general.architecture"]
         family = GGUF_FAMILIES.get(arch)
         if family is None:
@@ -219,8 +217,7 @@ def _moe(family: str, cfg: dict[str, Any]) -> MoEConfig | None:
 
 
 def _gguf_moe(arch: str, family: str, get: Callable[..., Any], num_layers: int) -> MoEConfig | None:
-    """The routed-experts settings llama.cpp reads for qwen3moe (fixed: softmax, renormalised, whatever the file says)
-    and glm4moe (from the file); None otherwise. Raises ValueError for a gating function other than softmax / sigmoid."""
+    """MoE settings as llama.cpp reads them (qwen3moe: always softmax, renormalised); ValueError for other gating."""
     if family not in ("qwen3_moe", "glm4_moe"):
         return None
     experts = dict(num_experts=get("expert_count"), top_k=get("expert_used_count"),

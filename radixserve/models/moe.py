@@ -1,8 +1,7 @@
 """Routed-experts MLP (mixture of experts): the router, the experts grouped by expert, and the shared experts.
 
-Routers as transformers implements them: "softmax" (Qwen3MoeTopKRouter) and "sigmoid" (Glm4MoeTopkRouter, DeepSeek-V3's
-noaux_tc: correction_bias steers group-limited selection only). Each active expert runs one matmul over its tokens,
-oneDNN-packed on CPU; a token's expert outputs are summed in ascending expert order, as transformers adds them."""
+Routers as transformers' Qwen3MoeTopKRouter (softmax) and Glm4MoeTopkRouter (sigmoid, DeepSeek-V3's noaux_tc); one
+matmul per active expert; a token's expert outputs are summed in ascending expert order, as transformers adds them."""
 from __future__ import annotations
 
 import logging
@@ -95,7 +94,6 @@ class Experts(torch.nn.Module):
         self._down_packed = _packed(list(self.down.data), batch_invariant)
 
     def checkpoint_names(self) -> list[str]:
-        """`{expert}.{projection}` for every tensor `load_expert` must receive."""
         return [f"{e}.{p}" for e in range(self.gate_up.shape[0]) for p in PROJECTIONS]
 
     def load_expert(self, expert: int, projection: str, tensor: torch.Tensor) -> None:
