@@ -7,12 +7,7 @@ import torch
 
 
 class Attention(Protocol):
-    """Attention bound to one step, called once per layer by the model.
-
-    `__call__(layer_id, q, k, v)`: q (T, H, D), k and v (T, KV, D) for the step's tokens in
-    row order, any strides, compute dtype. Writes k, v into the KV cache at the step's slot
-    mapping, then returns (T, H * D) contiguous in q's dtype: each row attends causally to
-    its sequence's context (cached prefix plus the step's own tokens).
-    """
+    """Bound to one step, called per layer: q (T, H, D), k, v (T, KV, D) in row order, any strides, compute dtype.
+    Writes k, v at the step's slots; returns (T, H * D) contiguous in q's dtype, each row causal over its context."""
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...

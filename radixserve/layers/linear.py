@@ -1,28 +1,6 @@
 """Linear layers (plain and fused QKV / gate-up) with CPU fast paths for skinny inputs.
 
-Why fast paths: on CPU, MKL's GEMV/small-M GEMM runs on one thread and reaches about half
-the memory bandwidth (our own probes: `F.linear` at M=1 on the 538 MB of
-SmolLM2 weights takes ~46 ms, the split-bmm below ~12 ms). So after loading:
-- M == 1 (batch-1 decode): one of three kernels, timed on the model's layers at start-up
-  (row_path.py): the weight viewed as `(s, out/s, in)` and multiplied with one `bmm`, which
-  MKL parallelises over the s slices (`split`); plain `F.linear` (`linear`); the packed
-  oneDNN weight below (`packed`). Which reads memory fastest differs from CPU to CPU.
-- M > 1: a oneDNN prepacked weight (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's
-  freezing uses) avoids per-call reorders; 2-2.5x faster than `F.linear` at M = 2..64.
-Both fall back to `F.linear` where unavailable (non-CPU, no oneDNN).
-Quantized checkpoints (`--quantization int4|int8|auto`): a layer whose every shard was loaded as
-an `Int4Weight` (or every one as an `Int8Weight`) runs on that kernel instead (quant_linear.py)
-and keeps no float weight; with `quantized_max_tokens` N > 0 it also keeps the float weight
-(dequantized, with its fast paths) and runs inputs of more than N rows on it: torch's CPU int4 /
-int8 kernels re-dequantize per block of rows and lose to the fp32 GEMM from ~12-16 rows on AVX2.
-Where the CPU multiplies bf16 natively (`native_bf16()`: AVX512_BF16 or AMX), that kept float
-weight is a bf16 copy instead: the kernel already rounds activations, weights and output to bf16,
-so the large steps lose little more, and run 1.6-1.9x faster (prefill) on half the bytes.
-Batch-invariant mode (`prepare(batch_invariant=True)`, for --enable-deterministic-inference) uses
-the packed oneDNN path for every M, M == 1 included: see batch_invariant.py.
-A quantized model's LM head (`enable_screened_head`) runs steps of a few rows on an int8 copy
-and recomputes the largest logits from the fp32 weight (screened_head.py).
-"""
+M == 1 takes row_path.py's timed path, M > 1 a oneDNN-packed weight, quantized shards quant_linear.py (docs/runner.md)."""
 from __future__ import annotations
 
 import logging
@@ -35,18 +13,12 @@ from radixserve.layers.quant_linear import MATMULS, Int8Weight, QuantWeight, ker
 from radixserve.layers.screened_head import ScreenedHead
 
 logger = logging.getLogger(__name__)
-_UNPACKABLE: set[torch.dtype] = set()   # dtypes whose prepacking failed (already logged)
+_UNPACKABLE: set[torch.dtype] = set()
 
 
 class Linear(torch.nn.Module):
-    """y = x @ weight.T (+ bias). weight: (out_features, in_features); x: (M, in) -> (M, out).
-
-    `shards` names row ranges of a fused weight, e.g. {"q": (0, 576), "k": (576, 192), ...};
-    a checkpoint tensor for one shard is copied into its rows by `load(tensor, shard)`, or kept
-    as is when it is a quantized weight (quant_linear.py) until `prepare()` packs the layer
-    (or dequantizes it).
-    Call `prepare()` once after the final weights and dtype are in place.
-    """
+    """y = x @ weight.T (+ bias), weight (out, in). `shards`: name -> (first row, rows) of a fused weight, each loaded
+    by `load(tensor, shard)`. Call `prepare()` once the final weights and dtype are in place."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  shards: dict[str, tuple[int, int]] | None = None):
@@ -56,19 +28,18 @@ class Linear(torch.nn.Module):
         self.bias = (torch.nn.Parameter(torch.zeros(out_features), requires_grad=False)
                      if bias else None)
         self.shards = shards or {}
-        self._split: torch.Tensor | None = None    # (s, out/s, in) view for M == 1
-        self._row: str | None = None               # M == 1 path (row_path.PATHS); None: no float one
-        self._packed: torch.Tensor | None = None   # oneDNN-layout weight for M > 1
-        self._packed_dtype: torch.dtype | None = None   # its dtype (inputs are cast to it)
+        self._split: torch.Tensor | None = None
+        self._row: str | None = None
+        self._packed: torch.Tensor | None = None
+        self._packed_dtype: torch.dtype | None = None
         self._quant_shards: dict[str | None, QuantWeight] = {}
-        self._quant = None                         # Int4Matmul or Int8Matmul
-        self._quant_max_rows = 0                   # > 0: larger inputs take the float weight
-        self._screen: ScreenedHead | None = None   # int8 screen of the LM head for small M
+        self._quant = None
+        self._quant_max_rows = 0
+        self._screen: ScreenedHead | None = None
         self._screen_max_rows = 0
 
     def load(self, tensor: torch.Tensor | QuantWeight, shard: str | None = None, is_bias: bool = False) -> None:
-        """Copy a checkpoint tensor ((rows, in) or (rows,) for a bias) into the weight or one
-        shard; a quantized weight is kept for `prepare()`. Raises ValueError on a shape mismatch."""
+        """Raises ValueError on a shape mismatch; a quantized weight is kept for `prepare()`."""
         target = self.bias if is_bias else self.weight
         assert target is not None, "checkpoint has a bias this layer was built without"
         if shard is not None:
@@ -83,15 +54,12 @@ class Linear(torch.nn.Module):
             target.copy_(tensor)
 
     def tie(self, weight: torch.nn.Parameter) -> None:
-        """Share another module's weight (tied input embedding and LM head)."""
         assert tuple(weight.shape) == (self.out_features, self.in_features), "tied shapes differ"
         self.weight = weight
 
     def prepare(self, batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
-        """Build the CPU fast paths for the current weight (see module docstring). With
-        `batch_invariant` every M takes the packed path; raises ValueError where it cannot.
-        A quantized layer runs inputs of up to `quantized_max_tokens` rows (0: all) on its
-        kernel and larger ones on the dequantized float weight, then kept as well."""
+        """Build the fast paths (ValueError where `batch_invariant` cannot be met); a quantized layer runs up to
+        `quantized_max_tokens` rows (0: all) on its kernel, more on a kept dequantized copy."""
         self._split, self._packed, self._packed_dtype, self._screen = None, None, None, None
         self._row = None
         if self._quant_shards:
@@ -106,22 +74,20 @@ class Linear(torch.nn.Module):
         if w.device.type != "cpu":
             return
         if self._quant_max_rows and w.dtype == torch.float32 and native_bf16():
-            self._pack(w.to(torch.bfloat16))          # like the kernel: bf16 (module docstring)
+            self._pack(w.to(torch.bfloat16))
         else:
             splits = next((s for s in (4, 2) if self.out_features % s == 0), 0)
             if splits and w.dtype == torch.float32:
                 self._split = w.view(splits, self.out_features // splits, self.in_features)
             self._pack(w)
-        if self._quant_max_rows and self._packed is not None:   # M = 1 runs on the kernel
+        if self._quant_max_rows and self._packed is not None:
             self._split = None
             self.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
-        elif not self._quant_max_rows:   # until row_path.choose times them: split, else packed
+        elif not self._quant_max_rows:
             self._row = "split" if self._split is not None else "packed" if self._packed is not None else "linear"
 
     def row_paths(self) -> tuple[str, ...]:
-        """The single-row paths this layer can take (row_path.PATHS), () where M = 1 does not
-        run on its float weight (a quantized kernel or screened head, batch-invariant mode, not
-        on the CPU)."""
+        """Single-row paths this layer can take (row_path.PATHS); () where M = 1 does not run on its float weight."""
         if self._row is None or self._screen is not None:
             return ()
         return tuple(p for p, ok in (("split", self._split is not None), ("linear", True),
@@ -129,38 +95,30 @@ class Linear(torch.nn.Module):
 
     @property
     def row_path(self) -> str | None:
-        """The path M = 1 inputs take on the float weight (row_path.PATHS), None where none does."""
         return self._row
 
     def use_row_path(self, path: str) -> None:
-        """Run M = 1 inputs on `path`, one of `row_paths()` (row_path.choose picks it)."""
         assert path in self.row_paths(), f"{path!r} not among {self.row_paths()}"
         self._row = path
 
     def _pack(self, w: torch.Tensor) -> None:
-        """Prepack `w` for oneDNN (its dtype becomes the inputs'); one log line per dtype
-        where this build cannot, and the layer keeps F.linear."""
         if not torch.backends.mkldnn.is_available():
             return
         try:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, bi.PACK_BATCH_HINT)
             self._packed_dtype = w.dtype
-        except (RuntimeError, AttributeError) as exc:  # older/odd builds, bf16 without AVX-512
-            if w.dtype not in _UNPACKABLE:   # one line per dtype, not one per layer
+        except (RuntimeError, AttributeError) as exc:
+            if w.dtype not in _UNPACKABLE:
                 _UNPACKABLE.add(w.dtype)
                 logger.warning("oneDNN weight prepacking unavailable for %s (%s); using F.linear",
                                str(w.dtype).removeprefix("torch."), exc)
 
     @property
     def quantized(self) -> bool:
-        """Whether this layer runs on a quantized kernel (for some input sizes at least)."""
         return self._quant is not None
 
     def enable_screened_head(self, max_rows: int, exact_top: int) -> bool:
-        """Run inputs of up to `max_rows` rows on an int8 screen of this fp32 CPU weight with the
-        `exact_top` largest outputs of each row recomputed in fp32 (screened_head.py; +1 byte
-        per weight). Returns False where it cannot: not an fp32 CPU weight, or no int8 kernel
-        on this CPU (kernel_available logs that once)."""
+        """Run up to `max_rows` rows on screened_head.py; False where it cannot (not an fp32 CPU weight, no int8 kernel)."""
         w = self.weight.data
         if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() == 0:
             return False
@@ -171,10 +129,7 @@ class Linear(torch.nn.Module):
         return True
 
     def _prepare_quant(self, batch_invariant: bool, keep_float: bool = False) -> bool:
-        """Pack the quantized shards for their kernel and drop the float weight (`keep_float`:
-        dequantize them into it as well); or, where the layer cannot run on it (shards missing
-        or of two kinds, no kernel, a non-CPU weight, batch-invariant mode), only dequantize
-        them into the float weight. Returns whether it packed."""
+        """Pack the quantized shards (dropping the float weight unless `keep_float`), else dequantize; whether it packed."""
         order = [None] if None in self._quant_shards else list(self.shards)
         kinds = {type(q) for q in self._quant_shards.values()}
         complete = all(s in self._quant_shards for s in order) and len(kinds) == 1
@@ -195,23 +150,20 @@ class Linear(torch.nn.Module):
         return False
 
     def _dequantize_into(self, w: torch.Tensor) -> None:
-        """Copy every quantized shard's float32 dequantization into its rows of `w`."""
         for shard, q in self._quant_shards.items():
             rows = w if shard is None else w.narrow(0, *self.shards[shard])
             rows.copy_(q.dequantize())
         self._quant_shards = {}
 
     def forward(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
-        """x: (M, in) -> (M, out) in x's dtype; with `cast_back=False`, in the dtype the path
-        computed in where that differs (bf16 from a quantized kernel or a bf16 copy), saving
-        a cast of the output when the next op takes that dtype anyway."""
+        """x (M, in) -> (M, out) in x's dtype, or with `cast_back=False` in the dtype the path computed in."""
         if self._screen is not None and x.shape[0] <= self._screen_max_rows and x.dtype == torch.float32:
             return self._screen(x, self.weight, self.bias)
         if self._quant is not None and (not self._quant_max_rows or x.shape[0] <= self._quant_max_rows):
             y = self._quant(x, cast_back)
             return y if self.bias is None else y.add_(self.bias)
         if x.shape[0] == 1 and self._row == "split":
-            s, same = self._split.shape[0], x.dtype == self._split.dtype   # same: the hot path
+            s, same = self._split.shape[0], x.dtype == self._split.dtype
             xt = (x if same else x.to(self._split.dtype)).t().unsqueeze(0).expand(s, -1, 1)
             y = torch.bmm(self._split, xt).view(1, self.out_features)
             y = y if self.bias is None else y.add_(self.bias)

@@ -9,8 +9,7 @@ import torch
 def rope_inv_freq(head_dim: int, theta: float, rope_type: str | None = None, factor: float = 1.0,
                   low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
                   original_max_position: int | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] fp32, computed like transformers' rope init functions
-    (default, `linear`, `llama3`) so positions map to bit-identical angles."""
+    """(head_dim // 2,) fp32, as transformers' rope init functions compute them, so angles are bit-identical."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope_type == "linear":
         return inv_freq / factor
@@ -28,13 +27,7 @@ def rope_inv_freq(head_dim: int, theta: float, rope_type: str | None = None, fac
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos / signed-sin tables for positions [0, max_position).
-
-    `rotary_dim` < head_dim (partial rotary, GLM): only the first rotary_dim dims of each head
-    rotate, pairing (i, i + rotary_dim / 2); the rest pass through (cos 1, sin 0 in the tables).
-    `inv_freq` has rotary_dim / 2 entries. `cos_sin(positions)` is called once per step;
-    `apply` once per layer.
-    """
+    """cos / signed-sin tables for [0, max_position); with rotary_dim < head_dim only the first rotary_dim dims rotate."""
 
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor,
                  dtype: torch.dtype = torch.float32, rotary_dim: int | None = None):
@@ -42,11 +35,11 @@ class RotaryEmbedding(torch.nn.Module):
         rot = rotary_dim or head_dim
         assert inv_freq.shape[0] * 2 == rot, "inv_freq must have rotary_dim / 2 entries"
         pos = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = pos[:, None] * inv_freq[None, :]                   # (P, rot/2), as transformers does
-        emb = torch.cat((freqs, freqs), dim=-1)                    # (P, rot)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
         half = rot // 2
         sin = emb.sin()
-        sin[:, :half] = -sin[:, :half]                            # rotate_half's sign folded in
+        sin[:, :half] = -sin[:, :half]
         cos = emb.cos()
         if rot < head_dim:
             cos = torch.cat([cos, torch.ones(max_position, head_dim - rot)], dim=-1)
@@ -54,7 +47,6 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_cache", cos.to(dtype), persistent=False)
         self.register_buffer("sin_cache", sin.to(dtype), persistent=False)
         self.half = half
-        # Partial: rotate_half within the first `rot` dims as an index gather; None = a plain roll.
         perm = torch.cat([torch.arange(half, rot), torch.arange(half), torch.arange(rot, head_dim)])
         self.register_buffer("partner", perm if rot < head_dim else None, persistent=False)
 
@@ -63,12 +55,7 @@ class RotaryEmbedding(torch.nn.Module):
         return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: (T, heads, D), any strides -> rotated (T, heads, D) contiguous.
-
-        out = x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1]; the minus sign
-        lives in the sin table, so rotate_half is a plain roll by D/2 (a gather of each dim's
-        partner for partial rotary, where the pass-through dims get x * 1 + x * 0 = x).
-        """
+        """x (T, heads, D), any strides -> x * cos + rotate_half(x) * sin, contiguous; the minus sign is in the sin table."""
         if self.partner is not None:
             return torch.addcmul(x * cos, x.index_select(-1, self.partner), sin)
         return torch.addcmul(x * cos, torch.roll(x, self.half, dims=-1), sin)

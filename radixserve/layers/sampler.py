@@ -1,25 +1,8 @@
 """Sampling: penalties, min-tokens masking, temperature / min-p / top-k / top-p, seeded draws, and logprobs.
 
-Order per row (vLLM v1 semantics): logprobs are taken from the RAW logits; then logit_bias
-(OpenAI: added to the given token ids' logits, in [-100, 100]); then repetition
-penalty (over prompt + output ids: positive logits divided, negative multiplied, as in
-CTRL / HF), frequency and presence penalties (over output ids, OpenAI formula
-`logit -= freq * count + pres * (count > 0)`), eos + stop ids masked while
-`min_tokens_left > 0`; greedy rows take the argmax, other rows apply temperature, min-p,
-top-k, top-p and draw one token by inverse CDF with a uniform from a torch.Generator seeded
-by hash(seed, number of output ids) -- so a row's uniform draw depends only on its own
-request, never on what else is batched or on preemption. (The logits themselves are
-batch-invariant only under --enable-deterministic-inference; see docs/runner.md.)
-
-Numerical safety (issue 11): penalised logits are made finite-or-minus-infinity (NaN -> -inf,
-+inf -> the float32 maximum, so an overflowing penalty saturates instead of poisoning the row);
-temperature divides max-subtracted logits (x - max <= 0, so any T > 0 gives values in [-inf, 0]
-and the max stays exactly 0: no overflow, no NaN); min-p compares in log space; top-p always
-keeps the most likely token. Whatever happens, a drawn token whose processed probability is
-zero or not finite (a degenerate row, float rounding past the end of the CDF) is replaced by
-the argmax of the processed logits: the sampled token always has probability > 0 under the
-distribution it was drawn from, and never falls through to the last vocabulary id.
-"""
+Per row (vLLM v1 order): logprobs of the RAW logits; logit_bias, repetition (CTRL / HF), frequency and presence (OpenAI)
+penalties, EOS and stop ids masked while min_tokens_left > 0; argmax, or temperature, min-p, top-k, top-p and an
+inverse-CDF draw seeded by (seed, output length) alone. A drawn token always has probability > 0 where it was drawn."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -38,8 +21,6 @@ _ACCEPT_STREAM, _RESIDUAL_STREAM = 0x5EC0A, 0x5EC0B   # seed salts of speculativ
 
 
 class SampleRow(Protocol):
-    """What the sampler reads of one row (ScheduledSeq satisfies it)."""
-
     request_id: str
     params: SamplingParams
     seed: int
@@ -57,9 +38,8 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> list[TokenLogprob]:
-    """Log-softmax of raw `logits` (R, V) fp32 at `token_ids` (R,) int64, plus the top_k
-    most likely per row (top_k = 0: none) and each row's largest logprob (`top_logprob`)."""
-    logprobs = torch.log_softmax(logits, dim=-1)             # (R, V); faster than logsumexp on CPU
+    """Log-softmax of raw `logits` (R, V) fp32 at `token_ids` (R,) int64, with the top_k most likely per row."""
+    logprobs = torch.log_softmax(logits, dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
     best = logprobs.max(dim=-1).values.tolist()
     ids = token_ids.tolist()
@@ -72,9 +52,6 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) ->
 
 
 class Sampler:
-    """Samples one token per row. `eos_token_ids` are masked (with each row's stop_token_ids)
-    while a row's min_tokens_left > 0."""
-
     def __init__(self, vocab_size: int, eos_token_ids: frozenset[int]):
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
@@ -82,11 +59,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow],
                constrain: Callable[[torch.Tensor], None] | None = None) -> list[TokenLogprob]:
-        """logits: (R, V) fp32 raw model logits, one row per entry of `rows`; `constrain` sets
-        the logits of tokens a row may not sample to -inf in place (structured output), after
-        the penalties. Returns one TokenLogprob per row; top lists hold `params.logprobs`
-        entries (0 when None); logprobs are those of the raw logits, NaN when no row of the
-        batch asked for logprobs (the engine passes them on only to requests that asked)."""
+        """logits (R, V) fp32 raw; `constrain` masks in place after the penalties. NaN logprobs if no row asked for any."""
         assert logits.shape[0] == len(rows), "one logits row per sample row"
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -101,38 +74,31 @@ class Sampler:
                 tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
                 tokens[greedy] = x[greedy].argmax(dim=-1)
                 tokens[drawn] = self._draw(x[drawn], [rows[i] for i in drawn])
-        if not any(r.params.wants_logprobs for r in rows):   # nobody reads them: skip the log-softmax
+        if not any(r.params.wants_logprobs for r in rows):
             return [TokenLogprob(t, math.nan, []) for t in tokens.tolist()]
         k = max((r.params.logprobs or 0) for r in rows)
         out = token_logprobs(logits, tokens, k)
         return [TokenLogprob(s.token_id, s.logprob, s.top[:r.params.logprobs or 0], s.top_logprob)
                 for s, r in zip(out, rows)]
 
-    # ---- logit processing ----------------------------------------------------------------
     def _plain_greedy(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor | None:
-        """(R,) int64 argmax of an all-greedy batch in one pass over `logits`, or None when a
-        row's logits need processing first (penalties, min-tokens masking, or a NaN / +inf /
-        all -inf row, which `max` propagates). The common decode batch: it skips the copy the
-        general path makes (docs/benchmarks.md, "Per-step overhead")."""
+        """All-greedy argmax without a copy; None when a row needs processing (penalties, masks, a non-finite max)."""
         if any(r.params.adjusts_logits or self._min_tokens_masked(r) for r in rows):
             return None
-        top, tokens = logits.max(dim=-1)   # ties: the first index, as argmax
+        top, tokens = logits.max(dim=-1)
         return tokens if bool(torch.isfinite(top).all()) else None
 
     def _min_tokens_masked(self, r: SampleRow) -> bool:
-        """Whether row `r` still masks eos and its stop ids (min_tokens not reached)."""
         return r.min_tokens_left > 0 and bool(self.eos_token_ids or r.params.stop_token_ids)
 
     def _masked(self, logits: torch.Tensor, rows: Sequence[SampleRow],
                 constrain: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
-        """Penalised, finite-or-masked, constrained logits: a new (R, V) tensor."""
-        x = finite_or_masked(self._penalised(logits, rows))   # a new tensor: safe to mask in place
+        x = finite_or_masked(self._penalised(logits, rows))
         if constrain is not None:
             constrain(x)
         return x
 
     def _penalised(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        """Penalties and the min-tokens mask; returns `logits` itself when nothing applies."""
         x = logits
         for i, r in enumerate(rows):
             p = r.params
@@ -141,7 +107,7 @@ class Sampler:
                 continue
             if x is logits:
                 x = logits.clone()
-            if p.logit_bias:   # OpenAI's logit_bias: added before the penalties (vLLM's order)
+            if p.logit_bias:
                 ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=x.device)
                 bias = torch.tensor([b for _, b in p.logit_bias], dtype=x.dtype, device=x.device)
                 x[i].index_add_(0, ids, bias)
@@ -159,39 +125,24 @@ class Sampler:
         return x
 
     def _draw(self, x: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        """x: (n, V) penalised logits of non-greedy rows -> (n,) int64 sampled token ids, each
-        with probability > 0 under the processed distribution (see the module docstring)."""
         x = _processed(x, rows)
-        probs = torch.softmax(x, dim=-1)                                       # (n, V); max-subtracted
-        cdf = torch.cumsum(probs, dim=-1)                                      # (n, V)
+        probs = torch.softmax(x, dim=-1)
+        cdf = torch.cumsum(probs, dim=-1)
         draws = []
-        for r in rows:  # a CPU generator on every device: the same seed gives the same draw
+        for r in rows:  # a CPU generator on every device: a seed draws alike anywhere
             self._generator.manual_seed(step_seed(r.seed, len(r.output_ids)))
             draws.append(torch.rand((), generator=self._generator, dtype=torch.float64).item())
         u = torch.tensor(draws, dtype=x.dtype, device=x.device)[:, None]
-        # First index whose cdf exceeds u * total: never a zero-probability (masked) token,
-        # except when rounding puts u * total at or past the total; the check below catches it.
+        # rounding can put u * total past the total: `degenerate` catches a zero-probability pick
         picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=x.shape[1] - 1)
-        p_picked = probs.gather(1, picked)                                     # (n, 1)
-        degenerate = ~(p_picked > 0) | ~torch.isfinite(x.gather(1, picked))   # NaN-safe
+        p_picked = probs.gather(1, picked)
+        degenerate = ~(p_picked > 0) | ~torch.isfinite(x.gather(1, picked))
         picked = torch.where(degenerate, x.argmax(dim=-1, keepdim=True), picked)
         return picked.squeeze(1)
 
     def verify(self, logits: torch.Tensor, row: SampleRow, draft: Sequence[int]) -> tuple[list[TokenLogprob], TokenLogprob]:
-        """Speculative verification of a deterministic draft (n-gram): `logits` (k + 1, V) raw,
-        row i scoring the token after draft[:i]. Returns (accepted draft tokens, the token
-        that follows them), every one with raw logprobs.
-
-        Position i is processed as the non-speculative sampler would process that step (output
-        ids extended by draft[:i], min_tokens counted down). Greedy accepts the longest prefix
-        equal to the argmax, then takes the argmax. Otherwise speculative sampling (Leviathan et
-        al. 2023; Chen et al. 2023) with a point-mass draft q = delta(d): accept d with
-        probability p(d), else draw from the residual max(p - q, 0), i.e. p without d,
-        renormalised; after k acceptances the last token is drawn exactly as an ordinary step.
-        A greedy row without penalties or masks reads the argmax off the raw logits (as
-        `sample`), and logprobs are NaN unless the request asked for them. The emitted tokens
-        are distributed exactly as without speculation; uniforms come from the request seed
-        and step, so a seed reproduces."""
+        """`logits` (k + 1, V) raw, row i the step after draft[:i] -> (accepted tokens, next token); speculative sampling
+        with a point-mass draft (Leviathan et al. 2023; Chen et al. 2023): accept d with p(d), else draw from p without d."""
         k = len(draft)
         rows = [_Shifted(row, list(draft[:i])) for i in range(k + 1)]
         picks = self._plain_greedy(logits, rows) if row.params.is_greedy else None
@@ -201,7 +152,7 @@ class Sampler:
             j = next((i for i in range(k) if picks[i] != draft[i]), k)
             final = picks[j]
         else:
-            probs = torch.softmax(_processed(x, rows), dim=-1)                  # (k + 1, V)
+            probs = torch.softmax(_processed(x, rows), dim=-1)
             j, final = 0, None
             while j < k and final is None:
                 step = len(row.output_ids) + j
@@ -214,7 +165,7 @@ class Sampler:
             if final is None:
                 final = int(self._draw(x[k:k + 1], rows[k:k + 1])[0])
         ids = list(draft[:j]) + [final]
-        if not row.params.wants_logprobs:   # nobody reads them: skip the log-softmax (as sample)
+        if not row.params.wants_logprobs:
             out = [TokenLogprob(t, math.nan, []) for t in ids]
         else:
             out = token_logprobs(logits[:j + 1], torch.tensor(ids, device=logits.device),
@@ -227,8 +178,6 @@ class Sampler:
 
     @staticmethod
     def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
-        """Index drawn from unnormalised non-negative `weights` (V,) with uniform u; never a
-        zero-weight index (falls back to the largest weight)."""
         cdf = torch.cumsum(weights, dim=0)
         i = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype), right=True)[0])
         i = min(i, weights.shape[0] - 1)
@@ -236,11 +185,10 @@ class Sampler:
 
     @staticmethod
     def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-        """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one:
-        the most likely token stays whatever top_p, even one float32 rounds to 0)."""
+        """Keep the smallest set of most likely tokens whose mass reaches top_p, and always the most likely."""
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs                            # mass strictly above
+        before = torch.cumsum(probs, dim=-1) - probs
         drop = before >= top_p[:, None]
         drop[:, 0] = False
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
@@ -280,21 +228,15 @@ class _Shifted:
 
 
 def finite_or_masked(x: torch.Tensor) -> torch.Tensor:
-    """x with NaN -> -inf (never drawn) and +inf -> the dtype's largest finite value (a
-    saturated logit still competes, and x - max stays defined). -inf entries stay masked."""
-    # One fused pass (a new tensor); the two masked_fill passes it replaces cost 31 ms on a
-    # (64, 49152) fp32 batch on a 2-core AVX2 CPU, nan_to_num 2.5 ms.
+    """A new tensor: NaN -> -inf (never drawn), +inf -> the dtype's largest finite value (x - max stays defined)."""
     return torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
 
 
 def _processed(x: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """(n, V) penalised logits -> (n, V) log-probabilities up to a constant per row, each row's
-    maximum exactly 0 (or all -inf for a row with nothing left): temperature, min-p, top-k,
-    top-p applied. Takes finite or -inf logits (finite_or_masked); values come out <= 0, so
-    nothing overflows whatever the temperature."""
-    top = x.max(dim=-1, keepdim=True).values                                   # (n, 1)
+    """Finite or -inf (n, V) logits -> temperature, min-p, top-k, top-p applied, each row's max exactly 0 (no overflow)."""
+    top = x.max(dim=-1, keepdim=True).values
     temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype, device=x.device)
-    x = (x - top.masked_fill(torch.isinf(top), 0.0)) / temps[:, None]          # (n, V) in [-inf, 0]
+    x = (x - top.masked_fill(torch.isinf(top), 0.0)) / temps[:, None]
     x = x.masked_fill(torch.isnan(x), float("-inf"))
     min_p = [r.params.min_p for r in rows]
     if any(p > 0 for p in min_p):
@@ -304,7 +246,7 @@ def _processed(x: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         x = x.masked_fill(x < log_min_p[:, None], float("-inf"))
     top_k = [r.params.top_k if 0 < r.params.top_k < x.shape[1] else 0 for r in rows]
     if any(top_k):
-        kth = torch.topk(x, max(top_k), dim=-1).values                          # (n, kmax)
+        kth = torch.topk(x, max(top_k), dim=-1).values
         idx = torch.tensor([k - 1 if k else 0 for k in top_k], device=x.device)
         cut = kth.gather(1, idx[:, None])
         cut[torch.tensor(top_k, device=x.device) == 0] = float("-inf")

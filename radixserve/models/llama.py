@@ -1,12 +1,7 @@
 """The generic Llama-family decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP, fused QKV and gate-up.
 
-Relatives are flags of ModelConfig, not copies: Qwen2 (q/k/v bias), Qwen3 (q/k norm), GLM-4
-(q/k/v bias, partial interleaved RoPE, handled by permuting q/k rows at load), GLM-4-0414 (+ post
-norms), GLM-4.5 and Qwen3-MoE (routed experts, models/moe.py).
-
-Attention over the paged KV cache is not done here: each layer hands q, k, v to the
-`Attention` the runner passes in (layers/attention.py), so models never import the runner.
-"""
+Qwen2, Qwen3, GLM-4, GLM-4-0414, GLM-4.5 and Qwen3-MoE are ModelConfig flags, not copies; attention over the paged
+KV cache is the `Attention` the runner passes in (layers/attention.py), so models never import the runner."""
 from __future__ import annotations
 
 import torch
@@ -22,10 +17,7 @@ from radixserve.models.model_config import ModelConfig
 from radixserve.models.moe import Experts, MoE, Router
 
 
-# A quantized model's LM head screens steps of up to this many logit rows in int8 and
-# recomputes the HEAD_EXACT_TOP largest logits of each in fp32 (layers/screened_head.py): 0.5,
-# 0.6 and 1.0 ms at 1, 2 and 4 rows against 1.6-1.7 ms for the fp32 head; at 8 rows it is slower
-# (AVX-512 EPYC, 2 threads; docs/benchmarks.md).
+# A quantized model's LM head screens up to this many rows in int8, HEAD_EXACT_TOP logits exact (layers/screened_head.py).
 HEAD_SCREEN_MAX_ROWS = 4
 HEAD_EXACT_TOP = 64
 
@@ -38,23 +30,20 @@ class LlamaAttention(torch.nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.qkv_proj = QKVLinear(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias)
         self.o_proj = Linear(c.q_size, c.hidden_size, c.o_bias)
-        # Qwen3 / GLM-4.5: RMSNorm over each head of q and k, after the bias, before RoPE.
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: RotaryEmbedding, attn: Attention) -> torch.Tensor:
-        """x: (T, hidden) -> (T, hidden)."""
         num_tokens = x.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)                                          # (T, (H + 2KV) * D)
+        qkv = self.qkv_proj(x)
         qk = qkv[:, :(h + kv) * d].view(num_tokens, h + kv, d)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
-        # q and k rotate together in one pass: (T, H + KV, D).
         qk = rotary.apply(qk, cos, sin)
         v = qkv[:, (h + kv) * d:].view(num_tokens, kv, d)
-        out = attn(self.layer_id, qk[:, :h], qk[:, h:], v)               # (T, H * D)
+        out = attn(self.layer_id, qk[:, :h], qk[:, h:], v)
         return self.o_proj(out)
 
 
@@ -66,9 +55,7 @@ class LlamaMLP(torch.nn.Module):
         self.down_proj = Linear(width, config.hidden_size, config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, hidden) -> (T, hidden), fp32 or (quantized layers) bf16. gate_up's output stays
-        in the dtype it was computed in: a quantized layer rounds down_proj's input to bf16
-        anyway, and casting (T, 2 * I) to fp32 and back costs more than the layer at prefill."""
+        """x (T, hidden) -> (T, hidden); gate_up's output stays in its computed dtype (bf16 for quantized layers)."""
         return self.down_proj(silu_and_mul(self.gate_up_proj(x, cast_back=False)))
 
 
@@ -85,7 +72,6 @@ class LlamaDecoderLayer(torch.nn.Module):
             self.mlp: torch.nn.Module = MoE(c.hidden_size, c.moe, shared)
         else:
             self.mlp = LlamaMLP(c)
-        # GLM-4-0414's "sandwich" norms on each sublayer's output.
         self.post_self_attn_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.post_norms else None
         self.post_mlp_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.post_norms else None
 
@@ -108,8 +94,7 @@ class LlamaModel(torch.nn.Module):
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    """Parameter names follow transformers' (`model.layers.0.self_attn.qkv_proj.weight`, ...),
-    with q/k/v and gate/up fused; `FUSED` tells the weight loader where checkpoint names go."""
+    """Parameter names are transformers' with q/k/v and gate/up fused (`model.layers.0.self_attn.qkv_proj.weight`)."""
 
     # checkpoint name part -> (our fused module name part, shard)
     FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -132,9 +117,8 @@ class LlamaForCausalLM(torch.nn.Module):
                                       rotary_dim=config.rot_dim)
 
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A checkpoint tensor as this model stores it. Interleaved RoPE (GLM-4): each q/k head's
-        rotary rows (weight and bias) reorder from pairs (2i, 2i+1) to (i, i + rot/2), so the
-        rotate-half kernel applies; q.k is unchanged because q and k permute alike."""
+        """A checkpoint tensor as stored here: with interleaved RoPE (GLM-4) q/k rotary rows reorder from pairs
+        (2i, 2i+1) to (i, i + rot/2) for the rotate-half kernel (q.k is unchanged: q and k permute alike)."""
         c = self.config
         if not c.rope_interleaved or not (".q_proj." in name or ".k_proj." in name):
             return tensor
@@ -145,14 +129,10 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def prepare(self, dtype: torch.dtype, device: torch.device | str = "cpu",
                 batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
-        """After loading: move to `device` in the compute dtype, rebuild the RoPE tables in it,
-        and build the linear layers' fast paths (CPU only), or their batch-invariant form
-        (layers/batch_invariant.py; raises ValueError where it cannot be built).
-        `quantized_max_tokens`: see Linear.prepare. When some layer runs quantized, the LM
-        head screens steps of up to HEAD_SCREEN_MAX_ROWS logit rows (layers/screened_head.py).
-        Then the single-row (batch-1) linear path is timed and chosen (layers/row_path.py)."""
+        """After loading: move to `device` and `dtype` (routers stay fp32), build the layers' fast paths or batch-invariant
+        form (ValueError where it cannot be built), screen a quantized model's head, time the single-row path."""
         routers = [m for m in self.modules() if isinstance(m, Router)]
-        kept = [[p.data.float() for p in r.parameters()] for r in routers]   # routers stay fp32
+        kept = [[p.data.float() for p in r.parameters()] for r in routers]
         self.to(device=device, dtype=dtype)
         for router, params in zip(routers, kept):
             for param, data in zip(router.parameters(), params):
@@ -165,20 +145,15 @@ class LlamaForCausalLM(torch.nn.Module):
             elif isinstance(module, (Router, Experts)):
                 module.prepare(batch_invariant)
         if any(isinstance(m, Linear) and m.quantized for m in self.modules()):
-            # A quantized model is not fp32-exact anyway: its LM head (the largest matrix, a
-            # third of the default model's bytes per decode token) reads int8 for small steps,
-            # with the logits that matter recomputed in fp32.
             self.lm_head.enable_screened_head(HEAD_SCREEN_MAX_ROWS, HEAD_EXACT_TOP)
         row_path.choose([m for m in self.modules() if isinstance(m, Linear)])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
                 logit_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
-        """input_ids, positions: (T,) int64; logit_rows: (R,) int64 token rows whose logits
-        are wanted (None: all). `num_layers`: run only the first that many decoder layers, then
-        the final norm and LM head (a self-draft model, runner/draft.py). Returns logits
-        (R, vocab_size) fp32."""
-        cos, sin = self.rotary.cos_sin(positions)                        # (T, 1, D) each, once per step
-        residual = self.model.embed_tokens(input_ids)                    # (T, hidden)
+        """input_ids, positions (T,) int64; logit_rows (R,) int64 (None: all) -> logits (R, vocab_size) fp32.
+        `num_layers`: run only the first that many decoder layers (a self-draft, runner/draft.py)."""
+        cos, sin = self.rotary.cos_sin(positions)
+        residual = self.model.embed_tokens(input_ids)
         for layer in self.model.layers[:num_layers]:
             residual = layer(residual, cos, sin, self.rotary, attn)
         if logit_rows is not None:

@@ -17,8 +17,7 @@ _FAMILIES = {
     "Glm4ForCausalLM": "glm4", "glm4": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe", "glm4_moe": "glm4_moe",
 }
-# GGUF `general.architecture` (llama.cpp's names) -> our family name. llama.cpp converts
-# GlmForCausalLM (GLM-4-9B-hf) to "chatglm", the architecture of the remote-code ChatGLM models.
+# GGUF `general.architecture` (llama.cpp's names) -> our family name; llama.cpp names GLM-4-9B-hf "chatglm".
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
                  "chatglm": "glm", "glm4": "glm4", "glm4moe": "glm4_moe"}
 _REQUIRED = object()
@@ -27,8 +26,7 @@ _GLM = ("glm", "glm4", "glm4_moe")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `linear`: every inverse frequency / factor. `llama3`: Llama 3.1's
-    wavelength-banded scaling (transformers `_compute_llama3_parameters`)."""
+    """`linear`: inv_freq / factor; `llama3`: Llama 3.1's banded scaling (transformers `_compute_llama3_parameters`)."""
 
     rope_type: str
     factor: float
@@ -39,13 +37,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """A routed-experts MLP (glm4_moe: DeepSeek-style; qwen3_moe), see layers/moe.py.
-
-    `scoring`: "softmax" (Qwen3-MoE) or "sigmoid" (GLM-4.5: sigmoid scores, `correction_bias`
-    steering selection only, group-limited top-k over `num_groups` groups keeping `topk_groups`).
-    Weights of the chosen experts are renormalised when `norm_topk_prob`, then scaled by
-    `routed_scaling_factor`. `num_shared_experts` always-on experts form one MLP of width
-    intermediate_size * num_shared_experts. Layers in `dense_layers` use the ordinary MLP."""
+    """Routed experts (models/moe.py): `scoring` "softmax" (Qwen3-MoE) or "sigmoid" (GLM-4.5); `dense_layers` use the MLP."""
 
     num_experts: int
     top_k: int
@@ -61,16 +53,9 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and options of a Llama-family decoder. Head counts are per layer; sizes in elements.
-
-    Flags let relatives reuse the Llama decoder: `qkv_bias` (Qwen2, GLM), `qk_norm` (Qwen3,
-    GLM-4.5 optionally: RMSNorm over each head of q and k before RoPE), `o_bias` / `mlp_bias`
-    (Llama's attention_bias / mlp_bias options), `rotary_dim` (GLM: RoPE over the first
-    rotary_dim dims of each head only; None = all), `rope_interleaved` (GLM-4, GLM-4-0414: RoPE
-    pairs dims (2i, 2i+1), which the loader turns into the half-split layout by permuting q/k
-    rows), `post_norms` (GLM-4-0414: RMSNorm on each sublayer's output before the residual add),
-    `moe` (routed experts, see MoEConfig).
-    """
+    """A Llama-family decoder; head counts per layer, sizes in elements. Relatives' flags: `qk_norm` (RMSNorm per q/k
+    head after the bias, before RoPE), `rotary_dim` (RoPE over the first dims only; None: all), `rope_interleaved`
+    (pairs (2i, 2i+1), permuted at load), `post_norms` (GLM-4-0414: RMSNorm on each sublayer's output), `moe`."""
 
     architecture: str
     vocab_size: int
@@ -107,14 +92,12 @@ class ModelConfig:
 
     @property
     def rot_dim(self) -> int:
-        """Dims of each head RoPE rotates (the first ones)."""
         return self.rotary_dim or self.head_dim
 
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
-    # ---- constructors ------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Normalise a transformers config.json dict (4.x `rope_scaling` or 5.x `rope_parameters`)."""
@@ -152,14 +135,7 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], tensor_names: Collection[str]) -> ModelConfig:
-        """Normalise GGUF key/values (`{arch}.block_count`, ...) as llama.cpp reads them.
-
-        `tensor_names`: the file's tensors; which optional ones exist sets q/k/v and o biases,
-        q/k norms and tied embeddings (no `output.weight`). `{arch}.rope.dimension_count` is the
-        partial-rotary width; GLM-4.5's `block_count` includes its `nextn_predict_layers`
-        multi-token-prediction layers, which are not counted in num_layers. Raises ValueError
-        naming the architecture and what is missing or unsupported.
-        """
+        """Normalise GGUF metadata as llama.cpp reads it (MTP layers not counted); ValueError naming what is unsupported."""
         arch = meta["general.architecture"]
         family = GGUF_FAMILIES.get(arch)
         if family is None:
@@ -204,7 +180,6 @@ class ModelConfig:
             rope_interleaved=family in ("glm", "glm4"), post_norms=family == "glm4",
             moe=_gguf_moe(arch, family, get, num_layers))
 
-    # ---- (de)serialisation for the dequantized-weight cache ----------------------------------
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
@@ -221,8 +196,6 @@ class ModelConfig:
 def _moe(family: str, cfg: dict[str, Any]) -> MoEConfig | None:
     """The routed-experts settings of a glm4_moe or qwen3_moe config.json (None otherwise)."""
     layers = range(cfg["num_hidden_layers"])
-    # Released configs name the expert count n_routed_experts (GLM) / num_experts (Qwen);
-    # transformers 5.x writes num_local_experts.
     num_experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
     if family == "glm4_moe":
         return MoEConfig(
@@ -244,13 +217,7 @@ def _moe(family: str, cfg: dict[str, Any]) -> MoEConfig | None:
 
 
 def _gguf_moe(arch: str, family: str, get: Callable[..., Any], num_layers: int) -> MoEConfig | None:
-    """The routed-experts settings llama.cpp reads for qwen3moe and glm4moe (None otherwise).
-
-    qwen3moe: llama.cpp's graph always scores with softmax, renormalises the top-k (so does
-    transformers' GGUF loader) and neither scales nor groups, whatever the file says; every
-    layer is MoE. glm4moe: gating function (default sigmoid), `expert_weights_norm` (default
-    false), scale, shared experts, expert groups and `leading_dense_block_count` dense layers
-    come from the file. Raises ValueError for a gating function other than softmax / sigmoid."""
+    """MoE settings as llama.cpp reads them (qwen3moe: always softmax, renormalised); ValueError for other gating."""
     if family not in ("qwen3_moe", "glm4_moe"):
         return None
     experts = dict(num_experts=get("expert_count"), top_k=get("expert_used_count"),

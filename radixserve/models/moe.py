@@ -1,21 +1,7 @@
 """Routed-experts MLP (mixture of experts): the router, the experts grouped by expert, and the shared experts.
 
-Two routers, as transformers implements them:
-- "softmax" (Qwen3-MoE, `Qwen3MoeTopKRouter`): p = softmax(x @ W.T) in fp32, top-k of p,
-  renormalised over the k when norm_topk_prob.
-- "sigmoid" (GLM-4.5/4.6/4.7, `Glm4MoeTopkRouter`, DeepSeek-V3's "noaux_tc"): s = sigmoid(x @ W.T)
-  with router weights kept in fp32; selection over c = s + correction_bias, first keeping the
-  `topk_groups` groups whose two best c sum highest, then the top-k of c; the weights are the
-  un-biased s of the chosen experts, renormalised (+1e-20) when norm_topk_prob, times
-  routed_scaling_factor.
-
-Experts run grouped: the (token, choice) pairs are sorted by expert and each active expert
-does one matmul over all its tokens; no Python loop over tokens. On CPU each expert's weights
-are prepacked for oneDNN by `prepare()` (as layers/linear.py does; at the few tokens an expert
-gets per step MKL's sgemm runs 1.6x slower, benchmarks/moe_layer.py), which also makes them
-batch-invariant for --enable-deterministic-inference, the router included. A token's k expert outputs are
-summed in ascending expert order (as transformers adds them), then the shared experts' output.
-"""
+Routers as transformers' Qwen3MoeTopKRouter (softmax) and Glm4MoeTopkRouter (sigmoid, DeepSeek-V3's noaux_tc); one
+matmul per active expert; a token's expert outputs are summed in ascending expert order, as transformers adds them."""
 from __future__ import annotations
 
 import logging
@@ -32,8 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def _packed(weights: list[torch.Tensor], batch_invariant: bool) -> list[torch.Tensor] | None:
-    """oneDNN-packed copies of (N, K) weights on CPU; None where packing is unavailable (an
-    error instead under batch_invariant, whose guarantee needs them)."""
+    """oneDNN-packed copies of (N, K) CPU weights; None where packing is unavailable (ValueError if batch_invariant)."""
     if weights[0].device.type != "cpu" and not batch_invariant:
         return None
     try:
@@ -46,8 +31,7 @@ def _packed(weights: list[torch.Tensor], batch_invariant: bool) -> list[torch.Te
 
 
 class Router(torch.nn.Module):
-    """weight: (E, hidden), kept fp32 when the model runs in bf16 (the model's `prepare`);
-    e_score_correction_bias: (E,) fp32, the sigmoid router's only (None for softmax)."""
+    """weight (E, hidden) fp32 even in a bf16 model; e_score_correction_bias (E,) fp32, sigmoid scoring only."""
 
     def __init__(self, hidden_size: int, config: MoEConfig):
         super().__init__()
@@ -55,10 +39,9 @@ class Router(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(config.num_experts, hidden_size), requires_grad=False)
         self.e_score_correction_bias = (torch.nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
                                         if config.scoring == "sigmoid" else None)
-        self._packed: torch.Tensor | None = None   # batch-invariant mode only
+        self._packed: torch.Tensor | None = None
 
     def prepare(self, batch_invariant: bool = False) -> None:
-        """Pack the router weight for batch-invariant logits (deterministic mode only)."""
         self._packed = None
         if batch_invariant:
             dtype = torch.float32 if self.config.scoring == "sigmoid" else self.weight.dtype
@@ -70,7 +53,7 @@ class Router(torch.nn.Module):
         return F.linear(x, self.weight.to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (T, hidden) -> (weights (T, k) fp32, expert ids (T, k) int64)."""
+        """x (T, hidden) -> (weights (T, k) fp32, expert ids (T, k) int64)."""
         c = self.config
         if c.scoring == "softmax":
             probs = torch.softmax(self._logits(x), dim=-1, dtype=torch.float32)
@@ -78,11 +61,11 @@ class Router(torch.nn.Module):
             if c.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return weights, ids
-        scores = self._logits(x.float()).sigmoid()                                        # (T, E)
+        scores = self._logits(x.float()).sigmoid()
         choice = scores + self.e_score_correction_bias
         if c.num_groups > 1:
             grouped = choice.view(-1, c.num_groups, c.num_experts // c.num_groups)
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)                      # (T, groups)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
             keep = torch.zeros_like(group_scores).scatter_(
                 1, torch.topk(group_scores, c.topk_groups, dim=-1, sorted=False).indices, 1.0)
             choice = choice.masked_fill(~keep.bool().repeat_interleave(c.num_experts // c.num_groups, 1),
@@ -95,9 +78,7 @@ class Router(torch.nn.Module):
 
 
 class Experts(torch.nn.Module):
-    """E SwiGLU experts stacked: gate_up (E, 2I, hidden) [gate rows | up rows], down (E, hidden, I).
-    Checkpoints name each expert's projections separately (`experts.{e}.gate_proj.weight`, ...):
-    `load_expert` copies one into its slice."""
+    """E SwiGLU experts stacked: gate_up (E, 2I, hidden) [gate rows | up rows], down (E, hidden, I)."""
 
     def __init__(self, hidden_size: int, config: MoEConfig):
         super().__init__()
@@ -109,17 +90,14 @@ class Experts(torch.nn.Module):
         self._down_packed: list[torch.Tensor] | None = None
 
     def prepare(self, batch_invariant: bool = False) -> None:
-        """Build the per-expert oneDNN-packed weights (see module docstring)."""
         self._gate_up_packed = _packed(list(self.gate_up.data), batch_invariant)
         self._down_packed = _packed(list(self.down.data), batch_invariant)
 
     def checkpoint_names(self) -> list[str]:
-        """`{expert}.{projection}` for every tensor `load_expert` must receive."""
         return [f"{e}.{p}" for e in range(self.gate_up.shape[0]) for p in PROJECTIONS]
 
     def load_expert(self, expert: int, projection: str, tensor: torch.Tensor) -> None:
-        """Copy checkpoint tensor `experts.{expert}.{projection}.weight` into its slice.
-        Raises ValueError for an unknown expert, projection or shape."""
+        """Copy `experts.{expert}.{projection}.weight` into its slice; ValueError for an unknown one or a wrong shape."""
         i = self.intermediate_size
         if not 0 <= expert < self.gate_up.shape[0] or projection not in PROJECTIONS:
             raise ValueError(f"no expert tensor {expert}.{projection} in a {self.gate_up.shape[0]}-expert layer")
@@ -130,13 +108,13 @@ class Experts(torch.nn.Module):
         target.copy_(tensor)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: (T, hidden); weights, ids: (T, k) -> (T, hidden) = sum_j weights[:, j] * expert_ids[:, j](x)."""
+        """x (T, hidden); weights, ids (T, k) -> (T, hidden) = sum_j weights[:, j] * expert_{ids[:, j]}(x)."""
         num_tokens, k = ids.shape
         flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)                  # (T*k,) pairs grouped by expert
+        order = torch.argsort(flat, stable=True)
         token_of = order // k
         counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
-        rows = x.index_select(0, token_of)                         # (T*k, hidden)
+        rows = x.index_select(0, token_of)
         out = torch.empty_like(rows)
         start = 0
         for expert, count in enumerate(counts):
@@ -163,7 +141,6 @@ class MoE(torch.nn.Module):
         self.shared_experts = shared_mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, hidden) -> (T, hidden)."""
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -6,7 +6,6 @@ import torch
 from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.model_config import ModelConfig
 
-# Every family is the Llama decoder with ModelConfig flags (see models/llama.py).
 _MODELS: dict[str, type[torch.nn.Module]] = {
     family: LlamaForCausalLM for family in ("llama", "qwen2", "qwen3", "qwen3_moe", "glm", "glm4", "glm4_moe")}
 

@@ -1,15 +1,5 @@
-"""ScheduledBatch -> one step's tensors in the varlen form attention kernels take, built once, on the runner's device.
-
-Token rows of a step follow `batch.seqs` order; sequence i owns rows [cu_seqlens_q[i], cu_seqlens_q[i+1]):
-
-    rows      | seq0 (decode) | seq1 (decode) | seq2 (prefill chunk ............) |
-    positions | 37            | 5             | start_pos ... start_pos + n - 1   |
-    context   | 38            | 6             | start_pos + n                     |
-
-Sequence i attends causally over positions [0, context_lens[i]), whose KV lives in the pages
-page_table[i, :ceil(context_lens[i] / page_size)]. Backends derive anything else (masks,
-groups) from this in their own `prepare`.
-"""
+"""ScheduledBatch -> one step's varlen tensors, built once on the runner's device. Sequence i owns token rows
+[cu_seqlens_q[i], cu_seqlens_q[i+1]) and attends over positions [0, context_lens[i]) in pages page_table[i]."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,27 +11,24 @@ from radixserve.engine.runner_api import ScheduledBatch, ScheduledSeq
 
 @dataclass(slots=True)
 class StepBatch:
-    """All tensors of one step. Device tensors for kernels, host lists for Python-side planning.
+    """input_ids, positions, slot_mapping (T,) int64; cu_seqlens_q (B + 1,) int32; context_lens (B,) int32; page_table
+    (B, max_pages) int32 padded with page 0; logit_rows (R,) int64. sample_rows[i] / prompt_rows[i] (first logit row,
+    targets) index logit_rows' logits, None if unneeded; a k-token draft has k + 1 sample logits from sample_rows[i]."""
 
-    `sample_rows[i]` / `prompt_rows[i]` index into the logits computed for `logit_rows`
-    (None when sequence i needs none); a sequence with a draft of k tokens has k + 1 sample
-    logits from sample_rows[i] on."""
-
-    input_ids: torch.Tensor          # (T,) int64
-    positions: torch.Tensor          # (T,) int64
-    slot_mapping: torch.Tensor       # (T,) int64, where each token's KV is written
-    cu_seqlens_q: torch.Tensor       # (B + 1,) int32, token-row offsets of each sequence
-    context_lens: torch.Tensor       # (B,) int32, start_pos + query length
-    page_table: torch.Tensor         # (B, max_pages) int32, padded with page 0
-    logit_rows: torch.Tensor         # (R,) int64 token rows whose logits are computed
-    # host copies of the per-sequence metadata
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    page_table: torch.Tensor
+    logit_rows: torch.Tensor
     request_ids: list[str]
-    query_starts: list[int]          # first token row of each sequence
+    query_starts: list[int]
     query_lens: list[int]
     context_lens_host: list[int]
-    page_lists: list[list[int]]      # pages covering [0, context_lens_host[i])
+    page_lists: list[list[int]]
     sample_rows: list[int | None]
-    prompt_rows: list[tuple[int, list[int]] | None]   # (first logit row, target ids)
+    prompt_rows: list[tuple[int, list[int]] | None]
 
     @property
     def num_tokens(self) -> int:
@@ -49,16 +36,13 @@ class StepBatch:
 
 
 def prompt_logprob_targets(seq: ScheduledSeq) -> list[int]:
-    """Prompt tokens whose logprob this chunk yields: positions max(start, prompt_logprob_start)+1
-    .. min(end, len(prompt)-1), each predicted from the position before it (the last one may be
-    the next chunk's first token, read from prompt_ids)."""
+    """Prompt tokens at positions max(start, prompt_logprob_start) + 1 .. min(end, len(prompt) - 1) of this chunk."""
     first = max(seq.start_pos, seq.prompt_logprob_start or 0) + 1
     last = min(seq.start_pos + len(seq.input_ids), len(seq.prompt_ids) - 1)
     return seq.prompt_ids[first:last + 1]
 
 
 def build_step(batch: ScheduledBatch, page_size: int, device: torch.device | str = "cpu") -> StepBatch:
-    """Turn the scheduler's batch into step tensors (see module docstring)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -90,7 +74,7 @@ def build_step(batch: ScheduledBatch, page_size: int, device: torch.device | str
         else:
             prompt_rows.append(None)
         sample_rows.append(len(logit_rows) if seq.sample else None)
-        if seq.sample:   # a draft is verified from the logits of all its positions
+        if seq.sample:
             logit_rows.extend(range(row + n - 1 - len(seq.draft), row + n))
     max_pages = max(len(p) for p in page_lists)
     table = [p + [0] * (max_pages - len(p)) for p in page_lists]

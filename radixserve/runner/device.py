@@ -12,15 +12,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# glibc's mallopt parameters (malloc.h) and the values set by reuse_freed_cpu_buffers.
+# glibc's mallopt parameters (malloc.h); 32 MiB is the largest mmap threshold glibc accepts on 64-bit.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD = 32 << 20    # the largest glibc accepts on 64-bit
+MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 256 << 20
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """`name`: "cpu", "cuda" or "cuda:N"; None picks cuda when torch sees a GPU, else cpu.
-    Raises ValueError, with what torch reports, when the named device is not there."""
+    """`name`: "cpu", "cuda", "cuda:N", or None (cuda if present). Raises ValueError when it is not there."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -46,15 +45,7 @@ def huge_pages_mb() -> int | None:
 
 @functools.cache
 def reuse_freed_cpu_buffers() -> bool:
-    """Have glibc's malloc keep freed blocks of up to 32 MiB for reuse instead of returning them
-    to the kernel, so the activations of one step reuse the last step's memory. torch's CPU
-    tensors come from malloc; by default glibc serves blocks above its mmap threshold with fresh
-    mappings, so every step faults in new pages (with transparent huge pages, 2 MiB pages the
-    kernel must zero, sometimes compact). Measured: a (1024, 3072) bf16 -> fp32 cast 11-13 ms
-    before, 0.2 ms after; fp32 prefill steps 1.0-1.3x faster (docs/benchmarks.md). The cost:
-    up to 256 MiB of freed memory stays in the process. Process-wide, applied once; a
-    MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ set by the user is kept. Returns whether
-    it applied (False off glibc, logged once)."""
+    """Have glibc keep freed blocks up to 32 MiB (256 MiB in all) for reuse, process-wide, unless MALLOC_* are set."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         logger.info("malloc thresholds left as the environment sets them")
         return False
@@ -71,14 +62,7 @@ def reuse_freed_cpu_buffers() -> bool:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A zero tensor of `shape` and `dtype`. On CPU it lies on its own anonymous mapping, which
-    the kernel zero-fills page by page on first touch: pages never written cost nothing (a read
-    maps the shared zero page), where torch.zeros writes, and so faults in, every page first
-    (about 1.4 ms per MB on a 2-core VM, docs/benchmarks.md). With THP_MEM_ALLOC_ENABLE=1
-    (radixserve's default) the mapping asks for transparent huge pages, as torch's own large
-    buffers do. The tensor keeps the mapping alive. For large buffers of which much may stay
-    unwritten (the decode mirror's spare capacity); the KV pool stays torch.zeros, so its pages
-    are faulted in at start-up rather than under the first requests."""
+    """torch.zeros; on CPU a fresh anonymous mapping, zero-filled on first touch, so unwritten pages cost nothing."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)

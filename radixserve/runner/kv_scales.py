@@ -1,15 +1,7 @@
 """FP8 KV scales per (layer, KV head): from the checkpoint, from a scales file, or calibrated at start-up -- never silently 1.0.
 
-Stored value = clamp(x / scale, ±fp8_max); a read returns stored * scale (see kv_cache.py).
-Sources, first found wins:
-1. checkpoint tensors `model.layers.N.self_attn.k_scale` / `v_scale` (the names FP8 checkpoints
-   from llm-compressor / vLLM use; a scalar or one value per KV head);
-2. `--quantization-param-path FILE` (SGLang's flag): JSON `{"k_scale": [...], "v_scale": [...]}`,
-   one entry per layer, each a number or a list with one number per KV head;
-3. calibration: one forward over CALIBRATION_TOKENS pseudo-random tokens in the compute
-   dtype records each (layer, KV head)'s max |k| and |v|; scale = HEADROOM * amax / fp8_max, so
-   values up to HEADROOM times the calibrated maximum are stored without clipping. Logged once.
-"""
+First found: checkpoint tensors model.layers.N.self_attn.k_scale / v_scale (vLLM's names); `--quantization-param-path`
+JSON {"k_scale": [...], "v_scale": [...]}, per layer a number or per-head list; HEADROOM * max|x| / fp8_max calibrated."""
 from __future__ import annotations
 
 import json
@@ -36,16 +28,13 @@ class KVScales:
     source: str
 
     def describe(self) -> dict:
-        """JSON-able summary for /get_server_info: source and per-layer scales (max over heads)."""
         return {"source": self.source,
                 "k_scale": [round(x, 6) for x in self.k.amax(dim=1).tolist()],
                 "v_scale": [round(x, 6) for x in self.v.amax(dim=1).tolist()]}
 
 
 def from_checkpoint(tensors: dict[str, torch.Tensor], num_layers: int, num_kv_heads: int) -> KVScales | None:
-    """Scales from checkpoint tensors named like `model.layers.N.self_attn.k_scale`; None when
-    there are none. Raises ValueError for an unplaceable name or shape, or when only some
-    layers carry them."""
+    """None without tensors; ValueError for an unplaceable name or shape, or scales on only some layers."""
     if not tensors:
         return None
     k, v = torch.full((num_layers, num_kv_heads), float("nan")), torch.full((num_layers, num_kv_heads), float("nan"))
@@ -85,24 +74,21 @@ def _checked(k: torch.Tensor, v: torch.Tensor, source: str) -> KVScales:
 
 
 class _Recorder:
-    """An `Attention` that records max |k|, |v| per (layer, KV head) and attends causally."""
-
     def __init__(self, num_layers: int, num_kv_heads: int):
         self.k_amax = torch.zeros(num_layers, num_kv_heads)
         self.v_amax = torch.zeros(num_layers, num_kv_heads)
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.k_amax[layer_id] = k.abs().float().amax(dim=(0, 2)).cpu()        # (KV,)
+        self.k_amax[layer_id] = k.abs().float().amax(dim=(0, 2)).cpu()
         self.v_amax[layer_id] = v.abs().float().amax(dim=(0, 2)).cpu()
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
-        return out[0].transpose(0, 1).reshape(q.shape[0], -1)                  # (T, H * D)
+        return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
 
 @torch.inference_mode()
 def calibrate(model: torch.nn.Module, num_layers: int, num_kv_heads: int, vocab_size: int,
               max_positions: int, fp8_dtype: torch.dtype, device: torch.device) -> KVScales:
-    """Scales from one forward over pseudo-random tokens (seeded, so every start-up agrees)."""
     n = min(CALIBRATION_TOKENS, max_positions)
     ids = torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(0)).to(device)
     recorder = _Recorder(num_layers, num_kv_heads)

@@ -9,16 +9,13 @@ from radixserve.runner.kv_cache import KVCache, KVPages
 
 
 def pack_pages(pages: KVPages) -> bytes:
-    """Raw bytes of K, then V, then each side buffer in name order (stored dtype, C order).
-    The receiver knows the shapes from its own cache and the page count (the handshake made
-    sure the layouts match)."""
+    """Raw bytes of K, V, then side buffers in name order (stored dtype, C order); the receiver's cache gives the shapes."""
     parts = [pages.k, pages.v, *(pages.side[name] for name in sorted(pages.side))]
     return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in parts)
 
 
 def unpack_pages(kv: KVCache, num_pages: int, data: bytes) -> KVPages:
-    """Inverse of pack_pages for `num_pages` pages of `kv`'s layout. Raises ValueError when
-    the byte count does not fit that layout."""
+    """Inverse of pack_pages. Raises ValueError when the byte count does not fit `num_pages` of `kv`'s layout."""
     kv_shape = (kv.num_layers, kv.num_kv_heads, num_pages, kv.page_size, kv.head_dim)
     shapes = [(kv_shape, kv.dtype), (kv_shape, kv.dtype)]
     for name in sorted(kv._side):
@@ -39,8 +36,7 @@ def unpack_pages(kv: KVCache, num_pages: int, data: bytes) -> KVPages:
 
 
 def model_identity(model_config, model: torch.nn.Module) -> str:
-    """Architecture, sizes and a CRC of the first parameter's first 256 values: two workers
-    agree only when they serve the same weights (a cheap check, not a proof)."""
+    """Architecture, sizes and a CRC of the first parameter's first 256 values (a cheap check, not a proof)."""
     fingerprint = "none"
     first = next(iter(model.parameters()), None)
     if first is not None:

@@ -1,28 +1,7 @@
 """Structured output: grammar-constrained decoding against a JSON schema or a structural tag with xgrammar, masks built for the whole batch.
 
-Why xgrammar (measured on the default model's 49,152-token vocabulary, AVX2 EPYC, 2 cores,
-/tmp/gram_bench.py in the issue-15 note): compiling a nested schema took 8 ms (outlines-core:
-90 ms), the next-token mask 7 us per token at the median (outlines-core: 389 us, 10 ms at
-worst), and it accepts any JSON for `json_object` (a pushdown automaton) where outlines-core
-needs a regular expression. Its package metadata pulls triton, which only its GPU kernels use;
-install.sh installs it with --no-deps (see README).
-
-A request's grammar (`SamplingParams.grammar`) is a JSON schema (response_format, tool_choice
-"required" or named) or an xgrammar structural tag (tool calls in the model's own format,
-server/native_tools.py). Flow: `check(grammar, param)` compiles once per distinct grammar
-(cached) and raises InvalidRequest for one xgrammar refuses (naming `param`, the request field
-it came from: response_format, or tools) -- Engine.add_request calls it through
-`ModelRunner.validate_params`, so bad grammars get a 400 before anything is queued; the engine
-loop runs a new grammar's compile on a worker thread first (engine/loop.py), and the cache is
-thread-safe and keeps failures too. At sampling time `token_mask(rows)` returns an
-(n, V) bool mask, True where a token is allowed: each constrained request has a GrammarMatcher
-(LRU-bounded, keyed by request id) that first accepts the output tokens it has not yet seen
-(so preemption and recompute need nothing special: a lost matcher is rebuilt from the output
-ids), then fills its row of one batch bitmask. Once the grammar is complete only the
-end-of-sequence ids are allowed. Logprobs stay those of the raw logits (layers/sampler.py).
-JSON is compact (xgrammar's any_whitespace=False): with free whitespace small models can emit
-blank lines until max_tokens.
-"""
+A request's matcher replays its unseen output ids (recompute needs nothing); a complete grammar allows only EOS.
+JSON is compact (any_whitespace=False): with free whitespace small models pad until max_tokens."""
 from __future__ import annotations
 
 import logging
@@ -44,15 +23,12 @@ Grammar = tuple[str, str]   # SamplingParams.grammar: ("json_schema" | "structur
 
 
 def _reason(exc: Exception) -> str:
-    """xgrammar's error without its log prefix ("[05:31:22] /project/cpp/x.cc:1727: ...")."""
     text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
     return re.sub(r"^\[[0-9:]+\]\s+\S+:\d+:\s*", "", text)
 
 
 class StructuredOutput:
-    """Per-runner grammar state. `model_path`: where the tokenizer is loaded from (lazily, on the
-    first constrained request); `vocab_size`: the model's logit width (>= the tokenizer's);
-    `eos_token_ids`: what ends a sequence once the grammar is complete."""
+    """Per-runner grammar state (compiles cached with their failures, thread-safe); `vocab_size`: the logit width."""
 
     def __init__(self, model_path: str, vocab_size: int, eos_token_ids: frozenset[int],
                  max_matchers: int = 1024, max_grammars: int = 256):
@@ -61,9 +37,9 @@ class StructuredOutput:
         self.max_matchers, self.max_grammars = max_matchers, max_grammars
         self._xgr: Any = None
         self._compiler: Any = None
-        self._grammars: OrderedDict[Grammar, Any] = OrderedDict()   # compiled, or the compile's error
+        self._grammars: OrderedDict[Grammar, Any] = OrderedDict()
         self._lock = threading.RLock()
-        self._matchers: OrderedDict[str, tuple[Grammar, Any, int]] = OrderedDict()   # id -> (grammar, matcher, seen)
+        self._matchers: OrderedDict[str, tuple[Grammar, Any, int]] = OrderedDict()
 
     def _ensure_compiler(self) -> Any:
         with self._lock:
@@ -88,9 +64,7 @@ class StructuredOutput:
         return self._compiler
 
     def check(self, grammar: Grammar, param: str = "response_format") -> None:
-        """Compile `grammar` (SamplingParams.grammar), cached. Raises InvalidRequest when
-        xgrammar is missing (param response_format) or refuses it (param `param`: the request
-        field it came from, e.g. "tools" for tool_choice)."""
+        """Compile `grammar`, cached; InvalidRequest (naming `param`) when xgrammar is missing or refuses it."""
         try:
             self._grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -98,13 +72,10 @@ class StructuredOutput:
             raise InvalidRequest(f"{param}: {what} cannot be used: {_reason(exc)}", param=param) from exc
 
     def is_compiled(self, grammar: Grammar) -> bool:
-        """Whether `grammar` is in the cache (compiled, or known to fail): check() is then fast."""
         with self._lock:
             return grammar in self._grammars
 
     def _grammar(self, grammar: Grammar) -> Any:
-        """The compiled grammar (cached, a failure too). Thread-safe: the engine loop compiles
-        new grammars on a worker thread (xgrammar releases the GIL while compiling)."""
         with self._lock:
             compiler = self._ensure_compiler()
             cached = self._grammars.get(grammar)
@@ -126,18 +97,16 @@ class StructuredOutput:
         return cached
 
     def token_mask(self, rows: Sequence[SampleRow], device: torch.device) -> Callable[[torch.Tensor], None] | None:
-        """A function that sets to -inf, in place, the logits (n, vocab_size) of tokens row i
-        may not sample (xgrammar's packed bitmask, applied by its own kernel: no (n, V) mask is
-        built); None when no row is constrained."""
+        """A function setting in place to -inf the logits (n, vocab_size) row i may not sample; None if unconstrained."""
         constrained = [i for i, r in enumerate(rows) if r.params.grammar is not None]
         if not constrained:
             return None
         self._ensure_compiler()
-        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)          # (n, ceil(V/32)) int32
+        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         for i in constrained:
             matcher = self._matcher(rows[i])
             if matcher is None or matcher.is_terminated():
-                bitmask[i] = 0                                  # only end of sequence
+                bitmask[i] = 0
                 for tid in self.eos_token_ids:
                     word, bit = divmod(tid, 32)
                     bitmask[i, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
@@ -151,8 +120,7 @@ class StructuredOutput:
         return apply
 
     def _matcher(self, row: SampleRow) -> Any:
-        """The row's matcher advanced over its output ids; None once an output token broke the
-        grammar (then only end-of-sequence is allowed)."""
+        """The row's matcher advanced over its output ids; None once an output token broke the grammar."""
         grammar, rid = row.params.grammar, row.request_id
         entry = self._matchers.get(rid)
         if entry is None or entry[0] != grammar or entry[2] > len(row.output_ids):

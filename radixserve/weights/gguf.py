@@ -1,16 +1,6 @@
 """Read GGUF files: metadata, and tensors under transformers' names, dequantized to fp32 (cached on disk) or kept int4.
 
-Names come from gguf_names.py (Llama, Qwen2, Qwen3, Qwen3-MoE, GLM-4, GLM-4-0414, GLM-4.5).
-llama.cpp's converter permutes the rows of the Llama family's q/k projections for its
-interleaved RoPE layout (and no other family's); `_unpermute` undoes it exactly as
-transformers' GGUF loader does (`LlamaTensorProcessor._reverse_permute_weights`), so the
-tensors equal what `from_pretrained(..., gguf_file=...)` loads. Dequantizing takes seconds,
-so the fp32 result and the ModelConfig are cached as one safetensors file keyed by the GGUF's
-path, size and mtime.
-With `--quantization int4` (and auto), 4-bit linear weights are decoded from their blocks into
-`Int4Weight` instead (gguf_blocks.py); with int8 every linear weight is requantized per row
-into `Int8Weight`; routed experts stay fp32 either way; each variant is cached in its own file.
-"""
+Llama q/k rows are unpermuted as transformers' `_reverse_permute_weights` does; each variant has its own cache file."""
 from __future__ import annotations
 
 import hashlib
@@ -42,8 +32,7 @@ def cache_dir() -> str:
 
 
 def cache_path(gguf_path: str, variant: str = "") -> str:
-    """Cache file of one GGUF file, keyed by its absolute path, size and mtime; `variant`
-    ("" for fp32, "int4", "int8") names what it holds."""
+    """Keyed by the file's absolute path, size and mtime; `variant`: "" (fp32), "int4" or "int8"."""
     st = os.stat(gguf_path)
     key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{_CACHE_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -77,8 +66,6 @@ def _read(path: str) -> tuple[ModelConfig, Any]:
 
 
 def _mapped_tensors(config: ModelConfig, reader) -> Iterator[tuple[list[Piece], Any]]:
-    """Each GGUF tensor with the transformers tensors it holds (gguf_names.hf_pieces); MTP
-    blocks are left out. Raises ValueError for a tensor without a mapping."""
     for t in reader.tensors:
         pieces = hf_pieces(config, t.name)
         if pieces:
@@ -86,7 +73,6 @@ def _mapped_tensors(config: ModelConfig, reader) -> Iterator[tuple[list[Piece], 
 
 
 def _unpermuted(config: ModelConfig, name: str, w):
-    """`w` (a tensor or a quantized weight) with llama.cpp's q/k row permutation undone."""
     if config.architecture != "llama" or not (".q_proj." in name or ".k_proj." in name):
         return w
     num_heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
@@ -96,8 +82,7 @@ def _unpermuted(config: ModelConfig, name: str, w):
 
 
 def _cut(config: ModelConfig, pieces: list[Piece], w) -> Iterator[tuple[str, Any]]:
-    """(name, part of `w`) per piece: an expert's slice or a row range of a tensor, rows of a
-    quantized weight (row ranges only); then the q/k permutation undone."""
+    """(name, part of `w`) per piece, the q/k permutation undone; a quantized weight is cut by row ranges only."""
     for name, index in pieces:
         if index is None:
             part = w
@@ -124,10 +109,8 @@ def _dequantized(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def _quantized(path: str, mode: str) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight]]:
-    """mode "int4": linear weights stored as Q4_0, Q4_1 or Q4_K as Int4Weight (exact, from the
-    blocks); mode "int8": every linear weight requantized per output row (Int8Weight, from
-    that one tensor's fp32 values). Everything else fp32, routed experts included (the MoE
-    layer has no quantized kernel). Logs one line naming the linear weights' types that stay fp32."""
+    """"int4": Q4_0 / Q4_1 / Q4_K linear weights as Int4Weight; "int8": every linear weight as Int8Weight.
+    Everything else fp32, routed experts included (the MoE layer has no quantized kernel)."""
     config, reader = _read(path)
     tensors: dict[str, torch.Tensor | QuantWeight] = {}
     kept: dict[str, int] = {}
@@ -151,8 +134,7 @@ def _quantized(path: str, mode: str) -> tuple[ModelConfig, dict[str, torch.Tenso
 
 
 def _flatten(tensors: dict[str, torch.Tensor | QuantWeight]) -> dict[str, torch.Tensor]:
-    """Int4Weight `n` -> `n#codes` (two codes a byte, low nibble first), `n#scale`, `n#zero`;
-    Int8Weight `n` -> `n#values`, `n#scale`."""
+    """Int4Weight n -> n#codes (two a byte, low nibble first), n#scale, n#zero; Int8Weight n -> n#values, n#scale."""
     flat: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if isinstance(t, Int4Weight):
@@ -178,12 +160,7 @@ def _write_cache(path: str, config: ModelConfig, tensors: dict[str, torch.Tensor
 
 
 def load_gguf(path: str, quantization: str = "none") -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | QuantWeight]]]:
-    """ModelConfig and an iterator of (transformers name, tensor) for a .gguf file: fp32
-    tensors for quantization "none"; for "int4" / "int8" the linear weights as quantized
-    weights where `_quantized` says so (never the whole model in fp32).
-
-    Uses the on-disk cache of that variant when present; otherwise converts and writes it.
-    """
+    """ModelConfig and (transformers name, tensor or quantized weight) pairs, from the variant's cache or cached now."""
     quantized = quantization != "none"
     cached = cache_path(path, quantization if quantized else "")
     if os.path.exists(cached):

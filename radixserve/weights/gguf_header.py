@@ -1,11 +1,6 @@
 """Scalar metadata of a GGUF file, read without building its vocabulary arrays.
 
-`gguf.GGUFReader` builds every field at construction, the 49k-entry token and merge arrays
-included: about 5 s for the default model. The tokenizer needs three token ids and the chat
-template, so this walks the key-value section (GGUF v2/v3 as the ggml GGUF spec lays it
-out: magic, u32 version, u64 tensor count, u64 key count, then per key a u64-length string, a u32
-value type and the value), skipping arrays by their lengths.
-"""
+Walks GGUF v2/v3's key-value section (the ggml GGUF spec), skipping the arrays `gguf.GGUFReader` would build."""
 from __future__ import annotations
 
 import mmap
@@ -21,11 +16,8 @@ _SCALAR = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UI
 
 
 def read_scalars(path: str, keys: Iterable[str]) -> dict[str, Any]:
-    """The values of those `keys` that the file holds as scalars or strings (int, float, bool or
-    str); array-valued and absent keys are left out.
-
-    Raises ValueError for a file that is not a little-endian GGUF v2/v3 file or ends early.
-    """
+    """Values of `keys` the file holds as scalars or strings (arrays and absent keys left out).
+    Raises ValueError for a file that is not a little-endian GGUF v2/v3 file or ends early."""
     wanted = set(keys)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
@@ -75,6 +67,6 @@ def _skip(buf: mmap.mmap, pos: int, kind: int) -> int:
     fmt = _SCALAR.get(item_kind)
     if fmt is not None:
         return pos + count * struct.calcsize(fmt)
-    for _ in range(count):   # strings and nested arrays: each has its own length
+    for _ in range(count):
         pos = _skip(buf, pos, item_kind)
     return pos

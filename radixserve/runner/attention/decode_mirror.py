@@ -1,39 +1,9 @@
 """DecodeMirror: contiguous per-sequence copies of decoding sequences' KV, kept across steps.
 
-Why: gathering every decoding sequence's pages out of the paged cache in every layer of
-every step moves the whole KV twice more per step (read + write) than attention itself
-reads; at 32 x 512 tokens that is ~40% of the step on CPU. The mirror keeps each decoding
-sequence in a slot of a contiguous buffer per layer:
-
-    k[layer]: (KV, num_slots, capacity, D)    slot s, token t -> k[layer][:, s, t]
-
-and only appends the new token each step. The paged cache stays the source of truth: a
-sequence is (re)copied from its pages whenever its slot is not provably current, i.e. its
-length is not the expected one or the page ids under its computed tokens changed (radix
-dedup, preemption). A slot that is merely behind (the sequence spent a step verifying
-speculative draft tokens as a short chunk) catches up by copying only the missing tokens.
-Slots of sequences that left the step are freed at once. Growing the buffer or compacting
-holes re-copies all.
-
-Shared prefixes are copied once. When a sequence's slot is filled and another decoding
-sequence's slot already holds the same leading pages (a radix hit behind one system prompt),
-those tokens are not copied: the slot *borrows* them and leaves [0, borrowed) unwritten. Each
-step then makes every slot hold what the step reads from it before attention runs
-(`_own_what_is_read`, the one rule that keeps this correct):
-
-    slot of member i:   0 ........ borrowed ........... len_i
-                        [ unwritten )[=== its own KV ===)
-    cascade plan        group prefix [0, P) read from one member's slot that holds it;
-                        every member's [P, len) read from its own slot
-    plain attention     every slot's [0, len)
-    -> a slot whose reads start below `borrowed` is copied from its pages first.
-
-Unwritten positions are only ever read masked (weight 0), like the unused tail of a slot.
-Memory is bounded by `max_bytes`; a step that does not fit returns None (gather instead).
-On CPU the buffers are fresh anonymous mappings (`device.zeros`): only the pages something
-writes are faulted in; torch.zeros wrote all of the capacity (0.5-2.4 s per reallocation of a
-0.45-2 GB mirror on a 2-core VM, docs/benchmarks.md).
-"""
+k[layer]: (KV, num_slots, capacity, D), slot s token t at [:, s, t]; each step appends the new token. A slot not provably
+current (length or pages changed) is re-copied from the pages; a step over `max_bytes` gets None (gather instead). A slot
+may borrow another slot's leading pages, leaving [0, borrowed) unwritten; `_own_what_is_read` copies in what a step
+reads there (cascade.py `reads`). Unwritten positions are only ever read masked."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,20 +16,21 @@ from radixserve.runner.attention.torch_metadata import DecodeGroup, additive_mas
 from radixserve.runner.device import zeros
 from radixserve.runner.kv_cache import KVCache
 
-_ROUND = 128  # capacity granularity in tokens
+_ROUND = 128
 
 
 @dataclass(slots=True)
 class _Slot:
+    """Mirrors positions [0, length), whose page ids are `pages`; [0, borrowed) is not written here."""
+
     index: int
-    length: int          # tokens currently mirrored (positions [0, length))
-    pages: list[int]     # page ids under those tokens, as the page table said
-    borrowed: int = 0    # [0, borrowed) not written here: another slot held those pages
+    length: int
+    pages: list[int]
+    borrowed: int = 0
 
 
 class DecodeMirror:
-    """Persistent state; `plan(kv, decode)` once per step returns the step's MirrorStep.
-    `cascade`: let decode steps read prefixes that sequences share once (cascade.py)."""
+    """Persistent state; `plan` once per step returns the step's MirrorStep. `cascade`: use cascade.py."""
 
     def __init__(self, max_bytes: int, cascade: bool = True):
         self.max_bytes = max_bytes
@@ -70,22 +41,16 @@ class DecodeMirror:
         self.slots: dict[str, _Slot] = {}
 
     def reset(self) -> None:
-        """Forget every slot (the buffers stay allocated)."""
         self.slots.clear()
 
     def retain(self, continuing: dict[str, int], decoding: frozenset[str] = frozenset()) -> None:
-        """Free every slot but those of `decoding` sequences and of sequences that continue
-        exactly where their slot ends: `continuing` maps the step's multi-token sequences (a
-        speculative verify) to their first position. A recompute after preemption starts
-        earlier, a sequence that left the step is absent: both lose their slot."""
+        """Keep only `decoding` slots and `continuing` ones (id -> first position) that go on where their slot ends."""
         for rid in [r for r, slot in self.slots.items()
                     if r not in decoding and continuing.get(r) != slot.length]:
             del self.slots[rid]
 
     def plan(self, kv: KVCache, d: DecodeGroup, continuing: dict[str, int]) -> MirrorStep | None:
-        """Bring the mirror up to date for decode group `d` (copying stale sequences' KV from
-        the pages), or return None when it would exceed max_bytes. The slots of `continuing`
-        sequences (see `retain`) are kept to catch up later."""
+        """Bring the mirror up to date for decode group `d`; None when it would exceed max_bytes."""
         batch, longest = len(d.request_ids), max(d.lens)
         live = frozenset(d.request_ids)
         self.retain(continuing, live)
@@ -94,10 +59,10 @@ class DecodeMirror:
             return None
         stale = [i for i, rid in enumerate(d.request_ids) if not self._current(rid, d, i, kv.page_size)]
         used = [s.index for rid, s in self.slots.items() if rid not in {d.request_ids[i] for i in stale}]
-        held = sum(1 for rid in self.slots if rid not in live)          # kept for verifying sequences
+        held = sum(1 for rid in self.slots if rid not in live)
         grow = longest > self.capacity or batch + held > self.num_slots
         if grow or (used and max(used) >= batch + max(4, batch // 4)):
-            self._allocate(kv, batch, longest, grow)    # growth or compaction: re-copy everyone
+            self._allocate(kv, batch, longest, grow)
             stale = list(range(batch))
         share = self.cascade and batch > 1
         self._fill(kv, d, stale, share)
@@ -110,10 +75,8 @@ class DecodeMirror:
         self._own_what_is_read(kv, d, slots, cascade)
         return MirrorStep(self, kv, slot_idx, d.lens, cascade)
 
-    # ---- internals -----------------------------------------------------------------------------
     @staticmethod
     def _token_bytes(kv: KVCache) -> int:
-        """Mirror bytes of one token slot over all layers (K and V)."""
         itemsize = torch.empty((), dtype=kv.compute_dtype).element_size()
         return 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * itemsize
 
@@ -122,22 +85,17 @@ class DecodeMirror:
 
     def _current(self, rid: str, d: DecodeGroup, i: int, page_size: int) -> bool:
         slot = self.slots.get(rid)
-        pos = d.lens[i] - 1                      # the new token's position
+        pos = d.lens[i] - 1
         return (slot is not None and slot.length == pos
                 and d.page_lists[i][:len(slot.pages)] == slot.pages and len(slot.pages) * page_size >= pos)
 
     def _valid_prefix(self, rid: str, d: DecodeGroup, i: int) -> int:
-        """Tokens of a stale slot that may be kept: its length when it is behind and the pages
-        under it did not change, else 0 (copy everything)."""
         slot = self.slots.get(rid)
         if slot is None or slot.length >= d.lens[i] - 1 or d.page_lists[i][:len(slot.pages)] != slot.pages:
             return 0
         return slot.length
 
     def _allocate(self, kv: KVCache, batch: int, longest: int, grow: bool = True) -> None:
-        """Free every slot; with `grow`, new buffers for `batch` sequences of up to `longest`
-        tokens (compaction alone keeps the buffers). Headroom, since growth re-copies everyone:
-        unwritten capacity and slots cost address space only (`zeros`), so be generous."""
         if not grow:
             self.slots.clear()
             return
@@ -149,29 +107,26 @@ class DecodeMirror:
         self.slots.clear()
         if (num_slots, capacity) != (self.num_slots, self.capacity):
             shape = (kv.num_kv_heads, num_slots, capacity, kv.head_dim)
-            self.k, self.v = [], []  # free the old buffers before allocating new ones
+            self.k, self.v = [], []
             self.k = [zeros(shape, kv.compute_dtype, kv.device) for _ in range(kv.num_layers)]
             self.v = [zeros(shape, kv.compute_dtype, kv.device) for _ in range(kv.num_layers)]
             self.num_slots, self.capacity = num_slots, capacity
 
     def _fill(self, kv: KVCache, d: DecodeGroup, stale: list[int], share: bool) -> None:
-        """Give each stale sequence a slot and copy its computed tokens [kept, pos) from its
-        pages, `kept` being what a slot that is merely behind already holds (_valid_prefix).
-        With `share`, a new slot borrows the leading pages another decoding slot holds."""
+        """Give each stale sequence a slot and copy its unkept tokens; with `share` a new slot borrows what it can."""
         size = kv.page_size
         kept = {i: self._valid_prefix(d.request_ids[i], d, i) for i in stale}
         reused = {d.request_ids[i] for i in stale if kept[i]}
         stale_ids = {d.request_ids[i] for i in stale}
         taken = {s.index for rid, s in self.slots.items() if rid not in stale_ids or rid in reused}
         free = (i for i in range(self.num_slots) if i not in taken)
-        # Slots holding their whole length, by first page: what a new slot may borrow from.
         holders: dict[int, list[tuple[list[int], int]]] = {}
         if share:
             for i, rid in enumerate(d.request_ids):
                 slot = self.slots.get(rid)
                 if rid not in stale_ids and slot.borrowed == 0 and slot.pages:
                     holders.setdefault(slot.pages[0], []).append((slot.pages, slot.length))
-        jobs = []   # (slot, first token copied, end, pages covering them); first on a page boundary
+        jobs = []
         for i in stale:
             rid, end, pages = d.request_ids[i], d.lens[i] - 1, d.page_lists[i]
             if kept[i]:
@@ -188,8 +143,6 @@ class DecodeMirror:
 
     @staticmethod
     def _shareable(holders: list[tuple[list[int], int]], pages: list[int], end: int, size: int) -> int:
-        """Leading tokens of a sequence with `pages` and `end` computed tokens that a holder
-        (pages, tokens held) has in its slot: whole common pages, up to both lengths."""
         best = 0
         for held_pages, held_len in holders:
             common = common_pages(held_pages, pages, len(pages)) * size
@@ -198,9 +151,6 @@ class DecodeMirror:
 
     def _own_what_is_read(self, kv: KVCache, d: DecodeGroup, slots: list[_Slot],
                           cascade: CascadePlan | None) -> None:
-        """Copy into each slot the borrowed tokens this step reads from it (module docstring):
-        from `cascade.reads` (per decode row, the first position read in its slot), or from 0
-        without a plan."""
         reads = cascade.reads if cascade is not None else [0] * len(slots)
         size, jobs = kv.page_size, []
         for i, (slot, first) in enumerate(zip(slots, reads)):
@@ -211,8 +161,7 @@ class DecodeMirror:
         self._copy(kv, jobs)
 
     def _copy(self, kv: KVCache, jobs: list[tuple[int, int, int, list[int]]]) -> None:
-        """For each job (slot, first, end, pages), copy tokens [first, end) into the slot from
-        `pages`, the pages under [first, ...) (first on a page boundary)."""
+        """Jobs (slot, first, end, pages under [first, end)), first on a page boundary: copy [first, end) into slot."""
         if not jobs:
             return
         size = kv.page_size
@@ -221,7 +170,7 @@ class DecodeMirror:
         counts = [len(pages) * size for *_, pages in jobs]
         for layer in range(kv.num_layers):
             for src, dst in zip(kv.gather(layer, rows), (self.k[layer], self.v[layer])):
-                src = src.view(kv.num_kv_heads, -1, kv.head_dim)     # (KV, sum(counts), D)
+                src = src.view(kv.num_kv_heads, -1, kv.head_dim)
                 offset = 0
                 for (slot, first, end, _), count in zip(jobs, counts):
                     dst[:, slot, first:end] = src[:, offset:offset + end - first]
@@ -233,9 +182,6 @@ def _round(n: int) -> int:
 
 
 class MirrorStep:
-    """One step's view of the mirror: append the new token, then attend over the slots (or by
-    the step's cascade plan, when it has one)."""
-
     def __init__(self, mirror: DecodeMirror, kv: KVCache, slot_idx: list[int], lens: list[int],
                  cascade: CascadePlan | None = None):
         self.mirror, self.kv, self.cascade = mirror, kv, cascade
@@ -247,10 +193,10 @@ class MirrorStep:
         device = kv.device
         self.slot_idx = torch.tensor(slot_idx, dtype=torch.long, device=device)
         lens_t = torch.tensor(lens, dtype=torch.long, device=device)
-        self.write_idx = self.slot_idx * mirror.capacity + lens_t - 1          # (B,) flat token index
-        self.mask = None                 # a cascade plan brings its own masks
+        self.write_idx = self.slot_idx * mirror.capacity + lens_t - 1
+        self.mask = None
         if cascade is None:
-            slot_len = torch.ones(self.num_used, dtype=torch.long, device=device)  # holes: attend to t=0
+            slot_len = torch.ones(self.num_used, dtype=torch.long, device=device)  # holes attend to t=0
             slot_len[self.slot_idx] = lens_t
             visible = torch.arange(self.ctx, device=device)[None, :] < slot_len[:, None]
             self.mask = additive_mask(visible, kv.compute_dtype)[:, None, None]
@@ -258,25 +204,22 @@ class MirrorStep:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (B, H, D), k and v: (B, KV, D) of the decode group -> (B, H, D)."""
         m = self.mirror
-        k, v = self.kv.round_trip(layer, k, v)        # what the pages hold (FP8: quantised)
+        k, v = self.kv.round_trip(layer, k, v)
         flat = (self.num_kv, m.num_slots * m.capacity, self.head_dim)
         m.k[layer].view(flat).index_copy_(1, self.write_idx, k.transpose(0, 1))
         m.v[layer].view(flat).index_copy_(1, self.write_idx, v.transpose(0, 1))
         if self.cascade is not None:
             return cascade_attend(self.cascade, q, m.k[layer], m.v[layer])
-        k_all = m.k[layer][:, :self.num_used, :self.ctx].transpose(0, 1)       # (S, KV, L, D)
+        k_all = m.k[layer][:, :self.num_used, :self.ctx].transpose(0, 1)
         v_all = m.v[layer][:, :self.num_used, :self.ctx].transpose(0, 1)
         if not self.in_order:
             q = torch.zeros(self.num_used, *q.shape[1:], dtype=q.dtype, device=q.device).index_copy_(0, self.slot_idx, q)
-        out = decode_attention(q, k_all, v_all, self.mask)                     # (S, H, D)
+        out = decode_attention(q, k_all, v_all, self.mask)
         return out if self.in_order and self.num_used == q.shape[0] else out.index_select(0, self.slot_idx)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One new token per sequence: q (B, H, D), k and v (B, KV, L, D), additive mask
-    (B, 1, 1, L) -> (B, H, D). The H / KV query heads sharing a KV head become that head's
-    query rows (B, KV, H/KV, D), so each KV head is read once (GQA without expanding KV;
-    a little faster on CPU than enable_gqa with one query row per head)."""
+    """q (B, H, D), k and v (B, KV, L, D), additive mask (B, 1, 1, L) -> (B, H, D); each KV head is read once."""
     batch, num_heads, head_dim = q.shape
     q = q.view(batch, k.shape[1], num_heads // k.shape[1], head_dim)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(batch, num_heads, head_dim)

@@ -1,22 +1,6 @@
 """Attention with torch ops only (CPU or any device): one SDPA per layer for all decodes, over a mirror or a gather.
 
-Decodes normally attend over the DecodeMirror (decode_mirror.py: contiguous per-sequence
-KV kept across steps, only the new token appended). Without it (disabled, or over its
-memory budget) they gather their pages every layer:
-
-Decode group, per layer (B sequences, P = max pages, S = page size, KV heads, D):
-
-    k_store (KV, num_pages, S, D) --gather pages (KVCache.gather)--> (KV, B*P, S, D)
-        -> view (KV, B, P*S, D) -> transpose -> (B, KV, P*S, D)   # each head a contiguous matrix
-    SDPA(q (B, KV, H/KV, D), k, v, mask (B, 1, 1, P*S))         # GQA without expanding KV
-
-The decode group is processed in sub-batches small enough that the gathered K/V are still
-in cache when SDPA reads them (the KV of 32 x 512 tokens is 25 MB a layer: gathering it all
-first writes it to DRAM and reads it back). The gather buffers are allocated once per step
-and reused by every layer and sub-batch. Prefill chunks
-attend one by one: with nothing cached, causal SDPA over their own k, v; with a cached
-prefix, over their gathered pages with an explicit (n, context) mask.
-"""
+Without the DecodeMirror decodes gather their pages per layer in cache-sized sub-batches; prefill chunks go one by one."""
 from __future__ import annotations
 
 import torch
@@ -29,13 +13,8 @@ from radixserve.runner.kv_cache import KVCache
 
 
 class TorchAttentionBackend:
-    """AttentionBackend over `kv` built from `torch.nn.functional.scaled_dot_product_attention`.
-
-    `mirror_bytes`: memory the DecodeMirror may hold (0: always gather). Decode groups that do
-    not fit fall back to gathering pages, in sub-batches whose gathered K + V stay under
-    `decode_chunk_bytes` so SDPA reads them back from cache instead of DRAM (0: one sub-batch).
-    `cascade`: mirrored decodes read prefixes several of them share once (cascade.py).
-    """
+    """`mirror_bytes`: the DecodeMirror's budget (0: always gather); `decode_chunk_bytes`: gathered K + V per
+    decode sub-batch (0: one sub-batch); `cascade`: mirrored decodes read shared prefixes once."""
 
     name = "torch"
 
@@ -46,8 +25,6 @@ class TorchAttentionBackend:
         self.mirror = DecodeMirror(mirror_bytes, cascade) if mirror_bytes else None
 
     def prepare(self, step: StepBatch) -> TorchStepAttention:
-        """The step's decode group and prefill chunks with masks in the compute dtype, and
-        the DecodeMirror brought up to date (see module docstring)."""
         decode, prefills = split_step(step, self.kv.page_size, self.kv.compute_dtype)
         mirror_step = None
         if self.mirror is not None:
@@ -61,8 +38,6 @@ class TorchAttentionBackend:
 
 
 class TorchStepAttention:
-    """The torch backend's metadata for one step, callable as the model's `Attention`."""
-
     def __init__(self, kv: KVCache, step: StepBatch, decode: DecodeGroup | None,
                  prefills: list[PrefillSeq], decode_chunk_bytes: int = 0,
                  mirror_step: MirrorStep | None = None):
@@ -71,7 +46,6 @@ class TorchStepAttention:
         self.num_tokens = step.num_tokens
         d = decode
         self.chunks: list[tuple[int, int]] = [(0, d.mask.shape[0])] if d is not None else []
-        # Rows of the pages each prefill chunk with a cached prefix gathers, once per step.
         self.prefill_rows = [None if p.page_ids is None else kv.head_rows(p.page_ids) for p in prefills]
         if d is not None and mirror_step is None:
             batch = d.mask.shape[0]
@@ -79,7 +53,7 @@ class TorchStepAttention:
             seq_bytes = 2 * d.max_pages * kv.page_size * kv.num_kv_heads * kv.head_dim * itemsize
             per_chunk = max(1, decode_chunk_bytes // seq_bytes) if decode_chunk_bytes else batch
             self.chunks = [(s, min(s + per_chunk, batch)) for s in range(0, batch, per_chunk)]
-            rows = kv.head_rows(d.page_table).view(kv.num_kv_heads, -1)          # (KV, B * P)
+            rows = kv.head_rows(d.page_table).view(kv.num_kv_heads, -1)
             self.chunk_rows = [rows[:, s * d.max_pages:e * d.max_pages].reshape(-1) for s, e in self.chunks]
             numel = kv.num_kv_heads * min(per_chunk, batch) * d.max_pages * kv.page_size * kv.head_dim
             self.k_buf = torch.empty(numel, dtype=kv.compute_dtype, device=kv.device)
@@ -92,7 +66,6 @@ class TorchStepAttention:
         d = self.decode
         ms = self.mirror_step
         if d is not None and d.row_slice == (0, self.num_tokens) and len(self.chunks) == 1:
-            # Decode-only step in one piece: the attention output is the result, no copy.
             res = ms.attend(layer_id, q, k, v) if ms is not None else self._decode_chunk(layer_id, q, 0)
             return res.view(self.num_tokens, -1)
         out = torch.empty(self.num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -116,12 +89,11 @@ class TorchStepAttention:
         return out.view(self.num_tokens, num_heads * head_dim)
 
     def _decode(self, layer_id: int, q: torch.Tensor, out: torch.Tensor) -> None:
-        """q: (B, H, D) of the decode group; writes attention output into out: (B, H, D)."""
+        """q (B, H, D) of the decode group; writes the attention output into out (B, H, D)."""
         for i, (start, end) in enumerate(self.chunks):
             out[start:end] = self._decode_chunk(layer_id, q[start:end], i)
 
     def _decode_chunk(self, layer_id: int, q: torch.Tensor, chunk: int) -> torch.Tensor:
-        """Decode sequences of sub-batch `chunk`, q: (n, H, D) -> (n, H, D)."""
         d, kv = self.decode, self.kv
         start, end = self.chunks[chunk]
         n, num_kv, head_dim, ctx = end - start, kv.num_kv_heads, kv.head_dim, d.max_pages * kv.page_size
@@ -129,19 +101,17 @@ class TorchStepAttention:
         k_buf = self.k_buf[:num_kv * n * ctx * head_dim].view(shape)
         v_buf = self.v_buf[:k_buf.numel()].view(shape)
         kv.gather(layer_id, self.chunk_rows[chunk], k_buf, v_buf)
-        k_seq = k_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)                    # (n, KV, L, D)
+        k_seq = k_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)
         v_seq = v_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)
-        return decode_attention(q, k_seq, v_seq, d.mask[start:end])                      # (n, H, D)
+        return decode_attention(q, k_seq, v_seq, d.mask[start:end])
 
     def _prefill(self, layer_id: int, p: PrefillSeq, rows: torch.Tensor | None, q: torch.Tensor,
                  k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One chunk: q rows [row_start, row_end) -> (n, H, D); `rows`: its pages' gather rows."""
-        qc = q[p.row_start:p.row_end].transpose(0, 1).unsqueeze(0)                         # (1, H, n, D)
+        qc = q[p.row_start:p.row_end].transpose(0, 1).unsqueeze(0)
         if p.page_ids is None:
-            # The chunk's own k, v as the cache now holds them, so a lossy KV dtype (FP8) gives
-            # the same result whether the prompt arrives in one chunk or several.
+            # k, v as the cache holds them: a lossy KV dtype gives the same result however the prompt is chunked.
             kc, vc = self.kv.round_trip(layer_id, k[p.row_start:p.row_end], v[p.row_start:p.row_end])
-            kc, vc = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)       # (1, KV, n, D)
+            kc, vc = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
         else:
             kv = self.kv
@@ -150,4 +120,4 @@ class TorchStepAttention:
             kc, vc = kc.view(shape)[:, :p.context_len], vc.view(shape)[:, :p.context_len]
             out = F.scaled_dot_product_attention(qc, kc.unsqueeze(0), vc.unsqueeze(0),
                                                  attn_mask=p.mask, enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1)                                             # (n, H, D)
+        return out.squeeze(0).transpose(0, 1)

@@ -1,9 +1,4 @@
-"""The torch backend's per-step metadata: the decode group and prefill chunks with their additive masks, built from a StepBatch.
-
-Sequences with one query token form the *decode group*: one padded page-table gather (or a
-DecodeMirror lookup) and one SDPA per layer for all of them. Longer sequences (prefill
-chunks) each attend to their cached prefix plus themselves, causally.
-"""
+"""The torch backend's per-step metadata: the decode group and prefill chunks with their additive masks, built from a StepBatch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,28 +10,22 @@ from radixserve.runner.batch import StepBatch
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """Single-token sequences attended together.
-
-    rows: (B,) int64 token rows; `row_slice` is set too when they are rows [a, b).
-    page_table: (B * max_pages,) int64, each sequence's pages padded with page 0.
-    mask: (B, 1, 1, max_pages * page_size) additive, 0 for key positions < seq length, -inf after.
-    """
+    """Single-token sequences: rows (B,) int64 (row_slice if contiguous); page_table (B * max_pages,) int64 padded with
+    page 0; mask (B, 1, 1, max_pages * page_size) additive; lens: context lengths incl. the new token."""
 
     rows: torch.Tensor
     row_slice: tuple[int, int] | None
     page_table: torch.Tensor
     mask: torch.Tensor
     max_pages: int
-    request_ids: list[str]           # per sequence, for state kept across steps (DecodeMirror)
-    page_lists: list[list[int]]      # page ids covering [0, lens[i])
-    lens: list[int]                  # context length including the new token
+    request_ids: list[str]
+    page_lists: list[list[int]]
+    lens: list[int]
 
 
 @dataclass(slots=True)
 class PrefillSeq:
-    """One multi-token chunk: rows [row_start, row_end) at positions start_pos.., context_len
-    = start_pos + n. With a cached prefix (start_pos > 0) attention reads `page_ids` and
-    uses the additive `mask` (1, 1, n, context_len): 0 where key j <= start_pos + i, else -inf."""
+    """Rows [row_start, row_end) at start_pos..; after a cached prefix, `page_ids` under `mask` (1, 1, n, context_len)."""
 
     row_start: int
     row_end: int
@@ -52,7 +41,6 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def split_step(step: StepBatch, page_size: int, dtype: torch.dtype) -> tuple[DecodeGroup | None, list[PrefillSeq]]:
-    """The step's decode group (None without decodes) and its prefill chunks, masks in `dtype`."""
     device = step.input_ids.device
     decode: list[int] = []
     prefills: list[PrefillSeq] = []
@@ -68,10 +56,10 @@ def split_step(step: StepBatch, page_size: int, dtype: torch.dtype) -> tuple[Dec
 def _prefill(row: int, n: int, context: int, pages: list[int], dtype: torch.dtype,
              device: torch.device) -> PrefillSeq:
     start = context - n
-    if start == 0:  # nothing cached: plain causal attention over the chunk's own k, v
+    if start == 0:
         return PrefillSeq(row, row + n, 0, n, None, None)
     q_pos = torch.arange(start, context, device=device)[:, None]
-    visible = (torch.arange(context, device=device)[None, :] <= q_pos)[None, None]   # (1, 1, n, context)
+    visible = (torch.arange(context, device=device)[None, :] <= q_pos)[None, None]
     return PrefillSeq(row, row + n, start, context, torch.tensor(pages, dtype=torch.long, device=device),
                       additive_mask(visible, dtype))
 
@@ -82,13 +70,13 @@ def _decode(step: StepBatch, members: list[int], page_size: int, dtype: torch.dt
     pages = [step.page_lists[i] for i in members]
     lens = [step.context_lens_host[i] for i in members]
     max_pages = max(len(p) for p in pages)
-    if len(members) == len(step.query_lens):   # decode-only step: the StepBatch's table is ours
+    if len(members) == len(step.query_lens):
         page_table, lens_t = step.page_table.long().view(-1), step.context_lens.long()
     else:
         table = [p + [0] * (max_pages - len(p)) for p in pages]
         page_table = torch.tensor(table, dtype=torch.long, device=device).view(-1)
         lens_t = torch.tensor(lens, dtype=torch.long, device=device)
-    visible = torch.arange(max_pages * page_size, device=device)[None, :] < lens_t[:, None]  # (B, max_len)
+    visible = torch.arange(max_pages * page_size, device=device)[None, :] < lens_t[:, None]
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     return DecodeGroup(rows=torch.tensor(rows, dtype=torch.long, device=device),
                        row_slice=(rows[0], rows[0] + len(rows)) if contiguous else None,

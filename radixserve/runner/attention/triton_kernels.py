@@ -1,24 +1,8 @@
 """Triton kernels of paged attention: decode (one query token per sequence) and extend (a prefill chunk over its cached prefix).
 
-Both read K and V straight from the paged cache through the page table, inside the kernel
-(paged attention: Kwon et al. 2023, "Efficient Memory Management for Large Language Model
-Serving with PagedAttention"); no pages are gathered into a copy first. Keys are visited in
-blocks of BLOCK_N with an online softmax (Milakov & Gimelshein 2018, "Online normalizer
-calculation for softmax"), tiled as in FlashAttention (Dao et al. 2022): one pass over the
-keys, the running max `m`, sum `l` and output `acc` rescaled as each block arrives.
-
-Storage per layer, as KVCache.kernel_view gives it (head-major):
-
-    K, V: (KV, num_pages, page_size, D) stored dtype (fp32, bf16, fp8 e4m3 / e5m2)
-    key position p of sequence s, KV head h  ->  K[h, page_table[s, p // page_size], p % page_size, :]
-
-Stored values are dequantised as `stored * scale` with one fp32 scale per (layer, KV head);
-the K scale is folded into the score scale and the V scale into the final output, which is
-exact algebra (q.(s k) = s (q.k)) and saves a multiply per element. Scores, softmax and
-accumulation are fp32; the two matrix products take operands in q's dtype (fp32 products
-with input_precision="ieee", so no TF32 on GPUs; always fp32 under the CPU interpreter, see
-`_dot_fp32`), and the output is written in q's dtype.
-"""
+Pages are read in-kernel (PagedAttention, Kwon et al. 2023), keys in blocks of BLOCK_N with an online softmax
+(Milakov & Gimelshein 2018) tiled as in FlashAttention (Dao et al. 2022); K and V scales fold into the score scale and
+the output. Scores, softmax and accumulation are fp32; products take q's dtype (fp32 with input_precision="ieee")."""
 from __future__ import annotations
 
 import torch
@@ -30,17 +14,14 @@ import triton.language as tl
 
 @triton.jit
 def _key_offsets(PageTable, seq, stride_pt, pos, valid, stride_kp, stride_kt, PAGE_SIZE: tl.constexpr):
-    """(BLOCK_N,) int64 element offsets of key positions `pos` inside one KV head's storage."""
     page = tl.load(PageTable + seq * stride_pt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
     return page * stride_kp + (pos % PAGE_SIZE).to(tl.int64) * stride_kt
 
 
 @triton.jit
 def _online_softmax_block(q, kt, v, visible, qk_scale, m_i, l_i, acc):
-    """One block of keys into the running softmax: q (R, D), kt (D, N), v (N, D) stored values,
-    `visible` (R, N) or broadcastable; m_i, l_i (R,) running max and sum (base 2), acc (R, D)
-    fp32. Returns the updated (m_i, l_i, acc) (online softmax, Milakov & Gimelshein 2018)."""
-    qk = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * qk_scale            # (R, N)
+    """q (R, D), kt (D, N), v (N, D), visible (R, N); running max and sum m_i, l_i (R,) (base 2), acc (R, D) fp32."""
+    qk = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * qk_scale
     qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -55,8 +36,7 @@ def decode_kernel(Q, K, V, KScale, VScale, Out, PageTable, ContextLens, SeqIdx, 
                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kp, stride_kt, stride_pt,
                   PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One program per (decode sequence i, KV head): the GROUP query heads sharing that KV head
-    (GQA) attend over all `ContextLens[SeqIdx[i]]` keys. Grid: (num_decodes, num_kv_heads)."""
+    """Grid (num_decodes, num_kv_heads): a KV head's GROUP query heads attend over ContextLens[SeqIdx[i]] keys."""
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(SeqIdx + i)
@@ -70,7 +50,7 @@ def decode_kernel(Q, K, V, KScale, VScale, Out, PageTable, ContextLens, SeqIdx, 
     heads = kv_head * GROUP + offs_h
     q_mask = h_mask[:, None] & d_mask[None, :]
     q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
-    if DOT_FP32:  # products in fp32 (q's dtype is what every operand is cast to)
+    if DOT_FP32:
         q = q.to(tl.float32)
     qk_scale = sm_scale * tl.load(KScale + kv_head) * 1.4426950408889634
     k_base = K + kv_head.to(tl.int64) * stride_kh
@@ -95,11 +75,8 @@ def extend_kernel(Q, K, V, KScale, VScale, Out, PageTable, ContextLens, CuSeqlen
                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kp, stride_kt, stride_pt,
                   PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One program per (prefill sequence i, query head, block of BLOCK_M query rows). Query row r
-    of the chunk sits at position prefix + r (prefix = context - chunk length) and sees keys at
-    positions <= prefix + r, all read from the paged cache (the chunk's own K/V were written
-    first), so a prompt gives the same result in one chunk or several, FP8 included.
-    Grid: (num_prefills, num_heads, cdiv(longest chunk, BLOCK_M))."""
+    """Grid (num_prefills, num_heads, cdiv(longest chunk, BLOCK_M)): chunk row r at position prefix + r sees keys
+    <= prefix + r, all read from the cache (its own K/V written first), so chunking does not change the result."""
     i = tl.program_id(0)
     head = tl.program_id(1)
     block = tl.program_id(2)
@@ -128,14 +105,14 @@ def extend_kernel(Q, K, V, KScale, VScale, Out, PageTable, ContextLens, CuSeqlen
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    end = tl.minimum(ctx, prefix + (block + 1) * BLOCK_M)   # the block's last row sees up to here
+    end = tl.minimum(ctx, prefix + (block + 1) * BLOCK_M)
     for start in range(0, end, BLOCK_N):
         pos = start + offs_n
         valid = pos < end
         tok = _key_offsets(PageTable, seq, stride_pt, pos, valid, stride_kp, stride_kt, PAGE_SIZE)
         kt = tl.load(k_base + tok[None, :] + offs_d[:, None], mask=d_mask[:, None] & valid[None, :], other=0.0)
         v = tl.load(v_base + tok[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
-        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])                 # causal
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         # m_i stays finite: every row sees key 0 in the first block
         m_i, l_i, acc = _online_softmax_block(q, kt, v, visible, qk_scale, m_i, l_i, acc)
     out = acc / l_i[:, None] * tl.load(VScale + kv_head)
@@ -144,30 +121,24 @@ def extend_kernel(Q, K, V, KScale, VScale, Out, PageTable, ContextLens, CuSeqlen
 
 
 def _block_d(head_dim: int) -> int:
-    """Head dim padded to a power of two, at least 16 (the smallest tl.dot operand on GPUs)."""
     return max(16, triton.next_power_of_2(head_dim))
 
 
 def _dot_fp32(q: torch.Tensor) -> bool:
-    """Matrix products in fp32 for fp32 q, and on CPU: there only the Triton interpreter runs
-    kernels, and its tl.dot gives garbage for bf16 operands (numpy has no bf16; seen with
-    triton 3.9). Elsewhere bf16 products with fp32 accumulation, as FlashAttention does."""
+    """fp32 products for fp32 q and on CPU, where the Triton interpreter's tl.dot is wrong for bf16 (numpy has none)."""
     return q.dtype == torch.float32 or q.device.type == "cpu"
 
 
 def _block_n(q: torch.Tensor, head_dim: int) -> int:
-    """Keys per iteration: 64, or 32 for fp32 products at head_dim > 64 (fp32 tiles of 64 x 128
-    would take twice the registers and shared memory of bf16 ones)."""
+    """Keys per iteration: 64, or 32 for fp32 products at head_dim > 64 (register and shared-memory budget)."""
     return 32 if _dot_fp32(q) and q.device.type != "cpu" and head_dim > 64 else 64
 
 
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
                  v_scale: torch.Tensor, out: torch.Tensor, page_table: torch.Tensor,
                  context_lens: torch.Tensor, seq_idx: torch.Tensor, q_rows: torch.Tensor) -> None:
-    """Decode attention for `seq_idx` (n,) int32 sequences whose one query token is row
-    `q_rows` (n,) int32 of q: (T, H, D) (last dim contiguous); writes those rows of out:
-    (T, H, D). k, v: (KV, num_pages, page_size, D) stored dtype; k_scale, v_scale: (KV,) fp32;
-    page_table: (B, max_pages) int32; context_lens: (B,) int32 keys per sequence."""
+    """Sequences seq_idx (n,) int32 with query rows q_rows (n,) int32 of q (T, H, D), last dim contiguous, into those rows
+    of out; k, v, scales as KVCache.kernel_view gives them; page_table (B, max_pages), context_lens (B,) int32."""
     num_kv, _, page_size, head_dim = k.shape
     group = q.shape[1] // num_kv
     decode_kernel[(seq_idx.shape[0], num_kv)](
@@ -182,10 +153,7 @@ def paged_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: tor
                  v_scale: torch.Tensor, out: torch.Tensor, page_table: torch.Tensor,
                  context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_idx: torch.Tensor,
                  max_q_len: int) -> None:
-    """Causal attention of the prefill chunks `seq_idx` (n,) int32, whose rows of q: (T, H, D)
-    are [cu_seqlens_q[s], cu_seqlens_q[s + 1]), over their whole context in the paged cache;
-    writes those rows of out: (T, H, D). `max_q_len`: the longest chunk (sizes the grid).
-    Other arguments as in `paged_decode`."""
+    """Chunks seq_idx (n,) int32, rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]) of q, causally; else as paged_decode."""
     num_kv, _, page_size, head_dim = k.shape
     num_heads = q.shape[1]
     block_m = block_n = _block_n(q, head_dim)
