@@ -34,7 +34,6 @@ from radixserve.server.engine_client import EngineClient
 from radixserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.native_tools import native_calls_tag
-from radixserve.server.pd import pd_target
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                         ModelList, new_id, now_s)
 from radixserve.server.responses import ClientDisconnected
@@ -124,7 +123,7 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         if req.resume_token_ids is not None:
             params = resumed_params(req, params, len(prompts))
         ctx.check_capacity()
-        pd = pd_target(ctx.client.info.disaggregation_mode, req)
+        pd = ctx.pd_target(req)
         rid = new_id("cmpl")
         run = GenerationRun(ctx, rid, prompts, params, req.resume_token_ids, pd)
         return await responses.respond(request, run, req.stream, responses.completion_response,
@@ -160,7 +159,7 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
         if req.resume_token_ids is not None:
             params = resumed_params(req, params, 1)
         ctx.check_capacity()
-        pd = pd_target(ctx.client.info.disaggregation_mode, req)
+        pd = ctx.pd_target(req)
         rid = new_id("chatcmpl")
         run = GenerationRun(ctx, rid, [prompt], params, req.resume_token_ids, pd)
         return await responses.respond(

@@ -196,25 +196,6 @@ def test_n_out_of_range_is_rejected_before_fan_out(tok, n):
     assert err.value.param == "n"
 
 
-def test_rewritten_text_is_what_is_sent_and_kept(tok):
-    """The one per-choice state: result() is the sum of the updates, rewrite included."""
-    seen = []
-
-    def shout(index, text):
-        seen.append(index)
-        return text.upper()
-
-    tracker = RequestTracker("r", [1], SamplingParams(n=2, max_tokens=8), tok, rewrite_text=shout)
-    ids = tok.encode(" hello there")
-    sent = {0: "", 1: ""}
-    for child, index in (("r-1", 1), ("r-0", 0)):
-        for u in drive(tracker, child, ids, final_reason="length"):
-            sent[index] += u.text
-    result = tracker.result()
-    assert [c.text for c in result.outputs] == [sent[0], sent[1]] == [" HELLO THERE"] * 2
-    assert set(seen) == {0, 1}
-
-
 @pytest.mark.parametrize("stop", [[], ["ENDS"]])
 def test_resume_at_every_cut_streams_what_an_uncut_run_does(tok, stop):
     """Stream migration: a tracker resumed after the first k tokens (their text sent by another
