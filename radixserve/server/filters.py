@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
+from radixserve.config import ServerConfig
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
 from radixserve.server.anomaly import AnomalyGuard, Detection, Detector, GuardConfig
@@ -35,25 +37,47 @@ class GuardFilter:
         return guard.feed(update)
 
 
-def guard_filter(config: GuardConfig, acceptance: AcceptanceConfig | None,
-                 confidence: ConfidenceConfig | None,
-                 params: SamplingParams) -> tuple[GuardFilter, SamplingParams]:
-    """The guard of one request with `params`: the text detectors, plus the acceptance and
-    confidence judges when configured; and `params` as it needs them (the confidence judge,
-    when it watches this request, asks the engine for each token's confidence). Greedy and
-    grammar-constrained requests expect loops (AnomalyGuard's `loops_expected`)."""
-    loops_expected = params.is_greedy or params.grammar is not None
-    temperature = 0.0 if params.is_greedy else params.temperature
-    watched = confidence is not None and judged(confidence, temperature, params.grammar is not None)
-    if watched:
-        params = dataclasses.replace(params, guard_confidence=True)
+@dataclass(frozen=True)
+class GuardSettings:
+    """The output-anomaly guard of a worker: the text detectors' thresholds, and the
+    acceptance and confidence judges when configured (None: off)."""
 
-    def make_guard() -> AnomalyGuard:
-        extra: list[Detector] = []
-        if acceptance is not None:
-            extra.append(AcceptanceDetector(acceptance, loops_expected))
-        if watched:
-            assert confidence is not None, "watched implies a confidence config"
-            extra.append(ConfidenceDetector(confidence))
-        return AnomalyGuard(config, extra, loops_expected=loops_expected)
-    return GuardFilter(make_guard), params
+    text: GuardConfig = GuardConfig()
+    acceptance: AcceptanceConfig | None = None
+    confidence: ConfidenceConfig | None = None
+
+    @classmethod
+    def from_config(cls, c: ServerConfig) -> GuardSettings | None:
+        """The guard the flags ask for; None with --disable-anomaly-guard."""
+        if c.disable_anomaly_guard:
+            return None
+        acceptance = AcceptanceConfig(
+            min_tokens=c.spec_anomaly_min_tokens, min_verify_steps=c.spec_anomaly_min_verify_steps,
+            min_accept_length=c.spec_anomaly_min_accept_length,
+            max_accept_rate=c.spec_anomaly_max_accept_rate) if c.enable_spec_anomaly_detector else None
+        confidence = ConfidenceConfig(
+            window=c.confidence_window, min_mean_logprob=c.confidence_min_mean_logprob,
+            min_drop=c.confidence_min_drop,
+            max_temperature=c.confidence_max_temperature) if c.enable_confidence_detector else None
+        return cls(GuardConfig(), acceptance, confidence)
+
+    def filter_for(self, params: SamplingParams) -> tuple[GuardFilter, SamplingParams]:
+        """The guard of one request with `params`, and `params` as it needs them (the
+        confidence judge, when it watches this request, asks the engine for each token's
+        confidence). Greedy and grammar-constrained requests expect loops (AnomalyGuard)."""
+        loops_expected = params.is_greedy or params.grammar is not None
+        temperature = 0.0 if params.is_greedy else params.temperature
+        confidence = self.confidence
+        if confidence is not None and not judged(confidence, temperature, params.grammar is not None):
+            confidence = None
+        if confidence is not None:
+            params = dataclasses.replace(params, guard_confidence=True)
+
+        def make_guard() -> AnomalyGuard:
+            extra: list[Detector] = []
+            if self.acceptance is not None:
+                extra.append(AcceptanceDetector(self.acceptance, loops_expected))
+            if confidence is not None:
+                extra.append(ConfidenceDetector(confidence))
+            return AnomalyGuard(self.text, extra, loops_expected=loops_expected)
+        return GuardFilter(make_guard), params

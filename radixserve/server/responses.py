@@ -12,9 +12,11 @@ update by update when streaming and whole otherwise, so the two agree there too 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -31,6 +33,7 @@ from radixserve.server.resume import token_ids_field
 from radixserve.server.serving import GenerationRun, ServingContext
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 
 DONE = "data: [DONE]\n\n"
 
@@ -83,8 +86,9 @@ def _merge(a: CompletionLogprobs | None, b: CompletionLogprobs) -> CompletionLog
                               text_offset=a.text_offset + b.text_offset)
 
 
-async def completion_response(ctx: ServingContext, run: GenerationRun, req: CompletionRequest,
-                              rid: str, created: int) -> CompletionResponse:
+async def completion_response(run: GenerationRun, req: CompletionRequest,
+                              created: int) -> CompletionResponse:
+    ctx = run.ctx
     choices = []
     for prompt_index, result in enumerate(await run.results()):
         for c in result.outputs:
@@ -101,13 +105,15 @@ async def completion_response(ctx: ServingContext, run: GenerationRun, req: Comp
             choices.append(CompletionChoice(index=prompt_index * run.n + c.index, text=text,
                                             logprobs=logprobs, finish_reason=c.finish_reason,
                                             stop_reason=c.stop_reason))
-    return CompletionResponse(id=rid, created=created, model=ctx.model_name, choices=choices,
+    return CompletionResponse(id=run.base_id, created=created, model=ctx.model_name, choices=choices,
                               usage=run.usage())
 
 
-async def completion_chunks(ctx: ServingContext, run: GenerationRun, req: CompletionRequest,
-                            rid: str, created: int) -> AsyncIterator[str]:
+async def completion_chunks(run: GenerationRun, req: CompletionRequest,
+                            created: int) -> AsyncIterator[str]:
     """SSE events of a streaming /v1/completions request; closes the run when done or cancelled."""
+    ctx, rid = run.ctx, run.base_id
+
     def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None,
               finish_reason: str | None = None, stop_reason: str | int | None = None,
               ids: dict[str, list[int]] | None = None) -> str:
@@ -146,9 +152,10 @@ async def completion_chunks(ctx: ServingContext, run: GenerationRun, req: Comple
 
 
 # ---- /v1/chat/completions -------------------------------------------------------------------
-async def chat_response(ctx: ServingContext, run: GenerationRun, req: ChatCompletionRequest,
-                        rid: str, created: int, outputs: ChatOutputs) -> ChatCompletionResponse:
+async def chat_response(run: GenerationRun, req: ChatCompletionRequest, created: int,
+                        outputs: ChatOutputs) -> ChatCompletionResponse:
     """Collected chat response; each choice's text goes through its output parser whole."""
+    ctx = run.ctx
     (result,) = await run.results()  # chat has one prompt
     choices = []
     for c in result.outputs:
@@ -156,16 +163,18 @@ async def chat_response(ctx: ServingContext, run: GenerationRun, req: ChatComple
         message, finish_reason = outputs.message(c.text, c.finish_reason)
         choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                   finish_reason=finish_reason, stop_reason=c.stop_reason))
-    return ChatCompletionResponse(id=rid, created=created, model=ctx.model_name, choices=choices,
+    return ChatCompletionResponse(id=run.base_id, created=created, model=ctx.model_name, choices=choices,
                                   usage=run.usage(run.reasoning_tokens(outputs)))
 
 
-async def chat_chunks(ctx: ServingContext, run: GenerationRun, req: ChatCompletionRequest,
-                      rid: str, created: int, outputs: ChatOutputs) -> AsyncIterator[str]:
+async def chat_chunks(run: GenerationRun, req: ChatCompletionRequest, created: int,
+                      outputs: ChatOutputs) -> AsyncIterator[str]:
     """SSE events of a streaming /v1/chat/completions request; closes the run when done. Each
     update's text goes through its choice's output parser; whatever the parser held is
     settled in the last content chunk, before the finish chunk. A resumed run's text (sent
     by another worker) passes the parser first, unsent, so it continues where that one was."""
+    ctx, rid = run.ctx, run.base_id
+
     def chunk(choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=rid, created=created, model=ctx.model_name,
                                        choices=[choice]))
@@ -241,25 +250,21 @@ class _EventStream(StreamingResponse):
             self.run.close()
 
 
-async def respond(request: Request, run: GenerationRun, stream: bool, full: Any, chunks: Any,
-                  req: Any, rid: str) -> Response:
-    """Submit the run, then stream it or collect it. Any rejection raises before a byte is sent
-    (field case C10), as does an injected "fail" fault; a client that goes away aborts the
-    run (C06)."""
+async def respond(request: Request, run: GenerationRun, req: R,
+                  full: Callable[[GenerationRun, R, int], Awaitable[BaseModel]],
+                  chunks: Callable[[GenerationRun, R, int], AsyncIterator[str]]) -> Response:
+    """Submit the run, then stream it (`req.stream`) or collect it. Any rejection raises before
+    a byte is sent (field case C10), as does an injected "fail" fault; a client that goes away
+    aborts the run (C06)."""
     created = now_s()
-    await run.__aenter__()
-    if run.ctx.faults is not None:
-        try:
+    async with contextlib.AsyncExitStack() as owned:
+        await owned.enter_async_context(run)
+        if run.ctx.faults is not None:
             await run.ctx.faults.on_accepted()
-        except BaseException:
-            run.close()
-            raise
-    if stream:
-        return _EventStream(chunks(run.ctx, run, req, rid, created), run)
-    try:
-        result = await race_disconnect(request.receive, full(run.ctx, run, req, rid, created))
-    finally:
-        run.close()
+        if req.stream:
+            owned.pop_all()   # from here the event stream closes the run, however it ends
+            return _EventStream(chunks(run, req, created), run)
+        result = await race_disconnect(request.receive, full(run, req, created))
     return Response(result.model_dump_json(), media_type="application/json")
 
 

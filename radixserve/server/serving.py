@@ -1,32 +1,25 @@
-"""From OpenAI requests to engine requests and back: prompts, limits, runs (guarded), usage."""
+"""What serves one request: the worker's ServingContext and a GenerationRun (engine requests, output filters, usage)."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from fastapi import Request
-from pydantic import BaseModel, ValidationError
+from typing import TYPE_CHECKING, Any
 
 from radixserve.engine.messages import AddReq, PDTarget
-from radixserve.errors import (BodyTooLarge, ContextLengthExceeded, InvalidRequest, ModelNotFound,
-                               OutputAnomaly, Overloaded)
+from radixserve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, OutputAnomaly,
+                               Overloaded)
 from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput, RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.acceptance_guard import AcceptanceConfig
-from radixserve.server.anomaly import Detection, GuardConfig
-from radixserve.server.confidence_guard import ConfidenceConfig
+from radixserve.server.anomaly import Detection
 from radixserve.server.engine_client import EngineClient, RequestStream
 from radixserve.server.faults import FaultInjector
-from radixserve.server.filters import OutputFilter, guard_filter
+from radixserve.server.filters import GuardSettings, OutputFilter
 from radixserve.server.metrics import RunTimers, ServerMetrics
 from radixserve.server.pd import pd_target, with_rooms
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                         PromptTokensDetails, Usage)
-from radixserve.server.validation import validation_error
 from radixserve.tokenizer.output_processor import ChoiceUpdate, RequestTracker
 
 if TYPE_CHECKING:
@@ -35,9 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # ServerConfig.max_request_body_bytes' default
-MAX_CHOICES = 256           # prompts x n in one request
 LONG_TEXT_CHARS = 32_768    # tokenize longer texts in a worker thread
-Req = TypeVar("Req", bound=BaseModel)
 
 
 @dataclass
@@ -50,9 +41,7 @@ class ServingContext:
     model_path: str
     max_open_requests: int
     metrics: ServerMetrics | None = None
-    guard: GuardConfig | None = None        # None: the output-anomaly guard is off
-    acceptance: AcceptanceConfig | None = None   # the guard's speculative-acceptance judge
-    confidence: ConfidenceConfig | None = None   # the guard's model-confidence judge
+    guard: GuardSettings | None = None      # None: the output-anomaly guard is off
     faults: FaultInjector | None = None     # None: fault injection is off
     tool_call_parser: str | None = None     # --tool-call-parser; None: tools are refused
     tool_call_constraint: str = "json"      # --tool-call-constraint: json or native
@@ -83,7 +72,7 @@ class ServingContext:
         if corrupter is not None:
             filters.append(corrupter)
         if self.guard is not None:
-            guard, params = guard_filter(self.guard, self.acceptance, self.confidence, params)
+            guard, params = self.guard.filter_for(params)
             filters.append(guard)
         return filters, params
 
@@ -136,75 +125,6 @@ class Prompt:
 
     ids: list[int]
     text: str | None
-
-
-# ---- inputs -------------------------------------------------------------------------------
-async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prompt]:
-    """Tokenize the `prompt` field (string, strings, token ids, or lists of token ids). Token
-    ids and lengths are checked by the engine when the run is submitted."""
-    raw = req.prompt
-    if isinstance(raw, str):
-        items: list[str | list[int]] = [raw]
-    elif raw and isinstance(raw[0], int):
-        items = [raw]  # one token-id prompt
-    else:
-        items = list(raw)
-    if not items:
-        raise InvalidRequest("prompt must not be empty", param="prompt")
-    if len(items) * req.n > MAX_CHOICES:
-        raise InvalidRequest(f"at most {MAX_CHOICES} choices (prompts x n) per request, "
-                             f"got {len(items) * req.n}", param="prompt")
-    for item in items:  # all refused before any is tokenized
-        if isinstance(item, str):
-            ctx.check_text_fits([item], "prompt")
-    prompts = []
-    for item in items:
-        if isinstance(item, str):
-            prompts.append(Prompt(await ctx.encode(item), item))
-        else:
-            prompts.append(Prompt(list(item), None))
-    return prompts
-
-
-async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
-                      tools: list[dict] | None = None) -> Prompt:
-    """Render the chat template over `messages` (every field kept, chat_tools.py's `tools`
-    offered, `chat_template_kwargs` passed on) into token ids (raises InvalidRequest)."""
-    messages = [m.template_dict() for m in req.messages]
-    # Only user messages count toward the bytes bound: every template renders them verbatim,
-    # while others may be dropped (Qwen3 drops earlier assistant reasoning).
-    ctx.check_text_fits([m["content"] for m in messages if m["role"] == "user"], "messages")
-    render = functools.partial(ctx.tokenizer.apply_chat_template, messages,
-                               req.add_generation_prompt, tools, req.chat_template_kwargs)
-    if sum(len(m["content"]) for m in messages) < LONG_TEXT_CHARS:
-        ids = render()
-    else:
-        ids = await asyncio.to_thread(render)
-    return Prompt(list(ids), None)
-
-
-async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BODY_BYTES) -> Req:
-    """Validate a JSON body against `model`; every failure is an InvalidRequest (400), a body
-    over `max_bytes` is 413."""
-    content_type = request.headers.get("content-type", "")
-    if content_type.split(";")[0].strip().lower() != "application/json":
-        raise InvalidRequest("Content-Type must be application/json", param="content-type")
-    too_large = BodyTooLarge(f"request body is larger than {max_bytes} bytes "
-                             "(--max-request-body-bytes)")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():  # a body without Content-Length stops at the limit too
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_large
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
 
 
 # ---- one run --------------------------------------------------------------------------------

@@ -153,7 +153,7 @@ def test_worker_probes_follow_its_routes_and_load_time():
     """Readiness on /health_generate (a real 1-token generation, 503 while draining), liveness
     on /live (a route of the worker's, 200 unless the engine is dead); a startup probe covers a
     load of a few minutes, and readiness waits longer than /health_generate's own 20 s limit."""
-    from radixserve.server.app import HEALTH_GENERATE_TIMEOUT_S
+    from radixserve.server.routes import HEALTH_GENERATE_TIMEOUT_S
 
     spec = container("worker")
     assert spec["readinessProbe"]["httpGet"]["path"] == "/health_generate"

@@ -14,7 +14,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server.anomaly import Detection, GuardConfig
 from radixserve.server.confidence_guard import ConfidenceConfig
 from radixserve.server.faults import Corrupter
-from radixserve.server.filters import GuardFilter
+from radixserve.server.filters import GuardFilter, GuardSettings
 from radixserve.server.pd import with_rooms
 from radixserve.server.serving import GenerationRun, Prompt, ServingContext
 
@@ -109,7 +109,7 @@ def test_a_detection_aborts_its_choice_and_ends_the_run(default_tokenizer):
 def test_the_factory_runs_the_corrupter_before_the_guard_and_arms_confidence(default_tokenizer):
     ctx = context(default_tokenizer, [])
     assert ctx.filters_for(SamplingParams()) == ([], SamplingParams())
-    ctx.guard, ctx.confidence = GuardConfig(), ConfidenceConfig()
+    ctx.guard = GuardSettings(GuardConfig(), confidence=ConfidenceConfig())
     corrupter = Corrupter("noise", random.Random(0))
     ctx.faults = SimpleNamespace(corrupter=lambda: corrupter)
     filters, params = ctx.filters_for(SamplingParams(temperature=0.0))
