@@ -17,6 +17,10 @@ from radixserve.server.native_tools import FORMATS as NATIVE_FORMATS
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 25.0
 GRACE_HELP = ("seconds that SIGTERM/SIGINT lets requests in flight finish (new ones get 503, "
               "/health says draining); then the rest end with a 503 error and the process exits")
+#: Default --request-body-timeout of workers and routers, in s.
+REQUEST_BODY_TIMEOUT_S = 10.0
+BODY_TIMEOUT_HELP = ("seconds a request body may stall between two reads (a Content-Length "
+                     "larger than what arrives) before the request gets 408 request_timeout")
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -235,12 +239,15 @@ class ServerConfig:
         None, "JSONL file of prompts (a string, {\"prompt\": ...} or {\"messages\": [...]} per "
               "line) prefilled into the prefix cache before /health turns 200 (docs/hicache.md)")
     graceful_shutdown_timeout: float = _opt(GRACEFUL_SHUTDOWN_TIMEOUT_S, GRACE_HELP)
+    request_body_timeout: float = _opt(REQUEST_BODY_TIMEOUT_S, BODY_TIMEOUT_HELP)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_body_bytes < 1:
             raise ValueError("max_request_body_bytes must be >= 1")
+        if not self.request_body_timeout > 0:
+            raise ValueError("request_body_timeout must be > 0")
         if not self.graceful_shutdown_timeout >= 0:
             raise ValueError("graceful_shutdown_timeout must be >= 0")
         if self.tool_call_constraint == "native" and self.tool_call_parser not in NATIVE_FORMATS:

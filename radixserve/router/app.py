@@ -1,23 +1,21 @@
 """The router's FastAPI app: OpenAI routes relayed to workers, GETs from a healthy worker, /health, /metrics, admin."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator
 from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from radixserve.drain import Drain, DrainMiddleware
-from radixserve.errors import InvalidRequest, ModelNotFound, RadixServeError, error_body
-from radixserve.http_common import poller_limits
+from radixserve.errors import InvalidRequest, ModelNotFound, error_body
+from radixserve.http_common import (BodyTimeoutMiddleware, install_error_handlers, poller_limits,
+                                    race_disconnect)
 from radixserve.router.admin import build_admin_router
 from radixserve.router.config import RouterConfig
 from radixserve.router.health import HealthMonitor
@@ -158,53 +156,6 @@ def route_key(path: str, body: dict, tokenizer: Any, session: str | None) -> Rou
     return RouteKey(render_messages(messages), session)
 
 
-async def race_disconnect(request: Request, work: Awaitable[Response]) -> Response:
-    """Await `work` unless the client disconnects first; then cancel it (which closes the
-    upstream request, so the worker aborts) and answer 499 to nobody."""
-    task = asyncio.ensure_future(work)
-
-    async def client_gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # its cleanup has run
-    if task.cancelled():
-        return Response(status_code=499)
-    return task.result()
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Router-made errors leave as OpenAI error bodies; a 500 only for real bugs (logged)."""
-
-    @app.exception_handler(RadixServeError)
-    async def on_error(request: Request, exc: RadixServeError) -> Response:
-        return JSONResponse(exc.to_dict(), status_code=exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind, exc.status_code),
-                            status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(ClientDisconnect)   # left while its body was being read
-    async def on_disconnect(request: Request, exc: ClientDisconnect) -> Response:
-        logger.debug("client left %s %s before its response", request.method, request.url.path)
-        return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def on_bug(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal router error: {type(exc).__name__}",
-                                       "internal_error", 500), status_code=500)
-
-
 def lifespan_of(state: RouterState) -> Any:
     """Lifespan: one health sweep before serving, then the health and load loops; at
     shutdown the loops stop and the HTTP client closes."""
@@ -233,7 +184,8 @@ def build_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="radixserve router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan_of(state))
     app.state.router = state
-    install_error_handlers(app)
+    install_error_handlers(app, "router")
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=state.config.request_body_timeout)
     app.add_middleware(DrainMiddleware, drain=state.drain)
     app.include_router(build_admin_router(state))
 
@@ -245,10 +197,10 @@ def build_app(state: RouterState) -> FastAPI:
         key = route_key(path, body, state.tokenizer, session if isinstance(session, str) else None)
         headers = forwarded_headers(request, FORWARDED_HEADERS)
         if state.pd is not None:
-            return await race_disconnect(request, state.pd.forward(
+            return await race_disconnect(request.receive, state.pd.forward(
                 path, body, headers, key, body.get("stream") is True))
         work = state.forwarder.forward(path, raw, headers, key, body.get("stream") is True, t_start)
-        return await race_disconnect(request, work)
+        return await race_disconnect(request.receive, work)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

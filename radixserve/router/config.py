@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.config import GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S, _opt
+from radixserve.config import (BODY_TIMEOUT_HELP, GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S,
+                               REQUEST_BODY_TIMEOUT_S, _opt)
 
 POLICIES = ("cache_aware", "power_of_two", "round_robin", "random", "session")
 
@@ -73,6 +74,8 @@ class RouterConfig:
     # timeouts and auth
     connect_timeout_s: float = _opt(5.0, "timeout to connect to a worker")
     silence_timeout_s: float = _opt(300.0, "a worker silent this long mid-request is a fault")
+    request_body_timeout: float = _opt(REQUEST_BODY_TIMEOUT_S, BODY_TIMEOUT_HELP + " (fleet: the "
+                                       "workers get it too)")
     admin_api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on /admin routes; "
                                            "unset: admin routes are open (a warning is logged)")
     worker_api_key: str | None = _opt(None, "key sent to workers on the router's own health "
@@ -94,3 +97,5 @@ class RouterConfig:
             raise ValueError("health thresholds must be >= 1")
         if not self.graceful_shutdown_timeout >= 0:
             raise ValueError("graceful_shutdown_timeout must be >= 0")
+        if not self.request_body_timeout > 0:
+            raise ValueError("request_body_timeout must be > 0")

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
 import httpx
-from fastapi.responses import StreamingResponse
 
+from radixserve.http_common import ClosingStreamingResponse
 from radixserve.router.eject import Ejected
 from radixserve.router.outcome import classify, event_status
 from radixserve.router.stream import DONE, StreamLedger, error_event, error_of
@@ -154,17 +154,12 @@ class Relay:
         await self._leave()
 
 
-class RelayResponse(StreamingResponse):
-    """StreamingResponse that closes its relay even when the client left before the first
-    event (then the event generator never starts and its own cleanup never runs)."""
+class RelayResponse(ClosingStreamingResponse):
+    """The client's response of a Relay: the first worker's status and relayed headers; it
+    closes the relay however it ends."""
 
     def __init__(self, relay: Relay):
         headers = {k: v for k in RELAYED_HEADERS if (v := wire_header(relay.upstream.headers, k))}
-        super().__init__(relay.events(), status_code=relay.upstream.status_code, headers=headers)
+        super().__init__(relay.events(), relay.close, status_code=relay.upstream.status_code,
+                         headers=headers)
         self.relay = relay
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.relay.close()

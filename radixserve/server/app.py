@@ -12,19 +12,17 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from radixserve.config import EngineConfig, ServerConfig
 from radixserve.drain import FLUSH_S, Drain, DrainMiddleware, GracefulServer
 from radixserve.engine.loop import RunnerFactory
-from radixserve.errors import InvalidRequest, RadixServeError, error_body
-from radixserve.http_common import SERVER_KEEP_ALIVE_S, bearer_key_check, quiet_signals
+from radixserve.errors import InvalidRequest
+from radixserve.http_common import (SERVER_KEEP_ALIVE_S, BodyTimeoutMiddleware, bearer_key_check,
+                                    install_error_handlers, quiet_signals)
 from radixserve.server.admin_routes import install_admin_routes
 from radixserve.server.engine_client import EngineClient
 from radixserve.server.filters import GuardSettings
 from radixserve.server.metrics import ServerMetrics
-from radixserve.server.responses import ClientDisconnected
 from radixserve.server.routes import install_openai_routes, install_probe_routes
 from radixserve.server.serving import ServingContext
 from radixserve.server.validation import render_details
@@ -34,37 +32,11 @@ logger = logging.getLogger(__name__)
 ENGINE_DEATH_GRACE_S = 1.0   # after engine death, answer 503s this long before exiting
 
 
-def _error_response(exc: RadixServeError) -> JSONResponse:
-    return JSONResponse(exc.to_dict(), status_code=exc.status)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error leaves as an OpenAI error body; a 500 only for real bugs (logged)."""
-
-    @app.exception_handler(RadixServeError)
-    async def on_radixserve_error(request: Request, exc: RadixServeError) -> Response:
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return _error_response(InvalidRequest(*render_details(list(exc.errors()))))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind, exc.status_code), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(ClientDisconnected)
-    @app.exception_handler(ClientDisconnect)   # left while its body was read (parse_body)
-    async def on_disconnect(request: Request, exc: Exception) -> Response:
-        logger.debug("client left %s %s before its response", request.method, request.url.path)
-        return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def on_bug(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}",
-                                       "internal_error", 500), status_code=500)
+async def on_validation_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's own validation errors as this server's 400 (server/validation.py)."""
+    assert isinstance(exc, RequestValidationError), exc
+    error = InvalidRequest(*render_details(list(exc.errors())))
+    return JSONResponse(error.to_dict(), status_code=error.status)
 
 
 def api_key_check(api_key: str | None) -> Callable[[Request], Any]:
@@ -76,7 +48,8 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
     """The worker's app over `ctx`; `app.state.drain` is its Drain (drain.py): SIGTERM through
     GracefulServer, or POST /admin/drain, stops admission while requests in flight finish."""
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
-    install_error_handlers(app)
+    install_error_handlers(app, "server")
+    app.add_exception_handler(RequestValidationError, on_validation_error)
     if ctx.metrics is None:
         ctx.metrics = ServerMetrics(ctx.model_name)
     ctx.guard = GuardSettings.from_config(server_config)
@@ -85,6 +58,7 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
     install_probe_routes(app, ctx)
     drain = Drain(server_config.graceful_shutdown_timeout)
     install_admin_routes(app, ctx, server_config, auth, drain)
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=server_config.request_body_timeout)
     app.add_middleware(DrainMiddleware, drain=drain)   # outermost: a hung request is in flight too
     app.state.drain = drain
     return app

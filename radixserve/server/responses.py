@@ -11,19 +11,19 @@ update by update when streaming and whole otherwise, so the two agree there too 
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from radixserve.outputs import TokenLogprob
 from radixserve.errors import RadixServeError, error_body
+from radixserve.http_common import ClosingStreamingResponse, race_disconnect
 from radixserve.server.chat_tools import ChatOutputs
 from radixserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
@@ -204,52 +204,6 @@ async def chat_chunks(run: GenerationRun, req: ChatCompletionRequest, created: i
 
 
 # ---- delivery ---------------------------------------------------------------------------
-async def until_disconnected(receive: Any) -> None:
-    """Return when the HTTP client goes away (the body has been read already)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its response was ready."""
-
-
-async def race_disconnect(receive: Any, work: Any) -> Any:
-    """Await `work` unless the client disconnects first; then cancel it and raise
-    ClientDisconnected (the caller closes the run, which aborts the engine requests). If
-    this is cancelled (a drain's cut-off), `work` is cancelled too, never left waiting."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(until_disconnected(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():   # the client went first (cancel is pending)
-        raise ClientDisconnected()
-    return task.result()
-
-
-class _EventStream(StreamingResponse):
-    """SSE response that closes its run however the response ends, even when the client is
-    gone before the first event (then the event generator never starts, so its own cleanup
-    would never run)."""
-
-    def __init__(self, events: Any, run: GenerationRun):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        self.run = run
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.run.close()
-
-
 async def respond(request: Request, run: GenerationRun, req: R,
                   full: Callable[[GenerationRun, R, int], Awaitable[BaseModel]],
                   chunks: Callable[[GenerationRun, R, int], AsyncIterator[str]]) -> Response:
@@ -263,7 +217,9 @@ async def respond(request: Request, run: GenerationRun, req: R,
             await run.ctx.faults.on_accepted()
         if req.stream:
             owned.pop_all()   # from here the event stream closes the run, however it ends
-            return _EventStream(chunks(run, req, created), run)
+            return ClosingStreamingResponse(chunks(run, req, created), run.close,
+                                            media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache"})
         result = await race_disconnect(request.receive, full(run, req, created))
     return Response(result.model_dump_json(), media_type="application/json")
 
