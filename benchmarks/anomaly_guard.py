@@ -33,7 +33,7 @@ import httpx
 
 from radixserve.bench.launch import wait_healthy
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig
-from radixserve.tokenizer.output_processor import ChoiceUpdate
+from radixserve.server.tracker import ChoiceUpdate
 
 KIND_OF_MODE = {"garble": "garbled", "repeat": "repetition", "noise": "rare_chars"}
 TOPICS = ["photosynthesis", "black holes", "the French Revolution", "machine learning",

@@ -44,7 +44,7 @@ from radixserve.outputs import KV_CHECKSUM_ERROR, SpecCounts
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig
-from radixserve.tokenizer.output_processor import ChoiceUpdate
+from radixserve.server.tracker import ChoiceUpdate
 from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetector, judged
 
 TOPICS = ["photosynthesis", "black holes", "the French Revolution", "machine learning", "volcanoes",
@@ -131,7 +131,7 @@ def run(llm, items, concurrency: int, corrupt: str | None = None) -> list[dict]:
     """Generate every item, `concurrency` in flight; return per item its trace: deltas
     [text, token ids, [verify, draft, accepted] or None, confidences], tokens, and the
     kv_corrupt hit."""
-    from radixserve.tokenizer.output_processor import RequestTracker
+    from radixserve.server.tracker import RequestTracker
 
     engine, tok = llm.engine, llm.tokenizer
     if corrupt is not None:

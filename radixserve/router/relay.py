@@ -3,18 +3,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 import anyio
 import httpx
 
 from radixserve.http_common import ClosingStreamingResponse
 from radixserve.router.eject import Ejected
+from radixserve.router.lease import Lease
+from radixserve.router.metrics import RouterMetrics
 from radixserve.router.outcome import classify, event_status
 from radixserve.router.stream import DONE, StreamLedger, error_event, error_of
-
-if TYPE_CHECKING:
-    from radixserve.router.proxy import Forwarder, Lease
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +29,18 @@ def wire_header(headers: httpx.Headers, name: str) -> str | None:
         if key.lower() == name.encode():
             return value.decode("latin-1")
     return None
+
+
+class Forwarding(Protocol):
+    """What a Relay needs of the Forwarder that opened its stream (proxy.py)."""
+
+    metrics: RouterMetrics
+
+    @property
+    def migration_on(self) -> bool: ...
+
+    def record(self, worker: Any, status: int | None, transport_error: bool,
+               kind: str | None = None) -> None: ...
 
 
 @dataclass
@@ -63,7 +74,7 @@ class Relay:
     else a router-made `worker_error` (field case C20: never a silent replay). `close()` runs
     once however the response ends; each worker's outcome is recorded as it is left."""
 
-    def __init__(self, forwarder: Forwarder, ledger: StreamLedger, opened: Opened,
+    def __init__(self, forwarder: Forwarding, ledger: StreamLedger, opened: Opened,
                  resend: Any):
         self.forwarder, self.ledger, self.opened = forwarder, ledger, opened
         self.resend = resend   # async () -> Opened | None: a continuation, or None

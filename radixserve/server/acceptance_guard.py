@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixserve.server.anomaly import Detection
-from radixserve.tokenizer.output_processor import ChoiceUpdate
+from radixserve.server.tracker import ChoiceUpdate
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple, Protocol
 
-from radixserve.tokenizer.output_processor import ChoiceUpdate
+from radixserve.server.tracker import ChoiceUpdate
 
 KINDS = ("repetition", "garbled", "rare_chars")
 

@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from radixserve.server.anomaly import Detection
-from radixserve.tokenizer.output_processor import ChoiceUpdate
+from radixserve.server.tracker import ChoiceUpdate
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from radixserve.errors import InjectedFault, InvalidRequest
 from radixserve.server.engine_client import EngineClient
 
 if TYPE_CHECKING:
-    from radixserve.tokenizer.output_processor import ChoiceUpdate
+    from radixserve.server.tracker import ChoiceUpdate
 
 logger = logging.getLogger(__name__)
 

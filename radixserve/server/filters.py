@@ -11,7 +11,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
 from radixserve.server.anomaly import AnomalyGuard, Detection, Detector, GuardConfig
 from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetector, judged
-from radixserve.tokenizer.output_processor import ChoiceUpdate
+from radixserve.server.tracker import ChoiceUpdate
 
 
 class OutputFilter(Protocol):

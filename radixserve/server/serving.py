@@ -20,7 +20,7 @@ from radixserve.server.metrics import RunTimers, ServerMetrics
 from radixserve.server.pd import pd_target, with_rooms
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                         PromptTokensDetails, Usage)
-from radixserve.tokenizer.output_processor import ChoiceUpdate, RequestTracker
+from radixserve.server.tracker import ChoiceUpdate, RequestTracker
 
 if TYPE_CHECKING:
     from radixserve.server.chat_tools import ChatOutputs

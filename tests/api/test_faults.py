@@ -250,7 +250,7 @@ def test_greedy_repetition_is_not_stopped(server):
     """Under greedy decoding a loop is the model's deterministic answer: the forced loop
     reaches the client (and shows that corruption alters what clients get)."""
     from radixserve.server.anomaly import GuardConfig, RepetitionDetector
-    from radixserve.tokenizer.output_processor import ChoiceUpdate
+    from radixserve.server.tracker import ChoiceUpdate
     inject(server, kind="corrupt", mode="repeat")
     r = server.post("/v1/completions", json={"model": server.model, "prompt": "Tell me",
                                              "max_tokens": 64, "ignore_eos": True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from radixserve.outputs import SpecCounts
 from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig
-from radixserve.tokenizer.output_processor import ChoiceUpdate
+from radixserve.server.tracker import ChoiceUpdate
 
 
 def test_spec_counts_arithmetic_and_usage_fields():

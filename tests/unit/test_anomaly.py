@@ -8,7 +8,7 @@ import pytest
 from radixserve.server.anomaly import (AnomalyGuard, Detection, GarbledDetector, GuardConfig,
                                        RareCharDetector, RepetitionDetector)
 from radixserve.server.faults import Corrupter
-from radixserve.tokenizer.output_processor import ChoiceUpdate
+from radixserve.server.tracker import ChoiceUpdate
 
 
 def text_update(text: str) -> ChoiceUpdate:

@@ -12,7 +12,7 @@ from radixserve.outputs import EngineOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig
 from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetector, judged
-from radixserve.tokenizer.output_processor import ChoiceUpdate, RequestTracker
+from radixserve.server.tracker import ChoiceUpdate, RequestTracker
 from tests.unit.test_sampler import V, Row
 
 CFG = ConfidenceConfig(window=8, min_mean_logprob=-1.5, min_drop=0.6, baseline_tokens=4)

@@ -90,7 +90,8 @@ def app_of(component: str):
         from radixserve.server.serving import ServingContext
         return build_app(ServingContext(None, None, "m", "p", 1), ServerConfig())
     if component == "router":
-        from radixserve.router.app import build_app, build_state
+        from radixserve.router.app import build_app
+        from radixserve.router.state import build_state
         from radixserve.router.config import RouterConfig
         return build_app(build_state(RouterConfig(), [], None))
     from radixserve.agent.agent import Agent

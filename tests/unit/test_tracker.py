@@ -7,7 +7,7 @@ import pytest
 from radixserve.errors import InvalidRequest
 from radixserve.outputs import EngineOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
-from radixserve.tokenizer.output_processor import RequestTracker
+from radixserve.server.tracker import RequestTracker
 from radixserve.tokenizer.tokenizer import Tokenizer
 
 EOS = 2  # <|im_end|> in SmolLM2
