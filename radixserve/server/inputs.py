@@ -15,8 +15,7 @@ from radixserve.server.chat_tools import ChatOutputs, plan_tools, prompt_tail
 from radixserve.server.native_tools import native_calls_tag
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, new_id
 from radixserve.server.resume import resumed_params
-from radixserve.server.serving import (LONG_TEXT_CHARS, MAX_BODY_BYTES, GenerationRun, Prompt,
-                                       ServingContext)
+from radixserve.server.serving import LONG_TEXT_CHARS, MAX_BODY_BYTES, GenerationRun, ServingContext
 from radixserve.server.validation import validation_error
 
 MAX_CHOICES = 256           # prompts x n in one request
@@ -31,12 +30,12 @@ async def completion_run(ctx: ServingContext, req: CompletionRequest) -> Generat
         raise InvalidRequest("suffix is not supported", param="suffix")
     prompt_logprobs = req.logprobs if req.echo else None
     params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs)
-    prompts = await completion_prompts(ctx, req)
+    prompt_ids = await completion_prompts(ctx, req)
     if req.resume_token_ids is not None:
-        params = resumed_params(req, params, len(prompts))
+        params = resumed_params(req, params, len(prompt_ids))
     ctx.check_capacity()
     pd = ctx.pd_target(req)
-    return GenerationRun(ctx, new_id("cmpl"), prompts, params, req.resume_token_ids, pd)
+    return GenerationRun(ctx, new_id("cmpl"), prompt_ids, params, req.resume_token_ids, pd)
 
 
 async def chat_run(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[GenerationRun, ChatOutputs]:
@@ -57,10 +56,10 @@ async def chat_run(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[Gen
     plan = plan_tools(req, ctx.tool_call_parser, ctx.tool_call_constraint)
     if plan.json_schema is not None:   # tool_choice "required" or a named function
         params = dataclasses.replace(params, json_schema=plan.json_schema, json_schema_param="tools")
-    prompt = await chat_prompt(ctx, req, plan.template_tools)
+    prompt_ids = await chat_prompt(ctx, req, plan.template_tools)
     reasoning = ctx.reasoning_parser is not None
     outputs = ChatOutputs(plan, ctx.tool_call_parser, reasoning,
-                          prompt_tail(ctx.tokenizer, prompt.ids) if reasoning else "")
+                          prompt_tail(ctx.tokenizer, prompt_ids) if reasoning else "")
     if plan.native is not None:   # calls in the model's own format (native_tools.py)
         tag = native_calls_tag(plan.native, outputs.reasoning, outputs.starts_in_reasoning)
         params = dataclasses.replace(params, structural_tag=tag, json_schema_param="tools")
@@ -71,20 +70,25 @@ async def chat_run(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[Gen
         params = resumed_params(req, params, 1)
     ctx.check_capacity()
     pd = ctx.pd_target(req)
-    run = GenerationRun(ctx, new_id("chatcmpl"), [prompt], params, req.resume_token_ids, pd)
+    run = GenerationRun(ctx, new_id("chatcmpl"), [prompt_ids], params, req.resume_token_ids, pd)
     return run, outputs
 
 
-async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prompt]:
-    """Tokenize the `prompt` field (string, strings, token ids, or lists of token ids). Token
-    ids and lengths are checked by the engine when the run is submitted."""
+def prompt_items(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of the `prompt` field (a string, strings, token ids, or lists of token ids),
+    each a text or token ids."""
     raw = req.prompt
     if isinstance(raw, str):
-        items: list[str | list[int]] = [raw]
-    elif raw and isinstance(raw[0], int):
-        items = [raw]  # one token-id prompt
-    else:
-        items = list(raw)
+        return [raw]
+    if raw and isinstance(raw[0], int):
+        return [raw]  # one token-id prompt
+    return list(raw)
+
+
+async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
+    """The token ids of each prompt (prompt_items), texts tokenized. Token ids and lengths are
+    checked by the engine when the run is submitted."""
+    items = prompt_items(req)
     if not items:
         raise InvalidRequest("prompt must not be empty", param="prompt")
     if len(items) * req.n > MAX_CHOICES:
@@ -93,17 +97,11 @@ async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
     for item in items:  # all refused before any is tokenized
         if isinstance(item, str):
             ctx.check_text_fits([item], "prompt")
-    prompts = []
-    for item in items:
-        if isinstance(item, str):
-            prompts.append(Prompt(await ctx.encode(item), item))
-        else:
-            prompts.append(Prompt(list(item), None))
-    return prompts
+    return [await ctx.encode(item) if isinstance(item, str) else list(item) for item in items]
 
 
 async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
-                      tools: list[dict] | None = None) -> Prompt:
+                      tools: list[dict] | None = None) -> list[int]:
     """Render the chat template over `messages` (every field kept, chat_tools.py's `tools`
     offered, `chat_template_kwargs` passed on) into token ids (raises InvalidRequest)."""
     messages = [m.template_dict() for m in req.messages]
@@ -116,7 +114,7 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
         ids = render()
     else:
         ids = await asyncio.to_thread(render)
-    return Prompt(list(ids), None)
+    return list(ids)
 
 
 async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BODY_BYTES) -> Req:

@@ -25,6 +25,7 @@ from radixserve.outputs import TokenLogprob
 from radixserve.errors import RadixServeError, error_body
 from radixserve.http_common import ClosingStreamingResponse, race_disconnect
 from radixserve.server.chat_tools import ChatOutputs
+from radixserve.server.inputs import prompt_items
 from radixserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                                         CompletionChunk, CompletionLogprobs, CompletionRequest,
@@ -70,8 +71,16 @@ def chat_logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogpr
 
 
 # ---- /v1/completions ------------------------------------------------------------------------
+def _echo_text(run: GenerationRun, req: CompletionRequest, prompt_index: int) -> str:
+    """The prompt as the client sent it, or its token ids decoded (special tokens kept)."""
+    item = prompt_items(req)[prompt_index]
+    if isinstance(item, str):
+        return item
+    return run.ctx.tokenizer.decode(run.prompt_ids[prompt_index], skip_special_tokens=False)
+
+
 def _echo_logprobs(ctx: ServingContext, run: GenerationRun, prompt_index: int) -> CompletionLogprobs:
-    ids = run.prompts[prompt_index].ids
+    ids = run.prompt_ids[prompt_index]
     entries = run.prompt_logprobs(prompt_index)
     entries += [None] * (len(ids) - len(entries))
     return completion_logprobs(ctx, ids, entries, 0)
@@ -95,7 +104,7 @@ async def completion_response(run: GenerationRun, req: CompletionRequest,
             text, logprobs = c.text, None
             offset = 0
             if req.echo:
-                prompt_text = run.prompt_text(prompt_index)
+                prompt_text = _echo_text(run, req, prompt_index)
                 text, offset = prompt_text + text, len(prompt_text)
                 if req.logprobs is not None:
                     logprobs = _echo_logprobs(ctx, run, prompt_index)
@@ -129,7 +138,7 @@ async def completion_chunks(run: GenerationRun, req: CompletionRequest,
             if index not in offsets:
                 offsets[index] = 0
                 if req.echo:
-                    prompt_text = run.prompt_text(index // run.n)
+                    prompt_text = _echo_text(run, req, index // run.n)
                     lp = _echo_logprobs(ctx, run, index // run.n) if want_logprobs else None
                     yield chunk(index, prompt_text, lp)
                     offsets[index] = len(prompt_text)

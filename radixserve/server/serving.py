@@ -119,14 +119,6 @@ class ServingContext:
         return text
 
 
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt: its token ids and, when the client sent text, that text (echo returns it)."""
-
-    ids: list[int]
-    text: str | None
-
-
 # ---- one run --------------------------------------------------------------------------------
 class GenerationRun:
     """All engine requests of one HTTP request: a RequestTracker per prompt, fanned out to n
@@ -144,24 +136,24 @@ class GenerationRun:
     another worker already delivered. The engine gets them after the prompt; once it accepts,
     choice 0 resumes after them (RequestTracker.resume) and `resumed_text` holds their text."""
 
-    def __init__(self, ctx: ServingContext, base_id: str, prompts: list[Prompt],
+    def __init__(self, ctx: ServingContext, base_id: str, prompt_ids: list[list[int]],
                  params: SamplingParams, resume_ids: list[int] | None = None,
                  pd: PDTarget | None = None):
         self.ctx = ctx
         self.base_id = base_id
-        self.prompts = prompts
+        self.prompt_ids = prompt_ids
         self.n = params.n
         self.filters, params = ctx.filters_for(params)
-        self.trackers = [RequestTracker(f"{base_id}-{i}", p.ids, params, ctx.tokenizer, p.text)
-                         for i, p in enumerate(prompts)]
+        self.trackers = [RequestTracker(f"{base_id}-{i}", ids, params, ctx.tokenizer)
+                         for i, ids in enumerate(prompt_ids)]
         self.resume_ids = list(resume_ids or ())
         self.resumed_text = ""
         self._owner: dict[str, int] = {}
         adds: list[AddReq] = []
-        for i, (prompt, tracker) in enumerate(zip(prompts, self.trackers)):
+        for i, (ids, tracker) in enumerate(zip(prompt_ids, self.trackers)):
             for child_id, child_params in tracker.child_requests():
                 self._owner[child_id] = i
-                adds.append(AddReq(child_id, prompt.ids + self.resume_ids, child_params))
+                adds.append(AddReq(child_id, ids + self.resume_ids, child_params))
         self._adds = adds if pd is None else with_rooms(adds, pd)
         self.stream: RequestStream | None = None
         self._timers = RunTimers(None, [])
@@ -276,12 +268,6 @@ class GenerationRun:
         return outputs.reasoning_tokens(
             [c.token_ids for c in tracker.result().outputs],
             lambda ids: self.ctx.tokenizer.decode(ids, skip_special_tokens=skip))
-
-    def prompt_text(self, prompt_index: int) -> str:
-        prompt = self.prompts[prompt_index]
-        if prompt.text is not None:
-            return prompt.text
-        return self.ctx.tokenizer.decode(prompt.ids, skip_special_tokens=False)
 
     def prompt_logprobs(self, prompt_index: int) -> list[TokenLogprob | None]:
         """Per prompt position: None for the first token, then the model's logprob of each."""

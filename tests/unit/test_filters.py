@@ -16,7 +16,7 @@ from radixserve.server.confidence_guard import ConfidenceConfig
 from radixserve.server.faults import Corrupter
 from radixserve.server.filters import GuardFilter, GuardSettings
 from radixserve.server.pd import with_rooms
-from radixserve.server.serving import GenerationRun, Prompt, ServingContext
+from radixserve.server.serving import GenerationRun, ServingContext
 
 
 class ScriptedStream:
@@ -64,7 +64,7 @@ class Shout:
 
 async def stream_and_collect(ctx: ServingContext, filters) -> tuple[dict[int, str], list[str]]:
     ctx.filters_for = lambda params: (filters(), params)
-    prompts = [Prompt([1], None), Prompt([1], None)]
+    prompts = [[1], [1]]
     sent: dict[int, str] = {}
     async with GenerationRun(ctx, "r", prompts, SamplingParams(n=2, max_tokens=8)) as run:
         async for index, u in run.updates():
@@ -93,7 +93,7 @@ def test_a_detection_aborts_its_choice_and_ends_the_run(default_tokenizer):
         seen = []
         ctx = context(default_tokenizer, default_tokenizer.encode(" a b"))
         ctx.filters_for = lambda params: ([Trip()], params)
-        run = GenerationRun(ctx, "r", [Prompt([1], None)], SamplingParams(n=2, max_tokens=8))
+        run = GenerationRun(ctx, "r", [[1]], SamplingParams(n=2, max_tokens=8))
         with pytest.raises(OutputAnomaly) as err:
             async with run:
                 async for index, u in run.updates():

@@ -125,4 +125,4 @@ def test_a_text_that_may_fit_is_tokenized(default_tokenizer):
     fits_by_bytes = "a" * (CONTEXT * default_tokenizer.text_bound.bytes_per_token - 200)
     prompts = asyncio.run(completion_prompts(ctx, CompletionRequest.model_validate(
         {"prompt": fits_by_bytes})))
-    assert tok.calls == 1 and len(prompts[0].ids) > CONTEXT   # the engine refuses it by tokens
+    assert tok.calls == 1 and len(prompts[0]) > CONTEXT   # the engine refuses it by tokens
