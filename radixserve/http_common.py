@@ -43,11 +43,9 @@ class ClientDisconnected(Exception):
 
 
 def install_error_handlers(app: FastAPI, who: str) -> None:
-    """Every error leaves as an OpenAI error body: a RadixServeError as itself (a 408 closes
-    the connection), Starlette's HTTP errors (404, 405) as not_found_error or
-    invalid_request_error, anything else as a logged 500 "internal {who} error". A client
-    that left before its response (ClientDisconnect while its body was read, or
-    ClientDisconnected) gets a 499, to nobody."""
+    """Errors as OpenAI error bodies: RadixServeError as itself (a 408 also closes the
+    connection), 404/405 as not_found_error/invalid_request_error, bugs as a logged 500
+    "internal {who} error"; a client gone before its response gets 499, to nobody."""
 
     @app.exception_handler(RadixServeError)
     async def on_error(request: Request, exc: RadixServeError) -> Response:
@@ -74,9 +72,8 @@ def install_error_handlers(app: FastAPI, who: str) -> None:
 
 
 async def race_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work` unless the client disconnects first (its body has been read); then cancel
-    `work`, let its cleanup run (an upstream request closed, engine requests aborted) and
-    raise ClientDisconnected. Cancelled itself (a drain's cut-off), it cancels `work` too."""
+    """Await `work` unless the client (body read) disconnects first: then cancel `work`, let its
+    cleanup run and raise ClientDisconnected. Cancelled itself, it cancels `work` too."""
     task = asyncio.ensure_future(work)
 
     async def client_gone() -> None:
@@ -97,9 +94,8 @@ async def race_disconnect(receive: Receive, work: Awaitable[T]) -> T:
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that calls `close` (sync or async) however the response ends, even
-    when the client left before the first chunk (then `content` never starts, so its own
-    cleanup never runs). Other keywords as StreamingResponse's."""
+    """A StreamingResponse that calls `close` (sync or async) however it ends, also when the
+    client left before the first chunk (then `content` never starts to clean up itself)."""
 
     def __init__(self, content: AsyncIterable[str | bytes],
                  close: Callable[[], Awaitable[None] | None], **kwargs: Any):
@@ -116,10 +112,8 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 class BodyTimeoutMiddleware:
-    """ASGI middleware: reading a request body that stalls `timeout_s` seconds between two
-    chunks (a Content-Length larger than what the client sends) raises RequestTimeout, which
-    the app answers with a 408 and closes the connection. Reads after the last body chunk
-    (waiting for a disconnect) are not timed."""
+    """ASGI middleware: a request body that stalls `timeout_s` s between two chunks raises
+    RequestTimeout (408) in the reader; reads after the last chunk are not timed."""
 
     def __init__(self, app: ASGIApp, timeout_s: float):
         self.app = app

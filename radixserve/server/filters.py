@@ -15,16 +15,14 @@ from radixserve.server.tracker import ChoiceUpdate
 
 
 class OutputFilter(Protocol):
-    """One request's filter over all its choices, built per request. `feed` gets every
-    non-empty update of choice `index` (numbered over the request) in order, before it is
-    sent or kept; it may replace `update.text`. A Detection ends the request."""
+    """One request's filter: `feed` gets each non-empty update of choice `index` (numbered over
+    the request) in order, before it is sent; it may replace `update.text`; a Detection ends it."""
 
     def feed(self, index: int, update: ChoiceUpdate) -> Detection | None: ...
 
 
 class GuardFilter:
-    """The output-anomaly guard as an OutputFilter: one AnomalyGuard per choice, made by
-    `make_guard` on the choice's first update."""
+    """The anomaly guard as an OutputFilter: one AnomalyGuard per choice, made on first use."""
 
     def __init__(self, make_guard: Callable[[], AnomalyGuard]):
         self._make_guard = make_guard
@@ -39,8 +37,7 @@ class GuardFilter:
 
 @dataclass(frozen=True)
 class GuardSettings:
-    """The output-anomaly guard of a worker: the text detectors' thresholds, and the
-    acceptance and confidence judges when configured (None: off)."""
+    """A worker's anomaly guard: text thresholds, acceptance and confidence judges (None: off)."""
 
     text: GuardConfig = GuardConfig()
     acceptance: AcceptanceConfig | None = None
@@ -62,9 +59,8 @@ class GuardSettings:
         return cls(GuardConfig(), acceptance, confidence)
 
     def filter_for(self, params: SamplingParams) -> tuple[GuardFilter, SamplingParams]:
-        """The guard of one request with `params`, and `params` as it needs them (the
-        confidence judge, when it watches this request, asks the engine for each token's
-        confidence). Greedy and grammar-constrained requests expect loops (AnomalyGuard)."""
+        """The guard of one request and `params` as it needs them (a watching confidence judge
+        asks the engine for each token's confidence); greedy and grammar runs expect loops."""
         loops_expected = params.is_greedy or params.grammar is not None
         temperature = 0.0 if params.is_greedy else params.temperature
         confidence = self.confidence

@@ -40,10 +40,7 @@ async def completion_run(ctx: ServingContext, req: CompletionRequest) -> Generat
 
 async def chat_run(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[GenerationRun, ChatOutputs]:
     """The run of a /v1/chat/completions request, not yet submitted, and the parser of its
-    choices' text (chat_tools.py: reasoning, tool calls). The tool plan decides the grammar
-    (a JSON schema, or the model's native call format as a structural tag); while a parser
-    reads the text, special tokens stay in it unless the client said otherwise. Raises as
-    completion_run does."""
+    choices' text (chat_tools.py); the tool plan picks the grammar. Raises as completion_run."""
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")

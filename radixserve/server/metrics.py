@@ -244,11 +244,11 @@ class RunTimers:
                 del self._timers[out.request_id]
 
     def close(self) -> None:
-        """End the unfinished ones (abort, disconnect, error): each is still one e2e sample (C19)."""
+        """End the unfinished ones: each is still one e2e sample (C19)."""
         for timer in self._timers.values():
             timer.on_end()
         self._timers.clear()
 
     def discard(self) -> None:
-        """The engine rejected the run: never a request, so no latency sample either."""
+        """The engine rejected the run: no latency sample."""
         self._timers.clear()

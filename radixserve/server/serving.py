@@ -156,7 +156,7 @@ class GenerationRun:
                 adds.append(AddReq(child_id, ids + self.resume_ids, child_params))
         self._adds = adds if pd is None else with_rooms(adds, pd)
         self.stream: RequestStream | None = None
-        self._timers = RunTimers(None, [])
+        self._timers = RunTimers(None, [])   # none until submitted
 
     async def __aenter__(self) -> GenerationRun:
         """Submit to the engine and wait for it to accept (raises its rejection). While open,
