@@ -32,7 +32,8 @@ import time
 import httpx
 
 from radixserve.bench.launch import wait_healthy
-from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
+from radixserve.server.anomaly import AnomalyGuard, GuardConfig
+from radixserve.server.tracker import ChoiceUpdate
 
 KIND_OF_MODE = {"garble": "garbled", "repeat": "repetition", "noise": "rare_chars"}
 TOPICS = ["photosynthesis", "black holes", "the French Revolution", "machine learning",
@@ -107,7 +108,7 @@ def guard_cost_us_per_char(texts: list[str]) -> float:
     for text in texts:
         guard = AnomalyGuard(GuardConfig())
         for i in range(0, len(text), 4):
-            guard.feed(GuardInput(text[i:i + 4]))
+            guard.feed(ChoiceUpdate(0, text[i:i + 4]))
     return (time.perf_counter() - t0) / max(chars, 1) * 1e6
 
 

@@ -43,7 +43,8 @@ import time
 from radixserve.outputs import KV_CHECKSUM_ERROR, SpecCounts
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
-from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
+from radixserve.server.anomaly import AnomalyGuard, GuardConfig
+from radixserve.server.tracker import ChoiceUpdate
 from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetector, judged
 
 TOPICS = ["photosynthesis", "black holes", "the French Revolution", "machine learning", "volcanoes",
@@ -130,7 +131,7 @@ def run(llm, items, concurrency: int, corrupt: str | None = None) -> list[dict]:
     """Generate every item, `concurrency` in flight; return per item its trace: deltas
     [text, token ids, [verify, draft, accepted] or None, confidences], tokens, and the
     kv_corrupt hit."""
-    from radixserve.tokenizer.output_processor import RequestTracker
+    from radixserve.server.tracker import RequestTracker
 
     engine, tok = llm.engine, llm.tokenizer
     if corrupt is not None:
@@ -188,8 +189,8 @@ def detect(trace: dict, detectors: str, acc: AcceptanceConfig, conf: ConfidenceC
     num = 0
     for text, ids, spec, *conf_values in trace["deltas"]:
         num += len(ids)
-        found = guard.feed(GuardInput(text, ids, SpecCounts(*spec) if spec else None,
-                                      conf_values[0] if conf_values else ()))
+        found = guard.feed(ChoiceUpdate(0, text, ids, spec=SpecCounts(*spec) if spec else None,
+                                        confidences=conf_values[0] if conf_values else []))
         if found is not None:
             return found.kind, num
     return None

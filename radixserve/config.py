@@ -7,8 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-from radixserve.parsers.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
-from radixserve.server.native_tools import FORMATS as NATIVE_FORMATS
+from radixserve.parsers.chat_output import NATIVE_TOOL_FORMATS, REASONING_PARSERS, TOOL_CALL_PARSERS
 
 
 #: Default --graceful-shutdown-timeout of workers and routers, in s: under Kubernetes' default
@@ -17,9 +16,14 @@ from radixserve.server.native_tools import FORMATS as NATIVE_FORMATS
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 25.0
 GRACE_HELP = ("seconds that SIGTERM/SIGINT lets requests in flight finish (new ones get 503, "
               "/health says draining); then the rest end with a 503 error and the process exits")
+#: Default --request-body-timeout of workers and routers, in s.
+REQUEST_BODY_TIMEOUT_S = 10.0
+BODY_TIMEOUT_HELP = ("seconds a request body may stall between two reads (a Content-Length "
+                     "larger than what arrives) before the request gets 408 request_timeout")
 
 
-def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A config field with its flag's help text and choices (add_dataclass_args reads them)."""
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
@@ -27,105 +31,105 @@ def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
 class EngineConfig:
     """Everything the engine process needs. Flag names follow SGLang's where one exists."""
 
-    model_path: str | None = _opt(None, "HF directory (config.json + *.safetensors) or a .gguf file; "
-                                        "default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF")
-    dtype: str = _opt("float32", "compute dtype (and KV dtype unless --kv-cache-dtype)", ("float32", "bfloat16"))
-    device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda when torch sees a GPU, else cpu)")
-    disable_cascade_attention: bool = _opt(
+    model_path: str | None = opt(None, "HF directory (config.json + *.safetensors) or a .gguf file; "
+                                       "default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF")
+    dtype: str = opt("float32", "compute dtype (and KV dtype unless --kv-cache-dtype)", ("float32", "bfloat16"))
+    device: str | None = opt(None, "cpu, cuda or cuda:N (default: cuda when torch sees a GPU, else cpu)")
+    disable_cascade_attention: bool = opt(
         False, "turn off cascade decode attention (CPU: running requests that share a prefix read "
                "its KV once together; runner/attention/cascade.py)")
-    attention_backend: str = _opt("auto", "attention backend (auto: triton on CUDA when installed, else torch)",
-                                  ("auto", "torch", "triton"))
-    kv_cache_dtype: str = _opt("auto", "KV storage dtype (auto: the compute dtype); fp8 stores K/V "
-                                       "scaled per layer and KV head", ("auto", "float32", "bfloat16",
-                                                                       "fp8_e4m3", "fp8_e5m2"))
-    quantization_param_path: str | None = _opt(
+    attention_backend: str = opt("auto", "attention backend (auto: triton on CUDA when installed, else torch)",
+                                 ("auto", "torch", "triton"))
+    kv_cache_dtype: str = opt("auto", "KV storage dtype (auto: the compute dtype); fp8 stores K/V "
+                                      "scaled per layer and KV head", ("auto", "float32", "bfloat16",
+                                                                      "fp8_e4m3", "fp8_e5m2"))
+    quantization_param_path: str | None = opt(
         None, "JSON file of FP8 KV scales {\"k_scale\": [...], \"v_scale\": [...]}, one per layer "
               "(default: the checkpoint's k_scale/v_scale, else calibrated at start-up)")
-    page_size: int = _opt(16, "KV page size in tokens")
-    max_total_tokens: int | None = _opt(None, "KV capacity in tokens (overrides --kv-cache-memory-gb)")
-    kv_cache_memory_gb: float = _opt(1.0, "KV capacity in GiB when --max-total-tokens is not set")
-    chunked_prefill_size: int = _opt(1024, "token budget of one step (decode tokens + prefill chunk)")
-    max_running_requests: int = _opt(128, "most requests decoding at once")
-    schedule_policy: str = _opt("fcfs", "order of admission from the waiting queue", ("fcfs", "lpm"))
-    lpm_queue_threshold: int = _opt(128, "lpm falls back to fcfs when more requests than this wait")
-    disable_radix_cache: bool = _opt(False, "turn off prefix reuse across requests")
-    enable_hierarchical_cache: bool = _opt(
+    page_size: int = opt(16, "KV page size in tokens")
+    max_total_tokens: int | None = opt(None, "KV capacity in tokens (overrides --kv-cache-memory-gb)")
+    kv_cache_memory_gb: float = opt(1.0, "KV capacity in GiB when --max-total-tokens is not set")
+    chunked_prefill_size: int = opt(1024, "token budget of one step (decode tokens + prefill chunk)")
+    max_running_requests: int = opt(128, "most requests decoding at once")
+    schedule_policy: str = opt("fcfs", "order of admission from the waiting queue", ("fcfs", "lpm"))
+    lpm_queue_threshold: int = opt(128, "lpm falls back to fcfs when more requests than this wait")
+    disable_radix_cache: bool = opt(False, "turn off prefix reuse across requests")
+    enable_hierarchical_cache: bool = opt(
         False, "keep prefixes evicted from the device KV pool in a host-memory tier and load them "
                "back layer by layer while the forward runs (docs/hicache.md)")
-    hicache_ratio: float = _opt(2.0, "host tier size as a multiple of the device KV pool "
-                                     "(unless --hicache-size)")
-    hicache_size: float | None = _opt(None, "host tier size in GiB (overrides --hicache-ratio)")
-    hicache_write_policy: str = _opt(
+    hicache_ratio: float = opt(2.0, "host tier size as a multiple of the device KV pool "
+                                    "(unless --hicache-size)")
+    hicache_size: float | None = opt(None, "host tier size in GiB (overrides --hicache-ratio)")
+    hicache_write_policy: str = opt(
         "write_through", "when device pages are copied to host: write_through (as they enter the "
                          "radix tree), write_through_selective (on their second hit), write_back "
                          "(when evicted from the device)",
         ("write_through", "write_through_selective", "write_back"))
-    hicache_storage_dir: str | None = _opt(
+    hicache_storage_dir: str | None = opt(
         None, "a disk tier under the host tier: every page copied to host is also saved here, "
               "named by a hash of its token prefix, so it outlives restarts and is shared by "
               "workers of one model on this host (needs --enable-hierarchical-cache)")
-    context_length: int | None = _opt(None, "override the model's context length in tokens")
-    num_threads: int | None = _opt(None, "torch intra-op threads (default: all cores)")
-    random_seed: int = _opt(0, "seed for requests that bring none")
-    speculative_algorithm: str | None = _opt(
+    context_length: int | None = opt(None, "override the model's context length in tokens")
+    num_threads: int | None = opt(None, "torch intra-op threads (default: all cores)")
+    random_seed: int = opt(0, "seed for requests that bring none")
+    speculative_algorithm: str | None = opt(
         None, "speculative decoding: ngram = draft tokens copied from earlier in the request's own "
               "prompt and output (or recent requests' outputs); draft = a self-draft model, "
               "the target's first --speculative-draft-layers layers with its own KV; drafts are "
               "verified in one step (off by default)", ("ngram", "draft"))
-    speculative_num_draft_tokens: int = _opt(
+    speculative_num_draft_tokens: int = opt(
         8, "most draft tokens verified per request and step (a request's draft grows to this "
            "while its drafts are accepted)")
-    speculative_break_even_tokens: float = _opt(
+    speculative_break_even_tokens: float = opt(
         16.0, "a step's fixed cost (reading the weights) in tokens of compute: with B requests "
               "decoding, a request drafts only while the fraction of its drafts accepted is above "
               "B / (B + this), where drafting still raises throughput (0: always draft; "
               "measured 16 on a 2-core AVX2 CPU, larger on a GPU)")
-    speculative_draft_layers: int | None = _opt(
+    speculative_draft_layers: int | None = opt(
         None, "draft: how many of the target's first layers (with its final norm and LM head) "
               "make the self-draft model (with --speculative-draft-model-path: of that model's; "
               "default all)")
-    speculative_draft_model_path: str | None = _opt(
+    speculative_draft_model_path: str | None = opt(
         None, "draft: a separate draft model (HF folder or .gguf) with the target's vocabulary")
-    quantization: str = _opt(
+    quantization: str = opt(
         "none", "weight-only quantized linear layers for a GGUF model: int4 serves its Q4_0 / Q4_1 / "
                 "Q4_K weights exactly on torch's int4 kernel (~6x less linear-weight memory, faster at "
                 "batch 1, slower at batch >= 16 on AVX2: docs/benchmarks.md), int8 requantizes every "
                 "linear weight per row; auto = int4 for a GGUF (its stored 4-bit precision), none "
                 "otherwise and under --enable-deterministic-inference", ("none", "int8", "int4", "auto"))
-    quantized_max_tokens: int = _opt(
+    quantized_max_tokens: int = opt(
         0, "int4 / int8: steps of more than this many tokens run the quantized layers on their "
            "dequantization, kept alongside (bf16 where the CPU has native bf16, +2 bytes per "
            "weight; else fp32, +4): the quantized kernels beat fp32 "
            "only for a few tokens per step (measured crossover ~12-16 on AVX2, docs/benchmarks.md); "
            "0 = the quantized kernel at every size, no float copy")
-    enable_deterministic_inference: bool = _opt(
+    enable_deterministic_inference: bool = opt(
         False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
                "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
-    enable_kv_checksum: bool = _opt(
+    enable_kv_checksum: bool = opt(
         False, "checksum each KV slot once computed and re-check it while it is in use (every "
                "--kv-checksum-interval steps and when the request ends): a request whose KV was "
                "overwritten ends as output_anomaly kv_checksum (docs/anomaly_guard.md)")
-    kv_checksum_interval: int = _opt(16, "--enable-kv-checksum: steps between re-checks of a "
-                                         "running request's KV")
+    kv_checksum_interval: int = opt(16, "--enable-kv-checksum: steps between re-checks of a "
+                                        "running request's KV")
     # prefill/decode disaggregation (docs/disaggregation.md); flag names are SGLang's
-    disaggregation_mode: str = _opt(
+    disaggregation_mode: str = opt(
         "null", "null = colocated; prefill = compute prompts and send their KV and first token "
                 "to decode workers (runs the bootstrap service); decode = receive KV into "
                 "preallocated pages and decode", ("null", "prefill", "decode"))
-    disaggregation_bootstrap_port: int = _opt(8998, "prefill: TCP port of the bootstrap and KV "
-                                                    "transfer service (0: any free port)")
-    disaggregation_bootstrap_host: str = _opt("127.0.0.1", "prefill: address the bootstrap "
-                                                           "service listens on")
-    disaggregation_transfer_backend: str = _opt("tcp", "KV transport (tcp: ZeroMQ over TCP; the "
-                                                       "seam for RDMA engines is in the docs)",
-                                                ("tcp",))
-    disaggregation_transfer_timeout: float = _opt(
+    disaggregation_bootstrap_port: int = opt(8998, "prefill: TCP port of the bootstrap and KV "
+                                                   "transfer service (0: any free port)")
+    disaggregation_bootstrap_host: str = opt("127.0.0.1", "prefill: address the bootstrap "
+                                                          "service listens on")
+    disaggregation_transfer_backend: str = opt("tcp", "KV transport (tcp: ZeroMQ over TCP; the "
+                                                      "seam for RDMA engines is in the docs)",
+                                               ("tcp",))
+    disaggregation_transfer_timeout: float = opt(
         60.0, "decode: seconds a request may wait for its KV after its pages are preallocated "
               "before it fails (the abort handshake still guards its pages); prefill: seconds "
               "a request waits for its decode worker to ask for it")
-    disaggregation_chunk_pages: int = _opt(8, "KV pages per transfer write (one message)")
-    disaggregation_unsafe_skip_abort_handshake: bool = _opt(
+    disaggregation_chunk_pages: int = opt(8, "KV pages per transfer write (one message)")
+    disaggregation_unsafe_skip_abort_handshake: bool = opt(
         False, "TEST ONLY: decode frees an aborted transfer's pages at once and lands every write "
                "blindly (RDMA semantics), without waiting for the prefill side's safe-to-free "
                "answer; reproduces the KV slot reuse race")
@@ -181,71 +185,74 @@ class EngineConfig:
 class ServerConfig:
     """HTTP-side settings of one worker."""
 
-    host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(30000, "port to listen on")
-    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on /v1 routes")
-    served_model_name: str | None = _opt(None, "model id reported by /v1/models (default: file name)")
-    log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
-    max_queued_requests: int = _opt(1024, "requests waiting beyond this get 503")
-    max_request_body_bytes: int = _opt(64 << 20, "largest /v1 request body in bytes; larger get 413 "
-                                                  "before any of it is parsed")
-    watchdog_timeout: float = _opt(300.0, "seconds without a word from the engine, while work is "
-                                          "pending, before it is declared wedged and killed")
-    stay_up_on_engine_death: bool = _opt(False, "keep serving 503s after the engine dies instead "
-                                               "of exiting with code 1")
-    enable_debug_endpoints: bool = _opt(False, "serve GET /debug/pages (page pool and invariant check)")
-    enable_fault_injection: bool = _opt(False, "serve /admin/fault (inject latency, failures, hangs, "
-                                               "leaks, corrupt output); for tests and demos only")
-    disable_anomaly_guard: bool = _opt(False, "do not stop requests whose output looks broken "
-                                              "(repetition loops, garbled text, rare-char noise)")
-    enable_spec_anomaly_detector: bool = _opt(
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(30000, "port to listen on")
+    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1 routes")
+    served_model_name: str | None = opt(None, "model id reported by /v1/models (default: file name)")
+    log_level: str = opt("info", "logging level", ("debug", "info", "warning", "error"))
+    max_queued_requests: int = opt(1024, "requests waiting beyond this get 503")
+    max_request_body_bytes: int = opt(64 << 20, "largest /v1 request body in bytes; larger get 413 "
+                                                 "before any of it is parsed")
+    watchdog_timeout: float = opt(300.0, "seconds without a word from the engine, while work is "
+                                         "pending, before it is declared wedged and killed")
+    stay_up_on_engine_death: bool = opt(False, "keep serving 503s after the engine dies instead "
+                                              "of exiting with code 1")
+    enable_debug_endpoints: bool = opt(False, "serve GET /debug/pages (page pool and invariant check)")
+    enable_fault_injection: bool = opt(False, "serve /admin/fault (inject latency, failures, hangs, "
+                                              "leaks, corrupt output); for tests and demos only")
+    disable_anomaly_guard: bool = opt(False, "do not stop requests whose output looks broken "
+                                             "(repetition loops, garbled text, rare-char noise)")
+    enable_spec_anomaly_detector: bool = opt(
         False, "with speculative decoding, also stop requests whose draft acceptance looks broken "
                "(--spec-anomaly-*; off by default: calibrate it to your draft, docs/anomaly_guard.md)")
-    spec_anomaly_min_accept_length: float = _opt(
+    spec_anomaly_min_accept_length: float = opt(
         1.4, "speculative decoding: stop a request whose accept length (tokens per verify step) "
              "stays below this after --spec-anomaly-min-tokens (0: off)")
-    spec_anomaly_max_accept_rate: float = _opt(
+    spec_anomaly_max_accept_rate: float = opt(
         0.96, "speculative decoding: stop a request whose draft accept rate exceeds this after "
               "--spec-anomaly-min-tokens (1: off)")
-    spec_anomaly_min_tokens: int = _opt(128, "generated tokens before acceptance is judged")
-    spec_anomaly_min_verify_steps: int = _opt(16, "... and verify steps (a request whose drafts "
-                                                  "fail drafts less and less)")
-    enable_confidence_detector: bool = _opt(
+    spec_anomaly_min_tokens: int = opt(128, "generated tokens before acceptance is judged")
+    spec_anomaly_min_verify_steps: int = opt(16, "... and verify steps (a request whose drafts "
+                                                 "fail drafts less and less)")
+    enable_confidence_detector: bool = opt(
         False, "also stop greedy and low-temperature requests whose model confidence (largest raw "
                "logprob per token) collapses for a window of tokens, as after KV corruption "
                "(--confidence-*; docs/anomaly_guard.md)")
-    confidence_window: int = _opt(32, "confidence detector: tokens per judged window")
-    confidence_min_mean_logprob: float = _opt(
+    confidence_window: int = opt(32, "confidence detector: tokens per judged window")
+    confidence_min_mean_logprob: float = opt(
         -1.4, "confidence detector: a window whose mean top logprob is below this ...")
-    confidence_min_drop: float = _opt(
+    confidence_min_drop: float = opt(
         0.6, "... and this far below the mean of the answer's first 16 tokens is an anomaly")
-    confidence_max_temperature: float = _opt(
+    confidence_max_temperature: float = opt(
         0.8, "confidence detector: requests sampled hotter than this are not judged")
-    tool_call_parser: str | None = _opt(None, "tool-call format of the model's output, parsed into "
-                                              "OpenAI tool_calls (default: tools are refused)",
-                                        tuple(TOOL_CALL_PARSERS))
-    tool_call_constraint: str = _opt(
+    tool_call_parser: str | None = opt(None, "tool-call format of the model's output, parsed into "
+                                             "OpenAI tool_calls (default: tools are refused)",
+                                       tuple(TOOL_CALL_PARSERS))
+    tool_call_constraint: str = opt(
         "json", "how tool_choice \"required\" or a named function is enforced while decoding: json "
                 "(a JSON array of calls, as vLLM and SGLang do) or native (the --tool-call-parser's "
                 "own format, thinking allowed first; qwen25, glm45, glm47, qwen3_coder)", ("json", "native"))
-    reasoning_parser: str | None = _opt(None, "split <think> text into reasoning_content "
-                                              "(default: thinking stays in content)",
-                                        REASONING_PARSERS)
-    warmup_prompts: str | None = _opt(
+    reasoning_parser: str | None = opt(None, "split <think> text into reasoning_content "
+                                             "(default: thinking stays in content)",
+                                       REASONING_PARSERS)
+    warmup_prompts: str | None = opt(
         None, "JSONL file of prompts (a string, {\"prompt\": ...} or {\"messages\": [...]} per "
               "line) prefilled into the prefix cache before /health turns 200 (docs/hicache.md)")
-    graceful_shutdown_timeout: float = _opt(GRACEFUL_SHUTDOWN_TIMEOUT_S, GRACE_HELP)
+    graceful_shutdown_timeout: float = opt(GRACEFUL_SHUTDOWN_TIMEOUT_S, GRACE_HELP)
+    request_body_timeout: float = opt(REQUEST_BODY_TIMEOUT_S, BODY_TIMEOUT_HELP)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_body_bytes < 1:
             raise ValueError("max_request_body_bytes must be >= 1")
+        if not self.request_body_timeout > 0:
+            raise ValueError("request_body_timeout must be > 0")
         if not self.graceful_shutdown_timeout >= 0:
             raise ValueError("graceful_shutdown_timeout must be >= 0")
-        if self.tool_call_constraint == "native" and self.tool_call_parser not in NATIVE_FORMATS:
+        if self.tool_call_constraint == "native" and self.tool_call_parser not in NATIVE_TOOL_FORMATS:
             raise ValueError("--tool-call-constraint native needs --tool-call-parser "
-                             + " | ".join(NATIVE_FORMATS) + f", got {self.tool_call_parser}")
+                             + " | ".join(NATIVE_TOOL_FORMATS) + f", got {self.tool_call_parser}")
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:

@@ -44,6 +44,14 @@ class BodyTooLarge(InvalidRequest):
     status = 413
 
 
+class RequestTimeout(RadixServeError):
+    """The request body stalled past the read timeout (HTTP 408)."""
+
+    status = 408
+    type = "request_timeout"
+    code = "request_timeout"
+
+
 class Unauthorized(RadixServeError):
     """Missing or wrong API key (HTTP 401)."""
 

@@ -1,7 +1,9 @@
-"""Pieces every HTTP process shares (worker, router, agent): bearer-key checks, port binding, quiet
-signals, and keep-alive rules for clients that poll our servers."""
+"""Pieces every HTTP process shares (worker, router, agent): OpenAI error bodies, the disconnect race,
+streams that close their source, the request-body read timeout, bearer-key checks, port
+binding, quiet signals, and keep-alive rules for clients that poll our servers."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import hmac
@@ -9,12 +11,17 @@ import logging
 import signal
 import socket
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import httpx
-from starlette.requests import Request
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixserve.errors import Unauthorized
+from radixserve.errors import RadixServeError, RequestTimeout, Unauthorized, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +35,109 @@ CLIENT_KEEP_ALIVE_S = 2.0
 #: keep-alive, a restart) or reset. Sending it again, on a new connection, tells whether the
 #: server itself is down.
 DEAD_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready (race_disconnect)."""
+
+
+def install_error_handlers(app: FastAPI, who: str) -> None:
+    """Errors as OpenAI error bodies: RadixServeError as itself (a 408 also closes the
+    connection), 404/405 as not_found_error/invalid_request_error, bugs as a logged 500
+    "internal {who} error"; a client gone before its response gets 499, to nobody."""
+
+    @app.exception_handler(RadixServeError)
+    async def on_error(request: Request, exc: RadixServeError) -> Response:
+        headers = {"Connection": "close"} if isinstance(exc, RequestTimeout) else None
+        return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind, exc.status_code),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnected)
+    @app.exception_handler(ClientDisconnect)
+    async def on_disconnect(request: Request, exc: Exception) -> Response:
+        logger.debug("client left %s %s before its response", request.method, request.url.path)
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(f"internal {who} error: {type(exc).__name__}",
+                                       "internal_error", 500), status_code=500)
+
+
+async def race_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work` unless the client (body read) disconnects first: then cancel `work`, let its
+    cleanup run and raise ClientDisconnected. Cancelled itself, it cancels `work` too."""
+    task = asyncio.ensure_future(work)
+
+    async def client_gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that calls `close` (sync or async) however it ends, also when the
+    client left before the first chunk (then `content` never starts to clean up itself)."""
+
+    def __init__(self, content: AsyncIterable[str | bytes],
+                 close: Callable[[], Awaitable[None] | None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._close = close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            closing = self._close()
+            if closing is not None:
+                await closing
+
+
+class BodyTimeoutMiddleware:
+    """ASGI middleware: a request body that stalls `timeout_s` s between two chunks raises
+    RequestTimeout (408) in the reader; reads after the last chunk are not timed."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float):
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body_done = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise RequestTimeout(f"the request body stalled for {self.timeout_s:g} s "
+                                     "(--request-body-timeout)") from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, timed_receive, send)
 
 
 def bearer_key_check(key: str | None, what: str = "API key") -> Callable[[Request], Any]:

@@ -67,7 +67,7 @@ class LLM:
         params.n must be 1 (ValueError otherwise). Closing the generator early (a `break`, or
         KeyboardInterrupt while it runs) aborts the request, so its pages return to the pool.
         Raises InvalidRequest / ContextLengthExceeded before anything runs, like `chat`."""
-        from radixserve.tokenizer.output_processor import RequestTracker
+        from radixserve.server.tracker import RequestTracker
 
         params = sampling_params or SamplingParams()
         if params.n != 1:
@@ -91,7 +91,7 @@ class LLM:
         return self.engine.stats()
 
     def _run(self, items, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        from radixserve.tokenizer.output_processor import RequestTracker
+        from radixserve.server.tracker import RequestTracker
 
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(items)

@@ -6,15 +6,14 @@ import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 from fastapi.responses import HTMLResponse, JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.agent import rules
 from radixserve.agent.agent import Agent
 from radixserve.agent.page import status_html
 from radixserve.agent.timeline import window_ttft_quantile
-from radixserve.errors import error_body
+from radixserve.http_common import install_error_handlers
 
 logger = logging.getLogger("radixserve.agent")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -72,26 +71,6 @@ def status_json(agent: Agent) -> dict:
             "timeline": agent.timeline.to_json(now)}
 
 
-def error_response(message: str, type_: str, status: int,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    """An OpenAI error body {"error": {"message", "type", "param", "code"}}."""
-    return JSONResponse(error_body(message, type_, status), status_code=status, headers=headers)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(str(exc.detail), kind, exc.status_code, exc.headers)
-
-    @app.exception_handler(Exception)
-    async def on_bug(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(f"internal agent error: {type(exc).__name__}",
-                              "internal_error", 500)
-
-
 def build_app(agent: Agent, run_loop: bool = True) -> FastAPI:
     """The agent's app; with `run_loop` its lifespan runs the sweep loop."""
 
@@ -111,7 +90,7 @@ def build_app(agent: Agent, run_loop: bool = True) -> FastAPI:
 
     app = FastAPI(title="radixserve agent", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    install_error_handlers(app)
+    install_error_handlers(app, "agent")
     read = ["GET", "HEAD"]
 
     @app.api_route("/metrics", methods=read)

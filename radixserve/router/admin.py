@@ -3,18 +3,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixserve.errors import BodyTooLarge, InvalidRequest, RadixServeError
 from radixserve.http_common import bearer_key_check
+from radixserve.router.state import RouterState
 from radixserve.router.validate import finite_number, json_object, worker_url
 from radixserve.router.worker import check_weight
-
-if TYPE_CHECKING:
-    from radixserve.router.app import RouterState
 
 logger = logging.getLogger(__name__)
 

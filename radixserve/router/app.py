@@ -1,124 +1,31 @@
 """The router's FastAPI app: OpenAI routes relayed to workers, GETs from a healthy worker, /health, /metrics, admin."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator
 from urllib.parse import quote
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
-from radixserve.drain import Drain, DrainMiddleware
-from radixserve.errors import InvalidRequest, ModelNotFound, RadixServeError, error_body
-from radixserve.http_common import poller_limits
+from radixserve.drain import DrainMiddleware
+from radixserve.errors import InvalidRequest, ModelNotFound, error_body
+from radixserve.http_common import BodyTimeoutMiddleware, install_error_handlers, race_disconnect
 from radixserve.router.admin import build_admin_router
-from radixserve.router.config import RouterConfig
-from radixserve.router.health import HealthMonitor
-from radixserve.router.metrics import CONTENT_TYPE, RouterMetrics
-from radixserve.router.policy import Policy, RouteKey, make_policy
-from radixserve.router.prefix_tree import ApproxPrefixTree
-from radixserve.router.proxy import UNREACHABLE, Forwarder
+from radixserve.router.metrics import CONTENT_TYPE
+from radixserve.router.policy import RouteKey
+from radixserve.router.proxy import UNREACHABLE
 from radixserve.router.relay import wire_header
-from radixserve.router.validate import json_object, worker_url
-from radixserve.router.worker import WorkerRegistry, WorkerState
+from radixserve.router.state import RouterState
+from radixserve.router.validate import json_object
 
 logger = logging.getLogger(__name__)
 
 # Client request headers passed on to workers (the client's API key included).
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 GET_FORWARDED_HEADERS = ("authorization", "accept", "x-request-id")
-MAX_KEEPALIVE_CONNECTIONS = 256
-
-
-@dataclass
-class RouterState:
-    """Everything one router holds: workers, prefix tree, policy, metrics, the shared HTTP
-    client, the health monitor, the forwarder and its own Drain (SIGTERM: drain.py).
-    `tokenizer` (radixserve Tokenizer or None) keys the tree by token ids."""
-
-    config: RouterConfig
-    registry: WorkerRegistry
-    tree: ApproxPrefixTree
-    policy: Policy
-    metrics: RouterMetrics
-    http: httpx.AsyncClient
-    monitor: HealthMonitor
-    forwarder: Forwarder
-    drain: Drain
-    tokenizer: Any = None
-    pd: Any = None          # PD mode (router/pd.py): registry/policy above are the prefill side
-
-    def add_worker(self, url: str, weight: float = 1.0, healthy: bool = False) -> WorkerState:
-        """Register a worker, unhealthy until its first check passes. Raises ValueError if
-        it is already there or the weight is bad."""
-        worker = self.registry.add(url, weight, healthy=healthy)
-        worker.breaker.on_transition = lambda old, new: self.metrics.on_transition(url, old, new)
-        self.metrics.set_breaker_state(url, worker.breaker.state)
-        self.monitor.expect_new(url)
-        return worker
-
-    def remove_worker(self, url: str) -> WorkerState:
-        """Deregister a worker (its tree entries go too). Raises KeyError if unknown."""
-        worker = self.registry.remove(url)
-        self.metrics.forget(url)
-        return worker
-
-    def policy_params(self) -> dict:
-        """{"policy": name, cache_threshold, balance_abs_threshold, balance_rel_threshold}."""
-        return {"policy": self.policy.name, **self.policy.params()}
-
-    def set_policy_params(self, params: dict[str, float]) -> dict:
-        """Change the policy's tunable parameters; returns policy_params()."""
-        self.policy.set_params(**params)
-        return self.policy_params()
-
-    def refresh_gauges(self) -> None:
-        """Per-worker gauges read from the registry at scrape time."""
-        for w in self.registry.list():
-            self.metrics.in_flight.labels(w.url).set(w.in_flight)
-            self.metrics.healthy.labels(w.url).set(1 if w.healthy else 0)
-            self.metrics.set_breaker_state(w.url, w.breaker.state)
-
-
-def build_pd_state(config: RouterConfig, prefill_urls: list[str], decode_urls: list[str],
-                   tokenizer: Any = None) -> RouterState:
-    """PD mode: a RouterState over the prefill workers (health, cache-aware policy, /v1/models)
-    whose `pd` pairs them with a second state over the decode workers (router/pd.py)."""
-    from radixserve.router.pd import PDRouter
-
-    state = build_state(config, prefill_urls, tokenizer)
-    state.pd = PDRouter(state, build_state(config, decode_urls, tokenizer))
-    return state
-
-
-def build_state(config: RouterConfig, worker_urls: list[str], tokenizer: Any = None) -> RouterState:
-    """A RouterState over `worker_urls`, each in validate.worker_url's canonical form.
-    Raises ValueError on a malformed URL or a duplicate (after canonicalisation)."""
-    registry = WorkerRegistry(config)
-    tree = ApproxPrefixTree(config.max_tree_size, config.tree_ttl_s)
-    policy = make_policy(config, registry, tree)
-    metrics = RouterMetrics()
-    c = config
-    http = httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=c.connect_timeout_s, read=c.silence_timeout_s,
-                              write=c.silence_timeout_s, pool=c.connect_timeout_s),
-        limits=poller_limits(max_connections=None,
-                             max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS),
-        trust_env=False)
-    monitor = HealthMonitor(config, registry, metrics, http)
-    state = RouterState(config, registry, tree, policy, metrics, http, monitor,
-                        Forwarder(config, registry, policy, metrics, http),
-                        Drain(config.graceful_shutdown_timeout), tokenizer)
-    for url in worker_urls:
-        state.add_worker(worker_url(url))
-    return state
 
 
 def render_messages(messages: Any) -> str:
@@ -158,53 +65,6 @@ def route_key(path: str, body: dict, tokenizer: Any, session: str | None) -> Rou
     return RouteKey(render_messages(messages), session)
 
 
-async def race_disconnect(request: Request, work: Awaitable[Response]) -> Response:
-    """Await `work` unless the client disconnects first; then cancel it (which closes the
-    upstream request, so the worker aborts) and answer 499 to nobody."""
-    task = asyncio.ensure_future(work)
-
-    async def client_gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # its cleanup has run
-    if task.cancelled():
-        return Response(status_code=499)
-    return task.result()
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Router-made errors leave as OpenAI error bodies; a 500 only for real bugs (logged)."""
-
-    @app.exception_handler(RadixServeError)
-    async def on_error(request: Request, exc: RadixServeError) -> Response:
-        return JSONResponse(exc.to_dict(), status_code=exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind, exc.status_code),
-                            status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(ClientDisconnect)   # left while its body was being read
-    async def on_disconnect(request: Request, exc: ClientDisconnect) -> Response:
-        logger.debug("client left %s %s before its response", request.method, request.url.path)
-        return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def on_bug(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal router error: {type(exc).__name__}",
-                                       "internal_error", 500), status_code=500)
-
-
 def lifespan_of(state: RouterState) -> Any:
     """Lifespan: one health sweep before serving, then the health and load loops; at
     shutdown the loops stop and the HTTP client closes."""
@@ -233,7 +93,8 @@ def build_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="radixserve router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan_of(state))
     app.state.router = state
-    install_error_handlers(app)
+    install_error_handlers(app, "router")
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=state.config.request_body_timeout)
     app.add_middleware(DrainMiddleware, drain=state.drain)
     app.include_router(build_admin_router(state))
 
@@ -245,10 +106,10 @@ def build_app(state: RouterState) -> FastAPI:
         key = route_key(path, body, state.tokenizer, session if isinstance(session, str) else None)
         headers = forwarded_headers(request, FORWARDED_HEADERS)
         if state.pd is not None:
-            return await race_disconnect(request, state.pd.forward(
+            return await race_disconnect(request.receive, state.pd.forward(
                 path, body, headers, key, body.get("stream") is True))
         work = state.forwarder.forward(path, raw, headers, key, body.get("stream") is True, t_start)
-        return await race_disconnect(request, work)
+        return await race_disconnect(request.receive, work)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

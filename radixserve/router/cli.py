@@ -45,7 +45,8 @@ def run(config: RouterConfig, worker_urls: list[str], prefill_urls: list[str] | 
     start-up failed."""
     import uvicorn
 
-    from radixserve.router.app import build_app, build_pd_state, build_state
+    from radixserve.router.app import build_app
+    from radixserve.router.state import build_pd_state, build_state
 
     try:
         tokenizer = load_tokenizer(config.tokenizer_path)

@@ -91,8 +91,9 @@ def spawn_worker(argv: list[str], url: str, log_path: str) -> WorkerProc:
 
 def worker_commands(args: argparse.Namespace, config: RouterConfig,
                     worker_args: list[str]) -> list[tuple[str, list[str]]]:
-    """(URL, argv) of each worker, on ports from --worker-base-port (default --port + 1).
-    Raises ValueError when a port would pass 65535."""
+    """(URL, argv) of each worker, on ports from --worker-base-port (default --port + 1), with the
+    router's log level, --graceful-shutdown-timeout and --request-body-timeout. Raises ValueError
+    when a port would pass 65535."""
     roles = worker_roles(args)
     base = config.port + 1 if args.worker_base_port is None else args.worker_base_port
     last = base + len(roles) - 1 + roles.count("prefill")
@@ -104,7 +105,8 @@ def worker_commands(args: argparse.Namespace, config: RouterConfig,
     for port, role in zip(range(base, base + len(roles)), roles):
         cmd = [sys.executable, "-m", "radixserve", "serve", *worker_args,
                "--host", args.worker_host, "--port", str(port), "--log-level", config.log_level,
-               "--graceful-shutdown-timeout", f"{config.graceful_shutdown_timeout:g}"]
+               "--graceful-shutdown-timeout", f"{config.graceful_shutdown_timeout:g}",
+               "--request-body-timeout", f"{config.request_body_timeout:g}"]
         if role != "null":
             cmd += ["--disaggregation-mode", role]
         if role == "prefill":

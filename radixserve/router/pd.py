@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from radixserve.errors import error_body
 from radixserve.router.eject import Ejected
 from radixserve.router.outcome import classify, error_kind, event_status
-from radixserve.router.proxy import Attempts, Lease
+from radixserve.router.lease import Attempts, Lease
 from radixserve.router.relay import Opened, Relay, RelayResponse
 from radixserve.router.stream import StreamLedger, error_of, sse_events
 

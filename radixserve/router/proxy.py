@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse, Response
 
 from radixserve.errors import error_body
 from radixserve.router.config import RouterConfig
-from radixserve.router.eject import Ejected, StreamWatch
+from radixserve.router.eject import Ejected
+from radixserve.router.lease import Attempts, Lease
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.outcome import classify, error_kind, event_status
 from radixserve.router.relay import Opened, Relay, RelayResponse, wire_header
@@ -58,42 +59,6 @@ class Failure:
             return Response(self.content, status_code=self.status, media_type=self.content_type)
         return JSONResponse(error_body(f"no worker available: last attempt failed ({self.message})",
                                        "no_worker_available", 503), status_code=503)
-
-
-@dataclass(slots=True)
-class Attempts:
-    """Attempts one client request has made, its stream's continuations included (all of them
-    count against retry_max_attempts)."""
-
-    made: int = 0
-
-
-class Lease:
-    """One dispatch of a request to a worker: the registry's in-flight counting context,
-    entered now and exited exactly once by `release()` (finish, error or disconnect), and
-    the StreamWatch of its stream, if it has one, registered on the worker until then."""
-
-    def __init__(self, registry: Any, worker: Any):
-        self.worker = worker
-        self._ctx = registry.dispatch(worker)
-        self._ctx.__enter__()
-        self._open = True
-        self._watch: StreamWatch | None = None
-
-    def watch(self) -> StreamWatch:
-        """The StreamWatch of this lease's stream (made at the first call), whose reads are
-        cut with Ejected when the worker is ejected before release() (eject.py)."""
-        assert self._open, "a stream is watched only while its lease is held"
-        if self._watch is None:
-            self._watch = StreamWatch(self.worker)
-        return self._watch
-
-    def release(self) -> None:
-        if self._open:
-            self._open = False
-            if self._watch is not None:
-                self._watch.close()
-            self._ctx.__exit__(None, None, None)
 
 
 class Forwarder:

@@ -3,18 +3,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 import anyio
 import httpx
-from fastapi.responses import StreamingResponse
 
+from radixserve.http_common import ClosingStreamingResponse
 from radixserve.router.eject import Ejected
+from radixserve.router.lease import Lease
+from radixserve.router.metrics import RouterMetrics
 from radixserve.router.outcome import classify, event_status
 from radixserve.router.stream import DONE, StreamLedger, error_event, error_of
-
-if TYPE_CHECKING:
-    from radixserve.router.proxy import Forwarder, Lease
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +29,18 @@ def wire_header(headers: httpx.Headers, name: str) -> str | None:
         if key.lower() == name.encode():
             return value.decode("latin-1")
     return None
+
+
+class Forwarding(Protocol):
+    """What a Relay needs of the Forwarder that opened its stream (proxy.py)."""
+
+    metrics: RouterMetrics
+
+    @property
+    def migration_on(self) -> bool: ...
+
+    def record(self, worker: Any, status: int | None, transport_error: bool,
+               kind: str | None = None) -> None: ...
 
 
 @dataclass
@@ -63,7 +74,7 @@ class Relay:
     else a router-made `worker_error` (field case C20: never a silent replay). `close()` runs
     once however the response ends; each worker's outcome is recorded as it is left."""
 
-    def __init__(self, forwarder: Forwarder, ledger: StreamLedger, opened: Opened,
+    def __init__(self, forwarder: Forwarding, ledger: StreamLedger, opened: Opened,
                  resend: Any):
         self.forwarder, self.ledger, self.opened = forwarder, ledger, opened
         self.resend = resend   # async () -> Opened | None: a continuation, or None
@@ -154,17 +165,12 @@ class Relay:
         await self._leave()
 
 
-class RelayResponse(StreamingResponse):
-    """StreamingResponse that closes its relay even when the client left before the first
-    event (then the event generator never starts and its own cleanup never runs)."""
+class RelayResponse(ClosingStreamingResponse):
+    """The client's response of a Relay: the first worker's status and relayed headers; it
+    closes the relay however it ends."""
 
     def __init__(self, relay: Relay):
         headers = {k: v for k in RELAYED_HEADERS if (v := wire_header(relay.upstream.headers, k))}
-        super().__init__(relay.events(), status_code=relay.upstream.status_code, headers=headers)
+        super().__init__(relay.events(), relay.close, status_code=relay.upstream.status_code,
+                         headers=headers)
         self.relay = relay
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.relay.close()

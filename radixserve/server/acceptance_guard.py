@@ -11,7 +11,7 @@ makes the draft right every time, so the accept rate approaches 1. Their rule an
                                                  (sampled choices only, as for repetition)
 
 Both are judged over the request's whole output so far (cumulative counts from the engine,
-`GuardInput.spec`). With n-gram drafts a request drafts only where its last tokens occurred
+`ChoiceUpdate.spec`). With n-gram drafts a request drafts only where its last tokens occurred
 before, so prose verifies rarely; the verify-step minimum keeps such requests from being judged
 on a handful of steps. docs/anomaly_guard.md has the measured detection and false-positive rates
 of this rule next to the text detectors (with n-gram drafts on the default model it catches
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.server.anomaly import Detection, GuardInput
+from radixserve.server.anomaly import Detection
+from radixserve.server.tracker import ChoiceUpdate
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,9 @@ class AcceptanceDetector:
         self.loops_expected = loops_expected
         self.num_tokens = 0
 
-    def feed(self, delta: GuardInput) -> Detection | None:
-        self.num_tokens += len(delta.token_ids)
-        spec, cfg = delta.spec, self.config
+    def feed(self, update: ChoiceUpdate) -> Detection | None:
+        self.num_tokens += len(update.token_ids)
+        spec, cfg = update.spec, self.config
         if (spec is None or self.num_tokens < cfg.min_tokens
                 or spec.verify_steps < cfg.min_verify_steps):
             return None

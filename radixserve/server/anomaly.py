@@ -5,7 +5,7 @@ at each new character once; repetition looks at a bounded tail (a few hundred ch
 C-level string search and compare) per delta. Pure Python (`unicodedata`), no torch.
 
     AnomalyGuard(config)                one per choice
-      .feed(GuardInput(text, ...))      -> Detection | None   (the first detection sticks)
+      .feed(update)                     -> Detection | None   (the first detection sticks)
         RepetitionDetector   "repetition"  the tail is one short period repeated many times
         GarbledDetector      "garbled"     U+FFFD, lone surrogates, C1 controls, mojibake,
                                            words mixing alphabets (Latin+Cyrillic, ...)
@@ -13,7 +13,7 @@ C-level string search and compare) per delta. Pure Python (`unicodedata`), no to
                                            characters, symbols from rarely used blocks
 
 With speculative decoding a fourth detector judges the draft acceptance
-(`AcceptanceDetector`, server/acceptance_guard.py), fed by `GuardInput.spec`; it is added by
+(`AcceptanceDetector`, server/acceptance_guard.py), fed by `ChoiceUpdate.spec`; it is added by
 `AnomalyGuard(config, extra_detectors=[...])` and its kind is "spec_acceptance".
 
 Thresholds (GuardConfig defaults) were set against ordinary generations of the default
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple, Protocol
 
-from radixserve.outputs import SpecCounts
+from radixserve.server.tracker import ChoiceUpdate
 
 KINDS = ("repetition", "garbled", "rare_chars")
 
@@ -54,25 +54,13 @@ class Detection(NamedTuple):
     detail: str
 
 
-@dataclass(frozen=True, slots=True)
-class GuardInput:
-    """One delta of one choice: its new text and token ids, the choice's speculative
-    decoding counts so far (cumulative; None while it has not verified a draft), and each new
-    token's confidence (the model's largest raw logprob there; empty unless the confidence
-    detector asked for them, NaN where the engine had none)."""
-
-    text: str
-    token_ids: Sequence[int] = ()
-    spec: SpecCounts | None = None
-    confidences: Sequence[float] = ()
-
-
 class Detector(Protocol):
-    """An online detector: `feed` each delta in order; a non-None return ends the request."""
+    """An online detector of one choice: `feed` each non-empty update in order (its text, token
+    ids, speculative counts so far and confidences); a non-None return ends the request."""
 
     kind: str
 
-    def feed(self, delta: GuardInput) -> Detection | None: ...
+    def feed(self, update: ChoiceUpdate) -> Detection | None: ...
 
 
 class RepetitionDetector:
@@ -99,10 +87,10 @@ class RepetitionDetector:
         self._keep = max(self._need)
         self._tail = ""
 
-    def feed(self, delta: GuardInput) -> Detection | None:
-        if not delta.text:
+    def feed(self, update: ChoiceUpdate) -> Detection | None:
+        if not update.text:
             return None
-        buf = self._tail = (self._tail + delta.text)[-self._keep:]
+        buf = self._tail = (self._tail + update.text)[-self._keep:]
         n, k = len(buf), self.KEY_CHARS
         if n < self._need[0]:
             return None
@@ -156,8 +144,8 @@ class GarbledDetector:
         self._prev = ""
         self._word_scripts: set[str] = set()
 
-    def feed(self, delta: GuardInput) -> Detection | None:
-        for c in delta.text:
+    def feed(self, update: ChoiceUpdate) -> Detection | None:
+        for c in update.text:
             self.num_chars += 1
             if is_bad_char(c, self._prev):
                 self.num_bad += 1
@@ -217,9 +205,9 @@ class RareCharDetector:
         self.config = config
         self.num_chars = self.num_rare = 0
 
-    def feed(self, delta: GuardInput) -> Detection | None:
-        self.num_chars += len(delta.text)
-        self.num_rare += sum(1 for c in delta.text if not c.isascii() or c < " " or c == "\x7f"
+    def feed(self, update: ChoiceUpdate) -> Detection | None:
+        self.num_chars += len(update.text)
+        self.num_rare += sum(1 for c in update.text if not c.isascii() or c < " " or c == "\x7f"
                              if is_rare_char(c))
         cfg = self.config
         rare = self.num_rare
@@ -248,10 +236,10 @@ class AnomalyGuard:
                                           RareCharDetector(config), *extra_detectors]
         self.detection: Detection | None = None
 
-    def feed(self, delta: GuardInput) -> Detection | None:
+    def feed(self, update: ChoiceUpdate) -> Detection | None:
         if self.detection is None:
             for detector in self.detectors:
-                self.detection = detector.feed(delta)
+                self.detection = detector.feed(update)
                 if self.detection is not None:
                     break
         return self.detection

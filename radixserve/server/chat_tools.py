@@ -11,7 +11,7 @@
 schema of an array of calls (tool_schema.py), which travels as the request's json_schema and is
 read back with the `json` parser, whatever --tool-call-parser says (as vLLM and SGLang do it).
 That grammar holds from the first token, so there is no thinking to split off then. With
-`--tool-call-constraint native` (and a parser of native_tools.FORMATS) they are enforced in the
+`--tool-call-constraint native` (and a parser of NATIVE_TOOL_FORMATS) they are enforced in the
 model's own format instead, thinking allowed first, and read back with the server's parser.
 Under "auto", a tool with `strict: true` makes the calls the model chooses to write follow the
 native format and the strict tools' schemas (native_tools.py), unless a response_format
@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.errors import InvalidRequest
-from radixserve.parsers.chat_output import ChatOutputParser
+from radixserve.parsers.chat_output import NATIVE_TOOL_FORMATS, ChatOutputParser
 from radixserve.parsers.events import CallArgs, CallStart, Content, Event, ParsedMessage, Reasoning
 from radixserve.parsers.reasoning import opens_thinking, reasoning_token_count
 from radixserve.parsers.schema import ToolSpec
 from radixserve.server.protocol import (ChatCompletionRequest, ChatMessageOut, FunctionCallOut,
                                         NamedToolChoice, ToolCallOut)
-from radixserve.server.native_tools import FORMATS, NativeCalls
+from radixserve.server.native_tools import NativeCalls
 from radixserve.server.tool_schema import calls_schema, object_parameters
 
 PROMPT_TAIL_TOKENS = 16   # enough to see whether the prompt ends inside <think>
@@ -92,7 +92,7 @@ def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None,
     allowed = {named: specs[named]} if named is not None else specs
     template_tools = [t.model_dump(exclude_none=True) for t in tools]
     max_calls = None if req.parallel_tool_calls else 1
-    native_format = tool_call_parser in FORMATS
+    native_format = tool_call_parser in NATIVE_TOOL_FORMATS
     if not forced:
         strict = {t.function.name for t in tools if t.function.strict}
         free = req.response_format is None or req.response_format.type == "text"

@@ -32,7 +32,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from radixserve.server.anomaly import Detection, GuardInput
+from radixserve.server.anomaly import Detection
+from radixserve.server.tracker import ChoiceUpdate
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,9 @@ class ConfidenceDetector:
         self._sum = 0.0
         self._baseline_sum = 0.0
 
-    def feed(self, delta: GuardInput) -> Detection | None:
+    def feed(self, update: ChoiceUpdate) -> Detection | None:
         cfg = self.config
-        for value in delta.confidences:
+        for value in update.confidences:
             if math.isnan(value):
                 continue
             self.num_tokens += 1

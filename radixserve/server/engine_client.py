@@ -76,7 +76,9 @@ class RequestStream:
             raise error_from_wire(item.error)
 
     async def get(self) -> EngineOutput:
-        """The next output of a request still unfinished (outputs of aborted ones are dropped)."""
+        """The next output of a request still unfinished (outputs of aborted ones are dropped).
+        Raises EngineDead, and KVTransferFailed (500) for an output that ended its request by a
+        failed prefill/decode handoff: a PD failure is an error, never text."""
         while True:
             item = await self.queue.get()
             if isinstance(item, _Dead):
@@ -86,6 +88,8 @@ class RequestStream:
                 continue
             if item.finished:
                 self.unfinished.discard(item.request_id)
+            if item.error_code == KVTransferFailed.code:
+                raise KVTransferFailed(f"prefill/decode handoff failed: {item.error}")
             return item
 
     def abort(self, request_id: str) -> None:

@@ -45,12 +45,15 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.errors import InjectedFault, InvalidRequest
 from radixserve.server.engine_client import EngineClient
+
+if TYPE_CHECKING:
+    from radixserve.server.tracker import ChoiceUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -312,6 +315,10 @@ class Corrupter:
         self.mode = mode
         self.rng = rng
         self._seen: dict[int, str] = {}   # choice index -> text so far (repeat mode)
+
+    def feed(self, index: int, update: ChoiceUpdate) -> None:
+        """An output filter (server/filters.py): alters the update's text, never detects."""
+        update.text = self.apply(index, update.text)
 
     def apply(self, index: int, text: str) -> str:
         if not text:

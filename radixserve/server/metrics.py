@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from radixserve.outputs import SpecCounts
+from radixserve.outputs import EngineOutput, SpecCounts
 from radixserve.server.acceptance_guard import AcceptanceDetector
 from radixserve.server.anomaly import KINDS as ANOMALY_KINDS
 from radixserve.server.confidence_guard import ConfidenceDetector
@@ -225,3 +225,30 @@ class RequestTimer:
             self.metrics.spec_accept_length.observe(spec.accept_length)
             if spec.draft_tokens:
                 self.metrics.spec_accept_rate.observe(spec.accept_rate)
+
+
+class RunTimers:
+    """The RequestTimers of one run's engine requests, started at submit; `metrics` None: none."""
+
+    def __init__(self, metrics: ServerMetrics | None, request_ids: list[str]):
+        start_s = time.monotonic()
+        self._timers = ({} if metrics is None else
+                        {rid: RequestTimer(metrics, start_s) for rid in request_ids})
+
+    def on_output(self, out: EngineOutput) -> None:
+        timer = self._timers.get(out.request_id)
+        if timer is not None:
+            timer.on_output(len(out.new_token_ids), out.queue_time_s)
+            if out.finished:
+                timer.on_end(out.spec)
+                del self._timers[out.request_id]
+
+    def close(self) -> None:
+        """End the unfinished ones: each is still one e2e sample (C19)."""
+        for timer in self._timers.values():
+            timer.on_end()
+        self._timers.clear()
+
+    def discard(self) -> None:
+        """The engine rejected the run: no latency sample."""
+        self._timers.clear()

@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.errors import InvalidRequest
+from radixserve.parsers.chat_output import NATIVE_TOOL_FORMATS
 
 TRIGGER = "<tool_call>"
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # Whitespace characters allowed in one gap between JSON tokens or GLM tags: the formats need
 # one (", ", ": ", a newline between tags); free whitespace lets a weak model pad until max_tokens.
 MAX_WHITESPACE = 1
-FORMATS = ("qwen25", "glm45", "glm47", "qwen3_coder")   # --tool-call-parser values with a native tag
 # Text an argument key cannot hold in each XML format (the key ends there): the grammar would
 # let it through and the parser read another key.
 KEY_BREAKERS = {"glm45": "</arg_key>", "glm47": "</arg_key>", "qwen3_coder": ">"}
@@ -45,8 +45,8 @@ KEY_BREAKERS = {"glm45": "</arg_key>", "glm47": "</arg_key>", "qwen3_coder": ">"
 
 @dataclass(frozen=True)
 class NativeCalls:
-    """What one request's tag enforces: `parser` (one of FORMATS); `functions` as (name,
-    arguments schema) pairs, the schema None where any JSON object will do; `forced`: at least
+    """What one request's tag enforces: `parser` (one of NATIVE_TOOL_FORMATS); `functions` as
+    (name, arguments schema) pairs, the schema None where any JSON object will do; `forced`: at least
     one call ("required" or named); `single`: at most one call (parallel_tool_calls false)."""
 
     parser: str

@@ -11,18 +11,21 @@ update by update when streaming and whole otherwise, so the two agree there too 
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import logging
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from radixserve.outputs import TokenLogprob
 from radixserve.errors import RadixServeError, error_body
+from radixserve.http_common import ClosingStreamingResponse, race_disconnect
 from radixserve.server.chat_tools import ChatOutputs
+from radixserve.server.inputs import prompt_items
 from radixserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                                         CompletionChunk, CompletionLogprobs, CompletionRequest,
@@ -31,6 +34,7 @@ from radixserve.server.resume import token_ids_field
 from radixserve.server.serving import GenerationRun, ServingContext
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 
 DONE = "data: [DONE]\n\n"
 
@@ -67,8 +71,16 @@ def chat_logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogpr
 
 
 # ---- /v1/completions ------------------------------------------------------------------------
+def _echo_text(run: GenerationRun, req: CompletionRequest, prompt_index: int) -> str:
+    """The prompt as the client sent it, or its token ids decoded (special tokens kept)."""
+    item = prompt_items(req)[prompt_index]
+    if isinstance(item, str):
+        return item
+    return run.ctx.tokenizer.decode(run.prompt_ids[prompt_index], skip_special_tokens=False)
+
+
 def _echo_logprobs(ctx: ServingContext, run: GenerationRun, prompt_index: int) -> CompletionLogprobs:
-    ids = run.prompts[prompt_index].ids
+    ids = run.prompt_ids[prompt_index]
     entries = run.prompt_logprobs(prompt_index)
     entries += [None] * (len(ids) - len(entries))
     return completion_logprobs(ctx, ids, entries, 0)
@@ -83,15 +95,16 @@ def _merge(a: CompletionLogprobs | None, b: CompletionLogprobs) -> CompletionLog
                               text_offset=a.text_offset + b.text_offset)
 
 
-async def completion_response(ctx: ServingContext, run: GenerationRun, req: CompletionRequest,
-                              rid: str, created: int) -> CompletionResponse:
+async def completion_response(run: GenerationRun, req: CompletionRequest,
+                              created: int) -> CompletionResponse:
+    ctx = run.ctx
     choices = []
     for prompt_index, result in enumerate(await run.results()):
         for c in result.outputs:
             text, logprobs = c.text, None
             offset = 0
             if req.echo:
-                prompt_text = run.prompt_text(prompt_index)
+                prompt_text = _echo_text(run, req, prompt_index)
                 text, offset = prompt_text + text, len(prompt_text)
                 if req.logprobs is not None:
                     logprobs = _echo_logprobs(ctx, run, prompt_index)
@@ -101,13 +114,15 @@ async def completion_response(ctx: ServingContext, run: GenerationRun, req: Comp
             choices.append(CompletionChoice(index=prompt_index * run.n + c.index, text=text,
                                             logprobs=logprobs, finish_reason=c.finish_reason,
                                             stop_reason=c.stop_reason))
-    return CompletionResponse(id=rid, created=created, model=ctx.model_name, choices=choices,
+    return CompletionResponse(id=run.base_id, created=created, model=ctx.model_name, choices=choices,
                               usage=run.usage())
 
 
-async def completion_chunks(ctx: ServingContext, run: GenerationRun, req: CompletionRequest,
-                            rid: str, created: int) -> AsyncIterator[str]:
+async def completion_chunks(run: GenerationRun, req: CompletionRequest,
+                            created: int) -> AsyncIterator[str]:
     """SSE events of a streaming /v1/completions request; closes the run when done or cancelled."""
+    ctx, rid = run.ctx, run.base_id
+
     def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None,
               finish_reason: str | None = None, stop_reason: str | int | None = None,
               ids: dict[str, list[int]] | None = None) -> str:
@@ -123,7 +138,7 @@ async def completion_chunks(ctx: ServingContext, run: GenerationRun, req: Comple
             if index not in offsets:
                 offsets[index] = 0
                 if req.echo:
-                    prompt_text = run.prompt_text(index // run.n)
+                    prompt_text = _echo_text(run, req, index // run.n)
                     lp = _echo_logprobs(ctx, run, index // run.n) if want_logprobs else None
                     yield chunk(index, prompt_text, lp)
                     offsets[index] = len(prompt_text)
@@ -146,9 +161,10 @@ async def completion_chunks(ctx: ServingContext, run: GenerationRun, req: Comple
 
 
 # ---- /v1/chat/completions -------------------------------------------------------------------
-async def chat_response(ctx: ServingContext, run: GenerationRun, req: ChatCompletionRequest,
-                        rid: str, created: int, outputs: ChatOutputs) -> ChatCompletionResponse:
+async def chat_response(run: GenerationRun, req: ChatCompletionRequest, created: int,
+                        outputs: ChatOutputs) -> ChatCompletionResponse:
     """Collected chat response; each choice's text goes through its output parser whole."""
+    ctx = run.ctx
     (result,) = await run.results()  # chat has one prompt
     choices = []
     for c in result.outputs:
@@ -156,16 +172,18 @@ async def chat_response(ctx: ServingContext, run: GenerationRun, req: ChatComple
         message, finish_reason = outputs.message(c.text, c.finish_reason)
         choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                   finish_reason=finish_reason, stop_reason=c.stop_reason))
-    return ChatCompletionResponse(id=rid, created=created, model=ctx.model_name, choices=choices,
+    return ChatCompletionResponse(id=run.base_id, created=created, model=ctx.model_name, choices=choices,
                                   usage=run.usage(run.reasoning_tokens(outputs)))
 
 
-async def chat_chunks(ctx: ServingContext, run: GenerationRun, req: ChatCompletionRequest,
-                      rid: str, created: int, outputs: ChatOutputs) -> AsyncIterator[str]:
+async def chat_chunks(run: GenerationRun, req: ChatCompletionRequest, created: int,
+                      outputs: ChatOutputs) -> AsyncIterator[str]:
     """SSE events of a streaming /v1/chat/completions request; closes the run when done. Each
     update's text goes through its choice's output parser; whatever the parser held is
     settled in the last content chunk, before the finish chunk. A resumed run's text (sent
     by another worker) passes the parser first, unsent, so it continues where that one was."""
+    ctx, rid = run.ctx, run.base_id
+
     def chunk(choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=rid, created=created, model=ctx.model_name,
                                        choices=[choice]))
@@ -195,71 +213,23 @@ async def chat_chunks(ctx: ServingContext, run: GenerationRun, req: ChatCompleti
 
 
 # ---- delivery ---------------------------------------------------------------------------
-async def until_disconnected(receive: Any) -> None:
-    """Return when the HTTP client goes away (the body has been read already)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its response was ready."""
-
-
-async def race_disconnect(receive: Any, work: Any) -> Any:
-    """Await `work` unless the client disconnects first; then cancel it and raise
-    ClientDisconnected (the caller closes the run, which aborts the engine requests). If
-    this is cancelled (a drain's cut-off), `work` is cancelled too, never left waiting."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(until_disconnected(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():   # the client went first (cancel is pending)
-        raise ClientDisconnected()
-    return task.result()
-
-
-class _EventStream(StreamingResponse):
-    """SSE response that closes its run however the response ends, even when the client is
-    gone before the first event (then the event generator never starts, so its own cleanup
-    would never run)."""
-
-    def __init__(self, events: Any, run: GenerationRun):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        self.run = run
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.run.close()
-
-
-async def respond(request: Request, run: GenerationRun, stream: bool, full: Any, chunks: Any,
-                  req: Any, rid: str) -> Response:
-    """Submit the run, then stream it or collect it. Any rejection raises before a byte is sent
-    (field case C10), as does an injected "fail" fault; a client that goes away aborts the
-    run (C06)."""
+async def respond(request: Request, run: GenerationRun, req: R,
+                  full: Callable[[GenerationRun, R, int], Awaitable[BaseModel]],
+                  chunks: Callable[[GenerationRun, R, int], AsyncIterator[str]]) -> Response:
+    """Submit the run, then stream it (`req.stream`) or collect it. Any rejection raises before
+    a byte is sent (field case C10), as does an injected "fail" fault; a client that goes away
+    aborts the run (C06)."""
     created = now_s()
-    await run.__aenter__()
-    if run.ctx.faults is not None:
-        try:
+    async with contextlib.AsyncExitStack() as owned:
+        await owned.enter_async_context(run)
+        if run.ctx.faults is not None:
             await run.ctx.faults.on_accepted()
-        except BaseException:
-            run.close()
-            raise
-    if stream:
-        return _EventStream(chunks(run.ctx, run, req, rid, created), run)
-    try:
-        result = await race_disconnect(request.receive, full(run.ctx, run, req, rid, created))
-    finally:
-        run.close()
+        if req.stream:
+            owned.pop_all()   # from here the event stream closes the run, however it ends
+            return ClosingStreamingResponse(chunks(run, req, created), run.close,
+                                            media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache"})
+        result = await race_disconnect(request.receive, full(run, req, created))
     return Response(result.model_dump_json(), media_type="application/json")
 
 

@@ -1,34 +1,26 @@
-"""From OpenAI requests to engine requests and back: prompts, limits, runs (guarded), usage."""
+"""What serves one request: the worker's ServingContext and a GenerationRun (engine requests, output filters, usage)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from fastapi import Request
-from pydantic import BaseModel, ValidationError
+from typing import TYPE_CHECKING, Any
 
 from radixserve.engine.messages import AddReq, PDTarget
-from radixserve.errors import (BodyTooLarge, ContextLengthExceeded, InvalidRequest, ModelNotFound,
-                               OutputAnomaly, Overloaded)
-from radixserve.outputs import KV_CHECKSUM_ERROR, RequestOutput, TokenLogprob
+from radixserve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, OutputAnomaly,
+                               Overloaded)
+from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput, RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
-from radixserve.server.anomaly import AnomalyGuard, Detector, GuardConfig, GuardInput
-from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetector, judged
+from radixserve.server.anomaly import Detection
 from radixserve.server.engine_client import EngineClient, RequestStream
 from radixserve.server.faults import FaultInjector
-from radixserve.server.metrics import RequestTimer, ServerMetrics
-from radixserve.server.pd import child_target, raise_if_failed
+from radixserve.server.filters import GuardSettings, OutputFilter
+from radixserve.server.metrics import RunTimers, ServerMetrics
+from radixserve.server.pd import pd_target, with_rooms
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                         PromptTokensDetails, Usage)
-from radixserve.server.validation import validation_error
-from radixserve.tokenizer.output_processor import ChoiceUpdate, RequestTracker
+from radixserve.server.tracker import ChoiceUpdate, RequestTracker
 
 if TYPE_CHECKING:
     from radixserve.server.chat_tools import ChatOutputs
@@ -36,9 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # ServerConfig.max_request_body_bytes' default
-MAX_CHOICES = 256           # prompts x n in one request
 LONG_TEXT_CHARS = 32_768    # tokenize longer texts in a worker thread
-Req = TypeVar("Req", bound=BaseModel)
 
 
 @dataclass
@@ -51,9 +41,7 @@ class ServingContext:
     model_path: str
     max_open_requests: int
     metrics: ServerMetrics | None = None
-    guard: GuardConfig | None = None        # None: the output-anomaly guard is off
-    acceptance: AcceptanceConfig | None = None   # the guard's speculative-acceptance judge
-    confidence: ConfidenceConfig | None = None   # the guard's model-confidence judge
+    guard: GuardSettings | None = None      # None: the output-anomaly guard is off
     faults: FaultInjector | None = None     # None: fault injection is off
     tool_call_parser: str | None = None     # --tool-call-parser; None: tools are refused
     tool_call_constraint: str = "json"      # --tool-call-constraint: json or native
@@ -75,6 +63,30 @@ class ServingContext:
     def check_capacity(self) -> None:
         if self.client.num_open_requests >= self.max_open_requests:
             raise Overloaded("The server is overloaded: too many requests in flight; retry later.")
+
+    def filters_for(self, params: SamplingParams) -> tuple[list[OutputFilter], SamplingParams]:
+        """One request's output filters in the order they run (the corrupt fault when it picks
+        this request, then the anomaly guard when on), and `params` as they need them."""
+        filters: list[OutputFilter] = []
+        corrupter = self.faults.corrupter() if self.faults is not None else None
+        if corrupter is not None:
+            filters.append(corrupter)
+        if self.guard is not None:
+            guard, params = self.guard.filter_for(params)
+            filters.append(guard)
+        return filters, params
+
+    def pd_target(self, req: CompletionRequest | ChatCompletionRequest) -> PDTarget | None:
+        """The request's PD target on a prefill or decode worker (server/pd.py); None on a
+        colocated worker, which refuses the bootstrap fields (InvalidRequest)."""
+        mode = self.client.info.disaggregation_mode
+        if mode != "null":
+            return pd_target(mode, req)
+        if any(f is not None for f in (req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)):
+            raise InvalidRequest("bootstrap_host / bootstrap_port / bootstrap_room are for workers "
+                                 "started with --disaggregation-mode prefill|decode",
+                                 param="bootstrap_room")
+        return None
 
     def check_text_fits(self, texts: list[str], param: str) -> None:
         """Raise ContextLengthExceeded (400) when `texts` together need at least the whole
@@ -107,83 +119,6 @@ class ServingContext:
         return text
 
 
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt: its token ids and, when the client sent text, that text (echo returns it)."""
-
-    ids: list[int]
-    text: str | None
-
-
-# ---- inputs -------------------------------------------------------------------------------
-async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prompt]:
-    """Tokenize the `prompt` field (string, strings, token ids, or lists of token ids). Token
-    ids and lengths are checked by the engine when the run is submitted."""
-    raw = req.prompt
-    if isinstance(raw, str):
-        items: list[str | list[int]] = [raw]
-    elif raw and isinstance(raw[0], int):
-        items = [raw]  # one token-id prompt
-    else:
-        items = list(raw)
-    if not items:
-        raise InvalidRequest("prompt must not be empty", param="prompt")
-    if len(items) * req.n > MAX_CHOICES:
-        raise InvalidRequest(f"at most {MAX_CHOICES} choices (prompts x n) per request, "
-                             f"got {len(items) * req.n}", param="prompt")
-    for item in items:  # all refused before any is tokenized
-        if isinstance(item, str):
-            ctx.check_text_fits([item], "prompt")
-    prompts = []
-    for item in items:
-        if isinstance(item, str):
-            prompts.append(Prompt(await ctx.encode(item), item))
-        else:
-            prompts.append(Prompt(list(item), None))
-    return prompts
-
-
-async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
-                      tools: list[dict] | None = None) -> Prompt:
-    """Render the chat template over `messages` (every field kept, chat_tools.py's `tools`
-    offered, `chat_template_kwargs` passed on) into token ids (raises InvalidRequest)."""
-    messages = [m.template_dict() for m in req.messages]
-    # Only user messages count toward the bytes bound: every template renders them verbatim,
-    # while others may be dropped (Qwen3 drops earlier assistant reasoning).
-    ctx.check_text_fits([m["content"] for m in messages if m["role"] == "user"], "messages")
-    render = functools.partial(ctx.tokenizer.apply_chat_template, messages,
-                               req.add_generation_prompt, tools, req.chat_template_kwargs)
-    if sum(len(m["content"]) for m in messages) < LONG_TEXT_CHARS:
-        ids = render()
-    else:
-        ids = await asyncio.to_thread(render)
-    return Prompt(list(ids), None)
-
-
-async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BODY_BYTES) -> Req:
-    """Validate a JSON body against `model`; every failure is an InvalidRequest (400), a body
-    over `max_bytes` is 413."""
-    content_type = request.headers.get("content-type", "")
-    if content_type.split(";")[0].strip().lower() != "application/json":
-        raise InvalidRequest("Content-Type must be application/json", param="content-type")
-    too_large = BodyTooLarge(f"request body is larger than {max_bytes} bytes "
-                             "(--max-request-body-bytes)")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():  # a body without Content-Length stops at the limit too
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_large
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-
-
 # ---- one run --------------------------------------------------------------------------------
 class GenerationRun:
     """All engine requests of one HTTP request: a RequestTracker per prompt, fanned out to n
@@ -191,9 +126,9 @@ class GenerationRun:
     leaving it aborts whatever has not finished (client gone, error).
 
     Choices are numbered over all prompts: prompt i, choice j -> index i * n + j. Each choice's
-    text deltas pass the corrupt fault (when it picked this run; the trackers keep the altered
-    text) and then the output-anomaly guard (when on); a detection ends the whole run
-    (`updates` raises OutputAnomaly after an "abort" update for that choice).
+    updates pass the request's output filters (`ServingContext.filters_for`) in order; a
+    detection ends the whole run (`updates` raises OutputAnomaly after an "abort" update for
+    that choice).
 
     `pd`: prefill/decode disaggregation; engine request k of the run gets room + k.
 
@@ -201,47 +136,27 @@ class GenerationRun:
     another worker already delivered. The engine gets them after the prompt; once it accepts,
     choice 0 resumes after them (RequestTracker.resume) and `resumed_text` holds their text."""
 
-    def __init__(self, ctx: ServingContext, base_id: str, prompts: list[Prompt],
+    def __init__(self, ctx: ServingContext, base_id: str, prompt_ids: list[list[int]],
                  params: SamplingParams, resume_ids: list[int] | None = None,
                  pd: PDTarget | None = None):
         self.ctx = ctx
         self.base_id = base_id
-        self.prompts = prompts
+        self.prompt_ids = prompt_ids
         self.n = params.n
-        watch_confidence = (ctx.guard is not None and ctx.confidence is not None and judged(
-            ctx.confidence, 0.0 if params.is_greedy else params.temperature, params.grammar is not None))
-        if watch_confidence:   # the engine then reports each token's confidence
-            params = dataclasses.replace(params, guard_confidence=True)
-        corrupter = ctx.faults.corrupter() if ctx.faults is not None else None
-        self.trackers = [
-            RequestTracker(f"{base_id}-{i}", p.ids, params, ctx.tokenizer, p.text,
-                           None if corrupter is None else _shifted(corrupter.apply, i * self.n))
-            for i, p in enumerate(prompts)]
-        self._owner: dict[str, int] = {}
-        self._adds: list[AddReq] = []
-        for i, (prompt, tracker) in enumerate(zip(prompts, self.trackers)):
-            for child_id, child_params in tracker.child_requests():
-                self._owner[child_id] = i
-                self._adds.append(AddReq(child_id, prompt.ids + list(resume_ids or ()),
-                                         child_params, child_target(pd, len(self._adds))))
+        self.filters, params = ctx.filters_for(params)
+        self.trackers = [RequestTracker(f"{base_id}-{i}", ids, params, ctx.tokenizer)
+                         for i, ids in enumerate(prompt_ids)]
         self.resume_ids = list(resume_ids or ())
         self.resumed_text = ""
+        self._owner: dict[str, int] = {}
+        adds: list[AddReq] = []
+        for i, (ids, tracker) in enumerate(zip(prompt_ids, self.trackers)):
+            for child_id, child_params in tracker.child_requests():
+                self._owner[child_id] = i
+                adds.append(AddReq(child_id, ids + self.resume_ids, child_params))
+        self._adds = adds if pd is None else with_rooms(adds, pd)
         self.stream: RequestStream | None = None
-        self._timers: dict[str, RequestTimer] = {}
-        num_choices = len(prompts) * self.n
-        loops_expected = params.is_greedy or params.grammar is not None
-        self._guards = [AnomalyGuard(ctx.guard, self._extra_detectors(loops_expected, watch_confidence),
-                                     loops_expected=loops_expected)
-                        for _ in range(num_choices)] if ctx.guard else []
-
-    def _extra_detectors(self, loops_expected: bool, watch_confidence: bool) -> list[Detector]:
-        """One choice's detectors beyond the text ones: acceptance, confidence (when on)."""
-        extra: list[Detector] = []
-        if self.ctx.acceptance:
-            extra.append(AcceptanceDetector(self.ctx.acceptance, loops_expected))
-        if watch_confidence:
-            extra.append(ConfidenceDetector(self.ctx.confidence))
-        return extra
+        self._timers = RunTimers(None, [])   # none until submitted
 
     async def __aenter__(self) -> GenerationRun:
         """Submit to the engine and wait for it to accept (raises its rejection). While open,
@@ -249,15 +164,12 @@ class GenerationRun:
         try:  # whatever fails from here until the engine accepts, close() unregisters the run
             self.stream = self.ctx.client.submit(self._adds)
             self.ctx.runs[self.base_id] = self
-            if self.ctx.metrics is not None:
-                start = time.monotonic()
-                self._timers = {a.request_id: RequestTimer(self.ctx.metrics, start)
-                                for a in self._adds}
+            self._timers = RunTimers(self.ctx.metrics, [a.request_id for a in self._adds])
             await self.stream.accepted()
             if self.resume_ids:
                 self.resumed_text = self.trackers[0].resume(self.resume_ids)
         except BaseException:
-            self._timers.clear()  # rejected: never a request, so no latency sample either
+            self._timers.discard()
             self.close()
             raise
         return self
@@ -269,9 +181,7 @@ class GenerationRun:
         """Abort whatever has not finished; idempotent."""
         if self.ctx.runs.get(self.base_id) is self:
             del self.ctx.runs[self.base_id]
-        for timer in self._timers.values():
-            timer.on_end()  # ended by abort, disconnect or error: still one e2e sample (C19)
-        self._timers.clear()
+        self._timers.close()
         if self.stream is not None:
             self.stream.close()
 
@@ -281,45 +191,53 @@ class GenerationRun:
             self.stream.abort_all()
 
     async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
-        """Yield (choice index over all prompts, update) for every non-empty choice update
-        until all choices have finished."""
+        """Yield (choice index over all prompts, update) for every non-empty choice update,
+        after the output filters, until all choices have finished."""
         assert self.stream is not None, "use `async with run:` first"
         while self.stream.unfinished:
             out = await self.stream.get()
-            raise_if_failed(out)   # PD: a failed prefill or transfer is an error, never text
-            timer = self._timers.get(out.request_id)
-            if timer is not None:
-                timer.on_output(len(out.new_token_ids), out.queue_time_s)
-                if out.finished:
-                    timer.on_end(out.spec)
-                    del self._timers[out.request_id]
+            self._timers.on_output(out)
             prompt_index = self._owner[out.request_id]
             u = self.trackers[prompt_index].process(out)
             if u.abort_child is not None:
                 self.stream.abort(u.abort_child)
             index = prompt_index * self.n + u.index
-            if out.error_code == KV_CHECKSUM_ERROR:   # the engine found its KV overwritten
+            detection = self._check(index, u, out)
+            if detection is not None:
                 yield index, ChoiceUpdate(u.index, finish_reason="abort")
-                raise self._anomaly(index, "kv_checksum", out.error or "")
-            if u.is_empty:
-                continue
-            if self._guards:
-                detection = self._guards[index].feed(GuardInput(u.text, u.token_ids, u.spec, u.confidences))
+                raise self._anomaly(index, detection)
+            if not u.is_empty:
+                yield index, u
+
+    def _check(self, index: int, u: ChoiceUpdate, out: EngineOutput) -> Detection | None:
+        """What ends the run at this update: the engine found its KV overwritten, or a filter
+        (each may rewrite `u.text` first) found the output broken."""
+        if out.error_code == KV_CHECKSUM_ERROR:
+            return Detection("kv_checksum", out.error or "")
+        if not u.is_empty:
+            for output_filter in self.filters:
+                detection = output_filter.feed(index, u)
                 if detection is not None:
-                    yield index, ChoiceUpdate(u.index, finish_reason="abort")
-                    raise self._anomaly(index, detection.kind, detection.detail)
-            yield index, u
+                    return detection
+        return None
 
     async def results(self) -> list[RequestOutput]:
         """Run to completion; one RequestOutput per prompt, read from its tracker (choice j of
-        prompt i has index i * n + j over the run)."""
-        async for _ in self.updates():
-            pass
-        return [t.result() for t in self.trackers]
+        prompt i has index i * n + j over the run). Each choice's text is what a stream sends:
+        its updates' texts after the filters, joined."""
+        texts: dict[int, list[str]] = {0: [self.resumed_text]}
+        async for index, u in self.updates():
+            texts.setdefault(index, []).append(u.text)
+        results = [t.result() for t in self.trackers]
+        for prompt_index, result in enumerate(results):
+            for c in result.outputs:
+                c.text = "".join(texts.get(prompt_index * self.n + c.index, ()))
+        return results
 
-    def _anomaly(self, index: int, kind: str, detail: str) -> OutputAnomaly:
+    def _anomaly(self, index: int, detection: Detection) -> OutputAnomaly:
         """Count and log a detection; the caller raises it and closing the run aborts every
         choice in the engine (their pages are freed)."""
+        kind, detail = detection
         if self.ctx.metrics is not None:
             self.ctx.metrics.count_anomaly(kind)
         logger.warning("output anomaly (%s) in %s choice %d: %s", kind, self.base_id, index, detail)
@@ -351,18 +269,8 @@ class GenerationRun:
             [c.token_ids for c in tracker.result().outputs],
             lambda ids: self.ctx.tokenizer.decode(ids, skip_special_tokens=skip))
 
-    def prompt_text(self, prompt_index: int) -> str:
-        prompt = self.prompts[prompt_index]
-        if prompt.text is not None:
-            return prompt.text
-        return self.ctx.tokenizer.decode(prompt.ids, skip_special_tokens=False)
-
     def prompt_logprobs(self, prompt_index: int) -> list[TokenLogprob | None]:
         """Per prompt position: None for the first token, then the model's logprob of each."""
         lps = self.trackers[prompt_index].prompt_logprobs or []
         return [None, *lps]
 
-
-def _shifted(rewrite: Callable[[int, str], str], offset: int) -> Callable[[int, str], str]:
-    """`rewrite` taking run-wide choice indexes, for a tracker whose choice 0 is `offset`."""
-    return lambda index, text: rewrite(offset + index, text)

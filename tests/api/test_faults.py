@@ -249,14 +249,15 @@ def test_corrupt_output_is_caught_by_the_guard(server, mode):
 def test_greedy_repetition_is_not_stopped(server):
     """Under greedy decoding a loop is the model's deterministic answer: the forced loop
     reaches the client (and shows that corruption alters what clients get)."""
-    from radixserve.server.anomaly import GuardConfig, GuardInput, RepetitionDetector
+    from radixserve.server.anomaly import GuardConfig, RepetitionDetector
+    from radixserve.server.tracker import ChoiceUpdate
     inject(server, kind="corrupt", mode="repeat")
     r = server.post("/v1/completions", json={"model": server.model, "prompt": "Tell me",
                                              "max_tokens": 64, "ignore_eos": True,
                                              "temperature": 0})
     assert r.status_code == 200, r.text
     text = r.json()["choices"][0]["text"]
-    assert RepetitionDetector(GuardConfig()).feed(GuardInput(text)) is not None
+    assert RepetitionDetector(GuardConfig()).feed(ChoiceUpdate(0, text)) is not None
 
 
 def test_streamed_corruption_ends_with_an_error_event(server):

@@ -7,7 +7,8 @@ import json
 import httpx
 import pytest
 
-from radixserve.router.app import build_app, build_state
+from radixserve.router.app import build_app
+from radixserve.router.state import build_state
 from radixserve.router.config import RouterConfig
 from radixserve.router.validate import worker_url
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from radixserve.outputs import SpecCounts
 from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
-from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
+from radixserve.server.anomaly import AnomalyGuard, GuardConfig
+from radixserve.server.tracker import ChoiceUpdate
 
 
 def test_spec_counts_arithmetic_and_usage_fields():
@@ -25,7 +26,7 @@ def feed_steps(detector, steps, tokens_per_delta=None):
         total = total + SpecCounts(1, draft, accepted)
         n = tokens_per_delta or accepted + 1
         num += n
-        found = detector.feed(GuardInput("x" * n, [7] * n, total))
+        found = detector.feed(ChoiceUpdate(0, "x" * n, [7] * n, spec=total))
         if found is not None:
             return found, num
     return None, num
@@ -59,7 +60,7 @@ def test_few_verify_steps_or_no_speculation_are_not_judged():
     # 300 tokens, 15 verify steps (< min_verify_steps): too little evidence.
     assert feed_steps(detector, [(4, 0)] * 15, tokens_per_delta=20)[0] is None
     quiet = AcceptanceDetector(AcceptanceConfig())
-    assert all(quiet.feed(GuardInput("word ", [1])) is None for _ in range(500))
+    assert all(quiet.feed(ChoiceUpdate(0, "word ", [1])) is None for _ in range(500))
 
 
 def test_the_guard_ends_the_choice_with_the_acceptance_kind():
@@ -67,4 +68,4 @@ def test_the_guard_ends_the_choice_with_the_acceptance_kind():
                                                             loops_expected=True)], loops_expected=True)
     found, _ = feed_steps(guard, [(4, 0)] * 200)
     assert found is not None and found.kind == "spec_acceptance"
-    assert guard.feed(GuardInput("more", [1])) == found    # the first detection sticks
+    assert guard.feed(ChoiceUpdate(0, "more", [1])) == found    # the first detection sticks

@@ -6,8 +6,13 @@ import random
 import pytest
 
 from radixserve.server.anomaly import (AnomalyGuard, Detection, GarbledDetector, GuardConfig,
-                                       GuardInput, RareCharDetector, RepetitionDetector)
+                                       RareCharDetector, RepetitionDetector)
 from radixserve.server.faults import Corrupter
+from radixserve.server.tracker import ChoiceUpdate
+
+
+def text_update(text: str) -> ChoiceUpdate:
+    return ChoiceUpdate(0, text)
 
 CONFIG = GuardConfig()
 
@@ -38,7 +43,7 @@ def feed_in_pieces(detector, text: str, size: int = 5) -> Detection | None:
     """Feed like a stream: one small delta at a time; the last answer wins."""
     found = None
     for i in range(0, len(text), size):
-        found = detector.feed(GuardInput(text[i:i + size])) or found
+        found = detector.feed(text_update(text[i:i + size])) or found
     return found
 
 
@@ -108,9 +113,9 @@ def test_rare_chars_need_a_density():
 
 def test_guard_keeps_its_first_detection():
     guard = AnomalyGuard(CONFIG)
-    first = guard.feed(GuardInput("a\ue000b\ue001c\ue002"))
+    first = guard.feed(text_update("a\ue000b\ue001c\ue002"))
     assert first is not None and first.kind == "rare_chars"
-    assert guard.feed(GuardInput(" perfectly normal text")) == first
+    assert guard.feed(text_update(" perfectly normal text")) == first
 
 
 @pytest.mark.parametrize("mode,kind", [("garble", "garbled"), ("repeat", "repetition"),
@@ -121,7 +126,9 @@ def test_every_corruption_mode_is_caught_by_its_detector(mode, kind):
     guard = AnomalyGuard(CONFIG)
     found = None
     for i in range(0, 1000, 4):
-        found = guard.feed(GuardInput(corrupter.apply(0, PROSE[i:i + 4])))
+        update = text_update(PROSE[i:i + 4])
+        corrupter.feed(0, update)   # an output filter: rewrites the text the guard then sees
+        found = guard.feed(update)
         if found:
             break
     assert found is not None and found.kind == kind
@@ -130,7 +137,7 @@ def test_every_corruption_mode_is_caught_by_its_detector(mode, kind):
 def test_greedy_choices_are_not_judged_for_repetition():
     """A greedy loop is the model's deterministic answer; garbling still counts."""
     loop = "The water flows,\n" * 40
-    assert AnomalyGuard(CONFIG).feed(GuardInput(loop)).kind == "repetition"
-    assert AnomalyGuard(CONFIG, loops_expected=True).feed(GuardInput(loop)) is None
-    garbled = AnomalyGuard(CONFIG, loops_expected=True).feed(GuardInput("ok " + "\ufffd" * 6))
+    assert AnomalyGuard(CONFIG).feed(text_update(loop)).kind == "repetition"
+    assert AnomalyGuard(CONFIG, loops_expected=True).feed(text_update(loop)) is None
+    garbled = AnomalyGuard(CONFIG, loops_expected=True).feed(text_update("ok " + "\ufffd" * 6))
     assert garbled is not None and garbled.kind == "garbled"

@@ -10,9 +10,9 @@ import torch
 from radixserve.layers.sampler import Sampler
 from radixserve.outputs import EngineOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardInput
+from radixserve.server.anomaly import AnomalyGuard, GuardConfig
 from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetector, judged
-from radixserve.tokenizer.output_processor import RequestTracker
+from radixserve.server.tracker import ChoiceUpdate, RequestTracker
 from tests.unit.test_sampler import V, Row
 
 CFG = ConfidenceConfig(window=8, min_mean_logprob=-1.5, min_drop=0.6, baseline_tokens=4)
@@ -21,7 +21,8 @@ CFG = ConfidenceConfig(window=8, min_mean_logprob=-1.5, min_drop=0.6, baseline_t
 def feed(detector: ConfidenceDetector, values: list[float], chunk: int = 3):
     """Feed `values` in deltas of `chunk` tokens; the first detection and its delta index."""
     for i in range(0, len(values), chunk):
-        found = detector.feed(GuardInput("x", [0] * len(values[i:i + chunk]), None, values[i:i + chunk]))
+        found = detector.feed(ChoiceUpdate(0, "x", [0] * len(values[i:i + chunk]),
+                                             confidences=values[i:i + chunk]))
         if found is not None:
             return found, i // chunk
     return None
@@ -41,7 +42,7 @@ def test_nothing_is_judged_before_a_full_window_and_nan_is_skipped():
     assert feed(ConfidenceDetector(CFG), start + [-9.0] * 3) is None
     assert feed(ConfidenceDetector(CFG), [math.nan] * 30 + start + [-9.0] * 3) is None
     assert feed(ConfidenceDetector(CFG), [math.nan] * 30 + start + [-9.0] * 8) is not None
-    assert ConfidenceDetector(CFG).feed(GuardInput("text only")) is None
+    assert ConfidenceDetector(CFG).feed(ChoiceUpdate(0, "text only")) is None
 
 
 def test_an_answer_unsure_from_its_start_is_not_a_collapse():
@@ -60,8 +61,8 @@ def test_only_greedy_and_cool_unconstrained_choices_are_judged():
 
 def test_the_guard_reports_it_as_any_detector():
     guard = AnomalyGuard(GuardConfig(), [ConfidenceDetector(CFG)], loops_expected=True)
-    assert guard.feed(GuardInput("fine text", [1] * 8, None, [-0.1] * 8)) is None
-    found = guard.feed(GuardInput(" more", [1] * 16, None, [-4.0] * 16))
+    assert guard.feed(ChoiceUpdate(0, "fine text", [1] * 8, confidences=[-0.1] * 8)) is None
+    found = guard.feed(ChoiceUpdate(0, " more", [1] * 16, confidences=[-4.0] * 16))
     assert found is not None and found.kind == "low_confidence"
 
 

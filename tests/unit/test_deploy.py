@@ -90,7 +90,8 @@ def app_of(component: str):
         from radixserve.server.serving import ServingContext
         return build_app(ServingContext(None, None, "m", "p", 1), ServerConfig())
     if component == "router":
-        from radixserve.router.app import build_app, build_state
+        from radixserve.router.app import build_app
+        from radixserve.router.state import build_state
         from radixserve.router.config import RouterConfig
         return build_app(build_state(RouterConfig(), [], None))
     from radixserve.agent.agent import Agent
@@ -153,7 +154,7 @@ def test_worker_probes_follow_its_routes_and_load_time():
     """Readiness on /health_generate (a real 1-token generation, 503 while draining), liveness
     on /live (a route of the worker's, 200 unless the engine is dead); a startup probe covers a
     load of a few minutes, and readiness waits longer than /health_generate's own 20 s limit."""
-    from radixserve.server.app import HEALTH_GENERATE_TIMEOUT_S
+    from radixserve.server.routes import HEALTH_GENERATE_TIMEOUT_S
 
     spec = container("worker")
     assert spec["readinessProbe"]["httpGet"]["path"] == "/health_generate"

@@ -160,6 +160,13 @@ def test_workers_get_the_routers_graceful_shutdown_timeout():
     assert cmd[cmd.index("--graceful-shutdown-timeout") + 1] == "25"
 
 
+def test_workers_get_the_routers_request_body_timeout():
+    (_, cmd), = commands("--num-workers", "1", "--request-body-timeout", "2.5")
+    assert cmd[cmd.index("--request-body-timeout") + 1] == "2.5"
+    (_, cmd), = commands("--num-workers", "1")
+    assert cmd[cmd.index("--request-body-timeout") + 1] == "10"
+
+
 # A worker stand-in: says "ready" once its SIGTERM handler is in place; on SIGTERM it drains
 # (exits 0 by itself) or, with "ignore", keeps running until SIGKILLed.
 FAKE_WORKER = """

@@ -8,7 +8,7 @@ import json
 from typing import AsyncIterator
 
 from radixserve.agent.observe import Observer
-from radixserve.router.app import build_state
+from radixserve.router.state import build_state
 from radixserve.router.client import AsyncRouterAdminClient
 from radixserve.router.config import RouterConfig
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from radixserve.engine.messages import EngineInfo
 from radixserve.errors import ContextLengthExceeded
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from radixserve.server.serving import ServingContext, chat_prompt, completion_prompts
+from radixserve.server.inputs import chat_prompt, completion_prompts
+from radixserve.server.serving import ServingContext
 from radixserve.tokenizer.text_bound import TextBound
 from tests.unit.test_detokenizer import build_sentencepiece_tokenizer
 
@@ -124,4 +125,4 @@ def test_a_text_that_may_fit_is_tokenized(default_tokenizer):
     fits_by_bytes = "a" * (CONTEXT * default_tokenizer.text_bound.bytes_per_token - 200)
     prompts = asyncio.run(completion_prompts(ctx, CompletionRequest.model_validate(
         {"prompt": fits_by_bytes})))
-    assert tok.calls == 1 and len(prompts[0].ids) > CONTEXT   # the engine refuses it by tokens
+    assert tok.calls == 1 and len(prompts[0]) > CONTEXT   # the engine refuses it by tokens

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from radixserve.errors import InvalidRequest
@@ -75,19 +74,16 @@ class RequestTracker:
     Raises InvalidRequest when params.n is out of range; the engine checks everything else.
 
     Each choice's state (text, tokens, logprobs, finish) lives here once: streaming sends the
-    updates, a full response reads `result()`, which is exactly their sum. `rewrite_text`, when
-    given, maps (choice index, new text) to the text kept and sent (fault injection only).
+    updates, a full response reads `result()`, which is exactly their sum.
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 tokenizer: Tokenizer, prompt: str | None = None,
-                 rewrite_text: Callable[[int, str], str] | None = None):
+                 tokenizer: Tokenizer, prompt: str | None = None):
         params.check_n()
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.prompt = prompt
         self.params = params
-        self._rewrite_text = rewrite_text
         self.prompt_logprobs: list[TokenLogprob] | None = None
         self._choices = [
             _Choice(child_id=f"{request_id}-{i}",
@@ -155,8 +151,6 @@ class RequestTracker:
                 update.error = out.error
 
         update.text = "".join(parts)
-        if self._rewrite_text is not None and update.text:
-            update.text = self._rewrite_text(index, update.text)
         update.token_ids = ids[:num_kept]
         choice.text_parts.append(update.text)
         choice.token_ids.extend(update.token_ids)

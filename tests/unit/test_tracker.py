@@ -7,7 +7,7 @@ import pytest
 from radixserve.errors import InvalidRequest
 from radixserve.outputs import EngineOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
-from radixserve.tokenizer.output_processor import RequestTracker
+from radixserve.server.tracker import RequestTracker
 from radixserve.tokenizer.tokenizer import Tokenizer
 
 EOS = 2  # <|im_end|> in SmolLM2
@@ -194,25 +194,6 @@ def test_n_out_of_range_is_rejected_before_fan_out(tok, n):
     with pytest.raises(InvalidRequest) as err:
         RequestTracker("r", [1, 2], SamplingParams(n=n), tok)
     assert err.value.param == "n"
-
-
-def test_rewritten_text_is_what_is_sent_and_kept(tok):
-    """The one per-choice state: result() is the sum of the updates, rewrite included."""
-    seen = []
-
-    def shout(index, text):
-        seen.append(index)
-        return text.upper()
-
-    tracker = RequestTracker("r", [1], SamplingParams(n=2, max_tokens=8), tok, rewrite_text=shout)
-    ids = tok.encode(" hello there")
-    sent = {0: "", 1: ""}
-    for child, index in (("r-1", 1), ("r-0", 0)):
-        for u in drive(tracker, child, ids, final_reason="length"):
-            sent[index] += u.text
-    result = tracker.result()
-    assert [c.text for c in result.outputs] == [sent[0], sent[1]] == [" HELLO THERE"] * 2
-    assert set(seen) == {0, 1}
 
 
 @pytest.mark.parametrize("stop", [[], ["ENDS"]])

@@ -1,0 +1,138 @@
+"""From OpenAI request bodies to GenerationRuns: the body, the prompts, the sampling parameters and, for chat, the output parser."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from radixserve.errors import BodyTooLarge, InvalidRequest
+from radixserve.sampling_params import MAX_TOP_LOGPROBS
+from radixserve.server.chat_tools import ChatOutputs, plan_tools, prompt_tail
+from radixserve.server.native_tools import native_calls_tag
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, new_id
+from radixserve.server.resume import resumed_params
+from radixserve.server.serving import LONG_TEXT_CHARS, MAX_BODY_BYTES, GenerationRun, ServingContext
+from radixserve.server.validation import validation_error
+
+MAX_CHOICES = 256           # prompts x n in one request
+Req = TypeVar("Req", bound=BaseModel)
+
+
+async def completion_run(ctx: ServingContext, req: CompletionRequest) -> GenerationRun:
+    """The run of a /v1/completions request, not yet submitted. Raises InvalidRequest,
+    ModelNotFound, ContextLengthExceeded or Overloaded before anything reaches the engine."""
+    ctx.check_model(req.model)
+    if req.suffix:
+        raise InvalidRequest("suffix is not supported", param="suffix")
+    prompt_logprobs = req.logprobs if req.echo else None
+    params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs)
+    prompt_ids = await completion_prompts(ctx, req)
+    if req.resume_token_ids is not None:
+        params = resumed_params(req, params, len(prompt_ids))
+    ctx.check_capacity()
+    pd = ctx.pd_target(req)
+    return GenerationRun(ctx, new_id("cmpl"), prompt_ids, params, req.resume_token_ids, pd)
+
+
+async def chat_run(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[GenerationRun, ChatOutputs]:
+    """The run of a /v1/chat/completions request, not yet submitted, and the parser of its
+    choices' text (chat_tools.py); the tool plan picks the grammar. Raises as completion_run."""
+    ctx.check_model(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {req.top_logprobs}", param="top_logprobs")
+    max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                  else req.max_tokens)
+    params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None)
+    plan = plan_tools(req, ctx.tool_call_parser, ctx.tool_call_constraint)
+    if plan.json_schema is not None:   # tool_choice "required" or a named function
+        params = dataclasses.replace(params, json_schema=plan.json_schema, json_schema_param="tools")
+    prompt_ids = await chat_prompt(ctx, req, plan.template_tools)
+    reasoning = ctx.reasoning_parser is not None
+    outputs = ChatOutputs(plan, ctx.tool_call_parser, reasoning,
+                          prompt_tail(ctx.tokenizer, prompt_ids) if reasoning else "")
+    if plan.native is not None:   # calls in the model's own format (native_tools.py)
+        tag = native_calls_tag(plan.native, outputs.reasoning, outputs.starts_in_reasoning)
+        params = dataclasses.replace(params, structural_tag=tag, json_schema_param="tools")
+    if outputs.is_parsing and "skip_special_tokens" not in req.model_fields_set:
+        # markers such as <think> and <tool_call> are special tokens in some vocabularies
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    if req.resume_token_ids is not None:
+        params = resumed_params(req, params, 1)
+    ctx.check_capacity()
+    pd = ctx.pd_target(req)
+    run = GenerationRun(ctx, new_id("chatcmpl"), [prompt_ids], params, req.resume_token_ids, pd)
+    return run, outputs
+
+
+def prompt_items(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of the `prompt` field (a string, strings, token ids, or lists of token ids),
+    each a text or token ids."""
+    raw = req.prompt
+    if isinstance(raw, str):
+        return [raw]
+    if raw and isinstance(raw[0], int):
+        return [raw]  # one token-id prompt
+    return list(raw)
+
+
+async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
+    """The token ids of each prompt (prompt_items), texts tokenized. Token ids and lengths are
+    checked by the engine when the run is submitted."""
+    items = prompt_items(req)
+    if not items:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    if len(items) * req.n > MAX_CHOICES:
+        raise InvalidRequest(f"at most {MAX_CHOICES} choices (prompts x n) per request, "
+                             f"got {len(items) * req.n}", param="prompt")
+    for item in items:  # all refused before any is tokenized
+        if isinstance(item, str):
+            ctx.check_text_fits([item], "prompt")
+    return [await ctx.encode(item) if isinstance(item, str) else list(item) for item in items]
+
+
+async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
+                      tools: list[dict] | None = None) -> list[int]:
+    """Render the chat template over `messages` (every field kept, chat_tools.py's `tools`
+    offered, `chat_template_kwargs` passed on) into token ids (raises InvalidRequest)."""
+    messages = [m.template_dict() for m in req.messages]
+    # Only user messages count toward the bytes bound: every template renders them verbatim,
+    # while others may be dropped (Qwen3 drops earlier assistant reasoning).
+    ctx.check_text_fits([m["content"] for m in messages if m["role"] == "user"], "messages")
+    render = functools.partial(ctx.tokenizer.apply_chat_template, messages,
+                               req.add_generation_prompt, tools, req.chat_template_kwargs)
+    if sum(len(m["content"]) for m in messages) < LONG_TEXT_CHARS:
+        ids = render()
+    else:
+        ids = await asyncio.to_thread(render)
+    return list(ids)
+
+
+async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BODY_BYTES) -> Req:
+    """Validate a JSON body against `model`; every failure is an InvalidRequest (400), a body
+    over `max_bytes` is 413."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise InvalidRequest("Content-Type must be application/json", param="content-type")
+    too_large = BodyTooLarge(f"request body is larger than {max_bytes} bytes "
+                             "(--max-request-body-bytes)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():  # a body without Content-Length stops at the limit too
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None

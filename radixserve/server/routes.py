@@ -1,0 +1,110 @@
+"""The worker's public routes: the OpenAI API under /v1, and the probes /health, /live, /health_generate and /metrics."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from radixserve.engine.messages import AddReq
+from radixserve.errors import EngineDead
+from radixserve.sampling_params import SamplingParams
+from radixserve.server.inputs import chat_run, completion_run, parse_body
+from radixserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
+                                        ModelList, new_id, now_s)
+from radixserve.server.responses import (chat_chunks, chat_response, completion_chunks,
+                                         completion_response, respond)
+from radixserve.server.serving import ServingContext
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+METRICS_STATS_TIMEOUT_S = 5.0  # a wedged engine must not hang or 500 the scrape
+
+
+def install_openai_routes(app: FastAPI, ctx: ServingContext, auth: list[Any]) -> None:
+    """POST /v1/completions, POST /v1/chat/completions and GET /v1/models, behind `auth`."""
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
+    created = now_s()
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        req = await parse_body(request, CompletionRequest, ctx.max_body_bytes)
+        run = await completion_run(ctx, req)
+        return await respond(request, run, req, completion_response, completion_chunks)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await parse_body(request, ChatCompletionRequest, ctx.max_body_bytes)
+        run, outputs = await chat_run(ctx, req)
+        return await respond(request, run, req, functools.partial(chat_response, outputs=outputs),
+                             functools.partial(chat_chunks, outputs=outputs))
+
+    @v1.get("/models")
+    async def models() -> Response:
+        card = ModelCard(id=ctx.model_name, created=created, root=ctx.model_path,
+                         max_model_len=ctx.max_context_len)
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    app.include_router(v1)
+
+
+def install_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """GET /health, /live, /health_generate and /metrics (no API key: routers, agents and
+    scrapers poll them)."""
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 `ok`; 503 `degraded` while every request slot is held (alive, but admits nothing
+        new: the router routes away, the ops agent must not treat it as sick); 503 `engine_dead`.
+        While draining, DrainMiddleware answers instead: 503 `draining`."""
+        if not ctx.client.is_alive:
+            raise EngineDead(f"engine is dead: {ctx.client.dead_reason}")
+        num_open = ctx.client.num_open_requests
+        if num_open >= ctx.max_open_requests:
+            return JSONResponse({"status": "degraded", "reason": f"all {ctx.max_open_requests} request "
+                                 f"slots are held", "num_open_requests": num_open}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/live")
+    async def live() -> Response:
+        """Liveness: 200 while the engine process lives, however busy or drained the worker is
+        (saturated and draining workers stay up: /health says 503 for routing, not for a
+        restart); 503 `engine_dead` once it is gone."""
+        if not ctx.client.is_alive:
+            raise EngineDead(f"engine is dead: {ctx.client.dead_reason}")
+        return JSONResponse({"status": "alive"})
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """200 once the engine has generated one token for a tiny request (a PD worker only
+        generates as half of a pair: there it answers as /health does)."""
+        if ctx.client.info.disaggregation_mode != "null":
+            return await health()
+        ids = ctx.tokenizer.encode("Hi") or [0]
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        stream = ctx.client.submit([AddReq(new_id("health"), ids[:1], params)])
+        try:
+            await asyncio.wait_for(stream.accepted(), HEALTH_GENERATE_TIMEOUT_S)
+            await asyncio.wait_for(stream.get(), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineDead("engine did not generate a token in time") from None
+        finally:
+            stream.close()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format; engine gauges and counters are read from the engine now."""
+        assert ctx.metrics is not None, "build_app sets ctx.metrics"
+        stats = None
+        if ctx.client.is_alive:
+            try:
+                stats = await ctx.client.call("stats", timeout_s=METRICS_STATS_TIMEOUT_S)
+            except (asyncio.TimeoutError, EngineDead):
+                logger.warning("engine stats unavailable; /metrics shows the last snapshot")
+        return Response(ctx.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
