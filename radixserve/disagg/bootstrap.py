@@ -19,7 +19,7 @@ class BootstrapHandler:
 
     def handle(self, peer: bytes, msg) -> None:
         if isinstance(msg, Expect):
-            fired = self.engine.pd_faults.fire("pd.bootstrap")
+            fired = self.engine.fire("pd.bootstrap")
             if fired is not None and fired.action == "delay":
                 self.held_expects.append((self.engine.clock() + fired.delay_s, peer, msg))
             else:

@@ -74,11 +74,11 @@ class DecodeSide:
                                  param="bootstrap_room")
         self.engine.scheduler.waiting.remove(req)
         inc = Incoming(req, target)
-        fired = self.engine.pd_faults.fire("pd.decode.prealloc")
+        fired = self.engine.fire("pd.decode.prealloc")
         if fired is not None and fired.action == "delay":
             inc.due_s = self.engine.clock() + fired.delay_s
         elif fired is not None:
-            inc.hang_gen = self.engine.pd_faults.generation
+            inc.hang_gen = self.engine.fault_generation
         self.incoming[target.room] = inc
         self.by_request[req.request_id] = target.room
 
@@ -136,7 +136,7 @@ class DecodeSide:
 
     def _preallocate(self, now: float) -> None:
         eng, kv = self.engine, self.engine.kv
-        gen = eng.pd_faults.generation
+        gen = eng.fault_generation
         for inc in list(self.incoming.values()):
             if inc.expect_s is not None:
                 continue

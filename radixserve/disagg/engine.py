@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 from radixserve.config import EngineConfig
+from radixserve.disagg.api import FaultPoints, Fired
 from radixserve.disagg.decode_side import DecodeSide
-from radixserve.disagg.faults import PDFaults
 from radixserve.disagg.prefill_side import PrefillSide
 from radixserve.disagg.protocol import KVLayout, PDTarget
 from radixserve.disagg.stats import PDStats
 from radixserve.disagg.transport import TcpDecodeEndpoint, TcpPrefillEndpoint
 from radixserve.engine.engine import Engine
+from radixserve.engine.hooks import EngineHooks
 from radixserve.engine.request import Request, Status
 from radixserve.engine.runner_api import Runner
 from radixserve.errors import InvalidRequest
@@ -35,12 +37,13 @@ class PDEngine(Engine):
     """
 
     def __init__(self, config: EngineConfig, runner: Runner,
-                 extra_eos_token_ids: frozenset[int] = frozenset(), endpoint=None, clock=time.monotonic):
-        super().__init__(config, runner, extra_eos_token_ids)
+                 extra_eos_token_ids: frozenset[int] = frozenset(), hooks: Sequence[EngineHooks] = (),
+                 endpoint=None, clock=time.monotonic):
+        super().__init__(config, runner, extra_eos_token_ids, hooks)
         self.mode = config.disaggregation_mode
         assert self.mode in ("prefill", "decode"), f"PDEngine needs a PD mode, got {self.mode!r}"
         self.clock = clock
-        self.pd_faults = PDFaults(config.random_seed)
+        self.faults: FaultPoints | None = None   # fault seam (chaos/pd_faults.py)
         self.pd_stats = PDStats()
         self._outbox: list[EngineOutput] = []
         layout = KVLayout(**runner.kv_layout())
@@ -149,15 +152,13 @@ class PDEngine(Engine):
         return [self.prefill.endpoint.socket] if self.prefill is not None else []
 
     # ---- faults and introspection ----------------------------------------------------------
-    def arm_pd_fault(self, point: str, action: str, delay_ms: float = 0.0,
-                     delay_max_ms: float | None = None, probability: float = 1.0,
-                     count: int | None = None, duration_s: float | None = None) -> None:
-        """Arm a PD fault point (faults.py); raises InvalidRequest for bad arguments."""
-        self.pd_faults.arm(point, action, delay_ms, delay_max_ms, probability, count, duration_s)
+    def fire(self, point: str) -> Fired | None:
+        """Whether the PD fault point `point` fires now (None without fault injection)."""
+        return self.faults.fire(point) if self.faults is not None else None
 
-    def disarm_pd_fault(self, point: str | None = None) -> None:
-        """Clear one PD fault point (or all): what a hang held is released."""
-        self.pd_faults.disarm(point)
+    @property
+    def fault_generation(self) -> int:
+        return self.faults.generation if self.faults is not None else 0
 
     def stats(self) -> dict:
         out = super().stats()

@@ -84,7 +84,7 @@ class PrefillSide(BootstrapHandler):
     # ---- progress --------------------------------------------------------------------------
     def _ready(self, room: Room) -> None:
         room.ready_s = self.engine.clock()
-        fired = self.engine.pd_faults.fire("pd.prefill.start")
+        fired = self.engine.fire("pd.prefill.start")
         if fired is None:
             self._start(room)
             return
@@ -92,7 +92,7 @@ class PrefillSide(BootstrapHandler):
         if fired.action == "delay":
             room.start_due_s = room.ready_s + fired.delay_s
         else:
-            room.start_hang_gen = self.engine.pd_faults.generation
+            room.start_hang_gen = self.engine.fault_generation
 
     def _start(self, room: Room) -> None:
         room.state = RoomState.PREFILLING
@@ -124,14 +124,14 @@ class PrefillSide(BootstrapHandler):
         room.done = KVDone(room.room, room.num_writes, token, req.prompt_logprobs,
                            req.num_cached_tokens)
         room.state = RoomState.SENT
-        fired = self.engine.pd_faults.fire("pd.transfer.done")
+        fired = self.engine.fire("pd.transfer.done")
         if fired is not None and fired.action == "fail":
             self._fail_room(room, "the KV completion notice failed (injected fault pd.transfer.done)")
             return
         if fired is not None and fired.action == "delay":
             room.done_due_s = self.engine.clock() + fired.delay_s
         elif fired is not None:
-            room.done_hang_gen = self.engine.pd_faults.generation
+            room.done_hang_gen = self.engine.fault_generation
         self._try_close(room)
 
     def _write_pages(self, room: Room, end: int, req: Request | None = None) -> None:
@@ -151,7 +151,7 @@ class PrefillSide(BootstrapHandler):
             self._start_write(room, msg)
 
     def _start_write(self, room: Room, msg: KVWrite) -> None:
-        fired = self.engine.pd_faults.fire("pd.transfer.write")
+        fired = self.engine.fire("pd.transfer.write")
         action = fired.action if fired is not None else None
         if action == "fail":
             self._fail_room(room, f"KV transfer write {msg.write_id} failed "
@@ -166,14 +166,14 @@ class PrefillSide(BootstrapHandler):
         if action == "delay":
             self.held.append(HeldWrite(room, msg, self.engine.clock() + fired.delay_s))
         elif action == "hang":
-            self.held.append(HeldWrite(room, msg, None, hang_gen=self.engine.pd_faults.generation))
+            self.held.append(HeldWrite(room, msg, None, hang_gen=self.engine.fault_generation))
         else:
             self.held.append(HeldWrite(room, msg, None, late=True))
 
     def poll(self) -> None:
         """Between steps: deliver held writes and notices that are due, start held rooms, and
         time out rooms whose other leg never came."""
-        now, gen = self.engine.clock(), self.engine.pd_faults.generation
+        now, gen = self.engine.clock(), self.engine.fault_generation
         due = [h for h in self.held if h.is_due(now, gen)]
         for h in due:
             self.held.remove(h)

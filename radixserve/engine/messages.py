@@ -4,9 +4,8 @@ One PUSH/PULL socket per direction; the HTTP process binds both ipc:// endpoints
 
     HTTP -> engine   Submit(group_id, adds)     all choices of one HTTP request, added atomically
                      Abort(request_ids)         fire and forget; the final output is not sent back
-                     Call(call_id, method, args) flush_cache | stats | check_invariants |
-                                                arm_forced_tokens | disarm_forced_tokens (Engine
-                                                methods) | set_step_latency (the loop's own)
+                     Call(call_id, method, args) loop.py's CALL_METHODS: stats, flush_cache, ...,
+                                                and `fault` (chaos/engine_faults.py)
                      Shutdown()
     engine -> HTTP   Ready(info)                once, after the model is loaded
                      Submitted(group_id, error) one per Submit, before any output of its requests

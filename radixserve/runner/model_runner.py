@@ -188,7 +188,7 @@ class ModelRunner:
 
     def corrupt_kv(self, page_ids: list[int], mode: str, source_page_ids: list[int] | None,
                    seed: int) -> None:
-        """Fault point kv_corrupt (engine/kv_corrupt.py): overwrite `page_ids` in every layer
+        """Fault point kv_corrupt (chaos/kv_corrupt.py): overwrite `page_ids` in every layer
         with noise (mode "noise": Gaussian with the pages' own mean and standard deviation,
         per layer, K and V apart, drawn from `seed`) or with the KV of `source_page_ids` (mode
         "swap", same length). Copies the attention backend may keep of these pages (the

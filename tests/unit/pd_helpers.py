@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+from radixserve.chaos.pd_faults import PDFaults
 from radixserve.config import EngineConfig
 from radixserve.disagg.engine import PDEngine
 from radixserve.disagg.protocol import PDTarget
@@ -36,7 +37,9 @@ def pd_engine(mode: str, num_pages: int = 64, page_size: int = 4, clock=None, ho
     runner = FakeRunner(num_pages, page_size, VOCAB, 4096)
     if host_pages:
         runner.host_kv = FakeHostKV(runner, host_pages)
-    return PDEngine(config, runner, clock=clock or time.monotonic)
+    engine = PDEngine(config, runner, clock=clock or time.monotonic)
+    engine.faults = PDFaults(config.random_seed)   # armed by the tests (`faults.arm`)
+    return engine
 
 
 def target(prefill: PDEngine, room: int) -> PDTarget:

@@ -14,10 +14,11 @@ from tests.unit.fake_runner import FakeRunner, reference_next_token
 VOCAB = 1000
 
 
-def make_engine(num_pages=64, page_size=4, eos=None, eos_every=0, max_context_len=4096, **cfg):
+def make_engine(num_pages=64, page_size=4, eos=None, eos_every=0, max_context_len=4096, hooks=(),
+                **cfg):
     cfg.setdefault("chunked_prefill_size", 32)
     runner = FakeRunner(num_pages, page_size, VOCAB, max_context_len, eos, eos_every)
-    return Engine(EngineConfig(page_size=page_size, **cfg), runner)
+    return Engine(EngineConfig(page_size=page_size, **cfg), runner, hooks=hooks)
 
 
 def reference(prompt, max_tokens, eos=None, eos_every=0):

@@ -10,9 +10,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "radixserve"
 
 # package (folder or module) -> radixserve subpackages it must not import
 FORBIDDEN = {
-    "engine": {"runner", "models", "layers", "weights", "server", "tokenizer"},
-    # prefill/decode disaggregation: an Engine subclass plus its transport; tensors stay in runner
-    "disagg": {"runner", "models", "layers", "weights", "server", "tokenizer"},
+    "engine": {"runner", "models", "layers", "weights", "server", "tokenizer", "disagg", "chaos",
+               "compose", "cli"},
+    # prefill/decode disaggregation: a worker driving an Engine, plus its transport
+    "disagg": {"runner", "models", "layers", "weights", "server", "tokenizer", "chaos", "compose",
+               "cli"},
+    # fault injection attaches to the engine's seams; the HTTP side calls it, never the reverse
+    "chaos": {"runner", "models", "layers", "weights", "server", "tokenizer", "compose", "cli"},
+    "runner": {"server", "chaos", "disagg", "compose", "cli"},
     "layers": {"runner", "models", "weights", "engine", "server", "tokenizer"},
     "models": {"runner", "engine", "server", "tokenizer"},
     "server": {"runner", "models", "layers", "weights"},
@@ -26,7 +31,7 @@ FORBIDDEN = {
     "chat": {"runner", "models", "layers", "weights", "engine", "server", "tokenizer", "router",
              "agent", "bench"},
 }
-NO_TORCH = {"engine", "disagg", "router", "agent", "parsers", "chat"}  # engine/engine.py may import torch (it does not today)
+NO_TORCH = {"engine", "disagg", "chaos", "router", "agent", "parsers", "chat"}  # engine/engine.py may import torch (it does not today)
 # The engine loop and its wire messages speak ZMQ / msgpack; the rest of engine/ stays stdlib.
 IPC = {"zmq", "msgspec"}
 ENGINE_IPC_FILES = {"loop.py", "messages.py"}
