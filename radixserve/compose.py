@@ -36,8 +36,9 @@ class EngineFactory:
         if config.disaggregation_mode == "null":
             driven = engine = Engine(config, runner, eos_token_ids, hooks)
         else:
-            from radixserve.disagg.engine import PDEngine
-            driven = engine = PDEngine(config, runner, eos_token_ids, hooks)
+            from radixserve.disagg.worker import PDWorker
+            driven = PDWorker(config, runner, eos_token_ids, hooks)
+            engine = driven.engine
             if faults is not None:
                 faults.attach_pd(driven)
         info = EngineInfo(max_context_len=engine.max_request_tokens, page_size=engine.page_size,

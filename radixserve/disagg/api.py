@@ -1,8 +1,14 @@
 """What the prefill and decode sides need from the PD worker that owns them, and the fault seam they consult."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+from radixserve.disagg.stats import PDStats
+from radixserve.engine.engine import Engine
+from radixserve.engine.request import Request
+from radixserve.outputs import TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,4 +26,28 @@ class FaultPoints(Protocol):
 
     def fire(self, point: str) -> Fired | None:
         """Whether `point` fires now, and how (None: it does not)."""
+        ...
+
+
+class SideHost(Protocol):
+    """The PD worker (worker.py) as a side sees it: the Engine it drives, its counters and
+    clock, its fault points, and how a side ends or hands over a request."""
+
+    engine: Engine
+    pd_stats: PDStats
+    clock: Callable[[], float]        # seconds, monotonic
+
+    def fire(self, point: str) -> Fired | None:
+        """Whether fault point `point` fires now (None: no, or fault injection is off)."""
+        ...
+
+    @property
+    def fault_generation(self) -> int: ...
+
+    def end_request(self, req: Request, error: str | None) -> None:
+        """End `req` wherever it is; `error` set: its final output carries it."""
+        ...
+
+    def land(self, req: Request, token: TokenLogprob | None) -> None:
+        """Decode: `req` (RUNNING, prompt KV in) gets the prefill side's first token."""
         ...

@@ -120,6 +120,14 @@ class Engine:
         self._count_prompt(req)
         return self._output(req, [], None, reason)
 
+    def withdraw(self, request_id: str) -> None:
+        """Take back a request just added, before any step, that its caller then refused (a
+        PD side's room check): no output, no counters."""
+        req = self.requests.pop(request_id)
+        self.hooks.on_abort(req)
+        if req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -172,9 +180,9 @@ class Engine:
             if not s.completes_sequence:
                 continue
             if res.token is None:  # max_tokens == 0: prompt scored, nothing to sample
-                outs.append(self._finish(req, [], None, "length"))
+                outs.append(self.finish(req, "length"))
                 continue
-            outs.append(self._emit(req, self.hooks.on_tokens(req, [res.token])))
+            outs.append(self.emit(req, self.hooks.on_tokens(req, [res.token])))
             self._offer(req, res)
         return outs
 
@@ -183,10 +191,11 @@ class Engine:
         if res.next_draft and req.status is Status.RUNNING:
             self.scheduler.proposer.offer(req.request_id, res.next_draft, req.num_tokens)
 
-    def _emit(self, req: Request, tokens: list[TokenLogprob],
-              computed: Callable[[int], int] | None = None) -> EngineOutput:
-        """Append sampled tokens one by one until one finishes the request (the rest are dropped:
-        stop ids, EOS, min_tokens and max_tokens hold per token, with or without speculation).
+    def emit(self, req: Request, tokens: list[TokenLogprob],
+             computed: Callable[[int], int] | None = None) -> EngineOutput:
+        """Append sampled tokens (this step's, or a PD prefill worker's first token) one by one
+        until one finishes the running request `req` (the rest are dropped: stop ids, EOS,
+        min_tokens and max_tokens hold per token, with or without speculation).
         `computed(kept)`: req's num_computed_tokens once `kept` tokens are appended, set before
         a finish, whose radix commit reads it (a verify step's accepted tokens have KV)."""
         kept: list[TokenLogprob] = []
@@ -230,7 +239,7 @@ class Engine:
                                if t.token_id != u.token_id), len(tokens))
         # KV is valid for the last known token and the accepted drafts that were kept (and not
         # replaced by on_tokens); set before a finish commits the pages.
-        return self._emit(req, tokens, lambda kept: s.start + 1 + min(kept, accepted, num_as_sampled))
+        return self.emit(req, tokens, lambda kept: s.start + 1 + min(kept, accepted, num_as_sampled))
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -241,6 +250,10 @@ class Engine:
         if len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_request_tokens:
             return "length"
         return None
+
+    def finish(self, req: Request, reason: str) -> EngineOutput:
+        """End the running request `req` now with no new token; its final output."""
+        return self._finish(req, [], None, reason)
 
     def _finish(self, req: Request, new_ids: list[int], logprobs, reason: str) -> EngineOutput:
         out = self.hooks.on_finish(req, self._output(req, new_ids, logprobs, reason))   # KV still held
@@ -300,7 +313,8 @@ class Engine:
             self.scheduler.proposer.flush()
         return True
 
-    def check_invariants(self) -> None:
-        """Assert page ownership (free + cached + private == total) and tree structure."""
+    def check_invariants(self, other_owners: Sequence = ()) -> None:
+        """Assert page ownership (free + cached + private == total) and tree structure.
+        `other_owners`: page holders outside the scheduler (a PD decode side's)."""
         self.kv.check_invariants(self.scheduler.running + list(self.scheduler.waiting)
-                                 + self.scheduler.fetching)
+                                 + self.scheduler.fetching + list(other_owners))

@@ -177,7 +177,7 @@ def test_legs_with_different_prompts_fail_instead_of_decoding_wrong_kv(pair, dec
     rig.finish("x")
     assert "disagree on the prompt" in rig.finals["x"].error
     rig.idle()
-    assert p.requests == {} and d.requests == {}
+    assert p.engine.requests == {} and d.engine.requests == {}
     d.check_invariants()
     assert d.stats()["num_free_pages"] + d.stats()["num_cached_pages"] == d.stats()["num_pages"]
 

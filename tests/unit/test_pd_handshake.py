@@ -74,7 +74,7 @@ def test_writes_after_the_abort_never_start():
         d.abort("a")
         rig.idle()
         assert p.stats()["pd"]["transfers_aborted"] == 1
-        assert p.requests == {} and "p-a" in rig.finals
+        assert p.engine.requests == {} and "p-a" in rig.finals
         assert p.prefill.rooms[4].num_writes < 5      # 10 pages in writes of 2: not all sent
         assert_idle(p, d)
     finally:
@@ -140,8 +140,8 @@ def test_decode_kv_pressure_neither_crashes_nor_starves(host_pages):
         rig.idle()
         assert_idle(p, d)
         if host_pages:
-            d.kv.tier.check()
-            assert not d.kv.tier.loads and not d.kv.tier.pinned
+            d.engine.kv.tier.check()
+            assert not d.engine.kv.tier.loads and not d.engine.kv.tier.pinned
     finally:
         rig.close()
 
