@@ -9,8 +9,8 @@ from radixserve.config import EngineConfig
 from radixserve.engine.hooks import EngineHooks, HookChain
 from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
-from radixserve.engine.runner_api import Runner, RunnerOutput, ScheduledBatch, ScheduledSeq, SeqResult
-from radixserve.engine.scheduler import Scheduled, Scheduler
+from radixserve.engine.runner_api import Runner, ScheduledSeq, SeqResult
+from radixserve.engine.scheduler import Scheduler
 from radixserve.errors import ContextLengthExceeded, InvalidRequest
 from radixserve.outputs import EngineOutput, SpecCounts, TokenLogprob
 from radixserve.sampling_params import SamplingParams
@@ -135,50 +135,34 @@ class Engine:
     def step(self) -> list[EngineOutput]:
         """Run one scheduler iteration and one forward pass."""
         self.hooks.before_schedule()
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
+        batch = self.scheduler.schedule()
+        if not batch:
             self.scheduler.wait_for_kv(0.01)
             return []
-        batch = ScheduledBatch([self._seq(s) for s in scheduled])
-        output = self.runner.run(batch)
-        for req in self.kv.finish_loads([s.req for s in scheduled]):
+        reqs = [self.requests[seq.request_id] for seq in batch]
+        results = self.runner.run(batch)
+        for req in self.kv.finish_loads(reqs):
             self.scheduler.requeue(req)   # it read a failed host load: recompute, no output
-        outs = self._update(scheduled, batch, output)
-        return outs + self.hooks.after_step([s.req for s in scheduled if s.req.status is Status.RUNNING])
+        outs = self._update(batch, reqs, results)
+        return outs + self.hooks.after_step([r for r in reqs if r.status is Status.RUNNING])
 
-    def _seq(self, s: Scheduled) -> ScheduledSeq:
-        req = s.req
-        end = s.start + s.num_tokens
-        in_prompt = s.start < len(req.prompt_ids)
-        ids = req.token_slice(s.start, end - len(s.draft)) + list(s.draft)
-        return ScheduledSeq(
-            request_id=req.request_id, input_ids=ids, start_pos=s.start,
-            page_ids=req.page_ids[:self.kv.pages_for(end + s.lookahead)],
-            sample=s.completes_sequence and req.max_tokens > 0,
-            params=req.params, seed=req.seed, prompt_ids=req.prompt_ids,
-            output_ids=req.output_ids,
-            min_tokens_left=max(req.params.min_tokens - len(req.output_ids), 0),
-            prompt_logprob_start=s.start if in_prompt and req.wants_prompt_logprobs else None,
-            draft=s.draft, propose=s.lookahead)
-
-    def _update(self, scheduled: list[Scheduled], batch: ScheduledBatch,
-                output: RunnerOutput) -> list[EngineOutput]:
+    def _update(self, batch: list[ScheduledSeq], reqs: list[Request],
+                results: list[SeqResult]) -> list[EngineOutput]:
         outs: list[EngineOutput] = []
-        for s, seq, res in zip(scheduled, batch.seqs, output.results):
-            req = s.req
+        for seq, req, res in zip(batch, reqs, results):
             if req.status is not Status.RUNNING:
                 continue
-            if s.draft:
-                outs.append(self._verified(s, res))
+            if seq.draft:
+                outs.append(self._verified(req, seq, res))
                 self._offer(req, res)
                 continue
-            req.num_computed_tokens = s.start + s.num_tokens
+            req.num_computed_tokens = seq.start_pos + len(seq.input_ids)
             if seq.prompt_logprob_start is not None and res.prompt_logprobs is not None:
                 req.prompt_logprobs = (req.prompt_logprobs or []) + res.prompt_logprobs
-            if s.num_tokens > 1:
+            if len(seq.input_ids) > 1:
                 self.kv.commit(req)  # prefill work: share it with others, keep it on preemption
-            if not s.completes_sequence:
-                continue
+            if req.num_computed_tokens != req.num_tokens:
+                continue   # a prefill chunk before the last: nothing to sample yet
             if res.token is None:  # max_tokens == 0: prompt scored, nothing to sample
                 outs.append(self.finish(req, "length"))
                 continue
@@ -215,31 +199,31 @@ class Engine:
             return self._finish(req, ids, logprobs, reason)
         return self._output(req, ids, logprobs)
 
-    def _verified(self, s: Scheduled, res: SeqResult) -> EngineOutput:
+    def _verified(self, req: Request, seq: ScheduledSeq, res: SeqResult) -> EngineOutput:
         """A verify step: positions [start, start + 1 + len(draft)) got KV; the accepted draft
         tokens and the runner's own next token are emitted. The KV of rejected draft positions
         stays in the request's private pages past num_computed_tokens: never committed to the
         radix tree, overwritten by the next steps."""
-        req, c = s.req, self.counters
+        c, draft = self.counters, seq.draft
         accepted = len(res.accepted)
         c["spec_num_verify_steps"] += 1
-        c["spec_num_draft_tokens"] += len(s.draft)
+        c["spec_num_draft_tokens"] += len(draft)
         c["spec_num_accepted_tokens"] += accepted
-        for i in range(len(s.draft)):
+        for i in range(len(draft)):
             c["spec_num_draft_by_position"][i] += 1
             c["spec_num_accepted_by_position"][i] += i < accepted
         spec = req.spec or SpecCounts()
-        req.spec = SpecCounts(spec.verify_steps + 1, spec.draft_tokens + len(s.draft),
+        req.spec = SpecCounts(spec.verify_steps + 1, spec.draft_tokens + len(draft),
                               spec.accepted_tokens + accepted)
         if self.scheduler.proposer is not None:
-            self.scheduler.proposer.record(req.request_id, len(s.draft), accepted)
+            self.scheduler.proposer.record(req.request_id, len(draft), accepted)
         sampled = [*res.accepted, res.token]
         tokens = self.hooks.on_tokens(req, sampled)
         num_as_sampled = next((i for i, (t, u) in enumerate(zip(tokens, sampled))
                                if t.token_id != u.token_id), len(tokens))
         # KV is valid for the last known token and the accepted drafts that were kept (and not
         # replaced by on_tokens); set before a finish commits the pages.
-        return self.emit(req, tokens, lambda kept: s.start + 1 + min(kept, accepted, num_as_sampled))
+        return self.emit(req, tokens, lambda kept: seq.start_pos + 1 + min(kept, accepted, num_as_sampled))
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params

@@ -17,7 +17,7 @@ import zmq
 
 from radixserve.config import EngineConfig
 from radixserve.engine.messages import (Abort, Call, CallResult, EngineInfo, Fatal, FromEngine,
-                                        Heartbeat, Outputs, Ready, Shutdown, Submit, Submitted,
+                                        Heartbeat, Ready, Shutdown, Submit, Submitted,
                                         ToEngine, WireError)
 from radixserve.engine.runner_api import Runner
 from radixserve.errors import InvalidRequest, RadixServeError
@@ -120,7 +120,7 @@ class EngineLoop:
             if self.running and self.engine.has_unfinished():
                 outputs = self.engine.step()
                 if outputs:
-                    self.send(Outputs(outputs))
+                    self.send(outputs)
             if self.running and time.monotonic() - self.last_send_s >= HEARTBEAT_S:
                 self.send(Heartbeat())
 

@@ -9,7 +9,7 @@ One PUSH/PULL socket per direction; the HTTP process binds both ipc:// endpoints
                      Shutdown()
     engine -> HTTP   Ready(info)                once, after the model is loaded
                      Submitted(group_id, error) one per Submit, before any output of its requests
-                     Outputs(outputs)           one per step that produced any
+                     list[EngineOutput]         one per step that produced any
                      CallResult(call_id, value, error)
                      Fatal(message)             the engine loop crashed; the process exits
                      Heartbeat()                between steps, at most every HEARTBEAT_S; the HTTP
@@ -101,10 +101,6 @@ class Submitted(msgspec.Struct, frozen=True, tag=True):
     error: WireError | None = None
 
 
-class Outputs(msgspec.Struct, frozen=True, tag=True):
-    outputs: list[EngineOutput]
-
-
 class CallResult(msgspec.Struct, frozen=True, tag=True):
     """A Call's return value, or its error; `wire_error` is set when the engine refused the
     call's arguments (a RadixServeError), so the HTTP side answers with that error's status."""
@@ -124,4 +120,4 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
 
 
 ToEngine = Submit | Abort | Call | Shutdown
-FromEngine = Ready | Submitted | Outputs | CallResult | Fatal | Heartbeat
+FromEngine = Ready | Submitted | list[EngineOutput] | CallResult | Fatal | Heartbeat

@@ -22,7 +22,7 @@ from radixserve.errors import (ContextLengthExceeded, EngineDead, InvalidRequest
 from radixserve.outputs import EngineOutput
 from radixserve.engine.loop import EngineFactory, run_engine_process
 from radixserve.engine.messages import (AddReq, Abort, Call, CallResult, EngineInfo, Fatal,
-                                        FromEngine, Outputs, Ready, Shutdown, Submit, Submitted,
+                                        FromEngine, Ready, Shutdown, Submit, Submitted,
                                         WireError)
 
 logger = logging.getLogger(__name__)
@@ -287,8 +287,8 @@ class EngineClient:
             self._die(f"engine receiver failed: {type(exc).__name__}: {exc}")
 
     def _dispatch(self, msg: Any) -> None:
-        if isinstance(msg, Outputs):
-            for out in msg.outputs:
+        if isinstance(msg, list):   # one step's EngineOutputs
+            for out in msg:
                 stream = self._routes.get(out.request_id)
                 if stream is None:
                     continue  # aborted or released: nobody is waiting for it

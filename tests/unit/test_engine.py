@@ -110,7 +110,7 @@ def test_in_batch_prefix_sharing_prefills_once():
         engine.add_request(f"s{i}", prefix + [500 + i], SamplingParams(max_tokens=2))
     runner = engine.runner
     out = run_all(engine)
-    computed = sum(len(s.input_ids) for b in runner.steps for s in b.seqs)
+    computed = sum(len(s.input_ids) for b in runner.steps for s in b)
     # One full prefill (41) + three suffix-only prefills (1 each) + 4 decode steps.
     assert computed == 41 + 3 * 1 + 4
     for i in range(4):
