@@ -1,15 +1,4 @@
-"""EngineFaults: the engine process's fault points (--enable-fault-injection), attached as engine hooks and armed through one `fault` call.
-
-    kind                  arms                                   where it acts
-    step_latency          StepLatency                            before each step
-    sampler.force_tokens  ForcedTokens (forced_tokens.py)        on_add, on_tokens
-    kv_corrupt            KVCorruptFault (kv_corrupt.py)         before each step
-    hicache.h2d.layer     CopyFaults (tier_faults.py)            runner/host_kv.py's fault seam
-    hicache.d2h           CopyFaults                             runner/host_kv.py's fault seam
-    hicache.host_alloc    AllocFaults                            engine/hicache.py's fail_alloc
-    hicache.l3.get        L3Fault                                runner/disk_kv.py's fetch_limit
-    pd.*                  PDFaults (pd_faults.py)                a PD worker's `faults` seam
-"""
+"""EngineFaults: the engine process's fault points (--enable-fault-injection), attached as engine hooks and armed through one `fault` call; KINDS maps each kind to its arm and clear methods."""
 from __future__ import annotations
 
 import random
@@ -26,7 +15,7 @@ from radixserve.engine.request import Request
 from radixserve.errors import InvalidRequest
 from radixserve.outputs import EngineOutput, TokenLogprob
 
-# kind -> (arm method, clear method) of EngineFaults; pd.* points go to PDFaults.
+# pd.* points go to PDFaults (pd_faults.py) instead
 KINDS = {"step_latency": ("set_step_latency", "clear_step_latency"),
          "sampler.force_tokens": ("arm_forced_tokens", "disarm_forced_tokens"),
          "kv_corrupt": ("arm_kv_corrupt", "disarm_kv_corrupt"),
@@ -53,7 +42,7 @@ class StepLatency:
 
 
 class EngineFaults(EngineHooks):
-    """The armed engine-side faults of one engine (see module doc)."""
+    """The armed engine-side faults of one engine; tier faults go into the tiers' seams."""
 
     def __init__(self) -> None:
         self.step_latency: StepLatency | None = None
@@ -73,9 +62,8 @@ class EngineFaults(EngineHooks):
         self.pd = worker.faults = PDFaults(self.engine.config.random_seed)
 
     def fault(self, kind: str, clear: bool = False, **params: Any) -> None:
-        """The `fault` call: arm `kind` with `params` (replacing an armed one), or clear it.
-        Raises InvalidRequest for an unknown kind, bad parameters, or a fault point this
-        engine lacks."""
+        """Arm `kind` with `params` (replacing an armed one), or clear it. Raises InvalidRequest
+        for an unknown kind, bad parameters, or a fault point this engine lacks."""
         if kind in POINT_ACTIONS:
             if self.pd is None and not clear:
                 raise InvalidRequest(f"fault {kind!r} needs a worker started with "
@@ -128,8 +116,6 @@ class EngineFaults(EngineHooks):
     # ---- step latency, forced tokens, KV corruption ----------------------------------------
     def set_step_latency(self, latency_ms: float, jitter_ms: float = 0.0,
                          duration_s: float | None = None) -> None:
-        """Sleep latency_ms (uniform +- jitter_ms, floored at 0) before each step for
-        duration_s (None: until cleared)."""
         ends_s = None if duration_s is None else time.monotonic() + duration_s
         self.step_latency = (StepLatency(latency_ms / 1000, jitter_ms / 1000, ends_s)
                              if latency_ms > 0 or jitter_ms > 0 else None)
@@ -139,31 +125,24 @@ class EngineFaults(EngineHooks):
 
     def arm_forced_tokens(self, token_ids: list[int], count: int = 1,
                           duration_s: float | None = None) -> None:
-        """The next `count` requests added emit `token_ids` (forced_tokens.py). Raises
-        InvalidRequest for an empty list, an id outside the vocabulary, or count < 1."""
         self.forced = ForcedTokens.armed(token_ids, count, duration_s, self.engine.runner.vocab_size)
 
     def disarm_forced_tokens(self) -> None:
-        """Requests already handed a sequence keep it."""
-        self.forced = None
+        self.forced = None   # requests already handed a sequence keep it
 
     def arm_kv_corrupt(self, mode: str, fraction: float = 0.5, after_tokens: int = 16,
                        count: int = 1, duration_s: float | None = None,
                        seed: int | None = None) -> None:
-        """The next `count` running requests with `after_tokens` generated tokens get
-        `fraction` of their KV pages overwritten (kv_corrupt.py). Raises InvalidRequest for a
-        bad mode or number, or when the runner cannot overwrite KV."""
         if not callable(getattr(self.engine.runner, "corrupt_kv", None)):
             raise InvalidRequest("this runner cannot corrupt KV", param="kind")
         self.kv_corrupt = KVCorruptFault.armed(mode, fraction, after_tokens, count, duration_s, seed)
 
     def disarm_kv_corrupt(self) -> None:
-        """KV already overwritten stays so."""
         self.kv_corrupt = None
 
     @property
     def kv_corrupt_hits(self) -> list[tuple[str, int]]:
-        """(request id, output tokens it had) of each request the armed kv_corrupt fault hit."""
+        """(request id, its output tokens then) of each request the kv_corrupt fault hit."""
         return list(self.kv_corrupt.hit) if self.kv_corrupt is not None else []
 
     # ---- KV tiers --------------------------------------------------------------------------
@@ -175,8 +154,6 @@ class EngineFaults(EngineHooks):
 
     def arm_hicache_h2d(self, latency_ms: float = 0.0, jitter_ms: float = 0.0,
                         fail_fraction: float = 0.0, duration_s: float | None = None) -> None:
-        """Each layer of each host->device load waits latency_ms (uniform +- jitter_ms) and
-        fails with probability fail_fraction (the load is then recomputed)."""
         self._host_tier()[0].fault = self.copy
         self.copy.arm_h2d(latency_ms, jitter_ms, fail_fraction, duration_s)
 
@@ -184,7 +161,6 @@ class EngineFaults(EngineHooks):
         self.copy.arm_h2d(0.0, 0.0, 0.0, None)
 
     def arm_hicache_d2h(self, latency_ms: float, duration_s: float | None = None) -> None:
-        """Every device->host backup takes latency_ms longer."""
         self._host_tier()[0].fault = self.copy
         self.copy.arm_d2h(latency_ms, duration_s)
 
@@ -192,8 +168,7 @@ class EngineFaults(EngineHooks):
         self.copy.arm_d2h(0.0, None)
 
     def arm_hicache_host_alloc(self, fraction: float = 1.0, duration_s: float | None = None) -> None:
-        """That share of host page allocations fails (the copy is skipped). `duration_s` is not
-        enforced: clear the fault to end it."""
+        # duration_s is not enforced: clearing the fault ends it
         self._host_tier()[1].fail_alloc = AllocFaults(fraction, self.alloc_rng)
 
     def disarm_hicache_host_alloc(self) -> None:
@@ -202,8 +177,6 @@ class EngineFaults(EngineHooks):
 
     def arm_hicache_l3(self, mode: str, every: int = 1, stall_ms: float = 0.0,
                        duration_s: float | None = None) -> None:
-        """One disk fetch in `every` fails, lands half, or stalls first (tier_faults.L3Fault).
-        Raises InvalidRequest without a disk tier or for a bad mode."""
         disk = getattr(self._host_tier()[0], "disk", None)
         if disk is None:
             raise InvalidRequest("the disk KV tier is off (--hicache-storage-dir)", param="kind")

@@ -1,17 +1,4 @@
-"""Fault points of the KV tiers, installed into their seams at runtime: slow or failing host copies, failing host allocations, failing or stalling disk fetches.
-
-    CopyFaults   runner/host_kv.py HostKV.fault      hicache.h2d.layer: each layer of each load
-                                                      waits (fixed, or uniform +- jitter) and/or
-                                                      fails with a probability; hicache.d2h: each
-                                                      backup waits; `hold` (tests only) blocks a
-                                                      load before its first layer until set
-    AllocFaults  engine/hicache.py HostTier.fail_alloc   hicache.host_alloc: that share of host
-                                                      page allocations fails
-    L3Fault      runner/disk_kv.py DiskKV.fetch_limit    hicache.l3.get: one fetch in `every`
-                                                      fails at its first page (fail), at a middle
-                                                      page (fail_chunk), lands half (short), or
-                                                      first stalls stall_ms (stall)
-"""
+"""Fault points of the KV tiers, installed into their seams: CopyFaults (HostKV.fault: hicache.h2d.layer, hicache.d2h), AllocFaults (HostTier.fail_alloc: hicache.host_alloc), L3Fault (DiskKV.fetch_limit: hicache.l3.get)."""
 from __future__ import annotations
 
 import random
@@ -26,8 +13,8 @@ L3_MODES = ("fail", "fail_chunk", "short", "stall")
 
 @dataclass
 class CopyFaults:
-    """HostKV's copy fault seam (see module doc); all off by default. `h2d_until_s` and
-    `d2h_until_s` (time.monotonic(); None: no end) end each point."""
+    """Each load layer waits (fixed, +- jitter) and/or fails with a probability; each backup
+    waits; `hold` (tests) blocks a load until set. `*_until_s`: time.monotonic() end or None."""
 
     h2d_delay_ms: float = 0.0
     h2d_jitter_ms: float = 0.0
@@ -53,8 +40,6 @@ class CopyFaults:
         return until_s is None or time.monotonic() < until_s
 
     def before_load_layer(self, layer: int) -> None:
-        """On the loader thread, before copying `layer`: may sleep; raises RuntimeError to fail
-        the layer."""
         if layer == 0 and self.hold is not None:
             self.hold.wait()
         if not self._on(self.h2d_until_s):
@@ -67,13 +52,12 @@ class CopyFaults:
             raise RuntimeError("injected fault hicache.h2d.layer")
 
     def before_backup(self) -> None:
-        """Before a device->host backup: may sleep."""
         if self.d2h_delay_ms and self._on(self.d2h_until_s):
             time.sleep(self.d2h_delay_ms / 1000)
 
 
 class AllocFaults:
-    """HostTier's fail_alloc seam: each call refuses an allocation with probability `fraction`."""
+    """Refuses each host allocation with probability `fraction`."""
 
     def __init__(self, fraction: float, rng: random.Random):
         self.fraction, self.rng = fraction, rng
@@ -84,7 +68,8 @@ class AllocFaults:
 
 @dataclass
 class L3Fault:
-    """DiskKV's fetch_limit seam: how many of a fetch's n pages it may read (see module doc)."""
+    """One fetch in `every` fails at its first page (fail), at a middle one (fail_chunk),
+    lands half (short) or first stalls stall_ms (stall)."""
 
     mode: str
     every: int = 1
@@ -93,7 +78,6 @@ class L3Fault:
 
     @classmethod
     def armed(cls, mode: str, every: int = 1, stall_ms: float = 0.0) -> L3Fault:
-        """Raises InvalidRequest for a mode not in L3_MODES or every < 1."""
         if mode not in L3_MODES or every < 1:
             raise InvalidRequest(f"hicache.l3.get takes mode {L3_MODES} and every >= 1", param="mode")
         return cls(mode, every, stall_ms)

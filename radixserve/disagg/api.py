@@ -24,22 +24,17 @@ class FaultPoints(Protocol):
 
     generation: int     # bumps on every disarm: items a hang holds are released when it moves
 
-    def fire(self, point: str) -> Fired | None:
-        """Whether `point` fires now, and how (None: it does not)."""
-        ...
+    def fire(self, point: str) -> Fired | None: ...
 
 
 class SideHost(Protocol):
-    """The PD worker (worker.py) as a side sees it: the Engine it drives, its counters and
-    clock, its fault points, and how a side ends or hands over a request."""
+    """The PD worker (worker.py) as its side sees it."""
 
     engine: Engine
     pd_stats: PDStats
     clock: Callable[[], float]        # seconds, monotonic
 
-    def fire(self, point: str) -> Fired | None:
-        """Whether fault point `point` fires now (None: no, or fault injection is off)."""
-        ...
+    def fire(self, point: str) -> Fired | None: ...
 
     @property
     def fault_generation(self) -> int: ...

@@ -173,13 +173,13 @@ class PDWorker:
 
 
 class _SideHooks(EngineHooks):
-    """The side's view of the Engine's request ends (engine/hooks.py)."""
+    """Tells the side when the Engine ends one of its requests."""
 
     def __init__(self, worker: PDWorker):
         self.worker = worker
 
     def on_finish(self, req: Request, out: EngineOutput) -> EngineOutput:
-        """Prefill: `req` sampled its first token and still holds its pages: send the rest."""
+        # prefill: `req` sampled its first token and still holds its pages: send the rest
         prefill = self.worker.prefill
         if prefill is not None and req.request_id in prefill.by_request:
             ids, logprobs = out.new_token_ids, out.new_logprobs
@@ -188,7 +188,6 @@ class _SideHooks(EngineHooks):
         return out
 
     def on_abort(self, req: Request) -> None:
-        """An abort the worker did not start (a KV checksum mismatch): the side ends its
-        transfer too; the request is already out of Engine.requests, so end_request leaves it
-        to that abort."""
+        # An abort the worker did not start (a KV checksum mismatch's) ends the side's transfer;
+        # req already left Engine.requests, so end_request does not abort it twice.
         self.worker.side.abort(req.request_id)

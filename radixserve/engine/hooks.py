@@ -9,36 +9,31 @@ from radixserve.outputs import EngineOutput, TokenLogprob
 
 
 class EngineHooks:
-    """Does nothing; subclasses override what they need. Every call runs on the engine thread.
-    One request sees: on_add, then per step before_schedule / on_tokens / after_step, then
-    on_finish or on_abort (its KV still held in both). KV page events: `attach` may set the
-    engine's `kv.pool.on_free` (told of every freed batch of pages)."""
+    """No-op base; override what you need. Engine thread only. Per request: on_add, then per
+    step before_schedule / on_tokens / after_step, then on_finish or on_abort (KV still held)."""
 
     def attach(self, engine: Any) -> None:
-        """Called once by the Engine's constructor, with the Engine. Raises ValueError when the
-        hook cannot serve that engine (a runner without what it needs)."""
+        """Once, from Engine.__init__; raises ValueError when the engine lacks what it needs."""
 
     def on_add(self, req: Request) -> None:
-        """`req` passed validation and is being queued."""
+        pass
 
     def before_schedule(self) -> None:
-        """Start of each step, before the scheduler picks its work."""
+        pass
 
     def on_tokens(self, req: Request, tokens: list[TokenLogprob]) -> list[TokenLogprob]:
-        """The tokens `req` emits for one step's samples (one, or a verified speculative run).
-        May replace tokens and cut the run; only the last may differ from its sample."""
+        """`req`'s tokens of one step, maybe replaced or cut; only the last may differ from its
+        sample."""
         return tokens
 
     def on_finish(self, req: Request, out: EngineOutput) -> EngineOutput:
-        """`req` finished (not aborted); returns its final output, `out` or a replacement."""
         return out
 
     def on_abort(self, req: Request) -> None:
-        """`req` is aborted or withdrawn; its final output is the engine's."""
+        pass
 
     def after_step(self, running: list[Request]) -> list[EngineOutput]:
-        """End of a step that ran work; `running`: its requests still RUNNING. Returns the
-        outputs of requests the hook ended itself."""
+        """`running`: the step's requests still RUNNING; returns outputs of requests it ended."""
         return []
 
 

@@ -139,14 +139,11 @@ class ChecksumHooks(EngineHooks):
                                kv_checksum_slots_mismatched=0)
 
     def after_step(self, running: list[Request]) -> list[EngineOutput]:
-        """Seal and verify the step's running requests; returns the outputs of every request a
-        mismatch ended (this step's and earlier finishes')."""
         self._on_mismatch(self.sums.after_step(running))
         failed, self._failed = self._failed, []
         return failed
 
     def on_finish(self, req: Request, out: EngineOutput) -> EngineOutput:
-        """Verify everything `req` computed before its KV is released."""
         bad = self.sums.at_end(req)
         self._count()
         if not bad:
