@@ -32,7 +32,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_runner(config: EngineConfig) -> Any:
-    """Load the model into a ModelRunner (the engine loop's runner factory; runs inside the
+    """Load the model into a ModelRunner (EngineFactory's runner factory; runs inside the
     engine process, so torch is imported there only)."""
     from radixserve.runner.model_runner import ModelRunner
 
@@ -69,9 +69,11 @@ def run_serve(args: argparse.Namespace) -> int:
                 return _fail(exc, 2)
         logging.basicConfig(level=server_config.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from radixserve.compose import EngineFactory
         from radixserve.server.app import serve
+        factory = EngineFactory(build_runner, server_config.enable_fault_injection)
         try:
-            return asyncio.run(serve(engine_config, server_config, build_runner, model_path, sock))
+            return asyncio.run(serve(engine_config, server_config, factory, model_path, sock))
         except KeyboardInterrupt:
             return 0
         except Exception as exc:  # start-up failures: the engine failed to load, ...

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
 
+from radixserve.compose import engine_hooks
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.outputs import RequestOutput
@@ -32,7 +33,8 @@ class LLM:
         self.config = EngineConfig(model_path=model_path, **engine_kwargs)
         self.tokenizer = Tokenizer.load(resolve_model_path(model_path, need_tokenizer=True))
         runner = ModelRunner.from_config(self.config)
-        self.engine = Engine(self.config, runner, self.tokenizer.eos_token_ids)
+        self.engine = Engine(self.config, runner, self.tokenizer.eos_token_ids,
+                             engine_hooks(self.config))
         self._ids = itertools.count()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

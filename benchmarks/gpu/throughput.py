@@ -8,7 +8,7 @@ Run:  python benchmarks/gpu/throughput.py                     # 1B and 8B shapes
 
 No checkpoint, tokenizer or server: the model is built in memory from a Llama config with
 random weights (N(0, 0.02); RMSNorm weights 1) and driven through ModelRunner.run with
-hand-built ScheduledBatches, greedy sampling included.
+hand-built lists of ScheduledSeq, greedy sampling included.
 
   decode   B sequences with `--context` cached tokens each take one token per step; tok/s =
            B * steps / time. Roofline (weights) = B / (weight bytes / copy bandwidth): every
@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from radixserve.config import EngineConfig  # noqa: E402
-from radixserve.engine.runner_api import ScheduledBatch, ScheduledSeq  # noqa: E402
+from radixserve.engine.runner_api import ScheduledSeq  # noqa: E402
 from radixserve.models.model_config import ModelConfig  # noqa: E402
 from radixserve.models.registry import model_class  # noqa: E402
 from radixserve.runner.attention.base import create_backend  # noqa: E402
@@ -126,7 +126,7 @@ def prefill_all(runner: ModelRunner, seqs: list[ScheduledSeq], step_tokens: int)
     per_step = max(1, step_tokens // len(seqs[0].input_ids))
     tokens = []
     for i in range(0, len(seqs), per_step):
-        tokens += [r.token.token_id for r in runner.run(ScheduledBatch(seqs[i:i + per_step])).results]
+        tokens += [r.token.token_id for r in runner.run(seqs[i:i + per_step])]
     return tokens
 
 
@@ -136,7 +136,7 @@ def decode_steps(runner: ModelRunner, seqs: list[ScheduledSeq], last: list[int],
     for _ in range(steps):
         batch = [ScheduledSeq(s.request_id, [o[-1]], len(s.input_ids) + len(o) - 1, s.page_ids, True, GREEDY,
                               s.seed, s.prompt_ids, list(o), 0, None) for s, o in zip(seqs, outputs)]
-        for o, r in zip(outputs, runner.run(ScheduledBatch(batch)).results):
+        for o, r in zip(outputs, runner.run(batch)):
             o.append(r.token.token_id)
 
 

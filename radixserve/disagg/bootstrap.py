@@ -14,14 +14,14 @@ logger = logging.getLogger(__name__)
 
 
 class BootstrapHandler:
-    """Expects PrefillSide's engine, layout, rooms, held_expects, _new_room, _ready,
+    """Expects PrefillSide's worker, engine, layout, rooms, held_expects, _new_room, _ready,
     _fail_room, _abort_room and _send."""
 
     def handle(self, peer: bytes, msg) -> None:
         if isinstance(msg, Expect):
-            fired = self.engine.pd_faults.fire("pd.bootstrap")
+            fired = self.worker.fire("pd.bootstrap")
             if fired is not None and fired.action == "delay":
-                self.held_expects.append((self.engine.clock() + fired.delay_s, peer, msg))
+                self.held_expects.append((self.worker.clock() + fired.delay_s, peer, msg))
             else:
                 self._guarded_expect(peer, msg, injected=fired is not None)
         elif isinstance(msg, AbortRoom):
@@ -36,7 +36,7 @@ class BootstrapHandler:
             self._expect(peer, msg)
         except Exception as exc:
             logger.exception("bootstrap handler failed for room %d", msg.room)
-            self.engine.pd_stats.counters["bootstrap_failures"] += 1
+            self.worker.pd_stats.counters["bootstrap_failures"] += 1
             self._refuse(peer, msg.room, f"bootstrap handler failed: {type(exc).__name__}: {exc}")
 
     def _expect(self, peer: bytes, msg: Expect) -> None:
@@ -49,7 +49,7 @@ class BootstrapHandler:
         elif problem is None and room is not None and room.req is not None:
             problem = self._prompt_mismatch(room.req, msg)
         if problem is not None:
-            self.engine.pd_stats.counters["bootstrap_failures"] += 1
+            self.worker.pd_stats.counters["bootstrap_failures"] += 1
             self._refuse(peer, msg.room, problem)
             return
         if room is None:

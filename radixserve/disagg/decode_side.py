@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from radixserve.disagg.api import SideHost
 from radixserve.disagg.protocol import (AbortRoom, Expect, KVDone, KVLayout, KVWrite, PDTarget,
                                         PrefillFailed, SafeToFree, prompt_crc)
 from radixserve.disagg.transport import TransportError
 from radixserve.engine.request import Request, Status
 from radixserve.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from radixserve.disagg.engine import PDEngine
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +51,18 @@ class Quarantined:
 
 
 class DecodeSide:
-    """Owned by a PDEngine in decode mode; every method runs on the engine thread."""
+    """Owned by a PDWorker in decode mode (through SideHost); every method runs on the engine
+    thread."""
 
-    def __init__(self, engine: PDEngine, endpoint, layout: KVLayout):
-        self.engine = engine
+    def __init__(self, worker: SideHost, endpoint, layout: KVLayout):
+        self.worker = worker
+        self.engine = worker.engine
         self.endpoint = endpoint
         self.layout = layout
         self.incoming: dict[int, Incoming] = {}       # room -> request (FIFO order)
         self.by_request: dict[str, int] = {}
         self.quarantine: dict[int, Quarantined] = {}
-        self.unsafe = engine.config.disaggregation_unsafe_skip_abort_handshake
+        self.unsafe = self.engine.config.disaggregation_unsafe_skip_abort_handshake
 
     # ---- inputs ----------------------------------------------------------------------------
     def add(self, req: Request, target: PDTarget) -> None:
@@ -74,11 +73,11 @@ class DecodeSide:
                                  param="bootstrap_room")
         self.engine.scheduler.waiting.remove(req)
         inc = Incoming(req, target)
-        fired = self.engine.pd_faults.fire("pd.decode.prealloc")
+        fired = self.worker.fire("pd.decode.prealloc")
         if fired is not None and fired.action == "delay":
-            inc.due_s = self.engine.clock() + fired.delay_s
+            inc.due_s = self.worker.clock() + fired.delay_s
         elif fired is not None:
-            inc.hang_gen = self.engine.pd_faults.generation
+            inc.hang_gen = self.worker.fault_generation
         self.incoming[target.room] = inc
         self.by_request[req.request_id] = target.room
 
@@ -100,7 +99,7 @@ class DecodeSide:
     def _write(self, msg: KVWrite) -> None:
         """Land one write into the pages it names (an RDMA write would land regardless; the
         room check below is what TCP adds, and what the unsafe switch turns off)."""
-        c = self.engine.pd_stats.counters
+        c = self.worker.pd_stats.counters
         inc = self.incoming.get(msg.room)
         if inc is not None and inc.expect_s is not None:
             owned = set(inc.req.page_ids)
@@ -122,7 +121,7 @@ class DecodeSide:
     # ---- progress --------------------------------------------------------------------------
     def poll(self) -> None:
         """Between steps: time out transfers, then preallocate in arrival order."""
-        now, cfg = self.engine.clock(), self.engine.config
+        now, cfg = self.worker.clock(), self.engine.config
         for inc in list(self.incoming.values()):
             if inc.expect_s is not None and now - inc.expect_s > cfg.disaggregation_transfer_timeout:
                 self._end(inc, f"KV transfer timed out after {cfg.disaggregation_transfer_timeout:g} s "
@@ -136,7 +135,7 @@ class DecodeSide:
 
     def _preallocate(self, now: float) -> None:
         eng, kv = self.engine, self.engine.kv
-        gen = eng.pd_faults.generation
+        gen = self.worker.fault_generation
         for inc in list(self.incoming.values()):
             if inc.expect_s is not None:
                 continue
@@ -153,7 +152,7 @@ class DecodeSide:
                 return   # arrival order: a large request is not starved by smaller ones
             req.status = Status.WAITING_FOR_KV
             inc.expect_s = now
-            eng.pd_stats.queue_time.observe(now - req.arrival_s)
+            self.worker.pd_stats.queue_time.observe(now - req.arrival_s)
             try:
                 self.endpoint.send(inc.target.address, Expect(
                     inc.target.room, list(req.page_ids), len(req.prompt_ids),
@@ -171,16 +170,16 @@ class DecodeSide:
         eng, req = self.engine, inc.req
         del self.incoming[inc.target.room]
         del self.by_request[req.request_id]
-        now = eng.clock()
-        eng.pd_stats.transfer_latency.observe(now - inc.expect_s)
-        eng.pd_stats.counters["transfers_succeeded"] += 1
+        now = self.worker.clock()
+        self.worker.pd_stats.transfer_latency.observe(now - inc.expect_s)
+        self.worker.pd_stats.counters["transfers_succeeded"] += 1
         req.num_computed_tokens = len(req.prompt_ids)
         req.num_cached_tokens = done.num_cached_tokens
         req.queue_time_s = now - req.arrival_s
         req.prompt_logprobs = done.prompt_logprobs
         req.status = Status.RUNNING
         eng.scheduler.running.append(req)
-        eng.land(req, done.first_token)
+        self.worker.land(req, done.first_token)
 
     # ---- ending ----------------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
@@ -198,10 +197,10 @@ class DecodeSide:
         eng, req, room = self.engine, inc.req, inc.target.room
         del self.incoming[room]
         del self.by_request[req.request_id]
-        eng.pd_stats.counters["transfers_aborted" if error is None else "transfers_failed"] += 1
+        self.worker.pd_stats.counters["transfers_aborted" if error is None else "transfers_failed"] += 1
         pages, req.page_ids = req.page_ids, []
         if pages and quarantine and not self.unsafe:
-            self.quarantine[room] = Quarantined(room, pages, eng.clock())
+            self.quarantine[room] = Quarantined(room, pages, self.worker.clock())
         else:
             eng.kv.pool.free(pages)
         if quarantine:   # also for a request still preallocating: its bootstrap entry is dropped
@@ -209,7 +208,7 @@ class DecodeSide:
                 self.endpoint.send(inc.target.address, AbortRoom(room, error or "aborted"))
             except TransportError as exc:   # the quarantine timeout frees the pages
                 logger.warning("room %d: cannot tell the prefill worker of the abort: %s", room, exc)
-        eng.end_request(req, error)
+        self.worker.end_request(req, error)
 
     def _release(self, room: int) -> None:
         q = self.quarantine.pop(room, None)

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
 
 import zmq
 
+from radixserve.disagg.api import SideHost
 from radixserve.disagg.bootstrap import BootstrapHandler
 from radixserve.disagg.protocol import (AbortRoom, Expect, KVDone, KVLayout, KVWrite, PDTarget,
                                         PrefillFailed, SafeToFree)
@@ -31,19 +31,18 @@ from radixserve.engine.request import Request, Status
 from radixserve.errors import InvalidRequest, KVTransferFailed
 from radixserve.outputs import TokenLogprob
 
-if TYPE_CHECKING:
-    from radixserve.disagg.engine import PDEngine
-
 logger = logging.getLogger(__name__)
 
 TOMBSTONE_TTL_FACTOR = 10    # closed rooms are remembered this many transfer timeouts
 
 
 class PrefillSide(BootstrapHandler):
-    """Owned by a PDEngine in prefill mode; every method runs on the engine thread."""
+    """Owned by a PDWorker in prefill mode (through SideHost); every method runs on the engine
+    thread."""
 
-    def __init__(self, engine: PDEngine, endpoint, layout: KVLayout):
-        self.engine = engine
+    def __init__(self, worker: SideHost, endpoint, layout: KVLayout):
+        self.worker = worker
+        self.engine = worker.engine
         self.endpoint = endpoint
         self.layout = layout
         self.rooms: dict[int, Room] = {}          # every room, tombstones included
@@ -70,7 +69,7 @@ class PrefillSide(BootstrapHandler):
         if room is not None and room.state is RoomState.EXPECTED:
             problem = self._prompt_mismatch(req, room.expect)
             if problem is not None:
-                self.engine.pd_stats.counters["bootstrap_failures"] += 1
+                self.worker.pd_stats.counters["bootstrap_failures"] += 1
                 self._fail_room(room, problem)
                 raise KVTransferFailed(problem)
         if room is None:
@@ -83,8 +82,8 @@ class PrefillSide(BootstrapHandler):
 
     # ---- progress --------------------------------------------------------------------------
     def _ready(self, room: Room) -> None:
-        room.ready_s = self.engine.clock()
-        fired = self.engine.pd_faults.fire("pd.prefill.start")
+        room.ready_s = self.worker.clock()
+        fired = self.worker.fire("pd.prefill.start")
         if fired is None:
             self._start(room)
             return
@@ -92,7 +91,7 @@ class PrefillSide(BootstrapHandler):
         if fired.action == "delay":
             room.start_due_s = room.ready_s + fired.delay_s
         else:
-            room.start_hang_gen = self.engine.pd_faults.generation
+            room.start_hang_gen = self.worker.fault_generation
 
     def _start(self, room: Room) -> None:
         room.state = RoomState.PREFILLING
@@ -120,18 +119,18 @@ class PrefillSide(BootstrapHandler):
             self._try_close(room)
             return
         queue_s = req.arrival_s + (req.queue_time_s or 0.0) - room.ready_s
-        self.engine.pd_stats.queue_time.observe(max(queue_s, 0.0))
+        self.worker.pd_stats.queue_time.observe(max(queue_s, 0.0))
         room.done = KVDone(room.room, room.num_writes, token, req.prompt_logprobs,
                            req.num_cached_tokens)
         room.state = RoomState.SENT
-        fired = self.engine.pd_faults.fire("pd.transfer.done")
+        fired = self.worker.fire("pd.transfer.done")
         if fired is not None and fired.action == "fail":
             self._fail_room(room, "the KV completion notice failed (injected fault pd.transfer.done)")
             return
         if fired is not None and fired.action == "delay":
-            room.done_due_s = self.engine.clock() + fired.delay_s
+            room.done_due_s = self.worker.clock() + fired.delay_s
         elif fired is not None:
-            room.done_hang_gen = self.engine.pd_faults.generation
+            room.done_hang_gen = self.worker.fault_generation
         self._try_close(room)
 
     def _write_pages(self, room: Room, end: int, req: Request | None = None) -> None:
@@ -142,16 +141,16 @@ class PrefillSide(BootstrapHandler):
             start, stop = room.num_pages_sent, min(room.num_pages_sent + chunk, end)
             room.num_pages_sent = stop
             if room.closing is not None:   # the invariant: a closing room starts no write
-                self.engine.pd_stats.counters["late_writes_refused"] += 1
+                self.worker.pd_stats.counters["late_writes_refused"] += 1
                 continue
             data = self.engine.runner.export_kv(req.page_ids[start:stop])
             msg = KVWrite(room.room, room.num_writes, room.dest_page_ids[start:stop], data)
             room.num_writes += 1
-            self.engine.pd_stats.counters["transfer_bytes"] += len(data)
+            self.worker.pd_stats.counters["transfer_bytes"] += len(data)
             self._start_write(room, msg)
 
     def _start_write(self, room: Room, msg: KVWrite) -> None:
-        fired = self.engine.pd_faults.fire("pd.transfer.write")
+        fired = self.worker.fire("pd.transfer.write")
         action = fired.action if fired is not None else None
         if action == "fail":
             self._fail_room(room, f"KV transfer write {msg.write_id} failed "
@@ -164,16 +163,16 @@ class PrefillSide(BootstrapHandler):
             return
         room.num_in_flight += 1
         if action == "delay":
-            self.held.append(HeldWrite(room, msg, self.engine.clock() + fired.delay_s))
+            self.held.append(HeldWrite(room, msg, self.worker.clock() + fired.delay_s))
         elif action == "hang":
-            self.held.append(HeldWrite(room, msg, None, hang_gen=self.engine.pd_faults.generation))
+            self.held.append(HeldWrite(room, msg, None, hang_gen=self.worker.fault_generation))
         else:
             self.held.append(HeldWrite(room, msg, None, late=True))
 
     def poll(self) -> None:
         """Between steps: deliver held writes and notices that are due, start held rooms, and
         time out rooms whose other leg never came."""
-        now, gen = self.engine.clock(), self.engine.pd_faults.generation
+        now, gen = self.worker.clock(), self.worker.fault_generation
         due = [h for h in self.held if h.is_due(now, gen)]
         for h in due:
             self.held.remove(h)
@@ -220,7 +219,7 @@ class PrefillSide(BootstrapHandler):
             return
         if room.closing is None:
             room.closing = "abort"
-            self.engine.pd_stats.counters["transfers_aborted"] += 1
+            self.worker.pd_stats.counters["transfers_aborted"] += 1
         self._end_request(room, f"aborted by the decode worker: {msg.reason}")
         self._try_close(room)
 
@@ -238,7 +237,7 @@ class PrefillSide(BootstrapHandler):
         is in flight); `outcome`: the counter it ends in."""
         if room.closing is None:
             room.closing = message
-            self.engine.pd_stats.counters[outcome] += 1
+            self.worker.pd_stats.counters[outcome] += 1
         self._end_request(room, message)
         self._try_close(room)
 
@@ -250,7 +249,7 @@ class PrefillSide(BootstrapHandler):
         room.req = None
         self.by_request.pop(req.request_id, None)
         if req.request_id in self.engine.requests:
-            self.engine.fail_request(req, message)
+            self.worker.end_request(req, message)
 
     def _try_close(self, room: Room) -> None:
         """Send the room's final message once none of its writes is in flight."""
@@ -260,21 +259,21 @@ class PrefillSide(BootstrapHandler):
             if room.done is None or room.done_due_s is not None or room.done_hang_gen is not None:
                 return
             self._send(room.peer, room.done)
-            self.engine.pd_stats.counters["transfers_succeeded"] += 1
+            self.worker.pd_stats.counters["transfers_succeeded"] += 1
         else:   # without a peer (no Expect yet) there is no one to tell: the tombstone refuses it
             self._send(room.peer, SafeToFree(room.room) if room.closing == "abort"
                        else PrefillFailed(room.room, room.closing))
         self._close(room)
 
     def _new_room(self, room_id: int, state: RoomState) -> Room:
-        room = self.rooms[room_id] = self.open[room_id] = Room(room_id, self.engine.clock(), state)
+        room = self.rooms[room_id] = self.open[room_id] = Room(room_id, self.worker.clock(), state)
         return room
 
     def _close(self, room: Room) -> None:
         """CLOSED: a tombstone for TOMBSTONE_TTL_FACTOR transfer timeouts."""
         room.state, room.done = RoomState.CLOSED, None
         self.open.pop(room.room, None)
-        self.tombstones.append((self.engine.clock(), room.room))
+        self.tombstones.append((self.worker.clock(), room.room))
 
     def _send(self, peer: bytes | None, msg) -> None:
         if peer is None:

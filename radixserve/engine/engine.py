@@ -3,34 +3,34 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 from radixserve.config import EngineConfig
-from radixserve.engine.fault_points import FaultPoints
-from radixserve.engine.forced_tokens import ForcedTokens, force_run
-from radixserve.engine.kv_checksum import ChecksumChecks
-from radixserve.engine.kv_corrupt import KVCorruptFault
+from radixserve.engine.hooks import EngineHooks, HookChain
 from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
-from radixserve.engine.runner_api import Runner, RunnerOutput, ScheduledBatch, ScheduledSeq, SeqResult
-from radixserve.engine.scheduler import Scheduled, Scheduler
+from radixserve.engine.runner_api import Runner, ScheduledSeq, SeqResult
+from radixserve.engine.scheduler import Scheduler
 from radixserve.errors import ContextLengthExceeded, InvalidRequest
 from radixserve.outputs import EngineOutput, SpecCounts, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
 
-class Engine(FaultPoints, ChecksumChecks):
+class Engine:
     """Continuous-batching engine. Single-threaded: call every method from one thread.
 
     `step()` returns one EngineOutput per request that gained tokens, finished, or has
     prompt logprobs ready. Stop strings are not the engine's business: the front end
-    detokenizes, and calls `abort(request_id)` when one matches.
+    detokenizes, and calls `abort(request_id)` when one matches. Optional features attach
+    through `hooks` (engine/hooks.py).
     """
 
     def __init__(self, config: EngineConfig, runner: Runner,
-                 extra_eos_token_ids: frozenset[int] = frozenset()):
+                 extra_eos_token_ids: frozenset[int] = frozenset(),
+                 hooks: Sequence[EngineHooks] = ()):
         """A request ends on the runner's eos ids (the model's) and on `extra_eos_token_ids`:
-        pass the tokenizer's (end of turn included) so chat turns stop where HF generate stops."""
+        pass the tokenizer's (end of turn included) so chat turns stop where HF generate stops.
+        Raises ValueError when a hook cannot serve this runner."""
         self.config = config
         self.runner = runner
         self.eos_token_ids = frozenset(runner.eos_token_ids) | frozenset(extra_eos_token_ids)
@@ -44,17 +44,14 @@ class Engine(FaultPoints, ChecksumChecks):
         self.counters = {"num_prompt_tokens": 0, "num_cached_tokens": 0, "num_generated_tokens": 0,
                          "num_cached_tokens_host": 0,  # of num_cached_tokens: loaded from host
                          "num_finished_requests": 0, "num_aborted_requests": 0,
-                         "num_kv_corruptions": 0,     # kv_corrupt fault hits
-                         "num_kv_checksum_failures": 0,   # requests ended by a KV checksum mismatch
                          # speculative decoding: verify steps, draft tokens proposed and accepted
                          "spec_num_verify_steps": 0, "spec_num_draft_tokens": 0,
                          "spec_num_accepted_tokens": 0,
                          # ... and by draft position (index i: the (i+1)-th draft token)
                          "spec_num_draft_by_position": [0] * config.speculative_num_draft_tokens,
                          "spec_num_accepted_by_position": [0] * config.speculative_num_draft_tokens}
-        self._forced: ForcedTokens | None = None   # armed sampler.force_tokens fault
-        self._kv_corrupt: KVCorruptFault | None = None   # armed kv_corrupt fault
-        self._init_checksums(config, runner)               # --enable-kv-checksum
+        self.hooks = HookChain(hooks)
+        self.hooks.attach(self)
 
     def add_eos_token_ids(self, token_ids: list[int]) -> None:
         """End requests on these ids too (the HTTP process sends its tokenizer's once it has
@@ -89,10 +86,7 @@ class Engine(FaultPoints, ChecksumChecks):
         max_tokens = self._max_tokens(len(prompt_ids), params.max_tokens)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, list(prompt_ids), params, seed, max_tokens, time.monotonic())
-        if self._forced is not None:
-            req.forced_ids = self._forced.take(req.arrival_s)
-            if self._forced.is_spent:
-                self._forced = None
+        self.hooks.on_add(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -120,12 +114,19 @@ class Engine(FaultPoints, ChecksumChecks):
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if self.checksums is not None:
-            self.checksums.forget(req)
+        self.hooks.on_abort(req)
         self.scheduler.finish(req, reason)
         self.counters["num_finished_requests" if reason == "stop" else "num_aborted_requests"] += 1
         self._count_prompt(req)
-        return self._output(req, [], None)
+        return self._output(req, [], None, reason)
+
+    def withdraw(self, request_id: str) -> None:
+        """Take back a request just added, before any step, that its caller then refused (a
+        PD side's room check): no output, no counters."""
+        req = self.requests.pop(request_id)
+        self.hooks.on_abort(req)
+        if req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -133,56 +134,39 @@ class Engine(FaultPoints, ChecksumChecks):
     # ---- step -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         """Run one scheduler iteration and one forward pass."""
-        self._apply_kv_corrupt()
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
+        self.hooks.before_schedule()
+        batch = self.scheduler.schedule()
+        if not batch:
             self.scheduler.wait_for_kv(0.01)
             return []
-        batch = ScheduledBatch([self._seq(s) for s in scheduled])
-        output = self.runner.run(batch)
-        for req in self.kv.finish_loads([s.req for s in scheduled]):
+        reqs = [self.requests[seq.request_id] for seq in batch]
+        results = self.runner.run(batch)
+        for req in self.kv.finish_loads(reqs):
             self.scheduler.requeue(req)   # it read a failed host load: recompute, no output
-        outs = self._update(scheduled, batch, output)
-        return outs + self._check_step(scheduled) if self.checksums is not None else outs
+        outs = self._update(batch, reqs, results)
+        return outs + self.hooks.after_step([r for r in reqs if r.status is Status.RUNNING])
 
-    def _seq(self, s: Scheduled) -> ScheduledSeq:
-        req = s.req
-        end = s.start + s.num_tokens
-        in_prompt = s.start < len(req.prompt_ids)
-        ids = req.token_slice(s.start, end - len(s.draft)) + list(s.draft)
-        return ScheduledSeq(
-            request_id=req.request_id, input_ids=ids, start_pos=s.start,
-            page_ids=req.page_ids[:self.kv.pages_for(end + s.lookahead)],
-            sample=s.completes_sequence and req.max_tokens > 0,
-            params=req.params, seed=req.seed, prompt_ids=req.prompt_ids,
-            output_ids=req.output_ids,
-            min_tokens_left=max(req.params.min_tokens - len(req.output_ids), 0),
-            prompt_logprob_start=s.start if in_prompt and req.wants_prompt_logprobs else None,
-            draft=s.draft, propose=s.lookahead)
-
-    def _update(self, scheduled: list[Scheduled], batch: ScheduledBatch,
-                output: RunnerOutput) -> list[EngineOutput]:
+    def _update(self, batch: list[ScheduledSeq], reqs: list[Request],
+                results: list[SeqResult]) -> list[EngineOutput]:
         outs: list[EngineOutput] = []
-        for s, seq, res in zip(scheduled, batch.seqs, output.results):
-            req = s.req
+        for seq, req, res in zip(batch, reqs, results):
             if req.status is not Status.RUNNING:
                 continue
-            if s.draft:
-                outs.append(self._verified(s, res))
+            if seq.draft:
+                outs.append(self._verified(req, seq, res))
                 self._offer(req, res)
                 continue
-            req.num_computed_tokens = s.start + s.num_tokens
+            req.num_computed_tokens = seq.start_pos + len(seq.input_ids)
             if seq.prompt_logprob_start is not None and res.prompt_logprobs is not None:
                 req.prompt_logprobs = (req.prompt_logprobs or []) + res.prompt_logprobs
-            if s.num_tokens > 1:
+            if len(seq.input_ids) > 1:
                 self.kv.commit(req)  # prefill work: share it with others, keep it on preemption
-            if not s.completes_sequence:
-                continue
+            if req.num_computed_tokens != req.num_tokens:
+                continue   # a prefill chunk before the last: nothing to sample yet
             if res.token is None:  # max_tokens == 0: prompt scored, nothing to sample
-                outs.append(self._finish(req, [], None, "length"))
+                outs.append(self.finish(req, "length"))
                 continue
-            tokens, _ = force_run(req.forced_ids, len(req.output_ids), [res.token])
-            outs.append(self._emit(req, tokens))
+            outs.append(self.emit(req, self.hooks.on_tokens(req, [res.token])))
             self._offer(req, res)
         return outs
 
@@ -191,10 +175,11 @@ class Engine(FaultPoints, ChecksumChecks):
         if res.next_draft and req.status is Status.RUNNING:
             self.scheduler.proposer.offer(req.request_id, res.next_draft, req.num_tokens)
 
-    def _emit(self, req: Request, tokens: list[TokenLogprob],
-              computed: Callable[[int], int] | None = None) -> EngineOutput:
-        """Append sampled tokens one by one until one finishes the request (the rest are dropped:
-        stop ids, EOS, min_tokens and max_tokens hold per token, with or without speculation).
+    def emit(self, req: Request, tokens: list[TokenLogprob],
+             computed: Callable[[int], int] | None = None) -> EngineOutput:
+        """Append sampled tokens (this step's, or a PD prefill worker's first token) one by one
+        until one finishes the running request `req` (the rest are dropped: stop ids, EOS,
+        min_tokens and max_tokens hold per token, with or without speculation).
         `computed(kept)`: req's num_computed_tokens once `kept` tokens are appended, set before
         a finish, whose radix commit reads it (a verify step's accepted tokens have KV)."""
         kept: list[TokenLogprob] = []
@@ -214,28 +199,31 @@ class Engine(FaultPoints, ChecksumChecks):
             return self._finish(req, ids, logprobs, reason)
         return self._output(req, ids, logprobs)
 
-    def _verified(self, s: Scheduled, res: SeqResult) -> EngineOutput:
+    def _verified(self, req: Request, seq: ScheduledSeq, res: SeqResult) -> EngineOutput:
         """A verify step: positions [start, start + 1 + len(draft)) got KV; the accepted draft
         tokens and the runner's own next token are emitted. The KV of rejected draft positions
         stays in the request's private pages past num_computed_tokens: never committed to the
         radix tree, overwritten by the next steps."""
-        req, c = s.req, self.counters
+        c, draft = self.counters, seq.draft
         accepted = len(res.accepted)
         c["spec_num_verify_steps"] += 1
-        c["spec_num_draft_tokens"] += len(s.draft)
+        c["spec_num_draft_tokens"] += len(draft)
         c["spec_num_accepted_tokens"] += accepted
-        for i in range(len(s.draft)):
+        for i in range(len(draft)):
             c["spec_num_draft_by_position"][i] += 1
             c["spec_num_accepted_by_position"][i] += i < accepted
         spec = req.spec or SpecCounts()
-        req.spec = SpecCounts(spec.verify_steps + 1, spec.draft_tokens + len(s.draft),
+        req.spec = SpecCounts(spec.verify_steps + 1, spec.draft_tokens + len(draft),
                               spec.accepted_tokens + accepted)
         if self.scheduler.proposer is not None:
-            self.scheduler.proposer.record(req.request_id, len(s.draft), accepted)
-        tokens, num_as_sampled = force_run(req.forced_ids, len(req.output_ids), [*res.accepted, res.token])
+            self.scheduler.proposer.record(req.request_id, len(draft), accepted)
+        sampled = [*res.accepted, res.token]
+        tokens = self.hooks.on_tokens(req, sampled)
+        num_as_sampled = next((i for i, (t, u) in enumerate(zip(tokens, sampled))
+                               if t.token_id != u.token_id), len(tokens))
         # KV is valid for the last known token and the accepted drafts that were kept (and not
-        # replaced by a forced token); set before a finish commits the pages (C35).
-        return self._emit(req, tokens, lambda kept: s.start + 1 + min(kept, accepted, num_as_sampled))
+        # replaced by on_tokens); set before a finish commits the pages.
+        return self.emit(req, tokens, lambda kept: seq.start_pos + 1 + min(kept, accepted, num_as_sampled))
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -247,16 +235,16 @@ class Engine(FaultPoints, ChecksumChecks):
             return "length"
         return None
 
+    def finish(self, req: Request, reason: str) -> EngineOutput:
+        """End the running request `req` now with no new token; its final output."""
+        return self._finish(req, [], None, reason)
+
     def _finish(self, req: Request, new_ids: list[int], logprobs, reason: str) -> EngineOutput:
-        bad = self._check_end(req)
+        out = self.hooks.on_finish(req, self._output(req, new_ids, logprobs, reason))   # KV still held
         self.scheduler.finish(req, reason)
         del self.requests[req.request_id]
         self.counters["num_finished_requests"] += 1
         self._count_prompt(req)
-        out = self._output(req, new_ids, logprobs)
-        if bad:
-            out = self._failed_output(out)
-            self._on_mismatch(bad)
         return out
 
     def _count_prompt(self, req: Request) -> None:
@@ -266,14 +254,15 @@ class Engine(FaultPoints, ChecksumChecks):
             self.counters["num_cached_tokens"] += req.num_cached_tokens
             self.counters["num_cached_tokens_host"] += req.num_host_cached_tokens
 
-    def _output(self, req: Request, new_ids: list[int], logprobs) -> EngineOutput:
+    def _output(self, req: Request, new_ids: list[int], logprobs,
+                reason: str | None = None) -> EngineOutput:
+        """`req`'s output for this step; `reason` set: its final one."""
         prompt_lp = None
         if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and not req.is_prefilling:
             prompt_lp, req.prompt_logprobs_sent = req.prompt_logprobs, True
-        finished = req.status is Status.FINISHED
         return EngineOutput(
             request_id=req.request_id, new_token_ids=new_ids, new_logprobs=logprobs,
-            finished=finished, finish_reason=req.finish_reason if finished else None,
+            finished=reason is not None, finish_reason=reason,
             stop_token_id=req.stop_token_id, num_prompt_tokens=len(req.prompt_ids),
             num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_lp,
             queue_time_s=req.queue_time_s, spec=req.spec,
@@ -296,9 +285,6 @@ class Engine(FaultPoints, ChecksumChecks):
             **(kv.tier.stats() if kv.tier is not None else {}),
             **(kv.disk.stats() if kv.disk is not None else {}),
             "num_waiting_for_kv": len(self.scheduler.fetching),
-            **({"kv_checksum_slots_checked": self.checksums.num_checked_slots,
-                "kv_checksum_slots_mismatched": self.checksums.num_mismatched_slots}
-               if self.checksums is not None else {}),
             "runner": self.runner.info(),
         }
 
@@ -311,7 +297,8 @@ class Engine(FaultPoints, ChecksumChecks):
             self.scheduler.proposer.flush()
         return True
 
-    def check_invariants(self) -> None:
-        """Assert page ownership (free + cached + private == total) and tree structure."""
+    def check_invariants(self, other_owners: Sequence = ()) -> None:
+        """Assert page ownership (free + cached + private == total) and tree structure.
+        `other_owners`: page holders outside the scheduler (a PD decode side's)."""
         self.kv.check_invariants(self.scheduler.running + list(self.scheduler.waiting)
-                                 + self.scheduler.fetching)
+                                 + self.scheduler.fetching + list(other_owners))

@@ -26,7 +26,6 @@ After SGLang's HiCache. The copies themselves are the runner's
 """
 from __future__ import annotations
 
-import random
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -80,10 +79,9 @@ class HostTier:
         self.pool = PagePool(io.num_pages)
         self.pinned: Counter[int] = Counter()      # host page -> loads reading it
         self.loads: list[Load] = []
-        self.alloc_fail_probability = 0.0          # fault point hicache.host_alloc
+        self.fail_alloc: Callable[[], bool] | None = None   # fault seam: True refuses one allocation
         self.on_backup: Callable[[RadixNode], None] | None = None   # the disk tier's save
         self.fetching_pages: Callable[[], list[int]] = list   # host pages disk fetches fill
-        self._rng = random.Random(0)
         cache.drop_host = self.pool.free
         self.counters = {"hicache_backups": 0, "hicache_backup_pages": 0, "hicache_backup_bytes": 0,
                          "hicache_loads": 0, "hicache_load_pages": 0, "hicache_load_bytes": 0,
@@ -144,7 +142,7 @@ class HostTier:
 
     def allocate(self, n: int) -> list[int] | None:
         """n free host pages (evicting host leaves no load reads), or None."""
-        if self.alloc_fail_probability and self._rng.random() < self.alloc_fail_probability:
+        if self.fail_alloc is not None and self.fail_alloc():
             self.counters["hicache_host_alloc_failures"] += 1
             return None
         if n > self.pool.num_free:

@@ -27,8 +27,10 @@ import dataclasses
 import logging
 from array import array
 from collections.abc import Callable
+from typing import Any
 
-from radixserve.engine.request import Request, Status
+from radixserve.engine.hooks import EngineHooks
+from radixserve.engine.request import Request
 from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput
 
 logger = logging.getLogger(__name__)
@@ -114,53 +116,68 @@ class KVChecksums:
         return bad
 
 
-class ChecksumChecks:
-    """The engine's side (mixed into Engine): build the checksums, run them after each step and
-    at each request's end, and end every request that maps a mismatched page."""
+class ChecksumHooks(EngineHooks):
+    """The engine's side (engine/hooks.py): seal and verify after each step and at each finish,
+    and end every request that maps a mismatched page."""
 
-    def _init_checksums(self, config, runner) -> None:
-        """Raises ValueError when --enable-kv-checksum is set and the runner cannot sum its KV."""
-        self.checksums: KVChecksums | None = None
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.sums: KVChecksums | None = None
         self._failed: list[EngineOutput] = []    # outputs of requests ended by a mismatch
         self._poisoned: set[int] = set()         # mismatched pages the tree could not drop yet
-        if not config.enable_kv_checksum:
-            return
-        checksum = getattr(runner, "kv_slot_checksums", None)
+
+    def attach(self, engine: Any) -> None:
+        """Raises ValueError when the runner cannot sum its KV."""
+        checksum = getattr(engine.runner, "kv_slot_checksums", None)
         if checksum is None:
             raise ValueError("--enable-kv-checksum: this runner cannot checksum its KV")
-        self.checksums = KVChecksums(runner.num_pages, runner.page_size, checksum,
-                                     config.kv_checksum_interval)
-        self.kv.pool.on_free = self.checksums.unseal
+        self.engine = engine
+        self.sums = KVChecksums(engine.runner.num_pages, engine.runner.page_size, checksum,
+                                self.interval)
+        engine.kv.pool.on_free = self.sums.unseal
+        engine.counters.update(num_kv_checksum_failures=0, kv_checksum_slots_checked=0,
+                               kv_checksum_slots_mismatched=0)
 
-    def _check_step(self, scheduled: list) -> list[EngineOutput]:
-        """After a step's update (checksums on): seal and verify the step's requests that still
-        run; returns the outputs of every request a mismatch ended (this step's and earlier
-        finishes')."""
-        running = [s.req for s in scheduled if s.req.status is Status.RUNNING]
-        self._on_mismatch(self.checksums.after_step(running))
+    def after_step(self, running: list[Request]) -> list[EngineOutput]:
+        self._on_mismatch(self.sums.after_step(running))
         failed, self._failed = self._failed, []
         return failed
 
-    def _check_end(self, req: Request) -> set[int]:
-        """Before `req`'s KV is released: its mismatched pages (empty when all is well)."""
-        return self.checksums.at_end(req) if self.checksums is not None else set()
+    def on_finish(self, req: Request, out: EngineOutput) -> EngineOutput:
+        bad = self.sums.at_end(req)
+        self._count()
+        if not bad:
+            return out
+        self._on_mismatch(bad, finishing=req)
+        return self._failed_output(out)
 
-    def _on_mismatch(self, bad: set[int]) -> None:
+    def on_abort(self, req: Request) -> None:
+        self.sums.forget(req)
+
+    def _on_mismatch(self, bad: set[int], finishing: Request | None = None) -> None:
         """KV in the `bad` pages was overwritten: end every request that maps one (its output
-        carries KV_CHECKSUM_ERROR) and take the pages out of the radix tree."""
+        carries KV_CHECKSUM_ERROR; `finishing` ends itself) and take the pages out of the radix
+        tree (after the step when `finishing` still holds them)."""
         bad = bad | self._poisoned
+        self._count()
         if not bad:
             return
         logger.warning("KV checksum mismatch in pages %s: ending the requests that read them", sorted(bad))
-        for req in [r for r in self.requests.values() if not bad.isdisjoint(r.page_ids)]:
-            self.checksums.forget(req)
-            out = self.abort(req.request_id)
+        readers = [r for r in self.engine.requests.values()
+                   if r is not finishing and not bad.isdisjoint(r.page_ids)]
+        for req in readers:
+            out = self.engine.abort(req.request_id)
             if out is not None:
                 self._failed.append(self._failed_output(out))
-        self._poisoned = self.kv.purge(bad)
+        self._poisoned = bad if finishing is not None else self.engine.kv.purge(bad)
+
+    def _count(self) -> None:
+        c = self.engine.counters
+        c["kv_checksum_slots_checked"] = self.sums.num_checked_slots
+        c["kv_checksum_slots_mismatched"] = self.sums.num_mismatched_slots
 
     def _failed_output(self, out: EngineOutput) -> EngineOutput:
-        self.counters["num_kv_checksum_failures"] += 1
+        self.engine.counters["num_kv_checksum_failures"] += 1
         return dataclasses.replace(out, finish_reason="abort", error_code=KV_CHECKSUM_ERROR,
                                    error="the request's KV was overwritten after it was computed "
                                          "(KV checksum mismatch)")

@@ -1,28 +1,28 @@
-"""The engine process: builds the Engine over a runner from a factory, then loops
-drain-messages -> step -> push outputs (the wire messages are in engine/messages.py)."""
+"""The engine process: builds what it drives (an Engine, or a PD worker holding one) from a
+factory, then loops drain-messages -> step -> push outputs (wire messages: engine/messages.py)."""
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import os
-import random
 import signal
 import sys
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NamedTuple, NoReturn, Protocol
 
 import msgspec
 import zmq
 
 from radixserve.config import EngineConfig
-from radixserve.engine.engine import Engine
 from radixserve.engine.messages import (Abort, Call, CallResult, EngineInfo, Fatal, FromEngine,
-                                        Heartbeat, Outputs, Ready, Shutdown, Submit, Submitted,
+                                        Heartbeat, Ready, Shutdown, Submit, Submitted,
                                         ToEngine, WireError)
 from radixserve.engine.runner_api import Runner
-from radixserve.errors import RadixServeError
+from radixserve.errors import InvalidRequest, RadixServeError
+from radixserve.outputs import EngineOutput
+from radixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -30,19 +30,46 @@ IDLE_POLL_MS = 500        # how often an idle engine checks that its parent is a
 GRAMMAR_POLL_MS = 20      # how often an engine waiting only for a grammar compile looks at it
 SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hanging forever
 HEARTBEAT_S = 1.0         # the loop says it is alive at least this often (between steps)
-CALL_METHODS = ("flush_cache", "stats", "check_invariants", "add_eos_token_ids",  # Engine methods
-                "arm_forced_tokens", "disarm_forced_tokens", "arm_kv_corrupt",
-                "disarm_kv_corrupt", "arm_pd_fault", "disarm_pd_fault",
-                "arm_hicache_h2d", "disarm_hicache_h2d",
-                "arm_hicache_d2h", "disarm_hicache_d2h", "arm_hicache_host_alloc",
-                "disarm_hicache_host_alloc", "arm_hicache_l3", "disarm_hicache_l3")
-LOOP_METHODS = ("set_step_latency",)                          # EngineLoop methods
+CALL_METHODS = ("stats", "flush_cache", "check_invariants", "add_eos_token_ids",  # of the driven
+                "fault")                                  # the fault handler (chaos/engine_faults.py)
 
 
-# ---- engine construction --------------------------------------------------------------------
-# A runner factory is `factory(config) -> Runner`, a module-level function (it is pickled by
-# reference into the spawned process). The real one, which loads the model, is
-# radixserve.cli.build_runner: neither engine/ nor server/ imports the runner (docs/architecture.md).
+class Driven(Protocol):
+    """What the loop drives: an Engine (engine/engine.py), or a PD worker holding one
+    (disagg/). Optional: `io_sockets() -> list` to wake on too, `close()` at exit."""
+
+    runner: Runner
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    **extra: Any) -> None: ...
+
+    def abort(self, request_id: str, reason: str = "abort") -> EngineOutput | None: ...
+
+    def step(self) -> list[EngineOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> dict: ...
+
+    def flush_cache(self) -> bool: ...
+
+    def check_invariants(self) -> None: ...
+
+    def add_eos_token_ids(self, token_ids: list[int]) -> None: ...
+
+
+class EngineParts(NamedTuple):
+    """What an engine factory builds in the engine process."""
+
+    driven: Driven
+    info: EngineInfo                                  # what the HTTP process learns at start-up
+    fault: Callable[..., None] | None = None          # the `fault` call; None: injection is off
+
+
+# An engine factory is `factory(config, eos_token_ids) -> EngineParts`, picklable by reference
+# into the spawned process (radixserve/compose.py's EngineFactory): the loop never imports
+# what it drives, the runner included.
+EngineFactory = Callable[[EngineConfig, frozenset[int]], EngineParts]
 RunnerFactory = Callable[[EngineConfig], Runner]
 
 
@@ -51,36 +78,21 @@ class _Refused(Exception):
     reported as one line, the traceback only at debug level."""
 
 
-def build_engine(config: EngineConfig, runner_factory: RunnerFactory,
-                 eos_token_ids: frozenset[int]) -> tuple[Engine, EngineInfo]:
-    """The Engine over `runner_factory(config)`, stopping on the model's eos ids plus
-    `eos_token_ids` (the tokenizer's, end of turn included, resolved by the HTTP process), and
-    the EngineInfo the HTTP process learns at start-up."""
-    engine_cls = Engine
-    if config.disaggregation_mode != "null":   # a prefill or decode worker (radixserve/disagg)
-        from radixserve.disagg.engine import PDEngine
-        engine_cls = PDEngine
-    engine = engine_cls(config, runner_factory(config), eos_token_ids)
-    info = EngineInfo(max_context_len=engine.max_request_tokens, page_size=engine.page_size,
-                      disaggregation_mode=config.disaggregation_mode,
-                      bootstrap_address=getattr(engine, "bootstrap_address", None))
-    return engine, info
-
-
 # ---- the loop -------------------------------------------------------------------------------
 class EngineLoop:
-    """Owns the two sockets and the Engine; `run()` returns when told to shut down or when the
-    parent process is gone."""
+    """Owns the two sockets and what it drives; `run()` returns when told to shut down or when
+    the parent process is gone. `fault`: the handler of the `fault` call (None: refused)."""
 
-    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket):
+    def __init__(self, engine: Driven, inbox: zmq.Socket, outbox: zmq.Socket,
+                 fault: Callable[..., None] | None = None):
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
+        self.fault = fault
         self.decoder = msgspec.msgpack.Decoder(ToEngine)
         self.encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         self.running = True
         self.last_send_s = time.monotonic()
-        self.step_latency: StepLatency | None = None
         # Submits whose new grammars compile on a worker thread meanwhile (seconds for some
         # schemas; xgrammar releases the GIL), so they never stall the other requests' steps.
         self.compiling: list[tuple[Submit, Future]] = []
@@ -112,11 +124,9 @@ class EngineLoop:
                 logger.info("parent process is gone; engine exits")
                 return
             if self.running and self.engine.has_unfinished():
-                if self.step_latency is not None:
-                    self.step_latency = self.step_latency.sleep()
                 outputs = self.engine.step()
                 if outputs:
-                    self.send(Outputs(outputs))
+                    self.send(outputs)
             if self.running and time.monotonic() - self.last_send_s >= HEARTBEAT_S:
                 self.send(Heartbeat())
 
@@ -196,12 +206,12 @@ class EngineLoop:
         self.send(Submitted(msg.group_id))
 
     def call(self, msg: Call) -> None:
-        if msg.method not in CALL_METHODS + LOOP_METHODS:
+        if msg.method not in CALL_METHODS:
             self.send(CallResult(msg.call_id, error=f"unknown method {msg.method!r}"))
             return
-        target = self if msg.method in LOOP_METHODS else self.engine
         try:
-            value = getattr(target, msg.method)(**msg.args)
+            value = (self._fault(**msg.args) if msg.method == "fault"
+                     else getattr(self.engine, msg.method)(**msg.args))
         except RadixServeError as exc:   # the caller's arguments were refused (a 400 upstream)
             logger.warning("engine call %s refused: %s", msg.method, exc.message)
             self.send(CallResult(msg.call_id, error=exc.message,
@@ -214,28 +224,10 @@ class EngineLoop:
         self.send(CallResult(msg.call_id, value=value))
 
 
-    def set_step_latency(self, latency_ms: float, jitter_ms: float = 0.0,
-                         duration_s: float | None = None) -> None:
-        """Fault injection: sleep latency_ms (uniform +- jitter_ms, floored at 0) before each
-        step for duration_s (None: until set to 0 again)."""
-        ends_s = None if duration_s is None else time.monotonic() + duration_s
-        self.step_latency = (StepLatency(latency_ms / 1000, jitter_ms / 1000, ends_s)
-                             if latency_ms > 0 or jitter_ms > 0 else None)
-
-
-class StepLatency(msgspec.Struct, frozen=True):
-    """An injected per-step delay (seconds) until `ends_s` (time.monotonic(); None: no end)."""
-
-    latency_s: float
-    jitter_s: float
-    ends_s: float | None
-
-    def sleep(self) -> StepLatency | None:
-        """Sleep once; returns self, or None once expired."""
-        if self.ends_s is not None and time.monotonic() >= self.ends_s:
-            return None
-        time.sleep(max(self.latency_s + random.uniform(-self.jitter_s, self.jitter_s), 0.0))
-        return self
+    def _fault(self, **args: Any) -> None:
+        if self.fault is None:
+            raise InvalidRequest("fault injection is off (--enable-fault-injection)", param="kind")
+        self.fault(**args)
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -261,9 +253,11 @@ def _parent_alive() -> bool:
 
 
 def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_addr: str,
-                       log_level: str, runner_factory: RunnerFactory,
+                       log_level: str, engine_factory: EngineFactory,
                        eos_token_ids: frozenset[int]) -> None:
-    """Entry point of the spawned engine process (see build_engine for the last two arguments)."""
+    """Entry point of the spawned engine process: drives `engine_factory(config,
+    eos_token_ids)` (eos_token_ids: the tokenizer's, end of turn included, resolved by the HTTP
+    process, on top of the model's)."""
     # Ctrl-C reaches the whole process group; the HTTP process decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(),
@@ -278,14 +272,14 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
     loop: EngineLoop | None = None
     try:
         try:
-            engine, info = build_engine(config, runner_factory, eos_token_ids)
+            parts = engine_factory(config, eos_token_ids)
         except ValueError as exc:   # a setting the engine refuses: its message says it all
             logger.debug("engine refused its configuration:\n%s", traceback.format_exc())
             raise _Refused(f"{type(exc).__name__}: {exc}") from None
-        loop = EngineLoop(engine, inbox, outbox)
-        loop.send(Ready(info))
+        loop = EngineLoop(parts.driven, inbox, outbox, parts.fault)
+        loop.send(Ready(parts.info))
         loop.run()
-        disk = getattr(getattr(engine.runner, "host_kv", None), "disk", None)
+        disk = getattr(getattr(parts.driven.runner, "host_kv", None), "disk", None)
         if disk is not None:   # pages still being saved reach the disk tier before exit
             disk.flush()
     except SystemExit:

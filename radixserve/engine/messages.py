@@ -4,13 +4,12 @@ One PUSH/PULL socket per direction; the HTTP process binds both ipc:// endpoints
 
     HTTP -> engine   Submit(group_id, adds)     all choices of one HTTP request, added atomically
                      Abort(request_ids)         fire and forget; the final output is not sent back
-                     Call(call_id, method, args) flush_cache | stats | check_invariants |
-                                                arm_forced_tokens | disarm_forced_tokens (Engine
-                                                methods) | set_step_latency (the loop's own)
+                     Call(call_id, method, args) loop.py's CALL_METHODS: stats, flush_cache, ...,
+                                                and `fault` (chaos/engine_faults.py)
                      Shutdown()
     engine -> HTTP   Ready(info)                once, after the model is loaded
                      Submitted(group_id, error) one per Submit, before any output of its requests
-                     Outputs(outputs)           one per step that produced any
+                     list[EngineOutput]         one per step that produced any
                      CallResult(call_id, value, error)
                      Fatal(message)             the engine loop crashed; the process exits
                      Heartbeat()                between steps, at most every HEARTBEAT_S; the HTTP
@@ -102,10 +101,6 @@ class Submitted(msgspec.Struct, frozen=True, tag=True):
     error: WireError | None = None
 
 
-class Outputs(msgspec.Struct, frozen=True, tag=True):
-    outputs: list[EngineOutput]
-
-
 class CallResult(msgspec.Struct, frozen=True, tag=True):
     """A Call's return value, or its error; `wire_error` is set when the engine refused the
     call's arguments (a RadixServeError), so the HTTP side answers with that error's status."""
@@ -125,4 +120,4 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
 
 
 ToEngine = Submit | Abort | Call | Shutdown
-FromEngine = Ready | Submitted | Outputs | CallResult | Fatal | Heartbeat
+FromEngine = Ready | Submitted | list[EngineOutput] | CallResult | Fatal | Heartbeat

@@ -59,7 +59,6 @@ class Request:
     stop_token_id: int | None = None
     num_preemptions: int = 0
     spec: SpecCounts | None = None        # speculative decoding so far (None: never verified)
-    forced_ids: tuple[int, ...] | None = None   # sampler.force_tokens fault (forced_tokens.py)
     # Host KV tier (engine/hicache.py): loads this request's pages wait on, tokens its last
     # match loaded from host, tokens of its first admission's hit that came from host, and
     # whether to skip host hits (after a failed load: recompute, never a hit).

@@ -1,4 +1,4 @@
-"""The contract between the scheduler and the model runner: what one step computes and returns.
+"""The contract between the scheduler and the model runner: what one step computes (a list of ScheduledSeq, decodes first, then prefills) and returns (a list of SeqResult, same order).
 
 Index map of one sequence in a step (P = page_size):
 
@@ -47,17 +47,6 @@ class ScheduledSeq:
 
 
 @dataclass(frozen=True, slots=True)
-class ScheduledBatch:
-    """All work of one step; `seqs` keeps the scheduler's order (decodes first, then prefills)."""
-
-    seqs: list[ScheduledSeq]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.input_ids) for s in self.seqs)
-
-
-@dataclass(frozen=True, slots=True)
 class SeqResult:
     """What the runner returns for one ScheduledSeq."""
 
@@ -66,11 +55,6 @@ class SeqResult:
     prompt_logprobs: list[TokenLogprob] | None  # see ScheduledSeq.prompt_logprob_start
     accepted: tuple[TokenLogprob, ...] = ()     # draft tokens accepted; emitted before `token`
     next_draft: tuple[int, ...] = ()            # ScheduledSeq.propose draft tokens after `token`
-
-
-@dataclass(frozen=True, slots=True)
-class RunnerOutput:
-    results: list[SeqResult]  # same order as ScheduledBatch.seqs
 
 
 class Runner(Protocol):
@@ -82,7 +66,9 @@ class Runner(Protocol):
     vocab_size: int
     eos_token_ids: frozenset[int]
 
-    def run(self, batch: ScheduledBatch) -> RunnerOutput: ...
+    def run(self, batch: list[ScheduledSeq]) -> list[SeqResult]:
+        """One forward pass over the step's sequences; one result per sequence, same order."""
+        ...
 
     def info(self) -> dict:
         """JSON-able facts for /get_server_info (device, attention backend, KV dtype, ...)."""

@@ -15,29 +15,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
+from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.engine.speculative import ModelDraftProposer, NgramProposer
-
-
-@dataclass(frozen=True, slots=True)
-class Scheduled:
-    """One request's work in a step: compute KV for tokens [start, start + num_tokens); with a
-    draft, the last known token plus the draft tokens (num_tokens = 1 + len(draft))."""
-
-    req: Request
-    start: int
-    num_tokens: int
-    draft: tuple[int, ...] = ()
-    lookahead: int = 0          # model drafts: positions past the step allocated for proposing
-
-    @property
-    def completes_sequence(self) -> bool:
-        """True when after this step every known token has KV, so a token can be sampled."""
-        return self.start + self.num_tokens - len(self.draft) == self.req.num_tokens
 
 
 class Scheduler:
@@ -87,10 +70,11 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     # ---- schedule ---------------------------------------------------------------------------
-    def schedule(self) -> list[Scheduled]:
-        """Pick this step's work. Never raises for lack of memory: it preempts instead."""
+    def schedule(self) -> list[ScheduledSeq]:
+        """Pick this step's work, in the runner's terms (decodes first, then prefills). Never
+        raises for lack of memory: it preempts instead."""
         budget = self.config.chunked_prefill_size
-        batch: list[Scheduled] = []
+        batch: list[ScheduledSeq] = []
         num_preemptions = self.num_preemptions
         if self.fetching:
             self._settle_fetches()
@@ -105,12 +89,32 @@ class Scheduler:
             draft = self._draft(req, budget) if n == 1 else ()
             ahead = self._lookahead(req, n + len(draft)) if n == 1 else 0
             if self._allocate_or_preempt(req, n + len(draft) + ahead, batch):
-                batch.append(Scheduled(req, req.num_computed_tokens, n + len(draft), draft, ahead))
+                batch.append(self._seq(req, n + len(draft), draft, ahead))
                 budget -= n + len(draft)
         # Admitting new work right after a preemption would only thrash the pages.
         if budget > 0 and self.num_preemptions == num_preemptions:
             self._admit(budget, batch)
         return batch
+
+    def _seq(self, req: Request, num_tokens: int, draft: tuple[int, ...] = (),
+             lookahead: int = 0) -> ScheduledSeq:
+        """req's share of the step: KV for positions [start, start + num_tokens) from
+        num_computed_tokens on; with a draft, the last known token plus the draft tokens
+        (num_tokens = 1 + len(draft)); `lookahead`: positions past the step allocated for a
+        model draft to propose into."""
+        start = req.num_computed_tokens
+        end = start + num_tokens
+        completes = end - len(draft) == req.num_tokens   # every known token has KV after it
+        ids = req.token_slice(start, end - len(draft)) + list(draft)
+        return ScheduledSeq(
+            request_id=req.request_id, input_ids=ids, start_pos=start,
+            page_ids=req.page_ids[:self.kv.pages_for(end + lookahead)],
+            sample=completes and req.max_tokens > 0, params=req.params, seed=req.seed,
+            prompt_ids=req.prompt_ids, output_ids=req.output_ids,
+            min_tokens_left=max(req.params.min_tokens - len(req.output_ids), 0),
+            prompt_logprob_start=(start if start < len(req.prompt_ids) and req.wants_prompt_logprobs
+                                  else None),
+            draft=draft, propose=lookahead)
 
     def _draft(self, req: Request, budget: int) -> tuple[int, ...]:
         """Draft tokens for a decoding request: never past max_tokens (the verified step also
@@ -132,18 +136,18 @@ class Scheduler:
         room = self.max_request_tokens - (req.num_computed_tokens + num_step_tokens)
         return max(0, min(self.proposer.max_draft, room))
 
-    def _allocate_or_preempt(self, req: Request, n: int, batch: list[Scheduled]) -> bool:
+    def _allocate_or_preempt(self, req: Request, n: int, batch: list[ScheduledSeq]) -> bool:
         """Get pages for n more tokens of req, preempting the newest other running requests
         that are not yet in this step's batch. False when req itself had to be preempted."""
-        in_batch = {id(s.req) for s in batch}
+        in_batch = {s.request_id for s in batch}
         while not self.kv.allocate(req, req.num_computed_tokens + n):
-            victims = [r for r in self.running if r is not req and id(r) not in in_batch]
+            victims = [r for r in self.running if r is not req and r.request_id not in in_batch]
             self.preempt(victims[-1] if victims else req)
             if not victims:
                 return False
         return True
 
-    def _admit(self, budget: int, batch: list[Scheduled]) -> None:
+    def _admit(self, budget: int, batch: list[ScheduledSeq]) -> None:
         prefilling = [r for r in self.running if r.is_prefilling]
         for req in self._policy_order():
             if len(self.running) >= self.config.max_running_requests:
@@ -177,7 +181,7 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             prefilling.append(req)
-            batch.append(Scheduled(req, req.num_computed_tokens, n))
+            batch.append(self._seq(req, n))
             budget -= n
             if budget <= 0:
                 break

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.engine.runner_api import ScheduledBatch, ScheduledSeq
+from radixserve.engine.runner_api import ScheduledSeq
 
 
 @dataclass(slots=True)
@@ -42,7 +42,7 @@ def prompt_logprob_targets(seq: ScheduledSeq) -> list[int]:
     return seq.prompt_ids[first:last + 1]
 
 
-def build_step(batch: ScheduledBatch, page_size: int, device: torch.device | str = "cpu") -> StepBatch:
+def build_step(batch: list[ScheduledSeq], page_size: int, device: torch.device | str = "cpu") -> StepBatch:
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -53,7 +53,7 @@ def build_step(batch: ScheduledBatch, page_size: int, device: torch.device | str
     logit_rows: list[int] = []
     sample_rows: list[int | None] = []
     prompt_rows: list[tuple[int, list[int]] | None] = []
-    for seq in batch.seqs:
+    for seq in batch:
         row, n, start = len(ids), len(seq.input_ids), seq.start_pos
         end = start + n
         num_pages = -(-end // page_size)
@@ -86,6 +86,6 @@ def build_step(batch: ScheduledBatch, page_size: int, device: torch.device | str
         input_ids=tensor(ids, torch.long), positions=tensor(positions, torch.long),
         slot_mapping=tensor(slots, torch.long), cu_seqlens_q=tensor(starts + [len(ids)], torch.int32),
         context_lens=tensor(contexts, torch.int32), page_table=tensor(table, torch.int32),
-        logit_rows=tensor(logit_rows, torch.long), request_ids=[s.request_id for s in batch.seqs],
+        logit_rows=tensor(logit_rows, torch.long), request_ids=[s.request_id for s in batch],
         query_starts=starts, query_lens=lens, context_lens_host=contexts, page_lists=page_lists,
         sample_rows=sample_rows, prompt_rows=prompt_rows)

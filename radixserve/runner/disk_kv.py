@@ -14,8 +14,8 @@ Both directions run on one background thread, off the scheduler thread:
   is missing or unreadable: `handle.num_ok` pages landed, the rest did not (C30: the caller
   keeps only the landed prefix).
 
-Fault point hicache.l3.get (Engine.arm_hicache_l3): a fetch fails at its first page ("fail"),
-at a middle page ("fail_chunk"), returns half its pages ("short"), or stalls `stall_ms` first.
+Fault seam: `fetch_limit(n) -> pages a fetch of n may read` (None: all), which fault injection
+installs (chaos/tier_faults.py).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,8 +34,6 @@ from safetensors.torch import load_file, save_file
 from radixserve.runner.kv_cache import KVCache, KVPages
 
 logger = logging.getLogger(__name__)
-
-L3_MODES = ("fail", "fail_chunk", "short", "stall")
 
 
 @dataclass
@@ -45,14 +44,6 @@ class FetchHandle:
     done: threading.Event = field(default_factory=threading.Event)
     num_ok: int = 0
     seconds: float = 0.0
-
-
-@dataclass
-class L3Fault:
-    mode: str | None = None       # one of L3_MODES, None: off
-    every: int = 1                # hits one fetch in `every`
-    stall_ms: float = 0.0
-    seen: int = 0
 
 
 def fingerprint(model_path: str, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -74,18 +65,11 @@ class DiskKV:
         os.makedirs(self.dir, exist_ok=True)
         self.index: set[str] = {f[:-len(".safetensors")] for f in os.listdir(self.dir)
                                 if f.endswith(".safetensors")}
-        self.fault = L3Fault()
+        self.fetch_limit: Callable[[int], int] | None = None   # fault seam (module doc)
         self.num_written = self.num_write_errors = 0
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._worker, name="hicache-disk", daemon=True).start()
         logger.info("disk KV tier at %s: %d pages found", self.dir, len(self.index))
-
-    def arm_fault(self, mode: str | None, every: int = 1, stall_ms: float = 0.0) -> None:
-        """Arm hicache.l3.get (module doc); mode None disarms. Raises ValueError for a mode not
-        in L3_MODES or every < 1."""
-        if mode is not None and (mode not in L3_MODES or every < 1):
-            raise ValueError(f"hicache.l3.get takes mode {L3_MODES} and every >= 1")
-        self.fault = L3Fault(mode, every, stall_ms)
 
     def has(self, name: str) -> bool:
         """Is the page on disk (ours, or written by another worker since start-up)?"""
@@ -146,7 +130,7 @@ class DiskKV:
                 logger.warning("disk KV tier: could not write page %s: %s", name[:12], exc)
 
     def _fetch(self, names: list[str], handle: FetchHandle, host_ids: list[int], start: float) -> None:
-        limit = self._fault_limit(len(names))
+        limit = len(names) if self.fetch_limit is None else self.fetch_limit(len(names))
         try:
             for i, (name, host_id) in enumerate(zip(names, host_ids)):
                 if i >= limit:
@@ -165,16 +149,3 @@ class DiskKV:
         finally:
             handle.seconds = time.perf_counter() - start
             handle.done.set()
-
-    def _fault_limit(self, n: int) -> int:
-        """How many pages the armed hicache.l3.get fault lets this fetch read (n: all)."""
-        f = self.fault
-        if f.mode is None:
-            return n
-        f.seen += 1
-        if f.seen % f.every:
-            return n
-        if f.mode == "stall":
-            time.sleep(f.stall_ms / 1000)
-            return n
-        return {"fail": 0, "fail_chunk": n // 2, "short": (n + 1) // 2}[f.mode]

@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from radixserve.engine.runner_api import ScheduledBatch, ScheduledSeq
+from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.kv_cache import KVCache
@@ -39,9 +39,9 @@ class DraftModel:
         current = list(tokens)
         for i in range(max(s.propose for s in seqs)):
             live = [j for j, s in enumerate(seqs) if i < s.propose]
-            batch = ScheduledBatch([dataclasses.replace(
+            batch = [dataclasses.replace(
                 seqs[j], input_ids=[current[j]], start_pos=positions[j] + i, sample=True, draft=(),
-                prompt_logprob_start=None) for j in live])
+                prompt_logprob_start=None) for j in live]
             step = build_step(batch, self.page_size, self.device)
             picked = self._forward(step, step.logit_rows).argmax(-1).tolist()
             for j, token in zip(live, picked):

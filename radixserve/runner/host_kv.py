@@ -15,19 +15,17 @@ copies, and owns the protocol that makes an asynchronous load safe to read:
 - On CUDA the loader copies on its own stream and synchronises it before ending a layer's
   fill (untested here: no GPU on the development machines).
 
-Fault points (armed through Engine.arm_hicache_fault): `hicache.h2d.layer` delays each
-layer's load (fixed or uniform) and/or fails it with a probability; `hicache.d2h` delays each
-backup (a slow device-to-host copy). `hold` (tests only) blocks the loader before its first
-layer until set.
+Fault seam: `fault` (None: off), a CopyFault that fault injection installs
+(chaos/tier_faults.py).
 """
 from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -50,37 +48,16 @@ class LoadHandle:
         self.done.wait()
 
 
-@dataclass
-class CopyFaults:
-    """Armed fault points (see module doc); all off by default. `h2d_until_s` and
-    `d2h_until_s` (time.monotonic(); None: no end) end each point."""
+class CopyFault(Protocol):
+    """What HostKV consults when a fault is installed."""
 
-    h2d_delay_ms: float = 0.0
-    h2d_jitter_ms: float = 0.0
-    h2d_fail_probability: float = 0.0
-    h2d_until_s: float | None = None
-    d2h_delay_ms: float = 0.0
-    d2h_until_s: float | None = None
-    rng: random.Random = field(default_factory=random.Random)
-    hold: threading.Event | None = None     # tests only: the loader waits for it
+    def before_load_layer(self, layer: int) -> None:
+        """On the loader thread, before copying `layer`: may sleep; raising fails the load."""
+        ...
 
-    @staticmethod
-    def _on(until_s: float | None) -> bool:
-        return until_s is None or time.monotonic() < until_s
-
-    def layer_delay_s(self) -> float:
-        if not self._on(self.h2d_until_s):
-            return 0.0
-        ms = self.h2d_delay_ms + (self.rng.uniform(-self.h2d_jitter_ms, self.h2d_jitter_ms)
-                                  if self.h2d_jitter_ms else 0.0)
-        return max(ms, 0.0) / 1000
-
-    def layer_fails(self) -> bool:
-        return (self.h2d_fail_probability > 0 and self._on(self.h2d_until_s)
-                and self.rng.random() < self.h2d_fail_probability)
-
-    def backup_delay_s(self) -> float:
-        return self.d2h_delay_ms / 1000 if self._on(self.d2h_until_s) else 0.0
+    def before_backup(self) -> None:
+        """Before a device->host backup: may sleep."""
+        ...
 
 
 class HostKV:
@@ -95,7 +72,7 @@ class HostKV:
         self.num_pages = num_pages
         self.page_bytes = KVCache.bytes_per_token(device.num_layers, device.num_kv_heads,
                                                   device.head_dim, device.dtype) * device.page_size
-        self.faults = CopyFaults()
+        self.fault: CopyFault | None = None
         self.disk = None          # runner/disk_kv.py's DiskKV under --hicache-storage-dir
         self._stream = torch.cuda.Stream(device.device) if device.device.type == "cuda" else None
         self._queue: queue.Queue[tuple[LoadHandle, list[int], list[int], float]] = queue.Queue()
@@ -106,9 +83,8 @@ class HostKV:
     def backup(self, device_ids: list[int], host_ids: list[int]) -> None:
         """Copy device pages into host pages, every layer, now. The device pages must hold
         finished KV (no fill in flight)."""
-        delay = self.faults.backup_delay_s()
-        if delay:
-            time.sleep(delay)
+        if self.fault is not None:
+            self.fault.before_backup()
         for layer in range(self.device.num_layers):
             self.host.copy_layer_from(self.device, layer, device_ids, host_ids)
 
@@ -125,16 +101,11 @@ class HostKV:
     def _loader(self) -> None:
         while True:
             handle, host_ids, device_ids, start = self._queue.get()
-            faults = self.faults
-            if faults.hold is not None:
-                faults.hold.wait()
+            fault = self.fault
             for layer in range(self.device.num_layers):
                 try:
-                    delay = faults.layer_delay_s()
-                    if delay:
-                        time.sleep(delay)
-                    if faults.layer_fails():
-                        raise RuntimeError("injected fault hicache.h2d.layer")
+                    if fault is not None:
+                        fault.before_load_layer(layer)
                     if not handle.failed:
                         self._copy_layer(layer, host_ids, device_ids)
                 except Exception as exc:   # a failed layer fails the load; readers still go on

@@ -9,7 +9,7 @@ import time
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.engine.runner_api import RunnerOutput, ScheduledBatch, SeqResult
+from radixserve.engine.runner_api import ScheduledSeq, SeqResult
 from radixserve.layers.batch_invariant import check_row_invariance
 from radixserve.layers.sampler import Sampler, token_logprobs
 from radixserve.models.model_config import ModelConfig
@@ -53,7 +53,7 @@ class ModelRunner:
     decoding sequences (compute dtype, at most 2 GiB).
 
     For tests, construct from a folder: `ModelRunner.from_config(EngineConfig(model_path=dir,
-    page_size=16, max_total_tokens=4096))`, then `run(ScheduledBatch([...]))` with page ids
+    page_size=16, max_total_tokens=4096))`, then `run([ScheduledSeq(...), ...])` with page ids
     in [0, num_pages).
     """
 
@@ -188,7 +188,7 @@ class ModelRunner:
 
     def corrupt_kv(self, page_ids: list[int], mode: str, source_page_ids: list[int] | None,
                    seed: int) -> None:
-        """Fault point kv_corrupt (engine/kv_corrupt.py): overwrite `page_ids` in every layer
+        """Fault point kv_corrupt (chaos/kv_corrupt.py): overwrite `page_ids` in every layer
         with noise (mode "noise": Gaussian with the pages' own mean and standard deviation,
         per layer, K and V apart, drawn from `seed`) or with the KV of `source_page_ids` (mode
         "swap", same length). Copies the attention backend may keep of these pages (the
@@ -249,15 +249,15 @@ class ModelRunner:
         return num_pages
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> RunnerOutput:
+    def run(self, batch: list[ScheduledSeq]) -> list[SeqResult]:
         """One forward pass over every sequence of the step, then sampling and logprobs.
-        Results follow batch.seqs order."""
-        if not batch.seqs:
-            return RunnerOutput([])
+        Results follow batch order."""
+        if not batch:
+            return []
         step = build_step(batch, self.page_size, self.device)
         attn = self.backend.prepare(step)
         logits = self.model(step.input_ids, step.positions, attn, step.logit_rows)   # (R, V) fp32
-        plain = [(s, r) for s, r in zip(batch.seqs, step.sample_rows) if r is not None and not s.draft]
+        plain = [(s, r) for s, r in zip(batch, step.sample_rows) if r is not None and not s.draft]
         sampled: list[TokenLogprob] = []
         if plain:
             rows = [s for s, _ in plain]
@@ -266,7 +266,7 @@ class ModelRunner:
             sampled = self.sampler.sample(picked, rows, self.structured.token_mask(rows, self.device))
         results = []
         it = iter(sampled)
-        for seq, sample_row, prompt in zip(batch.seqs, step.sample_rows, step.prompt_rows):
+        for seq, sample_row, prompt in zip(batch, step.sample_rows, step.prompt_rows):
             accepted: tuple[TokenLogprob, ...] = ()
             if sample_row is not None and seq.draft:
                 verify_logits = logits[sample_row:sample_row + len(seq.draft) + 1]
@@ -285,7 +285,7 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.sync(step)
             results = self._propose(batch, results)
-        return RunnerOutput(results)
+        return results
 
     def _draft_model(self, config: EngineConfig, separate: torch.nn.Module | None) -> DraftModel | None:
         """--speculative-algorithm draft: the target's first layers, or `separate` prepared."""
@@ -301,9 +301,9 @@ class ModelRunner:
         layers = config.speculative_draft_layers or model.config.num_layers
         return DraftModel(model, layers, self.num_pages, self.page_size, self.dtype, self.device)
 
-    def _propose(self, batch: ScheduledBatch, results: list[SeqResult]) -> list[SeqResult]:
+    def _propose(self, batch: list[ScheduledSeq], results: list[SeqResult]) -> list[SeqResult]:
         """Model drafts (runner/draft.py) after each sampled token of sequences that asked."""
-        asking = [(i, s) for i, (s, r) in enumerate(zip(batch.seqs, results))
+        asking = [(i, s) for i, (s, r) in enumerate(zip(batch, results))
                   if s.propose > 0 and r.token is not None]
         if not asking:
             return results

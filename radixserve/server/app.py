@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radixserve.config import EngineConfig, ServerConfig
 from radixserve.drain import FLUSH_S, Drain, DrainMiddleware, GracefulServer
-from radixserve.engine.loop import RunnerFactory
+from radixserve.engine.loop import EngineFactory
 from radixserve.errors import InvalidRequest
 from radixserve.http_common import (SERVER_KEEP_ALIVE_S, BodyTimeoutMiddleware, bearer_key_check,
                                     install_error_handlers, quiet_signals)
@@ -65,8 +65,8 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig,
-                runner_factory: RunnerFactory, model_path: str, sock: socket.socket) -> int:
-    """Load the tokenizer of `model_path`, start the engine process (`runner_factory` loads the
+                engine_factory: EngineFactory, model_path: str, sock: socket.socket) -> int:
+    """Load the tokenizer of `model_path`, start the engine process (`engine_factory` loads the
     model there; the tokenizer's eos ids go with it), then serve HTTP on `sock` (bound to
     server_config's host and port before loading, see http_common.bind_socket) until stopped.
     SIGTERM/SIGINT drain first (drain.py: in-flight requests get up to
@@ -82,7 +82,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     loading = asyncio.create_task(asyncio.to_thread(Tokenizer.load, model_path))
     logger.info("starting the engine process (it loads the model)")
     try:
-        client = await EngineClient.launch(engine_config, runner_factory, frozenset(),
+        client = await EngineClient.launch(engine_config, engine_factory, frozenset(),
                                            server_config.log_level, server_config.watchdog_timeout)
     except BaseException:
         await asyncio.gather(loading, return_exceptions=True)

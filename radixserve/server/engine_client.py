@@ -20,9 +20,9 @@ from radixserve.config import EngineConfig
 from radixserve.errors import (ContextLengthExceeded, EngineDead, InvalidRequest, KVTransferFailed,
                                ModelNotFound, Overloaded, RadixServeError)
 from radixserve.outputs import EngineOutput
-from radixserve.engine.loop import RunnerFactory, run_engine_process
+from radixserve.engine.loop import EngineFactory, run_engine_process
 from radixserve.engine.messages import (AddReq, Abort, Call, CallResult, EngineInfo, Fatal,
-                                        FromEngine, Outputs, Ready, Shutdown, Submit, Submitted,
+                                        FromEngine, Ready, Shutdown, Submit, Submitted,
                                         WireError)
 
 logger = logging.getLogger(__name__)
@@ -143,12 +143,12 @@ class EngineClient:
         self._closed = False
 
     @classmethod
-    async def launch(cls, config: EngineConfig, runner_factory: RunnerFactory,
+    async def launch(cls, config: EngineConfig, engine_factory: EngineFactory,
                      eos_token_ids: frozenset[int] = frozenset(), log_level: str = "info",
                      watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S) -> EngineClient:
-        """Spawn the engine process, which builds its Engine over `runner_factory(config)`
-        stopping on the model's eos ids plus `eos_token_ids` (the tokenizer's, so the engine
-        process needs no tokenizer), and wait until it is ready.
+        """Spawn the engine process, which drives `engine_factory(config, eos_token_ids)`
+        (`eos_token_ids`: the tokenizer's, so the engine process needs no tokenizer), and wait
+        until it is ready.
         Raises RuntimeError when the engine fails to start. Once running, an engine that sends
         nothing (no output, no heartbeat) for `watchdog_timeout_s` while work is pending is
         declared dead and killed: one step never ended."""
@@ -163,7 +163,7 @@ class EngineClient:
         pull.setsockopt(zmq.LINGER, 0)
         pull.bind(from_engine)
         proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(config, to_engine, from_engine, log_level, runner_factory,
+            target=run_engine_process, args=(config, to_engine, from_engine, log_level, engine_factory,
                                                frozenset(eos_token_ids)),
             name="radixserve-engine", daemon=True)
         proc.start()
@@ -260,7 +260,7 @@ class EngineClient:
 
     async def call(self, method: str, timeout_s: float = 60.0,
                    args: dict[str, Any] | None = None) -> Any:
-        """Run `method(**args)` in the engine process (engine/loop.py: CALL_METHODS, LOOP_METHODS).
+        """Run `method(**args)` in the engine process (engine/loop.py: CALL_METHODS).
         Raises EngineDead, asyncio.TimeoutError, the RadixServeError the engine raised for
         refused arguments (InvalidRequest: a 400), or RuntimeError with the engine's error."""
         if self.dead_reason is not None:
@@ -291,8 +291,8 @@ class EngineClient:
             self._die(f"engine receiver failed: {type(exc).__name__}: {exc}")
 
     def _dispatch(self, msg: Any) -> None:
-        if isinstance(msg, Outputs):
-            for out in msg.outputs:
+        if isinstance(msg, list):   # one step's EngineOutputs
+            for out in msg:
                 stream = self._routes.get(out.request_id)
                 if stream is None:
                     continue  # aborted or released: nobody is waiting for it

@@ -15,13 +15,13 @@ kind replaces the old). Each expires after its `duration_s` (None: until cleared
                                                   before the anomaly guard sees it (Corrupter)
     sampler.force_tokens {token_ids, count}       the next `count` engine requests (default 1)
                                                   emit `token_ids` instead of sampling, then
-                                                  sample on (engine/forced_tokens.py); the
+                                                  sample on (chaos/forced_tokens.py); the
                                                   listing shows it until cleared or expired
     kv_corrupt           {mode, fraction,         the next `count` running requests with
                           after_tokens, count}    `after_tokens` generated tokens get `fraction`
                                                   of their KV pages overwritten with noise or
                                                   with another request's KV (mode noise|swap;
-                                                  engine/kv_corrupt.py)
+                                                  chaos/kv_corrupt.py)
     hicache.h2d.layer    {latency_ms, jitter_ms,  host KV tier: each layer of each host->device
                           fail_fraction}          load waits latency_ms (+- jitter_ms) and fails
                                                   with probability fail_fraction (recomputed)
@@ -32,7 +32,7 @@ kind replaces the old). Each expires after its `duration_s` (None: until cleared
                                                   (fail), lands half (fail_chunk, short) or
                                                   stalls stall_ms first (stall)
     pd.bootstrap, pd.prefill.start,   {action,    prefill/decode workers only: the PD fault
-    pd.transfer.write,                 delay_ms,   points (disagg/faults.py) with their actions
+    pd.transfer.write,                 delay_ms,   points (chaos/pd_faults.py) with their actions
     pd.transfer.done,                  delay_max_ms, delay (delay_ms, or U(delay_ms,
     pd.decode.prealloc                 probability, delay_max_ms)), fail, hang (until
                                        count}      cleared), duplicate, late; count absent:
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 FAULT_PATH_PREFIX = "/admin/fault"
 PD_POINTS = ("pd.bootstrap", "pd.prefill.start", "pd.transfer.write", "pd.transfer.done",
-             "pd.decode.prealloc")   # disagg/faults.py says which actions each takes
+             "pd.decode.prealloc")   # chaos/pd_faults.py says which actions each takes
 LEAK_TICK_S = 0.25
 KIND_PARAMS = {"step_latency": ("latency_ms", "jitter_ms"), "first_token_latency": ("latency_ms",),
                "fail": ("fraction",), "hang": (), "leak_memory": ("mb_per_s", "max_mb"),
@@ -70,13 +70,9 @@ KIND_PARAMS = {"step_latency": ("latency_ms", "jitter_ms"), "first_token_latency
                "hicache.l3.get": ("mode", "every", "stall_ms"),
                **{point: ("action", "delay_ms", "delay_max_ms", "probability", "count")
                   for point in PD_POINTS}}
-# Engine-side faults armed and disarmed over the engine call channel: kind -> (arm, disarm).
-ENGINE_FAULTS = {"sampler.force_tokens": ("arm_forced_tokens", "disarm_forced_tokens"),
-                 "kv_corrupt": ("arm_kv_corrupt", "disarm_kv_corrupt"),
-                 "hicache.h2d.layer": ("arm_hicache_h2d", "disarm_hicache_h2d"),
-                 "hicache.d2h": ("arm_hicache_d2h", "disarm_hicache_d2h"),
-                 "hicache.host_alloc": ("arm_hicache_host_alloc", "disarm_hicache_host_alloc"),
-                 "hicache.l3.get": ("arm_hicache_l3", "disarm_hicache_l3")}
+# Engine-side faults, armed and cleared through the engine's one `fault` call (chaos/).
+ENGINE_FAULTS = ("step_latency", "sampler.force_tokens", "kv_corrupt", "hicache.h2d.layer",
+                 "hicache.d2h", "hicache.host_alloc", "hicache.l3.get", *PD_POINTS)
 TEXT_CORRUPT_MODES = ("garble", "repeat", "noise")
 MAX_FORCED_TOKENS = 1 << 16
 ForcedId = Annotated[int, Field(ge=0, le=2**31 - 1)]   # the engine checks it against the vocabulary
@@ -177,18 +173,11 @@ class FaultInjector:
         engine-side fault (step_latency, ENGINE_FAULTS) cannot reach the engine."""
         fault = Fault(spec.kind, spec.params(), spec.duration_s)
         await self.clear(fault.kind)
-        if fault.kind == "step_latency":
-            await self.client.call("set_step_latency", args={
-                "latency_ms": fault.params["latency_ms"], "jitter_ms": fault.params["jitter_ms"],
-                "duration_s": fault.duration_s})
-        elif fault.kind in PD_POINTS:
-            await self.client.call("arm_pd_fault", args={
-                "point": fault.kind, **fault.params, "duration_s": fault.duration_s})
-        elif fault.kind in ENGINE_FAULTS:
-            args = {**fault.params, "duration_s": fault.duration_s}
+        if fault.kind in ENGINE_FAULTS:
+            args = {"kind": fault.kind, **fault.params, "duration_s": fault.duration_s}
             if fault.kind == "kv_corrupt":
                 args["seed"] = self.rng.getrandbits(31)   # which pages, what noise
-            await self.client.call(ENGINE_FAULTS[fault.kind][0], args=args)
+            await self.client.call("fault", args=args)
         elif fault.kind == "hang":
             self._hang_over = asyncio.Event()
         elif fault.kind == "leak_memory":
@@ -203,19 +192,9 @@ class FaultInjector:
         kinds = [k for k in self._faults if kind is None or k == kind]
         for k in kinds:
             del self._faults[k]
-            if k == "step_latency":
+            if k in ENGINE_FAULTS:
                 try:
-                    await self.client.call("set_step_latency", args={"latency_ms": 0.0})
-                except Exception:   # EngineDead or a timeout: nothing left to slow down
-                    logger.warning("could not clear step latency in the engine", exc_info=True)
-            elif k in PD_POINTS:
-                try:
-                    await self.client.call("disarm_pd_fault", args={"point": k})
-                except Exception:   # EngineDead or a timeout: no engine left to disarm
-                    logger.warning("could not disarm %s in the engine", k, exc_info=True)
-            elif k in ENGINE_FAULTS:
-                try:
-                    await self.client.call(ENGINE_FAULTS[k][1])
+                    await self.client.call("fault", args={"kind": k, "clear": True})
                 except Exception:   # EngineDead or a timeout: no engine left to disarm
                     logger.warning("could not disarm %s in the engine", k, exc_info=True)
             elif k == "hang":

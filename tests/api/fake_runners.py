@@ -5,7 +5,7 @@ import os
 import time
 
 from radixserve.config import EngineConfig
-from radixserve.engine.runner_api import RunnerOutput, ScheduledBatch
+from radixserve.engine.runner_api import ScheduledSeq, SeqResult
 from tests.unit.fake_runner import FakeRunner
 
 FAKE_VOCAB = 1000
@@ -24,7 +24,7 @@ class _CrashingRunner(FakeRunner):
 
     num_runs = 0
 
-    def run(self, batch: ScheduledBatch) -> RunnerOutput:
+    def run(self, batch: list[ScheduledSeq]) -> list[SeqResult]:
         self.num_runs += 1
         if self.num_runs > 1:
             raise RuntimeError("injected engine failure")
@@ -35,8 +35,8 @@ class _WedgingRunner(FakeRunner):
     """run() never returns once a sequence whose prompt starts with WEDGE_TOKEN is in the
     batch: a forward pass that hangs (the watchdog's case)."""
 
-    def run(self, batch: ScheduledBatch) -> RunnerOutput:
-        if any(s.prompt_ids[:1] == [WEDGE_TOKEN] for s in batch.seqs):
+    def run(self, batch: list[ScheduledSeq]) -> list[SeqResult]:
+        if any(s.prompt_ids[:1] == [WEDGE_TOKEN] for s in batch):
             while True:
                 time.sleep(1)
         return super().run(batch)

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from radixserve.compose import EngineFactory
 from radixserve.config import EngineConfig
 from radixserve.engine.messages import AddReq
 from radixserve.errors import ContextLengthExceeded, EngineDead, InvalidRequest
@@ -35,7 +36,7 @@ def expected(prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture
 async def client():
-    c = await EngineClient.launch(CONFIG, fake_runner, log_level="warning")
+    c = await EngineClient.launch(CONFIG, EngineFactory(fake_runner), log_level="warning")
     yield c
     await c.close()
 
@@ -57,7 +58,7 @@ async def test_start_up_eos_ids_end_requests():
     process, which has no tokenizer: the fake model's third token is declared an eos."""
     prompt = [1, 2, 3, 4, 5, 6]
     eos = expected(prompt, 3)[2]
-    client = await EngineClient.launch(CONFIG, fake_runner, frozenset({eos}), "warning")
+    client = await EngineClient.launch(CONFIG, EngineFactory(fake_runner), frozenset({eos}), "warning")
     try:
         stream = client.submit([AddReq("e", prompt, SamplingParams(max_tokens=10, temperature=0.0))])
         await stream.accepted()
@@ -118,7 +119,7 @@ async def test_unknown_call_is_an_error(client):
 
 
 async def test_engine_crash_fails_waiting_requests():
-    client = await EngineClient.launch(CONFIG, crashing_runner, log_level="critical")
+    client = await EngineClient.launch(CONFIG, EngineFactory(crashing_runner), log_level="critical")
     try:
         stream = client.submit([AddReq("x", [1, 2, 3], SamplingParams(max_tokens=50))])
         await stream.accepted()
@@ -133,14 +134,14 @@ async def test_engine_crash_fails_waiting_requests():
 
 async def test_engine_load_failure_raises():
     with pytest.raises(RuntimeError, match="model.gguf"):
-        await EngineClient.launch(CONFIG, failing_runner, log_level="critical")
+        await EngineClient.launch(CONFIG, EngineFactory(failing_runner), log_level="critical")
 
 
 async def test_a_refused_setting_is_reported_in_one_line():
     """A ValueError while the engine is built is a setting it refuses: the start-up error is
     its message alone, not a traceback (that stays at debug level)."""
     with pytest.raises(RuntimeError) as err:
-        await EngineClient.launch(CONFIG, refusing_runner, log_level="critical")
+        await EngineClient.launch(CONFIG, EngineFactory(refusing_runner), log_level="critical")
     assert str(err.value) == ("engine failed to start:\nValueError: RADIXSERVE_SINGLE_ROW_PATH='bogus': "
                               "expected one of ('split', 'linear', 'packed')")
 
@@ -149,7 +150,7 @@ async def test_watchdog_kills_a_wedged_engine():
     """A step that never ends: heartbeats stop, the watchdog declares the engine dead after its
     timeout, fails the waiting request and kills the process. An idle engine is never declared
     dead, however long it stays idle (heartbeats keep coming)."""
-    client = await EngineClient.launch(CONFIG, wedging_runner, log_level="critical",
+    client = await EngineClient.launch(CONFIG, EngineFactory(wedging_runner), log_level="critical",
                                        watchdog_timeout_s=2.0)
     try:
         ok = client.submit([AddReq("ok", [1, 2, 3], SamplingParams(max_tokens=3))])

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 import zmq
 
+from radixserve.compose import EngineFactory
 from radixserve.config import EngineConfig
 from radixserve.engine.messages import AddReq
 from radixserve.errors import InvalidRequest
@@ -96,7 +97,7 @@ STEPS = {
 @pytest.fixture(scope="module")
 def engine_client():
     loop = asyncio.new_event_loop()
-    client = loop.run_until_complete(EngineClient.launch(CONFIG, fake_runner, log_level="warning"))
+    client = loop.run_until_complete(EngineClient.launch(CONFIG, EngineFactory(fake_runner), log_level="warning"))
     yield loop, client
     loop.run_until_complete(client.close())
     loop.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.engine.runner_api import ScheduledBatch
 from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 from tests.model.test_runner import Harness, Seq
 
@@ -20,12 +19,12 @@ def run_both(h: Harness, mirror: TorchAttentionBackend, gather: TorchAttentionBa
              items: list[tuple[Seq, object]]) -> None:
     """One step through the gather path (the reference), then the same batch with the mirror
     (rewriting the same KV): same tokens and logprobs."""
-    batch = ScheduledBatch([s for _, s in items])
+    batch = [s for _, s in items]
     h.runner.backend = gather
     ref = h.runner.run(batch)
     h.runner.backend = mirror
     got = h.runner.run(batch)
-    for (seq, sched), r, g in zip(items, ref.results, got.results):
+    for (seq, sched), r, g in zip(items, ref, got):
         seq.computed = sched.start_pos + len(sched.input_ids)
         if not sched.sample:
             continue

@@ -9,7 +9,6 @@ import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.config import EngineConfig
-from radixserve.engine.runner_api import ScheduledBatch
 from radixserve.runner.model_runner import ModelRunner
 from tests.model.test_families import build_family
 from tests.model.test_parity import make_engine, prompt_set
@@ -24,8 +23,8 @@ def _record(runner: ModelRunner, steps: list[list[tuple[Seq, int | None]]], watc
     got = []
     for step in steps:
         items = [(seq, seq.chunk(n)) for seq, n in step]
-        out = runner.run(ScheduledBatch([s for _, s in items]))
-        for (seq, sched), res in zip(items, out.results):
+        out = runner.run([s for _, s in items])
+        for (seq, sched), res in zip(items, out):
             seq.computed = sched.start_pos + len(sched.input_ids)
             if res.token is not None:
                 seq.output.append(res.token.token_id)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.engine.runner_api import ScheduledBatch, ScheduledSeq
+from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 from radixserve.weights import gguf as gguf_weights
@@ -27,7 +27,7 @@ def greedy(runner: ModelRunner, prompt: list[int], num_tokens: int) -> tuple[lis
     start, ids = 0, prompt
     for _ in range(num_tokens):
         seq = ScheduledSeq("g", ids, start, pages, True, GREEDY, 0, prompt, list(out), 0, None)
-        token = runner.run(ScheduledBatch([seq])).results[0].token
+        token = runner.run([seq])[0].token
         start += len(ids)
         out.append(token.token_id)
         lps.append(token.logprob)

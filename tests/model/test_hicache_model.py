@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from radixserve.chaos.tier_faults import CopyFaults, L3Fault
 from radixserve.runner.kv_cache import KVPages
 from radixserve.sampling_params import SamplingParams
 from tests.model.test_parity import make_engine
@@ -48,7 +49,7 @@ def test_outputs_equal_tier_off_while_every_round_evicts_and_reloads(tiny_llama_
     off = rounds(make_engine(tiny_llama_dir, **SMALL_POOL), prompts)
     engine = make_engine(tiny_llama_dir, enable_hierarchical_cache=True,
                          hicache_write_policy=policy, **SMALL_POOL)
-    engine.runner.host_kv.faults.h2d_delay_ms = 3       # every layer lands late
+    engine.runner.host_kv.fault = CopyFaults(h2d_delay_ms=3)       # every layer lands late
     on = rounds(engine, prompts)
     for a, b in zip(off, on):
         assert_same(a, b)
@@ -63,7 +64,7 @@ def test_a_failed_load_is_recomputed(tiny_llama_dir):
     off = rounds(make_engine(tiny_llama_dir, **SMALL_POOL), prompts, 2)
     engine = make_engine(tiny_llama_dir, enable_hierarchical_cache=True, **SMALL_POOL)
     first = generate(engine, prompts, "a")
-    engine.runner.host_kv.faults.h2d_fail_probability = 0.5
+    engine.runner.host_kv.fault = CopyFaults(h2d_fail_probability=0.5)
     second = generate(engine, prompts, "b")
     assert_same(off[0], first)
     assert_same(off[1], second)
@@ -94,12 +95,12 @@ def first_token_after_reload(tiny_llama_dir, skip_wait: bool):
     if skip_wait:
         runner.kv.skip_readiness_wait = True
         hold, forward_done = threading.Event(), threading.Event()
-        host.faults.hold = hold
+        host.fault = CopyFaults(hold=hold)
         run = runner.run
         runner.run = lambda batch: (out := run(batch), forward_done.set())[0]
         threading.Thread(target=lambda: (forward_done.wait(), hold.set()), daemon=True).start()
     else:
-        host.faults.h2d_delay_ms = 20
+        host.fault = CopyFaults(h2d_delay_ms=20)
     out = generate(engine, [a], "b")[0]
     assert engine.stats()["num_cached_tokens_host"] > 0
     engine.check_invariants()
@@ -127,7 +128,7 @@ def test_a_restart_reads_the_disk_tier_back(tiny_llama_dir, tmp_path, l3_mode):
     first.runner.host_kv.disk.flush()          # as a graceful shutdown does
     engine = make_engine(tiny_llama_dir, **cfg)
     if l3_mode is not None:
-        engine.arm_hicache_l3(l3_mode)
+        engine.runner.host_kv.disk.fetch_limit = L3Fault.armed(l3_mode)
     assert_same(off, generate(engine, prompts, "b"))
     stats = engine.stats()
     assert stats["hicache_disk_fetches"] > 0

@@ -9,9 +9,10 @@ import random
 
 import pytest
 
+from radixserve.chaos.tier_faults import CopyFaults
 from radixserve.outputs import KV_CHECKSUM_ERROR
 from radixserve.sampling_params import SamplingParams
-from tests.model.test_parity import SCENARIOS, make_engine
+from tests.model.test_parity import SCENARIOS, faults_of, make_engine
 from tests.model.test_speculative import SPEC, run_spec_scenario, spec_case  # noqa: F401 (fixture)
 
 CHECKED = {"enable_kv_checksum": True, "kv_checksum_interval": 1}   # every slot, every step
@@ -28,7 +29,7 @@ def test_no_false_alarm_in_any_scenario(tiny_llama_dir, spec_case, name):
 def run(engine, prompts, arm=None, prefix="r"):
     """Final output and tokens per request; the page invariant checked after every step."""
     if arm is not None:
-        engine.arm_kv_corrupt(**arm)
+        faults_of(engine).arm_kv_corrupt(**arm)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{prefix}{i}", prompt, GREEDY)
     tokens, final = {}, {}
@@ -52,9 +53,9 @@ def test_overwritten_kv_ends_the_request_that_reads_it(tiny_llama_dir, mode, int
     prompts = prompts_of(4, 3)
     cfg = {"disable_radix_cache": True}
     clean, _ = run(make_engine(tiny_llama_dir, **cfg), prompts)
-    engine = make_engine(tiny_llama_dir, **cfg, enable_kv_checksum=True, kv_checksum_interval=interval)
+    engine = make_engine(tiny_llama_dir, faults=True, **cfg, enable_kv_checksum=True, kv_checksum_interval=interval)
     hurt, final = run(engine, prompts, {"mode": mode, "fraction": 0.5, "after_tokens": 4, "seed": 1})
-    (victim, at), = engine.kv_corrupt_hits
+    (victim, at), = faults_of(engine).kv_corrupt_hits
     out = final[victim]
     assert out.error_code == KV_CHECKSUM_ERROR and out.finish_reason == "abort"
     assert hurt[victim] == clean[victim][:len(hurt[victim])]      # stopped, nothing else changed
@@ -74,9 +75,9 @@ def test_a_damaged_shared_prefix_ends_its_readers_and_leaves_the_tree(tiny_llama
     prefix = [rng.randrange(3, 500) for _ in range(64)]
     prompts = [prefix + [rng.randrange(3, 500) for _ in range(10)] for _ in range(2)]
     clean, _ = run(make_engine(tiny_llama_dir), prompts)
-    engine = make_engine(tiny_llama_dir, enable_kv_checksum=True, kv_checksum_interval=4)
+    engine = make_engine(tiny_llama_dir, faults=True, enable_kv_checksum=True, kv_checksum_interval=4)
     hurt, final = run(engine, prompts, {"mode": "noise", "fraction": 1.0, "after_tokens": 2, "seed": 2})
-    assert engine.kv_corrupt_hits
+    assert faults_of(engine).kv_corrupt_hits
     assert all(out.error_code == KV_CHECKSUM_ERROR for out in final.values())
     assert engine.stats()["num_kv_checksum_failures"] == 2
     again, final = run(engine, prompts, prefix="again")
@@ -94,7 +95,7 @@ def test_no_false_alarm_while_the_host_tier_evicts_and_reloads(tiny_llama_dir):
     prompts = sessions()
     off = rounds(make_engine(tiny_llama_dir, **SMALL_POOL), prompts)
     engine = make_engine(tiny_llama_dir, enable_hierarchical_cache=True, **SMALL_POOL, **CHECKED)
-    engine.runner.host_kv.faults.h2d_delay_ms = 3
+    engine.runner.host_kv.fault = CopyFaults(h2d_delay_ms=3)
     on = rounds(engine, prompts)
     for a, b in zip(off, on):
         assert_same(a, b)

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from radixserve.config import EngineConfig
-from radixserve.engine.runner_api import ScheduledBatch
 from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 from radixserve.runner.kv_cache import KVCache
 from radixserve.runner.model_runner import ModelRunner
@@ -62,7 +61,7 @@ def test_attention_result_equals_sdpa_over_dequantised_kv(gqa_dir):
         return out
 
     from radixserve.runner.batch import build_step
-    batch = ScheduledBatch([seq.chunk()])
+    batch = [seq.chunk()]
     step = build_step(batch, 4)
     attn = runner.backend.prepare(step)
     runner.model(step.input_ids, step.positions, lambda *a: capture(*a, attn), step.logit_rows)
@@ -79,7 +78,7 @@ def run_greedy(runner: ModelRunner, prompt: list[int], steps: int, chunk: int | 
     out = []
     while len(out) < steps:
         sched = seq.chunk(chunk if len(seq.tokens) - seq.computed > 1 else None)
-        res = runner.run(ScheduledBatch([sched])).results[0]
+        res = runner.run([sched])[0]
         seq.computed = sched.start_pos + len(sched.input_ids)
         if res.token is not None:
             out.append(res.token)

@@ -37,14 +37,25 @@ SCENARIOS = {
 }
 
 
-def make_engine(model_path, **cfg):
+def make_engine(model_path, faults: bool = False, **cfg):
+    """The engine over `model_path` with the hooks its config asks for; `faults`: with fault
+    injection attached too (faults_of)."""
+    from radixserve.chaos.engine_faults import EngineFaults
+    from radixserve.compose import engine_hooks
     from radixserve.runner.model_runner import ModelRunner
 
     # Parity with transformers' fp32 weights: unquantized whatever --quantization's default.
     cfg = {"page_size": 16, "chunked_prefill_size": 128, "max_total_tokens": 16384,
            "quantization": "none", **cfg}
     config = EngineConfig(model_path=str(model_path), **cfg)
-    return Engine(config, ModelRunner.from_config(config))
+    hooks = engine_hooks(config) + ([EngineFaults()] if faults else [])
+    return Engine(config, ModelRunner.from_config(config), hooks=hooks)
+
+
+def faults_of(engine):
+    """The EngineFaults attached to `engine` (make_engine(faults=True))."""
+    from radixserve.chaos.engine_faults import EngineFaults
+    return next(h for h in engine.hooks.hooks if isinstance(h, EngineFaults))
 
 
 def run_scenario(model_path, prompts, refs, name, num_new=NUM_NEW, **cfg):

@@ -14,8 +14,11 @@ import random
 
 import pytest
 
+from radixserve.chaos.pd_faults import PDFaults
+from radixserve.chaos.tier_faults import CopyFaults
+from radixserve.compose import engine_hooks
 from radixserve.config import EngineConfig
-from radixserve.disagg.engine import PDEngine
+from radixserve.disagg.worker import PDWorker
 from radixserve.engine.engine import Engine
 from radixserve.outputs import KV_CHECKSUM_ERROR
 from radixserve.runner.model_runner import ModelRunner
@@ -29,13 +32,15 @@ def runner(model_dir, num_tokens: int) -> ModelRunner:
                                                 max_total_tokens=num_tokens, num_threads=1))
 
 
-def pd(mode: str, model_dir, num_tokens: int, clock=None, **cfg) -> PDEngine:
+def pd(mode: str, model_dir, num_tokens: int, clock=None, **cfg) -> PDWorker:
     config = EngineConfig(model_path=str(model_dir), page_size=PAGE, max_total_tokens=num_tokens,
                           num_threads=1, chunked_prefill_size=64, disaggregation_mode=mode,
                           disaggregation_bootstrap_port=0, disaggregation_chunk_pages=1,
                           disaggregation_transfer_timeout=5.0, **cfg)
     kwargs = {"clock": clock} if clock is not None else {}
-    return PDEngine(config, ModelRunner.from_config(config), **kwargs)
+    engine = PDWorker(config, ModelRunner.from_config(config), hooks=engine_hooks(config), **kwargs)
+    engine.faults = PDFaults(config.random_seed)
+    return engine
 
 
 def colocated(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -68,7 +73,7 @@ def test_six_step_slot_reuse_race(mha_dir, skip_handshake, checksum):
     rig = Rig(p1, p2, d)
     try:
         # 1. request 1: P1's writes start but hang in flight
-        p1.arm_pd_fault("pd.transfer.write", "hang")
+        p1.faults.arm("pd.transfer.write", "hang")
         rig.submit(p1, d, "r1", prompt1, greedy(6), room=1)
         rig.run_until(lambda: p1.prefill.gauges()["num_writes_in_flight"] == 3, "P1's 3 writes")
         pages1 = set(d.decode.incoming[1].req.page_ids)
@@ -81,7 +86,7 @@ def test_six_step_slot_reuse_race(mha_dir, skip_handshake, checksum):
         if skip_handshake:
             # 4. D reuses request 1's pages at once; P2 fills them; D decodes request 2
             rig.run_until(lambda: len(rig.tokens.get("r2", [])) >= 2, "request 2 decoding")
-            assert pages1 & set(d.scheduler.running[0].page_ids), "pages were not reused"
+            assert pages1 & set(d.engine.scheduler.running[0].page_ids), "pages were not reused"
         else:
             # 4'. the pages stay quarantined: request 2 waits for pages, whatever we step
             rig.run_until(lambda: 1 in p1.prefill.rooms and p1.prefill.rooms[1].closing,
@@ -91,7 +96,7 @@ def test_six_step_slot_reuse_race(mha_dir, skip_handshake, checksum):
             assert d.stats()["pd"]["num_quarantined_pages"] == 3
             assert "r2" not in rig.tokens and d.decode.incoming[2].expect_s is None
         # 5. P1's in-flight writes land
-        p1.disarm_pd_fault("pd.transfer.write")
+        p1.faults.disarm("pd.transfer.write")
         rig.finish("r2")
         rig.idle()
         # 6. the verdict
@@ -143,7 +148,7 @@ def test_decode_kv_pressure_with_a_host_tier_resumes_from_host(mha_dir):
     want = colocated(mha_dir, prompts, 30)
     p = pd("prefill", mha_dir, 4096)
     d = pd("decode", mha_dir, 24 * PAGE, enable_hierarchical_cache=True, hicache_ratio=8.0)
-    d.runner.host_kv.faults.h2d_delay_ms = 1
+    d.runner.host_kv.fault = CopyFaults(h2d_delay_ms=1)
     rig = Rig(p, d)
     try:
         for i, prompt in enumerate(prompts):
@@ -158,7 +163,7 @@ def test_decode_kv_pressure_with_a_host_tier_resumes_from_host(mha_dir):
             engine.check_invariants()
             s = engine.stats()
             assert s["num_free_pages"] + s["num_cached_pages"] == s["num_pages"], s
-        d.kv.tier.check()
-        assert not d.kv.tier.loads and not d.kv.tier.pinned
+        d.engine.kv.tier.check()
+        assert not d.engine.kv.tier.loads and not d.engine.kv.tier.pinned
     finally:
         rig.close()

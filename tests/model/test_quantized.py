@@ -10,7 +10,7 @@ import torch
 
 from radixserve.cli import build_parser
 from radixserve.config import EngineConfig
-from radixserve.engine.runner_api import ScheduledBatch, ScheduledSeq
+from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.layers import quant_linear
 from radixserve.layers.linear import Linear
 from radixserve.runner.model_runner import ModelRunner
@@ -46,7 +46,7 @@ def prompt_logits(r: ModelRunner, prompt: list[int]) -> torch.Tensor:
     hook = r.model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out.float()))
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     pages = list(range(1, 1 + -(-len(prompt) // r.page_size)))
-    r.run(ScheduledBatch([ScheduledSeq("p", prompt, 0, pages, True, params, 0, prompt, [], 0, 0)]))
+    r.run([ScheduledSeq("p", prompt, 0, pages, True, params, 0, prompt, [], 0, 0)])
     hook.remove()
     return seen[0]
 

@@ -1,4 +1,4 @@
-"""ModelRunner vs transformers on tiny random Llamas, driven by hand-built ScheduledBatches.
+"""ModelRunner vs transformers on tiny random Llamas, driven by hand-built lists of ScheduledSeq.
 
 Every sampled token is checked against transformers' full-sequence forward: same greedy id and
 the same top-5 logprobs (1e-4). Scenarios: one prefill; a prefill split in chunks across steps
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.engine.runner_api import ScheduledBatch, ScheduledSeq
+from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
@@ -70,9 +70,9 @@ class Harness:
         return torch.log_softmax(self.hf(torch.tensor([tokens])).logits[0].float(), -1)
 
     def step(self, items: list[tuple[Seq, ScheduledSeq]]) -> None:
-        out = self.runner.run(ScheduledBatch([s for _, s in items]))
-        assert [r.request_id for r in out.results] == [s.request_id for _, s in items]
-        for (seq, sched), res in zip(items, out.results):
+        out = self.runner.run([s for _, s in items])
+        assert [r.request_id for r in out] == [s.request_id for _, s in items]
+        for (seq, sched), res in zip(items, out):
             seq.computed = sched.start_pos + len(sched.input_ids)
             ref = self.reference(seq.tokens[:seq.computed])
             if sched.prompt_logprob_start is not None:
@@ -195,7 +195,7 @@ def test_bfloat16_runs_close_to_float32(gqa_dir):
     assert runner.kv.dtype == torch.bfloat16 and runner.kv.compute_dtype == torch.bfloat16
     seq = h.new_seq("a", 40)
     for _ in range(5):
-        res = runner.run(ScheduledBatch([seq.chunk()])).results[0].token
+        res = runner.run([seq.chunk()])[0].token
         seq.computed = len(seq.tokens)
         ref = h.reference(seq.tokens)[-1]
         assert float(ref.max() - ref[res.token_id]) < 0.05

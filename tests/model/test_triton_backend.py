@@ -24,7 +24,6 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from radixserve.config import EngineConfig  # noqa: E402
-from radixserve.engine.runner_api import ScheduledBatch  # noqa: E402
 from radixserve.runner.attention.base import BACKENDS, create_backend  # noqa: E402
 from radixserve.runner.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from radixserve.runner.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -120,7 +119,7 @@ def test_bfloat16_close_to_float32_transformers(gqa_dir):
     assert h.runner.kv.dtype == torch.bfloat16
     seq = h.new_seq("a", 40)
     for chunk in (25, None, None, None):
-        res = h.runner.run(ScheduledBatch([seq.chunk(chunk)])).results[0].token
+        res = h.runner.run([seq.chunk(chunk)])[0].token
         seq.computed = len(seq.tokens) if chunk is None else chunk
         if res is None:
             continue
@@ -156,7 +155,7 @@ def test_fp8_kv_equals_torch_backend(gqa_dir, tmp_path, kv_dtype):
         results = {}
         for b, runner in runners.items():
             batch = [seqs[b][rid].chunk(n) for rid, n in items]
-            results[b] = runner.run(ScheduledBatch(batch)).results
+            results[b] = runner.run(batch)
             for sched, res in zip(batch, results[b]):
                 s = seqs[b][sched.request_id]
                 s.computed = sched.start_pos + len(sched.input_ids)

@@ -104,7 +104,7 @@ def run_scenario(scenario: Scenario, **config_overrides) -> dict[str, int | floa
 def _counts(engine: Engine, runner: FakeRunner, num_requests: int,
             ttft_steps: list[int]) -> dict[str, int | float]:
     stats = engine.stats()
-    seqs = [s for batch in runner.steps for s in batch.seqs]
+    seqs = [s for batch in runner.steps for s in batch]
     num_steps = len(runner.steps)
     counts = {
         "num_requests": num_requests,

@@ -17,7 +17,7 @@ import hashlib
 
 import msgspec
 
-from radixserve.engine.runner_api import RunnerOutput, ScheduledBatch, SeqResult
+from radixserve.engine.runner_api import ScheduledSeq, SeqResult
 from radixserve.outputs import TokenLogprob
 
 
@@ -45,7 +45,7 @@ class FakeRunner:
         self.eos, self.eos_every, self.copy_period = eos, eos_every, copy_period
         self.eos_token_ids = frozenset([eos] if eos is not None else [])
         self.slots: list[tuple[int, int] | None] = [None] * (num_pages * page_size)
-        self.steps: list[ScheduledBatch] = []
+        self.steps: list[list[ScheduledSeq]] = []
 
     def info(self) -> dict:
         return {"device": "none (fake runner)"}
@@ -53,11 +53,11 @@ class FakeRunner:
     def slot(self, page_ids: list[int], pos: int) -> int:
         return page_ids[pos // self.page_size] * self.page_size + pos % self.page_size
 
-    def run(self, batch: ScheduledBatch) -> RunnerOutput:
+    def run(self, batch: list[ScheduledSeq]) -> list[SeqResult]:
         self.steps.append(batch)
         seen_pages: dict[int, str] = {}
         results = []
-        for seq in batch.seqs:
+        for seq in batch:
             end = seq.start_pos + len(seq.input_ids)
             assert len(seq.page_ids) * self.page_size >= end, "page table too short"
             for i, tok in enumerate(seq.input_ids):
@@ -91,7 +91,7 @@ class FakeRunner:
                 verified = context[:end - len(seq.draft) + len(accepted)]
                 next_draft = self._draft([*verified, token.token_id], seq.propose)
             results.append(SeqResult(seq.request_id, token, prompt_lp, tuple(accepted), next_draft))
-        return RunnerOutput(results)
+        return results
 
     def _draft(self, context: list[int], k: int) -> tuple[int, ...]:
         """A model draft (ScheduledSeq.propose): the fake model's own greedy continuation, with

@@ -1,10 +1,11 @@
-"""Two-engine PD rigs for unit tests: prefill and decode PDEngines over the fake runner, on loopback TCP, stepped by hand."""
+"""Two-engine PD rigs for unit tests: prefill and decode PDWorkers over the fake runner, on loopback TCP, stepped by hand."""
 from __future__ import annotations
 
 import time
 
+from radixserve.chaos.pd_faults import PDFaults
 from radixserve.config import EngineConfig
-from radixserve.disagg.engine import PDEngine
+from radixserve.disagg.worker import PDWorker
 from radixserve.disagg.protocol import PDTarget
 from radixserve.sampling_params import SamplingParams
 from tests.unit.fake_runner import FakeHostKV, FakeRunner
@@ -27,8 +28,8 @@ class FakeClock:
 
 
 def pd_engine(mode: str, num_pages: int = 64, page_size: int = 4, clock=None, host_pages: int = 0,
-              **cfg) -> PDEngine:
-    """A PDEngine over the fake runner; `host_pages` > 0 adds a host KV tier of that many pages."""
+              **cfg) -> PDWorker:
+    """A PDWorker over the fake runner; `host_pages` > 0 adds a host KV tier of that many pages."""
     cfg.setdefault("chunked_prefill_size", 32)
     cfg.setdefault("disaggregation_chunk_pages", 2)
     config = EngineConfig(page_size=page_size, disaggregation_mode=mode,
@@ -36,10 +37,12 @@ def pd_engine(mode: str, num_pages: int = 64, page_size: int = 4, clock=None, ho
     runner = FakeRunner(num_pages, page_size, VOCAB, 4096)
     if host_pages:
         runner.host_kv = FakeHostKV(runner, host_pages)
-    return PDEngine(config, runner, clock=clock or time.monotonic)
+    engine = PDWorker(config, runner, clock=clock or time.monotonic)
+    engine.faults = PDFaults(config.random_seed)   # armed by the tests (`faults.arm`)
+    return engine
 
 
-def target(prefill: PDEngine, room: int) -> PDTarget:
+def target(prefill: PDWorker, room: int) -> PDTarget:
     port = int(prefill.bootstrap_address.rsplit(":", 1)[1])
     return PDTarget("127.0.0.1", port, room)
 
@@ -51,12 +54,12 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 class Rig:
     """Engines stepped round-robin; outputs gathered per request id."""
 
-    def __init__(self, *engines: PDEngine):
+    def __init__(self, *engines: PDWorker):
         self.engines = engines
         self.tokens: dict[str, list[int]] = {}
         self.finals: dict = {}
 
-    def submit(self, prefill: PDEngine, decode: PDEngine, rid: str, prompt: list[int],
+    def submit(self, prefill: PDWorker, decode: PDWorker, rid: str, prompt: list[int],
                params: SamplingParams, room: int) -> None:
         prefill.add_request(f"p-{rid}", prompt, params, target(prefill, room))
         decode.add_request(rid, prompt, params, target(prefill, room))

@@ -14,10 +14,11 @@ from tests.unit.fake_runner import FakeRunner, reference_next_token
 VOCAB = 1000
 
 
-def make_engine(num_pages=64, page_size=4, eos=None, eos_every=0, max_context_len=4096, **cfg):
+def make_engine(num_pages=64, page_size=4, eos=None, eos_every=0, max_context_len=4096, hooks=(),
+                **cfg):
     cfg.setdefault("chunked_prefill_size", 32)
     runner = FakeRunner(num_pages, page_size, VOCAB, max_context_len, eos, eos_every)
-    return Engine(EngineConfig(page_size=page_size, **cfg), runner)
+    return Engine(EngineConfig(page_size=page_size, **cfg), runner, hooks=hooks)
 
 
 def reference(prompt, max_tokens, eos=None, eos_every=0):
@@ -109,7 +110,7 @@ def test_in_batch_prefix_sharing_prefills_once():
         engine.add_request(f"s{i}", prefix + [500 + i], SamplingParams(max_tokens=2))
     runner = engine.runner
     out = run_all(engine)
-    computed = sum(len(s.input_ids) for b in runner.steps for s in b.seqs)
+    computed = sum(len(s.input_ids) for b in runner.steps for s in b)
     # One full prefill (41) + three suffix-only prefills (1 each) + 4 decode steps.
     assert computed == 41 + 3 * 1 + 4
     for i in range(4):

@@ -11,7 +11,7 @@ import zmq
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.engine.loop import EngineLoop
-from radixserve.engine.messages import (Abort, AddReq, FromEngine, Outputs, Shutdown, Submit, Submitted,
+from radixserve.engine.messages import (Abort, AddReq, FromEngine, Shutdown, Submit, Submitted,
                                         ToEngine)
 from radixserve.errors import InvalidRequest
 from radixserve.sampling_params import SamplingParams
@@ -71,8 +71,8 @@ def loop():
             msg = decoder.decode(sockets["from"].recv())
             if isinstance(msg, Submitted):
                 seen["submitted"][msg.group_id] = msg.error
-            elif isinstance(msg, Outputs):
-                seen["finished"].update(o.request_id for o in msg.outputs if o.finished)
+            elif isinstance(msg, list):
+                seen["finished"].update(o.request_id for o in msg if o.finished)
 
     seen["engine"] = engine_loop.engine
     yield runner, send, until, seen

@@ -5,20 +5,28 @@ import random
 
 import pytest
 
-from radixserve.engine.forced_tokens import ForcedTokens
+from radixserve.chaos.engine_faults import EngineFaults
+from radixserve.chaos.forced_tokens import ForcedTokens
 from radixserve.errors import InvalidRequest
 from radixserve.sampling_params import SamplingParams
-from tests.unit.test_engine import assert_idle_pool, make_engine, rand_prompt, reference, run_all
+from tests.unit.test_engine import assert_idle_pool, rand_prompt, reference, run_all
+from tests.unit.test_engine import make_engine as make_plain_engine
 
 FORCED = [7, 700, 70, 7, 999]
+
+
+def make_engine(**kw):
+    """The test engine with fault injection attached; returns (engine, its EngineFaults)."""
+    faults = EngineFaults()
+    return make_plain_engine(hooks=[faults], **kw), faults
 
 
 def test_forced_sequence_then_the_model_samples_on_over_the_forced_context():
     """The forced tokens come out exactly; after them the fake model's tokens are the reference
     continuation of prompt + forced tokens, so the KV written for forced tokens is theirs."""
-    engine = make_engine()
+    engine, faults = make_engine()
     prompt = [1, 2, 3, 4, 5]
-    engine.arm_forced_tokens(FORCED)
+    faults.arm_forced_tokens(FORCED)
     engine.add_request("a", prompt, SamplingParams(max_tokens=9, logprobs=1))
     ids, final = run_all(engine)["a"]
     assert ids[:5] == FORCED
@@ -28,8 +36,8 @@ def test_forced_sequence_then_the_model_samples_on_over_the_forced_context():
 
 
 def test_count_and_arrival_order():
-    engine = make_engine()
-    engine.arm_forced_tokens([5, 6], count=2)
+    engine, faults = make_engine()
+    faults.arm_forced_tokens([5, 6], count=2)
     for rid in ("a", "b", "c"):
         engine.add_request(rid, [9, 9, 9], SamplingParams(max_tokens=2))
     out = run_all(engine)
@@ -40,8 +48,8 @@ def test_count_and_arrival_order():
 
 
 def test_forced_tokens_pass_the_usual_finish_checks():
-    engine = make_engine(eos=999)
-    engine.arm_forced_tokens(FORCED, count=4)
+    engine, faults = make_engine(eos=999)
+    faults.arm_forced_tokens(FORCED, count=4)
     engine.add_request("eos", [1, 2], SamplingParams(max_tokens=20))
     engine.add_request("short", [1, 2], SamplingParams(max_tokens=2))
     engine.add_request("stop_id", [1, 2], SamplingParams(max_tokens=20, stop_token_ids=(70,)))
@@ -57,8 +65,8 @@ def test_forced_tokens_pass_the_usual_finish_checks():
 
 
 def test_forced_logprob_is_certain_and_top_list_stays_the_models():
-    engine = make_engine()
-    engine.arm_forced_tokens([3])
+    engine, faults = make_engine()
+    faults.arm_forced_tokens([3])
     engine.add_request("a", [1, 2], SamplingParams(max_tokens=1, logprobs=1))
     final = run_all(engine)["a"][1]
     (lp,) = final.new_logprobs
@@ -68,10 +76,10 @@ def test_forced_logprob_is_certain_and_top_list_stays_the_models():
 
 def test_preempted_request_keeps_its_forced_tokens():
     rng = random.Random(3)
-    engine = make_engine(num_pages=24, page_size=4, chunked_prefill_size=32)
+    engine, faults = make_engine(num_pages=24, page_size=4, chunked_prefill_size=32)
     forced = [rng.randrange(1000) for _ in range(30)]
     prompts = {f"q{i}": rand_prompt(rng, 20, 30) for i in range(12)}
-    engine.arm_forced_tokens(forced, count=len(prompts))
+    faults.arm_forced_tokens(forced, count=len(prompts))
     for rid, p in prompts.items():
         engine.add_request(rid, p, SamplingParams(max_tokens=40))
     out = run_all(engine)
@@ -82,9 +90,9 @@ def test_preempted_request_keeps_its_forced_tokens():
 
 
 def test_disarm_and_expiry():
-    engine = make_engine()
-    engine.arm_forced_tokens([5], count=10)
-    engine.disarm_forced_tokens()
+    engine, faults = make_engine()
+    faults.arm_forced_tokens([5], count=10)
+    faults.disarm_forced_tokens()
     engine.add_request("a", [4, 4], SamplingParams(max_tokens=1))
     assert run_all(engine)["a"][0] == reference([4, 4], 1)
     armed = ForcedTokens((5,), num_left=3, ends_s=100.0)
@@ -95,9 +103,9 @@ def test_disarm_and_expiry():
 @pytest.mark.parametrize("token_ids, count, param", [
     ([], 1, "token_ids"), ([1000], 1, "token_ids"), ([-1], 1, "token_ids"), ([1], 0, "count")])
 def test_bad_arguments_are_refused(token_ids, count, param):
-    engine = make_engine()
+    engine, faults = make_engine()
     with pytest.raises(InvalidRequest) as err:
-        engine.arm_forced_tokens(token_ids, count=count)
+        faults.arm_forced_tokens(token_ids, count=count)
     assert err.value.param == param
     engine.add_request("a", [4, 4], SamplingParams(max_tokens=1))
     assert run_all(engine)["a"][0] == reference([4, 4], 1)   # nothing armed
@@ -114,8 +122,9 @@ def test_forced_tokens_under_speculative_decoding_match_plain_decoding():
     params = SamplingParams(max_tokens=40, temperature=0, logprobs=1)
     results = []
     for spec in (False, True):
-        engine = make_spec_engine(spec)
-        engine.arm_forced_tokens(forced, count=len(PROMPTS))
+        faults = EngineFaults()
+        engine = make_spec_engine(spec, hooks=[faults])
+        faults.arm_forced_tokens(forced, count=len(PROMPTS))
         results.append(run_spec(engine, PROMPTS, params))
     plain, speculative = results
     assert speculative == plain

@@ -5,6 +5,8 @@ import random
 
 import pytest
 
+from radixserve.chaos.engine_faults import EngineFaults
+from radixserve.chaos.tier_faults import AllocFaults
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.engine.request import Request
@@ -189,7 +191,7 @@ def test_host_exhaustion_and_failed_host_allocations_keep_serving(policy, host_p
     recurring sessions still hit host."""
     rng = random.Random(6)
     engine, _ = make(num_pages=24, host_pages=host_pages, policy=policy)
-    engine.kv.tier.alloc_fail_probability = 0.5
+    engine.kv.tier.fail_alloc = AllocFaults(0.5, random.Random(0))
     sessions = [[rng.randrange(VOCAB) for _ in range(5 * P + 1)] for _ in range(2)]
     n, turns = 0, 3 if policy == "write_through_selective" else 1   # selective: hit it twice
     for _ in range(6):
@@ -237,11 +239,12 @@ def test_flush_drops_both_tiers():
 
 def test_hicache_faults_need_the_tier():
     from radixserve.errors import InvalidRequest
-    engine = Engine(EngineConfig(page_size=P), FakeRunner(24, P, VOCAB))
-    for arm in (engine.arm_hicache_h2d, engine.arm_hicache_host_alloc):
+    faults = EngineFaults()
+    Engine(EngineConfig(page_size=P), FakeRunner(24, P, VOCAB), hooks=[faults])
+    for arm in (faults.arm_hicache_h2d, faults.arm_hicache_host_alloc):
         with pytest.raises(InvalidRequest, match="host KV tier is off"):
             arm()
-    engine.disarm_hicache_host_alloc()      # clearing all faults must not fail without it
+    faults.disarm_hicache_host_alloc()      # clearing all faults must not fail without it
 
 
 def test_bad_tier_settings_are_refused():

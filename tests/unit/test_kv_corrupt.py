@@ -1,4 +1,4 @@
-"""The kv_corrupt fault point (engine/kv_corrupt.py) over the fake runner: which request and
+"""The kv_corrupt fault point (chaos/kv_corrupt.py) over the fake runner: which request and
 pages it hits, that only that request's output changes, that pages stay accounted for, and
 what it refuses. Its effect on a real model and on the detectors: test_kv_corrupt_model.py and
 benchmarks/spec_anomaly.py."""
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from radixserve.chaos.engine_faults import EngineFaults
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.errors import InvalidRequest
@@ -30,8 +31,14 @@ class RecordingRunner(FakeRunner):
 
 
 def make_engine(runner=None) -> Engine:
+    """The test engine with fault injection attached (faults_of)."""
     runner = runner or RecordingRunner(256, 4, VOCAB, 4096, copy_period=6)
-    return Engine(EngineConfig(page_size=4, chunked_prefill_size=64, disable_radix_cache=True), runner)
+    return Engine(EngineConfig(page_size=4, chunked_prefill_size=64, disable_radix_cache=True), runner,
+                  hooks=[EngineFaults()])
+
+
+def faults_of(engine: Engine) -> EngineFaults:
+    return engine.hooks.hooks[0]
 
 
 def run(engine: Engine, arm=None, arm_at_step: int = 0) -> tuple[dict, dict]:
@@ -44,7 +51,7 @@ def run(engine: Engine, arm=None, arm_at_step: int = 0) -> tuple[dict, dict]:
     step = 0
     while engine.has_unfinished():
         if arm is not None and step == arm_at_step:
-            engine.arm_kv_corrupt(**arm)
+            faults_of(engine).arm_kv_corrupt(**arm)
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
             outs[out.request_id].append(out)
@@ -58,7 +65,7 @@ def test_the_fault_hits_one_request_past_after_tokens_and_only_its_output_change
     clean, _ = run(make_engine())
     engine = make_engine()
     hurt, _ = run(engine, {"mode": mode, "fraction": 0.5, "after_tokens": 5, "count": 1, "seed": 3})
-    (victim, at), = engine.kv_corrupt_hits
+    (victim, at), = faults_of(engine).kv_corrupt_hits
     assert at >= 5
     (pages, got_mode, source), = engine.runner.corruptions
     assert got_mode == mode and engine.stats()["num_kv_corruptions"] == 1
@@ -72,24 +79,24 @@ def test_the_fault_hits_one_request_past_after_tokens_and_only_its_output_change
 def test_count_requests_are_hit_once_each():
     engine = make_engine()
     run(engine, {"mode": "noise", "fraction": 1.0, "after_tokens": 0, "count": 3})
-    hit = [rid for rid, _ in engine.kv_corrupt_hits]
+    hit = [rid for rid, _ in faults_of(engine).kv_corrupt_hits]
     assert len(hit) == len(set(hit)) == 3 and len(engine.runner.corruptions) == 3
 
 
 def test_disarm_stops_it_and_bad_arguments_or_runners_are_refused():
     engine = make_engine()
-    engine.arm_kv_corrupt("noise", after_tokens=10_000)
-    engine.disarm_kv_corrupt()
+    faults_of(engine).arm_kv_corrupt("noise", after_tokens=10_000)
+    faults_of(engine).disarm_kv_corrupt()
     run(engine)
-    assert engine.runner.corruptions == [] and engine.kv_corrupt_hits == []
+    assert engine.runner.corruptions == [] and faults_of(engine).kv_corrupt_hits == []
     for kwargs in ({"mode": "flip"}, {"mode": "noise", "fraction": 0.0},
                    {"mode": "noise", "fraction": 1.5}, {"mode": "noise", "count": 0},
                    {"mode": "noise", "after_tokens": -1}):
         with pytest.raises(InvalidRequest):
-            engine.arm_kv_corrupt(**kwargs)
+            faults_of(engine).arm_kv_corrupt(**kwargs)
 
     class NoCorruption(FakeRunner):
         corrupt_kv = None
 
     with pytest.raises(InvalidRequest, match="cannot corrupt"):
-        make_engine(runner=NoCorruption(64, 4, VOCAB)).arm_kv_corrupt("noise")
+        faults_of(make_engine(runner=NoCorruption(64, 4, VOCAB))).arm_kv_corrupt("noise")

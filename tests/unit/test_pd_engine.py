@@ -91,7 +91,7 @@ def test_transfer_timeout_fails_the_request_and_frees_pages_after_the_ack():
                                                         disaggregation_transfer_timeout=5.0)
     rig = Rig(p, d)
     try:
-        p.arm_pd_fault("pd.prefill.start", "hang")
+        p.faults.arm("pd.prefill.start", "hang")
         rig.submit(p, d, "t", list(range(10)), greedy(4), room=7)
         rig.run_until(lambda: d.stats()["pd"]["num_waiting_for_kv"] == 1, "prealloc")
         clock.advance(6.0)
@@ -110,7 +110,7 @@ def test_transfer_timeout_fails_the_request_and_frees_pages_after_the_ack():
                                           ("pd.bootstrap", "fail")])
 def test_failed_edge_reaches_decode_as_error_and_pair_keeps_serving(pair, point, action):
     p, d, rig = pair
-    p.arm_pd_fault(point, action, count=1)
+    p.faults.arm(point, action, count=1)
     prompt = list(range(12))
     rig.submit(p, d, "bad", prompt, greedy(3), room=11)
     rig.finish("bad")
@@ -126,8 +126,8 @@ def test_failed_edge_reaches_decode_as_error_and_pair_keeps_serving(pair, point,
 @pytest.mark.parametrize("action", ["delay", "duplicate"])
 def test_delayed_or_duplicated_writes_do_not_change_output(pair, action):
     p, d, rig = pair
-    p.arm_pd_fault("pd.transfer.write", action, delay_ms=5, delay_max_ms=20)
-    d.arm_pd_fault("pd.decode.prealloc", "delay", delay_ms=1, delay_max_ms=10)
+    p.faults.arm("pd.transfer.write", action, delay_ms=5, delay_max_ms=20)
+    d.faults.arm("pd.decode.prealloc", "delay", delay_ms=1, delay_max_ms=10)
     rng = random.Random(3)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(8)]
     for i, prompt in enumerate(prompts):
@@ -177,7 +177,7 @@ def test_legs_with_different_prompts_fail_instead_of_decoding_wrong_kv(pair, dec
     rig.finish("x")
     assert "disagree on the prompt" in rig.finals["x"].error
     rig.idle()
-    assert p.requests == {} and d.requests == {}
+    assert p.engine.requests == {} and d.engine.requests == {}
     d.check_invariants()
     assert d.stats()["num_free_pages"] + d.stats()["num_cached_pages"] == d.stats()["num_pages"]
 

@@ -27,7 +27,7 @@ def test_decode_abort_with_writes_in_flight_waits_for_the_ack():
     p, d = pd_engine("prefill"), pd_engine("decode")
     rig = Rig(p, d)
     try:
-        p.arm_pd_fault("pd.transfer.write", "hang")
+        p.faults.arm("pd.transfer.write", "hang")
         rig.submit(p, d, "a", list(range(20)), greedy(4), room=1)
         rig.run_until(lambda: p.prefill.gauges()["num_writes_in_flight"] > 0, "a write in flight")
         d.abort("a")                      # the client left (or /abort_request on decode)
@@ -35,7 +35,7 @@ def test_decode_abort_with_writes_in_flight_waits_for_the_ack():
         for _ in range(10):
             rig.step()
         assert quarantined(d) == 5        # 20 tokens / 4: still held, a write may land there
-        p.disarm_pd_fault()
+        p.faults.disarm()
         rig.idle()
         assert quarantined(d) == 0
         assert d.stats()["pd"]["transfers_aborted"] == 1
@@ -48,7 +48,7 @@ def test_late_write_lands_after_the_abort_into_quarantined_pages():
     p, d = pd_engine("prefill"), pd_engine("decode")
     rig = Rig(p, d)
     try:
-        p.arm_pd_fault("pd.transfer.write", "late", count=1)
+        p.faults.arm("pd.transfer.write", "late", count=1)
         rig.submit(p, d, "a", list(range(12)), greedy(4), room=2)
         rig.run_until(lambda: p.prefill.gauges()["num_writes_in_flight"] == 1, "the late write")
         d.abort("a")
@@ -74,7 +74,7 @@ def test_writes_after_the_abort_never_start():
         d.abort("a")
         rig.idle()
         assert p.stats()["pd"]["transfers_aborted"] == 1
-        assert p.requests == {} and "p-a" in rig.finals
+        assert p.engine.requests == {} and "p-a" in rig.finals
         assert p.prefill.rooms[4].num_writes < 5      # 10 pages in writes of 2: not all sent
         assert_idle(p, d)
     finally:
@@ -85,7 +85,7 @@ def test_prefill_abort_reaches_decode_as_error():
     p, d = pd_engine("prefill"), pd_engine("decode")
     rig = Rig(p, d)
     try:
-        p.arm_pd_fault("pd.prefill.start", "hang")
+        p.faults.arm("pd.prefill.start", "hang")
         rig.submit(p, d, "a", list(range(9)), greedy(4), room=5)
         rig.run_until(lambda: d.stats()["pd"]["num_waiting_for_kv"] == 1
                       and p.prefill.rooms[5].peer is not None, "both legs bootstrapped")
@@ -103,12 +103,12 @@ def test_unsafe_switch_frees_at_once_and_lands_late_writes_blindly():
     p, d = pd_engine("prefill"), pd_engine("decode", disaggregation_unsafe_skip_abort_handshake=True)
     rig = Rig(p, d)
     try:
-        p.arm_pd_fault("pd.transfer.write", "hang")
+        p.faults.arm("pd.transfer.write", "hang")
         rig.submit(p, d, "a", list(range(8)), greedy(4), room=6)
         rig.run_until(lambda: p.prefill.gauges()["num_writes_in_flight"] == 1, "write in flight")
         d.abort("a")
         assert quarantined(d) == 0        # freed at once: the race window is open
-        p.disarm_pd_fault()
+        p.faults.disarm()
         rig.idle()
         assert d.stats()["pd"]["late_writes_landed"] == 1
     finally:
@@ -123,7 +123,7 @@ def test_decode_kv_pressure_neither_crashes_nor_starves(host_pages):
     # With a host tier (C27's offload variant) a preempted request's KV, evicted from the
     # device meanwhile, comes back from the host when it resumes.
     p, d = pd_engine("prefill", num_pages=512), pd_engine("decode", num_pages=40, host_pages=host_pages)
-    d.arm_pd_fault("pd.decode.prealloc", "delay", delay_ms=1, delay_max_ms=20, probability=0.5)
+    d.faults.arm("pd.decode.prealloc", "delay", delay_ms=1, delay_max_ms=20, probability=0.5)
     rig = Rig(p, d)
     try:
         rng = random.Random(27)
@@ -140,8 +140,8 @@ def test_decode_kv_pressure_neither_crashes_nor_starves(host_pages):
         rig.idle()
         assert_idle(p, d)
         if host_pages:
-            d.kv.tier.check()
-            assert not d.kv.tier.loads and not d.kv.tier.pinned
+            d.engine.kv.tier.check()
+            assert not d.engine.kv.tier.loads and not d.engine.kv.tier.pinned
     finally:
         rig.close()
 
@@ -152,7 +152,7 @@ def test_writes_after_the_quarantine_expired_are_refused_and_counted():
     d = pd_engine("decode", clock=clock, disaggregation_transfer_timeout=1.0)
     rig = Rig(p, d)
     try:
-        p.arm_pd_fault("pd.transfer.write", "hang")
+        p.faults.arm("pd.transfer.write", "hang")
         rig.submit(p, d, "a", list(range(8)), greedy(4), room=8)
         rig.run_until(lambda: p.prefill.gauges()["num_writes_in_flight"] == 1, "write in flight")
         d.abort("a")
@@ -161,7 +161,7 @@ def test_writes_after_the_quarantine_expired_are_refused_and_counted():
         clock.advance(10.0)               # the prefill side never answers: give the pages up
         rig.step()
         assert quarantined(d) == 0
-        p.disarm_pd_fault()
+        p.faults.disarm()
         rig.run_until(lambda: d.stats()["pd"]["late_writes_refused"] == 1, "the refusal")
         assert d.stats()["pd"]["late_writes_landed"] == 0
     finally:

@@ -22,11 +22,11 @@ ALGORITHMS = {"ngram": SPEC, "draft": {"speculative_algorithm": "draft",
 
 
 def make_engine(spec: bool | str, num_pages: int = 256, eos: int | None = None,
-                eos_every: int = 0) -> Engine:
+                eos_every: int = 0, hooks=()) -> Engine:
     """`spec`: False, True (n-gram) or an ALGORITHMS key (draft: the fake runner's own drafts)."""
     runner = FakeRunner(num_pages, 4, VOCAB, 4096, eos, eos_every, copy_period=6)
     extra = ALGORITHMS["ngram" if spec is True else spec] if spec else {}
-    return Engine(EngineConfig(page_size=4, chunked_prefill_size=64, **extra), runner)
+    return Engine(EngineConfig(page_size=4, chunked_prefill_size=64, **extra), runner, hooks=hooks)
 
 
 def run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams) -> dict:

@@ -1,4 +1,4 @@
-"""The PD fault points (armed through the worker's /admin/fault): delays, failures, hangs, duplicates and late delivery on every asynchronous PD edge.
+"""The PD fault points (armed through the worker's /admin/fault, installed into the PD worker's `faults` seam): delays, failures, hangs, duplicates and late delivery on every asynchronous PD edge.
 
     point                actions                      where
     pd.bootstrap         delay, fail                  prefill: handling a decode worker's Expect
@@ -21,6 +21,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from radixserve.disagg.api import Fired
 from radixserve.errors import InvalidRequest
 
 POINT_ACTIONS = {
@@ -30,14 +31,6 @@ POINT_ACTIONS = {
     "pd.transfer.done": ("delay", "fail", "hang"),
     "pd.decode.prealloc": ("delay", "hang"),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Fired:
-    """A fault that fired: its action and, for delay, the seconds to hold."""
-
-    action: str
-    delay_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -51,7 +44,7 @@ class _Armed:
 
 
 class PDFaults:
-    """The armed PD fault points of one engine (at most one arming per point)."""
+    """The armed PD fault points of one worker (at most one arming per point); a FaultPoints."""
 
     def __init__(self, seed: int | None = None):
         self._armed: dict[str, _Armed] = {}

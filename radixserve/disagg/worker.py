@@ -1,17 +1,19 @@
-"""PDEngine: the Engine of a prefill or decode worker (--disaggregation-mode prefill|decode): the same scheduler and runner, plus one side of the KV handoff."""
+"""PDWorker: drives the Engine of a prefill or decode worker (--disaggregation-mode prefill|decode) together with one side of the KV handoff."""
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 from radixserve.config import EngineConfig
+from radixserve.disagg.api import FaultPoints, Fired
 from radixserve.disagg.decode_side import DecodeSide
-from radixserve.disagg.faults import PDFaults
 from radixserve.disagg.prefill_side import PrefillSide
 from radixserve.disagg.protocol import KVLayout, PDTarget
 from radixserve.disagg.stats import PDStats
 from radixserve.disagg.transport import TcpDecodeEndpoint, TcpPrefillEndpoint
 from radixserve.engine.engine import Engine
+from radixserve.engine.hooks import EngineHooks
 from radixserve.engine.request import Request, Status
 from radixserve.engine.runner_api import Runner
 from radixserve.errors import InvalidRequest
@@ -22,25 +24,28 @@ IDLE_WAIT_MS = 5    # with nothing to compute, wait this long for a PD message (
 ERROR_CODE = "kv_transfer_failed"   # EngineOutput.error_code of PD failures (a 500 upstream)
 
 
-class PDEngine(Engine):
-    """An Engine whose requests carry a PDTarget. Prefill mode: requests wait in the bootstrap
-    service for their decode worker, prefill, sample the first token and send KV + token
-    (prefill_side.py). Decode mode: requests wait for pages, then for their KV, then decode
-    (decode_side.py). Single-threaded like Engine; all PD I/O happens inside `step()`.
+class PDWorker:
+    """Holds an Engine whose requests carry a PDTarget, and its side. Prefill mode: requests
+    wait in the bootstrap service for their decode worker, prefill, sample the first token and
+    send KV + token (prefill_side.py). Decode mode: requests wait for pages, then for their KV,
+    then decode (decode_side.py). Single-threaded; all PD I/O happens inside `step()`.
 
     The runner must also offer `kv_layout() -> dict` (KVLayout fields), `export_kv(page_ids)
     -> bytes` and `import_kv(page_ids, data, foreign)` (ModelRunner and the tests' FakeRunner
-    do). `endpoint`: a transport endpoint (transport.py); default: TCP from the config.
-    `clock`: seconds, monotonic (tests substitute one to drive timeouts without waiting).
+    do). `hooks`: the Engine's (engine/hooks.py). `endpoint`: a transport endpoint
+    (transport.py); default: TCP from the config. `clock`: seconds, monotonic (tests substitute
+    one to drive timeouts without waiting). `faults`: the fault seam (chaos/pd_faults.py).
     """
 
     def __init__(self, config: EngineConfig, runner: Runner,
-                 extra_eos_token_ids: frozenset[int] = frozenset(), endpoint=None, clock=time.monotonic):
-        super().__init__(config, runner, extra_eos_token_ids)
+                 extra_eos_token_ids: frozenset[int] = frozenset(), hooks: Sequence[EngineHooks] = (),
+                 endpoint=None, clock=time.monotonic):
         self.mode = config.disaggregation_mode
-        assert self.mode in ("prefill", "decode"), f"PDEngine needs a PD mode, got {self.mode!r}"
+        assert self.mode in ("prefill", "decode"), f"PDWorker needs a PD mode, got {self.mode!r}"
+        self.engine = Engine(config, runner, extra_eos_token_ids, [_SideHooks(self), *hooks])
+        self.runner = runner
         self.clock = clock
-        self.pd_faults = PDFaults(config.random_seed)
+        self.faults: FaultPoints | None = None
         self.pd_stats = PDStats()
         self._outbox: list[EngineOutput] = []
         layout = KVLayout(**runner.kv_layout())
@@ -53,6 +58,10 @@ class PDEngine(Engine):
         else:
             self.decode = DecodeSide(self, endpoint or TcpDecodeEndpoint(), layout)
         self.endpoint = endpoint if endpoint is not None else self.decode.endpoint
+
+    @property
+    def side(self) -> PrefillSide | DecodeSide:
+        return self.prefill or self.decode
 
     @property
     def bootstrap_address(self) -> str | None:
@@ -69,61 +78,44 @@ class PDEngine(Engine):
                 f"this worker runs with --disaggregation-mode {self.mode}: a request needs "
                 "bootstrap_host, bootstrap_port and bootstrap_room (send it through "
                 "`radixserve route --prefill ... --decode ...`)", param="bootstrap_room")
-        super().add_request(request_id, prompt_ids, params)
-        req = self.requests[request_id]
+        self.engine.add_request(request_id, prompt_ids, params)
         try:
-            (self.prefill or self.decode).add(req, pd)
+            self.side.add(self.engine.requests[request_id], pd)
         except Exception:
-            del self.requests[request_id]
-            if req in self.scheduler.waiting:
-                self.scheduler.waiting.remove(req)
+            self.engine.withdraw(request_id)
             raise
 
     def abort(self, request_id: str, reason: str = "abort") -> EngineOutput | None:
-        side = self.prefill or self.decode
-        if side.abort(request_id):
+        if self.side.abort(request_id):
             return self._outbox.pop() if self._outbox else None
-        return super().abort(request_id, reason)
+        return self.engine.abort(request_id, reason)
 
     def end_request(self, req: Request, error: str | None) -> None:
         """End a request wherever it is (the scheduler's queues or a PD state) as Engine.abort
         does; `error` set: its final output carries it with error_code kv_transfer_failed. The
         output is returned by the next step()."""
-        if not any(req in queue for queue in self._scheduler_queues()):
+        s = self.engine.scheduler
+        if not any(req in queue for queue in (s.waiting, s.running, s.fetching)):
             req.status = Status.WAITING   # a PD state: let Engine.abort find it where it looks
-            self.scheduler.waiting.append(req)
-        out = super().abort(req.request_id)
+            s.waiting.append(req)
+        out = self.engine.abort(req.request_id)
         if out is not None:
             if error is not None:
                 out = dataclasses.replace(out, error=error, error_code=ERROR_CODE)
             self._outbox.append(out)
-
-    def fail_request(self, req: Request, message: str) -> None:
-        self.end_request(req, message)
 
     def land(self, req: Request, token: TokenLogprob | None) -> None:
         """Decode: `req` (now RUNNING, its prompt KV in) gets the prefill side's first token as
         its first generated token (counted once, finish checks applied) or, for max_tokens 0,
         finishes."""
         if token is None:
-            self._outbox.append(self._finish(req, [], None, "length"))
+            self._outbox.append(self.engine.finish(req, "length"))
         else:
-            self._outbox.append(self._emit(req, [token]))
+            self._outbox.append(self.engine.emit(req, [token]))
 
     # ---- step ------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        """PD I/O, then one scheduler iteration and forward pass; outputs of both."""
-        self._poll_io()
-        outs = super().step()
-        if self.prefill is not None:
-            self.prefill.after_step()
-        outs = self._outbox + outs
-        self._outbox = []
-        if not outs and not self.scheduler.has_unfinished():
-            self.endpoint.wait(IDLE_WAIT_MS)   # nothing to compute: wait for the peer, not spin
-        return outs
-
-    def _poll_io(self) -> None:
+        """PD I/O, then one engine step; outputs of both."""
         if self.prefill is not None:
             for peer, msg in self.endpoint.recv():
                 self.prefill.handle(peer, msg)
@@ -132,52 +124,70 @@ class PDEngine(Engine):
             for msg in self.endpoint.recv():
                 self.decode.handle(msg)
             self.decode.poll()
-
-    def _finish(self, req: Request, new_ids: list[int], logprobs, reason: str) -> EngineOutput:
-        if self.prefill is not None and req.request_id in self.prefill.by_request:
-            token = (logprobs[0] if logprobs else TokenLogprob(new_ids[0], 0.0, [])) if new_ids else None
-            self.prefill.on_finish(req, token)   # sends its last pages while it still holds them
-        return super()._finish(req, new_ids, logprobs, reason)
+        outs = self.engine.step()
+        if self.prefill is not None:
+            self.prefill.after_step()
+        outs = self._outbox + outs
+        self._outbox = []
+        if not outs and not self.engine.has_unfinished():
+            self.endpoint.wait(IDLE_WAIT_MS)   # nothing to compute: wait for the peer, not spin
+        return outs
 
     def has_unfinished(self) -> bool:
-        side = self.prefill or self.decode
-        return super().has_unfinished() or bool(self._outbox) or side.is_busy() \
+        return self.engine.has_unfinished() or bool(self._outbox) or self.side.is_busy() \
             or self.endpoint.wait(0)
 
     def io_sockets(self) -> list:
         """Sockets the engine loop should wake on (the prefill's bootstrap service)."""
         return [self.prefill.endpoint.socket] if self.prefill is not None else []
 
-    # ---- faults and introspection ----------------------------------------------------------
-    def arm_pd_fault(self, point: str, action: str, delay_ms: float = 0.0,
-                     delay_max_ms: float | None = None, probability: float = 1.0,
-                     count: int | None = None, duration_s: float | None = None) -> None:
-        """Arm a PD fault point (faults.py); raises InvalidRequest for bad arguments."""
-        self.pd_faults.arm(point, action, delay_ms, delay_max_ms, probability, count, duration_s)
-
-    def disarm_pd_fault(self, point: str | None = None) -> None:
-        """Clear one PD fault point (or all): what a hang held is released."""
-        self.pd_faults.disarm(point)
-
-    def stats(self) -> dict:
-        out = super().stats()
-        side = self.prefill or self.decode
-        out["pd"] = self.pd_stats.to_json(self.mode, {"num_bootstrapping": 0, "num_waiting_for_kv": 0,
-                                                       "num_quarantined_pages": 0, **side.gauges()})
-        out["num_waiting"] += side.num_unscheduled()
-        return out
-
-    def _scheduler_queues(self) -> list:
-        """Every queue the scheduler holds requests in (a host-tier scheduler adds `fetching`:
-        its own WAITING_FOR_KV requests, which it ends itself)."""
-        return [self.scheduler.waiting, self.scheduler.running,
-                getattr(self.scheduler, "fetching", [])]
-
-    def check_invariants(self) -> None:
-        owners = [r for queue in self._scheduler_queues() for r in queue]
-        if self.decode is not None:
-            owners += self.decode.page_owners()
-        self.kv.check_invariants(owners)
-
     def close(self) -> None:
         self.endpoint.close()
+
+    # ---- faults and introspection ----------------------------------------------------------
+    def fire(self, point: str) -> Fired | None:
+        """Whether the PD fault point `point` fires now (None without fault injection)."""
+        return self.faults.fire(point) if self.faults is not None else None
+
+    @property
+    def fault_generation(self) -> int:
+        return self.faults.generation if self.faults is not None else 0
+
+    def stats(self) -> dict:
+        out = self.engine.stats()
+        out["pd"] = self.pd_stats.to_json(self.mode, {"num_bootstrapping": 0, "num_waiting_for_kv": 0,
+                                                       "num_quarantined_pages": 0,
+                                                       **self.side.gauges()})
+        out["num_waiting"] += self.side.num_unscheduled()
+        return out
+
+    def flush_cache(self) -> bool:
+        """Engine.flush_cache, refused (False) while a PD transfer is open too."""
+        return not self.has_unfinished() and self.engine.flush_cache()
+
+    def check_invariants(self) -> None:
+        self.engine.check_invariants(self.decode.page_owners() if self.decode is not None else ())
+
+    def add_eos_token_ids(self, token_ids: list[int]) -> None:
+        self.engine.add_eos_token_ids(token_ids)
+
+
+class _SideHooks(EngineHooks):
+    """Tells the side when the Engine ends one of its requests."""
+
+    def __init__(self, worker: PDWorker):
+        self.worker = worker
+
+    def on_finish(self, req: Request, out: EngineOutput) -> EngineOutput:
+        # prefill: `req` sampled its first token and still holds its pages: send the rest
+        prefill = self.worker.prefill
+        if prefill is not None and req.request_id in prefill.by_request:
+            ids, logprobs = out.new_token_ids, out.new_logprobs
+            token = (logprobs[0] if logprobs else TokenLogprob(ids[0], 0.0, [])) if ids else None
+            prefill.on_finish(req, token)
+        return out
+
+    def on_abort(self, req: Request) -> None:
+        # An abort the worker did not start (a KV checksum mismatch's) ends the side's transfer;
+        # req already left Engine.requests, so end_request does not abort it twice.
+        self.worker.side.abort(req.request_id)

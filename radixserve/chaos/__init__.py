@@ -1,0 +1,1 @@
+"""Fault injection (--enable-fault-injection): what attaches to the engine's hooks and to the seams of the KV tiers and the PD worker; nothing outside chaos/ imports it but the composition root (compose.py)."""

@@ -1,0 +1,47 @@
+"""The engine process's composition root: the runner, the Engine over it with its hooks (KV checksums, fault injection), and on prefill/decode workers the PD worker that drives it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.config import EngineConfig
+from radixserve.engine.engine import Engine
+from radixserve.engine.hooks import EngineHooks
+from radixserve.engine.kv_checksum import ChecksumHooks
+from radixserve.engine.loop import EngineParts, RunnerFactory
+from radixserve.engine.messages import EngineInfo
+
+
+def engine_hooks(config: EngineConfig) -> list[EngineHooks]:
+    """The hooks `config` asks for (--enable-kv-checksum)."""
+    return [ChecksumHooks(config.kv_checksum_interval)] if config.enable_kv_checksum else []
+
+
+@dataclass(frozen=True)
+class EngineFactory:
+    """Builds the engine process's EngineParts (engine/loop.py). Pickled into the spawned
+    process, so `runner_factory` must be a module-level function (cli.build_runner, or a test's
+    fake). `fault_injection`: attach chaos/ and accept the `fault` call."""
+
+    runner_factory: RunnerFactory
+    fault_injection: bool = False
+
+    def __call__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> EngineParts:
+        runner = self.runner_factory(config)
+        hooks = engine_hooks(config)
+        faults = None
+        if self.fault_injection:
+            from radixserve.chaos.engine_faults import EngineFaults
+            faults = EngineFaults()
+            hooks.append(faults)
+        if config.disaggregation_mode == "null":
+            driven = engine = Engine(config, runner, eos_token_ids, hooks)
+        else:
+            from radixserve.disagg.worker import PDWorker
+            driven = PDWorker(config, runner, eos_token_ids, hooks)
+            engine = driven.engine
+            if faults is not None:
+                faults.attach_pd(driven)
+        info = EngineInfo(max_context_len=engine.max_request_tokens, page_size=engine.page_size,
+                          disaggregation_mode=config.disaggregation_mode,
+                          bootstrap_address=getattr(driven, "bootstrap_address", None))
+        return EngineParts(driven, info, faults.fault if faults is not None else None)

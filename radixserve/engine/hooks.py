@@ -1,0 +1,73 @@
+"""EngineHooks: the one seam where optional features attach to the Engine (KV checksums, fault injection, a PD side)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from radixserve.engine.request import Request
+from radixserve.outputs import EngineOutput, TokenLogprob
+
+
+class EngineHooks:
+    """No-op base; override what you need. Engine thread only. Per request: on_add, then per
+    step before_schedule / on_tokens / after_step, then on_finish or on_abort (KV still held)."""
+
+    def attach(self, engine: Any) -> None:
+        """Once, from Engine.__init__; raises ValueError when the engine lacks what it needs."""
+
+    def on_add(self, req: Request) -> None:
+        pass
+
+    def before_schedule(self) -> None:
+        pass
+
+    def on_tokens(self, req: Request, tokens: list[TokenLogprob]) -> list[TokenLogprob]:
+        """`req`'s tokens of one step, maybe replaced or cut; only the last may differ from its
+        sample."""
+        return tokens
+
+    def on_finish(self, req: Request, out: EngineOutput) -> EngineOutput:
+        return out
+
+    def on_abort(self, req: Request) -> None:
+        pass
+
+    def after_step(self, running: list[Request]) -> list[EngineOutput]:
+        """`running`: the step's requests still RUNNING; returns outputs of requests it ended."""
+        return []
+
+
+class HookChain(EngineHooks):
+    """Several hooks, called in order; on_tokens and on_finish pass their value along."""
+
+    def __init__(self, hooks: Sequence[EngineHooks] = ()):
+        self.hooks = list(hooks)
+
+    def attach(self, engine: Any) -> None:
+        for h in self.hooks:
+            h.attach(engine)
+
+    def on_add(self, req: Request) -> None:
+        for h in self.hooks:
+            h.on_add(req)
+
+    def before_schedule(self) -> None:
+        for h in self.hooks:
+            h.before_schedule()
+
+    def on_tokens(self, req: Request, tokens: list[TokenLogprob]) -> list[TokenLogprob]:
+        for h in self.hooks:
+            tokens = h.on_tokens(req, tokens)
+        return tokens
+
+    def on_finish(self, req: Request, out: EngineOutput) -> EngineOutput:
+        for h in self.hooks:
+            out = h.on_finish(req, out)
+        return out
+
+    def on_abort(self, req: Request) -> None:
+        for h in self.hooks:
+            h.on_abort(req)
+
+    def after_step(self, running: list[Request]) -> list[EngineOutput]:
+        return [out for h in self.hooks for out in h.after_step(running)]
