@@ -10,14 +10,10 @@ from typing import Any, get_type_hints
 from radixserve.parsers.chat_output import NATIVE_TOOL_FORMATS, REASONING_PARSERS, TOOL_CALL_PARSERS
 
 
-#: Default --graceful-shutdown-timeout of workers and routers, in s: under Kubernetes' default
-#: terminationGracePeriodSeconds (30 s), so a drained process still exits on its own, with
-#: FLUSH_S (drain.py) for cut-off answers, before the kubelet's SIGKILL.
-GRACEFUL_SHUTDOWN_TIMEOUT_S = 25.0
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 25.0   # s; under Kubernetes' default 30 s grace period (docs/drain.md)
 GRACE_HELP = ("seconds that SIGTERM/SIGINT lets requests in flight finish (new ones get 503, "
               "/health says draining); then the rest end with a 503 error and the process exits")
-#: Default --request-body-timeout of workers and routers, in s.
-REQUEST_BODY_TIMEOUT_S = 10.0
+REQUEST_BODY_TIMEOUT_S = 10.0   # s
 BODY_TIMEOUT_HELP = ("seconds a request body may stall between two reads (a Content-Length "
                      "larger than what arrives) before the request gets 408 request_timeout")
 

@@ -1,21 +1,7 @@
-"""Graceful drain of our HTTP servers (worker and router): stop admitting, let what is in flight finish, cut off what the grace period leaves, then exit.
+"""Graceful drain of our HTTP servers (worker and router): stop admitting, let what is in flight finish, cut off what the grace period leaves, then exit (docs/drain.md).
 
-    SIGTERM / SIGINT           POST /admin/drain (worker)
-          |                              |
-          v                              v
-    shutting down  ----------------> draining --POST /admin/undrain--> admitting
-          |   new POST /v1/* -> 503 service_unavailable / draining
-          |   GET /health    -> 503 {"status": "draining", ...} (routers stop sending)
-          |   in-flight requests and streams run on, output untouched
-          v
-    idle, or --graceful-shutdown-timeout seconds passed
-          |   past the grace period: each request left is cancelled and answered
-          |   with a 503 error body, or, for a stream already under way, an SSE
-          |   error event and `data: [DONE]` (never a truncated 200)
-          v
-    uvicorn stops (listener closed, idle keep-alive connections closed), exit 0
-
-A second SIGINT skips the grace period (uvicorn's own shutdown: FLUSH_S, then cancel).
+    admitting --/admin/drain--> draining --/admin/undrain--> admitting
+    admitting, draining --SIGTERM/SIGINT--> shutting down --idle or grace_s--> exit 0
 """
 from __future__ import annotations
 
@@ -34,20 +20,17 @@ from radixserve.errors import Draining
 
 logger = logging.getLogger(__name__)
 
-#: After the grace period, how long the cut-off answers get to leave (s); also uvicorn's
-#: timeout_graceful_shutdown, which by then only covers connections with nothing in flight.
-FLUSH_S = 5.0
+FLUSH_S = 5.0   # s for cut-off answers to leave; also uvicorn's timeout_graceful_shutdown
 HEALTH_PATH = "/health"
 
 
 @dataclass(slots=True)
 class _Reply:
-    """What the app has sent of one tracked response so far."""
 
     started: bool = False
     is_sse: bool = False
     ended: bool = False
-    at_event_boundary: bool = True   # the last body chunk closed an SSE event ("\n\n")
+    at_event_boundary: bool = True   # the last chunk ended with "\n\n"
 
     def note(self, message: dict) -> None:
         if message["type"] == "http.response.start":
@@ -63,13 +46,10 @@ class _Reply:
 
 @dataclass
 class Drain:
-    """Admission and in-flight accounting of one server. An in-flight request is a POST under
-    /v1/ (a generation) from admission until its last response byte is sent, streams
-    included. `grace_s`: how long, in seconds, a shutdown waits for those to finish
-    (--graceful-shutdown-timeout). Mutated only on the server's event loop."""
+    """Admission and in-flight POST /v1/* accounting, until the last byte; event-loop only."""
 
     grace_s: float
-    reason: str | None = None          # why it is draining; None: admitting
+    reason: str | None = None
     is_shutting_down: bool = False
     _active: set[anyio.CancelScope] = field(default_factory=set, init=False, repr=False)
     _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
@@ -89,14 +69,14 @@ class Drain:
         return len(self._active)
 
     def start(self, reason: str) -> None:
-        """Stop admitting new generations (idempotent; the first reason is kept)."""
+        """Idempotent; the first reason is kept."""
         if self.reason is None:
             self.reason = reason
             logger.warning("draining (%s): new requests get 503, %d in flight run on",
                            reason, self.num_in_flight)
 
     def stop(self) -> bool:
-        """Admit again (undrain). Returns False, changing nothing, once shutting down."""
+        """Admit again; False, changing nothing, once shutting down."""
         if self.is_shutting_down:
             return False
         if self.reason is not None:
@@ -105,7 +85,6 @@ class Drain:
         return True
 
     def shut_down(self, reason: str) -> None:
-        """Drain for good; GracefulServer exits once idle or after grace_s."""
         self.start(reason)
         self.is_shutting_down = True
         self._shutdown.set()
@@ -114,7 +93,6 @@ class Drain:
         await self._shutdown.wait()
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """True once nothing is in flight, False if `timeout_s` seconds pass first."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except asyncio.TimeoutError:
@@ -122,19 +100,16 @@ class Drain:
         return True
 
     def cut_off(self) -> int:
-        """Cancel every request in flight; each is answered by DrainMiddleware with an error.
-        Returns how many were cut off."""
+        """Cancel every request in flight (DrainMiddleware answers them); returns how many."""
         for scope in self._active:
             scope.cancel()
         return len(self._active)
 
     def cut_off_error(self) -> Draining:
-        """The error a cut-off request is answered with (HTTP 503)."""
         return Draining(f"The server shut down before this request finished: its grace period "
                         f"of {self.grace_s:g} s (--graceful-shutdown-timeout) ran out. Retry it.")
 
     def to_json(self) -> dict:
-        """{"status": "draining" or "ok", "reason", "num_in_flight", "shutting_down"}."""
         return {"status": "draining" if self.is_draining else "ok", "reason": self.reason,
                 "num_in_flight": self.num_in_flight, "shutting_down": self.is_shutting_down}
 
@@ -149,11 +124,8 @@ class Drain:
 
 
 class DrainMiddleware:
-    """ASGI middleware in front of the whole app: while draining, POST /v1/* gets 503
-    (service_unavailable, code "draining") and GET /health gets 503 {"status": "draining",
-    ...}; otherwise each POST /v1/* is tracked in flight and, when Drain.cut_off() cancels
-    it, answered with Draining's error: a JSON 503 if nothing was sent yet, else (a stream)
-    an SSE error event and `data: [DONE]`."""
+    """While draining, POST /v1/* and /health get 503; else tracks POST /v1/* and answers cut-offs
+    with a JSON 503, or an SSE error event and `data: [DONE]` mid-stream."""
 
     def __init__(self, app: Any, drain: Drain):
         self.app = app
@@ -201,16 +173,13 @@ class DrainMiddleware:
             event = b"data: " + json.dumps(error.to_dict()).encode() + b"\n\n"
             await send({"type": "http.response.body", "body": gap + event + b"data: [DONE]\n\n",
                         "more_body": False})
-        elif not reply.ended:  # a JSON body is sent in one piece: not seen in practice
+        elif not reply.ended:
             logger.warning("%s cut off mid-body; its connection is closed", scope["path"])
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGINT or SIGTERM starts `drain`'s shutdown instead of
-    stopping: it admits nothing new, waits up to drain.grace_s seconds for the requests in
-    flight, cuts off the rest (then waits up to FLUSH_S for their answers to leave) and only
-    then lets uvicorn stop. A second SIGINT skips the grace period. Give uvicorn.Config
-    timeout_graceful_shutdown=FLUSH_S."""
+    """The first SIGINT/SIGTERM starts `drain`'s shutdown; a second SIGINT stops at once.
+    Needs uvicorn.Config(timeout_graceful_shutdown=FLUSH_S)."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain):
         super().__init__(config)
@@ -232,7 +201,6 @@ class GracefulServer(uvicorn.Server):
                 logger.warning("second interrupt: stopping now, without waiting")
                 super().handle_exit(sig, frame)
             return
-        # A signal handler runs between two bytecodes of the loop: hand the work to the loop.
         self._loop.call_soon_threadsafe(self.drain.shut_down, signal.Signals(sig).name)
 
     async def _exit_when_drained(self) -> None:

@@ -1,6 +1,4 @@
-"""Pieces every HTTP process shares (worker, router, agent): OpenAI error bodies, the disconnect race,
-streams that close their source, the request-body read timeout, bearer-key checks, port
-binding, quiet signals, and keep-alive rules for clients that poll our servers."""
+"""Pieces every HTTP process shares (worker, router, agent): error bodies, disconnects, timeouts, auth, sockets, keep-alive."""
 from __future__ import annotations
 
 import asyncio
@@ -25,27 +23,19 @@ from radixserve.errors import RadixServeError, RequestTimeout, Unauthorized, err
 
 logger = logging.getLogger(__name__)
 
-#: Our servers (uvicorn) close a connection idle this long, in s (uvicorn.Config timeout_keep_alive).
-SERVER_KEEP_ALIVE_S = 5
-#: Our pollers (the agent, the router's health checks) drop a pooled connection idle this long,
-#: in s. httpx's default equals uvicorn's 5 s, so a poll every 5 s could go out on a connection
-#: just as the server closes it, and fail with "Server disconnected without sending a response".
-CLIENT_KEEP_ALIVE_S = 2.0
-#: How a request fails when the connection under it was dead: closed by the server (idle
-#: keep-alive, a restart) or reset. Sending it again, on a new connection, tells whether the
-#: server itself is down.
+SERVER_KEEP_ALIVE_S = 5       # s, uvicorn's timeout_keep_alive
+CLIENT_KEEP_ALIVE_S = 2.0     # s; must stay below SERVER_KEEP_ALIVE_S so a poll never meets a closing connection
+# A request on a connection the server had closed or reset.
 DEAD_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 T = TypeVar("T")
 
 
 class ClientDisconnected(Exception):
-    """The HTTP client went away before its response was ready (race_disconnect)."""
+    """The client went away before its response was ready."""
 
 
 def install_error_handlers(app: FastAPI, who: str) -> None:
-    """Errors as OpenAI error bodies: RadixServeError as itself (a 408 also closes the
-    connection), 404/405 as not_found_error/invalid_request_error, bugs as a logged 500
-    "internal {who} error"; a client gone before its response gets 499, to nobody."""
+    """OpenAI error bodies: RadixServeError as itself (408 closes the connection), bugs a logged 500, gone clients 499."""
 
     @app.exception_handler(RadixServeError)
     async def on_error(request: Request, exc: RadixServeError) -> Response:
@@ -72,8 +62,7 @@ def install_error_handlers(app: FastAPI, who: str) -> None:
 
 
 async def race_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work` unless the client (body read) disconnects first: then cancel `work`, let its
-    cleanup run and raise ClientDisconnected. Cancelled itself, it cancels `work` too."""
+    """Await `work`, or cancel it and raise ClientDisconnected when the client disconnects first."""
     task = asyncio.ensure_future(work)
 
     async def client_gone() -> None:
@@ -94,8 +83,7 @@ async def race_disconnect(receive: Receive, work: Awaitable[T]) -> T:
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that calls `close` (sync or async) however it ends, also when the
-    client left before the first chunk (then `content` never starts to clean up itself)."""
+    """Calls `close` (sync or async) however it ends, even before the first chunk."""
 
     def __init__(self, content: AsyncIterable[str | bytes],
                  close: Callable[[], Awaitable[None] | None], **kwargs: Any):
@@ -112,8 +100,7 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 class BodyTimeoutMiddleware:
-    """ASGI middleware: a request body that stalls `timeout_s` s between two chunks raises
-    RequestTimeout (408) in the reader; reads after the last chunk are not timed."""
+    """A body stalled `timeout_s` s between chunks raises RequestTimeout (408) in the reader."""
 
     def __init__(self, app: ASGIApp, timeout_s: float):
         self.app = app
@@ -141,9 +128,8 @@ class BodyTimeoutMiddleware:
 
 
 def bearer_key_check(key: str | None, what: str = "API key") -> Callable[[Request], Any]:
-    """FastAPI dependency: the request must carry `Authorization: Bearer <key>`, compared in
-    constant time; raises Unauthorized (401) otherwise. `key` None: every request passes."""
-    async def check(request: Request) -> None:  # the annotation makes FastAPI inject it
+    """`Authorization: Bearer <key>` (constant-time) or Unauthorized (401); `key` None passes all."""
+    async def check(request: Request) -> None:
         if key is None:
             return
         given = request.headers.get("authorization", "")
@@ -153,15 +139,11 @@ def bearer_key_check(key: str | None, what: str = "API key") -> Callable[[Reques
 
 
 class PortUnavailable(RuntimeError):
-    """host:port cannot be bound (taken by another process, or an address not on this machine)."""
+    """host:port cannot be bound."""
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port the way uvicorn binds (SO_REUSEADDR, so a port left in
-    TIME_WAIT by a previous run is reusable), not yet listening: until uvicorn listens on it
-    (`Server.serve(sockets=[sock])`) connections are refused, not queued. Binding before a
-    slow start-up makes a taken port fail at once, and nothing can take it in between.
-    Raises PortUnavailable naming host:port and the OS's reason."""
+    """A TCP socket bound as uvicorn binds (SO_REUSEADDR), not yet listening; raises PortUnavailable."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -175,26 +157,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def poller_limits(**kwargs: Any) -> httpx.Limits:
-    """httpx pool limits for a client that polls our servers: idle connections expire after
-    CLIENT_KEEP_ALIVE_S, before the server's keep-alive closes them; `kwargs` as httpx.Limits."""
+    """httpx.Limits(**kwargs) whose idle connections expire after CLIENT_KEEP_ALIVE_S."""
     return httpx.Limits(keepalive_expiry=CLIENT_KEEP_ALIVE_S, **kwargs)
 
 
 def fresh_client(trust_env: bool = True) -> httpx.AsyncClient:
-    """A client that keeps no idle connection, so every request it sends goes out on a new one:
-    the second attempts of send_resending_once. Close it with the poller's own client."""
+    """A client without idle connections, for send_resending_once's second attempt."""
     return httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), trust_env=trust_env)
 
 
 async def send_resending_once(client: httpx.AsyncClient, fresh: httpx.AsyncClient, method: str,
                               url: str, **kwargs: Any) -> httpx.Response:
-    """`client.request(method, url, **kwargs)`, sent once more on a new connection when the one
-    under it turned out dead (DEAD_CONNECTION_ERRORS), so a pooled connection the server closed
-    is not taken for a sick server. The second attempt (same URL, headers, body and timeouts)
-    goes through `fresh` (see fresh_client), not `client`'s pool, where other idle connections
-    may have died the same way. Only for requests that are safe to send twice (health and
-    metrics reads, probes). Raises what httpx raises on the second attempt, or on the first for
-    any other error (a timeout is not retried: it already took its time)."""
+    """The request, resent once through `fresh` on DEAD_CONNECTION_ERRORS (not on timeouts).
+    Only for idempotent requests (health, metrics, probes)."""
     request = client.build_request(method, url, **kwargs)
     try:
         return await client.send(request)
@@ -206,9 +181,7 @@ async def send_resending_once(client: httpx.AsyncClient, fresh: httpx.AsyncClien
 
 @contextlib.contextmanager
 def quiet_signals() -> Iterator[None]:
-    """uvicorn stops on SIGINT/SIGTERM and then re-raises the signal to the handler it found
-    installed; make that handler a logged no-op, so the caller's own shutdown runs in order
-    and the exit code is 0. Off the main thread (tests) it does nothing."""
+    """SIGINT/SIGTERM handlers as logged no-ops while uvicorn re-raises signals; no-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -225,9 +198,7 @@ def quiet_signals() -> Iterator[None]:
 
 
 def setup_logging(level: str) -> None:
-    """Root logging at `level` ("debug", "info", ...). httpx logs one INFO line per request,
-    which for the router's health and load polls and the agent's sweeps buries every real
-    event, so its loggers stay at WARNING unless `level` is debug."""
+    """Root logging at `level`; httpx stays at WARNING unless debug (its per-request lines bury events)."""
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if level.lower() != "debug":

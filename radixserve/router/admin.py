@@ -21,7 +21,7 @@ POLICY_PARAMS = ("cache_threshold", "balance_abs_threshold", "balance_rel_thresh
 
 
 class WorkerNotFound(RadixServeError):
-    """The URL names no registered worker (HTTP 404)."""
+    """HTTP 404."""
 
     status = 404
     type = "not_found_error"
@@ -29,8 +29,7 @@ class WorkerNotFound(RadixServeError):
 
 
 def admin_key_check(admin_api_key: str | None) -> Callable[[Request], Any]:
-    """FastAPI dependency: `Authorization: Bearer <admin_api_key>` or Unauthorized (401).
-    No key configured: every admin call is allowed (app.py logs a warning at start)."""
+    """`Authorization: Bearer <admin_api_key>` or Unauthorized (401); no key allows all."""
     return bearer_key_check(admin_api_key, "admin key")
 
 
@@ -56,8 +55,7 @@ def _number(body: dict, name: str) -> float:
 
 
 def validate_policy_params(body: dict) -> dict[str, float]:
-    """The policy parameters in `body`, checked: cache_threshold in [0, 1],
-    balance_abs_threshold >= 0, balance_rel_threshold >= 1. Raises InvalidRequest."""
+    """The policy parameters in `body`; InvalidRequest (400) for unknown or out-of-range ones."""
     unknown = set(body) - set(POLICY_PARAMS)
     if unknown or not body:
         raise InvalidRequest(f"give one or more of {', '.join(POLICY_PARAMS)}"
@@ -73,7 +71,6 @@ def validate_policy_params(body: dict) -> dict[str, float]:
 
 
 def build_admin_router(state: RouterState) -> APIRouter:
-    """The /admin routes over `state` (registry, policy, health monitor, metrics)."""
     admin = APIRouter(prefix="/admin", dependencies=[Depends(admin_key_check(
         state.config.admin_api_key))])
     _membership_routes(admin, state)
@@ -95,7 +92,7 @@ def _listing(state: RouterState, worker: Any) -> Response:
 
 
 def _membership_routes(admin: APIRouter, state: RouterState) -> None:
-    pending: set[asyncio.Task] = set()  # first health checks of added workers
+    pending: set[asyncio.Task] = set()
 
     @admin.get("/workers")
     async def list_workers() -> Response:

@@ -23,14 +23,12 @@ from radixserve.router.validate import json_object
 
 logger = logging.getLogger(__name__)
 
-# Client request headers passed on to workers (the client's API key included).
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 GET_FORWARDED_HEADERS = ("authorization", "accept", "x-request-id")
 
 
 def render_messages(messages: Any) -> str:
-    """Chat messages as routing text: role and content of each, in order (content parts of
-    type text joined). Anything malformed contributes nothing (the worker rejects it)."""
+    """Chat messages as routing text (role and content); malformed parts contribute nothing."""
     out = []
     for m in messages if isinstance(messages, list) else []:
         if not isinstance(m, dict):
@@ -44,9 +42,7 @@ def render_messages(messages: Any) -> str:
 
 
 def route_key(path: str, body: dict, tokenizer: Any, session: str | None) -> RouteKey:
-    """The routing key of a request: completions: the prompt (a batch: its first prompt) as
-    token ids when it is ids or a tokenizer is set, else its text; chat: the chat template's
-    ids with a tokenizer, else render_messages() text."""
+    """The (first) prompt or the chat template as token ids when possible, else as text."""
     if path == "/v1/completions":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -60,14 +56,13 @@ def route_key(path: str, body: dict, tokenizer: Any, session: str | None) -> Rou
     if tokenizer is not None:
         try:
             return RouteKey(tokenizer.apply_chat_template(messages), session)
-        except InvalidRequest as exc:  # the worker will answer with the same 400
+        except InvalidRequest as exc:  # the worker answers the same 400
             logger.debug("chat not tokenizable (%s); routing by text", exc)
     return RouteKey(render_messages(messages), session)
 
 
 def lifespan_of(state: RouterState) -> Any:
-    """Lifespan: one health sweep before serving, then the health and load loops; at
-    shutdown the loops stop and the HTTP client closes."""
+    """One health sweep before serving, then the monitor loops; shutdown stops them and closes clients."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,7 +84,6 @@ def lifespan_of(state: RouterState) -> Any:
 
 
 def build_app(state: RouterState) -> FastAPI:
-    """The router app over `state` (lifespan: lifespan_of)."""
     app = FastAPI(title="radixserve router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan_of(state))
     app.state.router = state
@@ -133,15 +127,14 @@ def build_app(state: RouterState) -> FastAPI:
         state.refresh_gauges()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    # Only these GETs are relayed: a catch-all would open the workers' own routes
-    # (/admin/fault, /get_server_info, ...) to the router's clients.
+    # Only these GETs are relayed: a catch-all would expose the workers' admin routes.
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> Response:
         return await get_from_healthy(state, request, "/v1/models")
 
     @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(request: Request, model_id: str) -> Response:
-        segment = quote(model_id, safe="")  # one segment: "a/../../admin" stays in /v1/models/
+        segment = quote(model_id, safe="")  # one segment: no path traversal
         if segment in ("", ".", ".."):
             raise ModelNotFound(f"model {model_id!r} not found", param="model")
         return await get_from_healthy(state, request, "/v1/models/" + segment)
@@ -150,17 +143,13 @@ def build_app(state: RouterState) -> FastAPI:
 
 
 def forwarded_headers(request: Request, names: tuple[str, ...]) -> dict[str, bytes]:
-    """The client's headers among `names` (lower-case), values as the bytes received: a
-    latin-1 byte passes unchanged, as it would reach the worker from a direct client
-    (httpx refuses non-ASCII str values). Never adds a header of the router's own."""
+    """The client's headers among `names`, values as the bytes received (httpx refuses non-ASCII str)."""
     return {name: value for key, value in request.headers.raw
             if (name := key.decode("latin-1").lower()) in names}
 
 
 async def get_from_healthy(state: RouterState, request: Request, path: str) -> Response:
-    """Answer a GET of an allowed path (/v1/models...) from a worker: routable ones first,
-    then other healthy ones, then the rest; a transport error or 5xx moves to the next (C20).
-    The client's own Authorization is passed on; the router's worker key never is."""
+    """A GET from routable, then healthy, then other workers; a transport error or 5xx tries the next."""
     workers = state.registry.list()
     order = sorted(workers, key=lambda w: (not w.is_routable(), not w.healthy))
     headers = forwarded_headers(request, GET_FORWARDED_HEADERS)

@@ -14,7 +14,6 @@ logger = logging.getLogger("radixserve.router")
 
 
 def build_parser(prog: str = "radixserve route") -> argparse.ArgumentParser:
-    """Parser of `route`: --worker-urls plus one flag per RouterConfig field."""
     parser = argparse.ArgumentParser(
         prog=prog, allow_abbrev=False,
         description="Route OpenAI requests to radixserve workers by prefix affinity and load, "
@@ -31,7 +30,6 @@ def build_parser(prog: str = "radixserve route") -> argparse.ArgumentParser:
 
 
 def load_tokenizer(path: str | None) -> object | None:
-    """The radixserve Tokenizer at `path` (HF folder or .gguf), or None without a path."""
     if path is None:
         return None
     from radixserve.tokenizer.tokenizer import Tokenizer
@@ -40,9 +38,7 @@ def load_tokenizer(path: str | None) -> object | None:
 
 def run(config: RouterConfig, worker_urls: list[str], prefill_urls: list[str] | None = None,
         decode_urls: list[str] | None = None) -> int:
-    """Serve the router until SIGINT/SIGTERM, which drain first (drain.py: new requests get
-    503, those in flight get up to --graceful-shutdown-timeout s). Returns 0, or 1 if
-    start-up failed."""
+    """Serve until SIGINT/SIGTERM, which drain first (drain.py); 1 if start-up failed."""
     import uvicorn
 
     from radixserve.router.app import build_app
@@ -72,7 +68,7 @@ def run(config: RouterConfig, worker_urls: list[str], prefill_urls: list[str] | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `radixserve route`. Returns the exit code (2 on bad flags)."""
+    """Returns the exit code (2 on bad flags)."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = from_args(RouterConfig, args)

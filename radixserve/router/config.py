@@ -1,8 +1,4 @@
-"""RouterConfig: every router threshold as a flag with a documented default.
-
-Defaults start from SGLang's router and are changed where our
-workers differ; each change says why in its help text.
-"""
+"""RouterConfig: every router threshold as a flag; defaults from SGLang's router unless the help says why."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +11,7 @@ POLICIES = ("cache_aware", "power_of_two", "round_robin", "random", "session")
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Settings of `radixserve route` (worker URLs are given separately, as --worker-urls)."""
+    """Settings of `radixserve route` (worker URLs are separate flags)."""
 
     host: str = opt("127.0.0.1", "address to listen on")
     port: int = opt(30080, "port to listen on")
@@ -23,7 +19,6 @@ class RouterConfig:
     log_level: str = opt("info", "logging level", ("debug", "info", "warning", "error"))
     graceful_shutdown_timeout: float = opt(GRACEFUL_SHUTDOWN_TIMEOUT_S, GRACE_HELP + " (fleet: "
                                            "the workers get it too)")
-    # cache_aware
     cache_threshold: float = opt(0.3, "prefix match ratio above which the longest-match worker "
                                       "wins; below it the least-loaded worker does (SGLang: 0.3)")
     balance_abs_threshold: float = opt(16.0, "dead-band, absolute: a chosen worker whose load "
@@ -41,12 +36,10 @@ class RouterConfig:
                                            "trees by token ids; default: by characters")
     session_header: str = opt("x-session-id", "header the session policy hashes (falls back "
                                               "to the body's `user` field)")
-    # load
     load_poll_interval_s: float = opt(1.0, "how often each worker's queue and KV usage are read")
     load_stale_s: float = opt(5.0, "a load reading older than this counts the worker as busy")
     load_smoothing: float = opt(0.5, "EMA weight of the newest load reading (alpha = 2/(N+1) "
                                      "for an N-reading window)")
-    # retries
     retry_max_attempts: int = opt(5, "attempts per request, the first included (SGLang: 5)")
     retry_initial_backoff_ms: float = opt(50.0, "backoff before the first retry")
     retry_backoff_multiplier: float = opt(1.5, "backoff growth per retry")
@@ -58,20 +51,17 @@ class RouterConfig:
                                                 "content with an error event instead of "
                                                 "continuing it on another worker "
                                                 "(docs/stream_migration.md)")
-    # circuit breaker
     cb_failure_threshold: int = opt(5, "consecutive faults that open a worker's breaker "
                                        "(SGLang CLI: 10, struct: 5)")
     cb_success_threshold: int = opt(2, "consecutive half-open successes that close it")
     cb_timeout_s: float = opt(30.0, "seconds open before a half-open probe")
     disable_circuit_breaker: bool = opt(False, "never open breakers")
-    # health checks
     health_check_interval_s: float = opt(5.0, "seconds between active health checks "
                                               "(SGLang: 60; Dynamo: 10)")
     health_check_timeout_s: float = opt(5.0, "timeout of one health check")
     health_check_endpoint: str = opt("/health", "worker path probed by health checks")
     health_failure_threshold: int = opt(3, "consecutive failed checks that mark a worker unhealthy")
     health_success_threshold: int = opt(2, "consecutive passed checks that mark it healthy again")
-    # timeouts and auth
     connect_timeout_s: float = opt(5.0, "timeout to connect to a worker")
     silence_timeout_s: float = opt(300.0, "a worker silent this long mid-request is a fault")
     request_body_timeout: float = opt(REQUEST_BODY_TIMEOUT_S, BODY_TIMEOUT_HELP + " (fleet: the "

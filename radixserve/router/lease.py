@@ -9,16 +9,13 @@ from radixserve.router.eject import StreamWatch
 
 @dataclass(slots=True)
 class Attempts:
-    """Attempts one client request has made, its stream's continuations included (all of them
-    count against retry_max_attempts)."""
+    """One client request's attempts, continuations included, against retry_max_attempts."""
 
     made: int = 0
 
 
 class Lease:
-    """One dispatch of a request to a worker: the registry's in-flight counting context,
-    entered now and exited exactly once by `release()` (finish, error or disconnect), and
-    the StreamWatch of its stream, if it has one, registered on the worker until then."""
+    """One dispatch: the registry's in-flight context, exited exactly once by `release()`."""
 
     def __init__(self, registry: Any, worker: Any):
         self.worker = worker
@@ -28,8 +25,7 @@ class Lease:
         self._watch: StreamWatch | None = None
 
     def watch(self) -> StreamWatch:
-        """The StreamWatch of this lease's stream (made at the first call), whose reads are
-        cut with Ejected when the worker is ejected before release() (eject.py)."""
+        """Reads through it raise Ejected once the worker is ejected (eject.py)."""
         assert self._open, "a stream is watched only while its lease is held"
         if self._watch is None:
             self._watch = StreamWatch(self.worker)

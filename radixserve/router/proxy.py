@@ -24,14 +24,12 @@ from radixserve.router.stream import StreamLedger, error_of, sse_events
 
 logger = logging.getLogger(__name__)
 
-# A worker that cannot be reached: a transport error, or a URL httpx refuses (the admin API
-# validates URLs; this keeps a bad one from turning into a 500 if one ever gets through).
+# A worker that cannot be reached (a bad URL included: never a 500).
 UNREACHABLE = (httpx.TransportError, httpx.InvalidURL)
 
 
 def outcome_label(status: int | None, transport_error: bool, kind: str | None = None) -> str:
-    """`outcome` label of requests_total: success, client_error, backpressure, failure or
-    transport_error (`kind`: the error body's type, see outcome.classify)."""
+    """requests_total's `outcome`: success, client_error, backpressure, failure or transport_error."""
     if transport_error:
         return "transport_error"
     outcome = classify(status, False, kind)
@@ -44,8 +42,7 @@ def outcome_label(status: int | None, transport_error: bool, kind: str | None = 
 
 @dataclass
 class Failure:
-    """One attempt that failed in a way another worker may fix. `status` None: no response
-    (transport error or timeout); else the worker's status, body and content type."""
+    """A retryable failed attempt; `status` None: no response."""
 
     url: str
     status: int | None
@@ -54,7 +51,6 @@ class Failure:
     content_type: str = "application/json"
 
     def to_response(self) -> Response:
-        """The worker's own error response, or 503 when no worker answered at all."""
         if self.status is not None:
             return Response(self.content, status_code=self.status, media_type=self.content_type)
         return JSONResponse(error_body(f"no worker available: last attempt failed ({self.message})",
@@ -62,9 +58,7 @@ class Failure:
 
 
 class Forwarder:
-    """Sends a request to the workers the policy picks, retrying per RouterConfig (SGLang
-    router retry rules, with tried workers excluded).
-    `registry`, `policy`: router-core's WorkerRegistry and Policy; `http`: the shared client."""
+    """Sends requests to policy-picked workers, retrying on untried ones (SGLang router retry rules)."""
 
     def __init__(self, config: RouterConfig, registry: Any, policy: Any, metrics: RouterMetrics,
                  http: httpx.AsyncClient):
@@ -73,8 +67,7 @@ class Forwarder:
         self.max_attempts = 1 if config.disable_retries else config.retry_max_attempts
 
     def backoff_s(self, retry: int) -> float:
-        """Delay before retry number `retry` (1-based), in s: initial * multiplier^(retry-1),
-        capped, times 1 + U[-jitter, +jitter] (SGLang router `retry.rs`)."""
+        """Seconds before 1-based retry `retry`: capped exponential, times 1 + U[-jitter, jitter] (SGLang `retry.rs`)."""
         c = self.config
         delay_ms = min(c.retry_initial_backoff_ms * c.retry_backoff_multiplier ** (retry - 1),
                        c.retry_max_backoff_ms)
@@ -82,24 +75,18 @@ class Forwarder:
 
     def record(self, worker: Any, status: int | None, transport_error: bool,
                kind: str | None = None) -> None:
-        """Feed one attempt's outcome to the worker's breaker, counters and metrics (`kind`:
-        the error body's type, see outcome.classify)."""
         worker.record(classify(status, transport_error, kind).breaker)
         self.metrics.requests.labels(worker.url,
                                      outcome_label(status, transport_error, kind)).inc()
 
     @property
     def migration_on(self) -> bool:
-        """Whether broken streams are continued on another worker (--disable-stream-migration)."""
         return not self.config.disable_stream_migration
 
     async def forward(self, path: str, body: bytes, headers: dict[str, bytes], key: Any,
                       stream: bool, t_start: float) -> Response:
-        """POST `body` to `path` on a worker chosen for `key` (a policy RouteKey) with the
-        client's `headers` (values as received, bytes); retries on transport errors, 408, 429
-        and 5xx on other workers, and a stream also on a worker error before its first content.
-        Returns the relayed response (a stream: a RelayResponse that continues it elsewhere
-        if its worker breaks later), a worker's error, or 503 when no worker could be tried."""
+        """POST to a worker chosen for `key`; retries transport errors, 408, 429, 5xx, and a stream's
+        error before content. Returns the response (a RelayResponse for a stream), or 503."""
         tried: set[str] = set()
         attempts = Attempts()
         ledger = StreamLedger(path, body, self.migration_on) if stream else None
@@ -124,8 +111,6 @@ class Forwarder:
     async def continue_stream(self, path: str, headers: dict[str, bytes], key: Any,
                               ledger: StreamLedger, tried: set[str],
                               attempts: Attempts) -> tuple[Opened | None, str]:
-        """Send the continuation of a cut stream to untried workers within the attempt budget.
-        Returns (the opened continuation or None, the stream_migrations_total outcome)."""
         result = await self._dispatch(path, ledger.continuation_body(), headers, key, ledger,
                                       tried, attempts, None)
         if isinstance(result, Opened):
@@ -140,9 +125,7 @@ class Forwarder:
     async def _dispatch(self, path: str, body: bytes, headers: dict[str, bytes], key: Any,
                         ledger: StreamLedger | None, tried: set[str], attempts: Attempts,
                         t_start: float | None) -> Response | Opened | Failure | None:
-        """Attempts on untried workers until one answers for the client or the budget
-        (retry_max_attempts, counted in `attempts`) runs out. Returns the answer, an
-        Opened stream, the last retryable Failure, or None when no worker could be tried."""
+        """Attempts on untried workers within the budget; None when none could be tried."""
         last: Failure | None = None
         while attempts.made < self.max_attempts:
             if attempts.made and self.registry.routable(exclude=tried):
@@ -165,7 +148,7 @@ class Forwarder:
                 result = await self._attempt(lease, path, body, headers, ledger)
             finally:
                 if not isinstance(result, Opened):
-                    lease.release()  # a relay releases an opened stream's lease when it ends
+                    lease.release()  # an Opened stream's relay releases it
             if not isinstance(result, Failure):
                 return result
             last = result
@@ -173,13 +156,9 @@ class Forwarder:
 
     async def _attempt(self, lease: Lease, path: str, body: bytes, headers: dict[str, bytes],
                        ledger: StreamLedger | None) -> Response | Opened | Failure:
-        """One attempt on `lease.worker`. Returns the response for the client, an Opened stream
-        (which then owns the lease and the upstream response) or a retryable Failure. The
-        upstream response is closed on every other way out, cancellation included (closing
-        it mid-body drops the connection, so the worker aborts the request)."""
+        """An Opened stream owns the lease and upstream; otherwise upstream is closed on every exit."""
         worker = lease.worker
         upstream: httpx.Response | None = None
-        # A stream is cut if its worker is ejected from here on, its headers included.
         read = lease.watch().read if ledger is not None else _call
         try:
             try:
@@ -192,13 +171,13 @@ class Forwarder:
                         upstream = None
                     return opened
                 content = await read(upstream.aread)
-            except (*UNREACHABLE, Ejected) as exc:   # an ejection counts as a transport error
+            except (*UNREACHABLE, Ejected) as exc:
                 self.record(worker, None, True)
                 logger.info("attempt on %s failed: %r", worker.url, exc)
                 return Failure(worker.url, None, f"{worker.url}: {type(exc).__name__}: {exc}")
         finally:
             if upstream is not None:
-                with anyio.CancelScope(shield=True):  # see Relay._leave
+                with anyio.CancelScope(shield=True):
                     await upstream.aclose()
         status = upstream.status_code
         kind = error_kind(content) if status == 503 else None
@@ -211,11 +190,8 @@ class Forwarder:
 
     async def _open(self, lease: Lease, upstream: httpx.Response,
                     ledger: StreamLedger) -> Opened | Failure:
-        """Read a 200 stream up to its first content event (chat role chunks are held), so a
-        worker that fails before then is retried as if nothing had been sent: a transport error
-        propagates, as does Ejected (the worker turned unhealthy meanwhile), and a retryable
-        error event is a Failure (its body, its status). The events are read through the
-        lease's StreamWatch, which the relay goes on reading through."""
+        """Read up to the first content event, so earlier failures retry as if nothing was sent:
+        a retryable error event is a Failure; transport errors and Ejected propagate."""
         events = lease.watch().events(sse_events(upstream.aiter_raw()))
         pending: list[bytes] = []
         async for event in events:
@@ -235,5 +211,4 @@ class Forwarder:
 
 
 async def _call(step: Callable[[], Awaitable[Any]]) -> Any:
-    """`await step()`: the read of a request that is not a stream (never cut)."""
     return await step()

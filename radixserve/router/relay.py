@@ -17,14 +17,11 @@ from radixserve.router.stream import DONE, StreamLedger, error_event, error_of
 
 logger = logging.getLogger(__name__)
 
-# Response headers of a worker that are relayed to the client (hop-by-hop ones are not).
 RELAYED_HEADERS = ("content-type", "cache-control", "x-request-id")
 
 
 def wire_header(headers: httpx.Headers, name: str) -> str | None:
-    """The first `name` header (lower-case) as its bytes on the wire decoded latin-1, which
-    Starlette encodes back to the same bytes (httpx may decode it as UTF-8 instead, and a
-    character beyond latin-1 would then fail to encode: a 500). None if absent."""
+    """The first `name` header decoded latin-1, so Starlette re-encodes the same bytes."""
     for key, value in headers.raw:
         if key.lower() == name.encode():
             return value.decode("latin-1")
@@ -32,7 +29,6 @@ def wire_header(headers: httpx.Headers, name: str) -> str | None:
 
 
 class Forwarding(Protocol):
-    """What a Relay needs of the Forwarder that opened its stream (proxy.py)."""
 
     metrics: RouterMetrics
 
@@ -45,8 +41,7 @@ class Forwarding(Protocol):
 
 @dataclass
 class Opened:
-    """A worker stream the client may be given: its lease, the upstream response, its event
-    iterator, and the events read before the stream was committed (to be sent first)."""
+    """A committable worker stream; `pending`: events read before commit, sent first."""
 
     lease: Lease
     upstream: httpx.Response
@@ -55,8 +50,7 @@ class Opened:
 
 
 class StreamCut(Exception):
-    """A worker's stream broke after content reached the client. `event`: the worker's own
-    error event (None: a transport error); `status`, `kind`: what it counts as (outcome.py)."""
+    """A stream broke after content; `event`: the worker's error event (None: transport error)."""
 
     def __init__(self, message: str, event: bytes | None = None, status: int | None = None,
                  kind: str | None = None):
@@ -65,20 +59,14 @@ class StreamCut(Exception):
 
 
 class Relay:
-    """One client stream: the events of `opened` passed through `ledger`, then, when the
-    worker breaks (transport error, or an error event that is the worker's fault) or is
-    ejected (it turned unhealthy: Ejected, counted as a transport error) and the ledger can
-    continue, the events of a continuation on another worker
-    (Forwarder.continue_stream), as often as the attempt budget allows. When none can go on,
-    the stream ends with an error event and `data: [DONE]`: the worker's own error event,
-    else a router-made `worker_error` (field case C20: never a silent replay). `close()` runs
-    once however the response ends; each worker's outcome is recorded as it is left."""
+    """One client stream through `ledger`, continued on other workers when one breaks or is ejected;
+    when none can go on it ends with an error event and `data: [DONE]` (never a silent replay)."""
 
     def __init__(self, forwarder: Forwarding, ledger: StreamLedger, opened: Opened,
                  resend: Any):
         self.forwarder, self.ledger, self.opened = forwarder, ledger, opened
-        self.resend = resend   # async () -> Opened | None: a continuation, or None
-        self.upstream = opened.upstream  # the first worker's (status and headers)
+        self.resend = resend   # async () -> (Opened | None, outcome)
+        self.upstream = opened.upstream
         self.outcome: tuple[int | None, bool, str | None] | None = None
         self._closed = False
 
@@ -125,11 +113,10 @@ class Relay:
                     raise StreamCut(f"error event {kind}", event, status, kind)
             if (out := ledger.relay(event)) is not None:
                 yield out
-        if last.strip() != DONE.strip():   # a worker ends every stream with [DONE]: this one was cut
+        if last.strip() != DONE.strip():
             raise httpx.RemoteProtocolError("the worker's stream ended without data: [DONE]")
 
     async def _continued(self) -> bool:
-        """Move to a continuation if the stream can go on; count the migration's outcome."""
         metrics = self.forwarder.metrics.migrations
         if not self.forwarder.migration_on:
             return False
@@ -144,17 +131,15 @@ class Relay:
         return True
 
     async def _leave(self) -> None:
-        """Close the current worker's response, record its outcome, release its lease."""
         opened, self.opened = self.opened, None
         if opened is None:
             return
         try:
-            # Shielded: on client disconnect this runs inside a cancelled (anyio, level-triggered)
-            # scope, where an unshielded await would be cut short and leave the worker running.
+            # Shielded: on disconnect this runs in a cancelled scope; closing mid-body aborts the worker.
             with anyio.CancelScope(shield=True):
-                await opened.upstream.aclose()  # mid-body: drops the connection, the worker aborts
+                await opened.upstream.aclose()
         finally:
-            if self.outcome is not None:  # None: the client left; nothing to hold against the worker
+            if self.outcome is not None:  # None: the client left
                 self.forwarder.record(opened.lease.worker, *self.outcome)
             opened.lease.release()
 
@@ -166,8 +151,7 @@ class Relay:
 
 
 class RelayResponse(ClosingStreamingResponse):
-    """The client's response of a Relay: the first worker's status and relayed headers; it
-    closes the relay however it ends."""
+    """The first worker's status and RELAYED_HEADERS; closes the relay however it ends."""
 
     def __init__(self, relay: Relay):
         headers = {k: v for k in RELAYED_HEADERS if (v := wire_header(relay.upstream.headers, k))}

@@ -1,4 +1,4 @@
-"""RouterState: everything one router holds (workers, prefix tree, policy, metrics, HTTP client, health monitor, forwarder, drain), and how it is built."""
+"""RouterState: everything one router holds, and how it is built."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,9 +22,7 @@ MAX_KEEPALIVE_CONNECTIONS = 256
 
 @dataclass
 class RouterState:
-    """Everything one router holds: workers, prefix tree, policy, metrics, the shared HTTP
-    client, the health monitor, the forwarder and its own Drain (SIGTERM: drain.py).
-    `tokenizer` (radixserve Tokenizer or None) keys the tree by token ids."""
+    """`tokenizer` (or None) keys the prefix tree by token ids."""
 
     config: RouterConfig
     registry: WorkerRegistry
@@ -36,11 +34,10 @@ class RouterState:
     forwarder: Forwarder
     drain: Drain
     tokenizer: Any = None
-    pd: Any = None          # PD mode (router/pd.py): registry/policy above are the prefill side
+    pd: Any = None          # PD mode (router/pd.py): the fields above are the prefill side
 
     def add_worker(self, url: str, weight: float = 1.0, healthy: bool = False) -> WorkerState:
-        """Register a worker, unhealthy until its first check passes. Raises ValueError if
-        it is already there or the weight is bad."""
+        """ValueError for a duplicate or a bad weight."""
         worker = self.registry.add(url, weight, healthy=healthy)
         worker.breaker.on_transition = lambda old, new: self.metrics.on_transition(url, old, new)
         self.metrics.set_breaker_state(url, worker.breaker.state)
@@ -48,22 +45,19 @@ class RouterState:
         return worker
 
     def remove_worker(self, url: str) -> WorkerState:
-        """Deregister a worker (its tree entries go too). Raises KeyError if unknown."""
+        """Its tree entries go too; KeyError if unknown."""
         worker = self.registry.remove(url)
         self.metrics.forget(url)
         return worker
 
     def policy_params(self) -> dict:
-        """{"policy": name, cache_threshold, balance_abs_threshold, balance_rel_threshold}."""
         return {"policy": self.policy.name, **self.policy.params()}
 
     def set_policy_params(self, params: dict[str, float]) -> dict:
-        """Change the policy's tunable parameters; returns policy_params()."""
         self.policy.set_params(**params)
         return self.policy_params()
 
     def refresh_gauges(self) -> None:
-        """Per-worker gauges read from the registry at scrape time."""
         for w in self.registry.list():
             self.metrics.in_flight.labels(w.url).set(w.in_flight)
             self.metrics.healthy.labels(w.url).set(1 if w.healthy else 0)
@@ -72,8 +66,7 @@ class RouterState:
 
 def build_pd_state(config: RouterConfig, prefill_urls: list[str], decode_urls: list[str],
                    tokenizer: Any = None) -> RouterState:
-    """PD mode: a RouterState over the prefill workers (health, cache-aware policy, /v1/models)
-    whose `pd` pairs them with a second state over the decode workers (router/pd.py)."""
+    """A state over the prefill workers whose `pd` pairs it with one over the decode workers."""
     from radixserve.router.pd import PDRouter
 
     state = build_state(config, prefill_urls, tokenizer)
@@ -82,8 +75,7 @@ def build_pd_state(config: RouterConfig, prefill_urls: list[str], decode_urls: l
 
 
 def build_state(config: RouterConfig, worker_urls: list[str], tokenizer: Any = None) -> RouterState:
-    """A RouterState over `worker_urls`, each in validate.worker_url's canonical form.
-    Raises ValueError on a malformed URL or a duplicate (after canonicalisation)."""
+    """ValueError on a malformed URL or a duplicate after canonicalisation."""
     registry = WorkerRegistry(config)
     tree = ApproxPrefixTree(config.max_tree_size, config.tree_ttl_s)
     policy = make_policy(config, registry, tree)

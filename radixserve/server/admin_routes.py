@@ -20,8 +20,7 @@ MAX_ADMIN_BODY_BYTES = 64 << 10
 
 
 class AbortRequest(BaseModel, extra="forbid"):
-    """Body of POST /abort_request: `rid` is the `id` of a completion or chat completion
-    (the response body's `id`, or any streamed chunk's); `abort_all` ends every open request."""
+    """Body of POST /abort_request: `rid` is a response's or chunk's `id`."""
 
     rid: str = ""
     abort_all: bool = False
@@ -29,8 +28,7 @@ class AbortRequest(BaseModel, extra="forbid"):
 
 def install_admin_routes(app: FastAPI, ctx: ServingContext, server_config: ServerConfig,
                          auth: list[Any], drain: Drain) -> None:
-    """Add the operator routes (all behind the API key when one is set); /debug/pages only
-    with --enable-debug-endpoints, /admin/fault only with --enable-fault-injection."""
+    """The operator routes, behind the API key; debug and fault routes only when their flags are set."""
     install_drain_routes(app, drain, auth)
 
     @app.post("/flush_cache", dependencies=auth)
@@ -41,8 +39,7 @@ def install_admin_routes(app: FastAPI, ctx: ServingContext, server_config: Serve
 
     @app.post("/abort_request", dependencies=auth)
     async def abort_request(request: Request) -> Response:
-        """End open requests with finish_reason "abort"; an unknown rid is not an error (it
-        may have just finished). Returns the ids aborted."""
+        """Abort open requests (an unknown rid is no error); returns the ids aborted."""
         body = await parse_body(request, AbortRequest, MAX_ADMIN_BODY_BYTES)
         if not body.abort_all and not body.rid:
             raise InvalidRequest("give a rid or abort_all: true", param="rid")
@@ -55,7 +52,7 @@ def install_admin_routes(app: FastAPI, ctx: ServingContext, server_config: Serve
         return JSONResponse({"aborted": aborted})
 
     async def server_info() -> Response:
-        """Config, pool usage and hit rate (SGLang's /get_server_info; /server_info too)."""
+        """Config, pool usage and hit rate (as SGLang's /get_server_info)."""
         return JSONResponse({"model": ctx.model_name, "model_path": ctx.model_path,
                              "max_context_len": ctx.max_context_len,
                              "page_size": ctx.client.info.page_size if ctx.client.info else None,
@@ -80,10 +77,7 @@ def install_admin_routes(app: FastAPI, ctx: ServingContext, server_config: Serve
 
 
 def install_drain_routes(app: FastAPI, drain: Drain, auth: list[Any]) -> None:
-    """POST /admin/drain: admit no new generation (503 `draining`, /health 503 `draining`)
-    while those in flight finish; the process keeps running. POST /admin/undrain: admit
-    again (400 once SIGTERM has started a shutdown). GET /admin/drain: the state. Each
-    answers Drain.to_json()."""
+    """POST /admin/drain (new work 503 `draining`), POST /admin/undrain (400 after SIGTERM), GET: Drain.to_json()."""
 
     @app.post("/admin/drain", dependencies=auth)
     async def start_drain() -> Response:
@@ -103,8 +97,7 @@ def install_drain_routes(app: FastAPI, drain: Drain, auth: list[Any]) -> None:
 
 def _debug_pages(ctx: ServingContext) -> Any:
     async def debug_pages() -> Response:
-        """Page pool: free / cached (evictable) / in use, and whether the ownership
-        invariant (free + cached + private == total) holds right now."""
+        """Page pool counts and whether free + cached + private == total holds."""
         try:
             await ctx.client.call("check_invariants")
             invariant, error = True, None
@@ -128,10 +121,7 @@ def _debug_pages(ctx: ServingContext) -> Any:
 
 
 def install_fault_routes(app: FastAPI, faults: FaultInjector, auth: list[Any]) -> None:
-    """POST /admin/fault starts a fault (body: FaultSpec) and returns it; GET lists the
-    active ones; DELETE clears all, or one with ?kind=. Replies {"faults": [...]} /
-    {"cleared": [kinds]}; each fault is {"kind", its params, "duration_s", "elapsed_s",
-    "remaining_s"}. These routes keep answering during a hang."""
+    """/admin/fault: POST a FaultSpec, GET the active faults, DELETE all or ?kind=; they answer during a hang."""
 
     @app.post("/admin/fault", dependencies=auth)
     async def inject_fault(request: Request) -> Response:

@@ -1,24 +1,4 @@
-"""Online output-anomaly detectors over one choice's generated text: runaway repetition, garbled text, rare-character noise.
-
-Each detector sees every text delta once and keeps O(1) state: garbled and rare_chars look
-at each new character once; repetition looks at a bounded tail (a few hundred characters,
-C-level string search and compare) per delta. Pure Python (`unicodedata`), no torch.
-
-    AnomalyGuard(config)                one per choice
-      .feed(update)                     -> Detection | None   (the first detection sticks)
-        RepetitionDetector   "repetition"  the tail is one short period repeated many times
-        GarbledDetector      "garbled"     U+FFFD, lone surrogates, C1 controls, mojibake,
-                                           words mixing alphabets (Latin+Cyrillic, ...)
-        RareCharDetector     "rare_chars"  private-use, unassigned, control and format
-                                           characters, symbols from rarely used blocks
-
-With speculative decoding a fourth detector judges the draft acceptance
-(`AcceptanceDetector`, server/acceptance_guard.py), fed by `ChoiceUpdate.spec`; it is added by
-`AnomalyGuard(config, extra_detectors=[...])` and its kind is "spec_acceptance".
-
-Thresholds (GuardConfig defaults) were set against ordinary generations of the default
-model and of the tiny random test model; docs/anomaly_guard.md has the measured rates.
-"""
+"""Online output-anomaly detectors over one choice's text, O(1) state each: repetition, garbled text, rare characters (docs/anomaly_guard.md)."""
 from __future__ import annotations
 
 import unicodedata
@@ -34,29 +14,28 @@ KINDS = ("repetition", "garbled", "rare_chars")
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """Detector thresholds. Counts are in characters (str items) unless named otherwise."""
+    """Detector thresholds; counts in characters unless named otherwise."""
 
-    max_period_chars: int = 80       # loops of up to ~20 tokens of English text
-    min_loop_chars: int = 256        # a loop must cover at least this much of the tail ...
-    min_loop_repeats: int = 8        # ... and repeat its period at least this often
-    min_bad_chars: int = 6           # garbled: U+FFFD / surrogates / C1 / mojibake pairs ...
-    min_bad_fraction: float = 0.03   # ... and at least this share of the text
-    min_mixed_words: int = 4         # garbled: words mixing two alphabets ...
-    min_mixed_fraction: float = 0.15  # ... and at least this share of the words
-    min_rare_chars: int = 3          # rare_chars: at least this many ...
-    min_rare_fraction: float = 0.01  # ... and at least this share of the text
+    max_period_chars: int = 80
+    min_loop_chars: int = 256
+    min_loop_repeats: int = 8
+    min_bad_chars: int = 6
+    min_bad_fraction: float = 0.03
+    min_mixed_words: int = 4
+    min_mixed_fraction: float = 0.15
+    min_rare_chars: int = 3
+    min_rare_fraction: float = 0.01
 
 
 class Detection(NamedTuple):
-    """What fired: `kind` in KINDS (or an extra detector's kind) and a human-readable reason."""
+    """`kind` (KINDS or an extra detector's) and a human-readable reason."""
 
     kind: str
     detail: str
 
 
 class Detector(Protocol):
-    """An online detector of one choice: `feed` each non-empty update in order (its text, token
-    ids, speculative counts so far and confidences); a non-None return ends the request."""
+    """One choice's online detector: fed each non-empty update in order; a Detection ends the request."""
 
     kind: str
 
@@ -64,16 +43,8 @@ class Detector(Protocol):
 
 
 class RepetitionDetector:
-    """Runaway repetition: the output's last need(p) = max(min_loop_chars, min_loop_repeats * p)
-    characters are periodic with a period p <= max_period_chars.
-
-    After each delta, over the last max need(p) characters kept: every earlier occurrence of
-    the last KEY_CHARS characters within max_period_chars gives a candidate period p (any
-    real loop of period p is among them, since need(p) >= p + KEY_CHARS), and a candidate
-    counts when buf[-need(p):-p] == buf[-need(p)+p:] (a string is p-periodic iff it equals
-    itself shifted by p). Normal text has no candidate, so a delta costs one C-level rfind
-    over ~max_period_chars characters plus the copy of the kept tail.
-    """
+    """The last need(p) = max(min_loop_chars, min_loop_repeats * p) characters are p-periodic, p <= max_period_chars.
+    Candidates p: earlier occurrences of the last KEY_CHARS characters; p-periodic iff buf equals itself shifted by p."""
 
     kind = "repetition"
     KEY_CHARS = 8
@@ -96,7 +67,7 @@ class RepetitionDetector:
             return None
         key, lo, hi = buf[n - k:], max(n - k - self.max_period, 0), n - 1
         while (pos := buf.rfind(key, lo, hi)) >= 0:
-            p = n - k - pos                  # nearest occurrence first: smallest period first
+            p = n - k - pos
             need = self._need[p - 1]
             if n >= need and buf[n - need + p:] == buf[n - need:n - p]:
                 return Detection(self.kind, f"a {p}-character period repeated over the last "
@@ -107,9 +78,7 @@ class RepetitionDetector:
 
 @lru_cache(maxsize=65536)
 def script_of(c: str) -> str:
-    """The script of a letter from its Unicode name ("LATIN", "CYRILLIC", ...); Han, kana,
-    Hangul and Bopomofo are one group "CJK" (they mix with each other and with Latin in
-    normal text)."""
+    """A letter's script from its Unicode name ("LATIN", ...); Han, kana, Hangul, Bopomofo are all "CJK"."""
     name = unicodedata.name(c, "")
     head = name.split(" ", 1)[0]
     if head in ("CJK", "HIRAGANA", "KATAKANA", "HANGUL", "BOPOMOFO", "HALFWIDTH", "FULLWIDTH"):
@@ -117,8 +86,7 @@ def script_of(c: str) -> str:
     return head
 
 
-# Letter scripts whose mixing inside one word is normal: Latin with CJK ("Python编程",
-# "Python을") and Latin with Greek (math and units: "Δx", "μm").
+# Scripts that mix normally inside one word: "Python编程", "Δx".
 COMPATIBLE_SCRIPTS = frozenset({frozenset({"LATIN", "CJK"}), frozenset({"LATIN", "GREEK"})})
 MOJIBAKE_LEADS = frozenset("ÃÂ")   # UTF-8 read as Latin-1: "Ã©" for "é", "Â " for NBSP
 
@@ -131,9 +99,7 @@ def is_bad_char(c: str, prev: str) -> bool:
 
 
 class GarbledDetector:
-    """Garbled text: replacement characters and invalid sequences above min_bad_chars and
-    min_bad_fraction of the text, or words mixing incompatible alphabets ("hеllo" with a
-    Cyrillic е) above min_mixed_words and min_mixed_fraction of the words."""
+    """Bad characters (`is_bad_char`) or words mixing incompatible alphabets, each over a count and a share."""
 
     kind = "garbled"
 
@@ -173,8 +139,7 @@ class GarbledDetector:
         self._word_scripts = set()
 
 
-# Blocks almost never seen in model output, whatever the language: control pictures and
-# OCR, Braille, Yijing hexagrams, Yi radicals, Byzantine and Western musical symbols.
+# Control pictures and OCR, Braille, Yijing hexagrams, Yi radicals, musical symbols.
 RARE_BLOCKS = ((0x2400, 0x245F), (0x2800, 0x28FF), (0x4DC0, 0x4DFF), (0xA490, 0xA4CF),
                (0x1D000, 0x1D1FF))
 NORMAL_FORMAT_CHARS = frozenset("\u200c\u200d\u00ad\u2060")   # ZWNJ, ZWJ (emoji), soft hyphen, WJ
@@ -182,8 +147,7 @@ NORMAL_FORMAT_CHARS = frozenset("\u200c\u200d\u00ad\u2060")   # ZWNJ, ZWJ (emoji
 
 @lru_cache(maxsize=65536)
 def is_rare_char(c: str) -> bool:
-    """Private use, unassigned, control (but tab and newlines), format (but ZWJ and friends),
-    or a character from RARE_BLOCKS. Emoji, CJK, box drawing, math and arrows are normal."""
+    """Private use, unassigned, control (but tab, newlines), format (but NORMAL_FORMAT_CHARS), or RARE_BLOCKS."""
     cat = unicodedata.category(c)
     if cat in ("Co", "Cn"):
         return True
@@ -196,8 +160,7 @@ def is_rare_char(c: str) -> bool:
 
 
 class RareCharDetector:
-    """Rare-character noise: at least min_rare_chars rare characters (`is_rare_char`) and at
-    least min_rare_fraction of the text."""
+    """At least min_rare_chars `is_rare_char` characters and min_rare_fraction of the text."""
 
     kind = "rare_chars"
 
@@ -217,17 +180,8 @@ class RareCharDetector:
 
 
 class AnomalyGuard:
-    """All detectors of one choice. `feed` returns the first Detection (and the same one on
-    every later call: a choice that went wrong stays wrong).
-
-    `loops_expected`: the choice decodes greedily or under a grammar (JSON schema, tool-call
-    tags), so repetition is not judged. A loop under greedy decoding is the model's own
-    deterministic answer, the same on every healthy worker (small models fall into them:
-    2.3 % of greedy SmolLM2-135M answers, docs/anomaly_guard.md); text a grammar forces (a
-    long function name, enum value or `const`, repeated array items) is periodic by
-    construction. Stopping either would turn the answer into an error that no retry can fix.
-    Garbled text and rare characters are judged either way.
-    """
+    """All detectors of one choice; the first Detection sticks. `loops_expected` (greedy or grammar:
+    a loop is the model's own deterministic answer, no retry fixes it) skips repetition."""
 
     def __init__(self, config: GuardConfig, extra_detectors: Sequence[Detector] = (),
                  loops_expected: bool = False):

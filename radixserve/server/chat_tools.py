@@ -7,20 +7,8 @@
     "required"         yes              JSON array of calls          json, any offered    "tool_calls"
     {"function": f}    yes              JSON array of calls to f     json, f only         "stop"
 
-"required" and a named function are enforced while decoding: the reply must match the JSON
-schema of an array of calls (tool_schema.py), which travels as the request's json_schema and is
-read back with the `json` parser, whatever --tool-call-parser says (as vLLM and SGLang do it).
-That grammar holds from the first token, so there is no thinking to split off then. With
-`--tool-call-constraint native` (and a parser of NATIVE_TOOL_FORMATS) they are enforced in the
-model's own format instead, thinking allowed first, and read back with the server's parser.
-Under "auto", a tool with `strict: true` makes the calls the model chooses to write follow the
-native format and the strict tools' schemas (native_tools.py), unless a response_format
-already constrains the reply (then strict is not enforced). A named
-function finishes with "stop", as OpenAI and vLLM answer it. parallel_tool_calls false allows
-one call: the grammar's maxItems for the enforced choices, and for "auto" every call after the
-first is dropped from the output. Streaming and full responses parse with the same
-ChatOutputParser per choice (parsers/chat_output.py), the stream fed delta by delta, the full
-response in one piece.
+Enforced JSON arrays (tool_schema.py) are read with the `json` parser, no thinking split (as vLLM, SGLang);
+`--tool-call-constraint native` or "auto" strict tools enforce the native format (native_tools.py). docs/tool_calls.md.
 """
 from __future__ import annotations
 
@@ -43,12 +31,7 @@ PROMPT_TAIL_TOKENS = 16   # enough to see whether the prompt ends inside <think>
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """One request's tools: `template_tools` go to the chat template (None: none offered);
-    `parse_tools` are the functions a parsed call may name (empty: calls are not parsed);
-    `json_schema` is the call array the reply must match ("required" or a named function, else
-    None); `max_calls` is 1 with parallel_tool_calls false (None: no limit);
-    `calls_finish_reason` replaces "stop" when calls were made; `native` is what a tag in the
-    model's own format enforces (native_tools.py; None: no such tag)."""
+    """One request's tools. None / empty means: none offered, no parsing, no enforced array, no limit, no native tag."""
 
     template_tools: list[dict[str, Any]] | None
     parse_tools: dict[str, ToolSpec]
@@ -60,11 +43,8 @@ class ToolPlan:
 
 def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None,
                constraint: str = "json") -> ToolPlan:
-    """The ToolPlan of a request (table in the module doc; "auto" without tools is "none");
-    `constraint` is --tool-call-constraint ("json" or "native"). Raises InvalidRequest (400)
-    for duplicate function names, "required" or a named function without tools or with a
-    response_format, a name not in `tools`, parameters that cannot be enforced
-    (tool_schema.py), and "auto" on a server without --tool-call-parser."""
+    """The module table; `constraint` is --tool-call-constraint. InvalidRequest (400) for duplicate names, a forced
+    choice without tools or with response_format, an unknown name, unenforceable parameters, no --tool-call-parser."""
     tools = req.tools or []
     names = [t.function.name for t in tools]
     duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
@@ -110,10 +90,7 @@ def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None,
 
 
 class ChatOutputs:
-    """The output parsers of one chat request's choices (module doc). `tool_call_parser` and
-    `reasoning` are the server's; `prompt_tail` is the end of the prompt as text (does it
-    open a <think> block?). A plan with a json_schema reads calls with the `json` parser and
-    no reasoning split."""
+    """One ChatOutputParser per choice, shared by streams and full responses; `prompt_tail` may open <think>."""
 
     def __init__(self, plan: ToolPlan, tool_call_parser: str | None, reasoning: bool,
                  prompt_tail: str):
@@ -128,17 +105,14 @@ class ChatOutputs:
 
     @property
     def reasoning(self) -> bool:
-        """Whether thinking text is split off (a reasoning parser, no JSON-array plan)."""
         return self._reasoning
 
     @property
     def starts_in_reasoning(self) -> bool:
-        """Whether the prompt ends inside a <think> block, so the reply starts in it."""
         return self._starts_in_reasoning
 
     @property
     def is_parsing(self) -> bool:
-        """True when choices are parsed at all (else their text is plain content)."""
         return self._tool_parser is not None or self._reasoning
 
     def _new_parser(self) -> ChatOutputParser:
@@ -146,7 +120,6 @@ class ChatOutputs:
                                 self._starts_in_reasoning)
 
     def _kept(self, events: list[Event]) -> list[Event]:
-        """`events` without the calls past max_calls (parallel_tool_calls false)."""
         if self._max_calls is None:
             return events
         return [e for e in events
@@ -154,8 +127,7 @@ class ChatOutputs:
 
     def reasoning_tokens(self, choices_ids: list[list[int]],
                          decode: Callable[[Sequence[int]], str]) -> int | None:
-        """usage's `reasoning_tokens` for the choices' output token ids, summed; None when
-        this request splits no reasoning (no --reasoning-parser, or a json_schema plan)."""
+        """usage.reasoning_tokens summed over the choices; None when no reasoning is split."""
         if not self._reasoning:
             return None
         return sum(reasoning_token_count(ids, decode, self._starts_in_reasoning) for ids in choices_ids)
@@ -163,9 +135,7 @@ class ChatOutputs:
     def _finish_reason(self, reason: str | None, num_calls: int) -> str | None:
         return self._calls_finish_reason if reason == "stop" and num_calls else reason
 
-    # ---- full responses ---------------------------------------------------------------------
     def message(self, text: str, finish_reason: str | None) -> tuple[ChatMessageOut, str | None]:
-        """A whole choice's text as the assistant message, and its finish_reason."""
         parser = self._new_parser()
         parsed = ParsedMessage()
         parsed.add(self._kept(parser.feed(text) + parser.finish()))
@@ -177,10 +147,7 @@ class ChatOutputs:
                                  tool_calls=calls or None)
         return message, self._finish_reason(finish_reason, len(calls))
 
-    # ---- streams ----------------------------------------------------------------------------
     def delta(self, index: int, text: str, finished: bool) -> dict[str, Any]:
-        """The delta for choice `index`'s next text (and its end, when `finished`): any of
-        content, reasoning_content and tool_calls; {} when nothing is final yet."""
         parser = self._streams.get(index)
         if parser is None:
             parser = self._streams[index] = self._new_parser()
@@ -190,15 +157,12 @@ class ChatOutputs:
         return stream_delta(self._kept(events))
 
     def finish_reason(self, index: int, reason: str | None) -> str | None:
-        """Choice `index`'s finish_reason once its stream ended (calls_finish_reason after
-        calls)."""
         parser = self._streams.get(index)
         return self._finish_reason(reason, parser.num_calls if parser is not None else 0)
 
 
 def stream_delta(events: list[Event]) -> dict[str, Any]:
-    """OpenAI delta fields for events of one update: each call's entry carries "index"; its
-    first also "id", "type" and the function name; "arguments" fragments in order."""
+    """OpenAI delta fields; a call's first entry also carries "id", "type" and the name."""
     delta: dict[str, Any] = {}
     reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
     content = "".join(e.text for e in events if isinstance(e, Content))
@@ -220,5 +184,4 @@ def stream_delta(events: list[Event]) -> dict[str, Any]:
 
 
 def prompt_tail(tokenizer: Any, prompt_ids: list[int]) -> str:
-    """The last PROMPT_TAIL_TOKENS prompt tokens as text, special tokens kept."""
     return tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)

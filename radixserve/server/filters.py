@@ -15,14 +15,13 @@ from radixserve.server.tracker import ChoiceUpdate
 
 
 class OutputFilter(Protocol):
-    """One request's filter: `feed` gets each non-empty update of choice `index` (numbered over
-    the request) in order, before it is sent; it may replace `update.text`; a Detection ends it."""
+    """Fed each non-empty update of choice `index` before it is sent; may replace its text; a Detection ends it."""
 
     def feed(self, index: int, update: ChoiceUpdate) -> Detection | None: ...
 
 
 class GuardFilter:
-    """The anomaly guard as an OutputFilter: one AnomalyGuard per choice, made on first use."""
+    """One AnomalyGuard per choice, made on first use."""
 
     def __init__(self, make_guard: Callable[[], AnomalyGuard]):
         self._make_guard = make_guard
@@ -59,8 +58,7 @@ class GuardSettings:
         return cls(GuardConfig(), acceptance, confidence)
 
     def filter_for(self, params: SamplingParams) -> tuple[GuardFilter, SamplingParams]:
-        """The guard of one request and `params` as it needs them (a watching confidence judge
-        asks the engine for each token's confidence); greedy and grammar runs expect loops."""
+        """One request's guard, and `params` with guard_confidence set when confidence is judged."""
         loops_expected = params.is_greedy or params.grammar is not None
         temperature = 0.0 if params.is_greedy else params.temperature
         confidence = self.confidence

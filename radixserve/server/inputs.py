@@ -23,8 +23,7 @@ Req = TypeVar("Req", bound=BaseModel)
 
 
 async def completion_run(ctx: ServingContext, req: CompletionRequest) -> GenerationRun:
-    """The run of a /v1/completions request, not yet submitted. Raises InvalidRequest,
-    ModelNotFound, ContextLengthExceeded or Overloaded before anything reaches the engine."""
+    """The unsubmitted run; raises InvalidRequest, ModelNotFound, ContextLengthExceeded or Overloaded."""
     ctx.check_model(req.model)
     if req.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
@@ -39,8 +38,7 @@ async def completion_run(ctx: ServingContext, req: CompletionRequest) -> Generat
 
 
 async def chat_run(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[GenerationRun, ChatOutputs]:
-    """The run of a /v1/chat/completions request, not yet submitted, and the parser of its
-    choices' text (chat_tools.py); the tool plan picks the grammar. Raises as completion_run."""
+    """The unsubmitted run and its output parsers; raises as completion_run."""
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
@@ -51,13 +49,13 @@ async def chat_run(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[Gen
                   else req.max_tokens)
     params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None)
     plan = plan_tools(req, ctx.tool_call_parser, ctx.tool_call_constraint)
-    if plan.json_schema is not None:   # tool_choice "required" or a named function
+    if plan.json_schema is not None:
         params = dataclasses.replace(params, json_schema=plan.json_schema, json_schema_param="tools")
     prompt_ids = await chat_prompt(ctx, req, plan.template_tools)
     reasoning = ctx.reasoning_parser is not None
     outputs = ChatOutputs(plan, ctx.tool_call_parser, reasoning,
                           prompt_tail(ctx.tokenizer, prompt_ids) if reasoning else "")
-    if plan.native is not None:   # calls in the model's own format (native_tools.py)
+    if plan.native is not None:
         tag = native_calls_tag(plan.native, outputs.reasoning, outputs.starts_in_reasoning)
         params = dataclasses.replace(params, structural_tag=tag, json_schema_param="tools")
     if outputs.is_parsing and "skip_special_tokens" not in req.model_fields_set:
@@ -72,26 +70,24 @@ async def chat_run(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[Gen
 
 
 def prompt_items(req: CompletionRequest) -> list[str | list[int]]:
-    """The prompts of the `prompt` field (a string, strings, token ids, or lists of token ids),
-    each a text or token ids."""
+    """`prompt` (a string, strings, token ids or lists of them) as a list of texts or token ids."""
     raw = req.prompt
     if isinstance(raw, str):
         return [raw]
     if raw and isinstance(raw[0], int):
-        return [raw]  # one token-id prompt
+        return [raw]
     return list(raw)
 
 
 async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
-    """The token ids of each prompt (prompt_items), texts tokenized. Token ids and lengths are
-    checked by the engine when the run is submitted."""
+    """Each prompt's token ids; the engine checks ids and lengths on submit."""
     items = prompt_items(req)
     if not items:
         raise InvalidRequest("prompt must not be empty", param="prompt")
     if len(items) * req.n > MAX_CHOICES:
         raise InvalidRequest(f"at most {MAX_CHOICES} choices (prompts x n) per request, "
                              f"got {len(items) * req.n}", param="prompt")
-    for item in items:  # all refused before any is tokenized
+    for item in items:
         if isinstance(item, str):
             ctx.check_text_fits([item], "prompt")
     return [await ctx.encode(item) if isinstance(item, str) else list(item) for item in items]
@@ -99,11 +95,9 @@ async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
 
 async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
                       tools: list[dict] | None = None) -> list[int]:
-    """Render the chat template over `messages` (every field kept, chat_tools.py's `tools`
-    offered, `chat_template_kwargs` passed on) into token ids (raises InvalidRequest)."""
+    """The chat template over `messages` and `tools` as token ids (raises InvalidRequest)."""
     messages = [m.template_dict() for m in req.messages]
-    # Only user messages count toward the bytes bound: every template renders them verbatim,
-    # while others may be dropped (Qwen3 drops earlier assistant reasoning).
+    # Only user messages are bounded: templates may drop others (Qwen3: earlier reasoning).
     ctx.check_text_fits([m["content"] for m in messages if m["role"] == "user"], "messages")
     render = functools.partial(ctx.tokenizer.apply_chat_template, messages,
                                req.add_generation_prompt, tools, req.chat_template_kwargs)
@@ -115,8 +109,7 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
 
 
 async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BODY_BYTES) -> Req:
-    """Validate a JSON body against `model`; every failure is an InvalidRequest (400), a body
-    over `max_bytes` is 413."""
+    """`model` from a JSON body; InvalidRequest (400), or BodyTooLarge (413) over `max_bytes`."""
     content_type = request.headers.get("content-type", "")
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise InvalidRequest("Content-Type must be application/json", param="content-type")
@@ -126,7 +119,7 @@ async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BO
     if declared.isdigit() and int(declared) > max_bytes:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():  # a body without Content-Length stops at the limit too
+    async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
             raise too_large

@@ -1,28 +1,6 @@
 """Prometheus metrics of one worker (`GET /metrics`), named after SGLang's with a `radixserve:` prefix.
 
-Where each number is measured:
-
-- Engine-side state and counters (running / queued requests, token usage, hit rate, prompt,
-  cached and generated tokens, finished, aborted and preempted requests) are pulled from
-  `Engine.stats()` once per scrape, so they are exact by construction: the engine counts a
-  request when it finishes or is aborted (whatever the cause: client gone, stop string,
-  /abort_request, error), and counts cached tokens only at first admission, so a recompute
-  after preemption is never a hit (field case C19). Counts are per engine request: a
-  request with n choices counts n times in num_requests_total; its prompt and cached tokens
-  count once per choice, as the engine computes them once per choice. Speculative decoding
-  counts verify steps, proposed and accepted draft tokens: acceptance rate = accepted /
-  draft tokens; accept length = (accepted + verify steps) / verify steps; both also by draft
-  position, and per request as histograms (observed in the HTTP process at the request's end).
-- Latency histograms are observed in the HTTP process, where the client sees the tokens:
-  TTFT, inter-token latency (interval / new tokens of each delta), end-to-end latency (also
-  for requests that end by abort or error), and queue time (arrival to first admission,
-  measured by the engine and carried on its outputs). That is a few float operations per
-  delta; nothing per token.
-- Prefill/decode disaggregation (pd_*: transfer latency and bytes, transfers by outcome, late
-  writes refused, queue time on each side) come from the engine's stats too (pd_metrics.py).
-- Output anomalies (num_anomalies_total{kind}) are counted in the HTTP process, where the
-  guard runs; process_* (resident memory, CPU, open fds) describe the HTTP process.
-"""
+Engine counters come from `Engine.stats()` per engine request (n choices count n times); latencies are observed here."""
 from __future__ import annotations
 
 import time
@@ -49,7 +27,6 @@ ACCEPT_LENGTH_BUCKETS = (1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0, 9.0, 
 ACCEPT_RATE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.96, 0.99, 1.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 3000)
 
-# (metric name, stats key, help)
 ENGINE_GAUGES = (
     ("num_running_reqs", "num_running", "Requests in the running batch."),
     ("num_queue_reqs", "num_waiting", "Requests waiting for admission."),
@@ -67,7 +44,7 @@ ENGINE_COUNTERS = (
     ("spec_accepted_tokens", "spec_num_accepted_tokens", "Speculative decoding: draft tokens accepted."),
 )
 
-# Host KV tier (engine/hicache.py); 0 when the tier is off, so every one exists from start-up.
+# Host KV tier (engine/hicache.py); 0 when the tier is off.
 HICACHE_COUNTERS = (
     ("cached_tokens_host", "num_cached_tokens_host", "Prompt tokens served from the prefix cache "
      "whose KV was loaded back from the host tier (part of cached_tokens)."),
@@ -106,11 +83,10 @@ class EngineCollector(Collector):
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.stats: dict[str, Any] = {}
-        self._last: tuple[float, int] | None = None   # (time, generated tokens) at previous scrape
+        self._last: tuple[float, int] | None = None   # (time, generated tokens)
         self.gen_throughput = 0.0
 
     def update(self, stats: dict[str, Any]) -> None:
-        """Take a fresh snapshot; gen_throughput is generated tokens / s since the last one."""
         now, generated = time.monotonic(), int(stats.get("num_generated_tokens", 0))
         if self._last is not None and now > self._last[0]:
             self.gen_throughput = max(generated - self._last[1], 0) / (now - self._last[0])
@@ -179,12 +155,11 @@ class ServerMetrics:
         self.anomalies = Counter(PREFIX + "num_anomalies", "Requests stopped by the output-anomaly "
                                  "guard, by detector.", ["model_name", "kind"], registry=self.registry)
         kinds = (*ANOMALY_KINDS, AcceptanceDetector.kind, ConfidenceDetector.kind, "kv_checksum")
-        for kind in kinds:   # every kind, at 0, from the start
+        for kind in kinds:
             self.anomalies.labels(model_name=model_name, kind=kind)
-        ProcessCollector(registry=self.registry)   # process_resident_memory_bytes, ...
+        ProcessCollector(registry=self.registry)
 
     def count_anomaly(self, kind: str) -> None:
-        """One request stopped by the guard's `kind` detector."""
         self.anomalies.labels(model_name=self.model_name, kind=kind).inc()
 
     def render(self, stats: dict[str, Any] | None) -> bytes:
@@ -195,7 +170,6 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Latency observations of one engine request (one choice), fed by the serving loop."""
 
     __slots__ = ("metrics", "start_s", "last_s", "queue_seen")
 
@@ -219,7 +193,7 @@ class RequestTimer:
         self.last_s = now
 
     def on_end(self, spec: SpecCounts | None = None) -> None:
-        """The request ended; `spec`: its speculative-decoding counts (None: it never verified)."""
+        """`spec`: None when the request never verified."""
         self.metrics.e2e.observe(time.monotonic() - self.start_s)
         if spec is not None and spec.verify_steps:
             self.metrics.spec_accept_length.observe(spec.accept_length)
@@ -244,7 +218,7 @@ class RunTimers:
                 del self._timers[out.request_id]
 
     def close(self) -> None:
-        """End the unfinished ones: each is still one e2e sample (C19)."""
+        """End the unfinished ones: each is still one e2e sample."""
         for timer in self._timers.values():
             timer.on_end()
         self._timers.clear()

@@ -1,28 +1,10 @@
 """Tool calls enforced in the model's own format: an xgrammar structural tag per --tool-call-parser.
 
-    parser          one call, as the tag enforces it (after the trigger `<tool_call>`)
     qwen25          <tool_call>\\n{"name": "f", "arguments": <JSON matching f's parameters>}\\n</tool_call>
-    glm45, glm47    <tool_call>f <arg_key>k</arg_key><arg_value>v</arg_value>... </tool_call>
-                    (xgrammar's `glm_xml` style: string values as text, others as JSON;
-                    whitespace between the tags as either GLM version writes it)
-    qwen3_coder     <tool_call>\n<function=f>\n<parameter=k>\nv\n</parameter>...\n</function>\n</tool_call>
-                    (xgrammar's `qwen_xml` style, laid out as Qwen3-Coder's chat template writes it)
+    glm45, glm47    <tool_call>f <arg_key>k</arg_key><arg_value>v</arg_value>... </tool_call>   (glm_xml)
+    qwen3_coder     <tool_call>\n<function=f>\n<parameter=k>\nv\n</parameter>...\n</function>\n</tool_call>   (qwen_xml)
 
-Used in two cases (server/chat_tools.py):
-- tool_choice "auto" with a tool whose `strict` is true (as SGLang does it): text stays free, but
-  once the model writes `<tool_call>` the call must name an offered function, and a strict
-  function's arguments must match its `parameters` (others: any JSON object);
-- tool_choice "required" or a named function under `--tool-call-constraint native`: the reply
-  is one or more calls (to the named function only, if one is named), at most a newline
-  before each, with every function's arguments matching its schema, and then ends.
-  No text comes before the first call, except a thinking block when a reasoning parser is on:
-  one that the prompt already opened (`starts_in_reasoning`) must be closed, one that the model
-  opens is optional.
-parallel_tool_calls false allows one call. The tag travels as the
-request's `structural_tag` (SamplingParams) and runner/structured.py compiles it (a 400 naming
-`tools` when xgrammar refuses a schema); the reply is read back with the server's own parser.
-Tag format: xgrammar's structural tag (docs: "Structural Tag", formats `triggered_tags`, `tag`,
-`json_schema` with `style`, `sequence`, `optional`, `any_text`, `regex`).
+Unforced ("auto" + strict, as SGLang): free text, calls after the trigger; forced: only calls (docs/tool_calls.md).
 """
 from __future__ import annotations
 
@@ -35,19 +17,14 @@ from radixserve.parsers.chat_output import NATIVE_TOOL_FORMATS
 
 TRIGGER = "<tool_call>"
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-# Whitespace characters allowed in one gap between JSON tokens or GLM tags: the formats need
-# one (", ", ": ", a newline between tags); free whitespace lets a weak model pad until max_tokens.
-MAX_WHITESPACE = 1
-# Text an argument key cannot hold in each XML format (the key ends there): the grammar would
-# let it through and the parser read another key.
+MAX_WHITESPACE = 1   # per gap: free whitespace lets a weak model pad until max_tokens
+# Text that ends an argument key in each XML format.
 KEY_BREAKERS = {"glm45": "</arg_key>", "glm47": "</arg_key>", "qwen3_coder": ">"}
 
 
 @dataclass(frozen=True)
 class NativeCalls:
-    """What one request's tag enforces: `parser` (one of NATIVE_TOOL_FORMATS); `functions` as
-    (name, arguments schema) pairs, the schema None where any JSON object will do; `forced`: at least
-    one call ("required" or named); `single`: at most one call (parallel_tool_calls false)."""
+    """What one request's tag enforces; a None schema allows any object; `forced`: >= 1 call; `single`: <= 1."""
 
     parser: str
     functions: tuple[tuple[str, dict[str, Any] | None], ...]
@@ -55,9 +32,7 @@ class NativeCalls:
     single: bool
 
     def __post_init__(self) -> None:
-        """Raises InvalidRequest (param "tools") for an enforced property name the format's
-        tags cannot carry: one containing KEY_BREAKERS[parser], or with whitespace around it
-        (the parser strips a key)."""
+        """InvalidRequest (400) for a property name holding KEY_BREAKERS[parser] or edge whitespace."""
         breaker = KEY_BREAKERS.get(self.parser)
         if breaker is None:
             return
@@ -79,8 +54,7 @@ def _call_tag(parser: str, name: str, schema: dict[str, Any] | None) -> dict[str
                 "content": content, "end": "}\n</tool_call>"}
     if parser == "qwen3_coder":
         content["style"] = "qwen_xml"
-        # As Qwen3-Coder's chat template writes a call: a newline after each parameter, so a
-        # call without arguments is "<function=f>\n</function>" (the content takes the newline).
+        # As Qwen3-Coder's chat template: the content takes the newline after each parameter.
         return {"type": "tag", "begin": f"{TRIGGER}\n<function={name}>\n", "content": content,
                 "end": "</function>\n</tool_call>"}
     content["style"] = "glm_xml"
@@ -88,9 +62,7 @@ def _call_tag(parser: str, name: str, schema: dict[str, Any] | None) -> dict[str
 
 
 def _thinking(starts_in_reasoning: bool) -> list[dict[str, Any]]:
-    """Elements before the calls: the rest of a thinking block the prompt opened, or an
-    optional one the model opens; each may be followed by up to two spaces or newlines
-    (Qwen3 writes "</think>\n\n")."""
+    """The rest of a prompt-opened thinking block, or an optional one; then up to two blanks ("</think>\n\n")."""
     gap = {"type": "regex", "pattern": r"[ \n]{0,2}"}
     if starts_in_reasoning:
         return [{"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "</think>"}, gap]
@@ -99,10 +71,9 @@ def _thinking(starts_in_reasoning: bool) -> list[dict[str, Any]]:
 
 
 def native_calls_tag(calls: NativeCalls, reasoning: bool, starts_in_reasoning: bool) -> str:
-    """The structural tag (JSON text) of `calls` (module doc). `reasoning`: a reasoning parser
-    is on; `starts_in_reasoning`: the prompt ends inside a <think> block."""
+    """The structural tag (JSON text) of `calls`."""
     tags = [_call_tag(calls.parser, name, schema) for name, schema in calls.functions]
-    if not calls.forced:   # free text; a call once the model writes the trigger
+    if not calls.forced:
         fmt: dict[str, Any] = {"type": "triggered_tags", "triggers": [TRIGGER], "tags": tags,
                                "at_least_one": False, "stop_after_first": calls.single}
         return json.dumps({"type": "structural_tag", "format": fmt})

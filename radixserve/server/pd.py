@@ -10,8 +10,7 @@ ROOM_MOD = 1 << 63
 
 
 def pd_target(mode: str, req: Any) -> PDTarget:
-    """The PDTarget of a completion or chat request on a worker in `mode` (prefill or decode).
-    Raises InvalidRequest when the request lacks any of the three bootstrap fields."""
+    """The PDTarget of a completion or chat request; InvalidRequest (400) when a bootstrap field is missing."""
     fields = (req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
     if any(f is None for f in fields):
         raise InvalidRequest(f"this worker runs with --disaggregation-mode {mode}: a request needs "
@@ -21,8 +20,7 @@ def pd_target(mode: str, req: Any) -> PDTarget:
 
 
 def with_rooms(adds: list[AddReq], target: PDTarget) -> list[AddReq]:
-    """A run's engine requests bound for `target`: request k (choice j of prompt i, numbered
-    over the run) gets room + k, so both legs derive the same room per choice."""
+    """`adds` bound for `target`: the run's k-th request gets room + k, the same on both legs."""
     return [AddReq(a.request_id, a.prompt_ids, a.params,
                    PDTarget(target.bootstrap_host, target.bootstrap_port, (target.room + k) % ROOM_MOD))
             for k, a in enumerate(adds)]

@@ -12,21 +12,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from radixserve.errors import InvalidRequest
 from radixserve.sampling_params import SamplingParams
 
-# Wire bounds (issue 11): every integer that crosses to the engine process must be one msgpack
-# and torch can hold, or encoding fails after the request was registered. These are
-# representability bounds only; the engine's add_request (SamplingParams.validate, the prompt
-# and context checks) stays the one semantic validator, vocabulary included.
+# What msgpack and torch can carry to the engine; add_request stays the semantic validator.
 INT64_MAX = 2**63 - 1
-TOKEN_ID_MAX = 2**31 - 1     # ids index int32/int64 tensors; no vocabulary comes near
-WireInt = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]    # counts: n, max_tokens, ...
-Seed = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]       # int64, as vLLM; -1 is common
+TOKEN_ID_MAX = 2**31 - 1
+WireInt = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+Seed = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]       # int64, as vLLM
 TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
-TopK = Annotated[int, Field(ge=-1, le=TOKEN_ID_MAX)]               # -1 disables; k > vocab keeps all
+TopK = Annotated[int, Field(ge=-1, le=TOKEN_ID_MAX)]               # -1 disables
 
 
 class _Strict(BaseModel):
-    """Strict JSON types ("10" is not an int, "yes" is not a bool); unknown fields are ignored,
-    as OpenAI clients send fields this server has no use for (user, metadata, ...)."""
+    """Strict JSON types ("10" is not an int); unknown fields (user, metadata, ...) ignored."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -36,8 +32,6 @@ class StreamOptions(_Strict):
 
 
 class _GenerationRequest(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions, including the vLLM/SGLang
-    extras (top_k, min_p, ...)."""
 
     model: str | None = None
     n: WireInt = 1
@@ -50,7 +44,6 @@ class _GenerationRequest(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    # extras
     top_k: TopK = -1
     min_p: float = 0.0
     min_tokens: WireInt = 0
@@ -59,20 +52,17 @@ class _GenerationRequest(_Strict):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # stream migration (router only, server/resume.py): each stream chunk's token ids, and
-    # a stream resumed after output tokens another worker delivered
+    # stream migration (server/resume.py)
     return_token_ids: bool = False
     resume_token_ids: list[TokenId] | None = None
-    # prefill/decode disaggregation (SGLang's names; the router sets them on both legs):
-    # the prefill worker's bootstrap address and the room both legs share (docs/disaggregation.md)
+    # prefill/decode disaggregation, SGLang's names (docs/disaggregation.md)
     bootstrap_host: str | None = None
     bootstrap_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     bootstrap_room: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
-        """The SamplingParams of the request (n choices); raises InvalidRequest for an
-        unsupported field. Ranges are checked once, by the engine's add_request."""
+        """Raises InvalidRequest for an unsupported field; the engine checks ranges."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         params = SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -93,7 +83,7 @@ class _GenerationRequest(_Strict):
 
 
 class CompletionRequest(_GenerationRequest):
-    # Order matters for the union: token arrays before lists of strings.
+    # Token arrays before lists of strings in the union.
     prompt: str | list[TokenId] | list[list[TokenId]] | list[str]
     max_tokens: WireInt | None = 16
     echo: bool = False
@@ -107,8 +97,7 @@ class TextPart(_Strict):
 
 
 class FunctionCall(_Strict):
-    """A function call in an assistant message the client sends back; `arguments` is the
-    JSON text OpenAI gives out (an object is taken as well)."""
+    """A call in a client's assistant message; `arguments` as JSON text or an object."""
 
     name: str
     arguments: str | dict[str, Any] = "{}"
@@ -127,9 +116,9 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None     # assistant: the calls it made
-    tool_call_id: str | None = None                # tool: which call this is the result of
-    reasoning_content: str | None = None           # assistant: its thinking (some templates show it)
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -137,10 +126,7 @@ class ChatMessage(_Strict):
         return self.content or ""
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates read it: every field the client sent, content as one
-        string, and each tool call's arguments as an object (templates iterate or re-encode
-        them; a JSON string would come out quoted twice). Arguments that are not a JSON object
-        stay as sent."""
+        """Every field sent, content as one string, JSON-object arguments as objects (else quoted twice)."""
         msg = self.model_dump(exclude_none=True)
         msg["content"] = self.text()
         for call in msg.get("tool_calls", ()):
@@ -162,8 +148,7 @@ class ResponseFormat(_Strict):
     json_schema: dict[str, Any] | None = None
 
     def schema_text(self) -> str | None:
-        """The JSON schema the output must match, as text (None for "text"). Raises
-        InvalidRequest when a json_schema format has no schema object."""
+        """The schema as text (None for "text"); InvalidRequest (400) without a schema object."""
         if self.type == "text":
             return None
         if self.type == "json_object":
@@ -175,15 +160,14 @@ class ResponseFormat(_Strict):
         return json.dumps(schema)
 
 
-# A function name: what OpenAI allows plus ".", ":" and "/" (MCP-style names); never spaces,
-# quotes or angle brackets, which would break the tool-call formats models write.
+# OpenAI's characters plus ".:/" (MCP names); nothing that breaks a tool-call format.
 FunctionName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:/-]+$")]
 
 
 class FunctionDef(_Strict):
     name: FunctionName
     description: str | None = None
-    parameters: dict[str, Any] | None = None    # JSON schema of the arguments object
+    parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
@@ -197,7 +181,6 @@ class NamedFunction(_Strict):
 
 
 class NamedToolChoice(_Strict):
-    """tool_choice {"type": "function", "function": {"name": ...}}: only that function."""
 
     type: Literal["function"]
     function: NamedFunction
@@ -212,31 +195,26 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: ResponseFormat | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True     # false: at most one call per choice
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
-        """As for completions, plus response_format's schema (structured output)."""
         params = super().sampling_params(max_tokens, logprobs, prompt_logprobs)
         schema = self.response_format.schema_text() if self.response_format is not None else None
         return params if schema is None else dataclasses.replace(params, json_schema=schema)
 
 
-# ---- responses ------------------------------------------------------------------------------
 class PromptTokensDetails(BaseModel):
-    """OpenAI's; with the host KV tier on it also carries `cached_tokens_host`: how many of
-    cached_tokens were loaded back from host memory (the rest were on the device)."""
+    """OpenAI's, plus `cached_tokens_host` (loaded from the host tier) when that tier is on."""
 
     model_config = ConfigDict(extra="allow")
     cached_tokens: int = 0
 
 
 class Usage(BaseModel):
-    """OpenAI usage; with speculative decoding it also carries (as SGLang's meta_info does)
-    spec_verify_steps, spec_draft_tokens, spec_accepted_tokens, spec_accept_length (tokens per
-    verify step) and spec_accept_rate (accepted / draft tokens), summed over choices."""
+    """OpenAI usage, plus spec_* counts summed over choices under speculative decoding (as SGLang)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -247,7 +225,6 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI legacy logprobs: parallel lists, one entry per token."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -256,7 +233,7 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
-    model_config = ConfigDict(extra="allow")    # token_ids (return_token_ids)
+    model_config = ConfigDict(extra="allow")
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -289,7 +266,7 @@ class ChatLogprobs(BaseModel):
 
 class FunctionCallOut(BaseModel):
     name: str
-    arguments: str          # a JSON object text
+    arguments: str
 
 
 class ToolCallOut(BaseModel):
@@ -299,8 +276,7 @@ class ToolCallOut(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
-    """The assistant message: content is None when the reply is only tool calls;
-    reasoning_content (--reasoning-parser) and tool_calls are None when there are none."""
+    """content is None when the reply is only tool calls."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
@@ -326,11 +302,8 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatStreamChoice(BaseModel):
-    model_config = ConfigDict(extra="allow")    # token_ids (return_token_ids)
+    model_config = ConfigDict(extra="allow")
     index: int
-    # any of "role", "content", "reasoning_content", "tool_calls" (a list of {"index", and on a
-    # call's first delta "id", "type", then "function": {"name" once, "arguments" fragment}});
-    # absent keys stay absent
     delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
@@ -377,8 +350,7 @@ def now_s() -> int:
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias} -> ((id, bias), ...); ranges are checked by the engine.
-    Raises InvalidRequest for a key that is not a non-negative integer."""
+    """{"token id": bias} -> ((id, bias), ...); InvalidRequest for a key that is not a token id."""
     pairs = []
     for key, value in (bias or {}).items():
         if not key.isdigit() or len(key) > 12:

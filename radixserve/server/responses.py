@@ -1,13 +1,7 @@
 """OpenAI completion and chat responses from one GenerationRun: collected, or as SSE chunks, and their delivery.
 
-SSE framing (field case C17), per choice index: chat sends one role delta first; content
-chunks carry no finish_reason; then exactly one chunk with an empty delta and the
-finish_reason. A usage chunk (choices: []) follows all finish chunks when
-stream_options.include_usage is set, and `data: [DONE]` ends the stream exactly once.
-Streamed deltas joined per index equal the non-streaming text byte for byte: the stream sends
-the RequestTracker updates, and a full response reads the tracker's result, their sum. Chat
-text then passes one output parser per choice (chat_tools.py: reasoning, tool calls), fed
-update by update when streaming and whole otherwise, so the two agree there too (C43).
+SSE per choice: (chat) a role delta, content chunks, one empty-delta chunk with finish_reason; then the
+usage chunk if asked, then `data: [DONE]` once. Joined deltas equal the full response byte for byte.
 """
 from __future__ import annotations
 
@@ -43,10 +37,9 @@ def sse(event: BaseModel) -> str:
     return f"data: {event.model_dump_json()}\n\n"
 
 
-# ---- logprobs formats ---------------------------------------------------------------------
 def completion_logprobs(ctx: ServingContext, ids: list[int], entries: list[TokenLogprob | None],
                         text_offset: int) -> CompletionLogprobs:
-    """OpenAI legacy format; `ids[i]` is the token at position i and `entries[i]` its logprob."""
+    """OpenAI legacy format; `entries[i]` is the logprob of `ids[i]`."""
     out = CompletionLogprobs()
     for tid, lp in zip(ids, entries):
         text = ctx.token_text(tid)
@@ -59,7 +52,6 @@ def completion_logprobs(ctx: ServingContext, ids: list[int], entries: list[Token
 
 
 def chat_logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogprobs:
-    """OpenAI chat format: one entry per generated token, each with its top alternatives."""
     content = []
     for lp in entries:
         text = ctx.token_text(lp.token_id)
@@ -70,9 +62,7 @@ def chat_logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogpr
     return ChatLogprobs(content=content)
 
 
-# ---- /v1/completions ------------------------------------------------------------------------
 def _echo_text(run: GenerationRun, req: CompletionRequest, prompt_index: int) -> str:
-    """The prompt as the client sent it, or its token ids decoded (special tokens kept)."""
     item = prompt_items(req)[prompt_index]
     if isinstance(item, str):
         return item
@@ -120,7 +110,7 @@ async def completion_response(run: GenerationRun, req: CompletionRequest,
 
 async def completion_chunks(run: GenerationRun, req: CompletionRequest,
                             created: int) -> AsyncIterator[str]:
-    """SSE events of a streaming /v1/completions request; closes the run when done or cancelled."""
+    """SSE events; closes the run when done or cancelled."""
     ctx, rid = run.ctx, run.base_id
 
     def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None,
@@ -160,12 +150,10 @@ async def completion_chunks(run: GenerationRun, req: CompletionRequest,
     yield DONE
 
 
-# ---- /v1/chat/completions -------------------------------------------------------------------
 async def chat_response(run: GenerationRun, req: ChatCompletionRequest, created: int,
                         outputs: ChatOutputs) -> ChatCompletionResponse:
-    """Collected chat response; each choice's text goes through its output parser whole."""
     ctx = run.ctx
-    (result,) = await run.results()  # chat has one prompt
+    (result,) = await run.results()
     choices = []
     for c in result.outputs:
         logprobs = chat_logprobs(ctx, c.logprobs or []) if req.logprobs else None
@@ -178,10 +166,7 @@ async def chat_response(run: GenerationRun, req: ChatCompletionRequest, created:
 
 async def chat_chunks(run: GenerationRun, req: ChatCompletionRequest, created: int,
                       outputs: ChatOutputs) -> AsyncIterator[str]:
-    """SSE events of a streaming /v1/chat/completions request; closes the run when done. Each
-    update's text goes through its choice's output parser; whatever the parser held is
-    settled in the last content chunk, before the finish chunk. A resumed run's text (sent
-    by another worker) passes the parser first, unsent, so it continues where that one was."""
+    """SSE events; closes the run when done. A resumed run's text primes the parser unsent."""
     ctx, rid = run.ctx, run.base_id
 
     def chunk(choice: ChatStreamChoice) -> str:
@@ -212,20 +197,17 @@ async def chat_chunks(run: GenerationRun, req: ChatCompletionRequest, created: i
     yield DONE
 
 
-# ---- delivery ---------------------------------------------------------------------------
 async def respond(request: Request, run: GenerationRun, req: R,
                   full: Callable[[GenerationRun, R, int], Awaitable[BaseModel]],
                   chunks: Callable[[GenerationRun, R, int], AsyncIterator[str]]) -> Response:
-    """Submit the run, then stream it (`req.stream`) or collect it. Any rejection raises before
-    a byte is sent (field case C10), as does an injected "fail" fault; a client that goes away
-    aborts the run (C06)."""
+    """Submit, then stream or collect; rejections raise before a byte is sent; a disconnect aborts."""
     created = now_s()
     async with contextlib.AsyncExitStack() as owned:
         await owned.enter_async_context(run)
         if run.ctx.faults is not None:
             await run.ctx.faults.on_accepted()
         if req.stream:
-            owned.pop_all()   # from here the event stream closes the run, however it ends
+            owned.pop_all()   # the event stream now closes the run
             return ClosingStreamingResponse(chunks(run, req, created), run.close,
                                             media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache"})
@@ -234,8 +216,7 @@ async def respond(request: Request, run: GenerationRun, req: R,
 
 
 def _error_event(exc: Exception) -> str:
-    """An error after the 200 went out (engine died mid-stream, output anomaly): the only way
-    left to say so."""
+    """An error after the 200 went out, as an SSE event."""
     if isinstance(exc, RadixServeError):
         body = exc.to_dict()
     else:

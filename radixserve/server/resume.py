@@ -9,15 +9,9 @@ from radixserve.sampling_params import SamplingParams
 
 
 def resumed_params(req: Any, params: SamplingParams, num_prompts: int) -> SamplingParams:
-    """The SamplingParams that continue `req` (a completion or chat request with
-    `resume_token_ids`) after its resumed tokens: max_tokens and min_tokens less their count.
-
-    A resumed choice must come out as the same choice would have without the cut, so what
-    cannot is refused (InvalidRequest, 400): several prompts or n > 1 (the ids are one
-    choice's), echo and logprobs (the prompt and the offsets were sent before the cut),
-    frequency and presence penalties (they count output tokens; resumed ones are prompt
-    tokens to the engine), structured output (its grammar would start over), and a
-    max_tokens the resumed tokens already reach."""
+    """`params` continuing `req` after its `resume_token_ids`: max_tokens and min_tokens less their count.
+    Raises InvalidRequest (400) for what would not reproduce the uncut choice: several prompts or
+    n > 1, echo, logprobs, frequency/presence penalties, a grammar, max_tokens already reached."""
     num_resumed = len(req.resume_token_ids or ())
     why = None
     if num_prompts != 1 or params.n != 1:

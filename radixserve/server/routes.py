@@ -23,11 +23,10 @@ from radixserve.server.serving import ServingContext
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-METRICS_STATS_TIMEOUT_S = 5.0  # a wedged engine must not hang or 500 the scrape
+METRICS_STATS_TIMEOUT_S = 5.0
 
 
 def install_openai_routes(app: FastAPI, ctx: ServingContext, auth: list[Any]) -> None:
-    """POST /v1/completions, POST /v1/chat/completions and GET /v1/models, behind `auth`."""
     v1 = APIRouter(prefix="/v1", dependencies=auth)
     created = now_s()
 
@@ -54,14 +53,11 @@ def install_openai_routes(app: FastAPI, ctx: ServingContext, auth: list[Any]) ->
 
 
 def install_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
-    """GET /health, /live, /health_generate and /metrics (no API key: routers, agents and
-    scrapers poll them)."""
+    """The probes, without the API key."""
 
     @app.get("/health")
     async def health() -> Response:
-        """200 `ok`; 503 `degraded` while every request slot is held (alive, but admits nothing
-        new: the router routes away, the ops agent must not treat it as sick); 503 `engine_dead`.
-        While draining, DrainMiddleware answers instead: 503 `draining`."""
+        """200 `ok`; 503 `degraded` (all slots held: route away, not sick), `engine_dead`, or `draining`."""
         if not ctx.client.is_alive:
             raise EngineDead(f"engine is dead: {ctx.client.dead_reason}")
         num_open = ctx.client.num_open_requests
@@ -72,17 +68,14 @@ def install_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/live")
     async def live() -> Response:
-        """Liveness: 200 while the engine process lives, however busy or drained the worker is
-        (saturated and draining workers stay up: /health says 503 for routing, not for a
-        restart); 503 `engine_dead` once it is gone."""
+        """200 while the engine lives, however busy or drained; 503 `engine_dead`."""
         if not ctx.client.is_alive:
             raise EngineDead(f"engine is dead: {ctx.client.dead_reason}")
         return JSONResponse({"status": "alive"})
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        """200 once the engine has generated one token for a tiny request (a PD worker only
-        generates as half of a pair: there it answers as /health does)."""
+        """200 once the engine generated one token (a PD worker answers as /health)."""
         if ctx.client.info.disaggregation_mode != "null":
             return await health()
         ids = ctx.tokenizer.encode("Hi") or [0]
@@ -99,7 +92,6 @@ def install_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        """Prometheus text format; engine gauges and counters are read from the engine now."""
         assert ctx.metrics is not None, "build_app sets ctx.metrics"
         stats = None
         if ctx.client.is_alive:

@@ -27,13 +27,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 << 20  # ServerConfig.max_request_body_bytes' default
-LONG_TEXT_CHARS = 32_768    # tokenize longer texts in a worker thread
+MAX_BODY_BYTES = 64 << 20
+LONG_TEXT_CHARS = 32_768    # longer texts are tokenized in a worker thread
 
 
 @dataclass
 class ServingContext:
-    """What every route needs: the engine client, the tokenizer and the served model's names."""
+    """What every route needs; a None guard, faults or parser turns that feature off."""
 
     client: EngineClient
     tokenizer: Any
@@ -41,12 +41,12 @@ class ServingContext:
     model_path: str
     max_open_requests: int
     metrics: ServerMetrics | None = None
-    guard: GuardSettings | None = None      # None: the output-anomaly guard is off
-    faults: FaultInjector | None = None     # None: fault injection is off
-    tool_call_parser: str | None = None     # --tool-call-parser; None: tools are refused
-    tool_call_constraint: str = "json"      # --tool-call-constraint: json or native
-    reasoning_parser: str | None = None     # --reasoning-parser; None: thinking stays content
-    max_body_bytes: int = MAX_BODY_BYTES    # larger request bodies get 413
+    guard: GuardSettings | None = None
+    faults: FaultInjector | None = None
+    tool_call_parser: str | None = None
+    tool_call_constraint: str = "json"
+    reasoning_parser: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
     runs: dict[str, GenerationRun] = field(default_factory=dict)   # response id -> open run
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -65,8 +65,7 @@ class ServingContext:
             raise Overloaded("The server is overloaded: too many requests in flight; retry later.")
 
     def filters_for(self, params: SamplingParams) -> tuple[list[OutputFilter], SamplingParams]:
-        """One request's output filters in the order they run (the corrupt fault when it picks
-        this request, then the anomaly guard when on), and `params` as they need them."""
+        """One request's filters in order (corrupt fault, anomaly guard), and `params` as they need them."""
         filters: list[OutputFilter] = []
         corrupter = self.faults.corrupter() if self.faults is not None else None
         if corrupter is not None:
@@ -77,8 +76,7 @@ class ServingContext:
         return filters, params
 
     def pd_target(self, req: CompletionRequest | ChatCompletionRequest) -> PDTarget | None:
-        """The request's PD target on a prefill or decode worker (server/pd.py); None on a
-        colocated worker, which refuses the bootstrap fields (InvalidRequest)."""
+        """None on a colocated worker, which refuses bootstrap fields (InvalidRequest)."""
         mode = self.client.info.disaggregation_mode
         if mode != "null":
             return pd_target(mode, req)
@@ -89,10 +87,8 @@ class ServingContext:
         return None
 
     def check_text_fits(self, texts: list[str], param: str) -> None:
-        """Raise ContextLengthExceeded (400) when `texts` together need at least the whole
-        context in tokens (leaving none for the completion), by the tokenizer's bytes bound
-        (tokenizer/text_bound.py); called before tokenizing, so a 10 MB prompt costs no
-        tokenizer time. Does nothing when the tokenizer has no sound bound."""
+        """ContextLengthExceeded (400) when `texts` need the whole context by the bytes bound
+        (tokenizer/text_bound.py), checked before tokenizing; no-op without a bound."""
         bound = getattr(self.tokenizer, "text_bound", None)
         if bound is None:
             return
@@ -105,13 +101,11 @@ class ServingContext:
                 param=param)
 
     async def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; long texts are tokenized off the event loop."""
         if len(text) < LONG_TEXT_CHARS:
             return self.tokenizer.encode(text)
         return await asyncio.to_thread(self.tokenizer.encode, text)
 
     def token_text(self, token_id: int) -> str:
-        """The text of one token on its own (for logprobs), special tokens included."""
         text = self._token_text.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -119,22 +113,9 @@ class ServingContext:
         return text
 
 
-# ---- one run --------------------------------------------------------------------------------
 class GenerationRun:
-    """All engine requests of one HTTP request: a RequestTracker per prompt, fanned out to n
-    engine requests each, added to the engine as one group. Use as an async context manager;
-    leaving it aborts whatever has not finished (client gone, error).
-
-    Choices are numbered over all prompts: prompt i, choice j -> index i * n + j. Each choice's
-    updates pass the request's output filters (`ServingContext.filters_for`) in order; a
-    detection ends the whole run (`updates` raises OutputAnomaly after an "abort" update for
-    that choice).
-
-    `pd`: prefill/decode disaggregation; engine request k of the run gets room + k.
-
-    `resume_ids` (stream migration, server/resume.py; one prompt, n = 1): output tokens
-    another worker already delivered. The engine gets them after the prompt; once it accepts,
-    choice 0 resumes after them (RequestTracker.resume) and `resumed_text` holds their text."""
+    """One HTTP request's engine requests (n per prompt) as one group; exiting aborts the unfinished.
+    Choice j of prompt i has index i * n + j; `resume_ids` follow the prompt (server/resume.py)."""
 
     def __init__(self, ctx: ServingContext, base_id: str, prompt_ids: list[list[int]],
                  params: SamplingParams, resume_ids: list[int] | None = None,
@@ -156,12 +137,11 @@ class GenerationRun:
                 adds.append(AddReq(child_id, ids + self.resume_ids, child_params))
         self._adds = adds if pd is None else with_rooms(adds, pd)
         self.stream: RequestStream | None = None
-        self._timers = RunTimers(None, [])   # none until submitted
+        self._timers = RunTimers(None, [])
 
     async def __aenter__(self) -> GenerationRun:
-        """Submit to the engine and wait for it to accept (raises its rejection). While open,
-        the run is listed in `ctx.runs` under its response id (for /abort_request)."""
-        try:  # whatever fails from here until the engine accepts, close() unregisters the run
+        """Submit and wait for acceptance (raises the rejection); listed in `ctx.runs` while open."""
+        try:
             self.stream = self.ctx.client.submit(self._adds)
             self.ctx.runs[self.base_id] = self
             self._timers = RunTimers(self.ctx.metrics, [a.request_id for a in self._adds])
@@ -186,13 +166,11 @@ class GenerationRun:
             self.stream.close()
 
     def abort(self) -> None:
-        """End every unfinished choice now with finish_reason "abort" (POST /abort_request)."""
         if self.stream is not None:
             self.stream.abort_all()
 
     async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
-        """Yield (choice index over all prompts, update) for every non-empty choice update,
-        after the output filters, until all choices have finished."""
+        """(choice index, update) for each non-empty update after the filters, until all finish."""
         assert self.stream is not None, "use `async with run:` first"
         while self.stream.unfinished:
             out = await self.stream.get()
@@ -210,8 +188,7 @@ class GenerationRun:
                 yield index, u
 
     def _check(self, index: int, u: ChoiceUpdate, out: EngineOutput) -> Detection | None:
-        """What ends the run at this update: the engine found its KV overwritten, or a filter
-        (each may rewrite `u.text` first) found the output broken."""
+        """A KV checksum error or a filter's detection (filters may rewrite `u.text`)."""
         if out.error_code == KV_CHECKSUM_ERROR:
             return Detection("kv_checksum", out.error or "")
         if not u.is_empty:
@@ -222,9 +199,7 @@ class GenerationRun:
         return None
 
     async def results(self) -> list[RequestOutput]:
-        """Run to completion; one RequestOutput per prompt, read from its tracker (choice j of
-        prompt i has index i * n + j over the run). Each choice's text is what a stream sends:
-        its updates' texts after the filters, joined."""
+        """One RequestOutput per prompt; each text is the filtered updates joined, as a stream sends it."""
         texts: dict[int, list[str]] = {0: [self.resumed_text]}
         async for index, u in self.updates():
             texts.setdefault(index, []).append(u.text)
@@ -235,8 +210,6 @@ class GenerationRun:
         return results
 
     def _anomaly(self, index: int, detection: Detection) -> OutputAnomaly:
-        """Count and log a detection; the caller raises it and closing the run aborts every
-        choice in the engine (their pages are freed)."""
         kind, detail = detection
         if self.ctx.metrics is not None:
             self.ctx.metrics.count_anomaly(kind)
@@ -245,8 +218,7 @@ class GenerationRun:
                              "the request was stopped. Retrying it may succeed.", kind)
 
     def usage(self, reasoning_tokens: int | None = None) -> Usage:
-        """Usage over every choice; `reasoning_tokens` (chat with a reasoning parser) goes into
-        OpenAI's `completion_tokens_details`."""
+        """Usage over every choice; `reasoning_tokens` goes to `completion_tokens_details`."""
         prompt = sum(t.prompt_tokens for t in self.trackers)
         completion = sum(t.completion_tokens for t in self.trackers)
         cached = sum(t.cached_tokens for t in self.trackers)
@@ -262,15 +234,14 @@ class GenerationRun:
                      prompt_tokens_details=details, **extra)
 
     def reasoning_tokens(self, outputs: ChatOutputs) -> int | None:
-        """usage's `reasoning_tokens` of a chat run's choices so far (ChatOutputs decides)."""
-        tracker = self.trackers[0]            # chat has one prompt
+        tracker = self.trackers[0]
         skip = tracker.params.skip_special_tokens
         return outputs.reasoning_tokens(
             [c.token_ids for c in tracker.result().outputs],
             lambda ids: self.ctx.tokenizer.decode(ids, skip_special_tokens=skip))
 
     def prompt_logprobs(self, prompt_index: int) -> list[TokenLogprob | None]:
-        """Per prompt position: None for the first token, then the model's logprob of each."""
+        """None for the first position."""
         lps = self.trackers[prompt_index].prompt_logprobs or []
         return [None, *lps]
 

@@ -2,18 +2,8 @@
 
     [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]
 
-Each item is one call: `name` is one of the functions the schema is built over (all offered
-ones for "required", the named one otherwise) and `parameters` matches that function's
-`parameters` schema ({} and no schema: an empty object). minItems 1 makes at least one call;
-maxItems 1 when parallel_tool_calls is false. The schema goes to the engine as the request's
-json_schema (runner/structured.py compiles it, a 400 when xgrammar refuses it), and the server
-reads the array back into `tool_calls` with the `json` tool-call parser (parsers/json_calls.py,
-which takes "parameters" for "arguments"), whatever the model's own format.
-
-A function's `$defs` / `definitions` move to the root of the array schema, where its
-`#/$defs/...` references resolve once its schema is nested; two functions that give one
-definition name different schemas are a 400. Other references to the function schema's own
-root (`#`, `#/properties/...`) do not survive the nesting.
+Read back by parsers/json_calls.py. `$defs` / `definitions` move to the array's root; other `#...`
+references to a function schema's root do not survive the nesting.
 """
 from __future__ import annotations
 
@@ -30,9 +20,8 @@ DEFINITION_KEYS = ("$defs", "definitions")
 
 
 def calls_schema(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """JSON schema text of an array of one or more calls to `tools` (module doc); at most one
-    call unless `parallel`. Raises InvalidRequest (param "tools") when a function's parameters
-    do not describe an object or two functions define one name differently."""
+    """JSON schema text of 1+ calls to `tools` (<= 1 unless `parallel`); InvalidRequest (400) for
+    non-object parameters or one definition name with two schemas."""
     assert tools, "a call schema needs at least one function"
     definitions: dict[str, dict[str, Any]] = {key: {} for key in DEFINITION_KEYS}
     items = [_call_item(tool, definitions) for tool in tools]
@@ -46,8 +35,7 @@ def calls_schema(tools: Sequence[ToolSpec], parallel: bool) -> str:
 
 
 def object_parameters(tool: ToolSpec) -> dict[str, Any]:
-    """`tool`'s parameters schema for an enforced call (EMPTY_PARAMETERS when it has none).
-    Raises InvalidRequest (param "tools") when it does not describe a JSON object."""
+    """`tool`'s parameters (default EMPTY_PARAMETERS); InvalidRequest (400) unless an object."""
     parameters = tool.parameters or EMPTY_PARAMETERS
     types = schema_types(parameters)
     if types and "object" not in types:
@@ -57,7 +45,6 @@ def object_parameters(tool: ToolSpec) -> dict[str, Any]:
 
 
 def _call_item(tool: ToolSpec, definitions: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The schema of one call to `tool`; its definitions are moved into `definitions`."""
     parameters = copy.deepcopy(object_parameters(tool))
     for key in DEFINITION_KEYS:
         defs = parameters.get(key)

@@ -17,19 +17,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class ChoiceUpdate:
-    """What one EngineOutput changed for one choice.
-
-    text: new text to send (may be ""). token_ids / logprobs: the new tokens kept (tokens after
-    a stop-string match are dropped; logprobs is None unless the request asked for them).
-    finish_reason: "stop" | "length" | "abort" on the one update that ends the choice, else None.
-    stop_reason: the matched stop string, or the eos / stop token id that ended the choice.
-    abort_child: set when a stop string ended the choice while the engine is still generating:
-    the caller must abort that engine request. error: the engine's message for an abort.
-    spec: the choice's speculative-decoding counts so far (None: it never verified a draft).
-    confidences: each kept token's `top_logprob` (the model's largest logprob at that
-    position) when the guard's confidence detector asked for them (params.guard_confidence).
-    An update for a choice that had already finished is empty (`is_empty`) and must be ignored.
-    """
+    """What one EngineOutput changed for one choice (ignore it if `is_empty`): the tokens kept (none
+    after a stop string); finish_reason on the ending update; `abort_child` the caller must abort."""
 
     index: int
     text: str = ""
@@ -49,7 +38,6 @@ class ChoiceUpdate:
 
 @dataclass(slots=True)
 class _Choice:
-    """Per-choice state: detokenizer, stop matcher and what has been kept so far."""
 
     child_id: str
     detok: IncrementalDetokenizer
@@ -65,17 +53,8 @@ class _Choice:
 
 
 class RequestTracker:
-    """One client request with n choices, shared by the offline API and the HTTP server.
-
-    Usage: submit every `child_requests()` entry to the engine, pass each EngineOutput of those
-    children to `process()`, send the returned updates, abort `update.abort_child` when set,
-    and stop once `finished`. The engine knows nothing of stop strings; this class finds them,
-    trims text and tokens, and ignores whatever the engine sends for a child after its end.
-    Raises InvalidRequest when params.n is out of range; the engine checks everything else.
-
-    Each choice's state (text, tokens, logprobs, finish) lives here once: streaming sends the
-    updates, a full response reads `result()`, which is exactly their sum.
-    """
+    """n choices: submit `child_requests()`, feed their outputs to `process()` until `finished`; stop
+    strings are matched here; `result()` is the updates' sum. InvalidRequest for an n out of range."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  tokenizer: Tokenizer, prompt: str | None = None):
@@ -93,8 +72,7 @@ class RequestTracker:
         self._index = {c.child_id: i for i, c in enumerate(self._choices)}
 
     def child_requests(self) -> list[tuple[str, SamplingParams]]:
-        """(child request id, params) per choice: ids f"{request_id}-{i}", n=1, and
-        seed = params.seed + i when a seed is given (None otherwise), so choices differ."""
+        """(f"{request_id}-{i}", params with n=1 and seed + i) per choice."""
         out = []
         for i, choice in enumerate(self._choices):
             seed = None if self.params.seed is None else self.params.seed + i
@@ -102,20 +80,15 @@ class RequestTracker:
         return out
 
     def process(self, out: EngineOutput) -> ChoiceUpdate:
-        """Fold one engine output into its choice. Raises KeyError for a foreign request id.
-
-        Tokens are detokenized one at a time so a stop string is attributed to the token that
-        completed it; later tokens in the same output are dropped. The eos / stop token that
-        ended a choice (out.stop_token_id) is kept in token_ids and counted, but never decoded
-        into text.
-        """
+        """Fold one engine output into its choice; KeyError for a foreign id. Tokens after the one
+        completing a stop string are dropped; the ending stop token is kept but not decoded."""
         index = self._index.get(out.request_id)
         if index is None:
             raise KeyError(f"{out.request_id!r} is not a child of request {self.request_id!r}")
         choice = self._choices[index]
         update = ChoiceUpdate(index=index)
         if choice.finish_reason is not None:
-            return update  # late output for a finished choice (e.g. before our abort landed)
+            return update  # late output for a finished choice
         if index == 0:
             choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
             choice.num_cached_tokens_host = out.num_cached_tokens_host
@@ -162,11 +135,8 @@ class RequestTracker:
         return update
 
     def resume(self, token_ids: list[int]) -> str:
-        """Continue choice 0 after `token_ids`, output another worker already delivered (stream
-        migration, server/resume.py). They pass its detokenizer and stop matcher as if made
-        here, so later text comes out exactly as it would have without the cut, and they count
-        as completion tokens. Returns their text (sent already; `result()` includes it).
-        Raises InvalidRequest when they already end the choice with a stop string."""
+        """Continue choice 0 after tokens another worker delivered, as if made here; returns their
+        text. InvalidRequest (400) when they already end with a stop string."""
         choice = self._choices[0]
         parts = []
         for tid in token_ids:
@@ -185,42 +155,35 @@ class RequestTracker:
         choice.finish_reason = update.finish_reason = reason
         choice.stop_reason = update.stop_reason = stop_reason
 
-    # ------------------------------------------------------------------------------- accounting
     @property
     def finished(self) -> bool:
-        """True once every choice has finished."""
         return all(c.finish_reason is not None for c in self._choices)
 
     @property
     def prompt_tokens(self) -> int:
-        """Prompt length in tokens, counted once whatever n is (field case C05)."""
+        """Counted once whatever n is."""
         return len(self.prompt_ids)
 
     @property
     def completion_tokens(self) -> int:
-        """Tokens kept, summed over choices (nothing after a stop-string match counts)."""
         return sum(len(c.token_ids) for c in self._choices)
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt tokens served from the prefix cache, from choice 0 only (<= prompt_tokens)."""
+        """From choice 0 only (<= prompt_tokens)."""
         return min(self._choices[0].num_cached_tokens, self.prompt_tokens)
 
     @property
     def cached_tokens_host(self) -> int | None:
-        """Of cached_tokens, those the host KV tier loaded back (None: tier off)."""
         host = self._choices[0].num_cached_tokens_host
         return None if host is None else min(host, self.cached_tokens)
 
     @property
     def spec(self) -> SpecCounts | None:
-        """Speculative-decoding counts summed over choices; None when no choice verified."""
         counts = [c.spec for c in self._choices if c.spec is not None]
         return sum(counts[1:], counts[0]) if counts else None
 
     def result(self) -> RequestOutput:
-        """The request so far as a RequestOutput, one CompletionOutput per choice in index order
-        (the offline API's result; the server's full responses are built from it)."""
         want_logprobs = self.params.logprobs is not None
         outputs = [CompletionOutput(index=i, text="".join(c.text_parts), token_ids=list(c.token_ids),
                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,

@@ -1,4 +1,4 @@
-"""Bounded rendering of request validation errors as one InvalidRequest (field case C11)."""
+"""Bounded rendering of request validation errors as one InvalidRequest ."""
 from __future__ import annotations
 
 from pydantic import ValidationError
@@ -10,8 +10,7 @@ MAX_ERROR_MESSAGE_CHARS = 2000
 
 
 def validation_error(err: ValidationError) -> InvalidRequest:
-    """Turn a pydantic ValidationError into one InvalidRequest whose message stays bounded
-    whatever the input size (field case C11): quote at most a few errors, never the input."""
+    """One InvalidRequest (400) with a bounded message: a few errors quoted, never the input."""
     details = err.errors(include_url=False, include_input=False, include_context=False)
     return InvalidRequest(*render_details(details))
 

@@ -1,10 +1,6 @@
-"""--warmup-prompts FILE: prefill known prompts into the radix cache before the server answers /health, so the first burst after a restart does not pay full prefill.
+"""--warmup-prompts FILE: prefill known prompts into the radix cache before /health answers.
 
-The file is JSONL; each line is a JSON string (a completion prompt), or an object with
-`"prompt"` (text, or a list of token ids) or `"messages"` (chat messages, rendered with the
-model's chat template and the generation prompt, as /v1/chat/completions renders them). Each
-prompt is run with max_tokens=1, so its full pages enter the radix cache (and, with the host
-tier on, host memory and the disk tier).
+JSONL: a string, {"prompt": text or token ids} or {"messages": [...]}; each runs with max_tokens=1.
 """
 from __future__ import annotations
 
@@ -19,16 +15,15 @@ from radixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-CONCURRENCY = 8      # warm-up requests in flight at once
+CONCURRENCY = 8
 
 
 class WarmupFileError(ValueError):
-    """The warm-up file cannot be read or a line is not a prompt (message names file and line)."""
+    """An unreadable file or a line that is not a prompt."""
 
 
 def read_prompts(path: str) -> list[dict[str, Any]]:
-    """Parse the file into [{"prompt": str | list[int]} | {"messages": list}]. Raises
-    WarmupFileError for a missing file, bad JSON or a line of another shape."""
+    """[{"prompt": str | list[int]} | {"messages": list}]; raises WarmupFileError."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -57,8 +52,7 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
 
 
 async def warm_up(client: Any, tokenizer: Any, prompts: list[dict[str, Any]]) -> tuple[int, int]:
-    """Prefill every prompt (max_tokens=1, CONCURRENCY at a time). Returns (done, failed);
-    a prompt the engine refuses (too long, ids out of range) is logged and skipped."""
+    """(done, failed); a refused prompt is logged and skipped."""
     params = SamplingParams(max_tokens=1, temperature=0.0)
     sem = asyncio.Semaphore(CONCURRENCY)
     failed = 0
@@ -81,7 +75,7 @@ async def warm_up(client: Any, tokenizer: Any, prompts: list[dict[str, Any]]) ->
                         pass
                 finally:
                     stream.close()
-            except Exception as exc:   # one bad prompt must not stop the server from starting
+            except Exception as exc:
                 failed += 1
                 logger.warning("warm-up prompt %d skipped: %s", i + 1, exc)
 
