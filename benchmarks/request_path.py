@@ -18,20 +18,23 @@ Recorded with sys.setprofile / threading.setprofile, call events only:
 - modules: radixserve files whose functions are called between the request's start (just before
   the client sends it) and its end (the client has read the last byte of the stream), in every
   thread. Everything under layers/ counts as one module, everything under runner/attention/ as
-  one; dataclass-generated methods (file "<string>") do not count.
+  one; dataclass-generated methods (file "<string>") do not count, nor do resumptions of
+  coroutines that were already suspended when the request started (Trace.start_request).
 - types: radixserve classes that are dataclasses, msgspec Structs, pydantic models or
   NamedTuples (exceptions excluded) of which an instance is an argument, or an element of a
   list/tuple argument, of a call made from or into radixserve code during the request, minus
   those seen during the background phase (start-up and one GET /health, no generation).
   A type only ever passed from its own module to its own module (a module's private helper,
   such as an attention backend's metadata) is listed apart and not counted: the count is of
-  the types that carry the request from module to module.
+  the types that carry the request from module to module. So are, as in the review behind issue
+  39, acknowledgements (ACKS) and pydantic models nested in another counted response model.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import dataclasses
+import gc
 import inspect
 import json
 import multiprocessing
@@ -52,6 +55,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 PKG = str(REPO / "radixserve") + os.sep
 GROUPS = ("layers" + os.sep, os.path.join("runner", "attention") + os.sep)  # one module each
+# Not counted, as in the review behind issue 39: an acknowledgement that carries no request data
+# (the engine's answer to a Submit), and a response schema's nested parts (schema_parts).
+ACKS = {"engine.messages.Submitted"}
+SUSPENDABLE = (types.CoroutineType, types.AsyncGeneratorType, types.GeneratorType)
 BODY = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}
 
 
@@ -61,10 +68,21 @@ class Trace:
     def __init__(self):
         self.phase: str | None = None
         self.modules: collections.Counter[str] = collections.Counter()
+        self.functions: dict[str, set[str]] = collections.defaultdict(set)
         self.types: collections.Counter[type] = collections.Counter()
         self.crossing: set[type] = set()   # seen passed between two different modules
         self.background: set[type] = set()
+        self.suspended: set[int] = set()   # frames of coroutines suspended when the request starts
         self._is_data: dict[type, bool] = {}
+
+    def start_request(self) -> None:
+        """Enter the request phase. Coroutines already suspended (the server's serve loop, the
+        engine client's receive loop) resume during the request without being passed through by
+        it: their resumptions are not counted; what they call is."""
+        self.suspended = {id(f) for o in gc.get_objects() if isinstance(o, SUSPENDABLE)
+                          for f in (getattr(o, "cr_frame", None) or getattr(o, "ag_frame", None)
+                                    or getattr(o, "gi_frame", None),) if f is not None}
+        self.phase = "request"
 
     def is_data(self, cls: type) -> bool:
         known = self._is_data.get(cls)
@@ -92,9 +110,12 @@ class Trace:
         if event != "call" or self.phase not in ("background", "request"):
             return
         code = frame.f_code
+        if id(frame) in self.suspended:
+            return
         callee = module_of(code.co_filename)
         if callee and self.phase == "request":
             self.modules[callee] += 1
+            self.functions[callee].add(code.co_qualname)
         back = frame.f_back
         caller = module_of(back.f_code.co_filename) if back is not None else None
         if callee is None and caller is None:
@@ -113,12 +134,32 @@ class Trace:
     def result(self) -> dict[str, dict[str, int]]:
         """modules: {module: calls}; types: {type: calls}; private_types: the same, for types
         never passed between two modules (not counted)."""
-        out: dict[str, dict[str, int]] = {"modules": dict(sorted(self.modules.items())),
-                                          "types": {}, "private_types": {}}
-        for t, n in sorted(self.types.items(), key=lambda item: name_of(item[0])):
-            if t not in self.background:
-                out["types" if t in self.crossing else "private_types"][name_of(t)] = n
+        out: dict = {"modules": dict(sorted(self.modules.items())), "types": {}, "private_types": {}, "parts_and_acks": {},
+                     "functions": {m: sorted(f) for m, f in sorted(self.functions.items())}}
+        seen = [t for t in self.types if t not in self.background]
+        parts = {q for t in seen if issubclass(t, pydantic.BaseModel) for q in schema_parts(t)}
+        for t in sorted(seen, key=name_of):
+            n, name = self.types[t], name_of(t)
+            if t not in self.crossing:
+                out["private_types"][name] = n
+            elif t in parts or name in ACKS:
+                out["parts_and_acks"][name] = n
+            else:
+                out["types"][name] = n
         return out
+
+
+def schema_parts(model: type[pydantic.BaseModel]) -> set[type]:
+    """The pydantic models nested in `model`'s fields (as X, X | None or list[X])."""
+    found: set[type] = set()
+    for info in model.model_fields.values():
+        stack = [info.annotation]
+        while stack:
+            t = stack.pop()
+            if isinstance(t, type) and issubclass(t, pydantic.BaseModel):
+                found.add(t)
+            stack.extend(getattr(t, "__args__", ()))
+    return found
 
 
 def name_of(cls: type) -> str:
@@ -193,7 +234,7 @@ def drive(trace: Trace, base_url: str, model: str, done: dict) -> None:
                 except httpx.TransportError:
                     pass
                 threading.Event().wait(0.2)
-            trace.phase = "request"
+            trace.start_request()
             with http.stream("POST", "/v1/completions", json={"model": model, **BODY}) as r:
                 done["lines"] = [line for line in r.iter_lines() if line]
             done["status"] = r.status_code
@@ -240,6 +281,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print Trace.result() as one JSON line")
     p.add_argument("--model-path", type=pathlib.Path, help="a tiny model folder (default: build one)")
+    p.add_argument("--functions", action="store_true", help="also list the functions called in each module")
     args = p.parse_args()
     os.environ.setdefault("RADIXSERVE_SINGLE_ROW_PATH", "split")   # no timing probe at start-up
     from radixserve.bench.launch import free_port
@@ -252,11 +294,15 @@ def main() -> None:
         return
     titles = {"modules": "modules (calls during the request)",
               "types": "request/token types (calls that took one)",
-              "private_types": "not counted: types private to one module"}
+              "private_types": "not counted: types private to one module",
+              "parts_and_acks": "not counted: a response schema's nested parts, acknowledgements"}
     for key, title in titles.items():
         print(f"{len(found[key])} {title}:")
         entries = [f"{name} {n}".replace(" ", "\0") for name, n in found[key].items()]
         print(textwrap.fill(", ".join(entries), 100, initial_indent="  ", subsequent_indent="  ").replace("\0", " "))
+    if args.functions:
+        for module, names in found["functions"].items():
+            print(f"{module}: {', '.join(names)}")
 
 
 if __name__ == "__main__":
