@@ -57,7 +57,7 @@ class KVWrite(msgspec.Struct, frozen=True, tag=True):
     room: int
     write_id: int                 # 0, 1, ... per room
     page_ids: list[int]
-    data: bytes                   # Runner.export_kv bytes
+    data: bytes
 
 
 class KVDone(msgspec.Struct, frozen=True, tag=True):

@@ -25,10 +25,9 @@ ERROR_CODE = "kv_transfer_failed"   # EngineOutput.error_code of PD failures (HT
 
 
 class PDWorker:
-    """Drives an Engine whose requests carry a PDTarget, with its prefill or decode side;
-    single-threaded, all PD I/O inside step(). The runner also offers kv_layout() -> dict
-    (KVLayout fields), export_kv(page_ids) -> bytes and import_kv(page_ids, data, foreign).
-    `endpoint`: transport.py's (default: TCP). `clock`: seconds, monotonic."""
+    """Drives an Engine and its PD side; single-threaded, all PD I/O in step(). The runner also
+    offers kv_layout() -> dict, export_kv(page_ids) -> bytes and import_kv(page_ids, data,
+    foreign). `endpoint`: transport.py's (default: TCP). `clock`: seconds, monotonic."""
 
     def __init__(self, config: EngineConfig, runner: Runner,
                  extra_eos_token_ids: frozenset[int] = frozenset(), hooks: Sequence[EngineHooks] = (),
@@ -100,7 +99,6 @@ class PDWorker:
             self._outbox.append(self.engine.emit(req, [token]))
 
     def step(self) -> list[EngineOutput]:
-        """PD I/O, then one engine step; outputs of both."""
         if self.prefill is not None:
             for peer, msg in self.endpoint.recv():
                 self.prefill.handle(peer, msg)
