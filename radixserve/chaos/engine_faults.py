@@ -40,8 +40,6 @@ class StepLatency:
 
 
 class EngineFaults(EngineHooks):
-    """The armed engine-side faults of one engine; tier faults go into the tiers' seams."""
-
     def __init__(self) -> None:
         self.step_latency: StepLatency | None = None
         self.forced: ForcedTokens | None = None
@@ -59,8 +57,7 @@ class EngineFaults(EngineHooks):
         self.pd = worker.faults = PDFaults(self.engine.config.random_seed)
 
     def fault(self, kind: str, clear: bool = False, **params: Any) -> None:
-        """Arm `kind` (replacing an armed one) or clear it. Raises InvalidRequest for an unknown
-        kind, bad parameters, or a fault point this engine lacks."""
+        """Arm `kind` (replacing one) or clear it; InvalidRequest for an unknown kind or bad params."""
         if kind in POINT_ACTIONS:
             if self.pd is None and not clear:
                 raise InvalidRequest(f"fault {kind!r} needs a worker started with "
@@ -137,7 +134,6 @@ class EngineFaults(EngineHooks):
 
     @property
     def kv_corrupt_hits(self) -> list[tuple[str, int]]:
-        """(request id, its output tokens then) of each request the kv_corrupt fault hit."""
         return list(self.kv_corrupt.hit) if self.kv_corrupt is not None else []
 
     def _host_tier(self) -> tuple[Any, Any]:

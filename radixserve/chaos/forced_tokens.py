@@ -46,10 +46,9 @@ class ForcedTokens:
 
 def force_run(forced_ids: tuple[int, ...] | None, num_output_ids: int,
               sampled: list[TokenLogprob]) -> tuple[list[TokenLogprob], int]:
-    """One step's samples (a token, or a speculative run from output position `num_output_ids`)
-    with forced_ids[position] in place while it lasts (logprob 0.0, the model's `top`); a run is
-    cut after the first replaced token. Returns the tokens and how many leading ones are unchanged
-    samples (whose verify KV is valid)."""
+    """Step samples (from output position `num_output_ids`) with forced_ids[position] in place
+    (logprob 0.0, the model's `top`), cut after the first replaced one; returns them and how many
+    leading ones are unchanged samples (whose verify KV is valid)."""
     out: list[TokenLogprob] = []
     for k, token in enumerate(sampled):
         position = num_output_ids + k

@@ -24,8 +24,6 @@ class Corruption:
 
 @dataclass(slots=True)
 class KVCorruptFault:
-    """`ends_s`: time.monotonic() or None."""
-
     mode: str
     fraction: float
     after_tokens: int
@@ -37,8 +35,7 @@ class KVCorruptFault:
     @classmethod
     def armed(cls, mode: str, fraction: float, after_tokens: int, count: int,
               duration_s: float | None, seed: int | None) -> KVCorruptFault:
-        """Raises InvalidRequest for a mode not in MODES, fraction outside (0, 1], after_tokens < 0
-        or count < 1."""
+        """Raises InvalidRequest for a bad mode, fraction, after_tokens or count."""
         if mode not in MODES:
             raise InvalidRequest(f"kv_corrupt mode must be one of {MODES}, got {mode!r}",
                                  param="mode")
@@ -79,6 +76,5 @@ class KVCorruptFault:
 
 
 def _computed_pages(req: Request, page_size: int) -> list[int]:
-    """The request's pages that hold computed KV (distinct, in position order)."""
     num = -(-req.num_computed_tokens // page_size)
     return list(dict.fromkeys(req.page_ids[:num]))

@@ -28,8 +28,6 @@ class _Armed:
 
 
 class PDFaults:
-    """A FaultPoints: at most one arming per point."""
-
     def __init__(self, seed: int | None = None):
         self._armed: dict[str, _Armed] = {}
         self._rng = random.Random(seed)

@@ -56,8 +56,6 @@ class CopyFaults:
 
 
 class AllocFaults:
-    """Refuses each host allocation with probability `fraction`."""
-
     def __init__(self, fraction: float, rng: random.Random):
         self.fraction, self.rng = fraction, rng
 
