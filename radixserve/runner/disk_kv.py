@@ -38,8 +38,6 @@ def fingerprint(model_path: str, num_layers: int, num_kv_heads: int, head_dim: i
 
 
 class DiskKV:
-    """Pages of `host` (the host tier's KVCache) saved under `root/fingerprint`."""
-
     def __init__(self, host: KVCache, root: str, fingerprint_: str):
         self.host = host
         self.dir = os.path.join(root, fingerprint_)

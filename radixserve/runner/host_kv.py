@@ -21,8 +21,6 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoadHandle:
-    """`done` is set once every layer has ended its fill."""
-
     num_pages: int
     num_bytes: int
     done: threading.Event = field(default_factory=threading.Event)

@@ -40,9 +40,8 @@ def kv_storage_dtype(config: EngineConfig) -> torch.dtype:
 
 
 class ModelRunner:
-    """The Runner protocol (engine/runner_api.py) over a real model; every step tensor lives on
-    `device`. CPU memory: weights twice (plain + oneDNN-packed; a quantized layer only packed),
-    the KV cache, and the torch backend's DecodeMirror (at most 2 GiB)."""
+    """The Runner protocol (engine/runner_api.py) over a real model. CPU memory: weights twice
+    (plain + oneDNN-packed; quantized layers packed only), the KV cache, the DecodeMirror (<= 2 GiB)."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
@@ -198,7 +197,6 @@ class ModelRunner:
                 "head_dim": mc.head_dim, "model": self._identity}
 
     def export_kv(self, page_ids: list[int]) -> bytes:
-        """The KV and side buffers of `page_ids` in the stored dtype (kv_transfer.py)."""
         return kv_transfer.pack_pages(self.kv.export_pages(page_ids))
 
     def import_kv(self, page_ids: list[int], data: bytes, foreign: bool) -> None:
@@ -272,7 +270,6 @@ class ModelRunner:
         return DraftModel(model, layers, self.num_pages, self.page_size, self.dtype, self.device)
 
     def _propose(self, batch: list[ScheduledSeq], results: list[SeqResult]) -> list[SeqResult]:
-        """Model drafts (runner/draft.py) after each sampled token of sequences that asked."""
         asking = [(i, s) for i, (s, r) in enumerate(zip(batch, results))
                   if s.propose > 0 and r.token is not None]
         if not asking:
