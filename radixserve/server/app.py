@@ -65,9 +65,8 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig,
                 engine_factory: EngineFactory, model_path: str, sock: socket.socket) -> int:
-    """Load the tokenizer while the engine process loads the model, then serve HTTP on `sock`
-    until stopped (SIGTERM/SIGINT drain first). Returns 0 when stopped by a signal, 1 when the
-    engine died (unless `stay_up_on_engine_death`)."""
+    """Serve HTTP on `sock` until stopped (SIGTERM/SIGINT drain first); returns 0 when stopped by
+    a signal, 1 when the engine died (unless `stay_up_on_engine_death`)."""
     from radixserve.tokenizer.tokenizer import Tokenizer
 
     t0 = time.monotonic()

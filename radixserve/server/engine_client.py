@@ -86,7 +86,6 @@ class RequestStream:
             return item
 
     def abort(self, request_id: str) -> None:
-        """Stop one request early (its stop string matched)."""
         if request_id in self.unfinished:
             self.unfinished.discard(request_id)
             self.client.unroute([request_id])
@@ -138,9 +137,8 @@ class EngineClient:
     async def launch(cls, config: EngineConfig, engine_factory: EngineFactory,
                      eos_token_ids: frozenset[int] = frozenset(), log_level: str = "info",
                      watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S) -> EngineClient:
-        """Spawn the engine process (it runs `engine_factory(config, eos_token_ids)`) and wait until
-        it is ready; RuntimeError when it fails to start. Silent for `watchdog_timeout_s` with work
-        pending, it is declared dead and killed."""
+        """Spawn the engine process and wait for Ready (RuntimeError if it fails); once silent for
+        `watchdog_timeout_s` with work pending, it is declared dead and killed."""
         tmpdir = tempfile.mkdtemp(prefix="radixserve-")
         to_engine, from_engine = f"ipc://{tmpdir}/to_engine", f"ipc://{tmpdir}/from_engine"
         sync_ctx, async_ctx = zmq.Context(), zmq.asyncio.Context()
@@ -167,7 +165,6 @@ class EngineClient:
         return client
 
     async def _wait_ready(self) -> EngineInfo:
-        """The engine's Ready, once PUSH is connected too (a non-blocking send before fails)."""
         while True:
             if await self.pull.poll(int(WATCHDOG_INTERVAL_S * 1000)):
                 msg = self._decoder.decode(await self.pull.recv())

@@ -67,7 +67,6 @@ class FaultSpec(BaseModel):
     probability: float = Field(1.0, ge=0, le=1)
 
     def params(self) -> dict[str, Any]:
-        """The parameters of this kind, checked (raises InvalidRequest for a missing one)."""
         allowed = KIND_PARAMS[self.kind]
         unexpected = sorted(set(self.model_fields_set) - set(allowed) - {"kind", "duration_s"})
         if unexpected:
@@ -222,7 +221,6 @@ class HangMiddleware:
         await self.app(scope, receive, send)
 
 
-# private use, controls, unassigned, Braille, control pictures (anomaly.is_rare_char)
 NOISE_CHARS = "\ue000\ue0a7\uf8ff\x01\x07\x1b\x7f\u0378\u0380\u2801\u28ff\u2400\u241b\U000f0001"
 
 
@@ -235,7 +233,6 @@ class Corrupter:
         self._seen: dict[int, str] = {}   # choice index -> first delta (repeat mode)
 
     def feed(self, index: int, update: ChoiceUpdate) -> None:
-        """An output filter (server/filters.py) that only alters."""
         update.text = self.apply(index, update.text)
 
     def apply(self, index: int, text: str) -> str:
