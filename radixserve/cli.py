@@ -12,8 +12,7 @@ from radixserve.config import EngineConfig, ServerConfig, add_dataclass_args, fr
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors (an unknown --tool-call-parser, a bad number) are
-    one line on stderr and exit code 2, like the other start-up errors, not the whole usage."""
+    """Usage errors are one line on stderr and exit code 2, not the whole usage."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -32,18 +31,15 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_runner(config: EngineConfig) -> Any:
-    """Load the model into a ModelRunner (EngineFactory's runner factory; runs inside the
-    engine process, so torch is imported there only)."""
+    """EngineFactory's runner factory; runs in the engine process, so only it imports torch."""
     from radixserve.runner.model_runner import ModelRunner
 
     return ModelRunner.from_config(config)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """`radixserve serve`: check the flags, the model path and the port in about a second,
-    then load and serve. Returns the exit code: 2 for a bad flag or model path, 1 when the
-    port cannot be bound or start-up fails later, else what `serve` returns. A failure before
-    loading is one line on stderr; a later one is logged (its traceback with --log-level debug)."""
+    """`radixserve serve`: flags, model path and port are checked before loading. Returns 2 for a
+    bad flag or model path, 1 for an unbindable port or a failed start-up, else serve()'s code."""
     from radixserve.http_common import PortUnavailable, bind_socket
     from radixserve.weights.paths import ModelPathError, resolve_model_path
 
@@ -61,10 +57,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except PortUnavailable as exc:
         return _fail(f"{exc} (choose another with --host / --port)", 1)
     with sock:
-        if engine_config.device not in (None, "cpu"):   # only a named GPU needs torch here
+        if engine_config.device not in (None, "cpu"):
             try:
                 from radixserve.runner.device import resolve_device
-                resolve_device(engine_config.device)   # a missing GPU is a usage error, not a traceback
+                resolve_device(engine_config.device)
             except ValueError as exc:
                 return _fail(exc, 2)
         logging.basicConfig(level=server_config.log_level.upper(),
@@ -76,7 +72,7 @@ def run_serve(args: argparse.Namespace) -> int:
             return asyncio.run(serve(engine_config, server_config, factory, model_path, sock))
         except KeyboardInterrupt:
             return 0
-        except Exception as exc:  # start-up failures: the engine failed to load, ...
+        except Exception as exc:
             log = logging.getLogger("radixserve")
             log.debug("serve failed", exc_info=True)
             log.error("%s: %s (run with --log-level debug for the traceback)", type(exc).__name__, exc)
@@ -95,7 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                        parser_class=OneLineErrorParser)
     add_serve_command(subparsers)
-    # Listed for --help; `main` hands `bench ...` to radixserve.bench.cli, which has subcommands.
     subparsers.add_parser("bench", help="benchmark a server: run, sweep, compare (see bench --help)",
                           add_help=False)
     for name, text in SUBCOMMANDS_HELP.items():
@@ -103,7 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Subcommands with their own parsers, imported only when used (they import without torch).
 SUBCOMMANDS = {"bench": "radixserve.bench.cli", "route": "radixserve.router.cli",
                "fleet": "radixserve.router.fleet", "agent": "radixserve.agent.cli",
                "chat": "radixserve.chat.cli"}
@@ -123,10 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> NoReturn:
-    """The `radixserve` script and `python -m radixserve`. After `serve` or `route` has shut
-    down in order (engine process stopped, sockets closed, streams ended) the process ends at
-    once, skipping interpreter finalization, which would spend 0.3-0.5 s tearing down
-    transformers' and FastAPI's modules with nothing left to release."""
+    """The `radixserve` script; after `serve` or `route` it skips interpreter finalization."""
     argv = sys.argv[1:]
     code = main(argv)
     if argv[:1] in (["serve"], ["route"]):

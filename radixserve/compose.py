@@ -1,4 +1,4 @@
-"""The engine process's composition root: the runner, the Engine over it with its hooks (KV checksums, fault injection), and on prefill/decode workers the PD worker that drives it."""
+"""The engine process's composition root: runner, Engine with its hooks (KV checksums, fault injection), and on PD workers the PDWorker."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,9 +18,8 @@ def engine_hooks(config: EngineConfig) -> list[EngineHooks]:
 
 @dataclass(frozen=True)
 class EngineFactory:
-    """Builds the engine process's EngineParts (engine/loop.py). Pickled into the spawned
-    process, so `runner_factory` must be a module-level function (cli.build_runner, or a test's
-    fake). `fault_injection`: attach chaos/ and accept the `fault` call."""
+    """Builds EngineParts (engine/loop.py) in the spawned process, so `runner_factory` must be a
+    module-level function. `fault_injection`: attach chaos/ and accept the `fault` call."""
 
     runner_factory: RunnerFactory
     fault_injection: bool = False

@@ -1,4 +1,4 @@
-"""Offline API: LLM.generate / LLM.chat run the engine in-process, with a progress bar; LLM.stream_chat yields one reply as it is generated."""
+"""Offline API: LLM.generate / LLM.chat / LLM.stream_chat run the engine in this process."""
 from __future__ import annotations
 
 import itertools
@@ -14,16 +14,8 @@ from radixserve.sampling_params import SamplingParams
 
 
 class LLM:
-    """Load a model and generate from it in this process.
-
-        llm = LLM()                                   # embedded SmolLM2-135M-Instruct
-        outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
-        print(outs[0].outputs[0].text)
-
-    model_path: HF directory or .gguf file (None = embedded default). Other keyword
-    arguments are EngineConfig fields (page_size, dtype, max_total_tokens, ...).
-    Raises ModelPathError (a FileNotFoundError) naming what a bad model_path lacks.
-    """
+    """`model_path`: HF directory or .gguf file (None: the embedded default); other keyword
+    arguments are EngineConfig fields. Raises ModelPathError naming what a bad path lacks."""
 
     def __init__(self, model_path: str | None = None, **engine_kwargs):
         from radixserve.runner.model_runner import ModelRunner
@@ -40,10 +32,7 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for text prompts or token-id prompts; results keep the input order.
-
-        Raises InvalidRequest / ContextLengthExceeded (before anything runs) for bad input.
-        """
+        """Results keep the input order; InvalidRequest / ContextLengthExceeded before anything runs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         items = []
@@ -64,11 +53,8 @@ class LLM:
 
     def stream_chat(self, messages: list[dict],
                     sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Apply the chat template to one conversation and yield the reply's text as it is
-        generated, one delta per engine step (stop strings held back and trimmed as in `chat`).
-        params.n must be 1 (ValueError otherwise). Closing the generator early (a `break`, or
-        KeyboardInterrupt while it runs) aborts the request, so its pages return to the pool.
-        Raises InvalidRequest / ContextLengthExceeded before anything runs, like `chat`."""
+        """Yield one reply's text, one delta per engine step (n must be 1: ValueError). Closing the
+        generator early aborts the request. Raises like `chat`."""
         from radixserve.server.tracker import RequestTracker
 
         params = sampling_params or SamplingParams()
@@ -85,11 +71,10 @@ class LLM:
                 if update.text:
                     yield update.text
         finally:
-            for child_id in owner:   # a no-op for a finished request
+            for child_id in owner:
                 self.engine.abort(child_id)
 
     def stats(self) -> dict:
-        """Engine counters: hit rate, pool usage (see Engine.stats)."""
         return self.engine.stats()
 
     def _run(self, items, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
@@ -110,7 +95,7 @@ class LLM:
                     owner[child_id] = tracker
             self._drive(owner, len(trackers), use_tqdm)
         except BaseException:
-            for child_id in owner:  # leave no request behind in the engine
+            for child_id in owner:
                 self.engine.abort(child_id)
             raise
         results = []
@@ -130,14 +115,13 @@ class LLM:
         bar.close()
 
     def _updates(self, owner: dict) -> Iterator[tuple]:
-        """Step the engine until it has nothing left; yield (tracker, ChoiceUpdate) for every
-        output of a request in `owner` (child request id -> its RequestTracker)."""
+        """Step until idle; yield (tracker, ChoiceUpdate) per output of `owner`'s requests."""
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 tracker = owner.get(out.request_id)
                 if tracker is None:
                     continue
                 update = tracker.process(out)
-                if update.abort_child is not None:   # its stop string matched
+                if update.abort_child is not None:
                     self.engine.abort(update.abort_child, reason="stop")
                 yield tracker, update

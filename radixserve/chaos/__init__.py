@@ -1,1 +1,1 @@
-"""Fault injection (--enable-fault-injection): what attaches to the engine's hooks and to the seams of the KV tiers and the PD worker; nothing outside chaos/ imports it but the composition root (compose.py)."""
+"""Fault injection (--enable-fault-injection) at the engine's hooks and the KV tier and PD seams; only compose.py imports it."""

@@ -1,4 +1,4 @@
-"""EngineFaults: the engine process's fault points (--enable-fault-injection), attached as engine hooks and armed through one `fault` call; KINDS maps each kind to its arm and clear methods."""
+"""EngineFaults: the engine process's fault points, attached as engine hooks and armed through one `fault` call."""
 from __future__ import annotations
 
 import random
@@ -15,7 +15,6 @@ from radixserve.engine.request import Request
 from radixserve.errors import InvalidRequest
 from radixserve.outputs import EngineOutput, TokenLogprob
 
-# pd.* points go to PDFaults (pd_faults.py) instead
 KINDS = {"step_latency": ("set_step_latency", "clear_step_latency"),
          "sampler.force_tokens": ("arm_forced_tokens", "disarm_forced_tokens"),
          "kv_corrupt": ("arm_kv_corrupt", "disarm_kv_corrupt"),
@@ -34,7 +33,6 @@ class StepLatency:
     ends_s: float | None
 
     def sleep(self) -> StepLatency | None:
-        """Sleep once; returns self, or None once expired."""
         if self.ends_s is not None and time.monotonic() >= self.ends_s:
             return None
         time.sleep(max(self.latency_s + random.uniform(-self.jitter_s, self.jitter_s), 0.0))
@@ -42,28 +40,24 @@ class StepLatency:
 
 
 class EngineFaults(EngineHooks):
-    """The armed engine-side faults of one engine; tier faults go into the tiers' seams."""
-
     def __init__(self) -> None:
         self.step_latency: StepLatency | None = None
         self.forced: ForcedTokens | None = None
-        self.forced_ids: dict[str, tuple[int, ...]] = {}   # request id -> its forced sequence
+        self.forced_ids: dict[str, tuple[int, ...]] = {}
         self.kv_corrupt: KVCorruptFault | None = None
         self.copy = CopyFaults()
         self.alloc_rng = random.Random(0)
-        self.pd: PDFaults | None = None   # set by attach_pd on prefill and decode workers
+        self.pd: PDFaults | None = None
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
         engine.counters["num_kv_corruptions"] = 0
 
     def attach_pd(self, worker: Any) -> None:
-        """Install the PD fault points into a PD worker's `faults` seam."""
         self.pd = worker.faults = PDFaults(self.engine.config.random_seed)
 
     def fault(self, kind: str, clear: bool = False, **params: Any) -> None:
-        """Arm `kind` with `params` (replacing an armed one), or clear it. Raises InvalidRequest
-        for an unknown kind, bad parameters, or a fault point this engine lacks."""
+        """Arm `kind` (replacing one) or clear it; InvalidRequest for an unknown kind or bad params."""
         if kind in POINT_ACTIONS:
             if self.pd is None and not clear:
                 raise InvalidRequest(f"fault {kind!r} needs a worker started with "
@@ -81,7 +75,6 @@ class EngineFaults(EngineHooks):
         else:
             getattr(self, arm)(**params)
 
-    # ---- hooks -----------------------------------------------------------------------------
     def before_schedule(self) -> None:
         if self.step_latency is not None:
             self.step_latency = self.step_latency.sleep()
@@ -113,7 +106,6 @@ class EngineFaults(EngineHooks):
     def on_abort(self, req: Request) -> None:
         self.forced_ids.pop(req.request_id, None)
 
-    # ---- step latency, forced tokens, KV corruption ----------------------------------------
     def set_step_latency(self, latency_ms: float, jitter_ms: float = 0.0,
                          duration_s: float | None = None) -> None:
         ends_s = None if duration_s is None else time.monotonic() + duration_s
@@ -142,10 +134,8 @@ class EngineFaults(EngineHooks):
 
     @property
     def kv_corrupt_hits(self) -> list[tuple[str, int]]:
-        """(request id, its output tokens then) of each request the kv_corrupt fault hit."""
         return list(self.kv_corrupt.hit) if self.kv_corrupt is not None else []
 
-    # ---- KV tiers --------------------------------------------------------------------------
     def _host_tier(self) -> tuple[Any, Any]:
         io, tier = getattr(self.engine.runner, "host_kv", None), self.engine.kv.tier
         if io is None or tier is None or not hasattr(io, "fault"):

@@ -1,22 +1,4 @@
-"""The `sampler.force_tokens` fault point: the next requests emit a given token-id sequence.
-
-Armed through the worker's fault API (POST /admin/fault with kind "sampler.force_tokens",
---enable-fault-injection only), so that finish, accounting and output-parser cases (tool calls,
-reasoning) run without the weights of the model whose output format they test:
-
-    arm(token_ids, count)   the next `count` requests added to the engine (in add_request
-                            order, every engine request counts: each of n choices, a
-                            /health_generate probe) each get `token_ids`
-    request k-th sample     replaced by token_ids[k] while k < len(token_ids); the model's own
-                            samples resume after the last one (put an eos id last to end there)
-    speculative run         cut after its first replaced token (later samples were conditioned
-                            on the replaced one), whose draft KV is not kept
-
-A forced token goes through the same per-token finish checks as a sampled one (eos,
-stop_token_ids, min_tokens, max_tokens), so a sequence longer than max_tokens is cut with
-finish_reason "length" and one holding an eos id ends with "stop" there. Nothing changes for a
-request that was not handed a sequence.
-"""
+"""The `sampler.force_tokens` fault: the next `count` engine requests emit `token_ids`, then sample on (docs/tool_calls.md)."""
 from __future__ import annotations
 
 import time
@@ -28,8 +10,7 @@ from radixserve.outputs import TokenLogprob
 
 @dataclass(slots=True)
 class ForcedTokens:
-    """An armed force_tokens fault: `token_ids` for the next `num_left` requests, until `ends_s`
-    (time.monotonic(); None: no end)."""
+    """`token_ids` for the next `num_left` requests, until `ends_s` (time.monotonic(); None: no end)."""
 
     token_ids: tuple[int, ...]
     num_left: int
@@ -38,8 +19,7 @@ class ForcedTokens:
     @classmethod
     def armed(cls, token_ids: list[int], count: int, duration_s: float | None,
               vocab_size: int) -> ForcedTokens:
-        """A new fault from the fault API's parameters. Raises InvalidRequest for an empty
-        list, an id outside [0, vocab_size), or count < 1."""
+        """Raises InvalidRequest for an empty list, an id outside [0, vocab_size), or count < 1."""
         if not token_ids:
             raise InvalidRequest("token_ids must not be empty", param="token_ids")
         bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
@@ -52,7 +32,6 @@ class ForcedTokens:
         return cls(tuple(token_ids), count, ends_s)
 
     def take(self, now_s: float) -> tuple[int, ...] | None:
-        """The sequence for one new request, or None once used up or expired (then spent)."""
         if self.ends_s is not None and now_s >= self.ends_s:
             self.num_left = 0
         if self.num_left <= 0:
@@ -67,13 +46,9 @@ class ForcedTokens:
 
 def force_run(forced_ids: tuple[int, ...] | None, num_output_ids: int,
               sampled: list[TokenLogprob]) -> tuple[list[TokenLogprob], int]:
-    """The tokens a request emits for one step's samples (one token, or a verified speculative
-    run starting at output position `num_output_ids`): each is forced_ids[its position] while
-    the forced sequence lasts, else the sample. A run is cut after the first token that differs
-    from its sample, since the samples after it were conditioned on the sample. Returns the
-    tokens and how many leading ones are their samples unchanged (the KV a verify step computed
-    for those positions is valid). A forced token's logprob is 0.0 (it was chosen with
-    certainty); its `top` list and `top_logprob` are the model's."""
+    """Step samples (from output position `num_output_ids`) with forced_ids[position] in place
+    (logprob 0.0, the model's `top`), cut after the first replaced one; returns them and how many
+    leading ones are unchanged samples (whose verify KV is valid)."""
     out: list[TokenLogprob] = []
     for k, token in enumerate(sampled):
         position = num_output_ids + k

@@ -1,22 +1,4 @@
-"""The `kv_corrupt` fault point: overwrite part of one running request's KV, the failure class the acceptance detector exists for.
-
-Armed through the worker's fault API (POST /admin/fault with kind "kv_corrupt",
---enable-fault-injection only). It reproduces what a KV race does to a request (a late write
-into reused slots, a layer read before it was loaded: issues 13 and 14), without the race:
-
-    arm(mode, fraction, after_tokens, count)
-        the next `count` running requests (in admission order) that have generated at least
-        `after_tokens` tokens each get round(fraction * pages) of the pages holding their
-        computed KV (at least one, chosen at random) overwritten, in every layer:
-          noise  Gaussian noise with the mean and standard deviation of the page's own values
-          swap   the KV of another running request's pages (KV crossing: the text stays fluent
-                 but answers the other request); waits until a second request holds KV
-
-The request keeps decoding from the damaged KV. Pages it shares through the radix cache are
-damaged for every request that maps them, and stay so in the cache until evicted or flushed,
-as a real corruption would. The runner does the overwrite (`corrupt_kv`); runners without it
-refuse the fault.
-"""
+"""The `kv_corrupt` fault: overwrite part of a running request's KV with noise or another request's KV (docs/anomaly_guard.md)."""
 from __future__ import annotations
 
 import random
@@ -31,8 +13,7 @@ MODES = ("noise", "swap")
 
 @dataclass(frozen=True, slots=True)
 class Corruption:
-    """One overwrite to apply: `page_ids` of request `request_id` get `mode`; for swap,
-    `source_page_ids` (same length) are copied over them."""
+    """`page_ids` get `mode`; for swap, `source_page_ids` (same length) are copied over them."""
 
     request_id: str
     page_ids: list[int]
@@ -43,8 +24,6 @@ class Corruption:
 
 @dataclass(slots=True)
 class KVCorruptFault:
-    """An armed kv_corrupt fault (see module doc); `ends_s` is time.monotonic() or None."""
-
     mode: str
     fraction: float
     after_tokens: int
@@ -56,9 +35,7 @@ class KVCorruptFault:
     @classmethod
     def armed(cls, mode: str, fraction: float, after_tokens: int, count: int,
               duration_s: float | None, seed: int | None) -> KVCorruptFault:
-        """A new fault from the fault API's parameters (`seed` fixes which pages and what
-        noise). Raises InvalidRequest for a mode not in MODES, fraction outside (0, 1],
-        after_tokens < 0 or count < 1."""
+        """Raises InvalidRequest for a bad mode, fraction, after_tokens or count."""
         if mode not in MODES:
             raise InvalidRequest(f"kv_corrupt mode must be one of {MODES}, got {mode!r}",
                                  param="mode")
@@ -69,8 +46,7 @@ class KVCorruptFault:
         return cls(mode, fraction, after_tokens, count, ends_s, random.Random(seed))
 
     def next(self, running: list[Request], page_size: int, now_s: float) -> Corruption | None:
-        """The corruption due now among `running` requests, or None (not yet, spent or expired).
-        Marks the chosen request as hit."""
+        """The corruption due now among `running` (None: not yet, spent or expired); marks it hit."""
         if self.is_spent or (self.ends_s is not None and now_s >= self.ends_s):
             self.num_left = 0
             return None
@@ -88,7 +64,7 @@ class KVCorruptFault:
             others = [p for r in running if r is not victim
                       for p in _computed_pages(r, page_size) if p not in pages]
             if not others:
-                return None       # nothing to cross with yet: try again next step
+                return None       # nothing to cross with yet
             source = [others[i % len(others)] for i in range(num)]
         self.hit.append((victim.request_id, len(victim.output_ids)))
         self.num_left -= 1
@@ -100,6 +76,5 @@ class KVCorruptFault:
 
 
 def _computed_pages(req: Request, page_size: int) -> list[int]:
-    """The request's pages that hold computed KV (distinct, in position order)."""
     num = -(-req.num_computed_tokens // page_size)
     return list(dict.fromkeys(req.page_ids[:num]))

@@ -1,20 +1,4 @@
-"""The PD fault points (armed through the worker's /admin/fault, installed into the PD worker's `faults` seam): delays, failures, hangs, duplicates and late delivery on every asynchronous PD edge.
-
-    point                actions                      where
-    pd.bootstrap         delay, fail                  prefill: handling a decode worker's Expect
-    pd.prefill.start     delay, hang                  prefill: before a ready room's prefill starts
-    pd.transfer.write    delay, fail, hang,           prefill: each KV page-chunk write
-                         duplicate, late
-    pd.transfer.done     delay, fail, hang            prefill: the completion notice (KVDone)
-    pd.decode.prealloc   delay, hang                  decode: before preallocating a request's pages
-
-delay: held `delay_ms` (or U(delay_ms, delay_max_ms)); hang: held until the fault is cleared;
-fail: the edge fails (the request ends with an error); duplicate: the write is sent twice;
-late: the write is held until its room is aborted by the decode side, then delivered (the
-write already "in flight" when the abort comes). Each fires with `probability`, at most
-`count` times (None: unlimited), for `duration_s` (None: until cleared). Nothing here sleeps:
-a held item carries a deadline (or none) and its owner checks it between steps.
-"""
+"""The PD fault points (table in docs/disaggregation.md) for the PD worker's `faults` seam; nothing sleeps: owners check held items between steps."""
 from __future__ import annotations
 
 import random
@@ -44,18 +28,15 @@ class _Armed:
 
 
 class PDFaults:
-    """The armed PD fault points of one worker (at most one arming per point); a FaultPoints."""
-
     def __init__(self, seed: int | None = None):
         self._armed: dict[str, _Armed] = {}
         self._rng = random.Random(seed)
-        self.generation = 0   # bumps on every disarm: hung items check it to be released
+        self.generation = 0
 
     def arm(self, point: str, action: str, delay_ms: float = 0.0, delay_max_ms: float | None = None,
             probability: float = 1.0, count: int | None = None,
             duration_s: float | None = None) -> None:
-        """Arm `point` (replacing its arming). Raises InvalidRequest for an unknown point, an
-        action the point does not take, or out-of-range numbers."""
+        """Raises InvalidRequest for an unknown point, an action it does not take, or bad numbers."""
         if point not in POINT_ACTIONS:
             raise InvalidRequest(f"unknown PD fault point {point!r}", param="kind")
         if action not in POINT_ACTIONS[point]:
@@ -70,7 +51,6 @@ class PDFaults:
         self._armed[point] = _Armed(action, delay_ms, delay_max_ms, probability, count, ends)
 
     def disarm(self, point: str | None = None) -> None:
-        """Clear one point or all; items a hang held are released at the next check."""
         if point is None:
             self._armed.clear()
         else:
@@ -82,7 +62,6 @@ class PDFaults:
         return armed is not None and armed.action == action
 
     def fire(self, point: str) -> Fired | None:
-        """Whether `point` fires now (consuming one of its count), and how."""
         armed = self._armed.get(point)
         if armed is None:
             return None

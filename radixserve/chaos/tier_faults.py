@@ -1,4 +1,4 @@
-"""Fault points of the KV tiers, installed into their seams: CopyFaults (HostKV.fault: hicache.h2d.layer, hicache.d2h), AllocFaults (HostTier.fail_alloc: hicache.host_alloc), L3Fault (DiskKV.fetch_limit: hicache.l3.get)."""
+"""Fault points of the KV tiers (docs/hicache.md): CopyFaults (HostKV.fault), AllocFaults (HostTier.fail_alloc), L3Fault (DiskKV.fetch_limit)."""
 from __future__ import annotations
 
 import random
@@ -13,8 +13,7 @@ L3_MODES = ("fail", "fail_chunk", "short", "stall")
 
 @dataclass
 class CopyFaults:
-    """Each load layer waits (fixed, +- jitter) and/or fails with a probability; each backup
-    waits; `hold` (tests) blocks a load until set. `*_until_s`: time.monotonic() end or None."""
+    """`hold` (tests) blocks a load until set; `*_until_s`: time.monotonic() end or None."""
 
     h2d_delay_ms: float = 0.0
     h2d_jitter_ms: float = 0.0
@@ -57,8 +56,6 @@ class CopyFaults:
 
 
 class AllocFaults:
-    """Refuses each host allocation with probability `fraction`."""
-
     def __init__(self, fraction: float, rng: random.Random):
         self.fraction, self.rng = fraction, rng
 
@@ -68,8 +65,7 @@ class AllocFaults:
 
 @dataclass
 class L3Fault:
-    """One fetch in `every` fails at its first page (fail), at a middle one (fail_chunk),
-    lands half (short) or first stalls stall_ms (stall)."""
+    """One fetch in `every` lands no page (fail), half (fail_chunk, short), or all after stall_ms (stall)."""
 
     mode: str
     every: int = 1

@@ -13,23 +13,19 @@ from radixserve.outputs import TokenLogprob
 
 @dataclass(frozen=True, slots=True)
 class Fired:
-    """A fault point that fired: its action and, for delay, the seconds to hold."""
-
     action: str
-    delay_s: float = 0.0
+    delay_s: float = 0.0   # action "delay": seconds to hold
 
 
 class FaultPoints(Protocol):
-    """The PD fault points a worker consults (chaos/pd_faults.py installs them)."""
+    """Installed by chaos/pd_faults.py; `generation` bumps on every disarm (releases hangs)."""
 
-    generation: int     # bumps on every disarm: items a hang holds are released when it moves
+    generation: int
 
     def fire(self, point: str) -> Fired | None: ...
 
 
 class SideHost(Protocol):
-    """The PD worker (worker.py) as its side sees it."""
-
     engine: Engine
     pd_stats: PDStats
     clock: Callable[[], float]        # seconds, monotonic
@@ -40,9 +36,8 @@ class SideHost(Protocol):
     def fault_generation(self) -> int: ...
 
     def end_request(self, req: Request, error: str | None) -> None:
-        """End `req` wherever it is; `error` set: its final output carries it."""
         ...
 
     def land(self, req: Request, token: TokenLogprob | None) -> None:
-        """Decode: `req` (RUNNING, prompt KV in) gets the prefill side's first token."""
+        """Decode: `req` (RUNNING, prompt KV in) gets its first token; None (max_tokens 0): it finishes."""
         ...

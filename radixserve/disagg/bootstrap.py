@@ -1,7 +1,4 @@
-"""The bootstrap service's handler on the prefill side: a decode worker's Expect (layout, prompt and room checks) and AbortRoom, each guarded so that a failure fails one request and never the service (C25).
-
-A mixin of PrefillSide (prefill_side.py), which owns the rooms and the state machine.
-"""
+"""PrefillSide's bootstrap handler (a mixin): Expect and AbortRoom; a failure in it fails one request, never the service."""
 from __future__ import annotations
 
 import logging
@@ -14,9 +11,6 @@ logger = logging.getLogger(__name__)
 
 
 class BootstrapHandler:
-    """Expects PrefillSide's worker, engine, layout, rooms, held_expects, _new_room, _ready,
-    _fail_room, _abort_room and _send."""
-
     def handle(self, peer: bytes, msg) -> None:
         if isinstance(msg, Expect):
             fired = self.worker.fire("pd.bootstrap")
@@ -28,8 +22,6 @@ class BootstrapHandler:
             self._abort_room(peer, msg)
 
     def _guarded_expect(self, peer: bytes, msg: Expect, injected: bool = False) -> None:
-        """The bootstrap handler: a failure in it (or the injected pd.bootstrap fail) fails
-        this request only; the service keeps serving (C25)."""
         try:
             if injected:
                 raise RuntimeError("injected fault pd.bootstrap")
@@ -73,8 +65,7 @@ class BootstrapHandler:
         return None
 
     def _refuse(self, peer: bytes, room_id: int, message: str) -> None:
-        """Fail `room_id` from the bootstrap handler: its request (if here) ends with the error,
-        and the decode worker gets PrefillFailed (nothing was written)."""
+        """Its request (if here) ends with `message`; decode gets PrefillFailed."""
         logger.warning("room %d refused: %s", room_id, message)
         room = self.rooms.get(room_id)
         if room is None or room.state is RoomState.CLOSED:

@@ -1,16 +1,7 @@
-"""Decode side of PD: page preallocation for incoming KV, landing writes, and the waiting half of the abort handshake (pages of an aborted transfer stay quarantined until the prefill side says SafeToFree).
+"""Decode side of PD: page preallocation, landing writes, and the waiting half of the abort handshake.
 
-Per request:
-
-    PREALLOC --pages free (pd.decode.prealloc)--> WAITING_FOR_KV --KVDone, all writes landed--> RUNNING
-                                                      |  (Expect sent)
-                      abort / timeout / failed write  |
-                                                      v
-                          pages QUARANTINED, AbortRoom sent --SafeToFree / PrefillFailed--> pages free
-
-Invariant: a page that a KVWrite may still target (its room is WAITING_FOR_KV or quarantined)
-is owned by that room and by nothing else; it returns to the pool only on the prefill side's
-answer (or, with the test-only unsafe switch, at once: the slot reuse race).
+Invariant (docs/disaggregation.md): a page a KVWrite may still target (room WAITING_FOR_KV or
+quarantined) is owned by that room alone and is freed only on SafeToFree / PrefillFailed.
 """
 from __future__ import annotations
 
@@ -26,24 +17,21 @@ from radixserve.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
-QUARANTINE_TIMEOUT_FACTOR = 5   # pages with no answer after this many transfer timeouts are freed
+QUARANTINE_TIMEOUT_FACTOR = 5   # unanswered quarantined pages are freed after this many transfer timeouts
 
 
 @dataclass(slots=True, eq=False)
 class Incoming:
     req: Request
     target: PDTarget
-    due_s: float | None = None            # pd.decode.prealloc delay
-    hang_gen: int | None = None           # pd.decode.prealloc hang (released on disarm)
+    due_s: float | None = None            # pd.decode.prealloc hold: delay (due_s) or hang (hang_gen)
+    hang_gen: int | None = None
     expect_s: float | None = None         # when Expect went out (None: still preallocating)
-    landed: set[int] = field(default_factory=set)   # write ids landed
+    landed: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True, eq=False)
 class Quarantined:
-    """Pages of an ended transfer that a write may still target; an owner for invariant
-    checks (same fields as a request's private tail)."""
-
     room: int
     page_ids: list[int]
     since_s: float
@@ -51,23 +39,18 @@ class Quarantined:
 
 
 class DecodeSide:
-    """Owned by a PDWorker in decode mode (through SideHost); every method runs on the engine
-    thread."""
-
     def __init__(self, worker: SideHost, endpoint, layout: KVLayout):
         self.worker = worker
         self.engine = worker.engine
         self.endpoint = endpoint
         self.layout = layout
-        self.incoming: dict[int, Incoming] = {}       # room -> request (FIFO order)
+        self.incoming: dict[int, Incoming] = {}
         self.by_request: dict[str, int] = {}
         self.quarantine: dict[int, Quarantined] = {}
         self.unsafe = self.engine.config.disaggregation_unsafe_skip_abort_handshake
 
-    # ---- inputs ----------------------------------------------------------------------------
     def add(self, req: Request, target: PDTarget) -> None:
-        """Take a decode request (already added to the engine) out of the scheduler until its
-        KV lands. Raises InvalidRequest for a room in use here."""
+        """Hold `req` (already in the engine) until its KV lands; InvalidRequest for a room in use."""
         if target.room in self.incoming or target.room in self.quarantine:
             raise InvalidRequest(f"bootstrap_room {target.room} is already in use",
                                  param="bootstrap_room")
@@ -97,13 +80,11 @@ class DecodeSide:
             self._release(msg.room)
 
     def _write(self, msg: KVWrite) -> None:
-        """Land one write into the pages it names (an RDMA write would land regardless; the
-        room check below is what TCP adds, and what the unsafe switch turns off)."""
         c = self.worker.pd_stats.counters
         inc = self.incoming.get(msg.room)
         if inc is not None and inc.expect_s is not None:
             owned = set(inc.req.page_ids)
-            if not all(p in owned for p in msg.page_ids):   # a buggy peer must not crash us
+            if not all(p in owned for p in msg.page_ids):
                 self._end(inc, f"write {msg.write_id} named pages room {msg.room} does not own",
                           quarantine=True)
                 return
@@ -118,9 +99,7 @@ class DecodeSide:
         else:
             c["late_writes_refused"] += 1
 
-    # ---- progress --------------------------------------------------------------------------
     def poll(self) -> None:
-        """Between steps: time out transfers, then preallocate in arrival order."""
         now, cfg = self.worker.clock(), self.engine.config
         for inc in list(self.incoming.values()):
             if inc.expect_s is not None and now - inc.expect_s > cfg.disaggregation_transfer_timeout:
@@ -140,16 +119,15 @@ class DecodeSide:
             if inc.expect_s is not None:
                 continue
             if (inc.due_s is not None and inc.due_s > now) or (inc.hang_gen == gen):
-                continue   # held by the pd.decode.prealloc fault; others may go first
+                continue
             num_waiting = sum(i.expect_s is not None for i in self.incoming.values())
             if len(eng.scheduler.running) + num_waiting >= eng.config.max_running_requests:
                 return
             req = inc.req
             need = kv.pages_for(len(req.prompt_ids))
-            # Headroom as the scheduler keeps it: one page per running request.
             if need + len(eng.scheduler.running) > kv.num_available_pages \
                     or not kv.allocate(req, len(req.prompt_ids)):
-                return   # arrival order: a large request is not starved by smaller ones
+                return   # arrival order: a large request is not starved
             req.status = Status.WAITING_FOR_KV
             inc.expect_s = now
             self.worker.pd_stats.queue_time.observe(now - req.arrival_s)
@@ -162,7 +140,6 @@ class DecodeSide:
                           quarantine=False)
 
     def _land(self, inc: Incoming, done: KVDone) -> None:
-        """All writes are in: the request joins the running batch with its first token."""
         if inc.landed != set(range(done.num_writes)):
             self._end(inc, f"KV incomplete: {len(inc.landed)} of {done.num_writes} writes landed",
                       quarantine=False)   # the notice comes after every write: none in flight
@@ -181,10 +158,8 @@ class DecodeSide:
         eng.scheduler.running.append(req)
         self.worker.land(req, done.first_token)
 
-    # ---- ending ----------------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
-        """Client gone or /abort_request while the KV is not in: end the request, keep its
-        pages until the prefill side answers. Returns whether the request was one of these."""
+        """End a request whose KV is not in (pages quarantined); False if it is not one."""
         room = self.by_request.get(request_id)
         if room is None:
             return False
@@ -192,8 +167,7 @@ class DecodeSide:
         return True
 
     def _end(self, inc: Incoming, error: str | None, quarantine: bool) -> None:
-        """End an incoming request (error None: an abort). Its pages are quarantined when a
-        write may still target them, and the prefill side is told."""
+        """error None: an abort. `quarantine`: a write may still target its pages."""
         eng, req, room = self.engine, inc.req, inc.target.room
         del self.incoming[room]
         del self.by_request[req.request_id]
@@ -203,7 +177,7 @@ class DecodeSide:
             self.quarantine[room] = Quarantined(room, pages, self.worker.clock())
         else:
             eng.kv.pool.free(pages)
-        if quarantine:   # also for a request still preallocating: its bootstrap entry is dropped
+        if quarantine:
             try:
                 self.endpoint.send(inc.target.address, AbortRoom(room, error or "aborted"))
             except TransportError as exc:   # the quarantine timeout frees the pages
@@ -215,9 +189,8 @@ class DecodeSide:
         if q is not None:
             self.engine.kv.pool.free(q.page_ids)
 
-    # ---- introspection ---------------------------------------------------------------------
     def page_owners(self) -> list:
-        """Holders of pages outside the scheduler (for KVManager.check_invariants)."""
+        """Holders of pages outside the scheduler (KVManager.check_invariants)."""
         return [i.req for i in self.incoming.values()] + list(self.quarantine.values())
 
     def gauges(self) -> dict[str, int]:
@@ -226,7 +199,6 @@ class DecodeSide:
                 "num_quarantined_pages": sum(len(q.page_ids) for q in self.quarantine.values())}
 
     def num_unscheduled(self) -> int:
-        """Requests waiting for pages or for their KV (the scheduler does not hold them)."""
         return len(self.incoming)
 
     def is_busy(self) -> bool:

@@ -1,19 +1,9 @@
-"""Prefill side of PD: the bootstrap service's rooms, the per-room write ledger, and the writer's half of the abort handshake.
+"""Prefill side of PD: the bootstrap service's rooms, their write ledger, and the writer's half of the abort handshake.
 
-Room states (one room per engine request; both legs of a client request share it):
-
-    BOOTSTRAP --Expect--+                      (request first, then its decode worker asks)
-                        +--> [STARTING] --> PREFILLING --finish--> SENT --drained--> CLOSED
-    EXPECTED --request--+    (pd.prefill.start)   writes go out      KVDone goes out
-                                                  per full page chunk
-    any state --AbortRoom / failure--> closing: no new write starts; once the room's in-flight
-                                       writes are delivered, SafeToFree (or PrefillFailed) goes
-                                       out and the room is CLOSED (a tombstone, so a late
-                                       request or Expect for it is refused, not served)
-
-Invariant (docs/disaggregation.md): SafeToFree / PrefillFailed for a room is sent only when
-num_in_flight == 0 and the room is closing, and a closing room starts no write; the stream
-to the decode worker is ordered, so every write of the room lands before the answer does.
+    BOOTSTRAP --Expect--+
+                        +--> [STARTING] --> PREFILLING --finish--> SENT --drained--> CLOSED (tombstone)
+    EXPECTED --request--+    (fault hold)   page-chunk writes      KVDone queued
+    any state --AbortRoom / failure--> closing --in-flight drained--> SafeToFree / PrefillFailed, CLOSED
 """
 from __future__ import annotations
 
@@ -33,30 +23,25 @@ from radixserve.outputs import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
-TOMBSTONE_TTL_FACTOR = 10    # closed rooms are remembered this many transfer timeouts
+TOMBSTONE_TTL_FACTOR = 10    # closed rooms are remembered (and refused) this many transfer timeouts
 
 
 class PrefillSide(BootstrapHandler):
-    """Owned by a PDWorker in prefill mode (through SideHost); every method runs on the engine
-    thread."""
-
     def __init__(self, worker: SideHost, endpoint, layout: KVLayout):
         self.worker = worker
         self.engine = worker.engine
         self.endpoint = endpoint
         self.layout = layout
-        self.rooms: dict[int, Room] = {}          # every room, tombstones included
-        self.open: dict[int, Room] = {}           # rooms not CLOSED (what poll() walks)
+        self.rooms: dict[int, Room] = {}
+        self.open: dict[int, Room] = {}
         self.tombstones: deque[tuple[float, int]] = deque()   # (closed at, room), oldest first
         self.by_request: dict[str, Room] = {}
         self.held: list[HeldWrite] = []
         self.held_expects: list[tuple[float, bytes, Expect]] = []
 
-    # ---- inputs ----------------------------------------------------------------------------
     def add(self, req: Request, target: PDTarget) -> None:
-        """A prefill request for `target.room` (already added to the engine, taken out of the
-        scheduler here). Raises InvalidRequest for a room in use, KVTransferFailed for a room
-        the decode side already ended."""
+        """`req` (already in the engine) for `target.room`. Raises InvalidRequest for a room in
+        use, KVTransferFailed for a room the decode side already ended."""
         room = self.rooms.get(target.room)
         if room is not None and room.state is RoomState.CLOSED:
             raise KVTransferFailed(f"room {target.room} already ended on the prefill worker "
@@ -80,7 +65,6 @@ class PrefillSide(BootstrapHandler):
             req.seed = room.expect.seed
             self._ready(room)
 
-    # ---- progress --------------------------------------------------------------------------
     def _ready(self, room: Room) -> None:
         room.ready_s = self.worker.clock()
         fired = self.worker.fire("pd.prefill.start")
@@ -99,8 +83,7 @@ class PrefillSide(BootstrapHandler):
         self.engine.scheduler.add(room.req)
 
     def after_step(self) -> None:
-        """Send the pages each prefilling request completed in this step (full pages only; the
-        last, partial page goes with the finish)."""
+        """Send the full pages each prefilling request completed (the partial last one goes at finish)."""
         page_size = self.engine.page_size
         for room in list(self.by_request.values()):
             req = room.req
@@ -110,8 +93,7 @@ class PrefillSide(BootstrapHandler):
                     self._write_pages(room, full)
 
     def on_finish(self, req: Request, token: TokenLogprob | None) -> None:
-        """`req` sampled its first token (None: max_tokens 0) and still holds its pages: send
-        the rest of its pages, then queue the completion notice."""
+        """`req` sampled its first token (None: max_tokens 0): send its other pages, queue KVDone."""
         room = self.by_request.pop(req.request_id)
         room.req = None
         self._write_pages(room, self.engine.kv.pages_for(len(req.prompt_ids)), req)
@@ -134,13 +116,12 @@ class PrefillSide(BootstrapHandler):
         self._try_close(room)
 
     def _write_pages(self, room: Room, end: int, req: Request | None = None) -> None:
-        """Start the writes of pages [num_pages_sent, end), chunk by chunk."""
         req = req or room.req
         chunk = self.engine.config.disaggregation_chunk_pages
         while room.num_pages_sent < end:
             start, stop = room.num_pages_sent, min(room.num_pages_sent + chunk, end)
             room.num_pages_sent = stop
-            if room.closing is not None:   # the invariant: a closing room starts no write
+            if room.closing is not None:   # invariant: a closing room starts no write
                 self.worker.pd_stats.counters["late_writes_refused"] += 1
                 continue
             data = self.engine.runner.export_kv(req.page_ids[start:stop])
@@ -170,8 +151,7 @@ class PrefillSide(BootstrapHandler):
             self.held.append(HeldWrite(room, msg, None, late=True))
 
     def poll(self) -> None:
-        """Between steps: deliver held writes and notices that are due, start held rooms, and
-        time out rooms whose other leg never came."""
+        """Deliver due held items, start held rooms, time out rooms whose other leg never came."""
         now, gen = self.worker.clock(), self.worker.fault_generation
         due = [h for h in self.held if h.is_due(now, gen)]
         for h in due:
@@ -202,10 +182,7 @@ class PrefillSide(BootstrapHandler):
             if room is not None and room.state is RoomState.CLOSED:
                 del self.rooms[room_id]
 
-    # ---- ending ----------------------------------------------------------------------------
     def _abort_room(self, peer: bytes, msg: AbortRoom) -> None:
-        """The decode side gave up on the room: start no new write; answer SafeToFree once the
-        writes already started are delivered (late-held ones are released now)."""
         room = self.rooms.get(msg.room)
         if room is None:   # nothing ever started for it: tombstone, answer at once
             room = self._new_room(msg.room, RoomState.EXPECTED)
@@ -214,7 +191,7 @@ class PrefillSide(BootstrapHandler):
             self._send(peer, SafeToFree(msg.room))
             return
         room.peer = room.peer or peer
-        if room.state is RoomState.CLOSED:   # already answered (failed, or done and delivered)
+        if room.state is RoomState.CLOSED:
             self._send(peer, SafeToFree(msg.room))
             return
         if room.closing is None:
@@ -224,8 +201,7 @@ class PrefillSide(BootstrapHandler):
         self._try_close(room)
 
     def abort(self, request_id: str) -> bool:
-        """The prefill leg ended early (client gone, /abort_request): fail its room. Returns
-        whether the request was a PD one."""
+        """Fail the room of a prefill leg that ended early; False if it is not a PD request."""
         room = self.by_request.get(request_id)
         if room is None:
             return False
@@ -233,8 +209,7 @@ class PrefillSide(BootstrapHandler):
         return True
 
     def _fail_room(self, room: Room, message: str, outcome: str = "transfers_failed") -> None:
-        """End the room with `message` (the decode side gets PrefillFailed once nothing of it
-        is in flight); `outcome`: the counter it ends in."""
+        """Decode gets PrefillFailed(`message`) once nothing is in flight; `outcome`: the counter."""
         if room.closing is None:
             room.closing = message
             self.worker.pd_stats.counters[outcome] += 1
@@ -242,7 +217,6 @@ class PrefillSide(BootstrapHandler):
         self._try_close(room)
 
     def _end_request(self, room: Room, message: str) -> None:
-        """End the room's engine request, if it is still running, with `message` as its error."""
         req = room.req
         if req is None:
             return
@@ -252,7 +226,7 @@ class PrefillSide(BootstrapHandler):
             self.worker.end_request(req, message)
 
     def _try_close(self, room: Room) -> None:
-        """Send the room's final message once none of its writes is in flight."""
+        """Invariant: the final message goes out only at num_in_flight == 0 (after every write)."""
         if room.num_in_flight > 0 or room.state is RoomState.CLOSED:
             return
         if room.closing is None:
@@ -260,7 +234,7 @@ class PrefillSide(BootstrapHandler):
                 return
             self._send(room.peer, room.done)
             self.worker.pd_stats.counters["transfers_succeeded"] += 1
-        else:   # without a peer (no Expect yet) there is no one to tell: the tombstone refuses it
+        else:
             self._send(room.peer, SafeToFree(room.room) if room.closing == "abort"
                        else PrefillFailed(room.room, room.closing))
         self._close(room)
@@ -270,7 +244,6 @@ class PrefillSide(BootstrapHandler):
         return room
 
     def _close(self, room: Room) -> None:
-        """CLOSED: a tombstone for TOMBSTONE_TTL_FACTOR transfer timeouts."""
         room.state, room.done = RoomState.CLOSED, None
         self.open.pop(room.room, None)
         self.tombstones.append((self.worker.clock(), room.room))
@@ -280,7 +253,7 @@ class PrefillSide(BootstrapHandler):
             return
         try:
             self.endpoint.send(peer, msg)
-        except zmq.ZMQError as exc:   # the decode worker is gone: its rooms cannot be served
+        except zmq.ZMQError as exc:
             logger.warning("cannot reach decode peer for room %d: %s", msg.room, exc)
 
     def gauges(self) -> dict[str, int]:
@@ -290,8 +263,6 @@ class PrefillSide(BootstrapHandler):
                 "num_rooms": len(live), "num_writes_in_flight": sum(r.num_in_flight for r in live)}
 
     def num_unscheduled(self) -> int:
-        """Requests here that the scheduler does not hold yet (waiting for their decode worker
-        or for a held start)."""
         return sum(r.state in (RoomState.BOOTSTRAP, RoomState.STARTING)
                    for r in self.by_request.values())
 

@@ -1,27 +1,24 @@
-"""PD counters and latency histograms kept by the engine and rendered by the server's /metrics (server/pd_metrics.py)."""
+"""PD counters and latency histograms (rendered by server/pd_metrics.py; meanings in docs/disaggregation.md)."""
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
 
-# Bucket bounds in seconds.
 TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
 
-COUNTERS = ("transfer_bytes",            # KV bytes sent (prefill) or landed (decode)
-            "transfers_succeeded",       # requests whose KV and first token landed / were sent
-            "transfers_failed",          # ended by a failure: timeout, failed write, prefill error
-            "transfers_aborted",         # ended by an abort (client gone, /abort_request)
-            "late_writes_refused",       # writes for an acked / unknown room that never started
-                                         # (prefill) or never landed (decode)
-            "late_writes_landed",        # unsafe mode only: writes landed in pages of no room
-            "bootstrap_failures")        # Expects refused: layout mismatch, handler failure
+COUNTERS = ("transfer_bytes",
+            "transfers_succeeded",
+            "transfers_failed",
+            "transfers_aborted",
+            "late_writes_refused",
+            "late_writes_landed",
+            "bootstrap_failures")
 
 
 @dataclass(slots=True)
 class Histogram:
-    """Cumulative histogram (Prometheus semantics: counts[i] = observations <= buckets[i];
-    the +Inf bucket is `count`)."""
+    """Prometheus semantics: counts[i] = observations <= buckets[i] (seconds); +Inf is `count`."""
 
     buckets: tuple[float, ...]
     counts: list[int] = field(default_factory=list)
@@ -44,15 +41,13 @@ class Histogram:
 
 @dataclass(slots=True)
 class PDStats:
-    """One side's numbers; `to_json()` is what Engine.stats()["pd"] carries (all present, at
-    0, from start-up, in every mode)."""
+    """One side's numbers; to_json() is stats()["pd"], every key present from start-up."""
 
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     transfer_latency: Histogram = field(default_factory=lambda: Histogram(TRANSFER_BUCKETS))
     queue_time: Histogram = field(default_factory=lambda: Histogram(QUEUE_BUCKETS))
 
     def to_json(self, mode: str, gauges: dict[str, int]) -> dict:
-        """`gauges`: rooms / requests in each PD state now, quarantined pages."""
         return {"mode": mode, **self.counters, **gauges,
                 "transfer_latency_s": self.transfer_latency.to_json(),
                 "queue_time_s": self.queue_time.to_json()}

@@ -1,10 +1,4 @@
-"""KV transport: the small interface the two sides talk through, and its ZeroMQ-over-TCP implementation.
-
-The interface is message passing over one ordered stream per (decode, prefill) pair. A KV
-"write" is a KVWrite message that the decode side lands into the pages it names (the role an
-RDMA engine's one-sided write plays); see docs/disaggregation.md for how Mooncake or NIXL would
-slot in behind the same calls.
-"""
+"""KV transport: messages over one ordered stream per (decode, prefill) pair, over ZeroMQ/TCP (RDMA seam: docs/disaggregation.md)."""
 from __future__ import annotations
 
 import logging
@@ -17,7 +11,7 @@ from radixserve.disagg.protocol import ToDecode, ToPrefill
 
 logger = logging.getLogger(__name__)
 
-SNDHWM = 1000   # queued messages per peer before send blocks (never reached in practice)
+SNDHWM = 1000
 
 
 class TransportError(RuntimeError):
@@ -25,12 +19,10 @@ class TransportError(RuntimeError):
 
 
 class PrefillEndpoint(Protocol):
-    """The prefill side: the bootstrap service's listening end."""
-
     address: str    # where decode workers reach it, tcp://host:port
 
     def recv(self) -> list[tuple[bytes, ToPrefill]]:
-        """Every message already received, as (peer id, message); never blocks."""
+        """Every message received so far, as (peer id, message); never blocks."""
         ...
 
     def send(self, peer: bytes, msg: ToDecode) -> None: ...
@@ -43,8 +35,6 @@ class PrefillEndpoint(Protocol):
 
 
 class DecodeEndpoint(Protocol):
-    """The decode side: one ordered stream to each prefill worker it has asked for KV."""
-
     def send(self, address: str, msg: ToPrefill) -> None: ...
 
     def recv(self) -> list[ToDecode]: ...
@@ -61,7 +51,7 @@ class TcpPrefillEndpoint:
         self._ctx = zmq.Context()
         self.socket = self._ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)   # an unknown peer raises, not drops
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.SNDHWM, SNDHWM)
         if port == 0:
             port = self.socket.bind_to_random_port(f"tcp://{host}")
@@ -85,7 +75,7 @@ class TcpPrefillEndpoint:
                 logger.warning("dropped an undecodable message from a decode peer")
 
     def send(self, peer: bytes, msg: ToDecode) -> None:
-        """Raises zmq.ZMQError when the peer is gone (the caller fails that room only)."""
+        """Raises zmq.ZMQError when the peer is gone."""
         self.socket.send_multipart([peer, self._enc.encode(msg)])
 
     def wait(self, timeout_ms: int) -> bool:
@@ -118,8 +108,7 @@ class TcpDecodeEndpoint:
         return sock
 
     def send(self, address: str, msg: ToPrefill) -> None:
-        """Queued by ZMQ until the connection is up; messages to one address keep their order.
-        Raises TransportError when the address is malformed or its queue is full."""
+        """In order per address. Raises TransportError for a malformed address or a full queue."""
         try:
             self._socket(address).send(self._enc.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:

@@ -20,22 +20,14 @@ from radixserve.errors import InvalidRequest
 from radixserve.outputs import EngineOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
-IDLE_WAIT_MS = 5    # with nothing to compute, wait this long for a PD message (not a busy spin)
-ERROR_CODE = "kv_transfer_failed"   # EngineOutput.error_code of PD failures (a 500 upstream)
+IDLE_WAIT_MS = 5    # with nothing to compute, wait this long for a PD message
+ERROR_CODE = "kv_transfer_failed"   # EngineOutput.error_code of PD failures (HTTP 500)
 
 
 class PDWorker:
-    """Holds an Engine whose requests carry a PDTarget, and its side. Prefill mode: requests
-    wait in the bootstrap service for their decode worker, prefill, sample the first token and
-    send KV + token (prefill_side.py). Decode mode: requests wait for pages, then for their KV,
-    then decode (decode_side.py). Single-threaded; all PD I/O happens inside `step()`.
-
-    The runner must also offer `kv_layout() -> dict` (KVLayout fields), `export_kv(page_ids)
-    -> bytes` and `import_kv(page_ids, data, foreign)` (ModelRunner and the tests' FakeRunner
-    do). `hooks`: the Engine's (engine/hooks.py). `endpoint`: a transport endpoint
-    (transport.py); default: TCP from the config. `clock`: seconds, monotonic (tests substitute
-    one to drive timeouts without waiting). `faults`: the fault seam (chaos/pd_faults.py).
-    """
+    """Drives an Engine and its PD side; single-threaded, all PD I/O in step(). The runner also
+    offers kv_layout() -> dict, export_kv(page_ids) -> bytes and import_kv(page_ids, data,
+    foreign). `endpoint`: transport.py's (default: TCP). `clock`: seconds, monotonic."""
 
     def __init__(self, config: EngineConfig, runner: Runner,
                  extra_eos_token_ids: frozenset[int] = frozenset(), hooks: Sequence[EngineHooks] = (),
@@ -65,14 +57,11 @@ class PDWorker:
 
     @property
     def bootstrap_address(self) -> str | None:
-        """Prefill: where decode workers reach this worker's bootstrap service."""
         return self.prefill.endpoint.address if self.prefill is not None else None
 
-    # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     pd: PDTarget | None = None) -> None:
-        """Engine.add_request plus the request's PD target (required: raises InvalidRequest
-        without one, and whatever the side raises for its room)."""
+        """Engine.add_request with a required PD target (InvalidRequest without one)."""
         if pd is None:
             raise InvalidRequest(
                 f"this worker runs with --disaggregation-mode {self.mode}: a request needs "
@@ -91,9 +80,8 @@ class PDWorker:
         return self.engine.abort(request_id, reason)
 
     def end_request(self, req: Request, error: str | None) -> None:
-        """End a request wherever it is (the scheduler's queues or a PD state) as Engine.abort
-        does; `error` set: its final output carries it with error_code kv_transfer_failed. The
-        output is returned by the next step()."""
+        """Engine.abort for a request in any queue or PD state; `error`: its final output
+        carries it with ERROR_CODE. The output comes from the next step()."""
         s = self.engine.scheduler
         if not any(req in queue for queue in (s.waiting, s.running, s.fetching)):
             req.status = Status.WAITING   # a PD state: let Engine.abort find it where it looks
@@ -105,17 +93,12 @@ class PDWorker:
             self._outbox.append(out)
 
     def land(self, req: Request, token: TokenLogprob | None) -> None:
-        """Decode: `req` (now RUNNING, its prompt KV in) gets the prefill side's first token as
-        its first generated token (counted once, finish checks applied) or, for max_tokens 0,
-        finishes."""
         if token is None:
             self._outbox.append(self.engine.finish(req, "length"))
         else:
             self._outbox.append(self.engine.emit(req, [token]))
 
-    # ---- step ------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        """PD I/O, then one engine step; outputs of both."""
         if self.prefill is not None:
             for peer, msg in self.endpoint.recv():
                 self.prefill.handle(peer, msg)
@@ -130,7 +113,7 @@ class PDWorker:
         outs = self._outbox + outs
         self._outbox = []
         if not outs and not self.engine.has_unfinished():
-            self.endpoint.wait(IDLE_WAIT_MS)   # nothing to compute: wait for the peer, not spin
+            self.endpoint.wait(IDLE_WAIT_MS)
         return outs
 
     def has_unfinished(self) -> bool:
@@ -144,9 +127,7 @@ class PDWorker:
     def close(self) -> None:
         self.endpoint.close()
 
-    # ---- faults and introspection ----------------------------------------------------------
     def fire(self, point: str) -> Fired | None:
-        """Whether the PD fault point `point` fires now (None without fault injection)."""
         return self.faults.fire(point) if self.faults is not None else None
 
     @property
@@ -162,7 +143,7 @@ class PDWorker:
         return out
 
     def flush_cache(self) -> bool:
-        """Engine.flush_cache, refused (False) while a PD transfer is open too."""
+        """Refused (False) while a PD transfer is open."""
         return not self.has_unfinished() and self.engine.flush_cache()
 
     def check_invariants(self) -> None:
@@ -173,13 +154,10 @@ class PDWorker:
 
 
 class _SideHooks(EngineHooks):
-    """Tells the side when the Engine ends one of its requests."""
-
     def __init__(self, worker: PDWorker):
         self.worker = worker
 
     def on_finish(self, req: Request, out: EngineOutput) -> EngineOutput:
-        # prefill: `req` sampled its first token and still holds its pages: send the rest
         prefill = self.worker.prefill
         if prefill is not None and req.request_id in prefill.by_request:
             ids, logprobs = out.new_token_ids, out.new_logprobs
@@ -188,6 +166,5 @@ class _SideHooks(EngineHooks):
         return out
 
     def on_abort(self, req: Request) -> None:
-        # An abort the worker did not start (a KV checksum mismatch's) ends the side's transfer;
-        # req already left Engine.requests, so end_request does not abort it twice.
+        # e.g. a KV checksum mismatch; req already left Engine.requests: no second abort
         self.worker.side.abort(req.request_id)

@@ -40,32 +40,15 @@ def kv_storage_dtype(config: EngineConfig) -> torch.dtype:
 
 
 class ModelRunner:
-    """The Runner protocol over a real model (radixserve.engine.runner_api).
-
-    Attributes: num_pages, page_size (KV capacity), max_context_len (positions the model
-    takes: config.context_length or the model's max_position_embeddings), vocab_size,
-    eos_token_ids, model_config, model, kv (KVCache), backend, dtype, device.
-
-    Every tensor of a step (weights, KV, step metadata, sampling) lives on `device`.
-    Memory: weights twice on CPU (plain + oneDNN-packed, see layers/linear.py; a layer served
-    quantized by --quantization keeps only its packed int4 / int8 form), the KV cache
-    (config; stored in --kv-cache-dtype), and on CPU the torch backend's DecodeMirror of
-    decoding sequences (compute dtype, at most 2 GiB).
-
-    For tests, construct from a folder: `ModelRunner.from_config(EngineConfig(model_path=dir,
-    page_size=16, max_total_tokens=4096))`, then `run([ScheduledSeq(...), ...])` with page ids
-    in [0, num_pages).
-    """
+    """The Runner protocol (engine/runner_api.py) over a real model. CPU memory: weights twice
+    (plain + oneDNN-packed; quantized layers packed only), the KV cache, the DecodeMirror (<= 2 GiB)."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
                  draft_model: torch.nn.Module | None = None):
-        """`model`: loaded weights (CPU), not yet prepared. Moves it to the device and allocates
-        the KV cache from `config`; FP8 KV takes its scales from `checkpoint_kv_scales` (tensor
-        name -> scale, see kv_scales.py), the scales file, or calibration. Raises ValueError for
-        a missing device, bad scales, a context longer than the model's, deterministic
-        inference where this machine has no batch-invariant matmul, or a draft model
-        (`draft_model`, loaded, not prepared) whose vocabulary is not the target's."""
+        """`model` (and `draft_model`): loaded on CPU, not yet prepared. Raises ValueError for a
+        missing device, bad FP8 scales, a context longer than the model's, deterministic inference
+        without a batch-invariant matmul here, or a draft vocabulary that is not the target's."""
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
@@ -102,10 +85,9 @@ class ModelRunner:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ModelRunner:
-        """Resolve config.model_path (None: the embedded default GGUF), read its ModelConfig and
-        weights, and allocate the KV cache. Sets torch's thread count from config.num_threads."""
+        """Load config.model_path (None: the embedded GGUF); sets torch's thread count."""
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        if resolve_device(config.device).type == "cpu":  # fails before loading anything
+        if resolve_device(config.device).type == "cpu":
             reuse_freed_cpu_buffers()
         path = resolve_model_path(config.model_path)
         start = time.perf_counter()
@@ -129,7 +111,6 @@ class ModelRunner:
         return runner
 
     def _kv_scales(self, kv_dtype: torch.dtype, from_checkpoint: dict[str, torch.Tensor]) -> kv_scales.KVScales | None:
-        """FP8 scales by the order in kv_scales.py (None for other KV dtypes)."""
         if kv_dtype not in FP8_DTYPES.values():
             return None
         mc, path = self.model_config, self.config.quantization_param_path
@@ -164,7 +145,6 @@ class ModelRunner:
         return host
 
     def info(self) -> dict:
-        """What /get_server_info shows of the runner: device, backend, KV dtype, FP8 scales."""
         out = {"device": str(self.device), "attention_backend": self.backend.name,
                "kv_cache_dtype": str(self.kv.dtype).removeprefix("torch."),
                "deterministic_inference": self.config.enable_deterministic_inference}
@@ -175,24 +155,18 @@ class ModelRunner:
         return out
 
     def validate_params(self, params: SamplingParams) -> None:
-        """What only the runner can check of a request (Engine.add_request calls it): its
-        grammar (a JSON schema or a structural tag) must compile (runner/structured.py). Raises
-        InvalidRequest."""
+        """Raises InvalidRequest when the request's grammar does not compile."""
         if params.grammar is not None:
             self.structured.check(params.grammar, params.json_schema_param)
 
     def grammar_pending(self, params: SamplingParams) -> bool:
-        """Whether validate_params would compile a new grammar (slow: up to seconds); the
-        engine loop then runs it on a worker thread first (engine/loop.py)."""
+        """Whether validate_params would compile a new grammar (seconds: engine/loop.py offloads it)."""
         return params.grammar is not None and not self.structured.is_compiled(params.grammar)
 
     def corrupt_kv(self, page_ids: list[int], mode: str, source_page_ids: list[int] | None,
                    seed: int) -> None:
-        """Fault point kv_corrupt (chaos/kv_corrupt.py): overwrite `page_ids` in every layer
-        with noise (mode "noise": Gaussian with the pages' own mean and standard deviation,
-        per layer, K and V apart, drawn from `seed`) or with the KV of `source_page_ids` (mode
-        "swap", same length). Copies the attention backend may keep of these pages (the
-        DecodeMirror) are dropped, so the next step reads the damage."""
+        """chaos/kv_corrupt.py: overwrite `page_ids` in every layer with Gaussian noise of their own
+        mean and std ("noise") or `source_page_ids`' KV ("swap"); the DecodeMirror is dropped."""
         if mode == "swap":
             data = self.kv.export_pages(list(source_page_ids or ()))
         else:
@@ -211,12 +185,10 @@ class ModelRunner:
             mirror.reset()
 
     def kv_slot_checksums(self, slots: list[int]) -> list[int]:
-        """--enable-kv-checksum: KVCache.slot_checksums of the target model's KV."""
         return self.kv.slot_checksums(slots)
 
-    # ---- prefill->decode KV transfer (radixserve/disagg) ------------------------------------
     def kv_layout(self) -> dict:
-        """What a prefill and a decode worker must share (disagg.protocol.KVLayout fields)."""
+        """disagg.protocol.KVLayout's fields."""
         if getattr(self, "_identity", None) is None:
             self._identity = kv_transfer.model_identity(self.model_config, self.model)
         mc = self.model_config
@@ -225,14 +197,11 @@ class ModelRunner:
                 "head_dim": mc.head_dim, "model": self._identity}
 
     def export_kv(self, page_ids: list[int]) -> bytes:
-        """The KV (and side buffers) of `page_ids` as bytes, stored dtype (kv_transfer.py)."""
         return kv_transfer.pack_pages(self.kv.export_pages(page_ids))
 
     def import_kv(self, page_ids: list[int], data: bytes, foreign: bool) -> None:
-        """Write export_kv bytes of another worker into `page_ids`. `foreign`: the pages may
-        belong to a sequence that already ran (a late write, only possible with the test-only
-        unsafe switch), so copies the backend keeps (the DecodeMirror) are dropped and the next
-        step reads what landed. Raises ValueError when the bytes do not fit."""
+        """Write another worker's export_kv bytes into `page_ids`; `foreign` (pages of a sequence
+        that already ran) drops the DecodeMirror. Raises ValueError when the bytes do not fit."""
         self.kv.import_pages(page_ids, kv_transfer.unpack_pages(self.kv, len(page_ids), data))
         mirror = getattr(self.backend, "mirror", None)
         if foreign and mirror is not None:
@@ -250,8 +219,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[SeqResult]:
-        """One forward pass over every sequence of the step, then sampling and logprobs.
-        Results follow batch order."""
+        """One forward pass, then sampling and logprobs; results follow batch order."""
         if not batch:
             return []
         step = build_step(batch, self.page_size, self.device)
@@ -302,7 +270,6 @@ class ModelRunner:
         return DraftModel(model, layers, self.num_pages, self.page_size, self.dtype, self.device)
 
     def _propose(self, batch: list[ScheduledSeq], results: list[SeqResult]) -> list[SeqResult]:
-        """Model drafts (runner/draft.py) after each sampled token of sequences that asked."""
         asking = [(i, s) for i, (s, r) in enumerate(zip(batch, results))
                   if s.propose > 0 and r.token is not None]
         if not asking:

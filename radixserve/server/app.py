@@ -45,8 +45,7 @@ def api_key_check(api_key: str | None) -> Callable[[Request], Any]:
 
 
 def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
-    """The worker's app over `ctx`; `app.state.drain` is its Drain (drain.py): SIGTERM through
-    GracefulServer, or POST /admin/drain, stops admission while requests in flight finish."""
+    """The worker's app over `ctx`; `app.state.drain` is its Drain (drain.py)."""
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, "server")
     app.add_exception_handler(RequestValidationError, on_validation_error)
@@ -66,18 +65,11 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig,
                 engine_factory: EngineFactory, model_path: str, sock: socket.socket) -> int:
-    """Load the tokenizer of `model_path`, start the engine process (`engine_factory` loads the
-    model there; the tokenizer's eos ids go with it), then serve HTTP on `sock` (bound to
-    server_config's host and port before loading, see http_common.bind_socket) until stopped.
-    SIGTERM/SIGINT drain first (drain.py: in-flight requests get up to
-    --graceful-shutdown-timeout s). Returns the exit code: 0 when stopped by a signal, 1 when the engine died (after
-    ENGINE_DEATH_GRACE_S of 503s, so that in-flight requests get their error), unless
-    `stay_up_on_engine_death`."""
+    """Serve HTTP on `sock` until stopped (SIGTERM/SIGINT drain first); returns 0 when stopped by
+    a signal, 1 when the engine died (unless `stay_up_on_engine_death`)."""
     from radixserve.tokenizer.tokenizer import Tokenizer
 
     t0 = time.monotonic()
-    # The tokenizer (transformers' import: seconds) loads while the engine process starts and
-    # loads the model; its eos ids reach the engine before any request can.
     logger.info("loading the tokenizer of %s", model_path)
     loading = asyncio.create_task(asyncio.to_thread(Tokenizer.load, model_path))
     logger.info("starting the engine process (it loads the model)")

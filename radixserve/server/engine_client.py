@@ -1,5 +1,4 @@
-"""The HTTP process's side of the engine: spawns the engine process, sends it work over ZMQ and
-routes its outputs to per-request asyncio queues."""
+"""The HTTP process's side of the engine: spawns the engine process, sends it work over ZMQ, routes outputs to per-request queues."""
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +32,6 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 
 class _Dead:
-    """Queue item telling a waiting request that the engine is gone."""
-
     def __init__(self, reason: str):
         self.reason = reason
 
@@ -54,11 +51,8 @@ def error_from_wire(err: WireError) -> RadixServeError:
 
 
 class RequestStream:
-    """Events of one submitted group of engine requests (all choices of one HTTP request).
-
-    `await accepted()` first (raises the engine's rejection), then `await get()` for each
-    EngineOutput. `close()` aborts whatever has not finished; call it in a `finally`.
-    """
+    """One HTTP request's engine requests: `await accepted()` (raises the engine's rejection),
+    then `await get()` per EngineOutput; `close()` (in a `finally`) aborts what is unfinished."""
 
     def __init__(self, client: EngineClient, group_id: str, request_ids: list[str]):
         self.client = client
@@ -72,13 +66,12 @@ class RequestStream:
             raise EngineDead(item.reason)
         assert isinstance(item, Submitted), f"first event of a group must be Submitted, got {item!r}"
         if item.error is not None:
-            self.unfinished.clear()  # the engine added none of them
+            self.unfinished.clear()
             raise error_from_wire(item.error)
 
     async def get(self) -> EngineOutput:
-        """The next output of a request still unfinished (outputs of aborted ones are dropped).
-        Raises EngineDead, and KVTransferFailed (500) for an output that ended its request by a
-        failed prefill/decode handoff: a PD failure is an error, never text."""
+        """The next output of an unfinished request. Raises EngineDead, and KVTransferFailed for a
+        failed PD handoff (an error, never text)."""
         while True:
             item = await self.queue.get()
             if isinstance(item, _Dead):
@@ -93,15 +86,13 @@ class RequestStream:
             return item
 
     def abort(self, request_id: str) -> None:
-        """Stop one request early (its stop string matched); later outputs of it are dropped."""
         if request_id in self.unfinished:
             self.unfinished.discard(request_id)
             self.client.unroute([request_id])
             self.client.abort([request_id], reason="stop")
 
     def abort_all(self) -> None:
-        """Abort every unfinished request and queue a final "abort" output for each, so that
-        whoever reads this stream sees them end (the engine sends nothing back for an abort)."""
+        """Abort every unfinished request and queue its final "abort" output (the engine sends none)."""
         leftover = sorted(self.unfinished)
         self.client.unroute(leftover)
         self.client.abort(leftover)
@@ -116,7 +107,7 @@ class RequestStream:
 
 
 class EngineClient:
-    """Owns the engine process and the two sockets. Create with `await EngineClient.launch(...)`."""
+    """Owns the engine process and the two sockets; create with `await EngineClient.launch(...)`."""
 
     def __init__(self, proc: multiprocessing.process.BaseProcess, tmpdir: str,
                  push: zmq.Socket, pull: zmq.asyncio.Socket, sync_ctx: zmq.Context,
@@ -125,7 +116,7 @@ class EngineClient:
         self.proc = proc
         self.watchdog_timeout_s = watchdog_timeout_s
         self.last_heard_s = time.monotonic()
-        self.dead = asyncio.Event()    # set once, when the engine is declared dead
+        self.dead = asyncio.Event()
         self.tmpdir = tmpdir
         self.push = push
         self.pull = pull
@@ -146,12 +137,8 @@ class EngineClient:
     async def launch(cls, config: EngineConfig, engine_factory: EngineFactory,
                      eos_token_ids: frozenset[int] = frozenset(), log_level: str = "info",
                      watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S) -> EngineClient:
-        """Spawn the engine process, which drives `engine_factory(config, eos_token_ids)`
-        (`eos_token_ids`: the tokenizer's, so the engine process needs no tokenizer), and wait
-        until it is ready.
-        Raises RuntimeError when the engine fails to start. Once running, an engine that sends
-        nothing (no output, no heartbeat) for `watchdog_timeout_s` while work is pending is
-        declared dead and killed: one step never ended."""
+        """Spawn the engine process and wait for Ready (RuntimeError if it fails); once silent for
+        `watchdog_timeout_s` with work pending, it is declared dead and killed."""
         tmpdir = tempfile.mkdtemp(prefix="radixserve-")
         to_engine, from_engine = f"ipc://{tmpdir}/to_engine", f"ipc://{tmpdir}/from_engine"
         sync_ctx, async_ctx = zmq.Context(), zmq.asyncio.Context()
@@ -178,8 +165,6 @@ class EngineClient:
         return client
 
     async def _wait_ready(self) -> EngineInfo:
-        """The engine's Ready, once our PUSH socket also has the engine as a peer: ZMQ connects
-        asynchronously, and a non-blocking send before that would fail (zmq.Again)."""
         while True:
             if await self.pull.poll(int(WATCHDOG_INTERVAL_S * 1000)):
                 msg = self._decoder.decode(await self.pull.recv())
@@ -200,7 +185,6 @@ class EngineClient:
                                    "right after it was ready")
             await asyncio.sleep(0.01)
 
-    # ---- state ----------------------------------------------------------------------------
     @property
     def is_alive(self) -> bool:
         return self.dead_reason is None
@@ -209,15 +193,9 @@ class EngineClient:
     def num_open_requests(self) -> int:
         return len(self._streams)
 
-    # ---- requests -------------------------------------------------------------------------
     def submit(self, adds: list[AddReq]) -> RequestStream:
-        """Send all engine requests of one HTTP request as one group.
-
-        Raises EngineDead when the engine is gone, InvalidRequest (400) when a field cannot be
-        encoded for the wire (an integer beyond msgpack's 64 bits that a schema bound missed).
-        All or nothing: if anything fails between registering the stream and the send (encode,
-        socket, a bug), the stream and its routes are unregistered before the error propagates,
-        so a failed submit never holds one of the server's open-request slots (issue 11)."""
+        """Send one HTTP request's engine requests as a group, all or nothing (a failed submit
+        holds no open-request slot). Raises EngineDead, or InvalidRequest for an unencodable field."""
         if self.dead_reason is not None:
             raise EngineDead(self.dead_reason)
         stream = RequestStream(self, uuid.uuid4().hex, [a.request_id for a in adds])
@@ -235,7 +213,6 @@ class EngineClient:
         return stream
 
     def _unregister(self, stream: RequestStream, adds: list[AddReq]) -> None:
-        """Forget a stream the engine never received (nothing to abort there)."""
         stream.unfinished.clear()
         if self._streams.get(stream.group_id) is stream:
             del self._streams[stream.group_id]
@@ -244,7 +221,6 @@ class EngineClient:
                 del self._routes[add.request_id]
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> None:
-        """Stop `request_ids` in the engine (Engine.abort's `reason`)."""
         if self.dead_reason is None and request_ids:
             self._send(Abort(request_ids, reason))
 
@@ -253,16 +229,14 @@ class EngineClient:
             self._routes.pop(rid, None)
 
     def release(self, stream: RequestStream, leftover: list[str]) -> None:
-        """Forget a closed stream; abort the requests it left unfinished."""
         self._streams.pop(stream.group_id, None)
         self.unroute(leftover)
         self.abort(leftover)
 
     async def call(self, method: str, timeout_s: float = 60.0,
                    args: dict[str, Any] | None = None) -> Any:
-        """Run `method(**args)` in the engine process (engine/loop.py: CALL_METHODS).
-        Raises EngineDead, asyncio.TimeoutError, the RadixServeError the engine raised for
-        refused arguments (InvalidRequest: a 400), or RuntimeError with the engine's error."""
+        """`method(**args)` in the engine process (engine/loop.py). Raises EngineDead,
+        asyncio.TimeoutError, the engine's RadixServeError, or RuntimeError with its error."""
         if self.dead_reason is not None:
             raise EngineDead(self.dead_reason)
         call_id = next(self._call_ids)
@@ -277,7 +251,6 @@ class EngineClient:
     def _send(self, msg: Any) -> None:
         self.push.send(self._encoder.encode(msg), zmq.NOBLOCK)
 
-    # ---- background tasks -----------------------------------------------------------------
     async def _receive_loop(self) -> None:
         try:
             while True:
@@ -291,11 +264,11 @@ class EngineClient:
             self._die(f"engine receiver failed: {type(exc).__name__}: {exc}")
 
     def _dispatch(self, msg: Any) -> None:
-        if isinstance(msg, list):   # one step's EngineOutputs
+        if isinstance(msg, list):
             for out in msg:
                 stream = self._routes.get(out.request_id)
                 if stream is None:
-                    continue  # aborted or released: nobody is waiting for it
+                    continue
                 if out.finished:
                     del self._routes[out.request_id]
                 stream.queue.put_nowait(out)
@@ -351,8 +324,7 @@ class EngineClient:
                 fut.set_exception(EngineDead(reason))
 
     async def close(self) -> None:
-        """Stop the engine process (politely, then by force) and release the sockets.
-        Safe to call more than once."""
+        """Stop the engine process (politely, then by force); idempotent."""
         if self._closed:
             return
         self._closed = True

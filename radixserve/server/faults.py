@@ -1,43 +1,4 @@
-"""Fault injection for tests and demos (--enable-fault-injection): slow steps or first tokens, failed requests, hangs, memory leaks, corrupted output, forced tokens.
-
-One FaultInjector per worker holds the active faults, at most one per kind (a new one of a
-kind replaces the old). Each expires after its `duration_s` (None: until cleared):
-
-    step_latency         {latency_ms, jitter_ms}  the engine process sleeps latency_ms
-                                                  (uniform +- jitter_ms) before each step
-    first_token_latency  {latency_ms}             a request's response starts that much later
-    fail                 {fraction}               that share of requests gets a 500
-                                                  ("injected_fault") once the engine holds it
-    hang                 {}                       every route but /admin/fault* waits until the
-                                                  fault ends (HangMiddleware)
-    leak_memory          {mb_per_s, max_mb}       the HTTP process allocates and holds memory
-    corrupt              {mode, fraction}         that share of requests has its text altered
-                                                  before the anomaly guard sees it (Corrupter)
-    sampler.force_tokens {token_ids, count}       the next `count` engine requests (default 1)
-                                                  emit `token_ids` instead of sampling, then
-                                                  sample on (chaos/forced_tokens.py); the
-                                                  listing shows it until cleared or expired
-    kv_corrupt           {mode, fraction,         the next `count` running requests with
-                          after_tokens, count}    `after_tokens` generated tokens get `fraction`
-                                                  of their KV pages overwritten with noise or
-                                                  with another request's KV (mode noise|swap;
-                                                  chaos/kv_corrupt.py)
-    hicache.h2d.layer    {latency_ms, jitter_ms,  host KV tier: each layer of each host->device
-                          fail_fraction}          load waits latency_ms (+- jitter_ms) and fails
-                                                  with probability fail_fraction (recomputed)
-    hicache.d2h          {latency_ms}             host KV tier: each device->host copy is slower
-    hicache.host_alloc   {fraction}               host KV tier: that share of host page
-                                                  allocations fails (the copy is skipped)
-    hicache.l3.get       {mode, every, stall_ms}  disk KV tier: one fetch in `every` fails
-                                                  (fail), lands half (fail_chunk, short) or
-                                                  stalls stall_ms first (stall)
-    pd.bootstrap, pd.prefill.start,   {action,    prefill/decode workers only: the PD fault
-    pd.transfer.write,                 delay_ms,   points (chaos/pd_faults.py) with their actions
-    pd.transfer.done,                  delay_max_ms, delay (delay_ms, or U(delay_ms,
-    pd.decode.prealloc                 probability, delay_max_ms)), fail, hang (until
-                                       count}      cleared), duplicate, late; count absent:
-                                                  unlimited
-"""
+"""The worker's /admin/fault (--enable-fault-injection); the kinds: docs/anomaly_guard.md, docs/hicache.md, docs/disaggregation.md."""
 from __future__ import annotations
 
 import asyncio
@@ -59,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 FAULT_PATH_PREFIX = "/admin/fault"
 PD_POINTS = ("pd.bootstrap", "pd.prefill.start", "pd.transfer.write", "pd.transfer.done",
-             "pd.decode.prealloc")   # chaos/pd_faults.py says which actions each takes
+             "pd.decode.prealloc")
 LEAK_TICK_S = 0.25
 KIND_PARAMS = {"step_latency": ("latency_ms", "jitter_ms"), "first_token_latency": ("latency_ms",),
                "fail": ("fraction",), "hang": (), "leak_memory": ("mb_per_s", "max_mb"),
@@ -70,7 +31,6 @@ KIND_PARAMS = {"step_latency": ("latency_ms", "jitter_ms"), "first_token_latency
                "hicache.l3.get": ("mode", "every", "stall_ms"),
                **{point: ("action", "delay_ms", "delay_max_ms", "probability", "count")
                   for point in PD_POINTS}}
-# Engine-side faults, armed and cleared through the engine's one `fault` call (chaos/).
 ENGINE_FAULTS = ("step_latency", "sampler.force_tokens", "kv_corrupt", "hicache.h2d.layer",
                  "hicache.d2h", "hicache.host_alloc", "hicache.l3.get", *PD_POINTS)
 TEXT_CORRUPT_MODES = ("garble", "repeat", "noise")
@@ -79,9 +39,8 @@ ForcedId = Annotated[int, Field(ge=0, le=2**31 - 1)]   # the engine checks it ag
 
 
 class FaultSpec(BaseModel):
-    """Body of POST /admin/fault; a parameter the kind does not take is a 400, and so is a
-    number that is not a finite JSON number (strict: no "5", no true; no Infinity, NaN or 1e400,
-    which would be installed and then break every JSON reply that lists the fault)."""
+    """Body of POST /admin/fault; a parameter the kind does not take is a 400, as is any number
+    that is not a finite JSON number (an Infinity would break every reply listing the fault)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -93,22 +52,21 @@ class FaultSpec(BaseModel):
     latency_ms: float | None = Field(None, ge=0, le=600_000)
     jitter_ms: float = Field(0.0, ge=0, le=600_000)
     fraction: float = Field(1.0, ge=0, le=1)
-    fail_fraction: float = Field(0.0, ge=0, le=1)   # hicache.h2d.layer: layers that fail
+    fail_fraction: float = Field(0.0, ge=0, le=1)
     mb_per_s: float | None = Field(None, gt=0, le=4096)
-    max_mb: float = Field(4096, gt=0, le=65536)   # safety cap on a leak, MiB
+    max_mb: float = Field(4096, gt=0, le=65536)
     mode: Literal["garble", "repeat", "noise", "swap", "fail", "fail_chunk", "short", "stall"] | None = None
-    every: int = Field(1, ge=1, le=1 << 20)            # hicache.l3.get: one fetch in `every`
-    stall_ms: float = Field(0.0, ge=0, le=600_000)     # hicache.l3.get mode stall
-    after_tokens: int = Field(16, ge=0, le=1 << 20)   # kv_corrupt: generated tokens before the hit
+    every: int = Field(1, ge=1, le=1 << 20)
+    stall_ms: float = Field(0.0, ge=0, le=600_000)
+    after_tokens: int = Field(16, ge=0, le=1 << 20)
     token_ids: list[ForcedId] | None = Field(None, min_length=1, max_length=MAX_FORCED_TOKENS)
-    count: int = Field(1, ge=1, le=1 << 31)   # requests that get token_ids
-    action: Literal["delay", "fail", "hang", "duplicate", "late"] | None = None   # PD points
+    count: int = Field(1, ge=1, le=1 << 31)
+    action: Literal["delay", "fail", "hang", "duplicate", "late"] | None = None
     delay_ms: float = Field(0.0, ge=0, le=600_000)
     delay_max_ms: float | None = Field(None, ge=0, le=600_000)
     probability: float = Field(1.0, ge=0, le=1)
 
     def params(self) -> dict[str, Any]:
-        """The parameters of this kind, checked (raises InvalidRequest for a missing one)."""
         allowed = KIND_PARAMS[self.kind]
         unexpected = sorted(set(self.model_fields_set) - set(allowed) - {"kind", "duration_s"})
         if unexpected:
@@ -119,7 +77,7 @@ class FaultSpec(BaseModel):
         if self.kind == "kv_corrupt" and self.fraction == 0:
             raise InvalidRequest("fault 'kv_corrupt' needs fraction > 0", param="fraction")
         params = {name: getattr(self, name) for name in allowed}
-        if self.kind in PD_POINTS:   # optional ones may be None; count absent: unlimited
+        if self.kind in PD_POINTS:   # count absent: unlimited
             if "count" not in self.model_fields_set:
                 params["count"] = None
             if self.action is None:
@@ -155,8 +113,6 @@ class Fault:
 
 
 class FaultInjector:
-    """The worker's active faults and the hooks the serving path calls (see module doc)."""
-
     def __init__(self, client: EngineClient, rng: random.Random | None = None):
         self.client = client
         self.rng = rng or random.Random()
@@ -166,17 +122,15 @@ class FaultInjector:
         self._leak_task: asyncio.Task | None = None
         self._leaked: list[bytes] = []
 
-    # ---- admin -----------------------------------------------------------------------------
     async def inject(self, spec: FaultSpec) -> Fault:
-        """Start a fault (replacing one of the same kind). Raises InvalidRequest for bad
-        parameters (token ids outside the model's vocabulary included) and EngineDead when an
-        engine-side fault (step_latency, ENGINE_FAULTS) cannot reach the engine."""
+        """Start a fault, replacing one of its kind. Raises InvalidRequest for bad parameters and
+        EngineDead when an ENGINE_FAULTS kind cannot reach the engine."""
         fault = Fault(spec.kind, spec.params(), spec.duration_s)
         await self.clear(fault.kind)
         if fault.kind in ENGINE_FAULTS:
             args = {"kind": fault.kind, **fault.params, "duration_s": fault.duration_s}
             if fault.kind == "kv_corrupt":
-                args["seed"] = self.rng.getrandbits(31)   # which pages, what noise
+                args["seed"] = self.rng.getrandbits(31)
             await self.client.call("fault", args=args)
         elif fault.kind == "hang":
             self._hang_over = asyncio.Event()
@@ -187,15 +141,14 @@ class FaultInjector:
         return fault
 
     async def clear(self, kind: str | None = None) -> list[str]:
-        """End one kind of fault, or all; returns the kinds that were active (expired ones
-        included: their side effects are undone here too)."""
+        """End one kind, or all; returns the kinds ended (expired ones included)."""
         kinds = [k for k in self._faults if kind is None or k == kind]
         for k in kinds:
             del self._faults[k]
             if k in ENGINE_FAULTS:
                 try:
                     await self.client.call("fault", args={"kind": k, "clear": True})
-                except Exception:   # EngineDead or a timeout: no engine left to disarm
+                except Exception:
                     logger.warning("could not disarm %s in the engine", k, exc_info=True)
             elif k == "hang":
                 self._hang_over.set()
@@ -206,7 +159,6 @@ class FaultInjector:
         return kinds
 
     def active(self) -> list[Fault]:
-        """Faults in force now (expired ones are left out)."""
         now = time.monotonic()
         return [f for f in self._faults.values() if f.is_active(now)]
 
@@ -214,21 +166,18 @@ class FaultInjector:
         fault = self._faults.get(kind)
         return fault if fault is not None and fault.is_active(time.monotonic()) else None
 
-    # ---- hooks -----------------------------------------------------------------------------
     async def wait_while_hung(self) -> None:
-        """Return once no hang fault is in force (cleared or expired)."""
         while (fault := self.get("hang")) is not None:   # again: a new hang may replace it
             ends = fault.ends_s
             timeout = None if ends is None else max(ends - time.monotonic(), 0.0)
             try:
                 await asyncio.wait_for(self._hang_over.wait(), timeout)
             except asyncio.TimeoutError:
-                pass  # the hang expired: get() says so on the next check
+                pass
 
     async def on_accepted(self) -> None:
-        """Called once the engine holds a request, before its response starts: sleeps for
-        first_token_latency; raises InjectedFault for the "fail" share (the caller closes the
-        run, which aborts it and frees its pages)."""
+        """Once the engine holds a request, before its response: sleeps for first_token_latency;
+        raises InjectedFault for the "fail" share."""
         fail = self.get("fail")
         if fail is not None and self.rng.random() < fail.params["fraction"]:
             raise InjectedFault("injected fault: this request failed on purpose (fault 'fail')")
@@ -237,22 +186,20 @@ class FaultInjector:
             await asyncio.sleep(slow.params["latency_ms"] / 1000)
 
     def corrupter(self) -> Corrupter | None:
-        """A Corrupter for a new request when the corrupt fault picks it, else None."""
         fault = self.get("corrupt")
         if fault is None or self.rng.random() >= fault.params["fraction"]:
             return None
         return Corrupter(fault.params["mode"], random.Random(self.rng.random()))
 
-    # ---- leak ------------------------------------------------------------------------------
     async def _leak(self, fault: Fault) -> None:
-        """Hold mb_per_s MiB more every second (touched, so it is resident) up to max_mb."""
+        """Hold (and touch) mb_per_s MiB more every second, up to max_mb."""
         chunk = int(fault.params["mb_per_s"] * LEAK_TICK_S * (1 << 20))
         limit = int(fault.params["max_mb"] * (1 << 20))
         while fault.is_active(time.monotonic()):
             if chunk * (len(self._leaked) + 1) <= limit:
                 self._leaked.append(b"\xa5" * chunk)
             await asyncio.sleep(LEAK_TICK_S)
-        self._leaked.clear()   # expired: give it back as clearing would
+        self._leaked.clear()
 
     def _stop_leak(self) -> None:
         if self._leak_task is not None:
@@ -262,8 +209,7 @@ class FaultInjector:
 
 
 class HangMiddleware:
-    """ASGI middleware: while a hang fault is in force, HTTP requests to any path but
-    /admin/fault* wait (no byte is sent) until it is cleared or expires."""
+    """While a hang fault is in force, HTTP requests to any path but /admin/fault* wait."""
 
     def __init__(self, app: Any, faults: FaultInjector):
         self.app = app
@@ -275,28 +221,18 @@ class HangMiddleware:
         await self.app(scope, receive, send)
 
 
-# Characters the "noise" mode sprinkles in: private use, controls, unassigned code points,
-# Braille and control pictures (see anomaly.is_rare_char).
 NOISE_CHARS = "\ue000\ue0a7\uf8ff\x01\x07\x1b\x7f\u0378\u0380\u2801\u28ff\u2400\u241b\U000f0001"
 
 
 class Corrupter:
-    """Alters one request's text deltas, per choice index (modes in the module doc):
-
-    garble  flips bits in ~1 of 4 UTF-8 bytes and decodes with replacement: U+FFFD and
-            stray characters, as when bytes go bad on the way out
-    repeat  after the first delta, every delta is copies of a short n-gram taken from the
-            first one (a forced repetition loop)
-    noise   inserts a rare character after ~1 in 8 characters
-    """
+    """Alters one request's text deltas per choice (modes: docs/anomaly_guard.md)."""
 
     def __init__(self, mode: str, rng: random.Random):
         self.mode = mode
         self.rng = rng
-        self._seen: dict[int, str] = {}   # choice index -> text so far (repeat mode)
+        self._seen: dict[int, str] = {}   # choice index -> first delta (repeat mode)
 
     def feed(self, index: int, update: ChoiceUpdate) -> None:
-        """An output filter (server/filters.py): alters the update's text, never detects."""
         update.text = self.apply(index, update.text)
 
     def apply(self, index: int, text: str) -> str:
@@ -319,8 +255,7 @@ class Corrupter:
 
     @staticmethod
     def _ngram(seen: str) -> str:
-        """The loop unit: the first two words (" the" if none), at most 24 characters, sent
-        as many times as makes >= 12 characters, so each delta moves the loop along."""
+        """The first two words (" the" if none, <= 24 characters), repeated to >= 12 characters."""
         words = seen.split()
         gram = (" " + " ".join(words[:2]) if words else " the")[:24]
         return gram * -(-12 // len(gram))
