@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from radixserve.config import ServerConfig
 from radixserve.drain import Drain
 from radixserve.errors import InvalidRequest
-from radixserve.server.faults import KIND_PARAMS, FaultInjector, FaultSpec, HangMiddleware
+from radixserve.chaos.http_faults import KIND_PARAMS, FaultInjector, FaultSpec, HangMiddleware
 from radixserve.server.inputs import parse_body
 from radixserve.server.serving import ServingContext
 

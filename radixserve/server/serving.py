@@ -14,7 +14,7 @@ from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput, RequestOutput, T
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.anomaly import Detection
 from radixserve.server.engine_client import EngineClient, RequestStream
-from radixserve.server.faults import FaultInjector
+from radixserve.chaos.http_faults import FaultInjector
 from radixserve.server.filters import GuardSettings, OutputFilter
 from radixserve.server.metrics import RunTimers, ServerMetrics
 from radixserve.server.pd import pd_target, with_rooms

@@ -7,7 +7,7 @@ import pytest
 
 from radixserve.server.anomaly import (AnomalyGuard, Detection, GarbledDetector, GuardConfig,
                                        RareCharDetector, RepetitionDetector)
-from radixserve.server.faults import Corrupter
+from radixserve.chaos.http_faults import Corrupter
 from radixserve.server.tracker import ChoiceUpdate
 
 

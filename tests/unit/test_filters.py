@@ -13,7 +13,7 @@ from radixserve.outputs import EngineOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.anomaly import Detection, GuardConfig
 from radixserve.server.confidence_guard import ConfidenceConfig
-from radixserve.server.faults import Corrupter
+from radixserve.chaos.http_faults import Corrupter
 from radixserve.server.filters import GuardFilter, GuardSettings
 from radixserve.server.pd import with_rooms
 from radixserve.server.serving import GenerationRun, ServingContext

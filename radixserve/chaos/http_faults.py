@@ -6,17 +6,25 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.errors import InjectedFault, InvalidRequest
-from radixserve.server.engine_client import EngineClient
-
-if TYPE_CHECKING:
-    from radixserve.server.tracker import ChoiceUpdate
 
 logger = logging.getLogger(__name__)
+
+
+class EngineCalls(Protocol):
+    """The HTTP process's handle on the engine (server/engine_client.py EngineClient)."""
+
+    async def call(self, method: str, timeout_s: float = 60.0, args: dict[str, Any] | None = None) -> Any: ...
+
+
+class TextUpdate(Protocol):
+    """What the corrupter rewrites: a choice update's new text (server/tracker.py ChoiceUpdate)."""
+
+    text: str
 
 FAULT_PATH_PREFIX = "/admin/fault"
 PD_POINTS = ("pd.bootstrap", "pd.prefill.start", "pd.transfer.write", "pd.transfer.done",
@@ -113,7 +121,7 @@ class Fault:
 
 
 class FaultInjector:
-    def __init__(self, client: EngineClient, rng: random.Random | None = None):
+    def __init__(self, client: EngineCalls, rng: random.Random | None = None):
         self.client = client
         self.rng = rng or random.Random()
         self._faults: dict[str, Fault] = {}
@@ -232,7 +240,7 @@ class Corrupter:
         self.rng = rng
         self._seen: dict[int, str] = {}   # choice index -> first delta (repeat mode)
 
-    def feed(self, index: int, update: ChoiceUpdate) -> None:
+    def feed(self, index: int, update: TextUpdate) -> None:
         update.text = self.apply(index, update.text)
 
     def apply(self, index: int, text: str) -> str:
