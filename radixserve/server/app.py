@@ -20,8 +20,8 @@ from radixserve.errors import InvalidRequest
 from radixserve.http_common import (SERVER_KEEP_ALIVE_S, BodyTimeoutMiddleware, bearer_key_check,
                                     install_error_handlers, quiet_signals)
 from radixserve.server.admin_routes import install_admin_routes
+from radixserve.server.anomaly import GuardSettings
 from radixserve.server.engine_client import EngineClient
-from radixserve.server.filters import GuardSettings
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.routes import install_openai_routes, install_probe_routes
 from radixserve.server.serving import ServingContext

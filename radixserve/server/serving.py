@@ -12,10 +12,10 @@ from radixserve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFo
                                Overloaded)
 from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput, RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.anomaly import Detection
+from radixserve.server.anomaly import GuardSettings
 from radixserve.server.engine_client import EngineClient, RequestStream
 from radixserve.server.faults import FaultInjector
-from radixserve.server.filters import GuardSettings, OutputFilter
+from radixserve.server.filters import Detection, OutputFilter
 from radixserve.server.metrics import RunTimers, ServerMetrics
 from radixserve.server.pd import pd_target, with_rooms
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
