@@ -19,7 +19,6 @@ from radixserve.outputs import TokenLogprob
 from radixserve.errors import RadixServeError, error_body
 from radixserve.http_common import ClosingStreamingResponse, race_disconnect
 from radixserve.server.chat_tools import ChatOutputs
-from radixserve.server.inputs import prompt_items
 from radixserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                                         CompletionChunk, CompletionLogprobs, CompletionRequest,
@@ -63,7 +62,7 @@ def chat_logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogpr
 
 
 def _echo_text(run: GenerationRun, req: CompletionRequest, prompt_index: int) -> str:
-    item = prompt_items(req)[prompt_index]
+    item = req.prompt_items()[prompt_index]
     if isinstance(item, str):
         return item
     return run.ctx.tokenizer.decode(run.prompt_ids[prompt_index], skip_special_tokens=False)
