@@ -92,6 +92,11 @@ class ServingContext:
         bound = getattr(self.tokenizer, "text_bound", None)
         if bound is None:
             return
+        # A character is at most 4 UTF-8 bytes, so a text takes at most ceil(4 * len / bytes_per_token)
+        # of the bound's tokens: below the context by that, the bound cannot refuse; skip encoding.
+        per_token = bound.bytes_per_token
+        if sum(4 * len(t) + per_token - 1 for t in texts) < per_token * self.max_context_len:
+            return
         at_least = sum(bound.min_tokens(t) for t in texts)
         if at_least >= self.max_context_len:
             raise ContextLengthExceeded(

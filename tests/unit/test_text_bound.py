@@ -70,6 +70,23 @@ def test_surrogates_count_without_raising():
     assert TextBound(2).min_tokens(json.loads('"\\ud800x"')) == 2   # 3 + 1 bytes
 
 
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(texts=st.lists(st.lists(st.sampled_from(["a", "\x16", "é", "中", "😀", "\ud800"]), max_size=40)
+                      .map("".join), min_size=1, max_size=3), per_token=st.integers(1, 16))
+def test_refused_exactly_when_the_bound_reaches_the_context(texts, per_token):
+    """The check skips encoding short texts; it still refuses exactly when the bound's tokens reach the context."""
+    bound = TextBound(per_token, b"\x16")
+    client = SimpleNamespace(info=EngineInfo(max_context_len=8, page_size=16))
+    ctx = ServingContext(client, SimpleNamespace(text_bound=bound), "tiny", "/tiny", max_open_requests=4)
+    refuses = sum(bound.min_tokens(t) for t in texts) >= 8
+    try:
+        ctx.check_text_fits(texts, "prompt")
+    except ContextLengthExceeded:
+        assert refuses
+    else:
+        assert not refuses
+
+
 class CountingTokenizer:
     """Wraps a Tokenizer; counts encode and chat-template calls."""
 
