@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.server.anomaly import Detection
+from radixserve.server.filters import Detection
 from radixserve.server.tracker import ChoiceUpdate
 
 

@@ -6,7 +6,6 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Callable
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -20,8 +19,8 @@ from radixserve.errors import InvalidRequest
 from radixserve.http_common import (SERVER_KEEP_ALIVE_S, BodyTimeoutMiddleware, bearer_key_check,
                                     install_error_handlers, quiet_signals)
 from radixserve.server.admin_routes import install_admin_routes
+from radixserve.server.anomaly import GuardSettings
 from radixserve.server.engine_client import EngineClient
-from radixserve.server.filters import GuardSettings
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.routes import install_openai_routes, install_probe_routes
 from radixserve.server.serving import ServingContext
@@ -39,11 +38,6 @@ async def on_validation_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error.to_dict(), status_code=error.status)
 
 
-def api_key_check(api_key: str | None) -> Callable[[Request], Any]:
-    """The worker's `--api-key` check (FastAPI dependency; 401 without the key)."""
-    return bearer_key_check(api_key, "API key")
-
-
 def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
     """The worker's app over `ctx`; `app.state.drain` is its Drain (drain.py)."""
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -52,7 +46,8 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
     if ctx.metrics is None:
         ctx.metrics = ServerMetrics(ctx.model_name)
     ctx.guard = GuardSettings.from_config(server_config)
-    auth = [Depends(api_key_check(server_config.api_key))]
+    key = server_config.api_key
+    auth = [Depends(bearer_key_check(key, "API key"))] if key is not None else []   # 401 without it
     install_openai_routes(app, ctx, auth)
     install_probe_routes(app, ctx)
     drain = Drain(server_config.graceful_shutdown_timeout)

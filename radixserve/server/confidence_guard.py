@@ -10,7 +10,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from radixserve.server.anomaly import Detection
+from radixserve.server.filters import Detection
 from radixserve.server.tracker import ChoiceUpdate
 
 

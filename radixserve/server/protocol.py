@@ -90,6 +90,13 @@ class CompletionRequest(_GenerationRequest):
     logprobs: WireInt | None = None
     suffix: str | None = None
 
+    def prompt_items(self) -> list[str | list[int]]:
+        """`prompt` (a string, strings, token ids or lists of them) as a list of texts or token ids."""
+        raw = self.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            return [raw]
+        return list(raw)
+
 
 class TextPart(_Strict):
     type: Literal["text"]

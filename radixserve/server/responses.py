@@ -19,12 +19,10 @@ from radixserve.outputs import TokenLogprob
 from radixserve.errors import RadixServeError, error_body
 from radixserve.http_common import ClosingStreamingResponse, race_disconnect
 from radixserve.server.chat_tools import ChatOutputs
-from radixserve.server.inputs import prompt_items
 from radixserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                                         CompletionChunk, CompletionLogprobs, CompletionRequest,
                                         CompletionResponse, TopLogprob, now_s)
-from radixserve.server.resume import token_ids_field
 from radixserve.server.serving import GenerationRun, ServingContext
 
 logger = logging.getLogger(__name__)
@@ -63,7 +61,7 @@ def chat_logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogpr
 
 
 def _echo_text(run: GenerationRun, req: CompletionRequest, prompt_index: int) -> str:
-    item = prompt_items(req)[prompt_index]
+    item = req.prompt_items()[prompt_index]
     if isinstance(item, str):
         return item
     return run.ctx.tokenizer.decode(run.prompt_ids[prompt_index], skip_special_tokens=False)
@@ -137,7 +135,8 @@ async def completion_chunks(run: GenerationRun, req: CompletionRequest,
                 if want_logprobs:
                     lp = completion_logprobs(ctx, u.token_ids, u.logprobs or [], offsets[index])
                     offsets[index] += sum(len(t) for t in lp.tokens)
-                yield chunk(index, u.text, lp, ids=token_ids_field(req, u.token_ids))
+                ids = {"token_ids": u.token_ids} if req.return_token_ids else {}
+                yield chunk(index, u.text, lp, ids=ids)
             if u.finish_reason is not None:
                 yield chunk(index, "", None, u.finish_reason, u.stop_reason)
         if req.include_usage:
@@ -182,8 +181,9 @@ async def chat_chunks(run: GenerationRun, req: ChatCompletionRequest, created: i
             delta = outputs.delta(index, u.text, u.finish_reason is not None)
             if delta or (req.logprobs and u.logprobs) or (req.return_token_ids and u.token_ids):
                 lp = chat_logprobs(ctx, u.logprobs or []) if req.logprobs else None
+                ids = {"token_ids": u.token_ids} if req.return_token_ids else {}
                 yield chunk(ChatStreamChoice(index=index, delta=delta or {"content": ""},
-                                             logprobs=lp, **token_ids_field(req, u.token_ids)))
+                                             logprobs=lp, **ids))
             if u.finish_reason is not None:
                 reason = outputs.finish_reason(index, u.finish_reason)
                 yield chunk(ChatStreamChoice(index=index, delta={}, finish_reason=reason))

@@ -30,7 +30,3 @@ def resumed_params(req: Any, params: SamplingParams, num_prompts: int) -> Sampli
     return dataclasses.replace(params, max_tokens=max_tokens,
                                min_tokens=max(params.min_tokens - num_resumed, 0))
 
-
-def token_ids_field(req: Any, token_ids: list[int]) -> dict[str, list[int]]:
-    """{"token_ids": ids} for a stream choice when the request set return_token_ids, else {}."""
-    return {"token_ids": token_ids} if req.return_token_ids else {}

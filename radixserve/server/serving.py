@@ -12,10 +12,10 @@ from radixserve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFo
                                Overloaded)
 from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput, RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.anomaly import Detection
+from radixserve.server.anomaly import GuardSettings
 from radixserve.server.engine_client import EngineClient, RequestStream
 from radixserve.chaos.http_faults import FaultInjector
-from radixserve.server.filters import GuardSettings, OutputFilter
+from radixserve.server.filters import Detection, OutputFilter
 from radixserve.server.metrics import RunTimers, ServerMetrics
 from radixserve.server.pd import pd_target, with_rooms
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -91,6 +91,11 @@ class ServingContext:
         (tokenizer/text_bound.py), checked before tokenizing; no-op without a bound."""
         bound = getattr(self.tokenizer, "text_bound", None)
         if bound is None:
+            return
+        # A character is at most 4 UTF-8 bytes, so a text takes at most ceil(4 * len / bytes_per_token)
+        # of the bound's tokens: below the context by that, the bound cannot refuse; skip encoding.
+        per_token = bound.bytes_per_token
+        if sum(4 * len(t) + per_token - 1 for t in texts) < per_token * self.max_context_len:
             return
         at_least = sum(bound.min_tokens(t) for t in texts)
         if at_least >= self.max_context_len:

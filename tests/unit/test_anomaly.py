@@ -5,9 +5,10 @@ import random
 
 import pytest
 
-from radixserve.server.anomaly import (AnomalyGuard, Detection, GarbledDetector, GuardConfig,
-                                       RareCharDetector, RepetitionDetector)
+from radixserve.server.anomaly import (AnomalyGuard, GarbledDetector, GuardConfig, RareCharDetector,
+                                       RepetitionDetector)
 from radixserve.chaos.http_faults import Corrupter
+from radixserve.server.filters import Detection
 from radixserve.server.tracker import ChoiceUpdate
 
 

@@ -11,10 +11,10 @@ from radixserve.engine.messages import AddReq, EngineInfo, PDTarget
 from radixserve.errors import OutputAnomaly
 from radixserve.outputs import EngineOutput
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.anomaly import Detection, GuardConfig
+from radixserve.server.anomaly import GuardConfig, GuardFilter, GuardSettings
 from radixserve.server.confidence_guard import ConfidenceConfig
 from radixserve.chaos.http_faults import Corrupter
-from radixserve.server.filters import GuardFilter, GuardSettings
+from radixserve.server.filters import Detection
 from radixserve.server.pd import with_rooms
 from radixserve.server.serving import GenerationRun, ServingContext
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from radixserve.engine.messages import EngineInfo
 from radixserve.errors import ContextLengthExceeded
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from radixserve.server.inputs import chat_prompt, completion_prompts
+from radixserve.server.routes import chat_prompt, completion_prompts
 from radixserve.server.serving import ServingContext
 from radixserve.tokenizer.text_bound import TextBound
 from tests.unit.test_detokenizer import build_sentencepiece_tokenizer
@@ -68,6 +68,23 @@ def test_no_bound_when_the_normalizer_may_shorten_text():
 
 def test_surrogates_count_without_raising():
     assert TextBound(2).min_tokens(json.loads('"\\ud800x"')) == 2   # 3 + 1 bytes
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(texts=st.lists(st.lists(st.sampled_from(["a", "\x16", "é", "中", "😀", "\ud800"]), max_size=40)
+                      .map("".join), min_size=1, max_size=3), per_token=st.integers(1, 16))
+def test_refused_exactly_when_the_bound_reaches_the_context(texts, per_token):
+    """The check skips encoding short texts; it still refuses exactly when the bound's tokens reach the context."""
+    bound = TextBound(per_token, b"\x16")
+    client = SimpleNamespace(info=EngineInfo(max_context_len=8, page_size=16))
+    ctx = ServingContext(client, SimpleNamespace(text_bound=bound), "tiny", "/tiny", max_open_requests=4)
+    refuses = sum(bound.min_tokens(t) for t in texts) >= 8
+    try:
+        ctx.check_text_fits(texts, "prompt")
+    except ContextLengthExceeded:
+        assert refuses
+    else:
+        assert not refuses
 
 
 class CountingTokenizer:
