@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.errors import InvalidRequest
-from radixserve.parsers.chat_output import NATIVE_TOOL_FORMATS
 
 TRIGGER = "<tool_call>"
 ANY_OBJECT: dict[str, Any] = {"type": "object"}

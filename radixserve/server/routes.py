@@ -142,17 +142,18 @@ async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BO
     content_type = request.headers.get("content-type", "")
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise InvalidRequest("Content-Type must be application/json", param="content-type")
-    too_large = BodyTooLarge(f"request body is larger than {max_bytes} bytes "
-                             "(--max-request-body-bytes)")
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_large
-        chunks.append(chunk)
+    size = int(declared) if declared.isdigit() else 0
+    chunks = []
+    if size <= max_bytes:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                break
+            chunks.append(chunk)
+    if size > max_bytes:
+        raise BodyTooLarge(f"request body is larger than {max_bytes} bytes (--max-request-body-bytes)")
     body = b"".join(chunks)
     try:
         return model.model_validate_json(body)
