@@ -1,4 +1,4 @@
-"""Engine: add_request / abort / step() = schedule -> run -> update, over any Runner."""
+"""Engine: add_request / abort / step() = schedule -> run -> update, over any Runner (docs/architecture.md)."""
 from __future__ import annotations
 
 import random
@@ -17,20 +17,12 @@ from radixserve.sampling_params import SamplingParams
 
 
 class Engine:
-    """Continuous-batching engine. Single-threaded: call every method from one thread.
-
-    `step()` returns one EngineOutput per request that gained tokens, finished, or has
-    prompt logprobs ready. Stop strings are not the engine's business: the front end
-    detokenizes, and calls `abort(request_id)` when one matches. Optional features attach
-    through `hooks` (engine/hooks.py).
-    """
+    """Continuous-batching engine, one thread; the front end matches stop strings (abort(id, "stop"))."""
 
     def __init__(self, config: EngineConfig, runner: Runner,
                  extra_eos_token_ids: frozenset[int] = frozenset(),
                  hooks: Sequence[EngineHooks] = ()):
-        """A request ends on the runner's eos ids (the model's) and on `extra_eos_token_ids`:
-        pass the tokenizer's (end of turn included) so chat turns stop where HF generate stops.
-        Raises ValueError when a hook cannot serve this runner."""
+        """`extra_eos_token_ids`: the tokenizer's, besides the model's. Raises ValueError if a hook can't serve it."""
         self.config = config
         self.runner = runner
         self.eos_token_ids = frozenset(runner.eos_token_ids) | frozenset(extra_eos_token_ids)
@@ -42,37 +34,29 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.random_seed)
         self.counters = {"num_prompt_tokens": 0, "num_cached_tokens": 0, "num_generated_tokens": 0,
-                         "num_cached_tokens_host": 0,  # of num_cached_tokens: loaded from host
+                         "num_cached_tokens_host": 0,
                          "num_finished_requests": 0, "num_aborted_requests": 0,
-                         # speculative decoding: verify steps, draft tokens proposed and accepted
                          "spec_num_verify_steps": 0, "spec_num_draft_tokens": 0,
                          "spec_num_accepted_tokens": 0,
-                         # ... and by draft position (index i: the (i+1)-th draft token)
                          "spec_num_draft_by_position": [0] * config.speculative_num_draft_tokens,
                          "spec_num_accepted_by_position": [0] * config.speculative_num_draft_tokens}
         self.hooks = HookChain(hooks)
         self.hooks.attach(self)
 
     def add_eos_token_ids(self, token_ids: list[int]) -> None:
-        """End requests on these ids too (the HTTP process sends its tokenizer's once it has
-        loaded it, in parallel with the engine's start-up, before it serves any request)."""
         self.eos_token_ids = self.eos_token_ids | frozenset(int(t) for t in token_ids)
 
     @property
     def max_request_tokens(self) -> int:
-        """Longest sequence (prompt + output) one request may reach, in tokens."""
         return min(self.max_context_len, self.kv.num_pages * self.page_size)
 
-    # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. The one validator of what a client sends (the server and the
-        offline API check nothing of it themselves): raises InvalidRequest for bad ids or
-        params (SamplingParams.validate) and ContextLengthExceeded when prompt + max_tokens
-        cannot fit in one sequence. Nothing is queued when it raises."""
+        """Queue a request; the one validator of client input. Raises InvalidRequest (bad ids or
+        params) or ContextLengthExceeded, queueing nothing."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         params.validate(self.runner.vocab_size)
-        validate = getattr(self.runner, "validate_params", None)   # optional for test runners
+        validate = getattr(self.runner, "validate_params", None)
         if validate is not None:
             validate(params)
         if params.n != 1:
@@ -91,9 +75,6 @@ class Engine:
         self.scheduler.add(req)
 
     def _max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        """max_tokens resolved (None: up to the limit) after checking that the prompt plus
-        max_tokens (None: at least one token) fit in max_request_tokens; raises
-        ContextLengthExceeded quoting the real numbers (field case C09)."""
         limit = self.max_request_tokens
         wanted = max_tokens if max_tokens is not None else 1
         if num_prompt_tokens + wanted <= limit:
@@ -107,10 +88,8 @@ class Engine:
             param="max_tokens" if num_prompt_tokens < limit and max_tokens else "prompt")
 
     def abort(self, request_id: str, reason: str = "abort") -> EngineOutput | None:
-        """Stop a request at any point; its really computed KV stays in the radix cache and
-        everything else returns to the pool. Returns its final output, or None if unknown.
-        `reason` "stop": the caller ended it on a stop string it matched in the text, a normal
-        finish (counted as finished, not aborted); anything else counts as an abort."""
+        """Stop a request; its computed KV stays cached. Returns its final output (None: unknown
+        id). `reason` "stop" (a matched stop string) counts as finished, anything else as aborted."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -121,8 +100,7 @@ class Engine:
         return self._output(req, [], None, reason)
 
     def withdraw(self, request_id: str) -> None:
-        """Take back a request just added, before any step, that its caller then refused (a
-        PD side's room check): no output, no counters."""
+        """Take back a request added before any step (a PD side refused it): no output, no counters."""
         req = self.requests.pop(request_id)
         self.hooks.on_abort(req)
         if req in self.scheduler.waiting:
@@ -131,9 +109,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # ---- step -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        """Run one scheduler iteration and one forward pass."""
         self.hooks.before_schedule()
         batch = self.scheduler.schedule()
         if not batch:
@@ -160,9 +136,9 @@ class Engine:
             if seq.prompt_logprob_start is not None and res.prompt_logprobs is not None:
                 req.prompt_logprobs = (req.prompt_logprobs or []) + res.prompt_logprobs
             if len(seq.input_ids) > 1:
-                self.kv.commit(req)  # prefill work: share it with others, keep it on preemption
+                self.kv.commit(req)
             if req.num_computed_tokens != req.num_tokens:
-                continue   # a prefill chunk before the last: nothing to sample yet
+                continue
             if res.token is None:  # max_tokens == 0: prompt scored, nothing to sample
                 outs.append(self.finish(req, "length"))
                 continue
@@ -171,17 +147,13 @@ class Engine:
         return outs
 
     def _offer(self, req: Request, res: SeqResult) -> None:
-        """Hand a model draft made after this step's token to the request's next step."""
         if res.next_draft and req.status is Status.RUNNING:
             self.scheduler.proposer.offer(req.request_id, res.next_draft, req.num_tokens)
 
     def emit(self, req: Request, tokens: list[TokenLogprob],
              computed: Callable[[int], int] | None = None) -> EngineOutput:
-        """Append sampled tokens (this step's, or a PD prefill worker's first token) one by one
-        until one finishes the running request `req` (the rest are dropped: stop ids, EOS,
-        min_tokens and max_tokens hold per token, with or without speculation).
-        `computed(kept)`: req's num_computed_tokens once `kept` tokens are appended, set before
-        a finish, whose radix commit reads it (a verify step's accepted tokens have KV)."""
+        """Append tokens one by one until one finishes `req` (the rest are dropped). `computed(kept)`:
+        num_computed_tokens after `kept` tokens, set before a finish commits the pages."""
         kept: list[TokenLogprob] = []
         reason = None
         for t in tokens:
@@ -200,10 +172,7 @@ class Engine:
         return self._output(req, ids, logprobs)
 
     def _verified(self, req: Request, seq: ScheduledSeq, res: SeqResult) -> EngineOutput:
-        """A verify step: positions [start, start + 1 + len(draft)) got KV; the accepted draft
-        tokens and the runner's own next token are emitted. The KV of rejected draft positions
-        stays in the request's private pages past num_computed_tokens: never committed to the
-        radix tree, overwritten by the next steps."""
+        """Rejected drafts' KV stays in the private tail past num_computed_tokens, never committed."""
         c, draft = self.counters, seq.draft
         accepted = len(res.accepted)
         c["spec_num_verify_steps"] += 1
@@ -221,8 +190,6 @@ class Engine:
         tokens = self.hooks.on_tokens(req, sampled)
         num_as_sampled = next((i for i, (t, u) in enumerate(zip(tokens, sampled))
                                if t.token_id != u.token_id), len(tokens))
-        # KV is valid for the last known token and the accepted drafts that were kept (and not
-        # replaced by on_tokens); set before a finish commits the pages.
         return self.emit(req, tokens, lambda kept: seq.start_pos + 1 + min(kept, accepted, num_as_sampled))
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
@@ -236,11 +203,10 @@ class Engine:
         return None
 
     def finish(self, req: Request, reason: str) -> EngineOutput:
-        """End the running request `req` now with no new token; its final output."""
         return self._finish(req, [], None, reason)
 
     def _finish(self, req: Request, new_ids: list[int], logprobs, reason: str) -> EngineOutput:
-        out = self.hooks.on_finish(req, self._output(req, new_ids, logprobs, reason))   # KV still held
+        out = self.hooks.on_finish(req, self._output(req, new_ids, logprobs, reason))
         self.scheduler.finish(req, reason)
         del self.requests[req.request_id]
         self.counters["num_finished_requests"] += 1
@@ -248,7 +214,6 @@ class Engine:
         return out
 
     def _count_prompt(self, req: Request) -> None:
-        # Hit rate counts admitted requests once, at their end (recompute is never a hit).
         if req.is_admitted:
             self.counters["num_prompt_tokens"] += len(req.prompt_ids)
             self.counters["num_cached_tokens"] += req.num_cached_tokens
@@ -256,7 +221,6 @@ class Engine:
 
     def _output(self, req: Request, new_ids: list[int], logprobs,
                 reason: str | None = None) -> EngineOutput:
-        """`req`'s output for this step; `reason` set: its final one."""
         prompt_lp = None
         if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and not req.is_prefilling:
             prompt_lp, req.prompt_logprobs_sent = req.prompt_logprobs, True
@@ -268,9 +232,7 @@ class Engine:
             queue_time_s=req.queue_time_s, spec=req.spec,
             num_cached_tokens_host=req.num_host_cached_tokens if self.kv.tier is not None else None)
 
-    # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
-        """Pool usage, queue sizes and cumulative counters (hit rate = cached / prompt tokens)."""
         kv, c = self.kv, self.counters
         used = kv.num_pages - kv.pool.num_free - kv.cache.num_evictable_pages
         return {
@@ -289,8 +251,7 @@ class Engine:
         }
 
     def flush_cache(self) -> bool:
-        """Drop every cached prefix and the shared n-gram table (engine/speculative.py). Refused
-        (False) while requests hold KV."""
+        """Drop every cached prefix and the shared n-gram table; False (refused) while requests hold KV."""
         if self.has_unfinished() or not self.kv.flush():
             return False
         if self.scheduler.proposer is not None:
@@ -298,7 +259,5 @@ class Engine:
         return True
 
     def check_invariants(self, other_owners: Sequence = ()) -> None:
-        """Assert page ownership (free + cached + private == total) and tree structure.
-        `other_owners`: page holders outside the scheduler (a PD decode side's)."""
         self.kv.check_invariants(self.scheduler.running + list(self.scheduler.waiting)
                                  + self.scheduler.fetching + list(other_owners))

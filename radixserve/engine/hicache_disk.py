@@ -1,19 +1,7 @@
 """DiskTier: the disk tier's books (--hicache-storage-dir): page names, what to save, and fetches that bring pages back to host while their request waits in WAITING_FOR_KV.
 
-The copies are the runner's (runner/disk_kv.py, the DiskIO protocol below). Names are a hash
-chain over page-aligned token content (`page_names`), so they are the same in every worker and
-after a restart. Protocol:
-
-- **Save**: every page that gets a host copy (HostTier.backup) is also saved to disk.
-- **Lookup** (`fetchable`): past what the device and host tiers matched, the request's next
-  pages whose names are on disk.
-- **Fetch**: host pages are allocated and pinned for them and a background read starts; the
-  request leaves the waiting queue (WAITING_FOR_KV, holding no device page). `poll` finds
-  finished fetches: the pages that landed (a leading run: a read stops at the first failure)
-  join the radix tree as host-only nodes; the rest are freed; then the request returns to the
-  head of the waiting queue and its next match loads them from host as usual. A fetch that
-  landed nothing marks its request to skip the disk tier: recomputed, never a hit (C30).
-"""
+Copies are the runner's (runner/disk_kv.py); protocol: docs/hicache.md. Every page that gets a host copy is saved; a
+fetch's landed pages (a leading run) join the tree as host-only nodes and its request returns to the queue head."""
 from __future__ import annotations
 
 import hashlib
@@ -33,7 +21,7 @@ class DiskIO(Protocol):
 
     def write(self, host_ids: list[int], names: list[str]) -> None: ...
 
-    def fetch(self, names: list[str], host_ids: list[int]) -> Any: ...   # .done, .num_ok, .seconds
+    def fetch(self, names: list[str], host_ids: list[int]) -> Any: ...
 
 
 def page_names(token_ids: list[int] | tuple[int, ...], page_size: int, start_page: int = 0) -> list[str]:
@@ -52,14 +40,12 @@ def page_names(token_ids: list[int] | tuple[int, ...], page_size: int, start_pag
 @dataclass(eq=False)
 class Fetch:
     handle: Any
-    key: tuple[int, ...]          # page-aligned tokens up to the last fetched page
+    key: tuple[int, ...]
     host_ids: list[int]
-    waiters: list = field(default_factory=list)   # requests in WAITING_FOR_KV on it
+    waiters: list = field(default_factory=list)
 
 
 class DiskTier:
-    """Disk pages under the host tier `host` (see module doc). Scheduler thread only."""
-
     def __init__(self, io: DiskIO, host: HostTier, page_size: int):
         self.io, self.host, self.page_size = io, host, page_size
         self.fetches: list[Fetch] = []
@@ -70,7 +56,6 @@ class DiskTier:
                          "hicache_disk_saved_pages": 0}
 
     def save(self, node: RadixNode) -> None:
-        """Save a node that just got a host copy (its names from the tokens root..node)."""
         tokens: list[tuple[int, ...]] = []
         n = node
         while n.parent is not None:
@@ -84,9 +69,8 @@ class DiskTier:
         self.counters["hicache_disk_saved_pages"] += new
 
     def start(self, req: Any, prefix: list[int], num_matched_pages: int) -> Fetch | None:
-        """Start fetching the disk pages that follow the first `num_matched_pages` pages of
-        `prefix` (page-aligned tokens a request may reuse); None when fewer than
-        MIN_FETCH_PAGES are there or no host pages can be had. `req` waits on the fetch."""
+        """Fetch the disk pages of `prefix` past its first `num_matched_pages` for `req`; None when fewer
+        than MIN_FETCH_PAGES are on disk or no host pages can be had."""
         names = page_names(prefix, self.page_size, num_matched_pages)
         n = 0
         while n < len(names) and self.io.has(names[n]):
@@ -108,7 +92,6 @@ class DiskTier:
         return fetch
 
     def poll(self) -> list[Fetch]:
-        """Settle finished fetches (see module doc); returns them (their waiters may go on)."""
         done = [f for f in self.fetches if f.handle.done.is_set()]
         self.fetches = [f for f in self.fetches if not f.handle.done.is_set()]
         for f in done:

@@ -9,27 +9,29 @@ from radixserve.outputs import EngineOutput, TokenLogprob
 
 
 class EngineHooks:
-    """No-op base; override what you need. Engine thread only. Per request: on_add, then per
-    step before_schedule / on_tokens / after_step, then on_finish or on_abort (KV still held)."""
+    """No-op base; engine thread only."""
 
     def attach(self, engine: Any) -> None:
         """Once, from Engine.__init__; raises ValueError when the engine lacks what it needs."""
 
     def on_add(self, req: Request) -> None:
+        """`req` was validated and is about to be queued."""
         pass
 
     def before_schedule(self) -> None:
+        """Start of every step, before the scheduler picks its batch."""
         pass
 
     def on_tokens(self, req: Request, tokens: list[TokenLogprob]) -> list[TokenLogprob]:
-        """`req`'s tokens of one step, maybe replaced or cut; only the last may differ from its
-        sample."""
+        """`req`'s tokens of one step, maybe cut, or replaced in the last one only."""
         return tokens
 
     def on_finish(self, req: Request, out: EngineOutput) -> EngineOutput:
+        """`req`'s final output, maybe replaced; its KV is still held."""
         return out
 
     def on_abort(self, req: Request) -> None:
+        """`req` is aborted or withdrawn; its KV is still held."""
         pass
 
     def after_step(self, running: list[Request]) -> list[EngineOutput]:

@@ -9,14 +9,8 @@ from radixserve.engine.request import Request
 
 
 class KVManager:
-    """Owns the page pool and the radix cache and moves pages between them and requests.
-
-    Every page has exactly one owner: the free list, the radix tree, or one request's private
-    tail (`request.page_ids[request.num_tree_pages:]`). `check_invariants` verifies it.
-    With `enable_cache=False` nothing is ever matched or kept after a request ends.
-    With `host_io` (the runner's host tier) the tree's pages also live in host memory
-    (engine/hicache.py): matches reach host pages and load them back.
-    """
+    """Every page has exactly one owner: the free list, the radix tree, or one request's private tail
+    (page_ids[num_tree_pages:]); check_invariants verifies it. `host_io`: the host tier (hicache.py)."""
 
     def __init__(self, num_pages: int, page_size: int, enable_cache: bool = True,
                  host_io: KVTierIO | None = None, write_policy: str = "write_through"):
@@ -28,36 +22,25 @@ class KVManager:
         disk_io = getattr(host_io, "disk", None)
         self.disk = DiskTier(disk_io, self.tier, page_size) if self.tier and disk_io else None
 
-    # ---- capacity ---------------------------------------------------------------------------
     @property
     def num_pages(self) -> int:
         return self.pool.num_pages
 
     @property
     def num_available_pages(self) -> int:
-        """Free pages plus pages the tree could give up by eviction."""
         return self.pool.num_free + self.cache.num_evictable_pages
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def match_len(self, req: Request) -> int:
-        """Tokens of req's prompt the cache could serve now (read-only; for policies)."""
         if not self._may_match(req):
             return 0
         return self.cache.match_len(req.all_ids[:req.num_tokens - 1])
 
-    # ---- match / allocate / commit / free ---------------------------------------------------
     def match(self, req: Request, keep_free_pages: int = 0) -> int:
-        """Attach the longest cached prefix to a request that holds no pages; lock it.
-
-        At least one token is always left to compute (its logits are needed), so the match
-        is capped at num_tokens - 1, rounded down to pages. Host pages past the device match
-        start loading back, as many of them as leave `keep_free_pages` device pages available
-        (the scheduler's headroom): under page pressure a head of the host match loads now and
-        the rest at a later match, where loading all or nothing would recompute it all.
-        Returns the matched tokens.
-        """
+        """Attach and lock the longest cached prefix of req's first num_tokens - 1 tokens (whole pages);
+        host pages past it start loading, leaving `keep_free_pages` available. Returns matched tokens."""
         assert not req.page_ids and req.last_node is None, "match on a request holding pages"
         if not self._may_match(req):
             return 0
@@ -83,9 +66,7 @@ class KVManager:
         return req.num_computed_tokens
 
     def _load_back(self, req: Request, host_path: list, keep_free_pages: int) -> None:
-        """Start loading req's host-only matched nodes to the device, at most as many pages as
-        leave `keep_free_pages` available; on success they join req's tree pages (the forward
-        waits per layer for them, KVCache.wait_ready)."""
+        """The loaded pages join req's tree pages at once; the forward waits per layer (KVCache.wait_ready)."""
         load = self.tier.start_load(host_path, self._take_pages, self.num_available_pages - keep_free_pages)
         if load is None:
             return
@@ -98,7 +79,6 @@ class KVManager:
         req.num_host_hit_tokens = len(load.device_ids) * self.page_size
 
     def _take_pages(self, n: int) -> list[int] | None:
-        """n free device pages, evicting unlocked cache leaves if needed; None if impossible."""
         if n > self.pool.num_free:
             self.pool.free(self.cache.evict(n - self.pool.num_free, self._demote))
         return self.pool.allocate(n)
@@ -108,8 +88,7 @@ class KVManager:
         return self.tier.demote if self.tier is not None else None
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
-        """Make req's page table cover num_tokens positions, evicting unlocked cache leaves
-        if needed. Returns False (and changes nothing) when the pages cannot be had."""
+        """Cover num_tokens positions with pages, evicting if needed; False (nothing changed) if impossible."""
         need = self.pages_for(num_tokens) - len(req.page_ids)
         if need <= 0:
             return True
@@ -120,9 +99,8 @@ class KVManager:
         return True
 
     def commit(self, req: Request) -> None:
-        """Hand the full pages of req's computed tokens to the radix tree (after a prefill
-        chunk, and before releasing). Duplicates of pages the tree already holds are freed and
-        req's page table is rewritten to the tree's pages; the lock moves to the new path."""
+        """Give the full pages of req's computed tokens to the tree; duplicates of tree pages are freed
+        and replaced by the tree's, and the lock moves to the new path."""
         if not self.enable_cache:
             return
         num_full = req.num_computed_tokens // self.page_size
@@ -143,8 +121,6 @@ class KVManager:
             self.tier.on_insert(result.node)
 
     def free(self, req: Request) -> None:
-        """Release all of req's KV: computed full pages go to the tree (when caching), the
-        private tail to the free list, and the path is unlocked. req holds no pages after."""
         self.commit(req)
         self.pool.free(req.page_ids[req.num_tree_pages:])
         if req.last_node is not None:
@@ -152,24 +128,19 @@ class KVManager:
         req.page_ids, req.num_tree_pages, req.last_node = [], 0, None
 
     def discard(self, req: Request) -> None:
-        """Release req's KV committing nothing: it read pages a failed load never filled, so
-        nothing it computed may enter the tree (C30). req holds no pages after."""
+        """Release req's KV committing nothing (it read pages a failed load never filled)."""
         self.pool.free(req.page_ids[req.num_tree_pages:])
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
         req.page_ids, req.num_tree_pages, req.last_node, req.loads = [], 0, None, []
 
     def finish_loads(self, readers: list[Request]) -> list[Request]:
-        """After a step: release finished host-tier loads. Every request in `readers` (the
-        step's) that read a failed load is discarded and returned (the caller recomputes it);
-        then the failed loads' pages leave the device. No-op without a tier."""
+        """After a step: release its host loads; discard and return the `readers` of a failed one."""
         if self.tier is None:
             return []
         for req in readers:
             for load in req.loads:
-                load.handle.wait()   # the forward waited for every layer; this is the safety net
-        # Loads start only at admission, before the step's forward: every one in flight now
-        # belongs to this step and has (nearly always) landed; waiting keeps the books simple.
+                load.handle.wait()
         failed = self.tier.finish_loads(wait=True)
         victims = [r for r in readers if any(load.handle.failed for load in r.loads)]
         for req in victims:
@@ -181,22 +152,17 @@ class KVManager:
         return victims
 
     def poll_fetches(self) -> None:
-        """Settle finished disk fetches (their pages join the tree as host-only nodes)."""
         if self.disk is not None and self.disk.fetches:
             self.disk.poll()
 
     def flush(self) -> bool:
-        """Drop the whole cache when no request holds a lock. Returns whether it flushed."""
         if self.cache.num_locked_pages:
             return False
         self.pool.free(self.cache.reset())
         return True
 
     def purge(self, page_ids: set[int]) -> set[int]:
-        """Take every radix node holding one of `page_ids` (KV found overwritten) out of the
-        tree with its subtree, so no later request matches it; their pages return to the pool.
-        A node still locked stays (call again once its holders have ended). Returns the pages
-        of `page_ids` still in the tree."""
+        """Remove unlocked nodes holding any of `page_ids`, with subtrees; returns those still in the tree."""
         while True:
             hits = [n for n in self.cache.nodes() if n.page_ids and not page_ids.isdisjoint(n.page_ids)]
             node = next((n for n in hits if n.lock_ref == 0), None)
@@ -205,14 +171,10 @@ class KVManager:
             self.pool.free(self.cache.remove(node))
 
     def _may_match(self, req: Request) -> bool:
-        # Prompt-logprob requests recompute the prompt: logits of cached positions are never
-        # stored, so they bypass the cache (field case C02, documented alternative).
+        # Prompt logprobs need every position's logits, which the cache does not keep.
         return self.enable_cache and not req.wants_prompt_logprobs
 
-    # ---- invariants -------------------------------------------------------------------------
     def check_invariants(self, requests: list[Request]) -> None:
-        """Assert every page has exactly one owner: free list, tree, or one request's tail,
-        and that their sizes add up to the pool. Cheap enough to call at idle in debug mode."""
         self.cache.check()
         free = self.pool.free_ids()
         tree = self.cache.all_page_ids()

@@ -1,5 +1,4 @@
-"""The engine process: builds what it drives (an Engine, or a PD worker holding one) from a
-factory, then loops drain-messages -> step -> push outputs (wire messages: engine/messages.py)."""
+"""The engine process: builds what it drives from a factory, then loops drain messages -> step -> send outputs."""
 from __future__ import annotations
 
 import logging
@@ -26,17 +25,16 @@ from radixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_MS = 500        # how often an idle engine checks that its parent is alive
-GRAMMAR_POLL_MS = 20      # how often an engine waiting only for a grammar compile looks at it
+IDLE_POLL_MS = 500
+GRAMMAR_POLL_MS = 20
 SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hanging forever
-HEARTBEAT_S = 1.0         # the loop says it is alive at least this often (between steps)
-CALL_METHODS = ("stats", "flush_cache", "check_invariants", "add_eos_token_ids",  # of the driven
-                "fault")                                  # the fault handler (chaos/engine_faults.py)
+HEARTBEAT_S = 1.0
+CALL_METHODS = ("stats", "flush_cache", "check_invariants", "add_eos_token_ids",
+                "fault")
 
 
 class Driven(Protocol):
-    """What the loop drives: an Engine (engine/engine.py), or a PD worker holding one
-    (disagg/). Optional: `io_sockets() -> list` to wake on too, `close()` at exit."""
+    """An Engine or a PD worker holding one; optional: `io_sockets() -> list` to wake on, `close()`."""
 
     runner: Runner
 
@@ -59,30 +57,21 @@ class Driven(Protocol):
 
 
 class EngineParts(NamedTuple):
-    """What an engine factory builds in the engine process."""
-
     driven: Driven
-    info: EngineInfo                                  # what the HTTP process learns at start-up
+    info: EngineInfo
     fault: Callable[..., None] | None = None          # the `fault` call; None: injection is off
 
 
-# An engine factory is `factory(config, eos_token_ids) -> EngineParts`, picklable by reference
-# into the spawned process (radixserve/compose.py's EngineFactory): the loop never imports
-# what it drives, the runner included.
+# Picklable by reference into the spawned process, so the loop never imports what it drives.
 EngineFactory = Callable[[EngineConfig, frozenset[int]], EngineParts]
 RunnerFactory = Callable[[EngineConfig], Runner]
 
 
 class _Refused(Exception):
-    """The engine refused its configuration at start-up (a ValueError while building it):
-    reported as one line, the traceback only at debug level."""
+    """A ValueError while building the engine: reported as one line, the traceback at debug level."""
 
 
-# ---- the loop -------------------------------------------------------------------------------
 class EngineLoop:
-    """Owns the two sockets and what it drives; `run()` returns when told to shut down or when
-    the parent process is gone. `fault`: the handler of the `fault` call (None: refused)."""
-
     def __init__(self, engine: Driven, inbox: zmq.Socket, outbox: zmq.Socket,
                  fault: Callable[..., None] | None = None):
         self.engine = engine
@@ -93,8 +82,7 @@ class EngineLoop:
         self.encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         self.running = True
         self.last_send_s = time.monotonic()
-        # Submits whose new grammars compile on a worker thread meanwhile (seconds for some
-        # schemas; xgrammar releases the GIL), so they never stall the other requests' steps.
+        # Submits whose grammars compile on a worker thread, so they never stall the other requests.
         self.compiling: list[tuple[Submit, Future]] = []
         self.aborted_while_compiling: set[str] = set()
         self._grammar_pool: ThreadPoolExecutor | None = None
@@ -113,7 +101,7 @@ class EngineLoop:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
-        for sock in getattr(self.engine, "io_sockets", list)():   # PD: wake on the peer too
+        for sock in getattr(self.engine, "io_sockets", list)():
             poller.register(sock, zmq.POLLIN)
         while self.running:
             self.settle_compiles()
@@ -131,7 +119,6 @@ class EngineLoop:
                 self.send(Heartbeat())
 
     def drain(self) -> None:
-        """Handle every message already queued, without blocking."""
         while self.running:
             try:
                 data = self.inbox.recv(zmq.NOBLOCK)
@@ -145,7 +132,7 @@ class EngineLoop:
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
                 self.engine.abort(rid, msg.reason)
-            if self.compiling:   # aborted before they were added: added, then aborted at once
+            if self.compiling:
                 self.aborted_while_compiling.update(msg.request_ids)
         elif isinstance(msg, Call):
             self.call(msg)
@@ -153,8 +140,6 @@ class EngineLoop:
             self.running = False
 
     def submit(self, msg: Submit) -> None:
-        """Add all requests of a group or none of them; a group with a grammar not yet compiled
-        waits (answered later by settle_compiles) while its grammars compile on a worker thread."""
         if any(self._compiles_first(add.params) for add in msg.adds):
             if self._grammar_pool is None:
                 self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
@@ -165,10 +150,8 @@ class EngineLoop:
         self.add_group(msg)
 
     def _compiles_first(self, params: Any) -> bool:
-        """Whether `params` is valid (else add_group answers its error at once) and carries a
-        grammar the runner has yet to compile."""
         pending = getattr(self.engine.runner, "grammar_pending", None)
-        if pending is None or not pending(params):   # most requests: no new grammar, no work here
+        if pending is None or not pending(params):
             return False
         try:
             params.validate(self.engine.runner.vocab_size)
@@ -177,8 +160,6 @@ class EngineLoop:
         return True
 
     def settle_compiles(self) -> None:
-        """Add the groups whose grammars are compiled (the compile's error, if any, is raised
-        again, from the cache, by add_request)."""
         for entry in [e for e in self.compiling if e[1].done()]:
             self.compiling.remove(entry)
             self.add_group(entry[0])
@@ -189,14 +170,13 @@ class EngineLoop:
             self.aborted_while_compiling.clear()
 
     def add_group(self, msg: Submit) -> None:
-        """Add all requests of a group or none of them, and answer Submitted."""
         added: list[str] = []
         try:
             for add in msg.adds:
                 extra = {"pd": add.pd} if add.pd is not None else {}
                 self.engine.add_request(add.request_id, add.prompt_ids, add.params, **extra)
                 added.append(add.request_id)
-        except Exception as exc:  # a client error must not kill the engine; bugs are logged
+        except Exception as exc:
             if not isinstance(exc, RadixServeError):
                 logger.exception("add_request failed for group %s", msg.group_id)
             for rid in added:
@@ -212,7 +192,7 @@ class EngineLoop:
         try:
             value = (self._fault(**msg.args) if msg.method == "fault"
                      else getattr(self.engine, msg.method)(**msg.args))
-        except RadixServeError as exc:   # the caller's arguments were refused (a 400 upstream)
+        except RadixServeError as exc:
             logger.warning("engine call %s refused: %s", msg.method, exc.message)
             self.send(CallResult(msg.call_id, error=exc.message,
                                  wire_error=WireError.from_exc(exc)))
@@ -231,7 +211,6 @@ class EngineLoop:
 
 
 def _enc_hook(obj: Any) -> Any:
-    """Encode what msgpack lacks (numpy scalars in stats, sets, ...) as plain values."""
     if hasattr(obj, "item"):
         return obj.item()
     if isinstance(obj, (set, frozenset)):
@@ -240,10 +219,9 @@ def _enc_hook(obj: Any) -> Any:
 
 
 def _quietly(fn: Callable[..., Any], *args: Any) -> None:
-    """fn(*args), errors dropped: a grammar compiled ahead raises again when the group is added."""
     try:
         fn(*args)
-    except Exception:   # noqa: BLE001 -- reported by add_request, from the cache
+    except Exception:   # noqa: BLE001 -- add_request raises it again
         pass
 
 
@@ -255,9 +233,7 @@ def _parent_alive() -> bool:
 def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_addr: str,
                        log_level: str, engine_factory: EngineFactory,
                        eos_token_ids: frozenset[int]) -> None:
-    """Entry point of the spawned engine process: drives `engine_factory(config,
-    eos_token_ids)` (eos_token_ids: the tokenizer's, end of turn included, resolved by the HTTP
-    process, on top of the model's)."""
+    """Entry point of the spawned engine process; `eos_token_ids`: the tokenizer's, besides the model's."""
     # Ctrl-C reaches the whole process group; the HTTP process decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(),
@@ -273,14 +249,14 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
     try:
         try:
             parts = engine_factory(config, eos_token_ids)
-        except ValueError as exc:   # a setting the engine refuses: its message says it all
+        except ValueError as exc:
             logger.debug("engine refused its configuration:\n%s", traceback.format_exc())
             raise _Refused(f"{type(exc).__name__}: {exc}") from None
         loop = EngineLoop(parts.driven, inbox, outbox, parts.fault)
         loop.send(Ready(parts.info))
         loop.run()
         disk = getattr(getattr(parts.driven.runner, "host_kv", None), "disk", None)
-        if disk is not None:   # pages still being saved reach the disk tier before exit
+        if disk is not None:
             disk.flush()
     except SystemExit:
         raise
@@ -295,7 +271,7 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
         raise SystemExit(1) from None
     finally:
         if loop is not None and hasattr(loop.engine, "close"):
-            loop.engine.close()   # PD: the transport's sockets
+            loop.engine.close()
         inbox.close(0)
         outbox.close()
         ctx.term()
@@ -303,9 +279,7 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
 
 
 def end_process_now(code: int) -> NoReturn:
-    """Flush logs and stdio, then os._exit(code). For a process whose shutdown is done (its
-    sockets closed, its disk writes flushed): interpreter finalization would spend about a
-    second tearing down torch's and transformers' modules with nothing left to release."""
+    """Flush logs and stdio, then os._exit(code), skipping interpreter teardown: shutdown must be done."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

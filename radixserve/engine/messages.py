@@ -1,20 +1,7 @@
-"""Wire messages between the HTTP process and the engine loop (msgpack via msgspec).
+"""Wire messages between the HTTP process and the engine loop (msgpack via msgspec; docs/architecture.md).
 
-One PUSH/PULL socket per direction; the HTTP process binds both ipc:// endpoints:
-
-    HTTP -> engine   Submit(group_id, adds)     all choices of one HTTP request, added atomically
-                     Abort(request_ids)         fire and forget; the final output is not sent back
-                     Call(call_id, method, args) loop.py's CALL_METHODS: stats, flush_cache, ...,
-                                                and `fault` (chaos/engine_faults.py)
-                     Shutdown()
-    engine -> HTTP   Ready(info)                once, after the model is loaded
-                     Submitted(group_id, error) one per Submit, before any output of its requests
-                     list[EngineOutput]         one per step that produced any
-                     CallResult(call_id, value, error)
-                     Fatal(message)             the engine loop crashed; the process exits
-                     Heartbeat()                between steps, at most every HEARTBEAT_S; the HTTP
-                                                side's watchdog declares a silent engine wedged
-"""
+A Submit's requests are added all or none, answered by one Submitted before any of their outputs; an Abort
+gets no final output back; Heartbeat comes between steps at most every HEARTBEAT_S."""
 from __future__ import annotations
 
 from typing import Any
@@ -27,8 +14,7 @@ from radixserve.sampling_params import SamplingParams
 
 
 class PDTarget(msgspec.Struct, frozen=True):
-    """Prefill/decode disaggregation: the prefill worker's bootstrap address and the room both
-    legs of a request share (radixserve/disagg/protocol.py re-exports it)."""
+    """PD disaggregation: the prefill worker's bootstrap address and the room both legs share."""
 
     bootstrap_host: str
     bootstrap_port: int
@@ -67,17 +53,13 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
 
 
 class EngineInfo(msgspec.Struct, frozen=True):
-    """What the HTTP process learns about the engine at start-up."""
-
-    max_context_len: int      # effective limit on prompt + output tokens of one request
-    page_size: int            # KV page size in tokens
+    max_context_len: int
+    page_size: int
     disaggregation_mode: str = "null"          # null | prefill | decode
-    bootstrap_address: str | None = None       # prefill: tcp://host:port of its bootstrap service
+    bootstrap_address: str | None = None
 
 
 class WireError(msgspec.Struct, frozen=True):
-    """A RadixServeError in transit: enough to rebuild the OpenAI error body."""
-
     status: int
     type: str
     message: str
@@ -102,8 +84,7 @@ class Submitted(msgspec.Struct, frozen=True, tag=True):
 
 
 class CallResult(msgspec.Struct, frozen=True, tag=True):
-    """A Call's return value, or its error; `wire_error` is set when the engine refused the
-    call's arguments (a RadixServeError), so the HTTP side answers with that error's status."""
+    """`wire_error`: the call's arguments were refused (a RadixServeError), answered with its status."""
 
     call_id: int
     value: Any = None

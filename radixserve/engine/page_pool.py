@@ -6,31 +6,26 @@ from collections.abc import Callable
 
 
 class PagePool:
-    """Hands out page ids in [0, num_pages). Running out is a return value (None), never an error.
-
-    The pool only knows free pages; which owner (radix tree or request) holds each used page is
-    tracked by those owners and cross-checked by KVManager.check_invariants().
-    """
+    """Free page ids in [0, num_pages); running out returns None, never raises. Owners of used pages
+    track them (KVManager.check_invariants)."""
 
     def __init__(self, num_pages: int):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
-        self.on_free: Callable[[list[int]], None] | None = None   # told of every freed batch of pages
+        self.on_free: Callable[[list[int]], None] | None = None
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int] | None:
-        """Take n free page ids, or return None (and take nothing) when fewer are free."""
         if n > len(self._free):
             return None
         return [self._free.popleft() for _ in range(n)]
 
     def free(self, page_ids: list[int]) -> None:
-        """Return pages to the free list. Freeing a page id out of range is a bug (assert)."""
         for p in page_ids:
             assert 0 <= p < self.num_pages, f"page id {p} out of range"
         self._free.extend(page_ids)
@@ -38,5 +33,4 @@ class PagePool:
             self.on_free(page_ids)
 
     def free_ids(self) -> list[int]:
-        """Snapshot of the free list (for invariant checks)."""
         return list(self._free)

@@ -1,24 +1,8 @@
-"""RadixCache: a radix tree over page-aligned token prefixes mapping them to KV page ids.
+"""RadixCache: a radix tree over page-aligned token prefixes mapping them to KV page ids (SGLang's RadixAttention).
 
-After RadixAttention (Zheng et al., "SGLang: Efficient Execution of Structured Language Model
-Programs", 2024). Keys are token-id tuples whose length is a multiple of `page_size`; a node
-with key length L holds L / page_size page ids. Children are indexed by their first page of
-tokens, so every match and every split lands on a page boundary.
-
-Contract for callers (KVManager is the only one):
-- `match` may split nodes; it must run on the scheduler thread only.
-- `insert` returns how many leading tokens were already cached; the caller still owns its
-  own pages for that overlap and must free those it does not share with the tree.
-- A request pins its path with `lock(node)` from admission until it releases its KV; locked
-  nodes are never evicted.
-
-Tiers (--enable-hierarchical-cache, engine/hicache.py): a node's pages may live on the device
-(`page_ids`), in host memory (`host_ids`), or both. Device-resident nodes form a subtree at
-the root (a device node's parent is on the device), so `match` returns the device pages of a
-prefix and, past them, the host-only nodes a load could bring back. Eviction from the device
-keeps a node that has (or gets, through `demote`) a host copy; a node with neither is removed
-with its subtree, whose host pages go to `drop_host`.
-"""
+Keys are page-aligned; children are keyed by their first page of tokens. KVManager alone calls it (scheduler
+thread): `match` may split nodes, the caller frees its own pages of an `insert`'s overlap, locked paths are never
+evicted. Tiers (docs/hicache.md): device nodes form a subtree at the root; a match is device, then host-only nodes."""
 from __future__ import annotations
 
 import heapq
@@ -31,21 +15,21 @@ from typing import Any, Callable, NamedTuple
 @dataclass(slots=True, eq=False)
 class RadixNode:
     key: tuple[int, ...]
-    page_ids: list[int] | None          # device pages; None when only a lower tier holds them
+    page_ids: list[int] | None          # None when only the host tier holds them
     parent: RadixNode | None
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access_s: float = 0.0
-    host_ids: list[int] | None = None   # host-tier pages of the same tokens, if any
-    hits: int = 0                       # admissions whose match reached it on the device (KVManager)
-    loading: Any = None                 # the host->device load that filled page_ids (engine/hicache.py)
+    host_ids: list[int] | None = None
+    hits: int = 0
+    loading: Any = None
 
 
 class MatchResult(NamedTuple):
-    page_ids: list[int]   # device pages of the matched prefix, in order
+    page_ids: list[int]
     node: RadixNode       # deepest matched device node (the root when nothing matched)
     host_path: list[RadixNode] = []   # host-only nodes matched past `node`, in order
-    device_path: list[RadixNode] = []  # the device nodes matched, root first
+    device_path: list[RadixNode] = []
 
     @property
     def num_pages(self) -> int:
@@ -53,25 +37,21 @@ class MatchResult(NamedTuple):
 
 
 class InsertResult(NamedTuple):
-    num_overlap_tokens: int  # leading tokens that were already in the tree
-    page_ids: list[int]      # the tree's pages for the whole inserted key
-    node: RadixNode          # node holding the key's last page
+    num_overlap_tokens: int
+    page_ids: list[int]
+    node: RadixNode
 
 
 class RadixCache:
-    """Radix tree of cached KV pages. Page ownership: each page in the tree belongs to it alone."""
-
     def __init__(self, page_size: int, drop_host: Callable[[list[int]], None] | None = None):
-        """`drop_host(host_ids)` takes the host pages of nodes the tree removes (tiers only)."""
         self.page_size = page_size
         self.drop_host = drop_host
         self.root = RadixNode(key=(), page_ids=[], parent=None, lock_ref=1)
-        self.num_cached_pages = 0      # device pages held by the tree
-        self.num_locked_pages = 0      # pages on some locked path
-        self.num_evicted_pages = 0     # pages given up by evict() since start (cumulative)
+        self.num_cached_pages = 0
+        self.num_locked_pages = 0
+        self.num_evicted_pages = 0
         self._clock = itertools.count()
 
-    # ---- queries ---------------------------------------------------------------------------
     @property
     def num_evictable_pages(self) -> int:
         return self.num_cached_pages - self.num_locked_pages
@@ -81,7 +61,6 @@ class RadixCache:
         return tuple(token_ids[:n])
 
     def _common_pages(self, a: tuple[int, ...], b: tuple[int, ...]) -> int:
-        """Number of whole leading pages a and b share."""
         p = self.page_size
         n = min(len(a), len(b)) // p
         i = 0
@@ -90,7 +69,6 @@ class RadixCache:
         return i
 
     def match_len(self, token_ids: list[int]) -> int:
-        """Cached prefix length in tokens (any tier), without touching the tree (for policies)."""
         key, node, matched = self._aligned(token_ids), self.root, 0
         while matched < len(key):
             child = node.children.get(key[matched:matched + self.page_size])
@@ -103,10 +81,7 @@ class RadixCache:
             node = child
         return matched
 
-    # ---- match / insert / evict -------------------------------------------------------------
     def match(self, token_ids: list[int]) -> MatchResult:
-        """Longest cached page-aligned prefix of token_ids: its device pages, then the
-        host-only nodes past them. Splits a node on a partial match."""
         key, node, pages = self._aligned(token_ids), self.root, []
         host_path: list[RadixNode] = []
         device_path: list[RadixNode] = []
@@ -131,11 +106,7 @@ class RadixCache:
         return MatchResult(pages, node, host_path, device_path)
 
     def insert(self, token_ids: list[int], page_ids: list[int]) -> InsertResult:
-        """Insert a page-aligned key (len == len(page_ids) * page_size) with its pages.
-
-        Pages of the overlap already in the tree are kept; the new remainder becomes one leaf
-        owned by the tree. Returns the overlap so the caller frees its duplicate pages.
-        """
+        """Insert a key of len(page_ids) * page_size tokens; the tree keeps its own overlap pages."""
         key = tuple(token_ids)
         assert len(key) == len(page_ids) * self.page_size, "insert key must be page-aligned"
         match = self.match(key)
@@ -155,9 +126,8 @@ class RadixCache:
         return InsertResult(n * self.page_size, tree_pages, node)
 
     def insert_host(self, token_ids: tuple[int, ...], host_ids: list[int]) -> list[int]:
-        """Add host-only pages for the last len(host_ids) pages of a page-aligned key (a disk
-        fetch). Pages some tier already holds, or all when the key's earlier pages are gone from
-        every tier, are not used: returns those host ids (the caller frees them)."""
+        """Host-only pages for a key's last len(host_ids) pages (a disk fetch); returns the unused
+        host ids (already held, or the key's head is gone) for the caller to free."""
         match = self.match(token_ids)
         have = match.num_pages + sum(len(h.host_ids) for h in match.host_path)
         start = len(token_ids) // self.page_size - len(host_ids)
@@ -172,10 +142,8 @@ class RadixCache:
         return list(host_ids[:have - start])
 
     def evict(self, num_pages: int, demote: Callable[[RadixNode], bool] | None = None) -> list[int]:
-        """Free device pages of least-recently-used unlocked device leaves until num_pages are
-        freed or none are left. A leaf with a host copy (or one `demote(node)` makes, with its
-        device pages still in place) stays as host-only; any other is removed with its subtree.
-        Returns the freed device page ids (the caller gives them to the pool)."""
+        """Free num_pages device pages of LRU unlocked leaves (fewer if none left); a leaf with a host copy
+        (or one `demote` makes) stays host-only."""
         heap = [(n.last_access_s, id(n), n) for n in self._nodes()
                 if n.lock_ref == 0 and self._is_device_leaf(n)]
         heapq.heapify(heap)
@@ -196,8 +164,6 @@ class RadixCache:
         return freed
 
     def remove(self, node: RadixNode) -> list[int]:
-        """Detach node and its subtree; their host pages go to `drop_host`. Returns the device
-        pages they held (none when called on a device-less subtree, as eviction does)."""
         del node.parent.children[node.key[:self.page_size]]
         device: list[int] = []
         host: list[int] = []
@@ -213,17 +179,13 @@ class RadixCache:
         return device
 
     def reset(self) -> list[int]:
-        """Drop every node (only valid when nothing is locked). Returns the freed device pages;
-        host pages go to `drop_host`."""
         assert self.num_locked_pages == 0, "cannot reset a radix cache with locked pages"
         pages: list[int] = []
         for child in list(self.root.children.values()):
             pages.extend(self.remove(child))
         return pages
 
-    # ---- locking ----------------------------------------------------------------------------
     def lock(self, node: RadixNode) -> None:
-        """Pin node and its ancestors against eviction (reference counted)."""
         while node is not self.root:
             if node.lock_ref == 0:
                 self.num_locked_pages += len(node.page_ids)
@@ -239,8 +201,7 @@ class RadixCache:
             node = node.parent
 
     def split(self, child: RadixNode, num_pages: int) -> RadixNode:
-        """Split child after num_pages pages (0 < num_pages < its pages); returns the new upper
-        node (same lock count, device and host pages split alike)."""
+        """Split child after num_pages pages (0 < num_pages < its pages); returns the new upper node."""
         cut = num_pages * self.page_size
 
         def halves(ids: list[int] | None) -> tuple[list[int] | None, list[int] | None]:
@@ -256,13 +217,11 @@ class RadixCache:
         upper.children[child.key[:self.page_size]] = child
         return upper
 
-    # ---- internals --------------------------------------------------------------------------
     def _now(self) -> float:
-        # Monotonic time plus a tie-breaking counter, so LRU order is total even within a tick.
+        # The counter makes LRU order total within a clock tick.
         return time.monotonic() + next(self._clock) * 1e-9
 
     def _nodes(self, top: RadixNode | None = None):
-        """Every node below `top` (default: the root), `top` excluded."""
         stack = list((top or self.root).children.values())
         while stack:
             node = stack.pop()
@@ -274,19 +233,15 @@ class RadixCache:
         return node.page_ids is not None and all(c.page_ids is None for c in node.children.values())
 
     def nodes(self):
-        """Every node of the tree, root excluded (for tiers and invariant checks)."""
         return self._nodes()
 
     def all_page_ids(self) -> list[int]:
-        """Every device page the tree holds (for invariant checks)."""
         return [p for n in self._nodes() for p in n.page_ids or ()]
 
     def all_host_ids(self) -> list[int]:
-        """Every host page the tree holds (for invariant checks)."""
         return [p for n in self._nodes() for p in n.host_ids or ()]
 
     def check(self) -> None:
-        """Assert structural invariants: aligned keys, page counts, lock counts."""
         cached = locked = 0
         for n in self._nodes():
             assert n.page_ids is not None or n.host_ids is not None, "a node in no tier"

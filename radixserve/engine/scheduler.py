@@ -1,16 +1,7 @@
-"""Scheduler: token-budget continuous batching with chunked prefill, policies and preemption.
+"""Scheduler: token-budget continuous batching with chunked prefill, policies and preemption (as vLLM v1).
 
-One mechanism for everything (as in vLLM v1): each step hands out a budget of
-`chunked_prefill_size` tokens. Running requests come first (one token each when decoding,
-the next chunk when still prefilling), then waiting requests are admitted in policy order
-while budget, `max_running_requests` and pages allow. Running out of pages is handled by
-evicting unlocked radix leaves (inside KVManager.allocate) and then preempting the newest
-running request; its computed prefix stays in the radix cache, so recompute is cheap.
-
-Speculative decoding (`--speculative-algorithm ngram`): a decoding request may get draft tokens
-(engine/speculative.py) and then computes 1 + len(draft) positions in its step, inside the same
-budget; pages are allocated for all of them and the runner verifies the draft.
-"""
+Each step hands out `chunked_prefill_size` tokens: running requests first (a decode token plus any draft, or
+a prefill chunk), then waiting ones in policy order. Out of pages: evict radix leaves, then preempt the newest."""
 from __future__ import annotations
 
 import time
@@ -24,19 +15,15 @@ from radixserve.engine.speculative import ModelDraftProposer, NgramProposer
 
 
 class Scheduler:
-    """Decides each step's batch. Owns the waiting queue and the running list."""
-
     def __init__(self, config: EngineConfig, kv: KVManager, max_request_tokens: int):
-        """`max_request_tokens`: the longest sequence one request may reach (drafts stop there)."""
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.fetching: list[Request] = []     # WAITING_FOR_KV: a disk fetch brings their pages
+        self.fetching: list[Request] = []
         self.num_preemptions = 0
         k = config.speculative_num_draft_tokens
-        # Deterministic inference: a seeded request's drafts (so its sampled tokens) must not
-        # depend on other requests, so no batch gate and no shared n-gram table.
+        # Deterministic inference: drafts depend on the request alone (no batch gate, no shared table).
         alone = config.enable_deterministic_inference
         gate = 0.0 if alone else config.speculative_break_even_tokens
         self.proposer: NgramProposer | ModelDraftProposer | None = (
@@ -52,14 +39,10 @@ class Scheduler:
         return bool(self.waiting or self.running or self.fetching)
 
     def wait_for_kv(self, timeout_s: float) -> None:
-        """Nothing to run but requests waiting for KV: block until one fetch lands (or timeout)."""
         if self.fetching and not self.waiting and not self.running:
             self.fetching[0].fetch.handle.done.wait(timeout_s)
 
     def _settle_fetches(self) -> None:
-        """Requests whose disk fetch finished go back to the head of the queue, to match what
-        landed (a fetch that landed nothing is no hit: C30); one fetch per request, so a disk
-        that keeps failing cannot hold a request back twice."""
         self.kv.poll_fetches()
         ready = [r for r in self.fetching if r.fetch.handle.done.is_set()]
         for req in reversed(ready):
@@ -69,10 +52,7 @@ class Scheduler:
             req.status = Status.WAITING
             self.waiting.appendleft(req)
 
-    # ---- schedule ---------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
-        """Pick this step's work, in the runner's terms (decodes first, then prefills). Never
-        raises for lack of memory: it preempts instead."""
         budget = self.config.chunked_prefill_size
         batch: list[ScheduledSeq] = []
         num_preemptions = self.num_preemptions
@@ -98,13 +78,11 @@ class Scheduler:
 
     def _seq(self, req: Request, num_tokens: int, draft: tuple[int, ...] = (),
              lookahead: int = 0) -> ScheduledSeq:
-        """req's share of the step: KV for positions [start, start + num_tokens) from
-        num_computed_tokens on; with a draft, the last known token plus the draft tokens
-        (num_tokens = 1 + len(draft)); `lookahead`: positions past the step allocated for a
-        model draft to propose into."""
+        """KV for [start, start + num_tokens), start = num_computed_tokens (with a draft: the last
+        token + draft); `lookahead`: positions past it for a model draft to propose into."""
         start = req.num_computed_tokens
         end = start + num_tokens
-        completes = end - len(draft) == req.num_tokens   # every known token has KV after it
+        completes = end - len(draft) == req.num_tokens
         ids = req.token_slice(start, end - len(draft)) + list(draft)
         return ScheduledSeq(
             request_id=req.request_id, input_ids=ids, start_pos=start,
@@ -117,8 +95,7 @@ class Scheduler:
             draft=draft, propose=lookahead)
 
     def _draft(self, req: Request, budget: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding request: never past max_tokens (the verified step also
-        emits one token of its own), the sequence limit, or the step's budget."""
+        """Draft tokens within max_tokens (less the verify step's own), the sequence limit and budget."""
         if self.proposer is None or req.params.grammar is not None:
             return ()
         limit = min(req.max_tokens - len(req.output_ids) - 1,
@@ -128,8 +105,6 @@ class Scheduler:
         return tuple(self.proposer.propose(req.request_id, req.all_ids, limit))
 
     def _lookahead(self, req: Request, num_step_tokens: int) -> int:
-        """Model drafts: positions a decoding request's draft model writes after this step (it
-        proposes the next step's draft from the token sampled now), within the sequence limit."""
         if (not isinstance(self.proposer, ModelDraftProposer) or req.params.grammar is not None
                 or not self.proposer.wants_draft(req.request_id)):
             return 0
@@ -137,8 +112,7 @@ class Scheduler:
         return max(0, min(self.proposer.max_draft, room))
 
     def _allocate_or_preempt(self, req: Request, n: int, batch: list[ScheduledSeq]) -> bool:
-        """Get pages for n more tokens of req, preempting the newest other running requests
-        that are not yet in this step's batch. False when req itself had to be preempted."""
+        """Pages for n more tokens, preempting the newest others not in `batch`; False: req was preempted."""
         in_batch = {s.request_id for s in batch}
         while not self.kv.allocate(req, req.num_computed_tokens + n):
             victims = [r for r in self.running if r is not req and r.request_id not in in_batch]
@@ -152,9 +126,8 @@ class Scheduler:
         for req in self._policy_order():
             if len(self.running) >= self.config.max_running_requests:
                 break
-            # Host loads leave the admission check's headroom and one page to compute.
             cached = self.kv.match(req, keep_free_pages=len(self.running) + 1)
-            if req.fetch is not None:     # its next pages are on disk: wait for them
+            if req.fetch is not None:
                 self.kv.free(req)
                 req.num_computed_tokens = 0
                 self.waiting.remove(req)
@@ -166,7 +139,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            # Headroom: leave one page per running request for its next decode steps.
+            # Headroom: one page per running request for its next decode steps.
             reserve = len(self.running)
             fits = self.kv.pages_for(req.num_computed_tokens + n) - len(req.page_ids) + reserve
             if fits > self.kv.num_available_pages or not self.kv.allocate(req, req.num_computed_tokens + n):
@@ -189,13 +162,11 @@ class Scheduler:
     def _policy_order(self) -> list[Request]:
         waiting = list(self.waiting)
         if self.config.schedule_policy == "lpm" and len(waiting) <= self.config.lpm_queue_threshold:
-            # Longest prefix match first; stable sort keeps FCFS among equals.
             waiting.sort(key=lambda r: -self.kv.match_len(r))
         return waiting
 
     def _shares_uncached_prefix(self, req: Request, prefilling: list[Request]) -> bool:
-        """In-batch prefix sharing: True when another request is still prefilling the same
-        next page(s) that req would compute, so req waits and then hits the cache instead."""
+        """Another request is prefilling req's next page: req waits, then hits the cache."""
         if not self.kv.enable_cache:
             return False
         end = req.num_computed_tokens + self.kv.page_size
@@ -204,9 +175,7 @@ class Scheduler:
         head = req.all_ids[:end]
         return any(r.num_tokens >= end and r.all_ids[:end] == head for r in prefilling)
 
-    # ---- preemption and release -------------------------------------------------------------
     def preempt(self, req: Request) -> None:
-        """Release req's KV (its computed prefix stays cached) and put it first in line."""
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
@@ -216,9 +185,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def requeue(self, req: Request) -> None:
-        """Put a running request whose KV was discarded (KVManager.finish_loads: it read a
-        failed host-tier load) first in line, to recompute without host hits; the host part of
-        its hit no longer counts as cached (C30)."""
+        """A request that read a failed host load: recompute first, without host hits or their credit."""
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         req.skip_host_tier = True
@@ -228,7 +195,6 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        """End req: its computed KV goes to the radix cache, the rest back to the pool."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:
@@ -239,6 +205,6 @@ class Scheduler:
         self.kv.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        if self.proposer is not None:   # a finished output feeds the shared n-gram table
+        if self.proposer is not None:
             self.proposer.release(req.request_id, req.all_ids if reason != "abort" else None,
                                   len(req.output_ids))
