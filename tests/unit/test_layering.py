@@ -157,20 +157,20 @@ def test_triton_is_imported_only_by_attention_backends():
                 f"{path} imports triton")
 
 
-# A reference to a Markdown file in code, tests or benchmarks names a file in this repo.
+# A reference to a Markdown file in code, tests, benchmarks, the README or docs/ names a file in this repo.
 MD_REF = re.compile(r"[\w./-]+\.md\b")
 
 
 def test_markdown_references_exist():
     files = {p.relative_to(REPO).as_posix() for p in REPO.rglob("*.md") if ".git" not in p.parts}
     dangling = []
-    for folder in ("radixserve", "tests", "benchmarks"):
-        for path in sorted((REPO / folder).rglob("*.py")):
-            for n, line in enumerate(path.read_text().splitlines(), 1):
-                for ref in MD_REF.findall(line):
-                    ref = ref.removeprefix("./")
-                    if ref not in files and not any(f.endswith("/" + ref) for f in files):
-                        dangling.append(f"{path.relative_to(REPO)}:{n}: {ref}")
+    sources = [p for folder in ("radixserve", "tests", "benchmarks") for p in sorted((REPO / folder).rglob("*.py"))]
+    for path in sources + [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for ref in MD_REF.findall(line):
+                ref = ref.removeprefix("./")
+                if ref not in files and not any(f.endswith("/" + ref) for f in files):
+                    dangling.append(f"{path.relative_to(REPO)}:{n}: {ref}")
     assert not dangling, dangling
 
 
