@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixserve.errors import RadixServeError, RequestTimeout, Unauthorized, error_body
+from radixserve.errors import BodyTooLarge, RadixServeError, RequestTimeout, Unauthorized, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +34,31 @@ class ClientDisconnected(Exception):
     """The client went away before its response was ready."""
 
 
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole request body; BodyTooLarge (413) once its declared or received size passes
+    `max_bytes`, before more of it is read."""
+    declared = request.headers.get("content-length", "")
+    size = int(declared) if declared.isdigit() else 0
+    chunks: list[bytes] = []
+    if size <= max_bytes:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                break
+            chunks.append(chunk)
+    if size > max_bytes:
+        raise BodyTooLarge(f"request body is larger than {max_bytes} bytes (--max-request-body-bytes)")
+    return b"".join(chunks)
+
+
 def install_error_handlers(app: FastAPI, who: str) -> None:
-    """OpenAI error bodies: RadixServeError as itself (408 closes the connection), bugs a logged 500, gone clients 499."""
+    """OpenAI error bodies: RadixServeError as itself (408 and 413 close the connection: the
+    body was not read to its end), bugs a logged 500, gone clients 499."""
 
     @app.exception_handler(RadixServeError)
     async def on_error(request: Request, exc: RadixServeError) -> Response:
-        headers = {"Connection": "close"} if isinstance(exc, RequestTimeout) else None
+        headers = {"Connection": "close"} if isinstance(exc, RequestTimeout | BodyTooLarge) else None
         return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radixserve.drain import DrainMiddleware
 from radixserve.errors import InvalidRequest, ModelNotFound, error_body
-from radixserve.http_common import BodyTimeoutMiddleware, install_error_handlers, race_disconnect
+from radixserve.http_common import BodyTimeoutMiddleware, install_error_handlers, race_disconnect, read_body
 from radixserve.router.admin import build_admin_router
 from radixserve.router.metrics import CONTENT_TYPE
 from radixserve.router.policy import RouteKey
@@ -94,7 +94,7 @@ def build_app(state: RouterState) -> FastAPI:
 
     async def relay_post(request: Request, path: str) -> Response:
         t_start = time.perf_counter()
-        raw = await request.body()
+        raw = await read_body(request, state.config.max_request_body_bytes)
         body = json_object(raw)
         session = request.headers.get(state.config.session_header) or body.get("user")
         key = route_key(path, body, state.tokenizer, session if isinstance(session, str) else None)

@@ -66,6 +66,8 @@ class RouterConfig:
     silence_timeout_s: float = opt(300.0, "a worker silent this long mid-request is a fault")
     request_body_timeout: float = opt(REQUEST_BODY_TIMEOUT_S, BODY_TIMEOUT_HELP + " (fleet: the "
                                       "workers get it too)")
+    max_request_body_bytes: int = opt(64 << 20, "largest /v1 request body in bytes; larger get 413 "
+                                                 "before the rest is read")
     admin_api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /admin routes; "
                                           "unset: admin routes are open (a warning is logged)")
     worker_api_key: str | None = opt(None, "key sent to workers on the router's own health "
@@ -89,3 +91,5 @@ class RouterConfig:
             raise ValueError("graceful_shutdown_timeout must be >= 0")
         if not self.request_body_timeout > 0:
             raise ValueError("request_body_timeout must be > 0")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("max_request_body_bytes must be >= 1")

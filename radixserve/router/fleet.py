@@ -106,7 +106,8 @@ def worker_commands(args: argparse.Namespace, config: RouterConfig,
         cmd = [sys.executable, "-m", "radixserve", "serve", *worker_args,
                "--host", args.worker_host, "--port", str(port), "--log-level", config.log_level,
                "--graceful-shutdown-timeout", f"{config.graceful_shutdown_timeout:g}",
-               "--request-body-timeout", f"{config.request_body_timeout:g}"]
+               "--request-body-timeout", f"{config.request_body_timeout:g}",
+               "--max-request-body-bytes", str(config.max_request_body_bytes)]
         if role != "null":
             cmd += ["--disaggregation-mode", role]
         if role == "prefill":

@@ -89,6 +89,7 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     logprobs: WireInt | None = None
     suffix: str | None = None
+    best_of: WireInt | None = None
 
     def prompt_items(self) -> list[str | list[int]]:
         """`prompt` (a string, strings, token ids or lists of them) as a list of texts or token ids."""

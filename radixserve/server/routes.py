@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from radixserve.engine.messages import AddReq
-from radixserve.errors import BodyTooLarge, EngineDead, InvalidRequest
+from radixserve.errors import EngineDead, InvalidRequest
+from radixserve.http_common import read_body
 from radixserve.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from radixserve.server.chat_tools import ChatOutputs, plan_tools, prompt_tail
 from radixserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -66,6 +67,8 @@ async def completion_run(ctx: ServingContext, req: CompletionRequest) -> Generat
     ctx.check_model(req.model)
     if req.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
+    if req.best_of not in (None, 1):
+        raise InvalidRequest(f"best_of {req.best_of} is not supported (only 1)", param="best_of")
     prompt_logprobs = req.logprobs if req.echo else None
     params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs)
     prompt_ids = await completion_prompts(ctx, req)
@@ -142,19 +145,7 @@ async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BO
     content_type = request.headers.get("content-type", "")
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise InvalidRequest("Content-Type must be application/json", param="content-type")
-    declared = request.headers.get("content-length", "")
-    size = int(declared) if declared.isdigit() else 0
-    chunks = []
-    if size <= max_bytes:
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                break
-            chunks.append(chunk)
-    if size > max_bytes:
-        raise BodyTooLarge(f"request body is larger than {max_bytes} bytes (--max-request-body-bytes)")
-    body = b"".join(chunks)
+    body = await read_body(request, max_bytes)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:

@@ -164,6 +164,9 @@ def test_logit_bias_forces_a_token_and_bad_bias_is_400(server):
 
 def test_unsupported_features_are_400(server):
     assert_error(completion(server, prompt="Hi", suffix="x"), 400)
+    for best_of in (0, -1, 5):
+        assert_error(completion(server, prompt="Hi", best_of=best_of), 400)
+    assert completion(server, prompt="Hi", max_tokens=1, best_of=1).status_code == 200
     assert_error(chat(server, tools=[{"type": "function", "function": {"name": "f"}}]), 400)
     assert_error(chat(server, top_logprobs=2), 400)  # without logprobs: true
 

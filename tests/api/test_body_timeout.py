@@ -1,4 +1,4 @@
-"""A client that declares a longer body than it sends gets 408 request_timeout from a worker and from a router (--request-body-timeout), and both keep serving."""
+"""Bodies that stall get 408 request_timeout (--request-body-timeout), bodies over --max-request-body-bytes 413, from a worker and a router; both close that connection and keep serving."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ from radixserve.bench.launch import free_port
 from tests.api.conftest import REPO, start_tiny_server, terminate
 
 WAIT_S = 60.0   # generous bound on every wait (never a pass/fail timing)
+MAX_BODY = 4096  # --max-request-body-bytes of both servers here
 
 
 def stalled_post(port: int, path: str) -> tuple[int, dict, bytes]:
@@ -31,6 +32,32 @@ def stalled_post(port: int, path: str) -> tuple[int, dict, bytes]:
     return int(headers.split()[1]), json.loads(body), headers.lower()
 
 
+def oversized_post(port: int, path: str, declared: int | None, sent: int) -> tuple[int, dict, bytes]:
+    """POST `path` declaring `declared` body bytes (None: chunked, no size declared) and sending
+    `sent` bytes (the rest never comes); returns the answer's status, JSON body and headers, read
+    until the server closes the connection."""
+    length = "Transfer-Encoding: chunked" if declared is None else f"Content-Length: {declared}"
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"{length}\r\n\r\n").encode()
+    body = b"a" * sent if declared is not None else b"".join(
+        b"%x\r\n%s\r\n" % (256, b"a" * 256) for _ in range(sent // 256))
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(head + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    headers, _, answer = data.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in headers.lower():
+        answer = answer.split(b"\r\n", 1)[1].rsplit(b"\r\n0\r\n", 1)[0]
+    return int(headers.split()[1]), json.loads(answer), headers.lower()
+
+
+def assert_too_large(status: int, body: dict, headers: bytes) -> None:
+    assert status == 413, body
+    assert "--max-request-body-bytes" in body["error"]["message"], body
+    assert b"connection: close" in headers
+
+
 def assert_timed_out(status: int, body: dict, headers: bytes) -> None:
     assert status == 408, body
     assert body["error"]["type"] == body["error"]["code"] == "request_timeout", body
@@ -40,7 +67,8 @@ def assert_timed_out(status: int, body: dict, headers: bytes) -> None:
 
 @pytest.fixture(scope="module")
 def server(request):
-    server = start_tiny_server(request, ["--request-body-timeout", "1", "--enable-debug-endpoints"])
+    server = start_tiny_server(request, ["--request-body-timeout", "1", "--enable-debug-endpoints",
+                                        "--max-request-body-bytes", str(MAX_BODY)])
     yield server
     try:
         server.assert_no_tracebacks()
@@ -61,6 +89,7 @@ def router():
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen([sys.executable, "-m", "radixserve", "route", "--worker-urls",
                              "--port", str(port), "--request-body-timeout", "1",
+                             "--max-request-body-bytes", str(MAX_BODY),
                              "--log-level", "warning"], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -83,3 +112,15 @@ def test_a_stalled_body_gets_408_from_the_router_which_keeps_serving(router):
     assert_timed_out(*stalled_post(port, "/v1/chat/completions"))
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}, timeout=WAIT_S, trust_env=False)
     assert r.status_code == 503 and r.json()["error"]["type"] == "no_worker_available", r.text
+
+
+@pytest.mark.parametrize("declared, sent", [(10 * MAX_BODY, 0), (None, 2 * MAX_BODY)])
+def test_a_body_over_the_limit_gets_413_from_worker_and_router_which_close_it(server, router, declared, sent):
+    """A declared size over the limit is refused before any body byte; a chunked body is refused
+    once it passes the limit, not buffered to its end. Either way the connection closes and
+    both keep serving."""
+    assert_too_large(*oversized_post(server.port, "/v1/completions", declared, sent))
+    assert_too_large(*oversized_post(router[0], "/v1/completions", declared, sent))
+    r = server.post("/v1/completions", json={"model": server.model, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    server.assert_no_leak()
