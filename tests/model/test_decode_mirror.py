@@ -150,3 +150,27 @@ def test_kept_slot_counts_against_capacity(gqa_dir):
     assert backend.mirror.num_slots >= 17
     h.step([(s, s.chunk()) for s in seqs])
     assert all(len(s.output) >= 3 for s in seqs[8:])
+
+
+def test_decode_attention_takes_a_non_contiguous_sdpa_output(monkeypatch):
+    """CUDA's SDPA may return its (B, KV, rep, D) output with other strides; decode_attention must
+    give the same (B, H, D) result whatever the layout (it crashed with .view on an H200)."""
+    import torch.nn.functional as F
+
+    from radixserve.runner.attention import decode_mirror
+
+    torch.manual_seed(0)
+    batch, num_kv, rep, length, head_dim = 3, 2, 2, 5, 8
+    q = torch.randn(batch, num_kv * rep, head_dim)
+    k, v = torch.randn(2, batch, num_kv, length, head_dim)
+    mask = torch.zeros(batch, 1, 1, length)
+    expected = decode_mirror.decode_attention(q, k, v, mask)
+    sdpa = F.scaled_dot_product_attention
+
+    def strided_sdpa(*args, **kwargs):
+        out = sdpa(*args, **kwargs)                    # (B, KV, rep, D)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)   # same values, not contiguous
+
+    monkeypatch.setattr(decode_mirror.F, "scaled_dot_product_attention", strided_sdpa)
+    assert not strided_sdpa(q.view(batch, num_kv, rep, head_dim), k, v, attn_mask=mask).is_contiguous()
+    torch.testing.assert_close(decode_mirror.decode_attention(q, k, v, mask), expected, rtol=0, atol=0)

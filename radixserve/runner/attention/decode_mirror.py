@@ -222,4 +222,5 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """q (B, H, D), k and v (B, KV, L, D), additive mask (B, 1, 1, L) -> (B, H, D); each KV head is read once."""
     batch, num_heads, head_dim = q.shape
     q = q.view(batch, k.shape[1], num_heads // k.shape[1], head_dim)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(batch, num_heads, head_dim)
+    # reshape, not view: CUDA's SDPA may return a non-contiguous (B, KV, rep, D) tensor
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(batch, num_heads, head_dim)
