@@ -103,7 +103,7 @@ def build_runner(shape: str, device: torch.device, dtype: str, max_total_tokens:
 
 def matmul_params(mc: ModelConfig) -> int:
     """Parameters multiplied per token: all linear layers and the LM head (not the embedding lookup)."""
-    per_layer = mc.hidden_size * (mc.q_size + 2 * mc.kv_size) + mc.q_size * mc.hidden_size \
+    per_layer = mc.hidden_size * (mc.q_size + 2 * mc.num_kv_heads * mc.head_dim) + mc.q_size * mc.hidden_size \
         + 3 * mc.hidden_size * mc.intermediate_size
     return mc.num_layers * per_layer + mc.vocab_size * mc.hidden_size
 

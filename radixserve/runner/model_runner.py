@@ -80,7 +80,7 @@ class ModelRunner:
         self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
         self.draft = self._draft_model(config, draft_model)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
-        self.structured = StructuredOutput(resolve_model_path(config.model_path), self.vocab_size,
+        self.structured = StructuredOutput(config.model_path, self.vocab_size,
                                            self.eos_token_ids)
 
     @classmethod

@@ -30,7 +30,7 @@ def _reason(exc: Exception) -> str:
 class StructuredOutput:
     """Per-runner grammar state (compiles cached with their failures, thread-safe); `vocab_size`: the logit width."""
 
-    def __init__(self, model_path: str, vocab_size: int, eos_token_ids: frozenset[int],
+    def __init__(self, model_path: str | None, vocab_size: int, eos_token_ids: frozenset[int],
                  max_matchers: int = 1024, max_grammars: int = 256):
         self.model_path, self.vocab_size = model_path, vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
@@ -54,7 +54,9 @@ class StructuredOutput:
                                      param="response_format") from exc
             from radixserve.tokenizer.tokenizer import Tokenizer
 
-            tokenizer = Tokenizer.load(self.model_path)
+            from radixserve.weights.paths import resolve_model_path
+
+            tokenizer = Tokenizer.load(str(resolve_model_path(self.model_path)))
             stop = sorted(set(self.eos_token_ids) | set(tokenizer.eos_token_ids))
             info = xgrammar.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=self.vocab_size,
                                                            stop_token_ids=stop)
