@@ -57,10 +57,6 @@ class PDFaults:
             self._armed.pop(point, None)
         self.generation += 1
 
-    def is_armed(self, point: str, action: str) -> bool:
-        armed = self._armed.get(point)
-        return armed is not None and armed.action == action
-
     def fire(self, point: str) -> Fired | None:
         armed = self._armed.get(point)
         if armed is None:

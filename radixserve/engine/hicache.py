@@ -185,7 +185,8 @@ class HostTier:
         return head
 
     def finish_loads(self, wait: bool = False) -> list[Load]:
-        """Release done loads (all, with `wait`); returns the failed ones, whose readers must be discarded."""
+        """Release done loads (all, with `wait`); returns the failed ones, host-only again. Every
+        request that read a failed load's pages must be discarded first (they hold locks on them)."""
         failed, still = [], []
         for load in self.loads:
             if wait:

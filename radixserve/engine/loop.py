@@ -63,7 +63,7 @@ class EngineParts(NamedTuple):
 
 
 # Picklable by reference into the spawned process, so the loop never imports what it drives.
-EngineFactory = Callable[[EngineConfig, frozenset[int]], EngineParts]
+PartsFactory = Callable[[EngineConfig, frozenset[int]], EngineParts]
 RunnerFactory = Callable[[EngineConfig], Runner]
 
 
@@ -203,7 +203,6 @@ class EngineLoop:
             return
         self.send(CallResult(msg.call_id, value=value))
 
-
     def _fault(self, **args: Any) -> None:
         if self.fault is None:
             raise InvalidRequest("fault injection is off (--enable-fault-injection)", param="kind")
@@ -231,7 +230,7 @@ def _parent_alive() -> bool:
 
 
 def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_addr: str,
-                       log_level: str, engine_factory: EngineFactory,
+                       log_level: str, engine_factory: PartsFactory,
                        eos_token_ids: frozenset[int]) -> None:
     """Entry point of the spawned engine process; `eos_token_ids`: the tokenizer's, besides the model's."""
     # Ctrl-C reaches the whole process group; the HTTP process decides when the engine stops.

@@ -8,8 +8,8 @@ from typing import Any, Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixserve.errors import BodyTooLarge, InvalidRequest, RadixServeError
-from radixserve.http_common import bearer_key_check
+from radixserve.errors import InvalidRequest, RadixServeError
+from radixserve.http_common import bearer_key_check, read_body
 from radixserve.router.state import RouterState
 from radixserve.router.validate import finite_number, json_object, worker_url
 from radixserve.router.worker import check_weight
@@ -34,10 +34,7 @@ def admin_key_check(admin_api_key: str | None) -> Callable[[Request], Any]:
 
 
 async def _body(request: Request) -> dict:
-    raw = await request.body()
-    if len(raw) > MAX_ADMIN_BODY_BYTES:
-        raise BodyTooLarge(f"admin body is larger than {MAX_ADMIN_BODY_BYTES} bytes")
-    return json_object(raw, "body")
+    return json_object(await read_body(request, MAX_ADMIN_BODY_BYTES), "body")
 
 
 def _url(body: dict) -> str:

@@ -1,4 +1,4 @@
-"""ScheduledBatch -> one step's varlen tensors, built once on the runner's device. Sequence i owns token rows
+"""list[ScheduledSeq] -> one step's varlen tensors, built once on the runner's device. Sequence i owns token rows
 [cu_seqlens_q[i], cu_seqlens_q[i+1]) and attends over positions [0, context_lens[i]) in pages page_table[i]."""
 from __future__ import annotations
 

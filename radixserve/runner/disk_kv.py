@@ -44,7 +44,7 @@ class DiskKV:
         os.makedirs(self.dir, exist_ok=True)
         self.index: set[str] = {f[:-len(".safetensors")] for f in os.listdir(self.dir)
                                 if f.endswith(".safetensors")}
-        self.fetch_limit: Callable[[int], int] | None = None   # fault seam: n -> pages a fetch may read
+        self.fetch_limit: Callable[[int], int] | None = None   # fault seam: n -> pages a fetch may read (may stall first)
         self.num_written = self.num_write_errors = 0
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._worker, name="hicache-disk", daemon=True).start()

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radixserve.config import EngineConfig, ServerConfig
 from radixserve.drain import FLUSH_S, Drain, DrainMiddleware, GracefulServer
-from radixserve.engine.loop import EngineFactory
+from radixserve.engine.loop import PartsFactory
 from radixserve.errors import InvalidRequest
 from radixserve.http_common import (SERVER_KEEP_ALIVE_S, BodyTimeoutMiddleware, bearer_key_check,
                                     install_error_handlers, quiet_signals)
@@ -59,7 +59,7 @@ def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig,
-                engine_factory: EngineFactory, model_path: str, sock: socket.socket) -> int:
+                engine_factory: PartsFactory, model_path: str, sock: socket.socket) -> int:
     """Serve HTTP on `sock` until stopped (SIGTERM/SIGINT drain first); returns 0 when stopped by
     a signal, 1 when the engine died (unless `stay_up_on_engine_death`)."""
     from radixserve.tokenizer.tokenizer import Tokenizer

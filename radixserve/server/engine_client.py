@@ -19,7 +19,7 @@ from radixserve.config import EngineConfig
 from radixserve.errors import (ContextLengthExceeded, EngineDead, InvalidRequest, KVTransferFailed,
                                ModelNotFound, Overloaded, RadixServeError)
 from radixserve.outputs import EngineOutput
-from radixserve.engine.loop import EngineFactory, run_engine_process
+from radixserve.engine.loop import PartsFactory, run_engine_process
 from radixserve.engine.messages import (AddReq, Abort, Call, CallResult, EngineInfo, Fatal,
                                         FromEngine, Ready, Shutdown, Submit, Submitted,
                                         WireError)
@@ -134,7 +134,7 @@ class EngineClient:
         self._closed = False
 
     @classmethod
-    async def launch(cls, config: EngineConfig, engine_factory: EngineFactory,
+    async def launch(cls, config: EngineConfig, engine_factory: PartsFactory,
                      eos_token_ids: frozenset[int] = frozenset(), log_level: str = "info",
                      watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S) -> EngineClient:
         """Spawn the engine process and wait for Ready (RuntimeError if it fails); once silent for

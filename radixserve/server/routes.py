@@ -60,8 +60,6 @@ def install_openai_routes(app: FastAPI, ctx: ServingContext, auth: list[Any]) ->
     app.include_router(v1)
 
 
-
-
 async def completion_run(ctx: ServingContext, req: CompletionRequest) -> GenerationRun:
     """The unsubmitted run; raises InvalidRequest, ModelNotFound, ContextLengthExceeded or Overloaded."""
     ctx.check_model(req.model)

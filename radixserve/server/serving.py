@@ -14,7 +14,6 @@ from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput, RequestOutput, T
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.anomaly import GuardSettings
 from radixserve.server.engine_client import EngineClient, RequestStream
-from radixserve.chaos.http_faults import FaultInjector
 from radixserve.server.filters import Detection, OutputFilter
 from radixserve.server.metrics import RunTimers, ServerMetrics
 from radixserve.server.pd import pd_target, with_rooms
@@ -23,6 +22,7 @@ from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest
 from radixserve.server.tracker import ChoiceUpdate, RequestTracker
 
 if TYPE_CHECKING:
+    from radixserve.chaos.http_faults import FaultInjector
     from radixserve.server.chat_tools import ChatOutputs
 
 logger = logging.getLogger(__name__)
