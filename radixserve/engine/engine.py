@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 from radixserve.config import EngineConfig
 from radixserve.engine.hooks import EngineHooks, HookChain
+from radixserve.engine.kv_checksum import ChecksumHooks
 from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
 from radixserve.engine.runner_api import Runner, ScheduledSeq, SeqResult
@@ -40,6 +41,8 @@ class Engine:
                          "spec_num_accepted_tokens": 0,
                          "spec_num_draft_by_position": [0] * config.speculative_num_draft_tokens,
                          "spec_num_accepted_by_position": [0] * config.speculative_num_draft_tokens}
+        if config.enable_kv_checksum and not any(isinstance(h, ChecksumHooks) for h in hooks):
+            raise ValueError("--enable-kv-checksum needs ChecksumHooks among the hooks (compose.engine_hooks)")
         self.hooks = HookChain(hooks)
         self.hooks.attach(self)
 

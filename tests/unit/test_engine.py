@@ -288,3 +288,11 @@ def test_shared_prefix_workload_under_pressure_stays_consistent():
     assert engine.stats()["token_usage"] == 0.0
     engine.add_request("after", system + [9], SamplingParams(max_tokens=3))
     assert run_all(engine)["after"][0] == reference(system + [9], 3)
+
+
+def test_kv_checksum_flag_without_its_hooks_is_refused():
+    """--enable-kv-checksum on an Engine built without ChecksumHooks would check nothing: a
+    start-up error, never a silent no-op (compose.engine_hooks supplies the hooks)."""
+    config = EngineConfig(page_size=4, enable_kv_checksum=True)
+    with pytest.raises(ValueError, match="ChecksumHooks"):
+        Engine(config, FakeRunner(64, 4, VOCAB, 4096, None, 0))
