@@ -9,7 +9,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterable, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import httpx
@@ -34,22 +34,39 @@ class ClientDisconnected(Exception):
     """The client went away before its response was ready."""
 
 
+LINGER_BYTES = 1 << 20   # bytes of a refused body read and dropped before its 413
+LINGER_GAP_S = 0.5       # s; the drop stops at a gap this long between chunks
+
+
 async def read_body(request: Request, max_bytes: int) -> bytes:
     """The whole request body; BodyTooLarge (413) once its declared or received size passes
-    `max_bytes`, before more of it is read."""
+    `max_bytes`. A refused body up to LINGER_BYTES is read on and dropped first, so the client
+    reads the 413 and not a reset from a socket closed with unread bytes in it; a longer one
+    is refused unread."""
     declared = request.headers.get("content-length", "")
     size = int(declared) if declared.isdigit() else 0
     chunks: list[bytes] = []
+    stream = request.stream()
     if size <= max_bytes:
         size = 0
-        async for chunk in request.stream():
+        async for chunk in stream:
             size += len(chunk)
             if size > max_bytes:
                 break
             chunks.append(chunk)
     if size > max_bytes:
+        if size <= LINGER_BYTES:
+            await _drop_rest(stream, LINGER_BYTES - size)
         raise BodyTooLarge(f"request body is larger than {max_bytes} bytes (--max-request-body-bytes)")
     return b"".join(chunks)
+
+
+async def _drop_rest(stream: AsyncIterator[bytes], budget: int) -> None:
+    """Read and drop up to `budget` more bytes of `stream`, stopping early at its end, at a gap of
+    LINGER_GAP_S, or when the client leaves or stalls."""
+    with contextlib.suppress(StopAsyncIteration, asyncio.TimeoutError, RequestTimeout, ClientDisconnect):
+        while budget > 0:
+            budget -= len(await asyncio.wait_for(anext(stream), LINGER_GAP_S))
 
 
 def install_error_handlers(app: FastAPI, who: str) -> None:

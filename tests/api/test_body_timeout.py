@@ -124,3 +124,15 @@ def test_a_body_over_the_limit_gets_413_from_worker_and_router_which_close_it(se
     r = server.post("/v1/completions", json={"model": server.model, "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200, r.text
     server.assert_no_leak()
+
+
+def test_a_refused_body_sent_whole_gets_its_413_never_a_reset(server, router):
+    """A body over the limit but within LINGER_BYTES is read to its end before the 413, so the
+    connection closes without unread bytes (which would reset it under the client's read).
+    Repeated because the reset was a race: 1 in 150 tries before the fix."""
+    body = json.dumps({"model": "m", "prompt": "x" * (50 * MAX_BODY)})
+    for url in (server.base_url, router[1]):
+        for _ in range(40):
+            r = httpx.post(f"{url}/v1/completions", content=body, timeout=WAIT_S, trust_env=False,
+                           headers={"content-type": "application/json"})
+            assert r.status_code == 413, r.text
