@@ -5,7 +5,9 @@
 The worker is `radixserve serve` itself (cli.main, default flags plus --num-threads 1) on the
 API tests' tiny random-weight Llama (tests/conftest.py build_tiny_api_model; `--model-path`
 reuses one written by benchmarks/make_tiny_model.py). One request: prompt "Hello", stream=true,
-temperature 0, max_tokens 4; no PD, faults, speculation or resume.
+temperature 0, max_tokens 4; no PD, faults, speculation or resume. It follows a warm-up request
+with another prompt (not recorded), so one-time work on first use (lazily allocated buffers) is
+not counted as the request path of a running server.
 
 To see the engine, the engine process runs as a thread of this process: the spawn context's
 Process is replaced by a thread that runs the same target with the same arguments (its ZMQ ipc
@@ -60,10 +62,11 @@ GROUPS = ("layers" + os.sep, os.path.join("runner", "attention") + os.sep)  # on
 ACKS = {"engine.messages.Submitted"}
 SUSPENDABLE = (types.CoroutineType, types.AsyncGeneratorType, types.GeneratorType)
 BODY = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}
+WARMUP = {**BODY, "prompt": "Good morning"}   # no prefix shared with BODY's prompt
 
 
 class Trace:
-    """The profile function's state: phase None (off), "background", "request" or "after"."""
+    """The profile function's state: phase None (off), "background", "warmup" (off), "request" or "after"."""
 
     def __init__(self):
         self.phase: str | None = None
@@ -234,6 +237,9 @@ def drive(trace: Trace, base_url: str, model: str, done: dict) -> None:
                 except httpx.TransportError:
                     pass
                 threading.Event().wait(0.2)
+            trace.phase = "warmup"
+            with http.stream("POST", "/v1/completions", json={"model": model, **WARMUP}) as r:
+                done["warmup_lines"] = [line for line in r.iter_lines() if line]
             trace.start_request()
             with http.stream("POST", "/v1/completions", json={"model": model, **BODY}) as r:
                 done["lines"] = [line for line in r.iter_lines() if line]

@@ -43,8 +43,9 @@ class Engine:
                          "spec_num_accepted_by_position": [0] * config.speculative_num_draft_tokens}
         if config.enable_kv_checksum and not any(isinstance(h, ChecksumHooks) for h in hooks):
             raise ValueError("--enable-kv-checksum needs ChecksumHooks among the hooks (compose.engine_hooks)")
-        self.hooks = HookChain(hooks)
-        self.hooks.attach(self)
+        self.hooks = HookChain(hooks) if hooks else None   # None: the plain path calls no hook
+        if self.hooks:
+            self.hooks.attach(self)
 
     def add_eos_token_ids(self, token_ids: list[int]) -> None:
         self.eos_token_ids = self.eos_token_ids | frozenset(int(t) for t in token_ids)
@@ -73,7 +74,8 @@ class Engine:
         max_tokens = self._max_tokens(len(prompt_ids), params.max_tokens)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, list(prompt_ids), params, seed, max_tokens, time.monotonic())
-        self.hooks.on_add(req)
+        if self.hooks:
+            self.hooks.on_add(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -96,7 +98,8 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self.hooks.on_abort(req)
+        if self.hooks:
+            self.hooks.on_abort(req)
         self.scheduler.finish(req, reason)
         self.counters["num_finished_requests" if reason == "stop" else "num_aborted_requests"] += 1
         self._count_prompt(req)
@@ -105,7 +108,8 @@ class Engine:
     def withdraw(self, request_id: str) -> None:
         """Take back a request added before any step (a PD side refused it): no output, no counters."""
         req = self.requests.pop(request_id)
-        self.hooks.on_abort(req)
+        if self.hooks:
+            self.hooks.on_abort(req)
         if req in self.scheduler.waiting:
             self.scheduler.waiting.remove(req)
 
@@ -113,7 +117,8 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineOutput]:
-        self.hooks.before_schedule()
+        if self.hooks:
+            self.hooks.before_schedule()
         batch = self.scheduler.schedule()
         if not batch:
             self.scheduler.wait_for_kv(0.01)
@@ -123,7 +128,9 @@ class Engine:
         for req in self.kv.finish_loads(reqs):
             self.scheduler.requeue(req)   # it read a failed host load: recompute, no output
         outs = self._update(batch, reqs, results)
-        return outs + self.hooks.after_step([r for r in reqs if r.status is Status.RUNNING])
+        if self.hooks:
+            outs += self.hooks.after_step([r for r in reqs if r.status is Status.RUNNING])
+        return outs
 
     def _update(self, batch: list[ScheduledSeq], reqs: list[Request],
                 results: list[SeqResult]) -> list[EngineOutput]:
@@ -145,7 +152,7 @@ class Engine:
             if res.token is None:  # max_tokens == 0: prompt scored, nothing to sample
                 outs.append(self.finish(req, "length"))
                 continue
-            outs.append(self.emit(req, self.hooks.on_tokens(req, [res.token])))
+            outs.append(self.emit(req, self._on_tokens(req, [res.token])))
             self._offer(req, res)
         return outs
 
@@ -190,10 +197,13 @@ class Engine:
         if self.scheduler.proposer is not None:
             self.scheduler.proposer.record(req.request_id, len(draft), accepted)
         sampled = [*res.accepted, res.token]
-        tokens = self.hooks.on_tokens(req, sampled)
+        tokens = self._on_tokens(req, sampled)
         num_as_sampled = next((i for i, (t, u) in enumerate(zip(tokens, sampled))
                                if t.token_id != u.token_id), len(tokens))
         return self.emit(req, tokens, lambda kept: seq.start_pos + 1 + min(kept, accepted, num_as_sampled))
+
+    def _on_tokens(self, req: Request, tokens: list[TokenLogprob]) -> list[TokenLogprob]:
+        return self.hooks.on_tokens(req, tokens) if self.hooks else tokens
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -209,7 +219,9 @@ class Engine:
         return self._finish(req, [], None, reason)
 
     def _finish(self, req: Request, new_ids: list[int], logprobs, reason: str) -> EngineOutput:
-        out = self.hooks.on_finish(req, self._output(req, new_ids, logprobs, reason))
+        out = self._output(req, new_ids, logprobs, reason)
+        if self.hooks:
+            out = self.hooks.on_finish(req, out)
         self.scheduler.finish(req, reason)
         del self.requests[req.request_id]
         self.counters["num_finished_requests"] += 1

@@ -231,7 +231,9 @@ class ModelRunner:
             rows = [s for s, _ in plain]
             sample_idx = [r for _, r in plain]
             picked = logits if len(sample_idx) == logits.shape[0] else logits[sample_idx]
-            sampled = self.sampler.sample(picked, rows, self.structured.token_mask(rows, self.device))
+            constrained = any(r.params.grammar is not None for r in rows)
+            mask = self.structured.token_mask(rows, self.device) if constrained else None
+            sampled = self.sampler.sample(picked, rows, mask)
         results = []
         it = iter(sampled)
         for seq, sample_row, prompt in zip(batch, step.sample_rows, step.prompt_rows):

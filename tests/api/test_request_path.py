@@ -11,7 +11,7 @@ import sys
 
 from tests.api.conftest import REPO
 
-MAX_MODULES = 29
+MAX_MODULES = 26
 MAX_TYPES = 12
 
 
