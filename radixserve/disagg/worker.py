@@ -14,7 +14,7 @@ from radixserve.disagg.stats import PDStats
 from radixserve.disagg.transport import TcpDecodeEndpoint, TcpPrefillEndpoint
 from radixserve.engine.engine import Engine
 from radixserve.engine.hooks import EngineHooks
-from radixserve.engine.request import Request, Status
+from radixserve.engine.request import Request
 from radixserve.engine.runner_api import Runner
 from radixserve.errors import InvalidRequest
 from radixserve.outputs import EngineOutput, TokenLogprob
@@ -83,10 +83,6 @@ class PDWorker:
     def end_request(self, req: Request, error: str | None) -> None:
         """Engine.abort for a request in any queue or PD state; `error`: its final output
         carries it with ERROR_CODE. The output comes from the next step()."""
-        s = self.engine.scheduler
-        if not any(req in queue for queue in (s.waiting, s.running, s.fetching)):
-            req.status = Status.WAITING   # a PD state: let Engine.abort find it where it looks
-            s.waiting.append(req)
         out = self.engine.abort(req.request_id)
         if out is not None:
             if error is not None:

@@ -195,13 +195,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
-        elif req.status is Status.WAITING:
-            self.waiting.remove(req)
-        elif req.status is Status.WAITING_FOR_KV:
-            self.fetching.remove(req)
-            req.fetch = None     # the fetch itself still lands, into the tree
+        """End `req` wherever it is: in a queue here, or held outside them (a PD side's)."""
+        queue = next((q for q in (self.running, self.waiting, self.fetching) if req in q), None)
+        if queue is not None:
+            queue.remove(req)
+        req.fetch = None     # a fetch in flight still lands, into the tree
         self.kv.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
