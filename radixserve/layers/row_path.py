@@ -1,10 +1,17 @@
 """Which kernel multiplies a single row (batch-1 decode) by a float weight: timed on the model's own linear layers at
-start-up, as the fastest differs from CPU to CPU (docs/runner.md); `RADIXSERVE_SINGLE_ROW_PATH` pins it untimed."""
+start-up, as the fastest differs from CPU to CPU, then kept per machine so every server there rounds alike
+(docs/runner.md); `RADIXSERVE_SINGLE_ROW_PATH` pins it untimed."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import json
 import logging
 import os
+import pathlib
 import time
+from collections.abc import Iterator
 from typing import Callable, Sequence
 
 import torch
@@ -13,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 PATHS = ("split", "linear", "packed")
 ENV = "RADIXSERVE_SINGLE_ROW_PATH"
+CACHE_ENV = "RADIXSERVE_CACHE_DIR"   # default $XDG_CACHE_HOME/radixserve, else ~/.cache/radixserve
 # Weight bytes a timed pass reads at most: above any last-level cache seen (480 MB), so it streams as decode does.
 MAX_TIMED_BYTES = 1 << 30
 
@@ -34,13 +42,71 @@ def choose(layers: Sequence, rounds: int = 3, clock: Callable[[], float] = time.
     elif len(offered) == 1:
         chosen, note = offered[0], "the only one"
     else:
-        best = _time_paths(timed_prefix(layers, MAX_TIMED_BYTES), offered, rounds, clock)
-        chosen = min(best, key=best.get)
-        note = ", ".join(f"{p} {1000 * t:.1f} ms" for p, t in best.items())
+        chosen, note = _kept_or_timed(timed_prefix(layers, MAX_TIMED_BYTES), offered, rounds, clock)
     for m in layers:
         m.use_row_path(chosen)
-    logger.info("single-row linear path: %s (%d layers, a pass: %s)", chosen, len(layers), note)
+    logger.info("single-row linear path: %s (%d layers; %s)", chosen, len(layers), note)
     return chosen
+
+
+def cache_dir() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path(base) / "radixserve")
+
+
+def decision_key(layers: Sequence, offered: Sequence[str]) -> str:
+    """What a decision depends on: the CPU (model name and flags), torch, its threads, the timed layers' shapes."""
+    cpu = {}
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() in ("model name", "flags") and name.strip() not in cpu:
+                cpu[name.strip()] = value.strip()
+    shapes = [(m.out_features, m.in_features, str(m.weight.dtype)) for m in layers]
+    what = [cpu, torch.__version__, torch.get_num_threads(), shapes, list(offered)]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
+
+
+@contextlib.contextmanager
+def _locked_decisions() -> Iterator[tuple[dict, Callable[[dict], None]] | None]:
+    """The machine's decisions {key: path} and a saver, under an exclusive lock; None where the cache dir is unusable."""
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / "row_path.lock", "a")
+    except OSError as exc:
+        logger.info("single-row path not kept: %s unusable (%s)", folder, exc)
+        yield None
+        return
+    path = folder / "row_path.json"
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            decisions = json.loads(path.read_text())
+            decisions = decisions if isinstance(decisions, dict) else {}
+        except (OSError, ValueError):
+            decisions = {}
+
+        def save(new: dict) -> None:
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(new, indent=1, sort_keys=True))
+            tmp.replace(path)
+        yield decisions, save
+
+
+def _kept_or_timed(layers: Sequence, offered: Sequence[str], rounds: int,
+                   clock: Callable[[], float]) -> tuple[str, str]:
+    """The path this machine decided for these layers before, else the fastest now, kept for next time."""
+    key = decision_key(layers, offered)
+    with _locked_decisions() as kept:
+        if kept is not None and kept[0].get(key) in offered:
+            return kept[0][key], f"kept in {cache_dir() / 'row_path.json'}"
+        best = _time_paths(layers, offered, rounds, clock)
+        chosen = min(best, key=best.get)
+        if kept is not None:
+            with contextlib.suppress(OSError):
+                kept[1]({**kept[0], key: chosen})
+        return chosen, "a pass: " + ", ".join(f"{p} {1000 * t:.1f} ms" for p, t in best.items())
 
 
 def timed_prefix(layers: Sequence, max_bytes: int) -> list:

@@ -3,6 +3,9 @@ fastest pass over the layers and sets it on all of them, the environment pins it
 whose M = 1 does not run on a float weight offer nothing to choose."""
 from __future__ import annotations
 
+import json
+import threading
+
 import pytest
 import torch
 
@@ -39,22 +42,73 @@ def test_every_single_row_path_matches_f_linear_and_larger_inputs_are_unaffected
         assert torch.equal(layer(x8), before8), "M > 1 keeps its own path"
 
 
-def test_choose_takes_the_fastest_path_and_sets_it_on_every_layer(monkeypatch):
-    """A fake clock makes each pass cost what the table says for the path the first layer is
-    on at the time: the cheapest path wins, whatever the order."""
+def costing(made: list[Linear], costs: dict[str, float]):
+    """A fake clock: every reading adds the cost of the path the first layer is on, so a pass
+    (end - start) costs what `costs` says for it."""
+    ticks = {"t": 0.0}
+
+    def clock() -> float:
+        ticks["t"] += costs[made[0].row_path]
+        return ticks["t"]
+    return clock
+
+
+def untimed() -> float:
+    pytest.fail("nothing is timed")
+
+
+def test_choose_takes_the_fastest_path_and_sets_it_on_every_layer(monkeypatch, tmp_path):
     monkeypatch.delenv(row_path.ENV, raising=False)
-    for costs in ({"split": 3.0, "linear": 1.0, "packed": 2.0}, {"split": 1.0, "linear": 3.0, "packed": 2.0},
-                  {"split": 2.0, "linear": 3.0, "packed": 1.0}):
+    for n, costs in enumerate(({"split": 3.0, "linear": 1.0, "packed": 2.0}, {"split": 1.0, "linear": 3.0, "packed": 2.0},
+                               {"split": 2.0, "linear": 3.0, "packed": 1.0})):
+        monkeypatch.setenv(row_path.CACHE_ENV, str(tmp_path / str(n)))   # nothing kept from the last table
         made = layers()
-        ticks = {"t": 0.0}
-
-        def clock() -> float:   # every reading adds the current path's cost: end - start = it
-            ticks["t"] += costs[made[0].row_path]
-            return ticks["t"]
-
-        chosen = row_path.choose(made, clock=clock)
+        chosen = row_path.choose(made, clock=costing(made, costs))
         assert chosen == min(costs, key=costs.get)
         assert all(m.row_path == chosen for m in made)
+
+
+def test_a_machine_keeps_its_first_decision_so_every_server_there_rounds_alike(monkeypatch, tmp_path):
+    """A second server on the machine, whose own timing would pick another path, takes the kept
+    one untimed; other layer shapes are a decision of their own; a broken file is re-decided."""
+    monkeypatch.delenv(row_path.ENV, raising=False)
+    monkeypatch.setenv(row_path.CACHE_ENV, str(tmp_path))
+    first = layers()
+    assert row_path.choose(first, clock=costing(first, {"split": 3.0, "linear": 1.0, "packed": 2.0})) == "linear"
+    second = layers()
+    assert row_path.choose(second, clock=untimed) == "linear"
+    assert all(m.row_path == "linear" for m in second)
+    other = layers(2)
+    assert row_path.choose(other, clock=costing(other, {"split": 1.0, "linear": 3.0, "packed": 2.0})) == "split"
+    assert row_path.choose(layers(), clock=untimed) == "linear"
+    assert len(json.loads((tmp_path / "row_path.json").read_text())) == 2
+    (tmp_path / "row_path.json").write_text("{not json")
+    again = layers()
+    assert row_path.choose(again, clock=costing(again, {"split": 2.0, "linear": 3.0, "packed": 1.0})) == "packed"
+
+
+def test_a_server_starting_while_another_decides_waits_and_takes_its_decision(monkeypatch, tmp_path):
+    """The decision is made under a file lock: a server that arrives while it is held gets the
+    holder's path, never a timing of its own."""
+    monkeypatch.delenv(row_path.ENV, raising=False)
+    monkeypatch.setenv(row_path.CACHE_ENV, str(tmp_path))
+    made = layers()
+    key = row_path.decision_key(made, row_path.PATHS)
+    got: dict[str, str] = {}
+    with row_path._locked_decisions() as (decisions, save):
+        waiter = threading.Thread(target=lambda: got.update(path=row_path.choose(made, clock=untimed)))
+        waiter.start()
+        save({**decisions, key: "packed"})
+    waiter.join(timeout=60)
+    assert got == {"path": "packed"}
+
+
+def test_an_unusable_cache_dir_still_times_the_paths(monkeypatch, tmp_path):
+    monkeypatch.delenv(row_path.ENV, raising=False)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(row_path.CACHE_ENV, str(tmp_path / "file" / "sub"))
+    made = layers()
+    assert row_path.choose(made, clock=costing(made, {"split": 2.0, "linear": 1.0, "packed": 3.0})) == "linear"
 
 
 def test_a_pass_times_the_leading_layers_up_to_the_byte_cap():
@@ -67,7 +121,6 @@ def test_a_pass_times_the_leading_layers_up_to_the_byte_cap():
 
 def test_the_environment_pins_the_path_and_an_unknown_one_is_refused(monkeypatch):
     made = layers()
-    untimed = lambda: pytest.fail("pinned: nothing is timed")   # noqa: E731
     monkeypatch.setenv(row_path.ENV, "linear")
     assert row_path.choose(made, clock=untimed) == "linear"
     assert all(m.row_path == "linear" for m in made)
