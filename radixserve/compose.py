@@ -1,4 +1,4 @@
-"""The engine process's composition root: runner, Engine with its hooks (KV checksums, fault injection), and on PD workers the PDWorker."""
+"""The engine process's composition root: runner, Engine with its hooks (KV checksums, fault injection, the profiler), and on PD workers the PDWorker."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +9,7 @@ from radixserve.engine.hooks import EngineHooks
 from radixserve.engine.kv_checksum import ChecksumHooks
 from radixserve.engine.loop import EngineParts, RunnerFactory
 from radixserve.engine.messages import EngineInfo
+from radixserve.engine.profiler import ProfilerHooks
 
 
 def engine_hooks(config: EngineConfig) -> list[EngineHooks]:
@@ -27,11 +28,17 @@ class EngineFactory:
     def __call__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> EngineParts:
         runner = self.runner_factory(config)
         hooks = engine_hooks(config)
+        calls = {}
         faults = None
         if self.fault_injection:
             from radixserve.chaos.engine_faults import EngineFaults
             faults = EngineFaults()
             hooks.append(faults)
+            calls["fault"] = faults.fault
+        if config.torch_profiler_dir:
+            profiler = ProfilerHooks(config.torch_profiler_dir)
+            hooks.append(profiler)
+            calls["profile"] = profiler.profile
         if config.disaggregation_mode == "null":
             driven = engine = Engine(config, runner, eos_token_ids, hooks)
         else:
@@ -43,4 +50,4 @@ class EngineFactory:
         info = EngineInfo(max_context_len=engine.max_request_tokens, page_size=engine.page_size,
                           disaggregation_mode=config.disaggregation_mode,
                           bootstrap_address=getattr(driven, "bootstrap_address", None))
-        return EngineParts(driven, info, faults.fault if faults is not None else None)
+        return EngineParts(driven, info, calls)

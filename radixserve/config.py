@@ -108,6 +108,9 @@ class EngineConfig:
                "overwritten ends as output_anomaly kv_checksum (docs/anomaly_guard.md)")
     kv_checksum_interval: int = opt(16, "--enable-kv-checksum: steps between re-checks of a "
                                         "running request's KV")
+    torch_profiler_dir: str | None = opt(
+        None, "serve POST /start_profile and /stop_profile: a torch profiler trace of the engine's "
+              "steps, written to this directory (docs/profiling.md)")
     # prefill/decode disaggregation (docs/disaggregation.md); flag names are SGLang's
     disaggregation_mode: str = opt(
         "null", "null = colocated; prefill = compute prompts and send their KV and first token "

@@ -30,7 +30,10 @@ GRAMMAR_POLL_MS = 20
 SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hanging forever
 HEARTBEAT_S = 1.0
 CALL_METHODS = ("stats", "flush_cache", "check_invariants", "add_eos_token_ids",
-                "fault")
+                "fault", "profile")
+# The calls EngineParts.calls may add, and the refusal (message, param) when it does not.
+OPTIONAL_CALLS = {"fault": ("fault injection is off (--enable-fault-injection)", "kind"),
+                  "profile": ("the profiler is off (--torch-profiler-dir)", None)}
 
 
 class Driven(Protocol):
@@ -59,7 +62,7 @@ class Driven(Protocol):
 class EngineParts(NamedTuple):
     driven: Driven
     info: EngineInfo
-    fault: Callable[..., None] | None = None          # the `fault` call; None: injection is off
+    calls: dict[str, Callable[..., Any]] = {}   # OPTIONAL_CALLS this engine answers
 
 
 # Picklable by reference into the spawned process, so the loop never imports what it drives.
@@ -73,11 +76,11 @@ class _Refused(Exception):
 
 class EngineLoop:
     def __init__(self, engine: Driven, inbox: zmq.Socket, outbox: zmq.Socket,
-                 fault: Callable[..., None] | None = None):
+                 calls: dict[str, Callable[..., Any]] | None = None):
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
-        self.fault = fault
+        self.calls = calls or {}
         self.decoder = msgspec.msgpack.Decoder(ToEngine)
         self.encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         self.running = True
@@ -190,7 +193,7 @@ class EngineLoop:
             self.send(CallResult(msg.call_id, error=f"unknown method {msg.method!r}"))
             return
         try:
-            value = (self._fault(**msg.args) if msg.method == "fault"
+            value = (self._optional(msg.method, msg.args) if msg.method in OPTIONAL_CALLS
                      else getattr(self.engine, msg.method)(**msg.args))
         except RadixServeError as exc:
             logger.warning("engine call %s refused: %s", msg.method, exc.message)
@@ -203,10 +206,11 @@ class EngineLoop:
             return
         self.send(CallResult(msg.call_id, value=value))
 
-    def _fault(self, **args: Any) -> None:
-        if self.fault is None:
-            raise InvalidRequest("fault injection is off (--enable-fault-injection)", param="kind")
-        self.fault(**args)
+    def _optional(self, method: str, args: dict[str, Any]) -> Any:
+        if method not in self.calls:
+            message, param = OPTIONAL_CALLS[method]
+            raise InvalidRequest(message, param=param)
+        return self.calls[method](**args)
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -251,7 +255,7 @@ def run_engine_process(config: EngineConfig, to_engine_addr: str, from_engine_ad
         except ValueError as exc:
             logger.debug("engine refused its configuration:\n%s", traceback.format_exc())
             raise _Refused(f"{type(exc).__name__}: {exc}") from None
-        loop = EngineLoop(parts.driven, inbox, outbox, parts.fault)
+        loop = EngineLoop(parts.driven, inbox, outbox, parts.calls)
         loop.send(Ready(parts.info))
         loop.run()
         disk = getattr(getattr(parts.driven.runner, "host_kv", None), "disk", None)

@@ -1,4 +1,4 @@
-"""Operator routes of one worker: /flush_cache, /abort_request, /get_server_info, /admin/drain, /admin/undrain, /debug/pages and /admin/fault."""
+"""Operator routes of one worker: /flush_cache, /abort_request, /get_server_info, /start_profile, /stop_profile, /admin/drain, /admin/undrain, /debug/pages and /admin/fault."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +26,12 @@ class AbortRequest(BaseModel, extra="forbid"):
     abort_all: bool = False
 
 
+class StartProfile(BaseModel, extra="forbid"):
+    """Body of POST /start_profile (optional): stop by itself after `num_steps` engine steps."""
+
+    num_steps: int | None = None
+
+
 def install_admin_routes(app: FastAPI, ctx: ServingContext, server_config: ServerConfig,
                          auth: list[Any], drain: Drain) -> None:
     """The operator routes, behind the API key; debug and fault routes only when their flags are set."""
@@ -50,6 +56,19 @@ def install_admin_routes(app: FastAPI, ctx: ServingContext, server_config: Serve
                 run.abort()
                 aborted.append(run.base_id)
         return JSONResponse({"aborted": aborted})
+
+    @app.post("/start_profile", dependencies=auth)
+    async def start_profile(request: Request) -> Response:
+        """Start a torch profiler trace of the engine (400 without --torch-profiler-dir)."""
+        has_body = request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
+        body = await parse_body(request, StartProfile, MAX_ADMIN_BODY_BYTES) if has_body else StartProfile()
+        return JSONResponse(await ctx.client.call("profile", args={"action": "start",
+                                                                   "num_steps": body.num_steps}))
+
+    @app.post("/stop_profile", dependencies=auth)
+    async def stop_profile() -> Response:
+        """Stop the trace and write it; returns {"trace": path, "num_steps": steps recorded}."""
+        return JSONResponse(await ctx.client.call("profile", args={"action": "stop"}))
 
     async def server_info() -> Response:
         """Config, pool usage and hit rate (as SGLang's /get_server_info)."""
