@@ -9,7 +9,7 @@ from radixserve.engine.hooks import EngineHooks
 from radixserve.engine.kv_checksum import ChecksumHooks
 from radixserve.engine.loop import EngineParts, RunnerFactory
 from radixserve.engine.messages import EngineInfo
-from radixserve.engine.profiler import ProfilerHooks
+from radixserve.runner.profiler import ProfilerHooks
 
 
 def engine_hooks(config: EngineConfig) -> list[EngineHooks]:

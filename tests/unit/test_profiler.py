@@ -9,7 +9,7 @@ import pytest
 
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
-from radixserve.engine.profiler import ProfilerHooks
+from radixserve.runner.profiler import ProfilerHooks
 from radixserve.errors import InvalidRequest
 from radixserve.sampling_params import SamplingParams
 from tests.unit.fake_runner import FakeRunner
