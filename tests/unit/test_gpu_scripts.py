@@ -35,3 +35,17 @@ def test_engine_check_runs_on_cpu(tmp_path):
         ("default", "torch", "ngram", "host_tier", "small_pool"), "pass")
     assert all(r["identical"] + r["ties"] == 24 for r in report["checks"].values())
     assert report["checks"]["small_pool"]["stats"]["num_preemptions"] > 0
+
+
+def test_serve_check_runs_on_cpu(tmp_path):
+    """benchmarks/gpu/serve_check.py: two CPU workers, greedy outputs equal over HTTP, a 2-level sweep."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("OUT", None)
+    out = tmp_path / "serve_check.json"
+    run = subprocess.run([sys.executable, "benchmarks/gpu/serve_check.py", "--device", "cpu", "--out", str(out),
+                          "--model-dir", str(tmp_path / "tiny"), "--concurrency", "1,4", "--sweep-prompts", "8"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["check_output"]["identical"] + report["check_output"]["tie"] == 24
+    assert [r["max_concurrency"] for r in report["sweep"]] == [1, 4]
