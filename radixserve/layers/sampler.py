@@ -2,7 +2,8 @@
 
 Per row (vLLM v1 order): logprobs of the RAW logits; logit_bias, repetition (CTRL / HF), frequency and presence (OpenAI)
 penalties, EOS and stop ids masked while min_tokens_left > 0; argmax, or temperature, min-p, top-k, top-p and an
-inverse-CDF draw seeded by (seed, output length) alone. A drawn token always has probability > 0 where it was drawn."""
+inverse-CDF draw seeded by (seed, output length) alone, so a speculative verify step samples its rows exactly as the
+ordinary steps would. A drawn token always has probability > 0 where it was drawn."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -17,7 +18,6 @@ from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
-_ACCEPT_STREAM, _RESIDUAL_STREAM = 0x5EC0A, 0x5EC0B   # seed salts of speculative draws
 
 
 class SampleRow(Protocol):
@@ -60,26 +60,32 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow],
                constrain: Callable[[torch.Tensor], None] | None = None) -> list[TokenLogprob]:
         """logits (R, V) fp32 raw; `constrain` masks in place after the penalties. NaN logprobs if no row asked for any."""
-        assert logits.shape[0] == len(rows), "one logits row per sample row"
-        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-        drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        tokens = self._plain_greedy(logits, rows) if not drawn and constrain is None else None
-        if tokens is None:
-            x = self._masked(logits, rows, constrain)
-            if not drawn:
-                tokens = x.argmax(dim=-1)
-            elif not greedy:
-                tokens = self._draw(x, rows)
-            else:
-                tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
-                tokens[greedy] = x[greedy].argmax(dim=-1)
-                tokens[drawn] = self._draw(x[drawn], [rows[i] for i in drawn])
+        tokens = self._pick(logits, rows, constrain)
         if not any(r.params.wants_logprobs for r in rows):
             return [TokenLogprob(t, math.nan, []) for t in tokens.tolist()]
         k = max((r.params.logprobs or 0) for r in rows)
         out = token_logprobs(logits, tokens, k)
         return [TokenLogprob(s.token_id, s.logprob, s.top[:r.params.logprobs or 0], s.top_logprob)
                 for s, r in zip(out, rows)]
+
+    def _pick(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+              constrain: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """logits (R, V) fp32 raw -> (R,) int64 tokens: a function of the row's logits, params, seed and output length."""
+        assert logits.shape[0] == len(rows), "one logits row per sample row"
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        tokens = self._plain_greedy(logits, rows) if not drawn and constrain is None else None
+        if tokens is not None:
+            return tokens
+        x = self._masked(logits, rows, constrain)
+        if not drawn:
+            return x.argmax(dim=-1)
+        if not greedy:
+            return self._draw(x, rows)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
+        tokens[greedy] = x[greedy].argmax(dim=-1)
+        tokens[drawn] = self._draw(x[drawn], [rows[i] for i in drawn])
+        return tokens
 
     def _plain_greedy(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor | None:
         """All-greedy argmax without a copy; None when a row needs processing (penalties, masks, a non-finite max)."""
@@ -141,47 +147,20 @@ class Sampler:
         return picked.squeeze(1)
 
     def verify(self, logits: torch.Tensor, row: SampleRow, draft: Sequence[int]) -> tuple[list[TokenLogprob], TokenLogprob]:
-        """`logits` (k + 1, V) raw, row i the step after draft[:i] -> (accepted tokens, next token); speculative sampling
-        with a point-mass draft (Leviathan et al. 2023; Chen et al. 2023): accept d with p(d), else draw from p without d."""
+        """`logits` (k + 1, V) raw, row i the step after draft[:i] -> (accepted tokens, next token). Row i is sampled as
+        the ordinary step at output position len(output_ids) + i would be (its penalties, its (seed, position) draw);
+        draft[i] is accepted exactly when it equals row i's token, so the tokens equal those of k + 1 ordinary steps,
+        whatever the draft (docs/speculative.md, "Sampling")."""
         k = len(draft)
-        rows = [_Shifted(row, list(draft[:i])) for i in range(k + 1)]
-        picks = self._plain_greedy(logits, rows) if row.params.is_greedy else None
-        x = None if picks is not None else finite_or_masked(self._penalised(logits, rows))
-        if row.params.is_greedy:
-            picks = (picks if picks is not None else x.argmax(dim=-1)).tolist()
-            j = next((i for i in range(k) if picks[i] != draft[i]), k)
-            final = picks[j]
-        else:
-            probs = torch.softmax(_processed(x, rows), dim=-1)
-            j, final = 0, None
-            while j < k and final is None:
-                step = len(row.output_ids) + j
-                if self._uniform(row.seed ^ _ACCEPT_STREAM, step) < float(probs[j, draft[j]]):
-                    j += 1
-                    continue
-                residual = probs[j].clone()
-                residual[draft[j]] = 0.0
-                final = self._inverse_cdf(residual, self._uniform(row.seed ^ _RESIDUAL_STREAM, step))
-            if final is None:
-                final = int(self._draw(x[k:k + 1], rows[k:k + 1])[0])
-        ids = list(draft[:j]) + [final]
+        picks = self._pick(logits, [_Shifted(row, list(draft[:i])) for i in range(k + 1)]).tolist()
+        j = next((i for i in range(k) if picks[i] != draft[i]), k)
+        ids = picks[:j + 1]
         if not row.params.wants_logprobs:
             out = [TokenLogprob(t, math.nan, []) for t in ids]
         else:
             out = token_logprobs(logits[:j + 1], torch.tensor(ids, device=logits.device),
                                  max(row.params.logprobs or 0, 0))
         return out[:j], out[j]
-
-    def _uniform(self, seed: int, step: int) -> float:
-        self._generator.manual_seed(step_seed(seed & _MASK64, step))
-        return torch.rand((), generator=self._generator, dtype=torch.float64).item()
-
-    @staticmethod
-    def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
-        cdf = torch.cumsum(weights, dim=0)
-        i = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype), right=True)[0])
-        i = min(i, weights.shape[0] - 1)
-        return i if weights[i] > 0 else int(weights.argmax())
 
     @staticmethod
     def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -164,3 +164,37 @@ def test_token_logprobs_helper():
         assert o.token_id == int(ids[i]) and o.logprob == pytest.approx(float(ref[i, ids[i]]), abs=1e-6)
         assert len(o.top) == 2 and o.top[0][0] == int(ref[i].argmax())
     assert token_logprobs(logits, ids, 0)[0].top == []
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, logprobs=2),
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=6, frequency_penalty=1.5, min_tokens=3),
+    SamplingParams(temperature=0, repetition_penalty=1.3)], ids=["plain", "filtered", "greedy"])
+def test_verify_emits_the_ordinary_steps_tokens_whatever_the_draft(params):
+    """Issue 41 item 6: with any draft (the true tokens, a true prefix then a wrong token, random
+    tokens), verify emits exactly the first j + 1 tokens of k + 1 ordinary steps, j being where the
+    draft first differs from them: row i sees the draft before it (penalties, min_tokens) and draws
+    with the (seed, position) of step i."""
+    gen = torch.Generator().manual_seed(4)
+    s, k, accepted_total = sampler(), 4, 0
+    for seed in range(60):
+        logits = torch.randn(k + 1, V, generator=gen) * 2
+        start = Row(params, seed=seed, prompt_ids=[3, 4], output_ids=[5, 6],
+                    min_tokens_left=max(params.min_tokens - 2, 0))
+        steps: list[int] = []
+        for i in range(k + 1):
+            row = Row(params, seed=seed, prompt_ids=[3, 4], output_ids=[5, 6] + steps,
+                      min_tokens_left=max(start.min_tokens_left - i, 0))
+            steps.append(s.sample(logits[i:i + 1], [row])[0].token_id)
+        wrong = (steps[1] + 1) % V
+        drafts = [steps[:k], steps[:1] + [wrong] + steps[2:k],
+                  torch.randint(0, V, (k,), generator=gen).tolist()]
+        for draft in drafts:
+            kept, final = s.verify(logits, start, draft)
+            j = next((i for i in range(k) if draft[i] != steps[i]), k)
+            assert [t.token_id for t in kept] + [final.token_id] == steps[:j + 1], (seed, draft, steps)
+            accepted_total += len(kept)
+            if params.logprobs:
+                ref = torch.log_softmax(logits[j], -1)[final.token_id]
+                assert final.logprob == pytest.approx(float(ref), abs=1e-6) and len(final.top) == 2
+    assert accepted_total > 60 * (k + 1)   # the true drafts alone keep k each
