@@ -49,6 +49,7 @@ class WorkerState:
     num_failures: int = 0
     routed_len: int = 0
     matched_len: int = 0  # of routed_len, already in the prefix tree for this worker
+    instance_id: str | None = None  # the worker process's, from /health (None: not reported)
     stale_s: float = 5.0
     stale_penalty: float = 16.0
     smoothing: float = 0.5
@@ -80,6 +81,27 @@ class WorkerState:
         self.num_running, self.num_queue = num_running, num_queue
         self.token_usage, self.cache_hit_rate = token_usage, cache_hit_rate
         self.reported_at = now
+
+    def forget_load(self) -> None:
+        """Drop the load reading: judged by in_flight alone until the next one."""
+        self.num_running, self.num_queue = 0, 0
+        self.token_usage, self.cache_hit_rate = 0.0, 0.0
+        self.reported_at, self.ema_external = None, 0.0
+
+    def note_instance(self, instance_id: str | None) -> bool:
+        """Remember the process id /health reported; True if it replaced another (a restart)."""
+        if instance_id is None:
+            return False
+        old, self.instance_id = self.instance_id, instance_id
+        return old is not None and old != instance_id
+
+    def rejoin(self) -> None:
+        """A new process on this URL starts afresh: healthy, breaker closed, no load reading.
+        Requests in flight to the old process fail on their own and release as usual."""
+        self.healthy = True
+        self.health_failures, self.health_successes = 0, 0
+        self.breaker.reset()
+        self.forget_load()
 
     def record(self, outcome: str) -> None:
         """Raises ValueError unless `outcome` is "success", "failure" or "neutral"."""
@@ -129,7 +151,7 @@ class WorkerState:
             "hit_estimate": round(self.hit_estimate, 4),
             "num_requests": self.num_requests, "num_failures": self.num_failures,
             "health_failures": self.health_failures,
-            "health_successes": self.health_successes,
+            "health_successes": self.health_successes, "instance_id": self.instance_id,
         }
 
 
