@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from radixserve.router.breaker import CircuitBreaker
+from radixserve.router.breaker import HALF_OPEN, CircuitBreaker
 from radixserve.router.config import RouterConfig
 from radixserve.router.validate import finite_number
 
@@ -66,9 +66,13 @@ class WorkerState:
             load += self.stale_penalty
         return load
 
-    def is_routable(self) -> bool:
+    def is_in_rotation(self) -> bool:
+        """Healthy, not draining, weight > 0: routable whatever its breaker says."""
         return (self.healthy and not self.draining and not self.reports_draining
-                and self.weight > 0 and self.breaker.can_execute())
+                and self.weight > 0)
+
+    def is_routable(self) -> bool:
+        return self.is_in_rotation() and self.breaker.can_execute()
 
     def report(self, num_running: int, num_queue: int, token_usage: float,
                cache_hit_rate: float, now: float) -> None:
@@ -213,6 +217,13 @@ class WorkerRegistry:
 
     def routable(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkerState]:
         return [w for w in self._workers.values() if w.url not in exclude and w.is_routable()]
+
+    def candidates(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkerState]:
+        """The routable workers; if none, those in rotation whose half-open breaker has its
+        probe out, since the request fails for sure otherwise (Envoy's panic routing)."""
+        return self.routable(exclude) or [
+            w for w in self._workers.values() if w.url not in exclude and w.is_in_rotation()
+            and w.breaker.state == HALF_OPEN]
 
     def acquire(self, url: str) -> WorkerState:
         """Raises KeyError if unknown. Prefer `dispatch`, which cannot leak."""

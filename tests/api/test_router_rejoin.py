@@ -60,6 +60,7 @@ class Fleet:
         self.instance: dict[str, str | None] = {A: "a1", B: "b1"}
         self.running = {A: 0, B: 0}
         self.crash = asyncio.Event()
+        self.hold_a: asyncio.Event | None = None   # set: A answers only once it is set
         self.sent: list = []
         self.posts: list[tuple[str, dict]] = []
         self.http = httpx.AsyncClient(transport=httpx.MockTransport(self.answer))
@@ -82,6 +83,8 @@ class Fleet:
         self.posts.append((url, body))
         if url == B and not self.crash.is_set():
             return self.b_answer(body)
+        if url == A and self.hold_a is not None:
+            await self.hold_a.wait()
         if body.get("stream"):
             return httpx.Response(200, headers=SSE, stream=Chunks([
                 text_chunk("a", " more", [9], "length"), b"data: [DONE]\n\n"]))
@@ -155,29 +158,28 @@ def test_without_an_instance_id_the_health_thresholds_and_passing_checks_close_t
                                               (True, "half_open", 0.0), (True, "closed", 0.0)]
 
 
-def test_a_second_crash_lands_every_retry_and_stream_on_the_restarted_worker():
-    """Kill A, restart it, then kill B with 6 requests and 9 streams in flight on it: every
-    request succeeds on A and every stream continues there (before the fix A's breaker was
-    still open or half-open: 8 of 9 streams ended with an error)."""
-    async def scenario(fleet: Fleet) -> tuple[list, list]:
-        a = fleet.registry.get(A)
-        await fleet.checks()
-        fleet.kill(A)
-        await fleet.checks(3)
-        fleet.instance[A] = "a2"
-        await fleet.checks()
-        a.draining = True                  # the load goes to B, as it did in the measured run
-        plain = [asyncio.create_task(send(fleet.fwd, False)) for _ in range(6)]
-        streams = [asyncio.create_task(send(fleet.fwd, True)) for _ in range(9)]
-        await wait_until(lambda: len(fleet.sent) == 15, "the load in flight on B")
-        a.draining = False
-        fleet.kill(B)
-        fleet.crash.set()
-        return ([await asyncio.wait_for(t, WAIT_S) for t in plain],
-                [await asyncio.wait_for(t, WAIT_S) for t in streams])
+async def crash_b(fleet: Fleet, hold_a: bool = False) -> tuple[list, list]:
+    """6 requests and 9 streams dispatched to B (A drained meanwhile, as in the measured run),
+    then B killed; returns their (status, events). `hold_a`: A answers none of them until
+    each has reached A or ended (all at once on A, as slow requests would be)."""
+    a = fleet.registry.get(A)
+    a.draining = True
+    plain = [asyncio.create_task(send(fleet.fwd, False)) for _ in range(6)]
+    streams = [asyncio.create_task(send(fleet.fwd, True)) for _ in range(9)]
+    await wait_until(lambda: len(fleet.sent) == 15, "the load in flight on B")
+    a.draining = False
+    fleet.hold_a = asyncio.Event() if hold_a else None
+    fleet.kill(B)
+    fleet.crash.set()
+    if fleet.hold_a is not None:
+        await wait_until(lambda: sum(url == A for url, _ in fleet.posts)
+                         + sum(t.done() for t in plain + streams) == 15, "every retry placed")
+        fleet.hold_a.set()
+    return ([await asyncio.wait_for(t, WAIT_S) for t in plain],
+            [await asyncio.wait_for(t, WAIT_S) for t in streams])
 
-    fleet = Fleet()
-    plain, streams = asyncio.run(scenario(fleet))
+
+def assert_all_landed_on_a(fleet: Fleet, plain: list, streams: list) -> None:
     assert [status for status, _ in plain] == [200] * 6
     for _, got in streams:
         assert got[-1] == b"[DONE]" and not any("error" in e for e in got[:-1]), got
@@ -186,6 +188,38 @@ def test_a_second_crash_lands_every_retry_and_stream_on_the_restarted_worker():
     resumed = [body for url, body in fleet.posts if url == A and body.get("stream")]
     assert len(resumed) == 9 and all(b["resume_token_ids"] == [1] for b in resumed)
     assert all(w.in_flight == 0 for w in fleet.registry.list())
+
+
+def test_a_second_crash_lands_every_retry_and_stream_on_the_restarted_worker():
+    """Kill A, restart it, then kill B with 6 requests and 9 streams in flight on it: every
+    request succeeds on A and every stream continues there (before the fix A's breaker was
+    still open or half-open: 8 of 9 streams ended with an error)."""
+    async def scenario(fleet: Fleet) -> tuple[list, list]:
+        await fleet.checks()
+        fleet.kill(A)
+        await fleet.checks(3)
+        fleet.instance[A] = "a2"
+        await fleet.checks()
+        return await crash_b(fleet)
+
+    fleet = Fleet()
+    assert_all_landed_on_a(fleet, *asyncio.run(scenario(fleet)))
+
+
+def test_retries_with_nowhere_else_to_go_share_a_half_open_worker():
+    """A's breaker is half-open (its failures were not a restart) when B crashes: the first
+    retry takes the probe and the rest go to A too rather than fail for sure (Envoy's panic
+    routing); their successes close A's breaker."""
+    async def scenario(fleet: Fleet) -> tuple[list, list]:
+        fleet.kill(A)
+        fleet.instance[A] = "a1"
+        fleet.clock.now += fleet.cfg.cb_timeout_s
+        assert fleet.registry.get(A).breaker.state == "half_open"
+        return await crash_b(fleet, hold_a=True)
+
+    fleet = Fleet()
+    assert_all_landed_on_a(fleet, *asyncio.run(scenario(fleet)))
+    assert fleet.registry.get(A).breaker.state == "closed"
 
 
 async def send(fwd: Forwarder, stream: bool) -> tuple[int, list]:
