@@ -18,7 +18,8 @@ class CircuitBreaker:
         half_open --success_threshold successes--> closed;  --a failure--> open
 
     "neutral" changes no count; outcomes recorded while open are ignored. Half_open admits one
-    probe: begin() claims it, record() or end(token) frees it, and it lapses after timeout_s.
+    probe: begin() claims it, record() or end(token) frees it, and it lapses after timeout_s;
+    probe_passed() (a health check) counts as a success without claiming it.
     Raises ValueError on thresholds < 1 or a negative timeout."""
 
     def __init__(self, failure_threshold: int, success_threshold: int, timeout_s: float,
@@ -82,9 +83,7 @@ class CircuitBreaker:
             if outcome == "failure":
                 self._open()
             elif outcome == "success":
-                self._successes += 1
-                if self._successes >= self.success_threshold:
-                    self._move(CLOSED)
+                self._succeed()
         elif state == CLOSED:
             if outcome == "failure":
                 self._failures += 1
@@ -92,6 +91,17 @@ class CircuitBreaker:
                     self._open()
             elif outcome == "success":
                 self._failures = 0
+
+    def probe_passed(self) -> None:
+        """An out-of-band probe (a passing health check) is one half-open success, so a worker
+        that no request is routed to still closes (C40); in other states it changes nothing."""
+        if not self.disabled and self.state == HALF_OPEN:
+            self._succeed()
+
+    def _succeed(self) -> None:
+        self._successes += 1
+        if self._successes >= self.success_threshold:
+            self._move(CLOSED)
 
     def _probe_pending(self) -> bool:
         return self._probe is not None and self._clock() - self._probe_at < self.timeout_s

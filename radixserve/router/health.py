@@ -19,8 +19,11 @@ class HealthMonitor:
     """Health checks every health_check_interval_s, load polls every load_poll_interval_s.
 
     Consecutive-check thresholds as SGLang's router (Kubernetes readiness); a check fails on
-    anything but a 200. A never-checked worker turns healthy at its first pass. A 503
-    "draining" only takes the worker out of rotation; a "degraded" one fails but never ejects.
+    anything but a 200. A never-checked worker turns healthy at its first pass, and so does a
+    restarted one (a new `instance_id` in its 200), which also rejoins with a closed breaker.
+    Every pass counts as a half-open breaker success (C40). A worker turning healthy drops its
+    old load reading and is polled at once. A 503 "draining" only takes the worker out of
+    rotation; a "degraded" one fails but never ejects.
     """
 
     def __init__(self, config: RouterConfig, registry: Any, metrics: RouterMetrics,
@@ -68,8 +71,10 @@ class HealthMonitor:
                                           timeout=self.config.health_check_timeout_s)
             ok, why = r.status_code == 200, f"status {r.status_code}"
             draining, degraded = says(r, "draining"), says(r, "degraded")
+            instance = body_of(r).get("instance_id") if ok else None
         except UNREACHABLE as exc:
             ok, why, draining, degraded = False, f"{type(exc).__name__}: {exc}", False, False
+            instance = None
         if self.registry.get(url) is not worker:
             return ok
         self.metrics.health_checks.labels(url, "draining" if draining else "pass" if ok
@@ -81,17 +86,28 @@ class HealthMonitor:
             worker.reports_draining = draining
         if draining:
             return False
-        if ok and url in self._never_checked:
+        back = worker.note_instance(instance if isinstance(instance, str) else None)
+        if back:
+            logger.warning("worker %s restarted (instance %s): back in rotation with a closed "
+                           "breaker and no load reading", url, worker.instance_id)
+            worker.rejoin()
+        elif ok and url in self._never_checked:
             worker.healthy = True
         else:
-            worker.record_health(ok, self.config.health_failure_threshold,
-                                 self.config.health_success_threshold)
+            back = worker.record_health(ok, self.config.health_failure_threshold,
+                                        self.config.health_success_threshold) and worker.healthy
+            if back:
+                worker.forget_load()   # read before it went down: stale, and stale is "busy"
+        if ok:
+            worker.breaker.probe_passed()
         if not ok and not degraded and not worker.healthy:
             self.eject(worker)
         self._never_checked.discard(url)
         if not ok:
             logger.info("health check of %s failed (%s); %d in a row", url, why,
                         worker.health_failures)
+        if back:
+            await self.poll(worker)
         return ok
 
     def eject(self, worker: Any) -> None:
@@ -120,12 +136,15 @@ class HealthMonitor:
             logger.debug("load poll of %s failed: %r", worker.url, exc)
 
 
-def says(response: httpx.Response, status: str) -> bool:
-    """Whether a health answer is a 503 {"status": `status`}."""
-    if response.status_code != 503:
-        return False
+def body_of(response: httpx.Response) -> dict:
+    """A health answer's JSON object; {} for anything else."""
     try:
         body = response.json()
     except ValueError:
-        return False
-    return isinstance(body, dict) and body.get("status") == status
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def says(response: httpx.Response, status: str) -> bool:
+    """Whether a health answer is a 503 {"status": `status`}."""
+    return response.status_code == 503 and body_of(response).get("status") == status

@@ -128,9 +128,9 @@ class Forwarder:
         """Attempts on untried workers within the budget; None when none could be tried."""
         last: Failure | None = None
         while attempts.made < self.max_attempts:
-            if attempts.made and self.registry.routable(exclude=tried):
+            if attempts.made and self.registry.candidates(exclude=tried):
                 await asyncio.sleep(self.backoff_s(attempts.made))
-            candidates = self.registry.routable(exclude=tried)
+            candidates = self.registry.candidates(exclude=tried)
             if not candidates:
                 break
             if attempts.made:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from radixserve.router.breaker import CircuitBreaker
+from radixserve.router.breaker import HALF_OPEN, CircuitBreaker
 from radixserve.router.config import RouterConfig
 from radixserve.router.validate import finite_number
 
@@ -49,6 +49,7 @@ class WorkerState:
     num_failures: int = 0
     routed_len: int = 0
     matched_len: int = 0  # of routed_len, already in the prefix tree for this worker
+    instance_id: str | None = None  # the worker process's, from /health (None: not reported)
     stale_s: float = 5.0
     stale_penalty: float = 16.0
     smoothing: float = 0.5
@@ -65,9 +66,13 @@ class WorkerState:
             load += self.stale_penalty
         return load
 
-    def is_routable(self) -> bool:
+    def is_in_rotation(self) -> bool:
+        """Healthy, not draining, weight > 0: routable whatever its breaker says."""
         return (self.healthy and not self.draining and not self.reports_draining
-                and self.weight > 0 and self.breaker.can_execute())
+                and self.weight > 0)
+
+    def is_routable(self) -> bool:
+        return self.is_in_rotation() and self.breaker.can_execute()
 
     def report(self, num_running: int, num_queue: int, token_usage: float,
                cache_hit_rate: float, now: float) -> None:
@@ -80,6 +85,27 @@ class WorkerState:
         self.num_running, self.num_queue = num_running, num_queue
         self.token_usage, self.cache_hit_rate = token_usage, cache_hit_rate
         self.reported_at = now
+
+    def forget_load(self) -> None:
+        """Drop the load reading: judged by in_flight alone until the next one."""
+        self.num_running, self.num_queue = 0, 0
+        self.token_usage, self.cache_hit_rate = 0.0, 0.0
+        self.reported_at, self.ema_external = None, 0.0
+
+    def note_instance(self, instance_id: str | None) -> bool:
+        """Remember the process id /health reported; True if it replaced another (a restart)."""
+        if instance_id is None:
+            return False
+        old, self.instance_id = self.instance_id, instance_id
+        return old is not None and old != instance_id
+
+    def rejoin(self) -> None:
+        """A new process on this URL starts afresh: healthy, breaker closed, no load reading.
+        Requests in flight to the old process fail on their own and release as usual."""
+        self.healthy = True
+        self.health_failures, self.health_successes = 0, 0
+        self.breaker.reset()
+        self.forget_load()
 
     def record(self, outcome: str) -> None:
         """Raises ValueError unless `outcome` is "success", "failure" or "neutral"."""
@@ -129,7 +155,7 @@ class WorkerState:
             "hit_estimate": round(self.hit_estimate, 4),
             "num_requests": self.num_requests, "num_failures": self.num_failures,
             "health_failures": self.health_failures,
-            "health_successes": self.health_successes,
+            "health_successes": self.health_successes, "instance_id": self.instance_id,
         }
 
 
@@ -191,6 +217,13 @@ class WorkerRegistry:
 
     def routable(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkerState]:
         return [w for w in self._workers.values() if w.url not in exclude and w.is_routable()]
+
+    def candidates(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkerState]:
+        """The routable workers; if none, those in rotation whose half-open breaker has its
+        probe out, since the request fails for sure otherwise (Envoy's panic routing)."""
+        return self.routable(exclude) or [
+            w for w in self._workers.values() if w.url not in exclude and w.is_in_rotation()
+            and w.breaker.state == HALF_OPEN]
 
     def acquire(self, url: str) -> WorkerState:
         """Raises KeyError if unknown. Prefer `dispatch`, which cannot leak."""

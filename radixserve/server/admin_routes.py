@@ -80,6 +80,7 @@ def install_admin_routes(app: FastAPI, ctx: ServingContext, server_config: Serve
                              "num_open_requests": ctx.client.num_open_requests,
                              "max_open_requests": ctx.max_open_requests,
                              "engine_pid": ctx.client.proc.pid,
+                             "instance_id": ctx.instance_id,
                              "engine_alive": ctx.client.is_alive,
                              "server_config": dataclasses.asdict(server_config) | {"api_key": None},
                              "engine": await ctx.client.call("stats")})

@@ -155,14 +155,15 @@ def install_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        """200 `ok`; 503 `degraded` (all slots held: route away, not sick), `engine_dead`, or `draining`."""
+        """200 `ok` with this process's `instance_id`; 503 `degraded` (all slots held: route
+        away, not sick), `engine_dead`, or `draining`."""
         if not ctx.client.is_alive:
             raise EngineDead(f"engine is dead: {ctx.client.dead_reason}")
         num_open = ctx.client.num_open_requests
         if num_open >= ctx.max_open_requests:
             return JSONResponse({"status": "degraded", "reason": f"all {ctx.max_open_requests} request "
                                  f"slots are held", "num_open_requests": num_open}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "instance_id": ctx.instance_id})
 
     @app.get("/live")
     async def live() -> Response:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,8 @@ class ServingContext:
     reasoning_parser: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     runs: dict[str, GenerationRun] = field(default_factory=dict)   # response id -> open run
+    # new per process: a router that sees it change knows the worker restarted
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property

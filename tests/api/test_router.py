@@ -319,6 +319,8 @@ def test_killed_worker_loses_no_request_and_rejoins_after_health_checks(fleet):
     assert fleet.counts()[a] == before[a]  # nothing more sent to the dead worker
     fleet.restart(a)
     wait_for(lambda: fleet.workers()[a]["healthy"], "a healthy again")
+    # its new instance id: healthy, breaker closed and old load reading dropped at one check
+    assert fleet.workers()[a]["breaker"] == "closed"
 
     def a_takes_some() -> bool:  # at once, so in-flight counts (not idle load ties) decide
         before = fleet.counts()[a]

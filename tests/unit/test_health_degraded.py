@@ -20,7 +20,10 @@ def app_with(num_open: int, max_open: int = 3) -> TestClient:
 
 
 def test_health_is_ok_with_a_free_slot_and_degraded_when_all_are_held():
-    assert app_with(2).get("/health").json() == {"status": "ok"}
+    ok = app_with(2).get("/health").json()
+    assert ok == {"status": "ok", "instance_id": ok["instance_id"]}
+    other = app_with(2).get("/health").json()["instance_id"]
+    assert len(ok["instance_id"]) == 32 and ok["instance_id"] != other  # one per process
     full = app_with(3).get("/health")
     assert full.status_code == 503
     assert full.json() == {"status": "degraded", "reason": "all 3 request slots are held", "num_open_requests": 3}

@@ -245,3 +245,26 @@ def test_backpressure_bursts_never_open_and_half_open_success_closes():
         breaker.end(token)
     assert breaker.state == "closed"
     assert moves == [("closed", "open"), ("open", "half_open"), ("half_open", "closed")]
+
+
+def test_passing_health_checks_close_a_half_open_breaker_and_change_nothing_else():
+    """C40: a worker no request is routed to still closes: each passing health check counts as
+    one half-open success, without taking the probe slot; closed and open states ignore them."""
+    breaker, clock, moves = make(failures=3, successes=2, timeout_s=10.0)
+    breaker.record("failure")
+    breaker.record("failure")
+    breaker.probe_passed()
+    assert breaker.consecutive_failures == 2   # a pass is no request success
+    breaker.record("failure")
+    breaker.probe_passed()
+    assert breaker.state == "open"
+    clock.now = 10.0
+    token = breaker.begin()
+    breaker.probe_passed()
+    assert breaker.state == "half_open" and not breaker.can_execute()  # the probe still holds
+    breaker.probe_passed()
+    assert breaker.state == "closed" and moves[-1] == ("half_open", "closed")
+    breaker.end(token)
+    disabled, _, _ = make(disabled=True)
+    disabled.probe_passed()
+    assert disabled.state == "closed"
