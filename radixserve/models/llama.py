@@ -1,6 +1,6 @@
-"""The generic Llama-family decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP, fused QKV and gate-up.
+"""The generic Llama-family decoder: RMSNorm, RoPE, GQA or MLA attention (models/mla.py), SwiGLU MLP, fused QKV, gate-up.
 
-Qwen2, Qwen3, GLM-4, GLM-4-0414, GLM-4.5 and Qwen3-MoE are ModelConfig flags, not copies; attention over the paged
+Qwen2, Qwen3, GLM-4, GLM-4-0414, GLM-4.5, GLM-4.7-Flash and Qwen3-MoE are ModelConfig flags, not copies; attention over the paged
 KV cache is the `Attention` the runner passes in (layers/attention.py), so models never import the runner."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from radixserve.layers.embedding import VocabEmbedding
 from radixserve.layers.linear import GateUpLinear, Linear, QKVLinear
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding, rope_inv_freq
+from radixserve.models.mla import MLAAttention, rope_rows
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.moe import Experts, MoE, Router
 
@@ -64,7 +65,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = LlamaAttention(c, layer_id)
+        self.self_attn = MLAAttention(c, layer_id) if c.mla else LlamaAttention(c, layer_id)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.moe is not None and layer_id not in c.moe.dense_layers:
             shared = (LlamaMLP(c, c.moe.intermediate_size * c.moe.num_shared_experts)
@@ -103,6 +104,8 @@ class LlamaForCausalLM(torch.nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        if config.mla is not None:   # MLA's q_proj (no q LoRA) is a plain projection
+            self.FUSED = {name: target for name, target in self.FUSED.items() if target[0] != "qkv_proj"}
         self.model = LlamaModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
@@ -120,6 +123,8 @@ class LlamaForCausalLM(torch.nn.Module):
         """A checkpoint tensor as stored here: with interleaved RoPE (GLM-4) q/k rotary rows reorder from pairs
         (2i, 2i+1) to (i, i + rot/2) for the rotate-half kernel (q.k is unchanged: q and k permute alike)."""
         c = self.config
+        if c.mla is not None:
+            return rope_rows(c, name, tensor)
         if not c.rope_interleaved or not (".q_proj." in name or ".k_proj." in name):
             return tensor
         rot = c.rot_dim

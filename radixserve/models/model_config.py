@@ -5,7 +5,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 # HF `architectures[0]` (or `model_type`) -> our family name.
 _FAMILIES = {
@@ -16,6 +16,7 @@ _FAMILIES = {
     "GlmForCausalLM": "glm", "glm": "glm",
     "Glm4ForCausalLM": "glm4", "glm4": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe", "glm4_moe": "glm4_moe",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "glm4_moe_lite": "glm4_moe_lite",
 }
 # GGUF `general.architecture` (llama.cpp's names) -> our family name; llama.cpp names GLM-4-9B-hf "chatglm".
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
@@ -52,10 +53,30 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash; models/mla.py): q_lora_rank None projects q directly."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+class KVShape(NamedTuple):
+    """The paged KV cache per token and layer: num_heads x head_dim; `latent`: one store, V reads return K."""
+
+    num_heads: int
+    head_dim: int
+    latent: bool
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A Llama-family decoder; head counts per layer, sizes in elements. Relatives' flags: `qk_norm` (RMSNorm per q/k
     head after the bias, before RoPE), `rotary_dim` (RoPE over the first dims only; None: all), `rope_interleaved`
-    (pairs (2i, 2i+1), permuted at load), `post_norms` (GLM-4-0414: RMSNorm on each sublayer's output), `moe`."""
+    (pairs (2i, 2i+1), permuted at load), `post_norms` (GLM-4-0414: RMSNorm on each sublayer's output), `moe`, `mla`
+    (MLA attention; head_dim is then the rope head dim, as transformers' attribute_map has it)."""
 
     architecture: str
     vocab_size: int
@@ -81,6 +102,7 @@ class ModelConfig:
     rope_interleaved: bool = False
     post_norms: bool = False
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -98,6 +120,13 @@ class ModelConfig:
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
+    @property
+    def kv_shape(self) -> KVShape:
+        """MLA caches the latent and the rope key as one head (absorbed attention reads V from it)."""
+        if self.mla is not None:
+            return KVShape(1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim, True)
+        return KVShape(self.num_kv_heads, self.head_dim, False)
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Normalise a transformers config.json dict (4.x `rope_scaling` or 5.x `rope_parameters`)."""
@@ -106,7 +135,8 @@ class ModelConfig:
         if family is None:
             raise ValueError(f"unsupported architecture {arch!r}")
         num_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        mla = _mla(family, cfg)
+        head_dim = mla.qk_rope_head_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         rope = dict(cfg.get("rope_parameters") or {})
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -130,8 +160,8 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=family in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm", False)),
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-            rope_interleaved=family in ("glm", "glm4"), post_norms=family == "glm4",
-            moe=_moe(family, cfg))
+            rope_interleaved=family in ("glm", "glm4") or bool(mla and cfg.get("rope_interleave", True)),
+            post_norms=family == "glm4", moe=_moe(family, cfg), mla=mla)
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], tensor_names: Collection[str]) -> ModelConfig:
@@ -190,22 +220,35 @@ class ModelConfig:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"]) if d["rope_scaling"] else None
         if d.get("moe"):
             d["moe"] = MoEConfig(**{**d["moe"], "dense_layers": tuple(d["moe"]["dense_layers"])})
+        if d.get("mla"):
+            d["mla"] = MLAConfig(**d["mla"])
         return cls(**d)
 
 
+def _mla(family: str, cfg: dict[str, Any]) -> MLAConfig | None:
+    if family != "glm4_moe_lite":
+        return None
+    return MLAConfig(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
+                     qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                     v_head_dim=cfg["v_head_dim"])
+
+
 def _moe(family: str, cfg: dict[str, Any]) -> MoEConfig | None:
-    """The routed-experts settings of a glm4_moe or qwen3_moe config.json (None otherwise)."""
+    """The routed-experts settings of a glm4_moe(_lite) or qwen3_moe config.json (None otherwise); glm4_moe_lite's dense
+    layers are its `mlp_layer_types` (transformers ignores its first_k_dense_replace)."""
     layers = range(cfg["num_hidden_layers"])
     num_experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
-    if family == "glm4_moe":
+    if family in ("glm4_moe", "glm4_moe_lite"):
+        types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (len(layers) - 1)
+        dense = (tuple(i for i in layers if types[i] == "dense") if family == "glm4_moe_lite"
+                 else tuple(range(min(cfg.get("first_k_dense_replace", 1), len(layers)))))
         return MoEConfig(
             num_experts=num_experts, top_k=cfg["num_experts_per_tok"],
             intermediate_size=cfg["moe_intermediate_size"], scoring="sigmoid",
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
             num_shared_experts=cfg.get("n_shared_experts", 1), num_groups=cfg.get("n_group", 1),
-            topk_groups=cfg.get("topk_group", 1),
-            dense_layers=tuple(range(min(cfg.get("first_k_dense_replace", 1), len(layers)))))
+            topk_groups=cfg.get("topk_group", 1), dense_layers=dense)
     if family == "qwen3_moe":
         step, dense_only = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
         return MoEConfig(

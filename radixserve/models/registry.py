@@ -7,7 +7,8 @@ from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.model_config import ModelConfig
 
 _MODELS: dict[str, type[torch.nn.Module]] = {
-    family: LlamaForCausalLM for family in ("llama", "qwen2", "qwen3", "qwen3_moe", "glm", "glm4", "glm4_moe")}
+    family: LlamaForCausalLM for family in ("llama", "qwen2", "qwen3", "qwen3_moe", "glm", "glm4", "glm4_moe",
+                                             "glm4_moe_lite")}
 
 
 def model_class(config: ModelConfig) -> type[torch.nn.Module]:

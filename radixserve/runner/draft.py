@@ -22,7 +22,8 @@ class DraftModel:
             raise ValueError(f"speculative_draft_layers must be in [1, {mc.num_layers}], "
                              f"got {num_layers}")
         self.model, self.num_layers, self.page_size, self.device = model, num_layers, page_size, device
-        self.kv = KVCache(num_layers, num_pages, page_size, mc.num_kv_heads, mc.head_dim, dtype, device)
+        heads, head_dim, latent = mc.kv_shape
+        self.kv = KVCache(num_layers, num_pages, page_size, heads, head_dim, dtype, device, latent=latent)
         # No decode mirror: propose steps run ahead of the sequences a mirror tracks.
         self.backend = TorchAttentionBackend(self.kv, mirror_bytes=0)
 

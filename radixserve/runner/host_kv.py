@@ -49,8 +49,7 @@ class HostKV:
         self.device = device
         self.host = device.like(num_pages, "cpu")
         self.num_pages = num_pages
-        self.page_bytes = KVCache.bytes_per_token(device.num_layers, device.num_kv_heads,
-                                                  device.head_dim, device.dtype) * device.page_size
+        self.page_bytes = device.token_bytes * device.page_size
         self.fault: CopyFault | None = None
         self.disk = None
         self._stream = torch.cuda.Stream(device.device) if device.device.type == "cuda" else None

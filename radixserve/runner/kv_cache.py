@@ -1,7 +1,8 @@
 """KVCache: the one owner of paged K/V storage (layout, dtype incl. FP8 with scales, device) and every read and write of it.
 
-Per layer K, V: (num_kv_heads, num_pages, page_size, head_dim), slot = page_id * page_size + offset. FP8 stores clamped
-x / scale per (layer, KV head), reads return stored * scale; reads wait while a begin_fill lacks its end_fill (docs/runner.md)."""
+Per layer K, V: (num_kv_heads, num_pages, page_size, head_dim), slot = page_id * page_size + offset; the latent layout
+(MLA, docs/mla.md) stores K only and V reads return K. FP8 stores clamped x / scale per (layer, KV head), reads return
+stored * scale; reads wait while a begin_fill lacks its end_fill (docs/runner.md)."""
 from __future__ import annotations
 
 import threading
@@ -14,7 +15,8 @@ FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 @dataclass(frozen=True, slots=True)
 class KVPages:
-    """Stored dtype on the CPU: k, v (layers, KV, n, page_size, head_dim); side: name -> (layers, n, page_size, *shape)."""
+    """Stored dtype on the CPU: k, v (layers, KV, n, page_size, head_dim), v with 0 heads in the latent layout;
+    side: name -> (layers, n, page_size, *shape)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -32,27 +34,31 @@ class KernelView:
 
 
 class KVCache:
-    """Zero-initialised; `dtype` stored, `compute_dtype` (default `dtype`) read; k_scale, v_scale (layers, KV) fp32 for FP8."""
+    """Zero-initialised; `dtype` stored, `compute_dtype` (default `dtype`) read; k_scale, v_scale (layers, KV) fp32 for FP8
+    (`latent`: V reads use k_scale)."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  compute_dtype: torch.dtype | None = None, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None):
+                 v_scale: torch.Tensor | None = None, latent: bool = False):
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device, self.latent = dtype, torch.device(device), latent
         self.compute_dtype = compute_dtype or dtype
         self.is_fp8 = dtype in FP8_DTYPES.values()
         if self.is_fp8 and (k_scale is None or v_scale is None):
             raise ValueError("float8 KV storage needs k_scale and v_scale")
         shape = (num_kv_heads, num_pages, page_size, head_dim)
         self._k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self._v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._v = self._k if latent else [torch.zeros(shape, dtype=dtype, device=self.device)
+                                          for _ in range(num_layers)]
+        self._stores = [self._k] if latent else [self._k, self._v]
         self._head_offsets = torch.arange(num_kv_heads, device=self.device) * num_pages
         self._fp8_max = torch.finfo(dtype).max if self.is_fp8 else 0.0
         ones = torch.ones(num_layers, num_kv_heads)
         self.k_scale = (k_scale if k_scale is not None else ones).float().to(self.device)
-        self.v_scale = (v_scale if v_scale is not None else ones).float().to(self.device)
+        self.v_scale = (self.k_scale if latent
+                        else (v_scale if v_scale is not None else ones).float().to(self.device))
         self._side: dict[str, list[torch.Tensor]] = {}
         self._ready = [threading.Event() for _ in range(num_layers)]
         for event in self._ready:
@@ -62,8 +68,20 @@ class KVCache:
         self.skip_readiness_wait = False        # test only: reads ignore fills in flight
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        latent: bool = False) -> int:
+        stores = 1 if latent else 2
+        return stores * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        """Stored bytes per token over all layers, side buffers excluded."""
+        return self.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.latent)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every tensor the cache holds for its pages: K, V (once in the latent layout) and side buffers."""
+        tensors = [t for stores in (*self._stores, *self._side.values()) for t in stores]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def begin_fill(self, layers: range | list[int]) -> None:
         """Reads of `layers` block until each fill begun ends; call before the filler starts, on the reads' thread."""
@@ -85,9 +103,9 @@ class KVCache:
             event.wait()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v: (T, KV, D) compute dtype at `slots`: (T,) int64, quantising for FP8."""
+        """Store k, v: (T, KV, D) compute dtype at `slots`: (T,) int64, quantising for FP8; latent: v is not read."""
         flat = (self.num_kv_heads, self.num_pages * self.page_size, self.head_dim)
-        for store, x, scale in ((self._k, k, self.k_scale), (self._v, v, self.v_scale)):
+        for store, x, scale in zip(self._stores, (k, v), (self.k_scale, self.v_scale)):
             data = self._encode(x.transpose(0, 1), scale[layer])
             target = store[layer].view(flat)
             if self.is_fp8:  # CPU index_copy_ has no float8 kernel: copy the bytes
@@ -111,10 +129,10 @@ class KVCache:
         if not self.is_fp8 and self.dtype == self.compute_dtype:
             return k, v
         out = []
-        for x, scale in ((k, self.k_scale[layer]), (v, self.v_scale[layer])):
+        for _, x, scale in zip(self._stores, (k, v), (self.k_scale[layer], self.v_scale[layer])):
             stored = self._encode(x.transpose(0, 1), scale)
             out.append(self._decode(stored, scale).transpose(0, 1))
-        return out[0], out[1]
+        return out[0], out[-1]
 
     def head_rows(self, page_ids: torch.Tensor) -> torch.Tensor:
         """(n,) int64 page ids -> (KV * n,) int64 head-major rows of the (KV * num_pages, page_size * D) view."""
@@ -122,18 +140,19 @@ class KVCache:
 
     def gather(self, layer: int, rows: torch.Tensor, k_out: torch.Tensor | None = None,
                v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows from head_rows (KV * n,) -> K, V (KV * n, page_size * D) compute dtype, into k_out/v_out if given."""
+        """Rows from head_rows (KV * n,) -> K, V (KV * n, page_size * D) compute dtype, into k_out/v_out if given
+        (latent: V is the returned K and v_out is not written)."""
         self.wait_ready(layer)
         flat = (self.num_kv_heads * self.num_pages, self.page_size * self.head_dim)
         out = []
-        for store, scale, buf in ((self._k, self.k_scale, k_out), (self._v, self.v_scale, v_out)):
+        for store, scale, buf in zip(self._stores, (self.k_scale, self.v_scale), (k_out, v_out)):
             if not self.is_fp8 and self.dtype == self.compute_dtype:
                 out.append(torch.index_select(store[layer].view(flat), 0, rows, out=buf))
                 continue
             raw = torch.index_select(store[layer].view(flat), 0, rows)
             deq = self._decode(raw.view(self.num_kv_heads, -1), scale[layer]).view(raw.shape)
             out.append(buf.copy_(deq) if buf is not None else deq)
-        return out[0], out[1]
+        return out[0], out[-1]
 
     def read_pages(self, layer: int, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `page_ids` (n,) int64 as (KV, n * page_size, D) in compute dtype."""
@@ -165,11 +184,16 @@ class KVCache:
         buf = self._side[name][layer]
         return buf.view(-1, *buf.shape[2:]).index_select(0, slots)
 
+    def v_shape(self, num_pages: int) -> tuple[int, ...]:
+        """Exported V's shape: no heads in the latent layout."""
+        heads = 0 if self.latent else self.num_kv_heads
+        return (self.num_layers, heads, num_pages, self.page_size, self.head_dim)
+
     def copy_layer_from(self, src: KVCache, layer: int, src_ids: list[int], dst_ids: list[int]) -> None:
         """Copy `src`'s pages src_ids of `layer` into dst_ids (same layout, dtype); no readiness wait: the caller orders it."""
         s_idx = torch.tensor(src_ids, dtype=torch.long, device=src.device)
         d_idx = torch.tensor(dst_ids, dtype=torch.long, device=self.device)
-        for mine, theirs in ((self._k, src._k), (self._v, src._v)):
+        for mine, theirs in zip(self._stores, src._stores):
             target, values = mine[layer], theirs[layer].index_select(1, s_idx).to(self.device)
             if self.is_fp8:
                 target, values = target.view(torch.uint8), values.view(torch.uint8)
@@ -179,7 +203,7 @@ class KVCache:
 
     def like(self, num_pages: int, device: torch.device | str) -> KVCache:
         other = KVCache(self.num_layers, num_pages, self.page_size, self.num_kv_heads, self.head_dim,
-                        self.dtype, device, self.compute_dtype, self.k_scale.cpu(), self.v_scale.cpu())
+                        self.dtype, device, self.compute_dtype, self.k_scale.cpu(), self.v_scale.cpu(), self.latent)
         for name, bufs in self._side.items():
             other.add_side_buffer(name, tuple(bufs[0].shape[2:]), bufs[0].dtype)
         return other
@@ -192,7 +216,8 @@ class KVCache:
         def take(stores: list[torch.Tensor], dim: int) -> torch.Tensor:
             return torch.stack([s.index_select(dim, idx) for s in stores]).cpu()
 
-        return KVPages(take(self._k, 1), take(self._v, 1),
+        k = take(self._k, 1)
+        return KVPages(k, k[:, :0] if self.latent else take(self._v, 1),
                        {name: take(bufs, 0) for name, bufs in self._side.items()})
 
     def slot_checksums(self, slots: list[int]) -> list[int]:
@@ -202,7 +227,7 @@ class KVCache:
         bits = {4: torch.int32, 2: torch.int16, 1: torch.int8}[self._k[0].element_size()]
         total = torch.zeros(len(idx), dtype=torch.int64, device=self.device)
         for layer in range(self.num_layers):
-            for store in (self._k[layer], self._v[layer]):
+            for store in (stores[layer] for stores in self._stores):
                 rows = store.view(bits).view(self.num_kv_heads, -1, self.head_dim).index_select(1, idx)
                 total += rows.sum(dim=(0, 2), dtype=torch.int32)
         return total.tolist()
@@ -210,12 +235,13 @@ class KVCache:
     def import_pages(self, page_ids: list[int], data: KVPages) -> None:
         """Write exported pages into `page_ids`. Raises ValueError on a shape or dtype mismatch."""
         expect = (self.num_layers, self.num_kv_heads, len(page_ids), self.page_size, self.head_dim)
-        if tuple(data.k.shape) != expect or data.k.dtype != self.dtype or set(data.side) != set(self._side):
+        if (tuple(data.k.shape) != expect or data.k.dtype != self.dtype or set(data.side) != set(self._side)
+                or tuple(data.v.shape) != self.v_shape(len(page_ids))):
             raise ValueError(f"imported pages {tuple(data.k.shape)} {data.k.dtype} do not fit "
                              f"this cache {expect} {self.dtype}")
         idx = torch.tensor(page_ids, dtype=torch.long, device=self.device)
         for layer in range(self.num_layers):
-            for store, src in ((self._k, data.k), (self._v, data.v)):
+            for store, src in zip(self._stores, (data.k, data.v)):
                 target, values = store[layer], src[layer].to(self.device)
                 if self.is_fp8:
                     target, values = target.view(torch.uint8), values.view(torch.uint8)

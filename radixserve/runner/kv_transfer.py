@@ -17,7 +17,7 @@ def pack_pages(pages: KVPages) -> bytes:
 def unpack_pages(kv: KVCache, num_pages: int, data: bytes) -> KVPages:
     """Inverse of pack_pages. Raises ValueError when the byte count does not fit `num_pages` of `kv`'s layout."""
     kv_shape = (kv.num_layers, kv.num_kv_heads, num_pages, kv.page_size, kv.head_dim)
-    shapes = [(kv_shape, kv.dtype), (kv_shape, kv.dtype)]
+    shapes = [(kv_shape, kv.dtype), (kv.v_shape(num_pages), kv.dtype)]
     for name in sorted(kv._side):
         buf = kv._side[name][0]
         shapes.append(((kv.num_layers, num_pages, *buf.shape[1:]), buf.dtype))

@@ -70,10 +70,10 @@ class ModelRunner:
         self.num_pages = self._num_pages(config, model_config)
         kv_dtype = kv_storage_dtype(config)
         self.kv_scales = self._kv_scales(kv_dtype, checkpoint_kv_scales or {})
-        mc = model_config
-        self.kv = KVCache(mc.num_layers, self.num_pages, self.page_size, mc.num_kv_heads, mc.head_dim,
-                          kv_dtype, self.device, self.dtype,
-                          *((self.kv_scales.k, self.kv_scales.v) if self.kv_scales else ()))
+        heads, head_dim, latent = model_config.kv_shape
+        scales = (self.kv_scales.k, self.kv_scales.v) if self.kv_scales else (None, None)
+        self.kv = KVCache(model_config.num_layers, self.num_pages, self.page_size, heads, head_dim,
+                          kv_dtype, self.device, self.dtype, *scales, latent=latent)
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device,
                                                         batch_invariant=deterministic,
                                                         cascade=not config.disable_cascade_attention)
@@ -114,11 +114,12 @@ class ModelRunner:
         if kv_dtype not in FP8_DTYPES.values():
             return None
         mc, path = self.model_config, self.config.quantization_param_path
-        scales = kv_scales.from_checkpoint(from_checkpoint, mc.num_layers, mc.num_kv_heads)
+        heads = mc.kv_shape.num_heads
+        scales = kv_scales.from_checkpoint(from_checkpoint, mc.num_layers, heads)
         if scales is None and path is not None:
-            scales = kv_scales.from_file(path, mc.num_layers, mc.num_kv_heads)
+            scales = kv_scales.from_file(path, mc.num_layers, heads)
         if scales is None:
-            scales = kv_scales.calibrate(self.model, mc.num_layers, mc.num_kv_heads, self.vocab_size,
+            scales = kv_scales.calibrate(self.model, mc.num_layers, heads, self.vocab_size,
                                          self.max_context_len, kv_dtype, self.device)
             logger.warning("FP8 KV: neither the checkpoint nor --quantization-param-path gives KV "
                            "scales; calibrated them over %d tokens: k %.4g..%.4g, v %.4g..%.4g",
@@ -130,8 +131,7 @@ class ModelRunner:
 
     def _host_kv(self, config: EngineConfig) -> HostKV:
         """The host tier: --hicache-size GiB, else --hicache-ratio x the device pages."""
-        page_bytes = KVCache.bytes_per_token(self.kv.num_layers, self.kv.num_kv_heads,
-                                             self.kv.head_dim, self.kv.dtype) * self.page_size
+        page_bytes = self.kv.token_bytes * self.page_size
         num = (int(config.hicache_size * 2**30) // page_bytes if config.hicache_size is not None
                else int(self.num_pages * config.hicache_ratio))
         host = HostKV(self.kv, num)
@@ -191,10 +191,10 @@ class ModelRunner:
         """disagg.protocol.KVLayout's fields."""
         if getattr(self, "_identity", None) is None:
             self._identity = kv_transfer.model_identity(self.model_config, self.model)
-        mc = self.model_config
-        return {"page_size": self.page_size, "kv_dtype": str(self.kv.dtype).removeprefix("torch."),
-                "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
-                "head_dim": mc.head_dim, "model": self._identity}
+        kv = self.kv
+        return {"page_size": self.page_size, "kv_dtype": str(kv.dtype).removeprefix("torch."),
+                "num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads,
+                "head_dim": kv.head_dim, "model": self._identity}
 
     def export_kv(self, page_ids: list[int]) -> bytes:
         return kv_transfer.pack_pages(self.kv.export_pages(page_ids))
@@ -211,7 +211,8 @@ class ModelRunner:
     def _num_pages(config: EngineConfig, mc: ModelConfig) -> int:
         if config.max_total_tokens is not None:
             return config.max_total_tokens // config.page_size
-        per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_storage_dtype(config))
+        heads, head_dim, latent = mc.kv_shape
+        per_token = KVCache.bytes_per_token(mc.num_layers, heads, head_dim, kv_storage_dtype(config), latent)
         num_pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
         if num_pages < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")

@@ -1,10 +1,13 @@
-"""Qwen3, Qwen3-MoE, GLM-4 (glm), GLM-4-0414 (glm4) and GLM-4.5 (glm4_moe) against transformers.
+"""Qwen3, Qwen3-MoE, GLM-4 (glm), GLM-4-0414 (glm4), GLM-4.5 (glm4_moe) and GLM-4.7-Flash (glm4_moe_lite, MLA)
+against transformers.
 
 Tiny random-weight configs (router weights and the GLM
 correction bias randomised: transformers initialises them to zero, which makes every expert
 tie). Engine level: the five scheduling scenarios of test_parity.py, greedy token for token
 (tie rule). Runner level: a mixed decode/prefill/cached-prefix batch, top-5 logprobs within
-1e-4. Prompt lengths straddle the partial-rotary and chunk boundaries of case C42.
+1e-4. Prompt lengths straddle the partial-rotary and chunk boundaries of case C42. The MLA config's cache
+head (kv_lora_rank + rope = 40) differs from its q.k width (nope + rope = 24) and its v_head_dim (12), so the
+softmax scale and the value split are exercised.
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ FAMILIES = {
         MOE, head_dim=32, n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1,
         first_k_dense_replace=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
         rope_theta=1e6)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        MOE, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, routed_scaling_factor=1.8, rope_theta=1e6)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         MOE, head_dim=16, num_experts=8, norm_topk_prob=True, mlp_only_layers=[0])),
 }
@@ -80,13 +86,18 @@ def test_family_config_is_normalised(family_case):
     family, folder = family_case[0], family_case[1]
     mc = ModelConfig.from_hf(read_hf_config(str(folder)))
     assert mc.architecture == family
-    glm = family.startswith("glm")
+    glm = family in ("glm", "glm4", "glm4_moe")
     assert mc.rot_dim == (mc.head_dim // 2 if glm else mc.head_dim)
-    assert mc.rope_interleaved == (family in ("glm", "glm4")) and mc.post_norms == (family == "glm4")
+    assert mc.rope_interleaved == (family in ("glm", "glm4", "glm4_moe_lite")) and mc.post_norms == (family == "glm4")
     assert mc.qk_norm == (family in ("qwen3", "qwen3_moe", "glm4_moe"))
-    assert (mc.moe is not None) == family.endswith("_moe")
+    assert (mc.moe is not None) == ("_moe" in family)
     if glm:
         assert mc.qkv_bias and not mc.o_bias
+    if family == "glm4_moe_lite":
+        assert mc.mla is not None and mc.moe.dense_layers == (0,) and mc.head_dim == mc.mla.qk_rope_head_dim == 8
+        assert tuple(mc.kv_shape) == (1, 32 + 8, True)
+    else:
+        assert mc.mla is None and tuple(mc.kv_shape) == (mc.num_kv_heads, mc.head_dim, False)
     assert ModelConfig.from_json(mc.to_json()) == mc
 
 

@@ -78,7 +78,7 @@ class DecodeMirror:
     @staticmethod
     def _token_bytes(kv: KVCache) -> int:
         itemsize = torch.empty((), dtype=kv.compute_dtype).element_size()
-        return 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * itemsize
+        return (1 if kv.latent else 2) * kv.num_layers * kv.num_kv_heads * kv.head_dim * itemsize
 
     def _fits(self, kv: KVCache, batch: int, longest: int) -> bool:
         return batch * _round(longest) * self._token_bytes(kv) <= self.max_bytes
@@ -109,7 +109,7 @@ class DecodeMirror:
             shape = (kv.num_kv_heads, num_slots, capacity, kv.head_dim)
             self.k, self.v = [], []
             self.k = [zeros(shape, kv.compute_dtype, kv.device) for _ in range(kv.num_layers)]
-            self.v = [zeros(shape, kv.compute_dtype, kv.device) for _ in range(kv.num_layers)]
+            self.v = self.k if kv.latent else [zeros(shape, kv.compute_dtype, kv.device) for _ in range(kv.num_layers)]
             self.num_slots, self.capacity = num_slots, capacity
 
     def _fill(self, kv: KVCache, d: DecodeGroup, stale: list[int], share: bool) -> None:
@@ -169,7 +169,8 @@ class DecodeMirror:
                                          device=kv.device))
         counts = [len(pages) * size for *_, pages in jobs]
         for layer in range(kv.num_layers):
-            for src, dst in zip(kv.gather(layer, rows), (self.k[layer], self.v[layer])):
+            mirrors = (self.k[layer],) if kv.latent else (self.k[layer], self.v[layer])
+            for src, dst in zip(kv.gather(layer, rows), mirrors):
                 src = src.view(kv.num_kv_heads, -1, kv.head_dim)
                 offset = 0
                 for (slot, first, end, _), count in zip(jobs, counts):
@@ -207,7 +208,8 @@ class MirrorStep:
         k, v = self.kv.round_trip(layer, k, v)
         flat = (self.num_kv, m.num_slots * m.capacity, self.head_dim)
         m.k[layer].view(flat).index_copy_(1, self.write_idx, k.transpose(0, 1))
-        m.v[layer].view(flat).index_copy_(1, self.write_idx, v.transpose(0, 1))
+        if not self.kv.latent:
+            m.v[layer].view(flat).index_copy_(1, self.write_idx, v.transpose(0, 1))
         if self.cascade is not None:
             return cascade_attend(self.cascade, q, m.k[layer], m.v[layer])
         k_all = m.k[layer][:, :self.num_used, :self.ctx].transpose(0, 1)

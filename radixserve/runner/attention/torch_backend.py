@@ -50,14 +50,14 @@ class TorchStepAttention:
         if d is not None and mirror_step is None:
             batch = d.mask.shape[0]
             itemsize = torch.empty((), dtype=kv.compute_dtype).element_size()
-            seq_bytes = 2 * d.max_pages * kv.page_size * kv.num_kv_heads * kv.head_dim * itemsize
+            seq_bytes = (1 if kv.latent else 2) * d.max_pages * kv.page_size * kv.num_kv_heads * kv.head_dim * itemsize
             per_chunk = max(1, decode_chunk_bytes // seq_bytes) if decode_chunk_bytes else batch
             self.chunks = [(s, min(s + per_chunk, batch)) for s in range(0, batch, per_chunk)]
             rows = kv.head_rows(d.page_table).view(kv.num_kv_heads, -1)
             self.chunk_rows = [rows[:, s * d.max_pages:e * d.max_pages].reshape(-1) for s, e in self.chunks]
             numel = kv.num_kv_heads * min(per_chunk, batch) * d.max_pages * kv.page_size * kv.head_dim
             self.k_buf = torch.empty(numel, dtype=kv.compute_dtype, device=kv.device)
-            self.v_buf = torch.empty(numel, dtype=kv.compute_dtype, device=kv.device)
+            self.v_buf = None if kv.latent else torch.empty(numel, dtype=kv.compute_dtype, device=kv.device)
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv, step = self.kv, self.step
@@ -99,10 +99,10 @@ class TorchStepAttention:
         n, num_kv, head_dim, ctx = end - start, kv.num_kv_heads, kv.head_dim, d.max_pages * kv.page_size
         shape = (num_kv * n * d.max_pages, kv.page_size * head_dim)
         k_buf = self.k_buf[:num_kv * n * ctx * head_dim].view(shape)
-        v_buf = self.v_buf[:k_buf.numel()].view(shape)
-        kv.gather(layer_id, self.chunk_rows[chunk], k_buf, v_buf)
-        k_seq = k_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)
-        v_seq = v_buf.view(num_kv, n, ctx, head_dim).transpose(0, 1)
+        v_buf = None if self.v_buf is None else self.v_buf[:k_buf.numel()].view(shape)
+        k_all, v_all = kv.gather(layer_id, self.chunk_rows[chunk], k_buf, v_buf)
+        k_seq = k_all.view(num_kv, n, ctx, head_dim).transpose(0, 1)
+        v_seq = v_all.view(num_kv, n, ctx, head_dim).transpose(0, 1)
         return decode_attention(q, k_seq, v_seq, d.mask[start:end])
 
     def _prefill(self, layer_id: int, p: PrefillSeq, rows: torch.Tensor | None, q: torch.Tensor,
