@@ -31,10 +31,11 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_runner(config: EngineConfig) -> Any:
-    """EngineFactory's runner factory; runs in the engine process, so only it imports torch."""
-    from radixserve.runner.model_runner import ModelRunner
+    """EngineFactory's runner factory; runs in the engine process, so only it imports torch. With --tp-size > 1 it
+    starts this machine's other ranks (runner/tp.py)."""
+    from radixserve.runner.tp import load_runner
 
-    return ModelRunner.from_config(config)
+    return load_runner(config)
 
 
 def run_serve(args: argparse.Namespace) -> int:
