@@ -1,7 +1,7 @@
 """Collectives for one tensor-parallel group over torch.distributed (gloo on CPU, NCCL on CUDA), counted and timed out.
 
-Two process groups join the same ranks: `group` (the forward's all-reduces and all-gathers) times out after
-`timeout_s`, so a dead or stuck peer ends every rank with DistError instead of a hang; `step_group` (gloo, no
+Two process groups join the same ranks (after a join that may take `join_timeout_s`, while ranks import and start):
+`group` (the forward's all-reduces and all-gathers) times out after `timeout_s`, so a dead or stuck peer ends every rank with DistError instead of a hang; `step_group` (gloo, no
 practical timeout) carries rank 0's step messages, which followers may wait on while the server is idle. A peer
 that exits closes its sockets, which fails a waiting collective at once on either group (docs/parallel.md)."""
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 STEP_TIMEOUT = datetime.timedelta(days=365)
+JOIN_TIMEOUT_S = 300.0
 PROBE_VALUE = 1.0
 
 
@@ -94,21 +95,22 @@ def _run(op: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         raise DistError(f"{op} failed on rank {dist.get_rank()}: a peer exited or timed out ({exc})") from exc
 
 
-def init_communicator(rank: int, size: int, init_addr: str, timeout_s: float,
-                      device: torch.device | str = "cpu") -> Communicator:
+def init_communicator(rank: int, size: int, init_addr: str, timeout_s: float, device: torch.device | str = "cpu",
+                      join_timeout_s: float = JOIN_TIMEOUT_S) -> Communicator:
     """Join the group of `size` ranks at `init_addr` ("host:port", rank 0 listens there) and probe it. The forward's
-    group is NCCL on a CUDA `device`, else gloo. Raises DistError when a rank does not join within `timeout_s`."""
+    group is NCCL on a CUDA `device`, else gloo. Raises DistError when a rank does not join within `join_timeout_s`."""
     device = torch.device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
+    ranks = list(range(size))
     try:
-        dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
-                                timeout=timeout)
-        step_group = dist.new_group(list(range(size)), timeout=STEP_TIMEOUT, backend="gloo")
+        dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=max(join_timeout_s, timeout_s)))
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
+        step_group = dist.new_group(ranks, timeout=STEP_TIMEOUT, backend="gloo")
     except (RuntimeError, ValueError) as exc:
         raise DistError(f"rank {rank} of {size} could not join the group at {init_addr} within "
-                        f"{timeout_s} s: {exc}") from exc
-    comm = Communicator(rank, size, device, dist.group.WORLD, step_group)
+                        f"{join_timeout_s} s: {exc}") from exc
+    comm = Communicator(rank, size, device, group, step_group)
     comm.probe()
     logger.info("rank %d of %d joined the %s group at %s (collective timeout %.0f s)",
                 rank, size, backend, init_addr, timeout_s)
