@@ -66,7 +66,8 @@ def vocab_part(vocab_size: int, tp: Collectives) -> tuple[int, int]:
 @dataclass(frozen=True)
 class TPSplit:
     """The part of a checkpoint tensor one rank holds: `ranges[shard]` = (start, length) along `dim` (0: output rows,
-    column-parallel; 1: input columns, row-parallel). Rows past the tensor's end are zeros (a padded vocabulary);
+    column-parallel; 1: input columns, row-parallel); a tensor of all shards at once holds them in equal parts, in
+    order. Rows past the tensor's end are zeros (a padded vocabulary);
     a row-parallel bias is kept on rank 0 only, so the all-reduce adds it once."""
 
     dim: int
@@ -79,6 +80,9 @@ class TPSplit:
         if is_bias and self.dim == 1:
             return tensor if self.rank == 0 else torch.zeros_like(tensor)
         dim = 0 if is_bias else self.dim
+        if shard is None and None not in self.ranges:     # a fused checkpoint tensor (GLM's gate_up_proj)
+            parts = tensor.chunk(len(self.ranges), dim)
+            return torch.cat([self.local(p, s, is_bias) for p, s in zip(parts, self.ranges)], dim=dim)
         start, length = self.ranges[shard]
         have = max(0, min(length, tensor.shape[dim] - start))
         part = tensor.narrow(dim, min(start, tensor.shape[dim]), have)
