@@ -53,6 +53,9 @@ def run_serve(args: argparse.Namespace) -> int:
             read_prompts(server_config.warmup_prompts)   # a bad file fails now, not after loading
     except (ValueError, ModelPathError) as exc:
         return _fail(exc, 2)
+    if engine_config.node_rank > 0:
+        from radixserve.runner.tp import serve_node
+        return serve_node(engine_config)
     try:
         sock = bind_socket(server_config.host, server_config.port)
     except PortUnavailable as exc:

@@ -181,6 +181,8 @@ class Linear(torch.nn.Module):
             return y if self.bias is None else y.add_(self.bias)
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
+    local_forward = forward   # this rank's part, without a subclass's collective (what row_path.py times)
+
 
 class QKVLinear(Linear):
     """Fused q/k/v projection: out rows [q (H*D) | k (KV*D) | v (KV*D)], shards "q", "k", "v"."""

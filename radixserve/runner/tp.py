@@ -128,6 +128,13 @@ def load_runner(config: EngineConfig) -> ModelRunner | TPRunner:
         raise
 
 
+def serve_node(config: EngineConfig) -> int:
+    """`serve --node-rank N > 0`: run this machine's ranks until they end; 1 when any failed."""
+    per_node = config.tp_size // config.nnodes
+    followers = launch_followers(config, range(config.node_rank * per_node, (config.node_rank + 1) * per_node))
+    return max(proc.wait() for proc in followers)
+
+
 def follow(runner: ModelRunner, comm: Communicator) -> None:
     """A follower's loop: run each broadcast batch's forward until rank 0 sends None; DistError if a peer fails."""
     while (batch := comm.broadcast_object()) is not None:
