@@ -125,3 +125,22 @@ def test_serving_path_starts_and_stops_its_follower(group):
         runner.close()
     assert [p.returncode for p in runner.followers.processes] == [0]
     assert tokens == generate(load_runner(dataclasses.replace(config, tp_size=1)))
+
+
+def test_a_killed_follower_ends_rank_0s_step_with_an_error(group):
+    """C54: rank 1 dies between steps; rank 0's next step raises DistError (no hang), and close() still returns."""
+    from radixserve.config import EngineConfig
+    from radixserve.dist.comm import DistError
+    from radixserve.runner.tp import load_runner
+    from tests.model.tp_worker import generate
+
+    runner = load_runner(EngineConfig(model_path=group[0][1], tp_size=2, max_total_tokens=4096, quantization="none",
+                                      num_threads=1, dist_timeout=30))
+    try:
+        follower = runner.followers.processes[0]
+        follower.kill()
+        follower.wait(60)
+        with pytest.raises(DistError, match="rank 0"):
+            generate(runner)
+    finally:
+        runner.close()
