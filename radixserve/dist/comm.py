@@ -1,9 +1,10 @@
 """Collectives for one tensor-parallel group over torch.distributed (gloo on CPU, NCCL on CUDA), counted and timed out.
 
 Two process groups join the same ranks (after a join that may take `join_timeout_s`, while ranks import and start):
-`group` (the forward's all-reduces and all-gathers) times out after `timeout_s`, so a dead or stuck peer ends every rank with DistError instead of a hang; `step_group` (gloo, no
-practical timeout) carries rank 0's step messages, which followers may wait on while the server is idle. A peer
-that exits closes its sockets, which fails a waiting collective at once on either group (docs/parallel.md)."""
+`group` (the forward's all-reduces and all-gathers) times out after `timeout_s`, so a dead or stuck peer ends every
+rank with DistError instead of a hang; `step_group` (gloo, no practical timeout) carries rank 0's step messages,
+which followers may wait on while the server is idle. A peer that exits closes its sockets, which fails a waiting
+collective at once on either group (docs/parallel.md)."""
 from __future__ import annotations
 
 import datetime
@@ -28,7 +29,8 @@ class DistError(RuntimeError):
 
 class Communicator:
     """One process's handle on the group. Counters, per op name: `calls[op]` and `bytes[op]`, the bytes this rank
-    contributes (all_reduce, broadcast: the tensor's nbytes; all_gather: its input's; broadcast_object: 8 + the pickle)."""
+    contributes (all_reduce, broadcast: the tensor's nbytes; all_gather: its input's; broadcast_object: 8 + the
+    pickle)."""
 
     def __init__(self, rank: int, size: int, device: torch.device, group: Any = None, step_group: Any = None):
         self.rank, self.size, self.device = rank, size, device

@@ -101,23 +101,25 @@ def column_split(linear: Linear, ranges: dict[str | None, tuple[int, int]], tp: 
 
 
 class RowParallelLinear(Linear):
-    """y = all_reduce(x_local @ W[:, part].T) (+ bias once): x (M, in / size) -> (M, out), the same on every rank."""
+    """y = all_reduce(x_local @ W[:, part].T) (+ bias once): x (M, in / size) -> (M, out), the same on every rank;
+    without `reduce`, the partial sum (a caller adds several and reduces once)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: Collectives):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: Collectives, reduce: bool = True):
         start, length = split_even(in_features, tp)
         super().__init__(length, out_features, bias)
-        self.tp = tp
+        self.tp, self.reduce = tp, reduce
         self.tp_split = TPSplit(1, {None: (start, length)}, tp.rank)
 
     def forward(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x, cast_back))
+        y = super().forward(x, cast_back)
+        return self.tp.all_reduce(y) if self.reduce else y
 
 
-def row_linear(in_features: int, out_features: int, bias: bool, tp: Collectives | None) -> Linear:
+def row_linear(in_features: int, out_features: int, bias: bool, tp: Collectives | None, reduce: bool = True) -> Linear:
     """A plain Linear without tensor parallelism, else its RowParallelLinear."""
     if tp is None or tp.size == 1:
         return Linear(in_features, out_features, bias)
-    return RowParallelLinear(in_features, out_features, bias, tp)
+    return RowParallelLinear(in_features, out_features, bias, tp, reduce)
 
 
 class ParallelLMHead(Linear):

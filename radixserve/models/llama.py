@@ -56,13 +56,14 @@ class LlamaAttention(torch.nn.Module):
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, tp: Collectives | None = None):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, tp: Collectives | None = None,
+                 reduce: bool = True):
         super().__init__()
         width = intermediate_size or config.intermediate_size
         rows = split_even(width, tp) if tp is not None and tp.size > 1 else (0, width)
         self.gate_up_proj = column_split(GateUpLinear(config.hidden_size, rows[1], config.mlp_bias),
                                          {"gate": rows, "up": rows}, tp)
-        self.down_proj = row_linear(width, config.hidden_size, config.mlp_bias, tp)
+        self.down_proj = row_linear(width, config.hidden_size, config.mlp_bias, tp, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden); gate_up's output stays in its computed dtype (bf16 for quantized layers)."""
@@ -77,11 +78,9 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.self_attn = LlamaAttention(c, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.moe is not None and layer_id not in c.moe.dense_layers:
-            if tp is not None and tp.size > 1:
-                raise ValueError(f"--tp-size {tp.size}: tensor parallelism does not split MoE layers yet")
-            shared = (LlamaMLP(c, c.moe.intermediate_size * c.moe.num_shared_experts)
+            shared = (LlamaMLP(c, c.moe.intermediate_size * c.moe.num_shared_experts, tp, reduce=False)
                       if c.moe.num_shared_experts else None)
-            self.mlp: torch.nn.Module = MoE(c.hidden_size, c.moe, shared)
+            self.mlp: torch.nn.Module = MoE(c.hidden_size, c.moe, shared, tp)
         else:
             self.mlp = LlamaMLP(c, tp=tp)
         self.post_self_attn_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.post_norms else None

@@ -1,4 +1,4 @@
-"""Tensor parallelism, TP=2 over gloo in 2 processes vs TP=1, on each dense family's tiny config (tests/model/tp_worker.py).
+"""Tensor parallelism, TP=2 over gloo in 2 processes vs TP=1, on each family's tiny config (tests/model/tp_worker.py).
 
 Checked: logits within 1e-5 relative and greedy tokens equal; both ranks' logits bit-identical; a vocabulary of 257
 (not divisible by 2, tied embeddings, one KV head replicated, row-parallel biases: C55); per-rank parameter bytes and
@@ -21,7 +21,7 @@ from tests.conftest import build_tiny_llama
 from tests.model.test_families import build_family
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-CASES = ("llama257", "qwen3", "glm", "glm4")
+CASES = ("llama257", "qwen3", "glm", "glm4", "glm4_moe", "qwen3_moe")
 
 
 def randomize_biases(folder: pathlib.Path) -> None:
@@ -87,10 +87,22 @@ def param_bytes(c: ModelConfig, tp: int) -> int:
     heads, kv, inter = c.num_heads // tp, max(1, c.num_kv_heads // tp), c.intermediate_size // tp
     vocab = -(-c.vocab_size // tp)
     qkv = (heads + 2 * kv) * d
-    layer = (2 * h + (2 * d if c.qk_norm else 0) + (2 * h if c.post_norms else 0)
-             + qkv * h + (qkv if c.qkv_bias else 0) + h * heads * d + (h if c.o_bias else 0)
-             + 3 * inter * h + ((2 * inter + h) if c.mlp_bias else 0))
-    return 4 * (vocab * h * (1 if c.tie_word_embeddings else 2) + h + layers * layer)
+    attention = (2 * h + (2 * d if c.qk_norm else 0) + (2 * h if c.post_norms else 0)
+                 + qkv * h + (qkv if c.qkv_bias else 0) + h * heads * d + (h if c.o_bias else 0))
+
+    def mlp(width: int) -> int:
+        return 3 * width * h + ((2 * width + h) if c.mlp_bias else 0)
+
+    total = 0
+    for i in range(layers):
+        if c.moe is None or i in c.moe.dense_layers:
+            total += attention + mlp(inter)
+        else:
+            m, width = c.moe, c.moe.intermediate_size // tp
+            shared = mlp(width * m.num_shared_experts) if m.num_shared_experts else 0
+            total += (attention + m.num_experts * h + (m.num_experts if m.scoring == "sigmoid" else 0)
+                      + m.num_experts * 3 * width * h + shared)
+    return 4 * (vocab * h * (1 if c.tie_word_embeddings else 2) + h + total)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
