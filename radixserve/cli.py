@@ -31,10 +31,11 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_runner(config: EngineConfig) -> Any:
-    """EngineFactory's runner factory; runs in the engine process, so only it imports torch."""
-    from radixserve.runner.model_runner import ModelRunner
+    """EngineFactory's runner factory; runs in the engine process, so only it imports torch. With --tp-size > 1 it
+    starts this machine's other ranks (runner/tp.py)."""
+    from radixserve.runner.tp import load_runner
 
-    return ModelRunner.from_config(config)
+    return load_runner(config)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -52,6 +53,9 @@ def run_serve(args: argparse.Namespace) -> int:
             read_prompts(server_config.warmup_prompts)   # a bad file fails now, not after loading
     except (ValueError, ModelPathError) as exc:
         return _fail(exc, 2)
+    if engine_config.node_rank > 0:
+        from radixserve.runner.tp import serve_node
+        return serve_node(engine_config)
     try:
         sock = bind_socket(server_config.host, server_config.port)
     except PortUnavailable as exc:

@@ -111,6 +111,15 @@ class EngineConfig:
     torch_profiler_dir: str | None = opt(
         None, "serve POST /start_profile and /stop_profile: a torch profiler trace of the engine's "
               "steps, written to this directory (docs/profiling.md)")
+    # tensor parallelism (docs/parallel.md); flag names are SGLang's
+    tp_size: int = opt(1, "tensor-parallel ranks, one engine process each: rank 0 schedules and broadcasts "
+                          "each step, every rank holds 1/N of the heads, MLP rows and vocabulary")
+    nnodes: int = opt(1, "machines the --tp-size ranks span (an equal share each)")
+    node_rank: int = opt(0, "this machine's index among --nnodes (0 serves HTTP; the others run ranks only)")
+    dist_init_addr: str | None = opt(None, "host:port where rank 0 meets the other ranks (needed with "
+                                           "--nnodes > 1; default: a free port on 127.0.0.1)")
+    dist_timeout: float = opt(120.0, "seconds a rank waits in a collective (and at start-up) for the "
+                                     "others before it fails with an error instead of hanging")
     # prefill/decode disaggregation (docs/disaggregation.md); flag names are SGLang's
     disaggregation_mode: str = opt(
         "null", "null = colocated; prefill = compute prompts and send their KV and first token "
@@ -176,8 +185,27 @@ class EngineConfig:
         if self.disaggregation_transfer_timeout <= 0 or self.disaggregation_chunk_pages < 1:
             raise ValueError("disaggregation_transfer_timeout must be > 0 and "
                              "disaggregation_chunk_pages >= 1")
+        self._check_parallel()
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+
+
+    def _check_parallel(self) -> None:
+        if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("--tp-size must be a positive multiple of --nnodes, and --node-rank in [0, --nnodes)")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (rank 0's machine)")
+        if not self.dist_timeout > 0:
+            raise ValueError("dist_timeout must be > 0")
+        if self.tp_size == 1:
+            return
+        unsupported = {"--speculative-algorithm draft": self.speculative_algorithm == "draft",
+                       "--enable-hierarchical-cache": self.enable_hierarchical_cache,
+                       "--disaggregation-mode": self.disaggregation_mode != "null",
+                       "an fp8 --kv-cache-dtype": self.kv_cache_dtype.startswith("fp8")}
+        named = [flag for flag, on in unsupported.items() if on]
+        if named:
+            raise ValueError(f"--tp-size {self.tp_size} cannot be combined with {', '.join(named)} yet")
 
 
 @dataclass(frozen=True)

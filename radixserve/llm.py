@@ -18,13 +18,13 @@ class LLM:
     arguments are EngineConfig fields. Raises ModelPathError naming what a bad path lacks."""
 
     def __init__(self, model_path: str | None = None, **engine_kwargs):
-        from radixserve.runner.model_runner import ModelRunner
+        from radixserve.runner.tp import load_runner
         from radixserve.tokenizer.tokenizer import Tokenizer
         from radixserve.weights.paths import resolve_model_path
 
         self.config = EngineConfig(model_path=model_path, **engine_kwargs)
         self.tokenizer = Tokenizer.load(resolve_model_path(model_path, need_tokenizer=True))
-        runner = ModelRunner.from_config(self.config)
+        runner = load_runner(self.config)
         self.engine = Engine(self.config, runner, self.tokenizer.eos_token_ids,
                              engine_hooks(self.config))
         self._ids = itertools.count()
@@ -76,6 +76,10 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def close(self) -> None:
+        """Stop the engine's other processes (the --tp-size followers); the LLM cannot generate afterwards."""
+        self.engine.close()
 
     def _run(self, items, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         from radixserve.server.tracker import RequestTracker

@@ -116,6 +116,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def close(self) -> None:
+        """Release what the runner holds beyond this process (a tensor-parallel group's followers), if anything."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def step(self) -> list[EngineOutput]:
         if self.hooks:
             self.hooks.before_schedule()

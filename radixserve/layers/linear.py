@@ -37,6 +37,11 @@ class Linear(torch.nn.Module):
         self._quant_max_rows = 0
         self._screen: ScreenedHead | None = None
         self._screen_max_rows = 0
+        self.tp_split = None   # layers/parallel.py TPSplit: the part of each checkpoint tensor this rank holds
+
+    def local_part(self, tensor: torch.Tensor, shard: str | None = None, is_bias: bool = False) -> torch.Tensor:
+        """The rows or columns of a full checkpoint tensor this rank holds (all of it without tensor parallelism)."""
+        return tensor if self.tp_split is None else self.tp_split.local(tensor, shard, is_bias)
 
     def load(self, tensor: torch.Tensor | QuantWeight, shard: str | None = None, is_bias: bool = False) -> None:
         """Raises ValueError on a shape mismatch; a quantized weight is kept for `prepare()`."""
@@ -175,6 +180,8 @@ class Linear(torch.nn.Module):
             y = y.to(x.dtype) if cast_back else y
             return y if self.bias is None else y.add_(self.bias)
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+    local_forward = forward   # this rank's part, without a subclass's collective (what row_path.py times)
 
 
 class QKVLinear(Linear):

@@ -12,6 +12,8 @@ from radixserve.layers.attention import Attention
 from radixserve.layers.embedding import VocabEmbedding
 from radixserve.layers.linear import GateUpLinear, Linear, QKVLinear
 from radixserve.layers.norm import RMSNorm
+from radixserve.layers.parallel import (Collectives, ParallelLMHead, VocabParallelEmbedding, column_split,
+                                        row_linear, shard_heads, split_even)
 from radixserve.layers.rotary import RotaryEmbedding, rope_inv_freq
 from radixserve.models.mla import MLAAttention, rope_rows
 from radixserve.models.model_config import ModelConfig
@@ -24,13 +26,19 @@ HEAD_EXACT_TOP = 64
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    """Under tensor parallelism `tp`: this rank's heads (layers/parallel.py shard_heads), o_proj all-reduced."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, tp: Collectives | None = None):
         super().__init__()
-        c = config
+        c, d = config, config.head_dim
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.qkv_proj = QKVLinear(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias)
-        self.o_proj = Linear(c.q_size, c.hidden_size, c.o_bias)
+        heads = shard_heads(c.num_heads, c.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, d
+        kv_rows = (heads.kv_start * d, heads.num_kv_heads * d)
+        self.qkv_proj = column_split(
+            QKVLinear(c.hidden_size, heads.num_heads, heads.num_kv_heads, d, c.qkv_bias),
+            {"q": (heads.q_start * d, heads.num_heads * d), "k": kv_rows, "v": kv_rows}, tp)
+        self.o_proj = row_linear(c.q_size, c.hidden_size, c.o_bias, tp)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
@@ -49,11 +57,14 @@ class LlamaAttention(torch.nn.Module):
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, tp: Collectives | None = None,
+                 reduce: bool = True):
         super().__init__()
         width = intermediate_size or config.intermediate_size
-        self.gate_up_proj = GateUpLinear(config.hidden_size, width, config.mlp_bias)
-        self.down_proj = Linear(width, config.hidden_size, config.mlp_bias)
+        rows = split_even(width, tp) if tp is not None and tp.size > 1 else (0, width)
+        self.gate_up_proj = column_split(GateUpLinear(config.hidden_size, rows[1], config.mlp_bias),
+                                         {"gate": rows, "up": rows}, tp)
+        self.down_proj = row_linear(width, config.hidden_size, config.mlp_bias, tp, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden); gate_up's output stays in its computed dtype (bf16 for quantized layers)."""
@@ -61,18 +72,20 @@ class LlamaMLP(torch.nn.Module):
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: Collectives | None = None):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = MLAAttention(c, layer_id) if c.mla else LlamaAttention(c, layer_id)
+        if c.mla and tp is not None and tp.size > 1:
+            raise ValueError("MLA models do not run under --tp-size > 1 yet")
+        self.self_attn = MLAAttention(c, layer_id) if c.mla else LlamaAttention(c, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.moe is not None and layer_id not in c.moe.dense_layers:
-            shared = (LlamaMLP(c, c.moe.intermediate_size * c.moe.num_shared_experts)
+            shared = (LlamaMLP(c, c.moe.intermediate_size * c.moe.num_shared_experts, tp, reduce=False)
                       if c.moe.num_shared_experts else None)
-            self.mlp: torch.nn.Module = MoE(c.hidden_size, c.moe, shared)
+            self.mlp: torch.nn.Module = MoE(c.hidden_size, c.moe, shared, tp)
         else:
-            self.mlp = LlamaMLP(c)
+            self.mlp = LlamaMLP(c, tp=tp)
         self.post_self_attn_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.post_norms else None
         self.post_mlp_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.post_norms else None
 
@@ -87,27 +100,32 @@ class LlamaDecoderLayer(torch.nn.Module):
 
 
 class LlamaModel(torch.nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: Collectives | None = None):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        parallel = tp is not None and tp.size > 1
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if parallel
+                             else VocabEmbedding(config.vocab_size, config.hidden_size))
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    """Parameter names are transformers' with q/k/v and gate/up fused (`model.layers.0.self_attn.qkv_proj.weight`)."""
+    """Parameter names are transformers' with q/k/v and gate/up fused (`model.layers.0.self_attn.qkv_proj.weight`).
+    `tp`: this rank's group under tensor parallelism; every rank then returns the same full logits."""
 
     # checkpoint name part -> (our fused module name part, shard)
     FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
              "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: Collectives | None = None):
         super().__init__()
         self.config = config
         if config.mla is not None:   # MLA's q_proj (no q LoRA) is a plain projection
             self.FUSED = {name: target for name, target in self.FUSED.items() if target[0] != "qkv_proj"}
-        self.model = LlamaModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.model = LlamaModel(config, tp)
+        self.num_kv_heads = shard_heads(config.num_heads, config.num_kv_heads, tp).num_kv_heads   # cached per rank
+        self.lm_head = (ParallelLMHead(config.hidden_size, config.vocab_size, tp) if tp is not None and tp.size > 1
+                        else Linear(config.hidden_size, config.vocab_size))
         if config.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens.weight)
         s = config.rope_scaling

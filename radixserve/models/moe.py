@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from radixserve.layers import batch_invariant as bi
 from radixserve.layers.activation import silu_and_mul
+from radixserve.layers.parallel import Collectives, split_even
 from radixserve.models.model_config import MoEConfig
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -78,12 +79,15 @@ class Router(torch.nn.Module):
 
 
 class Experts(torch.nn.Module):
-    """E SwiGLU experts stacked: gate_up (E, 2I, hidden) [gate rows | up rows], down (E, hidden, I)."""
+    """E SwiGLU experts stacked: gate_up (E, 2I, hidden) [gate rows | up rows], down (E, hidden, I). Under tensor
+    parallelism `tp` every rank holds every expert's I / size intermediate rows; the output is then a partial sum."""
 
-    def __init__(self, hidden_size: int, config: MoEConfig):
+    def __init__(self, hidden_size: int, config: MoEConfig, tp: Collectives | None = None):
         super().__init__()
-        e, i = config.num_experts, config.intermediate_size
-        self.intermediate_size = i
+        e = config.num_experts
+        self.rows = (split_even(config.intermediate_size, tp) if tp is not None and tp.size > 1
+                     else (0, config.intermediate_size))
+        self.intermediate_size = i = self.rows[1]
         self.gate_up = torch.nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
         self.down = torch.nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
         self._gate_up_packed: list[torch.Tensor] | None = None
@@ -103,6 +107,7 @@ class Experts(torch.nn.Module):
             raise ValueError(f"no expert tensor {expert}.{projection} in a {self.gate_up.shape[0]}-expert layer")
         target = {"gate_proj": self.gate_up.data[expert, :i], "up_proj": self.gate_up.data[expert, i:],
                   "down_proj": self.down.data[expert]}[projection]
+        tensor = tensor.narrow(1 if projection == "down_proj" else 0, *self.rows)
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"expert {expert}.{projection}: checkpoint {tuple(tensor.shape)} vs {tuple(target.shape)}")
         target.copy_(tensor)
@@ -132,15 +137,19 @@ class Experts(torch.nn.Module):
 
 
 class MoE(torch.nn.Module):
-    """Router + experts (+ shared experts, a plain MLP `shared_mlp` built by the model)."""
+    """Router (replicated, fp32: every rank routes alike) + experts (+ shared experts, a plain MLP `shared_mlp` built by
+    the model; under `tp` one whose down_proj does not reduce), then one all-reduce of their partial sums."""
 
-    def __init__(self, hidden_size: int, config: MoEConfig, shared_mlp: torch.nn.Module | None):
+    def __init__(self, hidden_size: int, config: MoEConfig, shared_mlp: torch.nn.Module | None,
+                 tp: Collectives | None = None):
         super().__init__()
         self.gate = Router(hidden_size, config)
-        self.experts = Experts(hidden_size, config)
+        self.experts = Experts(hidden_size, config, tp)
         self.shared_experts = shared_mlp
+        self.tp = tp if tp is not None and tp.size > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        out = out if self.shared_experts is None else out + self.shared_experts(x)
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -11,13 +11,14 @@ import torch
 from radixserve.config import EngineConfig
 from radixserve.engine.runner_api import ScheduledSeq, SeqResult
 from radixserve.layers.batch_invariant import check_row_invariance
+from radixserve.layers.parallel import Collectives
 from radixserve.layers.sampler import Sampler, token_logprobs
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.registry import model_class
 from radixserve.outputs import TokenLogprob
 from radixserve.runner import kv_scales, kv_transfer
 from radixserve.runner.attention.base import AttentionBackend, create_backend
-from radixserve.runner.batch import build_step
+from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.device import huge_pages_mb, resolve_device, reuse_freed_cpu_buffers
 from radixserve.runner.disk_kv import DiskKV, fingerprint
 from radixserve.runner.draft import DraftModel
@@ -46,7 +47,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
                  draft_model: torch.nn.Module | None = None):
-        """`model` (and `draft_model`): loaded on CPU, not yet prepared. Raises ValueError for a
+        """`model` (and `draft_model`): loaded on CPU, not yet prepared; under tensor parallelism this rank's shard. Raises ValueError for a
         missing device, bad FP8 scales, a context longer than the model's, deterministic inference
         without a batch-invariant matmul here, or a draft vocabulary that is not the target's."""
         self.config = config
@@ -67,10 +68,12 @@ class ModelRunner:
         self.model.prepare(self.dtype, self.device, batch_invariant=deterministic,
                            quantized_max_tokens=config.quantized_max_tokens)
         self.model.eval()
-        self.num_pages = self._num_pages(config, model_config)
+        heads, head_dim, latent = model_config.kv_shape
+        if not latent:
+            heads = getattr(model, "num_kv_heads", heads)   # this rank's
+        self.num_pages = self._num_pages(config, model_config, heads)
         kv_dtype = kv_storage_dtype(config)
         self.kv_scales = self._kv_scales(kv_dtype, checkpoint_kv_scales or {})
-        heads, head_dim, latent = model_config.kv_shape
         scales = (self.kv_scales.k, self.kv_scales.v) if self.kv_scales else (None, None)
         self.kv = KVCache(model_config.num_layers, self.num_pages, self.page_size, heads, head_dim,
                           kv_dtype, self.device, self.dtype, *scales, latent=latent)
@@ -84,17 +87,20 @@ class ModelRunner:
                                            self.eos_token_ids)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> ModelRunner:
-        """Load config.model_path (None: the embedded GGUF); sets torch's thread count."""
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+    def from_config(cls, config: EngineConfig, tp: Collectives | None = None) -> ModelRunner:
+        """Load config.model_path (None: the embedded GGUF), under tensor parallelism `tp` only this rank's shard
+        (float weights: --quantization auto means none); sets torch's thread count (default: this rank's cores)."""
+        local_ranks = config.tp_size // config.nnodes
+        torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // local_ranks))
         if resolve_device(config.device).type == "cpu":
             reuse_freed_cpu_buffers()
         path = resolve_model_path(config.model_path)
         start = time.perf_counter()
         logger.info("loading the model from %s", path)
-        quantization = resolve_quantization(config.quantization, path, config.enable_deterministic_inference)
+        quantization = ("none" if tp is not None and config.quantization == "auto" else
+                        resolve_quantization(config.quantization, path, config.enable_deterministic_inference))
         model_config, weights = load_checkpoint(path, quantization)
-        model = model_class(model_config)(model_config)
+        model = model_class(model_config)(model_config, tp=tp)
         scales = load_weights(model, weights)
         draft = None
         if config.speculative_draft_model_path is not None:
@@ -208,24 +214,29 @@ class ModelRunner:
             mirror.reset()
 
     @staticmethod
-    def _num_pages(config: EngineConfig, mc: ModelConfig) -> int:
+    def _num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int) -> int:
         if config.max_total_tokens is not None:
             return config.max_total_tokens // config.page_size
-        heads, head_dim, latent = mc.kv_shape
-        per_token = KVCache.bytes_per_token(mc.num_layers, heads, head_dim, kv_storage_dtype(config), latent)
+        _, head_dim, latent = mc.kv_shape
+        per_token = KVCache.bytes_per_token(mc.num_layers, num_kv_heads, head_dim, kv_storage_dtype(config), latent)
         num_pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
         if num_pages < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")
         return num_pages
 
     @torch.inference_mode()
+    def forward(self, batch: list[ScheduledSeq]) -> tuple[StepBatch, torch.Tensor]:
+        """One forward pass over a non-empty batch: the step and its logits (R, V) fp32 (a TP follower's whole step)."""
+        step = build_step(batch, self.page_size, self.device)
+        attn = self.backend.prepare(step)
+        return step, self.model(step.input_ids, step.positions, attn, step.logit_rows)
+
+    @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[SeqResult]:
         """One forward pass, then sampling and logprobs; results follow batch order."""
         if not batch:
             return []
-        step = build_step(batch, self.page_size, self.device)
-        attn = self.backend.prepare(step)
-        logits = self.model(step.input_ids, step.positions, attn, step.logit_rows)   # (R, V) fp32
+        step, logits = self.forward(batch)
         plain = [(s, r) for s, r in zip(batch, step.sample_rows) if r is not None and not s.draft]
         sampled: list[TokenLogprob] = []
         if plain:

@@ -45,8 +45,9 @@ def load_checkpoint(path: str, quantization: str = "none") -> tuple[ModelConfig,
 
 def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Copy checkpoint tensors into `model`, each through `model.checkpoint_tensor` when present: `model.FUSED` names
-    into their shard, routed experts via `load_expert`; a tied `lm_head.weight` and MTP layers are skipped. Raises
-    ValueError for unknown names, shape mismatches and unfilled parameters. Returns the KV cache scales by name."""
+    into their shard, routed experts via `load_expert`, each cut to this rank's part by its module's `local_part`;
+    a tied `lm_head.weight` and MTP layers are skipped. Raises ValueError for unknown names, shape mismatches and
+    unfilled parameters. Returns the KV cache scales by name."""
     fused: dict[str, tuple[str, str]] = getattr(model, "FUSED", {})
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=True))
@@ -82,11 +83,14 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
             module = modules.get(f"{parent}.{target}")
             if module is None:
                 raise ValueError(f"checkpoint tensor {name} has no matching fused module")
-            module.load(tensor, shard, is_bias=kind == "bias")
+            module.load(module.local_part(tensor, shard, kind == "bias"), shard, is_bias=kind == "bias")
             loaded.add(f"{parent}.{target}.{kind}:{shard}")
             continue
         if name not in params:
             raise ValueError(f"checkpoint tensor {name} matches no model parameter")
+        local_part = getattr(modules.get(module_name), "local_part", None)
+        if local_part is not None:
+            tensor = local_part(tensor, None, kind == "bias")
         if tuple(params[name].shape) != tuple(tensor.shape):
             raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} "
                              f"vs model {tuple(params[name].shape)}")

@@ -15,23 +15,27 @@ ROOT = REPO / "radixserve"
 
 # unit (subpackage or root module) -> units it must not import
 FORBIDDEN = {
-    "engine": {"runner", "models", "layers", "weights", "server", "tokenizer", "disagg", "chaos"},
+    "engine": {"runner", "models", "layers", "weights", "server", "tokenizer", "disagg", "chaos", "dist"},
     # prefill/decode disaggregation: a worker driving an Engine and a side, plus the transport;
     # tensors stay in runner, and fault injection plugs into its seams from outside
-    "disagg": {"runner", "models", "layers", "weights", "server", "tokenizer", "chaos"},
+    "disagg": {"runner", "models", "layers", "weights", "server", "tokenizer", "chaos", "dist"},
     # fault injection implements the seams of engine/ and disagg/ (their hooks and types); the
     # composition root installs it and the HTTP side arms it, so it never imports them back
     "chaos": {"runner", "models", "layers", "weights", "server", "tokenizer", "parsers", "router",
               "agent", "bench", "chat"},
+    # collectives over torch.distributed: below the runner, which drives them; layers and models see them only
+    # through layers/parallel.py's Collectives protocol
+    "dist": {"engine", "runner", "models", "layers", "weights", "server", "tokenizer", "disagg", "chaos", "parsers",
+             "router", "agent", "bench", "chat"},
     # the runner executes steps: it sees the engine's step types, never a feature that drives it
     "runner": {"chaos", "disagg", "server", "router", "agent", "bench", "chat"},
-    "layers": {"runner", "models", "weights", "engine", "server", "tokenizer"},
-    "models": {"runner", "engine", "server", "tokenizer"},
-    "weights": {"runner", "engine", "server", "tokenizer", "disagg", "chaos"},
+    "layers": {"runner", "models", "weights", "engine", "server", "tokenizer", "dist"},
+    "models": {"runner", "engine", "server", "tokenizer", "dist"},
+    "weights": {"runner", "engine", "server", "tokenizer", "disagg", "chaos", "dist"},
     # text in and out: the HTTP side and the runner's grammars use it, it uses neither
     "tokenizer": {"runner", "models", "layers", "engine", "server", "disagg", "chaos", "router",
                   "agent", "bench", "chat"},
-    "server": {"runner", "models", "layers", "weights"},
+    "server": {"runner", "models", "layers", "weights", "dist"},
     # router, agent and bench speak HTTP to workers; the router and bench may load a tokenizer.
     "router": {"runner", "models", "layers", "weights", "engine", "server", "agent", "bench", "chaos",
                "disagg"},

@@ -1,0 +1,1 @@
+"""Tensor parallelism across processes: the communicator over torch.distributed (docs/parallel.md)."""

@@ -1,0 +1,119 @@
+"""Collectives for one tensor-parallel group over torch.distributed (gloo on CPU, NCCL on CUDA), counted and timed out.
+
+Two process groups join the same ranks (after a join that may take `join_timeout_s`, while ranks import and start):
+`group` (the forward's all-reduces and all-gathers) times out after `timeout_s`, so a dead or stuck peer ends every
+rank with DistError instead of a hang; `step_group` (gloo, no practical timeout) carries rank 0's step messages,
+which followers may wait on while the server is idle. A peer that exits closes its sockets, which fails a waiting
+collective at once on either group (docs/parallel.md)."""
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+STEP_TIMEOUT = datetime.timedelta(days=365)
+JOIN_TIMEOUT_S = 300.0
+PROBE_VALUE = 1.0
+
+
+class DistError(RuntimeError):
+    """A collective failed: a peer exited, hung past the timeout, or answered wrongly."""
+
+
+class Communicator:
+    """One process's handle on the group. Counters, per op name: `calls[op]` and `bytes[op]`, the bytes this rank
+    contributes (all_reduce, broadcast: the tensor's nbytes; all_gather: its input's; broadcast_object: 8 + the
+    pickle)."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, group: Any = None, step_group: Any = None):
+        self.rank, self.size, self.device = rank, size, device
+        self.group, self.step_group = group, step_group
+        self.calls: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+
+    def _count(self, op: str, num_bytes: int) -> None:
+        self.calls[op] += 1
+        self.bytes[op] += num_bytes
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; every rank gets the same bits. Returns x."""
+        self._count("all_reduce", x.nelement() * x.element_size())
+        _run("all_reduce", dist.all_reduce, x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """x (..., n, ...) from every rank -> concatenated along `dim` in rank order (..., size * n, ...)."""
+        x = x.contiguous()
+        self._count("all_gather", x.nelement() * x.element_size())
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        _run("all_gather", dist.all_gather, parts, x, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `x` into every rank's `x` (same shape and dtype everywhere), in place. Returns x."""
+        self._count("broadcast", x.nelement() * x.element_size())
+        _run("broadcast", dist.broadcast, x, src, group=self.group)
+        return x
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """Rank `src`'s picklable `obj` (others pass None) to every rank over the step group (CPU, no timeout)."""
+        size = torch.zeros(1, dtype=torch.int64)
+        data = b""
+        if self.rank == src:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            size[0] = len(data)
+        _run("broadcast_object", dist.broadcast, size, src, group=self.step_group)
+        payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == src
+                   else torch.empty(int(size[0]), dtype=torch.uint8))
+        _run("broadcast_object", dist.broadcast, payload, src, group=self.step_group)
+        self._count("broadcast_object", 8 + payload.nelement())
+        return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
+
+    def probe(self) -> None:
+        """All-reduce PROBE_VALUE on both groups; DistError unless each gives size * PROBE_VALUE."""
+        for name, group in (("group", self.group), ("step group", self.step_group)):
+            x = torch.full((1,), PROBE_VALUE, device=self.device if group is self.group else "cpu")
+            _run("probe", dist.all_reduce, x, group=group)
+            if x.item() != self.size * PROBE_VALUE:
+                raise DistError(f"rank {self.rank}: start-up probe on the {name} summed {x.item()}, "
+                                f"expected {self.size * PROBE_VALUE}")
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(op: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+    try:
+        fn(*args, **kwargs)
+    except (RuntimeError, ValueError) as exc:
+        raise DistError(f"{op} failed on rank {dist.get_rank()}: a peer exited or timed out ({exc})") from exc
+
+
+def init_communicator(rank: int, size: int, init_addr: str, timeout_s: float, device: torch.device | str = "cpu",
+                      join_timeout_s: float = JOIN_TIMEOUT_S) -> Communicator:
+    """Join the group of `size` ranks at `init_addr` ("host:port", rank 0 listens there) and probe it. The forward's
+    group is NCCL on a CUDA `device`, else gloo. Raises DistError when a rank does not join within `join_timeout_s`."""
+    device = torch.device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    ranks = list(range(size))
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=max(join_timeout_s, timeout_s)))
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
+        step_group = dist.new_group(ranks, timeout=STEP_TIMEOUT, backend="gloo")
+    except (RuntimeError, ValueError) as exc:
+        raise DistError(f"rank {rank} of {size} could not join the group at {init_addr} within "
+                        f"{join_timeout_s} s: {exc}") from exc
+    comm = Communicator(rank, size, device, group, step_group)
+    comm.probe()
+    logger.info("rank %d of %d joined the %s group at %s (collective timeout %.0f s)",
+                rank, size, backend, init_addr, timeout_s)
+    return comm

@@ -1,0 +1,29 @@
+"""`radixserve serve --tp-size 2`: one follower process beside the engine; the same greedy text as the TP=1 tiny server,
+and a clean stop (the follower leaves on rank 0's stop message, not on a broken connection)."""
+from __future__ import annotations
+
+from tests.api.conftest import API_KEY, TINY_CONTEXT, start_tiny_server, terminate
+
+PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,"]
+
+
+def completion_texts(server, model: str) -> list[str]:
+    client = server.client()
+    return [client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0).choices[0].text
+            for p in PROMPTS]
+
+
+def test_tp2_server_gives_tp1s_text_and_stops_cleanly(request, tiny_server):
+    server = start_tiny_server(request, ["--context-length", str(TINY_CONTEXT), "--max-total-tokens", "16384",
+                                         "--page-size", "16", "--served-model-name", "tiny", "--tp-size", "2"],
+                               api_key=API_KEY, log_level="info")
+    try:
+        assert server.stats()["runner"]["tp_size"] == 2
+        assert completion_texts(server, "tiny") == completion_texts(tiny_server, "tiny")
+        terminate(server.proc)
+        assert server.proc.returncode == 0
+        log = server.output(tail_chars=None)
+        assert "tensor-parallel rank 1 stops" not in log and "Traceback" not in log, log[-4000:]
+        assert "rank 1 of 2 joined" in log
+    finally:
+        server.stop()

@@ -1,0 +1,158 @@
+"""Tensor parallelism, TP=2 over gloo in 2 processes vs TP=1, on each family's tiny config (tests/model/tp_worker.py).
+
+Checked: logits within 1e-5 relative and greedy tokens equal; both ranks' logits bit-identical; a vocabulary of 257
+(not divisible by 2, tied embeddings, one KV head replicated, row-parallel biases: C55); per-rank parameter bytes and
+per-step collective bytes equal docs/parallel.md's formulas exactly; the serving path (`load_runner`) starts and
+stops its follower process."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from radixserve.models.model_config import ModelConfig
+from radixserve.runner.tp import free_init_addr
+from radixserve.weights.safetensors import read_hf_config
+from tests.conftest import build_tiny_llama
+from tests.model.test_families import build_family
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+CASES = ("llama257", "qwen3", "glm", "glm4", "glm4_moe", "qwen3_moe")
+
+
+def randomize_biases(folder: pathlib.Path) -> None:
+    """transformers initialises biases to zero, which would hide a bias added on both ranks."""
+    from safetensors.torch import load_file, save_file
+
+    path = next(folder.glob("*.safetensors"))
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(1)
+    for name, tensor in tensors.items():
+        if name.endswith(".bias"):
+            tensors[name] = torch.randn(tensor.shape, generator=gen) * 0.1
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """(folders, rank 0's results, rank 1's results), one TP=2 group for every case."""
+    folders = []
+    for case in CASES:
+        folder = tmp_path_factory.mktemp(case)
+        if case == "llama257":
+            build_tiny_llama(folder, vocab_size=257, num_key_value_heads=1, attention_bias=True, mlp_bias=True)
+            randomize_biases(folder)
+        else:
+            build_family(folder, case)
+        folders.append(str(folder))
+    out = tmp_path_factory.mktemp("tp-out")
+    addr = free_init_addr()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.model.tp_worker", str(r), addr, str(out), *folders],
+                              cwd=REPO, env=env) for r in range(2)]
+    try:
+        assert [p.wait(600) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+    return folders, torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_tp2_logits_and_greedy_tokens_equal_tp1(group, index):
+    rank0 = group[1][index]
+    assert len(rank0["steps"]) == len(rank0["ref_steps"])
+    for step, ref in zip(rank0["steps"], rank0["ref_steps"]):
+        assert step["logits"].shape == ref["logits"].shape     # the full vocabulary, padding cut
+        err = (step["logits"] - ref["logits"]).abs().max() / ref["logits"].abs().max()
+        assert err <= 1e-5, err
+    assert rank0["tokens"] == rank0["ref_tokens"]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_both_ranks_bit_identical(group, index):
+    rank0, rank1 = group[1][index], group[2][index]
+    assert len(rank0["steps"]) == len(rank1["steps"])
+    for a, b in zip(rank0["steps"], rank1["steps"]):
+        assert torch.equal(a["logits"], b["logits"])
+
+
+def param_bytes(c: ModelConfig, tp: int) -> int:
+    """docs/parallel.md: per-rank fp32 parameter bytes of a dense decoder at tensor parallelism tp."""
+    h, d, layers = c.hidden_size, c.head_dim, c.num_layers
+    heads, kv, inter = c.num_heads // tp, max(1, c.num_kv_heads // tp), c.intermediate_size // tp
+    vocab = -(-c.vocab_size // tp)
+    qkv = (heads + 2 * kv) * d
+    attention = (2 * h + (2 * d if c.qk_norm else 0) + (2 * h if c.post_norms else 0)
+                 + qkv * h + (qkv if c.qkv_bias else 0) + h * heads * d + (h if c.o_bias else 0))
+
+    def mlp(width: int) -> int:
+        return 3 * width * h + ((2 * width + h) if c.mlp_bias else 0)
+
+    total = 0
+    for i in range(layers):
+        if c.moe is None or i in c.moe.dense_layers:
+            total += attention + mlp(inter)
+        else:
+            m, width = c.moe, c.moe.intermediate_size // tp
+            shared = mlp(width * m.num_shared_experts) if m.num_shared_experts else 0
+            total += (attention + m.num_experts * h + (m.num_experts if m.scoring == "sigmoid" else 0)
+                      + m.num_experts * 3 * width * h + shared)
+    return 4 * (vocab * h * (1 if c.tie_word_embeddings else 2) + h + total)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_parameter_and_collective_bytes_equal_the_formulas(group, index):
+    config = ModelConfig.from_hf(read_hf_config(group[0][index]))
+    h, layers, vocab_part = config.hidden_size, config.num_layers, -(-config.vocab_size // 2)
+    for rank in (1, 2):
+        result = group[rank][index]
+        assert result["param_bytes"] == param_bytes(config, 2)
+        for step in result["steps"]:
+            t, r = step["num_tokens"], step["logits"].shape[0]
+            assert step["calls"] == {"all_reduce": 1 + 2 * layers, "all_gather": 1}
+            assert step["bytes"] == {"all_reduce": (1 + 2 * layers) * t * h * 4, "all_gather": r * vocab_part * 4}
+    assert param_bytes(config, 1) < 2 * group[1][index]["param_bytes"]     # replicated norms (and KV heads)
+
+
+def test_serving_path_starts_and_stops_its_follower(group):
+    """load_runner (what `serve --tp-size 2` and LLM(tp_size=2) call) on this process as rank 0: the same greedy
+    tokens as TP=1, and close() ends the follower process with code 0."""
+    import dataclasses
+
+    from radixserve.config import EngineConfig
+    from radixserve.runner.tp import load_runner
+    from tests.model.tp_worker import generate
+
+    config = EngineConfig(model_path=group[0][0], tp_size=2, max_total_tokens=4096, quantization="none",
+                          chunked_prefill_size=32, num_threads=1)
+    runner = load_runner(config)
+    try:
+        tokens = generate(runner)
+    finally:
+        runner.close()
+    assert [p.returncode for p in runner.followers.processes] == [0]
+    assert tokens == generate(load_runner(dataclasses.replace(config, tp_size=1)))
+
+
+def test_a_killed_follower_ends_rank_0s_step_with_an_error(group):
+    """C54: rank 1 dies between steps; rank 0's next step raises DistError (no hang), and close() still returns."""
+    from radixserve.config import EngineConfig
+    from radixserve.dist.comm import DistError
+    from radixserve.runner.tp import load_runner
+    from tests.model.tp_worker import generate
+
+    runner = load_runner(EngineConfig(model_path=group[0][1], tp_size=2, max_total_tokens=4096, quantization="none",
+                                      num_threads=1, dist_timeout=30))
+    try:
+        follower = runner.followers.processes[0]
+        follower.kill()
+        follower.wait(60)
+        with pytest.raises(DistError, match="rank 0"):
+            generate(runner)
+    finally:
+        runner.close()
