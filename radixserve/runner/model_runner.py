@@ -214,11 +214,13 @@ class ModelRunner:
             mirror.reset()
 
     @staticmethod
-    def _num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int) -> int:
+    def _num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = None) -> int:
+        """`num_kv_heads`: this rank's under TP (None: the model's)."""
         if config.max_total_tokens is not None:
             return config.max_total_tokens // config.page_size
-        _, head_dim, latent = mc.kv_shape
-        per_token = KVCache.bytes_per_token(mc.num_layers, num_kv_heads, head_dim, kv_storage_dtype(config), latent)
+        heads, head_dim, latent = mc.kv_shape
+        heads = heads if latent or num_kv_heads is None else num_kv_heads
+        per_token = KVCache.bytes_per_token(mc.num_layers, heads, head_dim, kv_storage_dtype(config), latent)
         num_pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
         if num_pages < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")
