@@ -18,7 +18,7 @@ def test_install_prints_one_line_per_step(tmp_path):
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert [line[:len("install.sh: [1/4]")] for line in lines[0:8:2]] == [
-        f"install.sh: [{i}/4]" for i in range(1, 5)]
-    assert all(line.startswith("python -m pip install") for line in lines[1:8:2]), lines
-    assert len(lines) == 9 and lines[-1].startswith("install.sh: done. Next: radixserve serve")
+    assert [line[:len("install.sh: [1/5]")] for line in lines[0:10:2]] == [
+        f"install.sh: [{i}/5]" for i in range(1, 6)]
+    assert all(line.startswith("python -m pip install") for line in lines[1:10:2]), lines
+    assert len(lines) == 11 and lines[-1].startswith("install.sh: done. Next: radixserve serve")
