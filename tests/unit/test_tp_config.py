@@ -23,8 +23,10 @@ def test_refused(kwargs, message):
 
 
 def test_accepted():
-    EngineConfig(tp_size=4, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
-    EngineConfig(tp_size=2, speculative_algorithm="ngram")
+    c = EngineConfig(tp_size=4, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
+    assert (c.tp_size, c.nnodes, c.node_rank, c.dist_init_addr) == (4, 2, 1, "10.0.0.1:5000")
+    c = EngineConfig(tp_size=2, speculative_algorithm="ngram")
+    assert (c.tp_size, c.speculative_algorithm) == (2, "ngram")
 
 
 class Rank:
