@@ -15,8 +15,8 @@ import msgspec
 import zmq
 
 from radixserve.config import EngineConfig
-from radixserve.engine.messages import (Abort, Call, CallResult, EngineInfo, Fatal, FromEngine,
-                                        Heartbeat, Ready, Shutdown, Submit, Submitted,
+from radixserve.engine.messages import (Abort, AddReq, Call, CallResult, EngineInfo, Fatal, FromEngine,
+                                        Heartbeat, Ready, Shutdown, Submitted,
                                         ToEngine, WireError)
 from radixserve.engine.runner_api import Runner
 from radixserve.errors import InvalidRequest, RadixServeError
@@ -85,8 +85,8 @@ class EngineLoop:
         self.encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         self.running = True
         self.last_send_s = time.monotonic()
-        # Submits whose grammars compile on a worker thread, so they never stall the other requests.
-        self.compiling: list[tuple[Submit, Future]] = []
+        # Groups whose grammars compile on a worker thread, so they never stall the other requests.
+        self.compiling: list[tuple[list[AddReq], Future]] = []
         self.aborted_while_compiling: set[str] = set()
         self._grammar_pool: ThreadPoolExecutor | None = None
 
@@ -130,7 +130,7 @@ class EngineLoop:
             self.handle(self.decoder.decode(data))
 
     def handle(self, msg: ToEngine) -> None:
-        if isinstance(msg, Submit):
+        if isinstance(msg, list):
             self.submit(msg)
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
@@ -142,15 +142,15 @@ class EngineLoop:
         elif isinstance(msg, Shutdown):
             self.running = False
 
-    def submit(self, msg: Submit) -> None:
-        if any(self._compiles_first(add.params) for add in msg.adds):
+    def submit(self, adds: list[AddReq]) -> None:
+        if any(self._compiles_first(add.params) for add in adds):
             if self._grammar_pool is None:
                 self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
             validate = self.engine.runner.validate_params
-            self.compiling.append((msg, self._grammar_pool.submit(
-                lambda: [_quietly(validate, add.params) for add in msg.adds])))
+            self.compiling.append((adds, self._grammar_pool.submit(
+                lambda: [_quietly(validate, add.params) for add in adds])))
             return
-        self.add_group(msg)
+        self.add_group(adds)
 
     def _compiles_first(self, params: Any) -> bool:
         pending = getattr(self.engine.runner, "grammar_pending", None)
@@ -166,27 +166,28 @@ class EngineLoop:
         for entry in [e for e in self.compiling if e[1].done()]:
             self.compiling.remove(entry)
             self.add_group(entry[0])
-            for add in entry[0].adds:
+            for add in entry[0]:
                 if add.request_id in self.aborted_while_compiling:
                     self.engine.abort(add.request_id)
         if not self.compiling:
             self.aborted_while_compiling.clear()
 
-    def add_group(self, msg: Submit) -> None:
+    def add_group(self, adds: list[AddReq]) -> None:
+        group_id = adds[0].request_id
         added: list[str] = []
         try:
-            for add in msg.adds:
+            for add in adds:
                 extra = {"pd": add.pd} if add.pd is not None else {}
                 self.engine.add_request(add.request_id, add.prompt_ids, add.params, **extra)
                 added.append(add.request_id)
         except Exception as exc:
             if not isinstance(exc, RadixServeError):
-                logger.exception("add_request failed for group %s", msg.group_id)
+                logger.exception("add_request failed for group %s", group_id)
             for rid in added:
                 self.engine.abort(rid)
-            self.send(Submitted(msg.group_id, WireError.from_exc(exc)))
+            self.send(Submitted(group_id, WireError.from_exc(exc)))
             return
-        self.send(Submitted(msg.group_id))
+        self.send(Submitted(group_id))
 
     def call(self, msg: Call) -> None:
         if msg.method not in CALL_METHODS:

@@ -1,7 +1,7 @@
 """Wire messages between the HTTP process and the engine loop (msgpack via msgspec; docs/architecture.md).
 
-A Submit's requests are added all or none, answered by one Submitted before any of their outputs; an Abort
-gets no final output back; Heartbeat comes between steps at most every HEARTBEAT_S."""
+A list of AddReq (one HTTP request's engine requests, a group) is added all or none, answered by one Submitted,
+named by the group's first request id, before any of their outputs; an Abort gets no final output back; Heartbeat comes between steps at most every HEARTBEAT_S."""
 from __future__ import annotations
 
 from typing import Any
@@ -30,11 +30,6 @@ class AddReq(msgspec.Struct, frozen=True):
     prompt_ids: list[int]
     params: SamplingParams
     pd: PDTarget | None = None        # set on prefill and decode workers only
-
-
-class Submit(msgspec.Struct, frozen=True, tag=True):
-    group_id: str
-    adds: list[AddReq]
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -79,7 +74,7 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
 
 
 class Submitted(msgspec.Struct, frozen=True, tag=True):
-    group_id: str
+    group_id: str               # the group's first request id
     error: WireError | None = None
 
 
@@ -100,5 +95,5 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-ToEngine = Submit | Abort | Call | Shutdown
+ToEngine = list[AddReq] | Abort | Call | Shutdown
 FromEngine = Ready | Submitted | list[EngineOutput] | CallResult | Fatal | Heartbeat

@@ -8,7 +8,6 @@ import multiprocessing
 import shutil
 import tempfile
 import time
-import uuid
 from typing import Any
 
 import msgspec
@@ -21,7 +20,7 @@ from radixserve.errors import (ContextLengthExceeded, EngineDead, InvalidRequest
 from radixserve.outputs import EngineOutput
 from radixserve.engine.loop import PartsFactory, run_engine_process
 from radixserve.engine.messages import (AddReq, Abort, Call, CallResult, EngineInfo, Fatal,
-                                        FromEngine, Ready, Shutdown, Submit, Submitted,
+                                        FromEngine, Ready, Shutdown, Submitted,
                                         WireError)
 
 logger = logging.getLogger(__name__)
@@ -196,14 +195,15 @@ class EngineClient:
     def submit(self, adds: list[AddReq]) -> RequestStream:
         """Send one HTTP request's engine requests as a group, all or nothing (a failed submit
         holds no open-request slot). Raises EngineDead, or InvalidRequest for an unencodable field."""
+        assert adds, "a group holds at least one request"
         if self.dead_reason is not None:
             raise EngineDead(self.dead_reason)
-        stream = RequestStream(self, uuid.uuid4().hex, [a.request_id for a in adds])
+        stream = RequestStream(self, adds[0].request_id, [a.request_id for a in adds])
         self._streams[stream.group_id] = stream
         try:
             for add in adds:
                 self._routes[add.request_id] = stream
-            self._send(Submit(stream.group_id, adds))
+            self._send(adds)
         except (OverflowError, msgspec.EncodeError) as exc:
             self._unregister(stream, adds)
             raise InvalidRequest(f"a request field cannot be represented for the engine: {exc}") from None

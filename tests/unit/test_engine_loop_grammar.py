@@ -11,7 +11,7 @@ import zmq
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.engine.loop import EngineLoop
-from radixserve.engine.messages import (Abort, AddReq, FromEngine, Shutdown, Submit, Submitted,
+from radixserve.engine.messages import (Abort, AddReq, FromEngine, Shutdown, Submitted,
                                         ToEngine)
 from radixserve.errors import InvalidRequest
 from radixserve.sampling_params import SamplingParams
@@ -84,40 +84,39 @@ def loop():
     ctx.term()
 
 
-def add(group: str, rid: str, schema: str | None = None) -> Submit:
-    return Submit(group, [AddReq(rid, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0,
-                                                                json_schema=schema))])
+def add(rid: str, schema: str | None = None) -> list[AddReq]:
+    return [AddReq(rid, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, json_schema=schema))]
 
 
 def test_a_compiling_grammar_does_not_hold_up_other_requests(loop):
     runner, send, until, seen = loop
-    send(add("g1", "slow", "{}"))
-    send(add("g2", "plain"))
+    send(add("slow", "{}"))
+    send(add("plain"))
     until(lambda: "plain" in seen["finished"], "the plain request to finish")
-    assert "g1" not in seen["submitted"], "the grammar's group was answered before it compiled"
+    assert "slow" not in seen["submitted"], "the grammar's group was answered before it compiled"
     runner.release.set()
     until(lambda: "slow" in seen["finished"], "the grammar request to finish")
-    assert seen["submitted"] == {"g1": None, "g2": None}
+    assert seen["submitted"] == {"slow": None, "plain": None}
 
 
 def test_a_grammar_that_fails_to_compile_is_the_groups_error(loop):
     runner, send, until, seen = loop
-    send(add("g1", "r1", "bad"))
+    send(add("r1", "bad"))
     runner.release.set()
-    until(lambda: "g1" in seen["submitted"], "the group's answer")
-    error = seen["submitted"]["g1"]
+    until(lambda: "r1" in seen["submitted"], "the group's answer")
+    error = seen["submitted"]["r1"]
     assert error is not None and error.param == "response_format"
 
 
 def test_an_abort_while_compiling_ends_the_request(loop):
     runner, send, until, seen = loop
-    send(add("g1", "r1", "{}"))
+    send(add("r1", "{}"))
     send(Abort(["r1"]))
-    send(add("g2", "plain"))   # the loop has handled the abort once this one is done
+    send(add("plain"))   # the loop has handled the abort once this one is done
     until(lambda: "plain" in seen["finished"], "the plain request to finish")
     runner.release.set()
-    until(lambda: "g1" in seen["submitted"], "the group's answer")
-    assert seen["submitted"]["g1"] is None     # accepted, then aborted at once
+    until(lambda: "r1" in seen["submitted"], "the group's answer")
+    assert seen["submitted"]["r1"] is None     # accepted, then aborted at once
     until(lambda: not seen["engine"].has_unfinished(), "the engine to be idle")
     assert "r1" not in seen["engine"].requests and "r1" not in seen["finished"]
 
@@ -125,6 +124,6 @@ def test_an_abort_while_compiling_ends_the_request(loop):
 def test_params_that_fail_validation_are_refused_before_any_compile(loop):
     runner, send, until, seen = loop
     too_long = "x" * (64 << 10 | 1)   # over the grammar limit: refused without compiling it
-    send(add("g1", "r1", too_long))
-    until(lambda: "g1" in seen["submitted"], "the group's answer")
-    assert seen["submitted"]["g1"].param == "response_format" and too_long not in runner.compiled
+    send(add("r1", too_long))
+    until(lambda: "r1" in seen["submitted"], "the group's answer")
+    assert seen["submitted"]["r1"].param == "response_format" and too_long not in runner.compiled
