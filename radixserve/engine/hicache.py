@@ -9,8 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from radixserve.engine.page_pool import PagePool
-from radixserve.engine.radix_cache import RadixCache, RadixNode
+from radixserve.engine.radix_cache import PagePool, RadixCache, RadixNode
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 SELECTIVE_HITS = 2

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from radixserve.engine.hicache import HostTier, KVTierIO
 from radixserve.engine.hicache_disk import DiskTier
-from radixserve.engine.page_pool import PagePool
-from radixserve.engine.radix_cache import RadixCache
+from radixserve.engine.radix_cache import PagePool, RadixCache
 from radixserve.engine.request import Request
 
 

@@ -1,7 +1,7 @@
 """PagePool: allocation is all-or-nothing, frees return pages, ids stay in range."""
 import pytest
 
-from radixserve.engine.page_pool import PagePool
+from radixserve.engine.radix_cache import PagePool
 
 
 def test_allocate_free_roundtrip():
