@@ -13,8 +13,7 @@ from radixserve.config import ServerConfig
 from radixserve.drain import Drain
 from radixserve.errors import InvalidRequest
 from radixserve.chaos.http_faults import KIND_PARAMS, FaultInjector, FaultSpec, HangMiddleware
-from radixserve.server.routes import parse_body
-from radixserve.server.serving import ServingContext
+from radixserve.server.serving import ServingContext, parse_body
 
 MAX_ADMIN_BODY_BYTES = 64 << 10
 

@@ -1,16 +1,24 @@
-"""What serves one request: the worker's ServingContext and a GenerationRun (engine requests, output filters, usage)."""
+"""What serves one request: the worker's ServingContext, a GenerationRun (engine requests, output filters, usage),
+and its delivery (`respond`: collected JSON or an SSE stream that closes the run)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
 
 from radixserve.engine.messages import AddReq, PDTarget
 from radixserve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, OutputAnomaly,
-                               Overloaded)
+                               Overloaded, RadixServeError, error_body)
+from radixserve.http_common import ClosingStreamingResponse, race_disconnect, read_body
 from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput, RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.anomaly import GuardSettings
@@ -19,8 +27,9 @@ from radixserve.server.filters import Detection, OutputFilter
 from radixserve.server.metrics import RunTimers, ServerMetrics
 from radixserve.server.pd import pd_target, with_rooms
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                        PromptTokensDetails, Usage)
+                                        PromptTokensDetails, Usage, now_s)
 from radixserve.server.tracker import ChoiceUpdate, RequestTracker
+from radixserve.server.validation import validation_error
 
 if TYPE_CHECKING:
     from radixserve.chaos.http_faults import FaultInjector
@@ -30,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20
 LONG_TEXT_CHARS = 32_768    # longer texts are tokenized in a worker thread
+Req = TypeVar("Req", bound=BaseModel)
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 
 
 @dataclass
@@ -253,3 +264,45 @@ class GenerationRun:
         lps = self.trackers[prompt_index].prompt_logprobs or []
         return [None, *lps]
 
+
+DONE = "data: [DONE]\n\n"
+
+def sse(event: BaseModel) -> str:
+    return f"data: {event.model_dump_json()}\n\n"
+
+async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BODY_BYTES) -> Req:
+    """`model` from a JSON body; InvalidRequest (400), or BodyTooLarge (413) over `max_bytes`."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise InvalidRequest("Content-Type must be application/json", param="content-type")
+    body = await read_body(request, max_bytes)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+async def respond(request: Request, run: GenerationRun, req: R,
+                  full: Callable[[GenerationRun, R, int], Awaitable[BaseModel]],
+                  chunks: Callable[[GenerationRun, R, int], AsyncIterator[str]]) -> Response:
+    """Submit, then stream or collect; rejections raise before a byte is sent; a disconnect aborts."""
+    created = now_s()
+    async with contextlib.AsyncExitStack() as owned:
+        await owned.enter_async_context(run)
+        if run.ctx.faults is not None:
+            await run.ctx.faults.on_accepted()
+        if req.stream:
+            owned.pop_all()   # the event stream now closes the run
+            return ClosingStreamingResponse(chunks(run, req, created), run.close,
+                                            media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache"})
+        result = await race_disconnect(request.receive, full(run, req, created))
+    return Response(result.model_dump_json(), media_type="application/json")
+
+def error_event(exc: Exception) -> str:
+    """An error after the 200 went out, as an SSE event."""
+    if isinstance(exc, RadixServeError):
+        body = exc.to_dict()
+    else:
+        logger.exception("streaming failed")
+        body = error_body("internal server error", "internal_error", 500)
+    return f"data: {json.dumps(body)}\n\n"

@@ -26,7 +26,7 @@ def trace(model_dir) -> dict[str, dict[str, int]]:
 def test_plain_request_path_is_short(tiny_model_dir):
     found = trace(tiny_model_dir)
     # the tracer works: the request really crossed the HTTP side, the engine and the runner
-    for module in ("server/routes.py", "engine/engine.py", "engine/scheduler.py", "runner/model_runner.py"):
+    for module in ("server/completions.py", "engine/engine.py", "engine/scheduler.py", "runner/model_runner.py"):
         assert module in found["modules"], found["modules"]
     assert "sampling_params.SamplingParams" in found["types"], found["types"]
     modules, types = sorted(found["modules"]), sorted(found["types"])

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from radixserve.engine.messages import EngineInfo
 from radixserve.errors import ContextLengthExceeded
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from radixserve.server.routes import chat_prompt, completion_prompts
+from radixserve.server.chat import chat_prompt
+from radixserve.server.completions import completion_prompts
 from radixserve.server.serving import ServingContext
 from radixserve.tokenizer.text_bound import TextBound
 from tests.unit.test_detokenizer import build_sentencepiece_tokenizer
