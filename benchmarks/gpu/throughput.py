@@ -126,7 +126,7 @@ def prefill_all(runner: ModelRunner, seqs: list[ScheduledSeq], step_tokens: int)
     per_step = max(1, step_tokens // len(seqs[0].input_ids))
     tokens = []
     for i in range(0, len(seqs), per_step):
-        tokens += [r.token.token_id for r in runner.run(seqs[i:i + per_step])]
+        tokens += [r.token_ids[-1] for r in runner.run(seqs[i:i + per_step])]
     return tokens
 
 
@@ -137,7 +137,7 @@ def decode_steps(runner: ModelRunner, seqs: list[ScheduledSeq], last: list[int],
         batch = [ScheduledSeq(s.request_id, [o[-1]], len(s.input_ids) + len(o) - 1, s.page_ids, True, GREEDY,
                               s.seed, s.prompt_ids, list(o), 0, None) for s, o in zip(seqs, outputs)]
         for o, r in zip(outputs, runner.run(batch)):
-            o.append(r.token.token_id)
+            o.append(r.token_ids[-1])
 
 
 def bench_model(shape: str, args, device: torch.device, bw: float, flops: float) -> list[dict]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,9 +96,12 @@ class EngineFaults(EngineHooks):
         if self.forced.is_spent:
             self.forced = None
 
-    def on_tokens(self, req: Request, tokens: list[TokenLogprob]) -> list[TokenLogprob]:
+    def on_tokens(self, req: Request, token_ids: list[int], logprobs: Sequence[TokenLogprob] | None
+                  ) -> tuple[list[int], Sequence[TokenLogprob] | None]:
         forced = self.forced_ids.get(req.request_id)
-        return tokens if forced is None else force_run(forced, len(req.output_ids), tokens)[0]
+        if forced is None:
+            return token_ids, logprobs
+        return force_run(forced, len(req.output_ids), token_ids, logprobs)
 
     def on_finish(self, req: Request, out: EngineOutput) -> EngineOutput:
         self.forced_ids.pop(req.request_id, None)

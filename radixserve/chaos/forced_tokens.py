@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from radixserve.errors import InvalidRequest
@@ -44,18 +45,21 @@ class ForcedTokens:
         return self.num_left <= 0
 
 
-def force_run(forced_ids: tuple[int, ...] | None, num_output_ids: int,
-              sampled: list[TokenLogprob]) -> tuple[list[TokenLogprob], int]:
-    """Step samples (from output position `num_output_ids`) with forced_ids[position] in place
-    (logprob 0.0, the model's `top`), cut after the first replaced one; returns them and how many
-    leading ones are unchanged samples (whose verify KV is valid)."""
-    out: list[TokenLogprob] = []
+def force_run(forced_ids: tuple[int, ...] | None, num_output_ids: int, sampled: Sequence[int],
+              logprobs: Sequence[TokenLogprob] | None = None
+              ) -> tuple[list[int], list[TokenLogprob] | None]:
+    """Step samples (from output position `num_output_ids`; `logprobs` one per sample, or None) with
+    forced_ids[position] in place (logprob 0.0, the model's `top`), cut after the first replaced one; returns
+    the ids and their logprobs (None if none came)."""
+    ids: list[int] = []
+    lps: list[TokenLogprob] | None = None if logprobs is None else []
     for k, token in enumerate(sampled):
         position = num_output_ids + k
-        if forced_ids is None or position >= len(forced_ids):
-            out.append(token)
-            continue
-        out.append(TokenLogprob(forced_ids[position], 0.0, token.top, token.top_logprob))
-        if forced_ids[position] != token.token_id:
-            return out, k
-    return out, len(out)
+        lp = logprobs[k] if logprobs is not None else None
+        forced = forced_ids is not None and position < len(forced_ids)
+        ids.append(forced_ids[position] if forced else token)
+        if lps is not None:
+            lps.append(TokenLogprob(ids[-1], 0.0, lp.top, lp.top_logprob) if forced else lp)
+        if forced and ids[-1] != token:
+            break
+    return ids, lps

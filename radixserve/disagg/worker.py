@@ -93,7 +93,7 @@ class PDWorker:
         if token is None:
             self._outbox.append(self.engine.finish(req, "length"))
         else:
-            self._outbox.append(self.engine.emit(req, [token]))
+            self._outbox.append(self.engine.emit(req, [token.token_id], [token]))
 
     def step(self) -> list[EngineOutput]:
         if self.prefill is not None:

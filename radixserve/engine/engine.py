@@ -155,10 +155,10 @@ class Engine:
                 self.kv.commit(req)
             if req.num_computed_tokens != req.num_tokens:
                 continue
-            if res.token is None:  # max_tokens == 0: prompt scored, nothing to sample
+            if not res.token_ids:  # max_tokens == 0: prompt scored, nothing to sample
                 outs.append(self.finish(req, "length"))
                 continue
-            outs.append(self.emit(req, self._on_tokens(req, [res.token])))
+            outs.append(self.emit(req, *self._on_tokens(req, list(res.token_ids), res.logprobs)))
             self._offer(req, res)
         return outs
 
@@ -166,23 +166,23 @@ class Engine:
         if res.next_draft and req.status is Status.RUNNING:
             self.scheduler.proposer.offer(req.request_id, res.next_draft, req.num_tokens)
 
-    def emit(self, req: Request, tokens: list[TokenLogprob],
+    def emit(self, req: Request, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None,
              computed: Callable[[int], int] | None = None) -> EngineOutput:
-        """Append tokens one by one until one finishes `req` (the rest are dropped). `computed(kept)`:
-        num_computed_tokens after `kept` tokens, set before a finish commits the pages."""
-        kept: list[TokenLogprob] = []
+        """Append tokens one by one until one finishes `req` (the rest are dropped); `logprobs`: one per token,
+        kept only if the request wants them. `computed(kept)`: num_computed_tokens after `kept` tokens, set
+        before a finish commits the pages."""
+        ids: list[int] = []
         reason = None
-        for t in tokens:
-            req.output_ids.append(t.token_id)
+        for t in token_ids:
+            req.output_ids.append(t)
             self.counters["num_generated_tokens"] += 1
-            kept.append(t)
-            reason = self._finish_reason(req, t.token_id)
+            ids.append(t)
+            reason = self._finish_reason(req, t)
             if reason is not None:
                 break
         if computed is not None:
-            req.num_computed_tokens = computed(len(kept))
-        ids = [t.token_id for t in kept]
-        logprobs = kept if req.params.wants_logprobs else None
+            req.num_computed_tokens = computed(len(ids))
+        logprobs = list(logprobs[:len(ids)]) if logprobs is not None and req.params.wants_logprobs else None
         if reason is not None:
             return self._finish(req, ids, logprobs, reason)
         return self._output(req, ids, logprobs)
@@ -190,7 +190,7 @@ class Engine:
     def _verified(self, req: Request, seq: ScheduledSeq, res: SeqResult) -> EngineOutput:
         """Rejected drafts' KV stays in the private tail past num_computed_tokens, never committed."""
         c, draft = self.counters, seq.draft
-        accepted = len(res.accepted)
+        accepted = len(res.token_ids) - 1
         c["spec_num_verify_steps"] += 1
         c["spec_num_draft_tokens"] += len(draft)
         c["spec_num_accepted_tokens"] += accepted
@@ -202,14 +202,15 @@ class Engine:
                               spec.accepted_tokens + accepted)
         if self.scheduler.proposer is not None:
             self.scheduler.proposer.record(req.request_id, len(draft), accepted)
-        sampled = [*res.accepted, res.token]
-        tokens = self._on_tokens(req, sampled)
-        num_as_sampled = next((i for i, (t, u) in enumerate(zip(tokens, sampled))
-                               if t.token_id != u.token_id), len(tokens))
-        return self.emit(req, tokens, lambda kept: seq.start_pos + 1 + min(kept, accepted, num_as_sampled))
+        sampled = list(res.token_ids)
+        ids, logprobs = self._on_tokens(req, sampled, res.logprobs)
+        num_as_sampled = next((i for i, (t, u) in enumerate(zip(ids, sampled)) if t != u), len(ids))
+        return self.emit(req, ids, logprobs,
+                         lambda kept: seq.start_pos + 1 + min(kept, accepted, num_as_sampled))
 
-    def _on_tokens(self, req: Request, tokens: list[TokenLogprob]) -> list[TokenLogprob]:
-        return self.hooks.on_tokens(req, tokens) if self.hooks else tokens
+    def _on_tokens(self, req: Request, token_ids: list[int], logprobs: Sequence[TokenLogprob] | None
+                   ) -> tuple[list[int], Sequence[TokenLogprob] | None]:
+        return self.hooks.on_tokens(req, token_ids, logprobs) if self.hooks else (token_ids, logprobs)
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params

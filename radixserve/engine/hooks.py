@@ -24,9 +24,11 @@ class EngineHooks:
         """Start of every step, before the scheduler picks its batch."""
         pass
 
-    def on_tokens(self, req: Request, tokens: list[TokenLogprob]) -> list[TokenLogprob]:
-        """`req`'s tokens of one step, maybe cut, or replaced in the last one only."""
-        return tokens
+    def on_tokens(self, req: Request, token_ids: list[int], logprobs: Sequence[TokenLogprob] | None
+                  ) -> tuple[list[int], Sequence[TokenLogprob] | None]:
+        """`req`'s tokens of one step and their logprobs (None: not wanted), maybe cut, or replaced in the last
+        one only."""
+        return token_ids, logprobs
 
     def on_finish(self, req: Request, out: EngineOutput) -> EngineOutput:
         """`req`'s final output, maybe replaced; its KV is still held."""
@@ -59,10 +61,11 @@ class HookChain(EngineHooks):
         for h in self.hooks:
             h.before_schedule()
 
-    def on_tokens(self, req: Request, tokens: list[TokenLogprob]) -> list[TokenLogprob]:
+    def on_tokens(self, req: Request, token_ids: list[int], logprobs: Sequence[TokenLogprob] | None
+                  ) -> tuple[list[int], Sequence[TokenLogprob] | None]:
         for h in self.hooks:
-            tokens = h.on_tokens(req, tokens)
-        return tokens
+            token_ids, logprobs = h.on_tokens(req, token_ids, logprobs)
+        return token_ids, logprobs
 
     def on_finish(self, req: Request, out: EngineOutput) -> EngineOutput:
         for h in self.hooks:

@@ -37,9 +37,9 @@ class ScheduledSeq:
 @dataclass(frozen=True, slots=True)
 class SeqResult:
     request_id: str
-    token: TokenLogprob | None
+    token_ids: tuple[int, ...]                      # accepted drafts, then the sampled token; () if none sampled
+    logprobs: tuple[TokenLogprob, ...] | None       # one per token id, only when the request wants logprobs
     prompt_logprobs: list[TokenLogprob] | None
-    accepted: tuple[TokenLogprob, ...] = ()     # accepted draft tokens, emitted before `token`
     next_draft: tuple[int, ...] = ()
 
 

@@ -58,13 +58,18 @@ class Sampler:
         self._generator = torch.Generator()
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow],
-               constrain: Callable[[torch.Tensor], None] | None = None) -> list[TokenLogprob]:
-        """logits (R, V) fp32 raw; `constrain` masks in place after the penalties. NaN logprobs if no row asked for any."""
-        tokens = self._pick(logits, rows, constrain)
+               constrain: Callable[[torch.Tensor], None] | None = None) -> list[int]:
+        """logits (R, V) fp32 raw -> one token id per row; `constrain` masks in place after the penalties."""
+        return self._pick(logits, rows, constrain).tolist()
+
+    def logprobs(self, logits: torch.Tensor, token_ids: Sequence[int],
+                 rows: Sequence[SampleRow]) -> list[TokenLogprob] | None:
+        """Raw logprobs of `token_ids` (one per row of `logits` (R, V) fp32), each row's top trimmed to its
+        `params.logprobs`; None when no row asked for logprobs (`params.wants_logprobs`)."""
         if not any(r.params.wants_logprobs for r in rows):
-            return [TokenLogprob(t, math.nan, []) for t in tokens.tolist()]
+            return None
         k = max((r.params.logprobs or 0) for r in rows)
-        out = token_logprobs(logits, tokens, k)
+        out = token_logprobs(logits, torch.tensor(list(token_ids), device=logits.device), k)
         return [TokenLogprob(s.token_id, s.logprob, s.top[:r.params.logprobs or 0], s.top_logprob)
                 for s, r in zip(out, rows)]
 
@@ -146,21 +151,21 @@ class Sampler:
         picked = torch.where(degenerate, x.argmax(dim=-1, keepdim=True), picked)
         return picked.squeeze(1)
 
-    def verify(self, logits: torch.Tensor, row: SampleRow, draft: Sequence[int]) -> tuple[list[TokenLogprob], TokenLogprob]:
-        """`logits` (k + 1, V) raw, row i the step after draft[:i] -> (accepted tokens, next token). Row i is sampled as
-        the ordinary step at output position len(output_ids) + i would be (its penalties, its (seed, position) draw);
-        draft[i] is accepted exactly when it equals row i's token, so the tokens equal those of k + 1 ordinary steps,
-        whatever the draft (docs/speculative.md, "Sampling")."""
+    def verify(self, logits: torch.Tensor, row: SampleRow,
+               draft: Sequence[int]) -> tuple[list[int], list[TokenLogprob] | None]:
+        """`logits` (k + 1, V) raw, row i the step after draft[:i] -> the tokens to emit (the accepted drafts, then
+        the next token) and, if the row asked, their logprobs. Row i is sampled as the ordinary step at output
+        position len(output_ids) + i would be (its penalties, its (seed, position) draw); draft[i] is accepted
+        exactly when it equals row i's token, so the tokens equal those of k + 1 ordinary steps, whatever the draft
+        (docs/speculative.md, "Sampling")."""
         k = len(draft)
         picks = self._pick(logits, [_Shifted(row, list(draft[:i])) for i in range(k + 1)]).tolist()
         j = next((i for i in range(k) if picks[i] != draft[i]), k)
         ids = picks[:j + 1]
         if not row.params.wants_logprobs:
-            out = [TokenLogprob(t, math.nan, []) for t in ids]
-        else:
-            out = token_logprobs(logits[:j + 1], torch.tensor(ids, device=logits.device),
-                                 max(row.params.logprobs or 0, 0))
-        return out[:j], out[j]
+            return ids, None
+        return ids, token_logprobs(logits[:j + 1], torch.tensor(ids, device=logits.device),
+                                   max(row.params.logprobs or 0, 0))
 
     @staticmethod
     def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

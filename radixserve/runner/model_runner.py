@@ -240,7 +240,8 @@ class ModelRunner:
             return []
         step, logits = self.forward(batch)
         plain = [(s, r) for s, r in zip(batch, step.sample_rows) if r is not None and not s.draft]
-        sampled: list[TokenLogprob] = []
+        sampled: list[int] = []
+        sampled_lps: list[TokenLogprob] | None = None
         if plain:
             rows = [s for s, _ in plain]
             sample_idx = [r for _, r in plain]
@@ -248,16 +249,20 @@ class ModelRunner:
             constrained = any(r.params.grammar is not None for r in rows)
             mask = self.structured.token_mask(rows, self.device) if constrained else None
             sampled = self.sampler.sample(picked, rows, mask)
+            sampled_lps = self.sampler.logprobs(picked, sampled, rows)
         results = []
-        it = iter(sampled)
+        num_plain = 0
         for seq, sample_row, prompt in zip(batch, step.sample_rows, step.prompt_rows):
-            accepted: tuple[TokenLogprob, ...] = ()
+            token_ids: tuple[int, ...] = ()
+            lps: list[TokenLogprob] | None = None
             if sample_row is not None and seq.draft:
                 verify_logits = logits[sample_row:sample_row + len(seq.draft) + 1]
-                kept, token = self.sampler.verify(verify_logits, seq, seq.draft)
-                accepted = tuple(kept)
-            else:
-                token = next(it) if sample_row is not None else None
+                ids, lps = self.sampler.verify(verify_logits, seq, seq.draft)
+                token_ids = tuple(ids)
+            elif sample_row is not None:
+                token_ids = (sampled[num_plain],)
+                lps = sampled_lps[num_plain:num_plain + 1] if sampled_lps is not None else None
+                num_plain += 1
             prompt_lps = None
             if prompt is not None:
                 first, targets = prompt
@@ -265,7 +270,8 @@ class ModelRunner:
                 k = seq.params.prompt_logprobs or 0
                 prompt_lps = (token_logprobs(rows, torch.tensor(targets, device=self.device), k)
                               if targets else [])
-            results.append(SeqResult(seq.request_id, token, prompt_lps, accepted))
+            wanted = lps is not None and seq.params.wants_logprobs
+            results.append(SeqResult(seq.request_id, token_ids, tuple(lps) if wanted else None, prompt_lps))
         if self.draft is not None:
             self.draft.sync(step)
             results = self._propose(batch, results)
@@ -287,12 +293,12 @@ class ModelRunner:
 
     def _propose(self, batch: list[ScheduledSeq], results: list[SeqResult]) -> list[SeqResult]:
         asking = [(i, s) for i, (s, r) in enumerate(zip(batch, results))
-                  if s.propose > 0 and r.token is not None]
+                  if s.propose > 0 and r.token_ids]
         if not asking:
             return results
         drafts = self.draft.propose(
-            [s for _, s in asking], [results[i].token.token_id for i, _ in asking],
-            [s.start_pos + len(s.input_ids) - len(s.draft) + len(results[i].accepted)
+            [s for _, s in asking], [results[i].token_ids[-1] for i, _ in asking],
+            [s.start_pos + len(s.input_ids) - len(s.draft) + len(results[i].token_ids) - 1
              for i, s in asking])
         for (i, _), draft in zip(asking, drafts):
             results[i] = dataclasses.replace(results[i], next_draft=tuple(draft))

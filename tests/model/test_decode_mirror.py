@@ -28,10 +28,10 @@ def run_both(h: Harness, mirror: TorchAttentionBackend, gather: TorchAttentionBa
         seq.computed = sched.start_pos + len(sched.input_ids)
         if not sched.sample:
             continue
-        assert g.token.token_id == r.token.token_id, f"{seq.rid}: mirror and gather disagree"
-        assert g.token.logprob == pytest.approx(r.token.logprob, abs=1e-5)
-        assert [t for t, _ in g.token.top] == [t for t, _ in r.token.top]
-        seq.output.append(g.token.token_id)
+        assert g.token_ids[-1] == r.token_ids[-1], f"{seq.rid}: mirror and gather disagree"
+        assert g.logprobs[-1].logprob == pytest.approx(r.logprobs[-1].logprob, abs=1e-5)
+        assert [t for t, _ in g.logprobs[-1].top] == [t for t, _ in r.logprobs[-1].top]
+        seq.output.append(g.token_ids[-1])
 
 
 def remap_pages(h: Harness, seq: Seq) -> None:

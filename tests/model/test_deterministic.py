@@ -26,10 +26,10 @@ def _record(runner: ModelRunner, steps: list[list[tuple[Seq, int | None]]], watc
         out = runner.run([s for _, s in items])
         for (seq, sched), res in zip(items, out):
             seq.computed = sched.start_pos + len(sched.input_ids)
-            if res.token is not None:
-                seq.output.append(res.token.token_id)
+            if res.token_ids:
+                seq.output.append(res.token_ids[-1])
                 if seq is watch:
-                    got.append((res.token.token_id, res.token.logprob, tuple(res.token.top)))
+                    got.append((res.token_ids[-1], res.logprobs[-1].logprob, tuple(res.logprobs[-1].top)))
     return got
 
 

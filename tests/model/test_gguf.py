@@ -17,7 +17,7 @@ from radixserve.weights.paths import resolve_model_path
 from tests.conftest import build_tiny_llama
 from tests.model.gguf_convert import write_gguf
 
-GREEDY = SamplingParams(temperature=0, max_tokens=64)
+GREEDY = SamplingParams(temperature=0, max_tokens=64, logprobs=0)
 
 
 def greedy(runner: ModelRunner, prompt: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
@@ -27,7 +27,7 @@ def greedy(runner: ModelRunner, prompt: list[int], num_tokens: int) -> tuple[lis
     start, ids = 0, prompt
     for _ in range(num_tokens):
         seq = ScheduledSeq("g", ids, start, pages, True, GREEDY, 0, prompt, list(out), 0, None)
-        token = runner.run([seq])[0].token
+        token = runner.run([seq])[0].logprobs[-1]
         start += len(ids)
         out.append(token.token_id)
         lps.append(token.logprob)

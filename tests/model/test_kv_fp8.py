@@ -80,9 +80,9 @@ def run_greedy(runner: ModelRunner, prompt: list[int], steps: int, chunk: int | 
         sched = seq.chunk(chunk if len(seq.tokens) - seq.computed > 1 else None)
         res = runner.run([sched])[0]
         seq.computed = sched.start_pos + len(sched.input_ids)
-        if res.token is not None:
-            out.append(res.token)
-            seq.output.append(res.token.token_id)
+        if res.token_ids:
+            out.append(res.logprobs[-1])
+            seq.output.append(res.token_ids[-1])
     return out
 
 

@@ -78,17 +78,17 @@ class Harness:
             if sched.prompt_logprob_start is not None:
                 self.check_prompt_logprobs(seq, sched, res.prompt_logprobs, ref)
             if not sched.sample:
-                assert res.token is None
+                assert not res.token_ids
                 continue
             expected = ref[-1]
             top_ref = torch.topk(expected, 5)
-            assert res.token.token_id == int(top_ref.indices[0]), (
-                f"{seq.rid}: greedy {res.token.token_id} != transformers {int(top_ref.indices[0])} "
+            assert res.token_ids[-1] == int(top_ref.indices[0]), (
+                f"{seq.rid}: greedy {res.token_ids[-1]} != transformers {int(top_ref.indices[0])} "
                 f"at position {seq.computed} (top-2 gap {float(top_ref.values[0] - top_ref.values[1]):.3g})")
-            assert abs(res.token.logprob - float(top_ref.values[0])) < ATOL
-            assert [t for t, _ in res.token.top] == top_ref.indices.tolist()
-            assert torch.allclose(torch.tensor([lp for _, lp in res.token.top]), top_ref.values, atol=ATOL)
-            seq.output.append(res.token.token_id)
+            assert abs(res.logprobs[-1].logprob - float(top_ref.values[0])) < ATOL
+            assert [t for t, _ in res.logprobs[-1].top] == top_ref.indices.tolist()
+            assert torch.allclose(torch.tensor([lp for _, lp in res.logprobs[-1].top]), top_ref.values, atol=ATOL)
+            seq.output.append(res.token_ids[-1])
 
     @staticmethod
     def check_prompt_logprobs(seq: Seq, sched: ScheduledSeq, got, ref: torch.Tensor) -> None:
@@ -195,7 +195,7 @@ def test_bfloat16_runs_close_to_float32(gqa_dir):
     assert runner.kv.dtype == torch.bfloat16 and runner.kv.compute_dtype == torch.bfloat16
     seq = h.new_seq("a", 40)
     for _ in range(5):
-        res = runner.run([seq.chunk()])[0].token
+        res = runner.run([seq.chunk()])[0].logprobs[-1]
         seq.computed = len(seq.tokens)
         ref = h.reference(seq.tokens)[-1]
         assert float(ref.max() - ref[res.token_id]) < 0.05

@@ -122,10 +122,11 @@ def test_bfloat16_close_to_float32_transformers(gqa_dir):
     assert h.runner.kv.dtype == torch.bfloat16
     seq = h.new_seq("a", 40)
     for chunk in (25, None, None, None):
-        res = h.runner.run([seq.chunk(chunk)])[0].token
+        result = h.runner.run([seq.chunk(chunk)])[0]
         seq.computed = len(seq.tokens) if chunk is None else chunk
-        if res is None:
+        if not result.token_ids:
             continue
+        res = result.logprobs[-1]
         ref = h.reference(seq.tokens)[-1]
         assert float(ref.max() - ref[res.token_id]) < 0.05
         assert abs(res.logprob - float(ref[res.token_id])) < 0.05
@@ -162,12 +163,12 @@ def test_fp8_kv_equals_torch_backend(gqa_dir, tmp_path, kv_dtype):
             for sched, res in zip(batch, results[b]):
                 s = seqs[b][sched.request_id]
                 s.computed = sched.start_pos + len(sched.input_ids)
-                if res.token is not None:
-                    s.output.append(res.token.token_id)
+                if res.token_ids:
+                    s.output.append(res.token_ids[-1])
         for want, got in zip(results["torch"], results["triton"]):
-            assert (want.token is None) == (got.token is None)
-            if want.token is not None:
-                assert got.token.token_id == want.token.token_id
-                assert abs(got.token.logprob - want.token.logprob) < 1e-4
-                assert [t for t, _ in got.token.top] == [t for t, _ in want.token.top]
+            assert (not want.token_ids) == (not got.token_ids)
+            if want.token_ids:
+                assert got.token_ids[-1] == want.token_ids[-1]
+                assert abs(got.logprobs[-1].logprob - want.logprobs[-1].logprob) < 1e-4
+                assert [t for t, _ in got.logprobs[-1].top] == [t for t, _ in want.logprobs[-1].top]
     assert len(seqs["triton"]["a"].output) == 3 and len(seqs["triton"]["b"].output) == 2

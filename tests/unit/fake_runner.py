@@ -90,7 +90,10 @@ class FakeRunner:
                 # positions before the new token: the verified prefix (accepted drafts included)
                 verified = context[:end - len(seq.draft) + len(accepted)]
                 next_draft = self._draft([*verified, token.token_id], seq.propose)
-            results.append(SeqResult(seq.request_id, token, prompt_lp, tuple(accepted), next_draft))
+            emitted = [*accepted, token] if token is not None else []
+            ids = tuple(t.token_id for t in emitted)
+            logprobs = tuple(emitted) if seq.params.wants_logprobs else None
+            results.append(SeqResult(seq.request_id, ids, logprobs, prompt_lp, next_draft))
         return results
 
     def _draft(self, context: list[int], k: int) -> tuple[int, ...]:

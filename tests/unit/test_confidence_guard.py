@@ -73,21 +73,21 @@ def test_sampler_reports_top_logprob_for_guard_confidence_only(temperature):
     watched = Row(SamplingParams(temperature=temperature, seed=1, guard_confidence=True))
     plain = Row(SamplingParams(temperature=temperature, seed=1))
     asked = Row(SamplingParams(temperature=temperature, seed=1, logprobs=0))
-    out = Sampler(V, frozenset()).sample(logits, [watched, plain, asked])
+    s = Sampler(V, frozenset())
+    out = s.logprobs(logits, s.sample(logits, [watched, plain, asked]), [watched, plain, asked])
     assert out[0].top_logprob == pytest.approx(float(best[0]), abs=1e-6) and out[0].top == []
     assert not math.isnan(out[0].logprob)
     assert out[2].top_logprob == pytest.approx(float(best[2]), abs=1e-6)
-    alone = Sampler(V, frozenset()).sample(logits[1:2], [plain])[0]
-    assert math.isnan(alone.logprob) and math.isnan(alone.top_logprob)   # nobody asked: skipped
+    assert s.logprobs(logits[1:2], s.sample(logits[1:2], [plain]), [plain]) is None   # nobody asked: skipped
 
 
 def test_verify_reports_top_logprob_for_every_emitted_token():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(4))
     draft = [int(logits[0].argmax()), int(logits[1].argmax())]
     row = Row(SamplingParams(temperature=0, guard_confidence=True))
-    accepted, final = Sampler(V, frozenset()).verify(logits, row, draft)
+    _, lps = Sampler(V, frozenset()).verify(logits, row, draft)
     best = torch.log_softmax(logits, -1).max(-1).values.tolist()
-    assert [t.top_logprob for t in accepted + [final]] == pytest.approx(best, abs=1e-6)
+    assert [t.top_logprob for t in lps] == pytest.approx(best, abs=1e-6)
 
 
 def test_tracker_hands_confidences_to_the_guard_not_logprobs_to_the_client(default_tokenizer):

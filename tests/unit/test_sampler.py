@@ -33,16 +33,18 @@ def logits_from_probs(probs: list[float]) -> torch.Tensor:
 
 def draws(logits: torch.Tensor, params: SamplingParams, n: int = 300, **row) -> set[int]:
     s = sampler()
-    return {s.sample(logits, [Row(params, seed=i, **row)])[0].token_id for i in range(n)}
+    return {s.sample(logits, [Row(params, seed=i, **row)])[0] for i in range(n)}
 
 
 def test_greedy_is_argmax_and_logprobs_are_raw():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
     rows = [Row(SamplingParams(temperature=0, logprobs=3)) for _ in range(3)]
-    out = sampler().sample(logits, rows)
+    s = sampler()
+    ids = s.sample(logits, rows)
+    out = s.logprobs(logits, ids, rows)
     ref = torch.log_softmax(logits, -1)
     for i, o in enumerate(out):
-        assert o.token_id == int(logits[i].argmax())
+        assert o.token_id == ids[i] == int(logits[i].argmax())
         assert o.logprob == pytest.approx(float(ref[i].max()), abs=1e-6)
         assert [t for t, _ in o.top] == torch.topk(ref[i], 3).indices.tolist()
 
@@ -52,7 +54,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative():
     logits[0, 3], logits[0, 4], logits[0, 5] = 2.0, 1.5, -1.0
     # 3 is seen in the prompt: 2.0 / 2 = 1.0 < 1.5, so 4 wins greedily.
     row = Row(SamplingParams(temperature=0, repetition_penalty=2.0), prompt_ids=[3, 5])
-    assert sampler().sample(logits, [row])[0].token_id == 4
+    assert sampler().sample(logits, [row])[0] == 4
     x = sampler()._penalised(logits, [row])
     assert float(x[0, 3]) == 1.0 and float(x[0, 5]) == -2.0 and float(x[0, 4]) == 1.5
 
@@ -60,7 +62,8 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative():
 def test_logit_bias_steers_greedy_and_sampling_but_not_logprobs():
     logits = logits_from_probs([0.7, 0.2, 0.1])
     forced = SamplingParams(temperature=0, logprobs=1, logit_bias={2: 100.0})
-    out = sampler().sample(logits, [Row(forced)])[0]
+    s = sampler()
+    (out,) = s.logprobs(logits, s.sample(logits, [Row(forced)]), [Row(forced)])
     assert out.token_id == 2
     assert out.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[0, 2]), abs=1e-6)   # raw
     banned = SamplingParams(temperature=1.0, logit_bias={0: -100.0, 1: -100.0})
@@ -94,8 +97,8 @@ def test_min_tokens_masks_eos_and_stop_ids():
     logits = torch.full((1, V), -5.0)
     logits[0, EOS], logits[0, 9], logits[0, 1] = 10.0, 9.0, 1.0
     params = SamplingParams(temperature=0, stop_token_ids=[9], ignore_eos=True)
-    assert sampler().sample(logits, [Row(params, min_tokens_left=1)])[0].token_id == 1
-    assert sampler().sample(logits, [Row(params, min_tokens_left=0)])[0].token_id == EOS
+    assert sampler().sample(logits, [Row(params, min_tokens_left=1)])[0] == 1
+    assert sampler().sample(logits, [Row(params, min_tokens_left=0)])[0] == EOS
 
 
 def test_top_k_top_p_min_p_masks():
@@ -114,20 +117,20 @@ def test_seeded_rows_do_not_depend_on_batch_composition():
     logits = torch.randn(6, V, generator=gen) * 2
     rows = [Row(SamplingParams(temperature=1.0, top_p=0.9, top_k=8 if i % 2 else -1),
                 seed=100 + i, output_ids=[1] * i) for i in range(6)]
-    full = [o.token_id for o in sampler().sample(logits, rows)]
-    alone = [sampler().sample(logits[i:i + 1], [rows[i]])[0].token_id for i in range(6)]
-    rev = [o.token_id for o in sampler().sample(logits.flip(0), rows[::-1])][::-1]
+    full = sampler().sample(logits, rows)
+    alone = [sampler().sample(logits[i:i + 1], [rows[i]])[0] for i in range(6)]
+    rev = sampler().sample(logits.flip(0), rows[::-1])[::-1]
     mixed = sampler().sample(torch.cat([logits[2:3], logits[0:1]]),
                              [Row(SamplingParams(temperature=0)), rows[0]])
     assert full == alone == rev
-    assert mixed[1].token_id == full[0]
+    assert mixed[1] == full[0]
 
 
 def test_seed_and_step_change_the_draw():
     logits = torch.zeros(1, V)  # uniform
     params = SamplingParams(temperature=1.0)
-    by_seed = {sampler().sample(logits, [Row(params, seed=s)])[0].token_id for s in range(64)}
-    by_step = {sampler().sample(logits, [Row(params, seed=1, output_ids=[0] * n)])[0].token_id
+    by_seed = {sampler().sample(logits, [Row(params, seed=s)])[0] for s in range(64)}
+    by_step = {sampler().sample(logits, [Row(params, seed=1, output_ids=[0] * n)])[0]
                for n in range(64)}
     assert len(by_seed) > 8 and len(by_step) > 8
     assert step_seed(1, 0) != step_seed(1, 1) != step_seed(2, 0)
@@ -138,7 +141,7 @@ def test_sampling_follows_the_distribution():
     s = sampler()
     counts = torch.zeros(V)
     for i in range(2000):
-        counts[s.sample(logits, [Row(SamplingParams(), seed=i)])[0].token_id] += 1
+        counts[s.sample(logits, [Row(SamplingParams(), seed=i)])[0]] += 1
     assert torch.allclose(counts[:3] / 2000, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
 
 
@@ -147,7 +150,8 @@ def test_logprobs_not_truncated_by_top_p_or_top_k():
     logits = logits_from_probs([0.5, 0.3, 0.15, 0.05])
     ref = torch.log_softmax(logits[0], -1)
     params = SamplingParams(temperature=0.5, top_p=0.5, top_k=2, logprobs=4)
-    out = sampler().sample(logits, [Row(params, seed=3)])[0]
+    s = sampler()
+    (out,) = s.logprobs(logits, s.sample(logits, [Row(params, seed=3)]), [Row(params, seed=3)])
     assert out.token_id == 0
     assert out.logprob == pytest.approx(float(ref[0]), abs=1e-6)
     assert [t for t, _ in out.top] == [0, 1, 2, 3]
@@ -185,16 +189,18 @@ def test_verify_emits_the_ordinary_steps_tokens_whatever_the_draft(params):
         for i in range(k + 1):
             row = Row(params, seed=seed, prompt_ids=[3, 4], output_ids=[5, 6] + steps,
                       min_tokens_left=max(start.min_tokens_left - i, 0))
-            steps.append(s.sample(logits[i:i + 1], [row])[0].token_id)
+            steps.append(s.sample(logits[i:i + 1], [row])[0])
         wrong = (steps[1] + 1) % V
         drafts = [steps[:k], steps[:1] + [wrong] + steps[2:k],
                   torch.randint(0, V, (k,), generator=gen).tolist()]
         for draft in drafts:
-            kept, final = s.verify(logits, start, draft)
+            ids, lps = s.verify(logits, start, draft)
             j = next((i for i in range(k) if draft[i] != steps[i]), k)
-            assert [t.token_id for t in kept] + [final.token_id] == steps[:j + 1], (seed, draft, steps)
-            accepted_total += len(kept)
+            assert ids == steps[:j + 1], (seed, draft, steps)
+            accepted_total += len(ids) - 1
+            assert (lps is None) == (not params.wants_logprobs)
             if params.logprobs:
-                ref = torch.log_softmax(logits[j], -1)[final.token_id]
-                assert final.logprob == pytest.approx(float(ref), abs=1e-6) and len(final.top) == 2
+                ref = torch.log_softmax(logits[j], -1)[ids[-1]]
+                assert [t.token_id for t in lps] == ids
+                assert lps[-1].logprob == pytest.approx(float(ref), abs=1e-6) and len(lps[-1].top) == 2
     assert accepted_total > 60 * (k + 1)   # the true drafts alone keep k each

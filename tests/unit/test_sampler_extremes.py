@@ -79,7 +79,7 @@ def test_sampled_token_has_finite_non_negligible_probability(logits, params, see
               min_tokens_left=min_tokens_left)
     penalised = finite_or_masked(s._penalised(logits, [row]))[0]
     assume(bool(torch.isfinite(penalised).any()))  # min-tokens masked every finite logit
-    token = s.sample(logits, [row])[0].token_id
+    token = s.sample(logits, [row])[0]
     assert 0 <= token < V and math.isfinite(penalised[token])
     if params.is_greedy:   # T below MIN_TEMPERATURE included: the T -> 0 limit
         assert token == greedy_token(s, logits, row)
@@ -95,7 +95,7 @@ def test_tiny_temperatures_are_greedy(temperature):
     assert SamplingParams(temperature=temperature).is_greedy
     for seed in range(20):
         token = Sampler(V, frozenset()).sample(logits, [Row(SamplingParams(temperature=temperature),
-                                                             seed)])[0].token_id
+                                                             seed)])[0]
         assert token == int(logits.argmax()) != V - 1
 
 
@@ -104,7 +104,7 @@ def test_vanishing_top_p_keeps_the_most_likely_token():
     logits = torch.linspace(-5, 5, V)[None].roll(-20, dims=1)
     for seed in range(20):
         row = Row(SamplingParams(temperature=1.0, top_p=1e-300), seed)
-        assert Sampler(V, frozenset()).sample(logits, [row])[0].token_id == int(logits.argmax())
+        assert Sampler(V, frozenset()).sample(logits, [row])[0] == int(logits.argmax())
 
 
 def test_repetition_penalty_float32_cannot_hold_is_rejected():
@@ -121,14 +121,14 @@ def test_smallest_repetition_penalty_saturates_instead_of_nan():
     seen = [10, 50, 60, 63]                      # 10 has a negative logit, the others positive
     for seed in range(20):
         row = Row(SamplingParams(repetition_penalty=MIN_REPETITION_PENALTY), seed, prompt_ids=seen)
-        assert Sampler(V, frozenset()).sample(logits, [row])[0].token_id in (50, 60, 63)
+        assert Sampler(V, frozenset()).sample(logits, [row])[0] in (50, 60, 63)
 
 
 def test_nan_logits_are_never_drawn():
     logits = torch.full((1, V), float("nan"))
     logits[0, 7] = 0.0
     for seed in range(10):
-        assert Sampler(V, frozenset()).sample(logits, [Row(SamplingParams(), seed)])[0].token_id == 7
+        assert Sampler(V, frozenset()).sample(logits, [Row(SamplingParams(), seed)])[0] == 7
 
 
 @pytest.mark.parametrize("bad", [None, "nan", "+inf", "all -inf"])
@@ -148,6 +148,6 @@ def test_one_pass_greedy_batch_equals_the_general_path(bad):
     s = Sampler(V, frozenset({EOS}))
     rows = [Row(SamplingParams(temperature=0.0), i) for i in range(6)]
     assert (s._plain_greedy(logits, rows) is None) == (bad is not None)
-    tokens = [t.token_id for t in s.sample(logits, rows)]
+    tokens = s.sample(logits, rows)
     assert tokens == finite_or_masked(logits).argmax(dim=-1).tolist()
     assert tokens[1] == 9
