@@ -11,8 +11,8 @@ import sys
 
 from tests.api.conftest import REPO
 
-MAX_MODULES = 26
-MAX_TYPES = 12
+MAX_MODULES = 24
+MAX_TYPES = 10
 
 
 def trace(model_dir) -> dict[str, dict[str, int]]:
