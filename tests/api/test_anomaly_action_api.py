@@ -1,7 +1,8 @@
 """--anomaly-guard-action through a real tiny-model worker and the openai client: output the client
 asked for (logit_bias forcing lone UTF-8 byte tokens, U+FFFD text the garbled detector fires on) is a
 200 with that text under both actions, counted as a report; the garble fault on an unconstrained
-request is reported under `report` and stops the request under `abort` (docs/anomaly_guard.md)."""
+request is reported under `report` and stops the request under `abort`; collapsed n-gram
+acceptance is only reported (docs/anomaly_guard.md)."""
 from __future__ import annotations
 
 import json
@@ -31,9 +32,11 @@ def server(request):
 
 
 @pytest.fixture(autouse=True)
-def no_faults_left(server):
+def no_faults_left(request):
     yield
-    server.http.delete("/admin/fault")
+    for name in ("server", "ngram_server"):
+        if name in request.fixturenames:
+            request.getfixturevalue(name).http.delete("/admin/fault")
 
 
 def detections(server) -> dict[tuple[str, str], float]:
@@ -86,3 +89,34 @@ def test_the_action_decides_for_an_unconstrained_request(server):
     error = json.loads(err.value.response.text)["error"]
     assert error["type"] == "output_anomaly" and error["anomaly_kind"] == "garbled"
     assert added(before, detections(server)) == {("garbled", "abort"): 1.0}
+
+
+@pytest.fixture(scope="module")
+def ngram_server(request):
+    """Default actions, n-gram speculation, the acceptance rule judging after 40 tokens (as
+    test_faults.py, where it acts)."""
+    server = start_tiny_server(request, ["--context-length", str(TINY_CONTEXT),
+                                         "--max-total-tokens", "8192", "--enable-fault-injection",
+                                         "--speculative-algorithm", "ngram",
+                                         "--speculative-anomaly-min-tokens", "40",
+                                         "--speculative-anomaly-min-verify-steps", "8",
+                                         "--speculative-anomaly-min-accept-length", "1.5"])
+    yield server
+    try:
+        server.assert_no_tracebacks()
+    finally:
+        server.stop()
+
+
+def test_collapsed_n_gram_acceptance_is_only_reported(ngram_server, default_tokenizer):
+    """The request test_faults.py's worker stops (forced to repeat its prompt, the random model
+    rejecting the n-gram drafts): with an n-gram draft `auto` only reports it."""
+    server = ngram_server
+    ids = default_tokenizer.hf.encode(" one two three" * 20, add_special_tokens=False)
+    r = server.post("/admin/fault", json={"kind": "sampler.force_tokens", "token_ids": ids, "count": 1})
+    assert r.status_code == 200, r.text
+    before = detections(server)
+    out = server.client().completions.create(model=server.model, prompt=" one two three" * 2,
+                                             max_tokens=len(ids), temperature=0)
+    assert out.choices[0].text == " one two three" * 20
+    assert added(before, detections(server)) == {("spec_acceptance", "report"): 1.0}
