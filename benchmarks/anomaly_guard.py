@@ -1,7 +1,8 @@
 """Output-anomaly guard: false positives on ordinary generations of the default model, detection rate on injected corruption.
 
 Run:  python benchmarks/anomaly_guard.py [--num-ordinary 520] [--num-corrupt 60] [--out DIR]
-      (or --url http://HOST:PORT for a worker already started with --enable-fault-injection)
+      (or --url http://HOST:PORT for a worker already started with --enable-fault-injection
+      --anomaly-guard-action abort)
 
 Starts `radixserve serve` on the embedded SmolLM2-135M-Instruct with --enable-fault-injection,
 then sends chat requests built from mixed prompts (explanations, lists, code, tables,
@@ -115,7 +116,8 @@ def guard_cost_us_per_char(texts: list[str]) -> float:
 def start_server(port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "radixserve", "serve", "--port", str(port),
            "--enable-fault-injection", "--max-total-tokens", "65536", "--context-length", "2048",
-           "--max-running-requests", "64", "--log-level", "warning"]
+           "--max-running-requests", "64", "--log-level", "warning",
+           "--anomaly-guard-action", "abort"]
     proc = subprocess.Popen(cmd)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc)

@@ -227,20 +227,26 @@ class ServerConfig:
     enable_debug_endpoints: bool = opt(False, "serve GET /debug/pages (page pool and invariant check)")
     enable_fault_injection: bool = opt(False, "serve /admin/fault (inject latency, failures, hangs, "
                                               "leaks, corrupt output); for tests and demos only")
-    disable_anomaly_guard: bool = opt(False, "do not stop requests whose output looks broken "
-                                             "(repetition loops, garbled text, rare-char noise)")
-    enable_spec_anomaly_detector: bool = opt(
-        False, "with speculative decoding, also stop requests whose draft acceptance looks broken "
-               "(--spec-anomaly-*; off by default: calibrate it to your draft, docs/anomaly_guard.md)")
-    spec_anomaly_min_accept_length: float = opt(
-        1.4, "speculative decoding: stop a request whose accept length (tokens per verify step) "
-             "stays below this after --spec-anomaly-min-tokens (0: off)")
-    spec_anomaly_max_accept_rate: float = opt(
-        0.96, "speculative decoding: stop a request whose draft accept rate exceeds this after "
-              "--spec-anomaly-min-tokens (1: off)")
-    spec_anomaly_min_tokens: int = opt(128, "generated tokens before acceptance is judged")
-    spec_anomaly_min_verify_steps: int = opt(16, "... and verify steps (a request whose drafts "
-                                                 "fail drafts less and less)")
+    disable_anomaly_guard: bool = opt(False, "do not judge whether output looks broken (repetition "
+                                             "loops, garbled text, rare-char noise, speculative "
+                                             "acceptance, confidence); KV checksums stay as set")
+    anomaly_guard_action: str = opt(
+        "report", "what the text heuristics (repetition, garbled, rare_chars) do on a detection: "
+                  "report (count in /metrics and log) or abort (stop the request so a router "
+                  "retries it); requests whose sampling the client constrained are only reported "
+                  "(docs/anomaly_guard.md)", ("report", "abort"))
+    speculative_anomaly_action: str = opt(
+        "auto", "what the speculative acceptance detector does on a detection: auto = abort with a "
+                "trained draft (--speculative-algorithm EAGLE / NEXTN), report with n-gram and "
+                "self-drafts; report; abort", ("auto", "report", "abort"))
+    speculative_anomaly_min_accept_length: float = opt(
+        1.4, "acceptance detector: a request whose accept length (tokens per verify step, the "
+             "bonus token counted) is below this ... (0: off)")
+    speculative_anomaly_max_accept_rate: float = opt(
+        0.96, "... or whose accept rate (accepted / proposed drafts) exceeds this ... (1: off)")
+    speculative_anomaly_min_tokens: int = opt(128, "... once it has generated this many tokens ...")
+    speculative_anomaly_min_verify_steps: int = opt(16, "... and verified drafts this many times "
+                                                        "is an anomaly")
     enable_confidence_detector: bool = opt(
         False, "also stop greedy and low-temperature requests whose model confidence (largest raw "
                "logprob per token) collapses for a window of tokens, as after KV corruption "

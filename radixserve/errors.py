@@ -88,6 +88,12 @@ class OutputAnomaly(RadixServeError):
         super().__init__(message)
         self.kind = kind
 
+    def to_dict(self) -> dict:
+        """The OpenAI body plus error.anomaly_kind (the detector), which a router counts by."""
+        body = super().to_dict()
+        body["error"]["anomaly_kind"] = self.kind
+        return body
+
 
 class InjectedFault(RadixServeError):
     """The "fail" fault (HTTP 500)."""

@@ -26,12 +26,16 @@ class SpecCounts:
 
     @property
     def accept_length(self) -> float:
-        """Tokens per verify step, in [1, 1 + K]; 0.0 before the first (SGLang's spec_accept_length)."""
+        """Tokens a verify step emits, the bonus token counted: (accepted + steps) / steps, in
+        [1, 1 + K]; 0.0 before the first. SGLang's per-request spec_accept_length (completion
+        tokens / verify steps) where every decode step verifies, less its 1 / steps for the token
+        sampled at prefill."""
         v = self.verify_steps
         return (self.accepted_tokens + v) / v if v else 0.0
 
     @property
     def accept_rate(self) -> float:
+        """Accepted drafts / proposed drafts, in [0, 1] (SGLang's spec_accept_rate); 0.0 before any."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     def usage_fields(self) -> dict[str, int | float]:

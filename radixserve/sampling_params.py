@@ -78,6 +78,12 @@ class SamplingParams:
                 or self.presence_penalty != 0.0 or bool(self.logit_bias))
 
     @property
+    def client_constrained(self) -> bool:
+        """The client steered which tokens are sampled (logit_bias, penalties, a grammar, min_tokens'
+        stop-token ban): odd output is then what it asked for, never an anomaly to act on."""
+        return self.adjusts_logits or self.grammar is not None or self.min_tokens > 0
+
+    @property
     def grammar(self) -> tuple[str, str] | None:
         """("json_schema" | "structural_tag", text) the output must match; None when free."""
         if self.json_schema is not None:

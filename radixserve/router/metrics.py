@@ -59,6 +59,13 @@ class RouterMetrics:
                                   ["outcome"], registry=r)
         for outcome in MIGRATION_OUTCOMES:
             self.migrations.labels(outcome)
+        self.anomalies = Counter(PREFIX + "output_anomalies_total",
+                                 "Worker answers that were output anomalies (error type "
+                                 "output_anomaly), by detector and what followed: retried (sent "
+                                 "again from the prompt to another worker), ended (a stream past "
+                                 "its first content: ended with the error event, never continued "
+                                 "from the suspect tokens), exhausted (no worker or attempt left)",
+                                 ["kind", "action"], registry=r)
         self.no_worker = Counter(PREFIX + "no_worker_available_total",
                                  "Requests answered 503 because no worker was routable",
                                  registry=r)

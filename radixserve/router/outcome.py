@@ -33,12 +33,8 @@ def classify(status: int | None, transport_error: bool, kind: str | None = None)
 
 def error_kind(content: bytes) -> str | None:
     """The `type` of an OpenAI error body, or None if `content` is not one."""
-    try:
-        body = json.loads(content)
-    except (ValueError, RecursionError):
-        return None
-    error = body.get("error") if isinstance(body, dict) else None
-    kind = error.get("type") if isinstance(error, dict) else None
+    error = error_of_body(content)
+    kind = error.get("type") if error is not None else None
     return kind if isinstance(kind, str) else None
 
 
@@ -54,3 +50,25 @@ def event_status(error: dict) -> int:
     if kind in _CLIENT_TYPES:
         return 400
     return 503 if kind in _UNAVAILABLE_TYPES else 500
+
+
+ANOMALY_TYPE = "output_anomaly"
+
+
+def anomaly_kind(error: dict | None) -> str | None:
+    """The detector behind an output_anomaly error (its `anomaly_kind`, else "unknown"); None for
+    any other error: the worker judged its own output suspect, so no token of it may be reused."""
+    if not isinstance(error, dict) or error.get("type") != ANOMALY_TYPE:
+        return None
+    kind = error.get("anomaly_kind")
+    return kind if isinstance(kind, str) and kind else "unknown"
+
+
+def error_of_body(content: bytes) -> dict | None:
+    """The `error` object of an OpenAI error body, or None."""
+    try:
+        body = json.loads(content)
+    except (ValueError, RecursionError):
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else None

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radixserve.errors import error_body
 from radixserve.router.eject import Ejected
-from radixserve.router.outcome import classify, error_kind, event_status
+from radixserve.router.outcome import anomaly_kind, classify, error_kind, error_of_body, event_status
 from radixserve.router.lease import Attempts, Lease
 from radixserve.router.relay import Opened, Relay, RelayResponse
 from radixserve.router.stream import StreamLedger, error_of, sse_events
@@ -27,13 +27,15 @@ UNREACHABLE = (httpx.TransportError, httpx.InvalidURL)
 @dataclass
 class LegFailed:
     """`side`: "prefill" or "decode"; `status` None: transport error; `kind`: the error type;
-    `response`: the client's answer if no other pair does better."""
+    `response`: the client's answer if no other pair does better; `anomaly`: the detector of an
+    output_anomaly."""
 
     side: str
     url: str
     status: int | None
     kind: str | None
     response: Response
+    anomaly: str | None = None
 
     @property
     def retry(self) -> bool:
@@ -147,6 +149,8 @@ class PDRouter:
             if attempts.made:
                 await asyncio.sleep(forwarder.backoff_s(attempts.made))
                 self.prefill.metrics.retries.inc()
+            if last is not None and last.anomaly is not None:
+                self.prefill.metrics.anomalies.labels(last.anomaly, "retried").inc()
             attempts.made += 1
             p = self.prefill.policy.select(key, p_all).worker
             d = self.decode.policy.select(key, d_all).worker
@@ -162,6 +166,8 @@ class PDRouter:
             tried[answer.side].add(answer.url)
             logger.info("PD attempt %d failed on the %s leg (%s): %s", attempts.made, answer.side,
                         answer.url, answer.status or "transport error")
+        if last is not None and last.anomaly is not None:
+            self.prefill.metrics.anomalies.labels(last.anomaly, "exhausted").inc()
         return last
 
     async def _attempt(self, path: str, body: dict, headers: dict[str, bytes],
@@ -274,7 +280,7 @@ def _leg_failure(leg: asyncio.Task, url: str, side: str) -> LegFailed | None:
                                                   "event", "type": "upstream_error", "code": 502}
             status = event_status(error)
             return LegFailed(side, url, status, error.get("type"),
-                             JSONResponse({"error": error}, status_code=status))
+                             JSONResponse({"error": error}, status_code=status), anomaly_kind(error))
         return None
     if side == "decode" and resp.headers.get("content-type", "").startswith("text/event-stream"):
         body = body.removeprefix(b"data: ").strip()
@@ -285,7 +291,8 @@ def _leg_failure(leg: asyncio.Task, url: str, side: str) -> LegFailed | None:
         content = error_body(f"the {side} worker answered {resp.status_code}", "upstream_error",
                              resp.status_code)
     return LegFailed(side, url, resp.status_code, error_kind(body),
-                     JSONResponse(content, status_code=resp.status_code))
+                     JSONResponse(content, status_code=resp.status_code),
+                     anomaly_kind(error_of_body(body)))
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:

@@ -18,7 +18,7 @@ from radixserve.router.config import RouterConfig
 from radixserve.router.eject import Ejected
 from radixserve.router.lease import Attempts, Lease
 from radixserve.router.metrics import RouterMetrics
-from radixserve.router.outcome import classify, error_kind, event_status
+from radixserve.router.outcome import anomaly_kind, classify, error_kind, error_of_body, event_status
 from radixserve.router.relay import Opened, Relay, RelayResponse, wire_header
 from radixserve.router.stream import StreamLedger, error_of, sse_events
 
@@ -42,13 +42,15 @@ def outcome_label(status: int | None, transport_error: bool, kind: str | None = 
 
 @dataclass
 class Failure:
-    """A retryable failed attempt; `status` None: no response."""
+    """A retryable failed attempt; `status` None: no response; `anomaly`: the detector when the
+    worker stopped it as an output anomaly."""
 
     url: str
     status: int | None
     message: str
     content: bytes = b""
     content_type: str = "application/json"
+    anomaly: str | None = None
 
     def to_response(self) -> Response:
         if self.status is not None:
@@ -135,6 +137,8 @@ class Forwarder:
                 break
             if attempts.made:
                 self.metrics.retries.inc()
+            if last is not None and last.anomaly is not None:
+                self.metrics.anomalies.labels(last.anomaly, "retried").inc()
             attempts.made += 1
             decision = self.policy.select(key, candidates)
             self.metrics.routing_decisions.labels(decision.reason).inc()
@@ -152,6 +156,8 @@ class Forwarder:
             if not isinstance(result, Failure):
                 return result
             last = result
+        if last is not None and last.anomaly is not None:
+            self.metrics.anomalies.labels(last.anomaly, "exhausted").inc()
         return last
 
     async def _attempt(self, lease: Lease, path: str, body: bytes, headers: dict[str, bytes],
@@ -185,13 +191,13 @@ class Forwarder:
         content_type = wire_header(upstream.headers, "content-type") or "application/json"
         if classify(status, False, kind).retry:
             return Failure(worker.url, status, f"{worker.url} answered {status}", content,
-                           content_type)
+                           content_type, anomaly_kind(error_of_body(content)))
         return Response(content, status_code=status, media_type=content_type)
 
     async def _open(self, lease: Lease, upstream: httpx.Response,
                     ledger: StreamLedger) -> Opened | Failure:
-        """Read up to the first content event, so earlier failures retry as if nothing was sent:
-        a retryable error event is a Failure; transport errors and Ejected propagate."""
+        """Read up to the first content event, so earlier failures retry from the prompt as if
+        nothing was sent: a retryable error event is a Failure; transport errors and Ejected propagate."""
         events = lease.watch().events(sse_events(upstream.aiter_raw()))
         pending: list[bytes] = []
         async for event in events:
@@ -201,7 +207,8 @@ class Forwarder:
                 if classify(status, False, kind).retry:
                     self.record(lease.worker, status, False, kind)
                     return Failure(lease.worker.url, status, f"{lease.worker.url} failed before "
-                                   f"any content ({kind})", json.dumps({"error": error}).encode())
+                                   f"any content ({kind})", json.dumps({"error": error}).encode(),
+                                   anomaly=anomaly_kind(error))
             if ledger.is_held(event):
                 pending.append(event)
                 continue

@@ -12,7 +12,7 @@ from radixserve.http_common import ClosingStreamingResponse
 from radixserve.router.eject import Ejected
 from radixserve.router.lease import Lease
 from radixserve.router.metrics import RouterMetrics
-from radixserve.router.outcome import classify, event_status
+from radixserve.router.outcome import anomaly_kind, classify, event_status
 from radixserve.router.stream import DONE, StreamLedger, error_event, error_of
 
 logger = logging.getLogger(__name__)
@@ -50,17 +50,19 @@ class Opened:
 
 
 class StreamCut(Exception):
-    """A stream broke after content; `event`: the worker's error event (None: transport error)."""
+    """A stream broke after content; `event`: the worker's error event (None: transport error);
+    `anomaly`: the detector when the worker stopped its own output as suspect (never continued)."""
 
     def __init__(self, message: str, event: bytes | None = None, status: int | None = None,
-                 kind: str | None = None):
+                 kind: str | None = None, anomaly: str | None = None):
         super().__init__(message)
-        self.event, self.status, self.kind = event, status, kind
+        self.event, self.status, self.kind, self.anomaly = event, status, kind, anomaly
 
 
 class Relay:
     """One client stream through `ledger`, continued on other workers when one breaks or is ejected;
-    when none can go on it ends with an error event and `data: [DONE]` (never a silent replay)."""
+    when none can go on it ends with an error event and `data: [DONE]` (never a silent replay). An
+    output anomaly after content is never continued: the delivered tokens are what the worker suspected."""
 
     def __init__(self, forwarder: Forwarding, ledger: StreamLedger, opened: Opened,
                  resend: Any):
@@ -86,6 +88,11 @@ class Relay:
                     self.outcome = (cut.status, False, cut.kind) if cut else (None, True, None)
                     await self._leave()
                     self.outcome = None
+                    if cut is not None and cut.anomaly is not None:
+                        self.forwarder.metrics.anomalies.labels(cut.anomaly, "ended").inc()
+                        yield cut.event or error_event(f"worker {url} stopped its output as suspect")
+                        yield DONE
+                        return
                     if await self._continued():
                         continue
                     why = "was ejected (failed health checks)" if isinstance(
@@ -107,10 +114,11 @@ class Relay:
         async for event in opened.events:
             last = event
             error = error_of(event)
-            if error is not None and self.forwarder.migration_on:
-                status, kind = event_status(error), error.get("type")
-                if classify(status, False, kind).retry:
-                    raise StreamCut(f"error event {kind}", event, status, kind)
+            if error is not None:
+                status, kind, anomaly = event_status(error), error.get("type"), anomaly_kind(error)
+                if anomaly is not None or (self.forwarder.migration_on
+                                           and classify(status, False, kind).retry):
+                    raise StreamCut(f"error event {kind}", event, status, kind, anomaly)
             if (out := ledger.relay(event)) is not None:
                 yield out
         if last.strip() != DONE.strip():

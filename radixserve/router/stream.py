@@ -51,6 +51,15 @@ def _is_role_only(data: Any) -> bool:
         and c.get("delta") == {"role": "assistant", "content": ""} for c in choices)
 
 
+def _is_abort_only(data: Any) -> bool:
+    """A chunk that only ends its choices with finish_reason "abort", no text: what a worker sends
+    just before the error event of a request it stopped."""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    return bool(choices) and all(
+        isinstance(c, dict) and c.get("finish_reason") == "abort" and not c.get("text")
+        and not (c.get("delta") or {}).get("content") and not c.get("token_ids") for c in choices)
+
+
 def _is_blank(choice: dict) -> bool:
     return (not choice.get("text") and choice.get("delta", {}) in ({}, {"content": ""})
             and choice.get("logprobs") is None and choice.get("finish_reason") is None)
@@ -91,7 +100,10 @@ class StreamLedger:
         return self.migratable and not self.finished
 
     def is_held(self, event: bytes) -> bool:
-        return self.chat and _is_role_only(payload(event))
+        """Read but not yet content: chat's role chunk, or an "abort" finish chunk (an error event
+        may follow, and the request is then retried from its prompt as if nothing was sent)."""
+        data = payload(event)
+        return (self.chat and _is_role_only(data)) or _is_abort_only(data)
 
     def relay(self, event: bytes) -> bytes | None:
         """The bytes of `event` for the client (None: nothing), counting what it delivers."""

@@ -1,7 +1,12 @@
 """AcceptanceDetector: speculative-decoding acceptance as an output-anomaly signal (GLM serving team's rule).
 
-Over cumulative counts: accept length < `min_accept_length` (corrupted KV) or, sampled choices only,
-accept rate > `max_accept_rate` (a loop). Rates: docs/anomaly_guard.md.
+Over the choice's cumulative SpecCounts, with SGLang's definitions (outputs.SpecCounts):
+    accept length = tokens emitted per verify step, the bonus token counted
+    accept rate   = accepted drafts / proposed drafts
+Once `min_tokens` tokens were generated and `min_verify_steps` steps verified: accept length <
+`min_accept_length` (corrupted KV: the target no longer agrees with its draft) or, sampled choices
+only, accept rate > `max_accept_rate` (a loop). Whether a detection acts: server/guard.py. Rates:
+docs/anomaly_guard.md.
 """
 from __future__ import annotations
 
@@ -13,12 +18,12 @@ from radixserve.server.tracker import ChoiceUpdate
 
 @dataclass(frozen=True)
 class AcceptanceConfig:
-    """Flags --spec-anomaly-*; 0 (min length) or 1 (max rate) turns that half off."""
+    """Flags --speculative-anomaly-*; GLM's numbers. 0 (min length) or 1 (max rate) turns that half off."""
 
     min_tokens: int = 128
     min_verify_steps: int = 16
     min_accept_length: float = 1.4   # tokens per verify step
-    max_accept_rate: float = 0.96    # accepted / draft tokens
+    max_accept_rate: float = 0.96    # accepted / proposed drafts
 
 
 class AcceptanceDetector:
@@ -38,11 +43,11 @@ class AcceptanceDetector:
                 or spec.verify_steps < cfg.min_verify_steps):
             return None
         if spec.accept_length < cfg.min_accept_length:
-            return Detection(self.kind, f"accept length {spec.accept_length:.2f} < "
-                                        f"{cfg.min_accept_length} over {spec.verify_steps} verify "
-                                        f"steps and {self.num_tokens} tokens")
+            return Detection(self.kind, f"accept length {spec.accept_length:.2f} tokens per verify "
+                                        f"step < {cfg.min_accept_length} over {spec.verify_steps} "
+                                        f"verify steps and {self.num_tokens} tokens")
         if not self.loops_expected and spec.accept_rate > cfg.max_accept_rate:
             return Detection(self.kind, f"accept rate {spec.accept_rate:.3f} > "
                                         f"{cfg.max_accept_rate} ({spec.accepted_tokens} of "
-                                        f"{spec.draft_tokens} draft tokens)")
+                                        f"{spec.draft_tokens} proposed drafts accepted)")
         return None

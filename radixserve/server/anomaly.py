@@ -1,17 +1,12 @@
-"""The output-anomaly guard: O(1)-state detectors over one choice's text, and the per-request OutputFilter that runs them (docs/anomaly_guard.md)."""
+"""The output-anomaly guard: O(1)-state text detectors over one choice's text, and AnomalyGuard, which runs a choice's detectors (docs/anomaly_guard.md)."""
 from __future__ import annotations
 
-import dataclasses
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
 
-from radixserve.config import ServerConfig
-from radixserve.sampling_params import SamplingParams
-from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
-from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetector, judged
 from radixserve.server.filters import Detection
 from radixserve.server.tracker import ChoiceUpdate
 
@@ -179,79 +174,31 @@ class RareCharDetector:
 
 
 class AnomalyGuard:
-    """All detectors of one choice; the first Detection sticks. `loops_expected` (greedy or grammar:
-    a loop is the model's own deterministic answer, no retry fixes it) skips repetition."""
+    """All detectors of one choice; the first acting Detection sticks. `loops_expected` (greedy or grammar:
+    a loop is the model's own deterministic answer, no retry fixes it) skips repetition. A detector whose
+    kind is in `reported` only reports: its first Detection goes to `report`, then it is dropped."""
 
     def __init__(self, config: GuardConfig, extra_detectors: Sequence[Detector] = (),
-                 loops_expected: bool = False):
+                 loops_expected: bool = False, reported: frozenset[str] = frozenset(),
+                 report: Callable[[Detection], None] | None = None):
         repetition: list[Detector] = [] if loops_expected else [RepetitionDetector(config)]
         self.detectors: list[Detector] = [*repetition, GarbledDetector(config),
                                           RareCharDetector(config), *extra_detectors]
+        self.reported = reported
+        self.report = report
         self.detection: Detection | None = None
 
     def feed(self, update: ChoiceUpdate) -> Detection | None:
-        if self.detection is None:
-            for detector in self.detectors:
-                self.detection = detector.feed(update)
-                if self.detection is not None:
-                    break
+        if self.detection is not None:
+            return self.detection
+        for detector in list(self.detectors):
+            found = detector.feed(update)
+            if found is None:
+                continue
+            if found.kind not in self.reported:
+                self.detection = found
+                break
+            self.detectors.remove(detector)
+            if self.report is not None:
+                self.report(found)
         return self.detection
-
-
-class GuardFilter:
-    """One request's anomaly guard as an OutputFilter: an AnomalyGuard per choice, made on first use."""
-
-    def __init__(self, settings: GuardSettings, loops_expected: bool, confidence: ConfidenceConfig | None):
-        self.settings = settings
-        self.loops_expected = loops_expected
-        self.confidence = confidence
-        self._guards: dict[int, AnomalyGuard] = {}
-
-    def feed(self, index: int, update: ChoiceUpdate) -> Detection | None:
-        guard = self._guards.get(index)
-        if guard is None:
-            guard = self._guards[index] = self._new_guard()
-        return guard.feed(update)
-
-    def _new_guard(self) -> AnomalyGuard:
-        extra: list[Detector] = []
-        if self.settings.acceptance is not None:
-            extra.append(AcceptanceDetector(self.settings.acceptance, self.loops_expected))
-        if self.confidence is not None:
-            extra.append(ConfidenceDetector(self.confidence))
-        return AnomalyGuard(self.settings.text, extra, loops_expected=self.loops_expected)
-
-
-@dataclass(frozen=True)
-class GuardSettings:
-    """A worker's anomaly guard: text thresholds, acceptance and confidence judges (None: off)."""
-
-    text: GuardConfig = GuardConfig()
-    acceptance: AcceptanceConfig | None = None
-    confidence: ConfidenceConfig | None = None
-
-    @classmethod
-    def from_config(cls, c: ServerConfig) -> GuardSettings | None:
-        """The guard the flags ask for; None with --disable-anomaly-guard."""
-        if c.disable_anomaly_guard:
-            return None
-        acceptance = AcceptanceConfig(
-            min_tokens=c.spec_anomaly_min_tokens, min_verify_steps=c.spec_anomaly_min_verify_steps,
-            min_accept_length=c.spec_anomaly_min_accept_length,
-            max_accept_rate=c.spec_anomaly_max_accept_rate) if c.enable_spec_anomaly_detector else None
-        confidence = ConfidenceConfig(
-            window=c.confidence_window, min_mean_logprob=c.confidence_min_mean_logprob,
-            min_drop=c.confidence_min_drop,
-            max_temperature=c.confidence_max_temperature) if c.enable_confidence_detector else None
-        return cls(GuardConfig(), acceptance, confidence)
-
-    def filter_for(self, params: SamplingParams) -> tuple[GuardFilter, SamplingParams]:
-        """One request's guard, and `params` with guard_confidence set when confidence is judged."""
-        loops_expected = params.is_greedy or params.grammar is not None
-        temperature = 0.0 if params.is_greedy else params.temperature
-        confidence = self.confidence
-        if confidence is not None and not judged(confidence, temperature, params.grammar is not None):
-            confidence = None
-        if confidence is not None:
-            params = dataclasses.replace(params, guard_confidence=True)
-        return GuardFilter(self, loops_expected, confidence), params

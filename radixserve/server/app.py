@@ -19,7 +19,7 @@ from radixserve.errors import InvalidRequest
 from radixserve.http_common import (SERVER_KEEP_ALIVE_S, BodyTimeoutMiddleware, bearer_key_check,
                                     install_error_handlers, quiet_signals)
 from radixserve.server.admin_routes import install_admin_routes
-from radixserve.server.anomaly import GuardSettings
+from radixserve.server.guard import GuardSettings
 from radixserve.server.engine_client import EngineClient
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.routes import install_openai_routes, install_probe_routes
@@ -38,14 +38,16 @@ async def on_validation_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error.to_dict(), status_code=error.status)
 
 
-def build_app(ctx: ServingContext, server_config: ServerConfig) -> FastAPI:
-    """The worker's app over `ctx`; `app.state.drain` is its Drain (drain.py)."""
+def build_app(ctx: ServingContext, server_config: ServerConfig,
+              speculative_algorithm: str | None = None) -> FastAPI:
+    """The worker's app over `ctx` (whose engine runs `speculative_algorithm`); `app.state.drain`
+    is its Drain (drain.py)."""
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, "server")
     app.add_exception_handler(RequestValidationError, on_validation_error)
     if ctx.metrics is None:
         ctx.metrics = ServerMetrics(ctx.model_name)
-    ctx.guard = GuardSettings.from_config(server_config)
+    ctx.guard = GuardSettings.from_config(server_config, speculative_algorithm)
     key = server_config.api_key
     auth = [Depends(bearer_key_check(key, "API key"))] if key is not None else []   # 401 without it
     install_openai_routes(app, ctx, auth)
@@ -90,7 +92,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
                              tool_call_parser=server_config.tool_call_parser,
                              tool_call_constraint=server_config.tool_call_constraint,
                              reasoning_parser=server_config.reasoning_parser)
-        app = build_app(ctx, server_config)
+        app = build_app(ctx, server_config, engine_config.speculative_algorithm)
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level,
                                 access_log=server_config.log_level == "debug",

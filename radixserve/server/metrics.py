@@ -25,6 +25,7 @@ ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2,
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 300, 600, 1200, 2400)
 ACCEPT_LENGTH_BUCKETS = (1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0, 9.0, 17.0)
 ACCEPT_RATE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.96, 0.99, 1.0)
+DETECTION_ACTIONS = ("abort", "report")
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 3000)
 
 ENGINE_GAUGES = (
@@ -154,13 +155,22 @@ class ServerMetrics:
         self.model_name = model_name
         self.anomalies = Counter(PREFIX + "num_anomalies", "Requests stopped by the output-anomaly "
                                  "guard, by detector.", ["model_name", "kind"], registry=self.registry)
+        self.detections = Counter(PREFIX + "anomaly_detections", "Output-anomaly detections by "
+                                  "detector and action: abort (the request was stopped) or report "
+                                  "(counted and logged only).", ["model_name", "kind", "action"],
+                                  registry=self.registry)
         kinds = (*ANOMALY_KINDS, AcceptanceDetector.kind, ConfidenceDetector.kind, "kv_checksum")
         for kind in kinds:
             self.anomalies.labels(model_name=model_name, kind=kind)
+            for action in DETECTION_ACTIONS:
+                self.detections.labels(model_name=model_name, kind=kind, action=action)
         ProcessCollector(registry=self.registry)
 
-    def count_anomaly(self, kind: str) -> None:
-        self.anomalies.labels(model_name=self.model_name, kind=kind).inc()
+    def count_detection(self, kind: str, action: str) -> None:
+        """`action`: "abort" (also counted in num_anomalies) or "report"."""
+        self.detections.labels(model_name=self.model_name, kind=kind, action=action).inc()
+        if action == "abort":
+            self.anomalies.labels(model_name=self.model_name, kind=kind).inc()
 
     def render(self, stats: dict[str, Any] | None) -> bytes:
         """Prometheus text format; `stats` is Engine.stats() (None when the engine is gone)."""

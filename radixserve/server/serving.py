@@ -21,9 +21,9 @@ from radixserve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFo
 from radixserve.http_common import ClosingStreamingResponse, race_disconnect, read_body
 from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput, RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.anomaly import GuardSettings
 from radixserve.server.engine_client import EngineClient, RequestStream
-from radixserve.server.filters import Detection, OutputFilter
+from radixserve.server.filters import Detection, OutputFilter, Reporter
+from radixserve.server.guard import GuardSettings
 from radixserve.server.metrics import RunTimers, ServerMetrics
 from radixserve.server.pd import pd_target, with_rooms
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -78,14 +78,16 @@ class ServingContext:
         if self.client.num_open_requests >= self.max_open_requests:
             raise Overloaded("The server is overloaded: too many requests in flight; retry later.")
 
-    def filters_for(self, params: SamplingParams) -> tuple[list[OutputFilter], SamplingParams]:
-        """One request's filters in order (corrupt fault, anomaly guard), and `params` as they need them."""
+    def filters_for(self, params: SamplingParams,
+                    report: Reporter | None = None) -> tuple[list[OutputFilter], SamplingParams]:
+        """One request's filters in order (corrupt fault, anomaly guard), and `params` as they need
+        them; `report` receives the detections the guard only reports."""
         filters: list[OutputFilter] = []
         corrupter = self.faults.corrupter() if self.faults is not None else None
         if corrupter is not None:
             filters.append(corrupter)
         if self.guard is not None:
-            guard, params = self.guard.filter_for(params)
+            guard, params = self.guard.filter_for(params, report)
             filters.append(guard)
         return filters, params
 
@@ -143,7 +145,7 @@ class GenerationRun:
         self.base_id = base_id
         self.prompt_ids = prompt_ids
         self.n = params.n
-        self.filters, params = ctx.filters_for(params)
+        self.filters, params = ctx.filters_for(params, self._report)
         self.trackers = [RequestTracker(f"{base_id}-{i}", ids, params, ctx.tokenizer)
                          for i, ids in enumerate(prompt_ids)]
         self.resume_ids = list(resume_ids or ())
@@ -228,10 +230,18 @@ class GenerationRun:
                 c.text = "".join(texts.get(prompt_index * self.n + c.index, ()))
         return results
 
+    def _report(self, index: int, detection: Detection) -> None:
+        """A detection that does not stop the request: counted and logged."""
+        kind, detail = detection
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.count_detection(kind, "report")
+        logger.warning("output anomaly (%s) in %s choice %d, reported only: %s", kind,
+                       self.base_id, index, detail)
+
     def _anomaly(self, index: int, detection: Detection) -> OutputAnomaly:
         kind, detail = detection
         if self.ctx.metrics is not None:
-            self.ctx.metrics.count_anomaly(kind)
+            self.ctx.metrics.count_detection(kind, "abort")
         logger.warning("output anomaly (%s) in %s choice %d: %s", kind, self.base_id, index, detail)
         return OutputAnomaly(f"The output of choice {index} looked broken ({kind}: {detail}); "
                              "the request was stopped. Retrying it may succeed.", kind)

@@ -51,7 +51,8 @@ class Fleet:
 
     def __init__(self, model_dir: pathlib.Path):
         args = ["--model-path", str(model_dir), "--context-length", "512", "--max-total-tokens",
-                "8192", "--num-threads", "1", "--enable-fault-injection"]
+                "8192", "--num-threads", "1", "--enable-fault-injection",
+                "--anomaly-guard-action", "abort"]   # the corruption scenario needs it to act
         self.workers = [ServerProcess(args) for _ in range(3)]
         for w in self.workers:
             w.wait_ready()

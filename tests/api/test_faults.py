@@ -1,5 +1,6 @@
 """Fault injection (/admin/fault) and the output-anomaly guard through a real tiny-model worker
-(n-gram speculation and the acceptance detector on, judging after 40 tokens: the random model
+(the guard acting: --anomaly-guard-action abort; n-gram speculation and the acceptance detector
+acting too, judging after 40 tokens: the random model
 drafts only where its output is forced to repeat, so the other tests never reach it; KV
 checksums on, checking every step, so every test here also shows they raise no false alarm)."""
 from __future__ import annotations
@@ -23,10 +24,11 @@ def server(request):
                                          "--max-total-tokens", "16384", "--page-size", "16",
                                          "--enable-debug-endpoints", "--enable-fault-injection",
                                          "--speculative-algorithm", "ngram",
-                                         "--enable-spec-anomaly-detector",
-                                         "--spec-anomaly-min-tokens", "40",
-                                         "--spec-anomaly-min-verify-steps", "8",
-                                         "--spec-anomaly-min-accept-length", "1.5",
+                                         "--anomaly-guard-action", "abort",
+                                         "--speculative-anomaly-action", "abort",
+                                         "--speculative-anomaly-min-tokens", "40",
+                                         "--speculative-anomaly-min-verify-steps", "8",
+                                         "--speculative-anomaly-min-accept-length", "1.5",
                                          "--enable-kv-checksum", "--kv-checksum-interval", "1"])
     yield server
     try:

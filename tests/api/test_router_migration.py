@@ -137,13 +137,13 @@ def test_completion_stream_continues_on_another_worker_after_a_break():
 
 
 def test_worker_fault_event_mid_stream_migrates_and_client_ids_are_kept():
-    anomaly = {"error": {"message": "x", "type": "output_anomaly", "param": None,
-                         "code": "output_anomaly"}}
+    """(An output_anomaly event is never continued: tests/api/test_router_anomaly.py.)"""
+    fault = {"error": {"message": "x", "type": "internal_error", "param": None, "code": 500}}
 
     def handler(url, n, body):
         if n == 1:
             return httpx.Response(200, headers=SSE, stream=Chunks(
-                [text_chunk("a", "He", [1]), sse(anomaly), b"data: [DONE]\n\n"]))
+                [text_chunk("a", "He", [1]), sse(fault), b"data: [DONE]\n\n"]))
         return httpx.Response(200, headers=SSE, stream=Chunks(
             [text_chunk("b", "y", [5], "stop"), b"data: [DONE]\n\n"]))
     out, calls, fwd, _ = run(handler, {"prompt": "hi", "return_token_ids": True})

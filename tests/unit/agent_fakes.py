@@ -51,7 +51,7 @@ class Traffic:
         s["num_finished_requests"] += self.requests
         s["cache_hit_rate"] = s["num_cached_tokens"] / s["num_prompt_tokens"]
         if self.anomaly_every and self.reads % self.anomaly_every == 0:
-            self.metrics.count_anomaly(ANOMALY_KINDS[0])
+            self.metrics.count_detection(ANOMALY_KINDS[0], "abort")
         return self.metrics.render(s).decode()
 
 

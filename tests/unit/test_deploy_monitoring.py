@@ -38,6 +38,7 @@ def exported_metrics() -> dict[str, set[str]]:
     router.in_flight.labels("w").set(0)
     router.healthy.labels("w").set(1)
     router.migrations.labels("success").inc()
+    router.anomalies.labels("spec_acceptance", "retried").inc()
     agent = AgentMetrics(lambda: {"workers": {"w": "observe"}, "panic": False, "gpu_checks": False})
     agent.decisions.labels("drain").inc()
     agent.failed.labels("drain").inc()
@@ -104,6 +105,7 @@ def test_the_dashboard_has_the_panels_an_operator_watches():
                     "radixserve:time_to_first_token_seconds_bucket",
                     "radixserve:inter_token_latency_seconds_bucket", "radixserve:token_usage",
                     "radixserve:generation_tokens_total", "radixserve:num_anomalies_total",
+                    "radixserve:anomaly_detections_total", "radixserve_router:output_anomalies_total",
                     "radixserve:spec_accepted_tokens_total", "radixserve_agent:decisions_total",
                     "radixserve_router:retries_total", "radixserve_router:breaker_state",
                     "radixserve_router:stream_migrations_total"):

@@ -11,7 +11,8 @@ from radixserve.engine.messages import AddReq, EngineInfo, PDTarget
 from radixserve.errors import OutputAnomaly
 from radixserve.outputs import EngineOutput
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.anomaly import GuardConfig, GuardFilter, GuardSettings
+from radixserve.server.anomaly import GuardConfig
+from radixserve.server.guard import GuardFilter, GuardSettings
 from radixserve.server.confidence_guard import ConfidenceConfig
 from radixserve.chaos.http_faults import Corrupter
 from radixserve.server.filters import Detection
@@ -63,7 +64,7 @@ class Shout:
 
 
 async def stream_and_collect(ctx: ServingContext, filters) -> tuple[dict[int, str], list[str]]:
-    ctx.filters_for = lambda params: (filters(), params)
+    ctx.filters_for = lambda params, report: (filters(), params)
     prompts = [[1], [1]]
     sent: dict[int, str] = {}
     async with GenerationRun(ctx, "r", prompts, SamplingParams(n=2, max_tokens=8)) as run:
@@ -92,7 +93,7 @@ def test_a_detection_aborts_its_choice_and_ends_the_run(default_tokenizer):
     async def run_it() -> list[tuple[int, str | None]]:
         seen = []
         ctx = context(default_tokenizer, default_tokenizer.encode(" a b"))
-        ctx.filters_for = lambda params: ([Trip()], params)
+        ctx.filters_for = lambda params, report: ([Trip()], params)
         run = GenerationRun(ctx, "r", [[1]], SamplingParams(n=2, max_tokens=8))
         with pytest.raises(OutputAnomaly) as err:
             async with run:

@@ -46,19 +46,19 @@ class Count:
     def inc(self):
         self.value += 1
 
-    def labels(self, label):
-        counter = self
+    def labels(self, *labels):
+        counter, label = self, labels[0] if len(labels) == 1 else labels
         return SimpleNamespace(inc=lambda: counter.by_label.__setitem__(label, counter.by_label.get(label, 0) + 1))
 
 
 class Forwarder:
     """The router Forwarder's part PD mode uses: the retry budget, backoff and breaker records."""
 
-    def __init__(self, attempts, migrations):
+    def __init__(self, attempts, migrations, anomalies):
         self.max_attempts = attempts
         self.outcomes: list[tuple[str, str]] = []
         self.migration_on = True
-        self.metrics = SimpleNamespace(migrations=migrations)
+        self.metrics = SimpleNamespace(migrations=migrations, anomalies=anomalies)
 
     def backoff_s(self, retry):
         return 0.0
@@ -69,12 +69,12 @@ class Forwarder:
 
 def side(urls, http, attempts):
     policy = SimpleNamespace(select=lambda key, cands: SimpleNamespace(worker=cands[0]))
-    migrations = Count()
+    migrations, anomalies = Count(), Count()
     return SimpleNamespace(registry=Registry(urls), policy=policy, http=http,
                            config=SimpleNamespace(connect_timeout_s=1.0, silence_timeout_s=30.0),
-                           forwarder=Forwarder(attempts, migrations),
+                           forwarder=Forwarder(attempts, migrations, anomalies),
                            metrics=SimpleNamespace(retries=Count(), retries_exhausted=Count(),
-                                                   migrations=migrations))
+                                                   migrations=migrations, anomalies=anomalies))
 
 
 def run(prefill_handler, decode_handler, body=None, prefill=(P,), decode=(D,), attempts=5):
@@ -375,3 +375,38 @@ def test_a_burst_of_first_requests_makes_one_bootstrap_lookup_that_may_be_slow()
     assert [a.status_code for a in answers] == [200] * 16
     assert router._bootstrap[P] == ("prefill", 8998)   # 0.0.0.0: the worker's own host
     assert ("http://prefill:1", "failure") not in prefill.forwarder.outcomes
+
+
+ANOMALY = (b'data: {"error": {"message": "looked broken", "type": "output_anomaly", "param": null, '
+           b'"code": "output_anomaly", "anomaly_kind": "spec_acceptance"}}\n\n')
+
+
+@pytest.mark.parametrize("after_content", [False, True])
+def test_an_output_anomaly_is_retried_from_the_prompt_only_before_content(after_content):
+    """Before any text (the worker's text-less "abort" chunk, then its error event) the request is
+    retried on another pair from the prompt; after text the stream ends with the error event and
+    is never continued from the tokens the worker's detector suspected."""
+    first = [event("a", [1])] if after_content else []
+
+    async def decode(request, seen):
+        seen.setdefault("decode_bodies", []).append(json.loads(request.content))
+        headers = {"content-type": "text/event-stream"}
+        if request.url.host == "decode":
+            return httpx.Response(200, content=chunks(
+                [*first, event("", [], "abort"), ANOMALY, b"data: [DONE]\n\n"]), headers=headers)
+        return httpx.Response(200, content=chunks([event("ok", [5], "stop"), b"data: [DONE]\n\n"]),
+                              headers=headers)
+    status, data, seen = run(prefill_records, decode, {"prompt": "hi", "stream": True},
+                             decode=(D, "http://decode-b:2"))
+    anomalies = seen["router"].prefill.metrics.anomalies.by_label
+    assert status == 200 and data.endswith(b"data: [DONE]\n\n")
+    if after_content:
+        assert b'"output_anomaly"' in data and b'"ok"' not in data
+        assert seen["hosts"] == ["prefill", "decode"]
+        assert anomalies == {("spec_acceptance", "ended"): 1}
+    else:
+        assert b'"ok"' in data and b"error" not in data and b'"abort"' not in data
+        assert seen["hosts"] == ["prefill", "decode", "prefill", "decode-b"]
+        assert "resume_token_ids" not in seen["decode_bodies"][1]
+        assert anomalies == {("spec_acceptance", "retried"): 1}
+    assert seen["in_flight"] == (0, 0)
