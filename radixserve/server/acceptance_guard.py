@@ -5,7 +5,7 @@ Over the choice's cumulative SpecCounts, with SGLang's definitions (outputs.Spec
     accept rate   = accepted drafts / proposed drafts
 Once `min_tokens` tokens were generated and `min_verify_steps` steps verified: accept length <
 `min_accept_length` (corrupted KV: the target no longer agrees with its draft) or, sampled choices
-only, accept rate > `max_accept_rate` (a loop). Whether a detection acts: server/guard.py. Rates:
+only, accept rate > `max_accept_rate` (a loop). Whether a detection acts: server/anomaly.py. Rates:
 docs/anomaly_guard.md.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ from radixserve.errors import InvalidRequest
 from radixserve.http_common import (SERVER_KEEP_ALIVE_S, BodyTimeoutMiddleware, bearer_key_check,
                                     install_error_handlers, quiet_signals)
 from radixserve.server.admin_routes import install_admin_routes
-from radixserve.server.guard import GuardSettings
+from radixserve.server.anomaly import GuardSettings
 from radixserve.server.engine_client import EngineClient
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.routes import install_openai_routes, install_probe_routes

@@ -23,7 +23,7 @@ from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput, RequestOutput, T
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.engine_client import EngineClient, RequestStream
 from radixserve.server.filters import Detection, OutputFilter, Reporter
-from radixserve.server.guard import GuardSettings
+from radixserve.server.anomaly import GuardSettings
 from radixserve.server.metrics import RunTimers, ServerMetrics
 from radixserve.server.pd import pd_target, with_rooms
 from radixserve.server.protocol import (ChatCompletionRequest, CompletionRequest,

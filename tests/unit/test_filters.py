@@ -11,8 +11,7 @@ from radixserve.engine.messages import AddReq, EngineInfo, PDTarget
 from radixserve.errors import OutputAnomaly
 from radixserve.outputs import EngineOutput
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.anomaly import GuardConfig
-from radixserve.server.guard import GuardFilter, GuardSettings
+from radixserve.server.anomaly import GuardConfig, GuardFilter, GuardSettings
 from radixserve.server.confidence_guard import ConfidenceConfig
 from radixserve.chaos.http_faults import Corrupter
 from radixserve.server.filters import Detection

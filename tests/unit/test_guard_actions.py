@@ -11,8 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from radixserve.config import ServerConfig
 from radixserve.errors import OutputAnomaly
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.anomaly import AnomalyGuard, GuardConfig
-from radixserve.server.guard import GuardSettings, acceptance_action
+from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardSettings, acceptance_action
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.serving import GenerationRun
 from radixserve.server.tracker import ChoiceUpdate
