@@ -78,6 +78,11 @@ class Draining(RadixServeError):
     code = "draining"
 
 
+# Every OutputAnomaly.kind: the text detectors (server/anomaly.py), the acceptance and confidence
+# detectors, and a KV checksum mismatch. Metrics start a zero series for each.
+OUTPUT_ANOMALY_KINDS = ("repetition", "garbled", "rare_chars", "spec_acceptance", "low_confidence", "kv_checksum")
+
+
 class OutputAnomaly(RadixServeError):
     """The anomaly guard stopped a request (HTTP 500, so a router retries); `kind`: detector or "kv_checksum"."""
 

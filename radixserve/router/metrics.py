@@ -6,12 +6,15 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 
+from radixserve.errors import OUTPUT_ANOMALY_KINDS
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "radixserve_router:"
 BREAKER_STATE_VALUES = {"closed": 0, "half_open": 1, "open": 2}
 # exported at 0 from the start: a series first seen at 1 shows no increase() in Prometheus
 MIGRATION_OUTCOMES = ("success", "exhausted", "refused", "unsupported")
+ANOMALY_ACTIONS = ("retried", "ended", "exhausted")   # output_anomalies_total{action}
 ADDED_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                          0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -66,6 +69,9 @@ class RouterMetrics:
                                  "its first content: ended with the error event, never continued "
                                  "from the suspect tokens), exhausted (no worker or attempt left)",
                                  ["kind", "action"], registry=r)
+        for kind in OUTPUT_ANOMALY_KINDS:
+            for action in ANOMALY_ACTIONS:
+                self.anomalies.labels(kind, action)
         self.no_worker = Counter(PREFIX + "no_worker_available_total",
                                  "Requests answered 503 because no worker was routable",
                                  registry=r)

@@ -10,10 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from radixserve.errors import OUTPUT_ANOMALY_KINDS
 from radixserve.outputs import EngineOutput, SpecCounts
-from radixserve.server.acceptance_guard import AcceptanceDetector
-from radixserve.server.anomaly import KINDS as ANOMALY_KINDS
-from radixserve.server.confidence_guard import ConfidenceDetector
 from radixserve.server.pd_metrics import PDCollector
 
 PREFIX = "radixserve:"
@@ -159,8 +157,7 @@ class ServerMetrics:
                                   "detector and action: abort (the request was stopped) or report "
                                   "(counted and logged only).", ["model_name", "kind", "action"],
                                   registry=self.registry)
-        kinds = (*ANOMALY_KINDS, AcceptanceDetector.kind, ConfidenceDetector.kind, "kv_checksum")
-        for kind in kinds:
+        for kind in OUTPUT_ANOMALY_KINDS:
             self.anomalies.labels(model_name=model_name, kind=kind)
             for action in DETECTION_ACTIONS:
                 self.detections.labels(model_name=model_name, kind=kind, action=action)

@@ -104,3 +104,12 @@ def test_settings_from_flags():
     ngram = GuardSettings.from_config(ServerConfig(anomaly_guard_action="abort"), "ngram")
     assert ngram.text_action == "abort" and ngram.acceptance_action == "report"
     assert GuardSettings.from_config(ServerConfig(disable_anomaly_guard=True), "EAGLE") is None
+
+
+def test_every_detector_kind_is_a_known_output_anomaly_kind():
+    """Metrics start a zero series per OUTPUT_ANOMALY_KINDS entry (a dashboard query needs one before any anomaly)."""
+    from radixserve.errors import OUTPUT_ANOMALY_KINDS
+    from radixserve.server.acceptance_guard import AcceptanceDetector
+    from radixserve.server.anomaly import KINDS
+    from radixserve.server.confidence_guard import ConfidenceDetector
+    assert set(OUTPUT_ANOMALY_KINDS) == {*KINDS, AcceptanceDetector.kind, ConfidenceDetector.kind, "kv_checksum"}
