@@ -1,0 +1,150 @@
+"""Context-parallel prefill and LayerSplit, CP=2 over gloo in 2 processes vs CP=1 (tests/model/cp_worker.py).
+
+On a tiny Llama of 3 layers (LayerSplit owners uneven: rank 0 layers 0-1, rank 1 layer 2; untied head) and a tiny
+Qwen3 of 2 layers, prompts of 1, 2, 3, 37 and 38 tokens chunked by 32, then a 64-token prompt and the same 64 tokens
++ 7 (a 90 % radix hit): logits within 1e-5 relative and greedy tokens equal to CP=1 (C57), both ranks bit-identical,
+per-rank KV bytes and per-step collective bytes equal docs/parallel.md's formulas exactly, the LayerSplit order per
+layer, and a dropped KV wait gives wrong logits where the normal path is exact."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from radixserve.models.model_config import ModelConfig
+from radixserve.runner.layer_split import owned_layers
+from radixserve.runner.tp import free_init_addr
+from radixserve.weights.safetensors import read_hf_config
+from tests.conftest import build_tiny_llama
+from tests.model.test_families import build_family
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+CASES = ("llama3", "qwen3")
+MODES = ("plain", "layer_split")
+PAGE = 16
+R = 2
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """(configs, rank 0's results, rank 1's results), one CP=2 group for every case."""
+    folders = []
+    for case in CASES:
+        folder = tmp_path_factory.mktemp(case)
+        if case == "llama3":
+            build_tiny_llama(folder, num_hidden_layers=3, tie_word_embeddings=False)
+        else:
+            build_family(folder, case)
+        folders.append(str(folder))
+    out = tmp_path_factory.mktemp("cp-out")
+    addr = free_init_addr()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.model.cp_worker", str(r), addr, str(out), *folders],
+                              cwd=REPO, env=env) for r in range(R)]
+    try:
+        assert [p.wait(600) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+    configs = [ModelConfig.from_hf(read_hf_config(f)) for f in folders]
+    return configs, torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max()) if b.numel() else 0.0
+
+
+def is_hit(step: dict) -> bool:
+    """The suffix prefill after the radix hit: 7 new tokens over a 64-token cached prefix."""
+    return step["query_lens"] == [7] and step["context_lens"] == [71]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_cp2_logits_and_greedy_tokens_equal_cp1(group, index, mode):
+    result, ref = group[1][index][mode], group[1][index]["ref"]
+    assert [s["query_lens"] for s in result["steps"]] == [s["query_lens"] for s in ref["steps"]]
+    lengths = {q for s in ref["steps"] for q in s["query_lens"]}
+    assert {26, 11, 20, 32, 7} <= lengths and any(is_hit(s) for s in ref["steps"])  # odd, even, chunked, hit
+    for step, want in zip(result["steps"], ref["steps"]):
+        assert step["logits"].shape == want["logits"].shape
+        assert rel_err(step["logits"], want["logits"]) <= 1e-5
+    assert result["tokens"] == ref["tokens"]
+    for a, b in zip(result["steps"], group[2][index][mode]["steps"]):
+        assert torch.equal(a["logits"], b["logits"])              # both ranks hold the same logits
+
+
+def token_bytes(c: ModelConfig) -> int:
+    """K and V of one token in one layer, fp32."""
+    return 2 * c.num_kv_heads * c.head_dim * 4
+
+
+def prefix_pages(step: dict) -> int:
+    """Distinct pages holding the step's cached prefixes (context before its new tokens)."""
+    pages = set()
+    for q, ctx, lst in zip(step["query_lens"], step["context_lens"], step["page_lists"]):
+        pages.update(lst[:-(-(ctx - q) // PAGE)])
+    return len(pages)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_kv_bytes_equal_the_formulas(group, index):
+    """S0 = L * S * b per rank without LayerSplit; S1 = (n_r + 1) * S * b with it (b: one token's K and V)."""
+    c = group[0][index]
+    for rank in (1, 2):
+        plain, split = group[rank][index]["plain"], group[rank][index]["layer_split"]
+        slots = plain["num_pages"] * PAGE
+        assert plain["kv_bytes"] == c.num_layers * slots * token_bytes(c)
+        n_r = len(owned_layers(c.num_layers, R, rank - 1))
+        assert split["num_pages"] == plain["num_pages"]
+        assert split["kv_bytes"] == (n_r + 1) * slots * token_bytes(c)
+    assert group[1][index]["ref"]["kv_bytes"] == group[1][index]["plain"]["kv_bytes"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_collective_bytes_equal_the_formulas(group, index, mode):
+    """Per split step of N tokens: L all-gathers of ceil(N/R) * b bytes (the new KV) and one of K * V * 4 (logits,
+    K = most logit rows on one rank); per unsplit (decode) step none. LayerSplit adds per layer one broadcast of
+    P_pages * page_size * b bytes, counted on every rank (the owner sends it, the others receive it)."""
+    c = group[0][index]
+    for rank in (1, 2):
+        for step in group[rank][index][mode]["steps"]:
+            n, rows = step["num_tokens"], step["logit_rows"]
+            want_calls, want_bytes = {}, {}
+            if max(step["query_lens"]) > 1:
+                k = max(sum(1 for r in rows if r % R == j) for j in range(R))
+                want_calls["all_gather"] = c.num_layers + (1 if k else 0)
+                want_bytes["all_gather"] = c.num_layers * -(-n // R) * token_bytes(c) + k * c.vocab_size * 4
+            pages = prefix_pages(step)
+            if mode == "layer_split" and pages:
+                want_calls["broadcast"] = c.num_layers
+                want_bytes["broadcast"] = c.num_layers * pages * PAGE * token_bytes(c)
+            assert step["calls"] == want_calls
+            assert step["bytes"] == want_bytes
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_layer_split_waits_for_the_kv_before_attention(group, index):
+    c = group[0][index]
+    for rank in (1, 2):
+        for step in group[rank][index]["layer_split"]["steps"]:
+            split = max(step["query_lens"]) > 1
+            per_layer = ["broadcast kv"] + (["all_gather new kv"] if split else []) + ["wait kv", "attention"]
+            assert step["events"] == [(layer, e) for layer in range(c.num_layers) for e in per_layer]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_a_dropped_kv_wait_gives_wrong_logits(group, index):
+    """The fault lets attention read the scratch (NaN where the broadcast would land) before the owner's broadcast
+    lands: the radix-hit step (its 64 cached tokens come only by broadcast) is wrong, a step with nothing cached exact."""
+    dropped, ref = group[1][index]["dropped_wait"], group[1][index]["ref"]
+    hit = [i for i, s in enumerate(ref["steps"]) if is_hit(s)][0]
+    logits = dropped["steps"][hit]["logits"]
+    assert not torch.isfinite(logits).all() or rel_err(logits, ref["steps"][hit]["logits"]) > 1e-2
+    assert rel_err(dropped["steps"][0]["logits"], ref["steps"][0]["logits"]) <= 1e-5
+    assert all(e != "wait kv" for _, e in dropped["steps"][hit]["events"])
