@@ -148,3 +148,26 @@ def test_a_dropped_kv_wait_gives_wrong_logits(group, index):
     assert not torch.isfinite(logits).all() or rel_err(logits, ref["steps"][hit]["logits"]) > 1e-2
     assert rel_err(dropped["steps"][0]["logits"], ref["steps"][0]["logits"]) <= 1e-5
     assert all(e != "wait kv" for _, e in dropped["steps"][hit]["events"])
+
+
+@pytest.mark.parametrize("layer_split", [False, True])
+def test_serving_path_starts_and_stops_its_follower(tmp_path, layer_split):
+    """load_runner (what `serve --cp-size 2` and LLM(cp_size=2) call) on this process as rank 0: the same greedy tokens
+    as CP=1, and close() ends the follower process with code 0."""
+    import dataclasses
+
+    from radixserve.config import EngineConfig
+    from radixserve.runner.tp import load_runner
+    from tests.model.cp_worker import generate
+
+    build_tiny_llama(tmp_path, num_hidden_layers=3, tie_word_embeddings=False)
+    config = EngineConfig(model_path=str(tmp_path), cp_size=2, enable_layer_split=layer_split, max_total_tokens=4096,
+                          quantization="none", chunked_prefill_size=32, num_threads=1)
+    runner = load_runner(config)
+    try:
+        assert runner.info()["cp_size"] == 2 and runner.info()["layer_split"] == layer_split
+        tokens = generate(runner)
+    finally:
+        runner.close()
+    assert [p.returncode for p in runner.followers.processes] == [0]
+    assert tokens == generate(load_runner(dataclasses.replace(config, cp_size=1, enable_layer_split=False)))
