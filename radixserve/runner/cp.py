@@ -68,14 +68,14 @@ def plan_split(step: StepBatch, page_size: int, rank: int, size: int) -> CPSplit
     per_rank = -(-n // num_ranks)
     rows = torch.arange(per_rank, device=device) * num_ranks + me
     rows[rows >= n] = 0                                                   # padding: row 0, dropped
-    mine = list(range(me, n, num_ranks))
     seqs, prefix = [], set()
     for s, (start, q_len, ctx) in enumerate(zip(step.query_starts, step.query_lens, step.context_lens_host)):
-        local = [g // num_ranks for g in mine if start <= g < start + q_len]
+        # local rows j with start <= j * R + me < start + q_len
+        first, end = -(-(start - me) // num_ranks), -(-(start + q_len - me) // num_ranks)
         pages = step.page_lists[s][:-(-ctx // page_size)]
         prefix.update(pages[:-(-(ctx - q_len) // page_size)])
-        if local:
-            local_t = torch.tensor(local, dtype=torch.long, device=device)
+        if end > first:
+            local_t = torch.arange(first, end, device=device)
             seqs.append(SeqRows(local_t, step.positions[rows[local_t]],
                                 torch.tensor(pages, dtype=torch.long, device=device), ctx))
     logit_rows = step.logit_rows.tolist()
