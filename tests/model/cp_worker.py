@@ -1,4 +1,4 @@
-"""One rank of test_cp.py's CP=2 group: `python -m tests.model.cp_worker RANK ADDR OUT_DIR MODEL_DIR...`.
+"""One rank of test_cp.py's CP group: `python -m tests.model.cp_worker RANK SIZE ADDR OUT_DIR MODEL_DIR...`.
 
 Per model and mode (plain CP, LayerSplit, LayerSplit with its KV wait dropped), both ranks build a CPModelRunner; rank 0
 runs an Engine over a TPRunner (phase 1: prompts of 1, 2, 3, 37 and 38 tokens, chunked by 32; phase 2, after phase 1
@@ -82,12 +82,12 @@ def run_mode(config: EngineConfig, comm, rank: int, fault: bool) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    rank, addr, out_dir, folders = int(argv[0]), argv[1], argv[2], argv[3:]
+    rank, size, addr, out_dir, folders = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4:]
     torch.set_num_threads(1)
-    comm = init_communicator(rank, 2, addr, 60.0)
+    comm = init_communicator(rank, size, addr, 60.0)
     results = []
     for folder in folders:
-        config = EngineConfig(model_path=folder, cp_size=2, max_total_tokens=4096, quantization="none",
+        config = EngineConfig(model_path=folder, cp_size=size, max_total_tokens=4096, quantization="none",
                               chunked_prefill_size=32, num_threads=1)
         out = {name: run_mode(dataclasses.replace(config, **extra), comm, rank, False) for name, extra in MODES.items()}
         out["dropped_wait"] = run_mode(dataclasses.replace(config, enable_layer_split=True), comm, rank, True)
