@@ -172,7 +172,7 @@ def test_layer_split_waits_for_the_kv_before_attention(group, index):
 @pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
 def test_a_dropped_kv_wait_gives_wrong_logits(group, index):
     """The fault lets attention read the scratch (NaN where the broadcast would land) before the owner's broadcast
-    lands: the radix-hit step (its 64 cached tokens come only by broadcast) is wrong, a step with nothing cached exact."""
+    lands: the radix-hit step (its 64 cached tokens come only by broadcast) is wrong; one with nothing cached exact."""
     dropped, ref = group[1][0][index]["dropped_wait"], group[1][0][index]["ref"]
     hit = [i for i, s in enumerate(ref["steps"]) if is_hit(s)][0]
     logits = dropped["steps"][hit]["logits"]
