@@ -29,6 +29,10 @@ from radixserve.runner.kv_cache import KVCache
 from radixserve.runner.layer_split import LayerSplit
 from radixserve.runner.model_runner import ModelRunner
 
+# CPAttention's query rows per SDPA: each block reads keys only up to its last row's position, so a rank's
+# interleaved rows cost about the causal half of (rows x context), not all of it
+QUERY_BLOCK = 256
+
 
 @dataclass(frozen=True, slots=True)
 class SeqRows:
@@ -123,13 +127,14 @@ class CPAttention:
         out = torch.zeros_like(q)
         for seq in split.seqs:
             k_ctx, v_ctx = kv.read_pages(store, seq.page_ids)              # (KV, pages * page_size, D)
-            ctx = seq.context_len
-            keys = torch.arange(ctx, device=q.device)
-            mask = keys[None, :] <= seq.positions[:, None]                  # (n, ctx) causal by position
-            q_seq = q.index_select(0, seq.local).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q_seq, k_ctx[:, :ctx].unsqueeze(0), v_ctx[:, :ctx].unsqueeze(0),
-                                               attn_mask=mask, enable_gqa=True)
-            out.index_copy_(0, seq.local, o.squeeze(0).transpose(0, 1))
+            for a in range(0, seq.local.numel(), QUERY_BLOCK):
+                local, positions = seq.local[a:a + QUERY_BLOCK], seq.positions[a:a + QUERY_BLOCK]
+                ctx = int(positions[-1]) + 1                                # keys past the block's last row: masked
+                mask = torch.arange(ctx, device=q.device)[None, :] <= positions[:, None]   # (n, ctx) causal
+                q_blk = q.index_select(0, local).transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(q_blk, k_ctx[:, :ctx].unsqueeze(0), v_ctx[:, :ctx].unsqueeze(0),
+                                                   attn_mask=mask, enable_gqa=True)
+                out.index_copy_(0, local, o.squeeze(0).transpose(0, 1))
         return out.view(q.shape[0], -1)
 
 

@@ -16,6 +16,7 @@ from radixserve.chaos.cp_faults import LayerSplitFaults
 from radixserve.config import EngineConfig
 from radixserve.dist.comm import init_communicator
 from radixserve.engine.engine import Engine
+from radixserve.runner import cp
 from radixserve.runner.cp import CPModelRunner
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.runner.tp import Followers, TPRunner, follow
@@ -84,6 +85,7 @@ def run_mode(config: EngineConfig, comm, rank: int, fault: bool) -> dict:
 def main(argv: list[str]) -> int:
     rank, size, addr, out_dir, folders = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4:]
     torch.set_num_threads(1)
+    cp.QUERY_BLOCK = 5          # several uneven query blocks per sequence even in these short prompts
     comm = init_communicator(rank, size, addr, 60.0)
     results = []
     for folder in folders:
