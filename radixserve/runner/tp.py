@@ -22,8 +22,8 @@ import weakref
 from radixserve.config import EngineConfig
 from radixserve.dist.comm import Communicator, DistError, init_communicator
 from radixserve.engine.runner_api import ScheduledSeq, SeqResult
-from radixserve.runner.device import resolve_device
 from radixserve.runner.cp import CPModelRunner
+from radixserve.runner.device import resolve_device
 from radixserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
