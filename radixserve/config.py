@@ -212,6 +212,9 @@ class EngineConfig:
             raise ValueError("dist_timeout must be > 0")
         if self.enable_layer_split and self.cp_size == 1:
             raise ValueError("--enable-layer-split needs --cp-size > 1")
+        if self.enable_layer_split and self.enable_kv_checksum:
+            raise ValueError("--enable-kv-checksum cannot check --enable-layer-split's KV (rank 0 stores only its "
+                             "own layers and a scratch layer that changes every layer)")
         if self.world_size == 1:
             return
         if self.cp_size > 1 and self.tp_size > 1:

@@ -15,6 +15,7 @@ from tests.model.test_families import build_family
     (dict(cp_size=0), "positive"),
     (dict(enable_layer_split=True), "--enable-layer-split needs --cp-size > 1"),
     (dict(cp_size=2, tp_size=2), "not built yet"),
+    (dict(cp_size=2, enable_layer_split=True, enable_kv_checksum=True), "--enable-kv-checksum"),
     (dict(cp_size=2, disaggregation_mode="prefill"), "--cp-size 2 cannot be combined with --disaggregation-mode"),
     (dict(cp_size=2, enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
     (dict(cp_size=2, speculative_algorithm="ngram"), "--speculative-algorithm ngram"),
