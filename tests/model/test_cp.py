@@ -202,3 +202,23 @@ def test_serving_path_starts_and_stops_its_follower(tmp_path, layer_split):
         runner.close()
     assert [p.returncode for p in runner.followers.processes] == [0]
     assert tokens == generate(load_runner(dataclasses.replace(config, cp_size=1, enable_layer_split=False)))
+
+
+def test_a_killed_follower_ends_rank_0s_step_with_an_error(tmp_path):
+    """C54 under CP: rank 1 dies between steps; rank 0's next step raises DistError (no hang), close() returns."""
+    from radixserve.config import EngineConfig
+    from radixserve.dist.comm import DistError
+    from radixserve.runner.tp import load_runner
+    from tests.model.cp_worker import generate
+
+    build_tiny_llama(tmp_path, num_hidden_layers=3, tie_word_embeddings=False)
+    runner = load_runner(EngineConfig(model_path=str(tmp_path), cp_size=2, enable_layer_split=True,
+                                      max_total_tokens=4096, quantization="none", num_threads=1, dist_timeout=30))
+    try:
+        follower = runner.followers.processes[0]
+        follower.kill()
+        follower.wait(60)
+        with pytest.raises(DistError, match="rank 0"):
+            generate(runner)
+    finally:
+        runner.close()
