@@ -114,7 +114,13 @@ class EngineConfig:
     # tensor parallelism (docs/parallel.md); flag names are SGLang's
     tp_size: int = opt(1, "tensor-parallel ranks, one engine process each: rank 0 schedules and broadcasts "
                           "each step, every rank holds 1/N of the heads, MLP rows and vocabulary")
-    nnodes: int = opt(1, "machines the --tp-size ranks span (an equal share each)")
+    cp_size: int = opt(1, "context-parallel ranks for prefill (tensor parallelism 1): each rank computes every "
+                          "N-th token of a prefill step against all keys, the new KV all-gathered per layer; "
+                          "decode runs unsplit on every rank (docs/parallel.md)")
+    enable_layer_split: bool = opt(False, "with --cp-size > 1: each rank stores only its own layers' KV plus "
+                                          "one scratch layer, which the owner fills by broadcast before "
+                                          "attention (GLM's LayerSplit)")
+    nnodes: int = opt(1, "machines the ranks (--tp-size x --cp-size) span (an equal share each)")
     node_rank: int = opt(0, "this machine's index among --nnodes (0 serves HTTP; the others run ranks only)")
     dist_init_addr: str | None = opt(None, "host:port where rank 0 meets the other ranks (needed with "
                                            "--nnodes > 1; default: a free port on 127.0.0.1)")
@@ -189,23 +195,41 @@ class EngineConfig:
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 
+    @property
+    def world_size(self) -> int:
+        """Engine processes: --tp-size x --cp-size (one of them is 1)."""
+        return self.tp_size * self.cp_size
 
     def _check_parallel(self) -> None:
-        if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError("--tp-size must be a positive multiple of --nnodes, and --node-rank in [0, --nnodes)")
+        if self.tp_size < 1 or self.cp_size < 1:
+            raise ValueError("--tp-size and --cp-size must be positive")
+        if self.nnodes < 1 or self.world_size % self.nnodes or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--nnodes must divide the {self.world_size} ranks (--tp-size x --cp-size), and "
+                             "--node-rank be in [0, --nnodes)")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (rank 0's machine)")
         if not self.dist_timeout > 0:
             raise ValueError("dist_timeout must be > 0")
-        if self.tp_size == 1:
+        if self.enable_layer_split and self.cp_size == 1:
+            raise ValueError("--enable-layer-split needs --cp-size > 1")
+        if self.enable_layer_split and self.enable_kv_checksum:
+            raise ValueError("--enable-kv-checksum cannot check --enable-layer-split's KV (rank 0 stores only its "
+                             "own layers and a scratch layer that changes every layer)")
+        if self.world_size == 1:
             return
-        unsupported = {"--speculative-algorithm draft": self.speculative_algorithm == "draft",
+        if self.cp_size > 1 and self.tp_size > 1:
+            raise ValueError("--cp-size > 1 with --tp-size > 1 is not built yet (context-parallel ranks hold "
+                             "whole weights)")
+        ranks = f"--tp-size {self.tp_size}" if self.cp_size == 1 else f"--cp-size {self.cp_size}"
+        speculative = self.speculative_algorithm == "draft" or (self.cp_size > 1 and self.speculative_algorithm)
+        unsupported = {f"--speculative-algorithm {self.speculative_algorithm}": speculative,
                        "--enable-hierarchical-cache": self.enable_hierarchical_cache,
                        "--disaggregation-mode": self.disaggregation_mode != "null",
-                       "an fp8 --kv-cache-dtype": self.kv_cache_dtype.startswith("fp8")}
+                       "an fp8 --kv-cache-dtype": self.kv_cache_dtype.startswith("fp8"),
+                       "--enable-deterministic-inference": self.cp_size > 1 and self.enable_deterministic_inference}
         named = [flag for flag, on in unsupported.items() if on]
         if named:
-            raise ValueError(f"--tp-size {self.tp_size} cannot be combined with {', '.join(named)} yet")
+            raise ValueError(f"{ranks} cannot be combined with {', '.join(named)} yet")
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,12 @@ class Communicator:
         _run("broadcast", dist.broadcast, x, src, group=self.group)
         return x
 
+    def broadcast_async(self, x: torch.Tensor, src: int = 0) -> Pending:
+        """broadcast() started in the background: `x` holds rank `src`'s values once the returned Pending's wait()
+        returns (read it earlier and it may hold anything). Counted like broadcast."""
+        self._count("broadcast", x.nelement() * x.element_size())
+        return Pending(_run("broadcast", dist.broadcast, x, src, group=self.group, async_op=True))
+
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """Rank `src`'s picklable `obj` (others pass None) to every rank over the step group (CPU, no timeout)."""
         size = torch.zeros(1, dtype=torch.int64)
@@ -90,9 +96,20 @@ class Communicator:
             dist.destroy_process_group()
 
 
-def _run(op: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+class Pending:
+    """A collective in flight (Communicator.broadcast_async)."""
+
+    def __init__(self, work: Any):
+        self.work = work
+
+    def wait(self) -> None:
+        """Block until it has landed; DistError when a peer exited or the group's timeout passed."""
+        _run("broadcast", self.work.wait)
+
+
+def _run(op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
-        fn(*args, **kwargs)
+        return fn(*args, **kwargs)
     except (RuntimeError, ValueError) as exc:
         raise DistError(f"{op} failed on rank {dist.get_rank()}: a peer exited or timed out ({exc})") from exc
 

@@ -71,11 +71,11 @@ class ModelRunner:
         heads, head_dim, latent = model_config.kv_shape
         if not latent:
             heads = getattr(model, "num_kv_heads", heads)   # this rank's
-        self.num_pages = self._num_pages(config, model_config, heads)
+        self.num_pages = self._num_pages(config, model_config, heads, self.kv_layers(model_config))
         kv_dtype = kv_storage_dtype(config)
         self.kv_scales = self._kv_scales(kv_dtype, checkpoint_kv_scales or {})
         scales = (self.kv_scales.k, self.kv_scales.v) if self.kv_scales else (None, None)
-        self.kv = KVCache(model_config.num_layers, self.num_pages, self.page_size, heads, head_dim,
+        self.kv = KVCache(self.kv_layers(model_config), self.num_pages, self.page_size, heads, head_dim,
                           kv_dtype, self.device, self.dtype, *scales, latent=latent)
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device,
                                                         batch_invariant=deterministic,
@@ -86,11 +86,16 @@ class ModelRunner:
         self.structured = StructuredOutput(config.model_path, self.vocab_size,
                                            self.eos_token_ids)
 
+    def kv_layers(self, model_config: ModelConfig) -> int:
+        """Layers of KV storage this runner holds (runner/cp.py's LayerSplit holds fewer)."""
+        return model_config.num_layers
+
     @classmethod
-    def from_config(cls, config: EngineConfig, tp: Collectives | None = None) -> ModelRunner:
+    def from_config(cls, config: EngineConfig, tp: Collectives | None = None, **kwargs) -> ModelRunner:
         """Load config.model_path (None: the embedded GGUF), under tensor parallelism `tp` only this rank's shard
-        (float weights: --quantization auto means none); sets torch's thread count (default: this rank's cores)."""
-        local_ranks = config.tp_size // config.nnodes
+        (float weights: --quantization auto means none); sets torch's thread count (default: this rank's cores).
+        `kwargs` go to the constructor (a subclass's own arguments)."""
+        local_ranks = config.world_size // config.nnodes
         torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // local_ranks))
         if resolve_device(config.device).type == "cpu":
             reuse_freed_cpu_buffers()
@@ -108,7 +113,7 @@ class ModelRunner:
                 resolve_model_path(config.speculative_draft_model_path))
             draft = model_class(draft_config)(draft_config)
             load_weights(draft, draft_weights)
-        runner = cls(model, model_config, config, scales, draft)
+        runner = cls(model, model_config, config, scales, draft, **kwargs)
         logger.info("loaded %s (%s, %d layers, quantization %s) in %.1f s on %s; KV: %d pages x %d tokens, "
                     "%s; transparent huge pages: %s MiB", path, model_config.architecture,
                     model_config.num_layers, quantization, time.perf_counter() - start, runner.device,
@@ -214,13 +219,15 @@ class ModelRunner:
             mirror.reset()
 
     @staticmethod
-    def _num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = None) -> int:
-        """`num_kv_heads`: this rank's under TP (None: the model's)."""
+    def _num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = None,
+                   num_layers: int | None = None) -> int:
+        """`num_kv_heads`: this rank's under TP (None: the model's); `num_layers`: of KV stored (None: the model's)."""
         if config.max_total_tokens is not None:
             return config.max_total_tokens // config.page_size
         heads, head_dim, latent = mc.kv_shape
         heads = heads if latent or num_kv_heads is None else num_kv_heads
-        per_token = KVCache.bytes_per_token(mc.num_layers, heads, head_dim, kv_storage_dtype(config), latent)
+        per_token = KVCache.bytes_per_token(num_layers or mc.num_layers, heads, head_dim, kv_storage_dtype(config),
+                                            latent)
         num_pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
         if num_pages < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")

@@ -6,7 +6,8 @@
       runner.run(batch): forward + sample          (the same collectives, no sampling)
     close(): broadcast_object(None) ──────────►   exits 0
 
-Only rank 0 samples; followers need no tokens, since the next step's batch carries them (docs/parallel.md)."""
+Only rank 0 samples; followers need no tokens, since the next step's batch carries them (docs/parallel.md). The same
+processes and step broadcast carry context parallelism (--cp-size: runner/cp.py's CPModelRunner on every rank)."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,6 +22,7 @@ import weakref
 from radixserve.config import EngineConfig
 from radixserve.dist.comm import Communicator, DistError, init_communicator
 from radixserve.engine.runner_api import ScheduledSeq, SeqResult
+from radixserve.runner.cp import CPModelRunner
 from radixserve.runner.device import resolve_device
 from radixserve.runner.model_runner import ModelRunner
 
@@ -84,7 +86,7 @@ class TPRunner:
         return self.runner.run(batch)
 
     def info(self) -> dict:
-        return {**self.runner.info(), "tp_size": self.comm.size}
+        return {"tp_size": self.runner.config.tp_size, **self.runner.info()}
 
     def close(self) -> None:
         self.followers.close()
@@ -107,21 +109,29 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """`config` for one rank: on CUDA, device cuda:<local rank>."""
     if resolve_device(config.device).type != "cuda":
         return config
-    return dataclasses.replace(config, device=f"cuda:{rank % (config.tp_size // config.nnodes)}")
+    return dataclasses.replace(config, device=f"cuda:{rank % (config.world_size // config.nnodes)}")
+
+
+def rank_runner(config: EngineConfig, comm: Communicator) -> ModelRunner:
+    """This rank's runner: a CPModelRunner (whole weights) with --cp-size > 1, else ModelRunner's TP shard."""
+    if config.cp_size > 1:
+        return CPModelRunner.from_config(config, comm=comm)
+    return ModelRunner.from_config(config, comm)
 
 
 def load_runner(config: EngineConfig) -> ModelRunner | TPRunner:
-    """The engine's runner: a ModelRunner, or with --tp-size > 1 rank 0's TPRunner, its node's followers started
-    first. Raises DistError when a rank does not join within --dist-timeout."""
-    if config.tp_size == 1:
+    """The engine's runner: a ModelRunner, or with --tp-size or --cp-size > 1 rank 0's TPRunner, its node's followers
+    started first. Raises DistError when a rank does not join within --dist-timeout."""
+    if config.world_size == 1:
         return ModelRunner.from_config(config)
     if config.dist_init_addr is None:
         config = dataclasses.replace(config, dist_init_addr=free_init_addr())
-    followers = launch_followers(config, range(1, config.tp_size // config.nnodes))
+    followers = launch_followers(config, range(1, config.world_size // config.nnodes))
     config = rank_config(config, 0)
     try:
-        comm = init_communicator(0, config.tp_size, config.dist_init_addr, config.dist_timeout, config.device or "cpu")
-        return TPRunner(ModelRunner.from_config(config, comm), Followers(comm, followers))
+        comm = init_communicator(0, config.world_size, config.dist_init_addr, config.dist_timeout,
+                                 config.device or "cpu")
+        return TPRunner(rank_runner(config, comm), Followers(comm, followers))
     except BaseException:
         for proc in followers:
             proc.kill()
@@ -130,7 +140,7 @@ def load_runner(config: EngineConfig) -> ModelRunner | TPRunner:
 
 def serve_node(config: EngineConfig) -> int:
     """`serve --node-rank N > 0`: run this machine's ranks until they end; 1 when any failed."""
-    per_node = config.tp_size // config.nnodes
+    per_node = config.world_size // config.nnodes
     followers = launch_followers(config, range(config.node_rank * per_node, (config.node_rank + 1) * per_node))
     return max(proc.wait() for proc in followers)
 
@@ -147,9 +157,9 @@ def main(argv: list[str]) -> int:
     config = rank_config(EngineConfig(**json.loads(os.environ[CONFIG_ENV])), rank)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(name)s: %(message)s")
     try:
-        comm = init_communicator(rank, config.tp_size, config.dist_init_addr, config.dist_timeout,
+        comm = init_communicator(rank, config.world_size, config.dist_init_addr, config.dist_timeout,
                                  config.device or "cpu")
-        follow(ModelRunner.from_config(config, comm), comm)
+        follow(rank_runner(config, comm), comm)
     except DistError as exc:
         logger.error("tensor-parallel rank %d stops: %s", rank, exc)
         return 1

@@ -1,6 +1,9 @@
-"""`radixserve serve --tp-size 2`: one follower process beside the engine; the same greedy text as the TP=1 tiny server,
-and a clean stop (the follower leaves on rank 0's stop message, not on a broken connection)."""
+"""`radixserve serve --tp-size 2` and `--cp-size 2 --enable-layer-split`: one follower process beside the engine; the
+same greedy text as the single-process tiny server, and a clean stop (the follower leaves on rank 0's stop message,
+not on a broken connection)."""
 from __future__ import annotations
+
+import pytest
 
 from tests.api.conftest import API_KEY, TINY_CONTEXT, start_tiny_server, terminate
 
@@ -13,12 +16,15 @@ def completion_texts(server, model: str) -> list[str]:
             for p in PROMPTS]
 
 
-def test_tp2_server_gives_tp1s_text_and_stops_cleanly(request, tiny_server):
+@pytest.mark.parametrize("flags, field", [(["--tp-size", "2"], "tp_size"),
+                                          (["--cp-size", "2", "--enable-layer-split"], "cp_size")],
+                         ids=["tp2", "cp2-layer-split"])
+def test_two_rank_server_gives_one_ranks_text_and_stops_cleanly(request, tiny_server, flags, field):
     server = start_tiny_server(request, ["--context-length", str(TINY_CONTEXT), "--max-total-tokens", "16384",
-                                         "--page-size", "16", "--served-model-name", "tiny", "--tp-size", "2"],
+                                         "--page-size", "16", "--served-model-name", "tiny", *flags],
                                api_key=API_KEY, log_level="info")
     try:
-        assert server.stats()["runner"]["tp_size"] == 2
+        assert server.stats()["runner"][field] == 2
         assert completion_texts(server, "tiny") == completion_texts(tiny_server, "tiny")
         terminate(server.proc)
         assert server.proc.returncode == 0

@@ -8,7 +8,7 @@ from radixserve.layers.parallel import Heads, shard_heads, vocab_part
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(tp_size=3, nnodes=2), "multiple of --nnodes"),
+    (dict(tp_size=3, nnodes=2), "--nnodes must divide the 3 ranks"),
     (dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"), "--node-rank"),
     (dict(tp_size=2, nnodes=2), "--dist-init-addr"),
     (dict(tp_size=2, dist_timeout=0), "dist_timeout"),

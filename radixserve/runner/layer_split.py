@@ -1,0 +1,108 @@
+"""LayerSplit (--enable-layer-split, GLM's; SGLang's --enable-cp-cache-layer-split): each context-parallel rank stores
+only its own layers' KV plus one scratch layer, which a layer's owner fills by broadcast before attention reads it.
+
+    ownership (contiguous, SGLang's): n_r = L // R + (r < L % R) layers from start_r = r * (L // R) + min(r, L % R)
+    rank r's KVCache: storage layers [owned start_r .. start_r + n_r - 1 | scratch]  = n_r + 1 layers of S slots
+
+    per layer l, in CPAttention:   post(l) ──► (all-gather of the new tokens' KV) ──► wait(l) ──► attention(l)
+      post: the owner sends layer l's pages holding the step's cached prefix (async), the others receive a buffer
+      wait: the explicit step; receivers copy the buffer into scratch. Until it returns, scratch holds an older
+            layer's KV (a fault, `fault.drop_kv_wait`, lets attention read it: GLM's read-before-ready class)
+
+Bytes (docs/parallel.md): storage (n_r + 1) * S * 2 * KV * D * e per rank; each layer's broadcast moves
+2 * KV * D * e * page_size * P_pages (P_pages: distinct pages of the step's cached prefixes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.dist.comm import Communicator, Pending
+from radixserve.runner.kv_cache import KVCache
+
+
+def owned_layers(num_layers: int, size: int, rank: int) -> range:
+    """Rank `rank`'s contiguous layers of `num_layers` over `size` ranks (the first L % R ranks hold one more)."""
+    base, rem = divmod(num_layers, size)
+    start = rank * base + min(rank, rem)
+    return range(start, start + base + (rank < rem))
+
+
+@dataclass(slots=True)
+class PendingKV:
+    """Layer `layer`'s broadcast in flight: buffer (2, KV, pages * page_size, D) compute dtype, K then V."""
+
+    layer: int
+    page_ids: torch.Tensor
+    buffer: torch.Tensor | None
+    pending: Pending | None
+    receiver: bool
+
+
+class LayerSplit:
+    """One rank's layer ownership and the per-layer broadcast. `events`: (layer, step name) of the current forward,
+    in order (tests read it); `fault`: None or chaos/cp_faults.py's LayerSplitFaults (`drop_kv_wait`, `stale_value`)."""
+
+    def __init__(self, num_layers: int, comm: Communicator):
+        self.num_layers, self.comm = num_layers, comm
+        self.owned = owned_layers(num_layers, comm.size, comm.rank)
+        self.owners = [r for r in range(comm.size) for _ in owned_layers(num_layers, comm.size, r)]
+        self.scratch = len(self.owned)
+        self.events: list[tuple[int, str]] = []
+        self.late: list[PendingKV] = []
+        self.fault = None
+
+    @property
+    def num_storage_layers(self) -> int:
+        return len(self.owned) + 1
+
+    def storage(self, layer: int) -> int:
+        """The KVCache layer index that holds model layer `layer` on this rank: its own, or the scratch."""
+        return layer - self.owned.start if layer in self.owned else self.scratch
+
+    def post(self, kv: KVCache, layer: int, page_ids: torch.Tensor) -> PendingKV:
+        """Start layer `layer`'s broadcast of `page_ids` (n,) int64 from its owner; nothing moves when n is 0."""
+        self.events.append((layer, "broadcast kv"))
+        owner = self.owners[layer]
+        receiver = owner != self.comm.rank
+        if page_ids.numel() == 0:
+            return PendingKV(layer, page_ids, None, None, receiver)
+        if receiver:
+            shape = (2, kv.num_kv_heads, page_ids.numel() * kv.page_size, kv.head_dim)
+            buffer = torch.empty(shape, dtype=kv.compute_dtype, device=kv.device)
+        else:
+            buffer = torch.stack(kv.read_pages(self.storage(layer), page_ids))
+        return PendingKV(layer, page_ids, buffer, self.comm.broadcast_async(buffer, owner), receiver)
+
+    def wait(self, kv: KVCache, pending: PendingKV) -> None:
+        """The wait(KV) step: after it, scratch holds the owner's pages (receivers). Dropped by the fault, the
+        broadcast lands only in finish(), after attention has read the scratch."""
+        if self.fault is not None and self.fault.drop_kv_wait:
+            self.events.append((pending.layer, "wait kv dropped"))
+            self.late.append(pending)
+            if pending.receiver and pending.pending is not None and self.fault.stale_value is not None:
+                k, v = kv.read_pages(self.scratch, pending.page_ids)     # what an un-landed scratch may hold
+                self._write_scratch(kv, pending.page_ids, torch.full_like(k, self.fault.stale_value),
+                                    torch.full_like(v, self.fault.stale_value))
+            return
+        self.events.append((pending.layer, "wait kv"))
+        self._land(kv, pending)
+
+    def finish(self, kv: KVCache) -> None:
+        """End of a forward: land the broadcasts whose wait was dropped."""
+        for pending in self.late:
+            self._land(kv, pending)
+        self.late.clear()
+
+    def _land(self, kv: KVCache, p: PendingKV) -> None:
+        if p.pending is None:
+            return
+        p.pending.wait()
+        if p.receiver:
+            self._write_scratch(kv, p.page_ids, p.buffer[0], p.buffer[1])
+
+    def _write_scratch(self, kv: KVCache, page_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (KV, pages * page_size, D) into the scratch layer's `page_ids`."""
+        offsets = torch.arange(kv.page_size, device=kv.device)
+        slots = (page_ids[:, None] * kv.page_size + offsets).reshape(-1)
+        kv.write(self.scratch, slots, k.transpose(0, 1), v.transpose(0, 1))

@@ -1,0 +1,106 @@
+"""One rank of test_cp.py's CP group: `python -m tests.model.cp_worker RANK SIZE ADDR OUT_DIR MODEL_DIR...`.
+
+Per model and mode (plain CP, LayerSplit, LayerSplit with its KV wait dropped), both ranks build a CPModelRunner; rank 0
+runs an Engine over a TPRunner (phase 1: prompts of 1, 2, 3, 37 and 38 tokens, chunked by 32; phase 2, after phase 1
+ends: a 64-token prompt, then its 64 tokens + 7 new ones, a radix hit), rank 1 follows. Both record each step's
+logits, rows and collectives, rank 0 then the same at CP=1. Results: OUT_DIR/rank{R}.pt, one dict per model."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+
+from radixserve.chaos.cp_faults import LayerSplitFaults
+from radixserve.config import EngineConfig
+from radixserve.dist.comm import init_communicator
+from radixserve.engine.engine import Engine
+from radixserve.runner import cp
+from radixserve.runner.cp import CPModelRunner
+from radixserve.runner.model_runner import ModelRunner
+from radixserve.runner.tp import Followers, TPRunner, follow
+from radixserve.sampling_params import SamplingParams
+
+PHASES = [[[5], [6, 7], [8, 9, 10], list(range(3, 40)), list(range(100, 138))],
+          [list(range(150, 214))],
+          [list(range(150, 214)) + [11, 12, 13, 14, 15, 16, 17]]]
+NUM_NEW = 6
+MODES = {"plain": {}, "layer_split": {"enable_layer_split": True}}
+KEEP: list = []     # rank 0's TPRunners: one collected would close the group (its finalizer)
+
+
+def recording(runner: ModelRunner, comm=None) -> list[dict]:
+    """Wrap runner.forward to record, per step: logits, the step's rows and pages, and the collectives it made."""
+    steps: list[dict] = []
+    forward = runner.forward
+
+    def recorded(batch):
+        before = (dict(comm.calls), dict(comm.bytes)) if comm is not None else ({}, {})
+        step, logits = forward(batch)
+        entry = {"logits": logits.clone(), "num_tokens": step.num_tokens, "query_lens": list(step.query_lens),
+                 "context_lens": list(step.context_lens_host), "page_lists": [list(p) for p in step.page_lists],
+                 "logit_rows": step.logit_rows.tolist()}
+        if comm is not None:
+            entry["calls"] = {k: v - before[0].get(k, 0) for k, v in comm.calls.items() if v > before[0].get(k, 0)}
+            entry["bytes"] = {k: v - before[1].get(k, 0) for k, v in comm.bytes.items() if v > before[1].get(k, 0)}
+        split = getattr(runner, "layer_split", None)
+        if split is not None:
+            entry["events"] = list(split.events)
+        steps.append(entry)
+        return step, logits
+
+    runner.forward = recorded
+    return steps
+
+
+def generate(runner) -> dict[str, list[int]]:
+    engine = Engine(runner.config, runner, frozenset())
+    tokens: dict[str, list[int]] = {}
+    for phase, prompts in enumerate(PHASES):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{phase}-{i}", prompt,
+                               SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def run_mode(config: EngineConfig, comm, rank: int, fault: bool) -> dict:
+    runner = CPModelRunner.from_config(config, comm=comm)
+    if fault:
+        runner.layer_split.fault = LayerSplitFaults(drop_kv_wait=True)
+    out = {"kv_bytes": runner.kv.allocated_bytes(), "num_pages": runner.num_pages, "steps": recording(runner, comm)}
+    if rank == 0:
+        cp_runner = TPRunner(runner, Followers(comm, []))
+        KEEP.append(cp_runner)
+        out["tokens"] = generate(cp_runner)
+        cp_runner.followers.stop()
+    else:
+        follow(runner, comm)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    rank, size, addr, out_dir, folders = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4:]
+    torch.set_num_threads(1)
+    cp.QUERY_BLOCK = 5          # several uneven query blocks per sequence even in these short prompts
+    comm = init_communicator(rank, size, addr, 60.0)
+    results = []
+    for folder in folders:
+        config = EngineConfig(model_path=folder, cp_size=size, max_total_tokens=4096, quantization="none",
+                              chunked_prefill_size=32, num_threads=1)
+        out = {name: run_mode(dataclasses.replace(config, **extra), comm, rank, False) for name, extra in MODES.items()}
+        out["dropped_wait"] = run_mode(dataclasses.replace(config, enable_layer_split=True), comm, rank, True)
+        if rank == 0:
+            single = ModelRunner.from_config(dataclasses.replace(config, cp_size=1))
+            out["ref"] = {"kv_bytes": single.kv.allocated_bytes(), "steps": recording(single)}
+            out["ref"]["tokens"] = generate(single)
+        results.append(out)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
