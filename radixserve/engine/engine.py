@@ -39,8 +39,8 @@ class Engine:
                          "num_finished_requests": 0, "num_aborted_requests": 0,
                          "spec_num_verify_steps": 0, "spec_num_draft_tokens": 0,
                          "spec_num_accepted_tokens": 0,
-                         "spec_num_draft_by_position": [0] * config.speculative_num_draft_tokens,
-                         "spec_num_accepted_by_position": [0] * config.speculative_num_draft_tokens}
+                         "spec_num_draft_by_position": [0] * config.spec_max_draft,
+                         "spec_num_accepted_by_position": [0] * config.spec_max_draft}
         if config.enable_kv_checksum and not any(isinstance(h, ChecksumHooks) for h in hooks):
             raise ValueError("--enable-kv-checksum needs ChecksumHooks among the hooks (compose.engine_hooks)")
         self.hooks = HookChain(hooks) if hooks else None   # None: the plain path calls no hook

@@ -14,6 +14,7 @@ from radixserve.layers.batch_invariant import check_row_invariance
 from radixserve.layers.parallel import Collectives
 from radixserve.layers.sampler import Sampler, token_logprobs
 from radixserve.models.model_config import ModelConfig
+from radixserve.models.nextn import NextNLayer, load_nextn, nextn_tensors, prepare_nextn
 from radixserve.models.registry import model_class
 from radixserve.outputs import TokenLogprob
 from radixserve.runner import kv_scales, kv_transfer
@@ -22,6 +23,7 @@ from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.device import huge_pages_mb, resolve_device, reuse_freed_cpu_buffers
 from radixserve.runner.disk_kv import DiskKV, fingerprint
 from radixserve.runner.draft import DraftModel
+from radixserve.runner.mtp import MTPDraft
 from radixserve.runner.host_kv import HostKV
 from radixserve.sampling_params import SamplingParams
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache, KVPages
@@ -47,7 +49,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
                  draft_model: torch.nn.Module | None = None):
-        """`model` (and `draft_model`): loaded on CPU, not yet prepared; under tensor parallelism this rank's shard. Raises ValueError for a
+        """`model` (and `draft_model`, with EAGLE the NextNLayer): loaded on CPU, not yet prepared; under tensor parallelism this rank's shard. Raises ValueError for a
         missing device, bad FP8 scales, a context longer than the model's, deterministic inference
         without a batch-invariant matmul here, or a draft vocabulary that is not the target's."""
         self.config = config
@@ -71,17 +73,20 @@ class ModelRunner:
         heads, head_dim, latent = model_config.kv_shape
         if not latent:
             heads = getattr(model, "num_kv_heads", heads)   # this rank's
-        self.num_pages = self._num_pages(config, model_config, heads)
+        # EAGLE: the NextN draft's KV is one more layer of the target's cache (runner/mtp.py).
+        num_kv_layers = model_config.num_layers + config.is_eagle
+        self.num_pages = self._num_pages(config, model_config, heads, num_kv_layers)
         kv_dtype = kv_storage_dtype(config)
         self.kv_scales = self._kv_scales(kv_dtype, checkpoint_kv_scales or {})
         scales = (self.kv_scales.k, self.kv_scales.v) if self.kv_scales else (None, None)
-        self.kv = KVCache(model_config.num_layers, self.num_pages, self.page_size, heads, head_dim,
+        self.kv = KVCache(num_kv_layers, self.num_pages, self.page_size, heads, head_dim,
                           kv_dtype, self.device, self.dtype, *scales, latent=latent)
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device,
                                                         batch_invariant=deterministic,
                                                         cascade=not config.disable_cascade_attention)
         self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
-        self.draft = self._draft_model(config, draft_model)
+        self.draft = None if config.is_eagle else self._draft_model(config, draft_model)
+        self.mtp = self._mtp(config, draft_model) if config.is_eagle else None
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self.structured = StructuredOutput(config.model_path, self.vocab_size,
                                            self.eos_token_ids)
@@ -101,8 +106,11 @@ class ModelRunner:
                         resolve_quantization(config.quantization, path, config.enable_deterministic_inference))
         model_config, weights = load_checkpoint(path, quantization)
         model = model_class(model_config)(model_config, tp=tp)
+        draft_tensors: list[tuple[str, torch.Tensor]] = []
+        if config.is_eagle:
+            weights = nextn_tensors(weights, model_config.num_layers, draft_tensors)
         scales = load_weights(model, weights)
-        draft = None
+        draft = load_nextn(model, draft_tensors) if config.is_eagle else None
         if config.speculative_draft_model_path is not None:
             draft_config, draft_weights = load_checkpoint(
                 resolve_model_path(config.speculative_draft_model_path))
@@ -158,6 +166,8 @@ class ModelRunner:
             out.update(self.host_kv.info())
         if self.kv_scales is not None:
             out["kv_scales"] = self.kv_scales.describe()
+        if self.mtp is not None:
+            out["nextn_draft"] = dict(self.mtp.layer.sources)
         return out
 
     def validate_params(self, params: SamplingParams) -> None:
@@ -214,13 +224,14 @@ class ModelRunner:
             mirror.reset()
 
     @staticmethod
-    def _num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = None) -> int:
-        """`num_kv_heads`: this rank's under TP (None: the model's)."""
+    def _num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = None,
+                   num_layers: int | None = None) -> int:
+        """`num_kv_heads`: this rank's under TP (None: the model's); `num_layers`: KV layers (None: the model's)."""
         if config.max_total_tokens is not None:
             return config.max_total_tokens // config.page_size
         heads, head_dim, latent = mc.kv_shape
         heads = heads if latent or num_kv_heads is None else num_kv_heads
-        per_token = KVCache.bytes_per_token(mc.num_layers, heads, head_dim, kv_storage_dtype(config), latent)
+        per_token = KVCache.bytes_per_token(num_layers or mc.num_layers, heads, head_dim, kv_storage_dtype(config), latent)
         num_pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
         if num_pages < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")
@@ -231,6 +242,9 @@ class ModelRunner:
         """One forward pass over a non-empty batch: the step and its logits (R, V) fp32 (a TP follower's whole step)."""
         step = build_step(batch, self.page_size, self.device)
         attn = self.backend.prepare(step)
+        if self.mtp is not None:   # the draft reads every row's hidden state
+            self._hidden = self.model.final_hidden(step.input_ids, step.positions, attn)
+            return step, self.model.lm_head(self._hidden.index_select(0, step.logit_rows)).float()
         return step, self.model(step.input_ids, step.positions, attn, step.logit_rows)
 
     @torch.inference_mode()
@@ -269,7 +283,17 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.sync(step)
             results = self._propose(batch, results)
+        elif self.mtp is not None:
+            drafts = self.mtp.extend(batch, step, self._hidden, results)
+            results = [dataclasses.replace(r, next_draft=tuple(d)) if d else r for r, d in zip(results, drafts)]
         return results
+
+    def _mtp(self, config: EngineConfig, layer: NextNLayer | None) -> MTPDraft:
+        if layer is None:
+            raise ValueError("--speculative-algorithm EAGLE needs the checkpoint's NextN layer (from_config loads it)")
+        prepare_nextn(layer, self.dtype, self.device, config.enable_deterministic_inference)
+        return MTPDraft(layer.eval(), self.kv, self.page_size, self.device,
+                        max_carried=2 * config.max_running_requests)
 
     def _draft_model(self, config: EngineConfig, separate: torch.nn.Module | None) -> DraftModel | None:
         """--speculative-algorithm draft: the target's first layers, or `separate` prepared."""
