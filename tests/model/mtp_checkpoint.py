@@ -72,14 +72,14 @@ def glm_mtp_tensors(mtp, num_layers: int, shared_copies: bool = False) -> dict[s
 
 
 @torch.no_grad()
-def hf_mtp_drafts(model, mtp, tokens: list[int], k: int) -> tuple[list[int], list[float]]:
+def hf_mtp_drafts(model, mtp, tokens: list[int], k: int) -> tuple[list[int], list[float], list[torch.Tensor]]:
     """transformers' MTP chain after `tokens` (the last one just sampled): k greedy drafts, each with its
-    top-2 logit gap. The draft layer runs over the whole sequence without a cache at every step (tokens
+    top-2 logit gap and its logits (V,). The draft layer runs over the whole sequence without a cache at every step (tokens
     shifted by one against the target's post-norm hidden states, then its own output and draft)."""
     ids = torch.tensor([tokens])
     hidden = model(ids[:, :-1], output_hidden_states=True).hidden_states[-1]
     inputs = ids[:, 1:]
-    drafts, gaps = [], []
+    drafts, gaps, rows = [], [], []
     for _ in range(k):
         positions = torch.arange(inputs.shape[1]).unsqueeze(0)
         out = mtp.forward_layer(0, hidden, positions, None, input_ids=inputs)
@@ -88,6 +88,7 @@ def hf_mtp_drafts(model, mtp, tokens: list[int], k: int) -> tuple[list[int], lis
         token = int(logits.argmax())
         drafts.append(token)
         gaps.append(float(top[0] - top[1]))
+        rows.append(logits)
         hidden = torch.cat([hidden, out[:, -1:]], dim=1)
         inputs = torch.cat([inputs, torch.tensor([[token]])], dim=1)
-    return drafts, gaps
+    return drafts, gaps, rows
