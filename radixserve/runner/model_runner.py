@@ -14,7 +14,7 @@ from radixserve.layers.batch_invariant import check_row_invariance
 from radixserve.layers.parallel import Collectives
 from radixserve.layers.sampler import Sampler, token_logprobs
 from radixserve.models.model_config import ModelConfig
-from radixserve.models.nextn import NextNLayer, load_nextn, nextn_tensors, prepare_nextn
+from radixserve.models.nextn import NextNLayer, prepare_nextn
 from radixserve.models.registry import model_class
 from radixserve.outputs import TokenLogprob
 from radixserve.runner import kv_scales, kv_transfer
@@ -29,6 +29,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache, KVPages
 from radixserve.runner.structured import StructuredOutput
 from radixserve.weights.loader import load_checkpoint, load_weights, resolve_quantization
+from radixserve.weights.nextn_loader import load_nextn, nextn_tensors
 from radixserve.weights.paths import resolve_model_path
 
 logger = logging.getLogger(__name__)
