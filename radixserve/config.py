@@ -227,7 +227,8 @@ class EngineConfig:
                              f"(the last accepted token and {steps} drafts)")
         unsupported = {"--kv-cache-dtype fp8": self.kv_cache_dtype.startswith("fp8"),
                        "--disaggregation-mode": self.disaggregation_mode != "null",
-                       "--tp-size > 1": self.tp_size > 1}
+                       "--tp-size > 1": self.tp_size > 1,
+                       "--hicache-storage-dir": self.hicache_storage_dir is not None}
         named = [flag for flag, on in unsupported.items() if on]
         if named:
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} cannot be combined with "

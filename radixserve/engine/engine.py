@@ -30,7 +30,8 @@ class Engine:
         self.page_size = runner.page_size
         self.max_context_len = runner.max_context_len
         self.kv = KVManager(runner.num_pages, runner.page_size, not config.disable_radix_cache,
-                            getattr(runner, "host_kv", None), config.hicache_write_policy)
+                            getattr(runner, "host_kv", None), config.hicache_write_policy,
+                            paired_keys=config.is_eagle)
         self.scheduler = Scheduler(config, self.kv, self.max_request_tokens)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.random_seed)
