@@ -226,7 +226,6 @@ class EngineConfig:
                              f"--speculative-eagle-topk 1 must be --speculative-num-steps + 1 = {steps + 1} "
                              f"(the last accepted token and {steps} drafts)")
         unsupported = {"--kv-cache-dtype fp8": self.kv_cache_dtype.startswith("fp8"),
-                       "--disaggregation-mode": self.disaggregation_mode != "null",
                        "--tp-size > 1": self.tp_size > 1,
                        "--hicache-storage-dir": self.hicache_storage_dir is not None}
         named = [flag for flag, on in unsupported.items() if on]

@@ -115,7 +115,7 @@ class KVManager:
         and replaced by the tree's, and the lock moves to the new path."""
         if not self.enable_cache:
             return
-        num_full = (req.num_computed_tokens - self.paired_keys) // self.page_size
+        num_full = self.num_settled_tokens(req) // self.page_size
         if num_full <= req.num_tree_pages:
             return
         key = self._key(req.all_ids[:num_full * self.page_size + self.paired_keys])
@@ -181,6 +181,10 @@ class KVManager:
             if node is None:
                 return {p for n in hits for p in n.page_ids} & page_ids
             self.pool.free(self.cache.remove(node))
+
+    def num_settled_tokens(self, req: Request) -> int:
+        """Leading positions whose KV no later step rewrites (with paired keys the draft's KV lags by one)."""
+        return max(req.num_computed_tokens - self.paired_keys, 0)
 
     def _key(self, token_ids: list[int]) -> list[int]:
         return paired_key(token_ids) if self.paired_keys else token_ids

@@ -50,7 +50,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
                  draft_model: torch.nn.Module | None = None):
-        """`model` (and `draft_model`, with EAGLE the NextNLayer): loaded on CPU, not yet prepared; under tensor parallelism this rank's shard. Raises ValueError for a
+        """`model` (and `draft_model`, with EAGLE the NextNLayer): loaded on CPU, not yet prepared; under tensor
+        parallelism this rank's shard. Raises ValueError for a
         missing device, bad FP8 scales, a context longer than the model's, deterministic inference
         without a batch-invariant matmul here, or a draft vocabulary that is not the target's."""
         self.config = config
@@ -286,7 +287,8 @@ class ModelRunner:
             results = self._propose(batch, results)
         elif self.mtp is not None:
             drafts = self.mtp.extend(batch, step, self._hidden, results)
-            results = [dataclasses.replace(r, next_draft=tuple(d)) if d else r for r, d in zip(results, drafts)]
+            results = [dataclasses.replace(r, next_draft=tuple(d)) if d else r
+                       for r, d in zip(results, drafts)]
         return results
 
     def _mtp(self, config: EngineConfig, layer: NextNLayer | None) -> MTPDraft:

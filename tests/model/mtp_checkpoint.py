@@ -72,7 +72,8 @@ def glm_mtp_tensors(mtp, num_layers: int, shared_copies: bool = False) -> dict[s
 
 
 @torch.no_grad()
-def hf_mtp_drafts(model, mtp, tokens: list[int], k: int) -> tuple[list[int], list[float], list[torch.Tensor]]:
+def hf_mtp_drafts(model, mtp, tokens: list[int], k: int
+                  ) -> tuple[list[int], list[float], list[torch.Tensor]]:
     """transformers' MTP chain after `tokens` (the last one just sampled): k greedy drafts, each with its
     top-2 logit gap and its logits (V,). The draft layer runs over the whole sequence without a cache at every step (tokens
     shifted by one against the target's post-norm hidden states, then its own output and draft)."""

@@ -134,6 +134,31 @@ def test_drafts_equal_transformers_mtp_after_host_tier_reloads(mtp_case):
     assert_drafts_match_transformers(model, mtp, records)
 
 
+def test_pd_decode_drafts_from_the_transferred_draft_kv(mtp_case):
+    """C52: the prefill side computes the draft's KV through the last prompt position (it samples the token
+    after it) and sends it with the target's, as one more layer of each page; the decode side's first step
+    decodes without a draft, which gives it the hidden state to draft from. Output equals colocated, and
+    every decode-side draft equals transformers' (a draft layer left behind would not)."""
+    from tests.model.test_pd_race import pd
+    from tests.unit.pd_helpers import Rig, greedy
+
+    folder, model, mtp = mtp_case
+    prompts = prompt_set(256, 6, [1, 5, 13, 30, 47])
+    want, _ = engine_generate(make_engine(folder, page_size=4), prompts, 10)
+    p, d = pd("prefill", folder, 4096, **EAGLE), pd("decode", folder, 4096, **EAGLE)
+    records = record_drafts(d.engine)
+    rig = Rig(p, d)
+    try:
+        for i, prompt in enumerate(prompts):
+            rig.submit(p, d, f"r{i}", prompt, greedy(10), room=200 + i)
+        rig.finish(*(f"r{i}" for i in range(len(prompts))))
+        assert [rig.tokens[f"r{i}"] for i in range(len(prompts))] == want
+    finally:
+        rig.close()
+    assert d.engine.stats()["spec_num_verify_steps"] > 0
+    assert_drafts_match_transformers(model, mtp, records)
+
+
 def generate(engine, prompts, params) -> tuple[list[list[int]], list]:
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
@@ -243,11 +268,12 @@ def test_a_family_without_a_nextn_layer_is_refused(tiny_llama_dir):
 @pytest.mark.parametrize("cfg, error", [
     ({"speculative_eagle_topk": 2}, "only 1 is supported"),
     ({"speculative_num_draft_tokens": 3}, "must be --speculative-num-steps \\+ 1 = 4"),
-    ({"disaggregation_mode": "prefill"}, "cannot be combined with --disaggregation-mode"),
+    ({"hicache_storage_dir": "/tmp/x", "enable_hierarchical_cache": True},
+     "cannot be combined with --hicache-storage-dir"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "cannot be combined with --kv-cache-dtype fp8"),
 ])
 def test_unsupported_eagle_settings_are_refused(cfg, error):
-    """Tree drafts (topk > 1) and PD (C52: the prefill side's draft state is not handed over yet) are refused."""
+    """Tree drafts (topk > 1), FP8 KV and the disk tier (it hashes token keys) are refused."""
     with pytest.raises(ValueError, match=error):
         EngineConfig(model_path="x", **{**EAGLE, **cfg})
 
