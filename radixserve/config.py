@@ -77,10 +77,10 @@ class EngineConfig:
         ("ngram", "draft", "EAGLE", "NEXTN"))
     speculative_num_draft_tokens: int | None = opt(
         None, "ngram, draft: most draft tokens verified per request and step (a request's draft grows "
-              "to this while its drafts are accepted; default 8); EAGLE: tokens per verify step, the "
+              "to this while its drafts are accepted; unset: 8); EAGLE: tokens per verify step, the "
               "last accepted one included, as SGLang counts them: --speculative-num-steps + 1")
     speculative_num_steps: int | None = opt(
-        None, "EAGLE: draft steps per verify step, i.e. most draft tokens verified (default 3)")
+        None, "EAGLE: draft steps per verify step, i.e. most draft tokens verified (unset: 3)")
     speculative_eagle_topk: int | None = opt(
         None, "EAGLE: draft candidates per step; only 1 (a chain) is supported")
     speculative_break_even_tokens: float = opt(

@@ -183,7 +183,7 @@ class ModelRunner:
 
     def corrupt_kv(self, page_ids: list[int], mode: str, source_page_ids: list[int] | None,
                    seed: int) -> None:
-        """chaos/kv_corrupt.py: overwrite `page_ids` in every layer with Gaussian noise of their own
+        """chaos/kv_corrupt.py: overwrite `page_ids` in every target layer with Gaussian noise of their own
         mean and std ("noise") or `source_page_ids`' KV ("swap"); the DecodeMirror is dropped."""
         if mode == "swap":
             data = self.kv.export_pages(list(source_page_ids or ()))
@@ -197,6 +197,9 @@ class ModelRunner:
                 mean, std = f.mean(dims, keepdim=True), f.std(dims, keepdim=True)
                 return (mean + std * torch.randn(f.shape, generator=gen)).to(x.dtype)
             data = KVPages(noise(data.k), noise(data.v), data.side)
+        if self.mtp is not None:   # the target's layers only: the draft's KV stays its own
+            kept = self.kv.export_pages(page_ids)
+            data.k[-1], data.v[-1] = kept.k[-1], kept.v[-1]
         self.kv.import_pages(page_ids, data)
         mirror = getattr(self.backend, "mirror", None)
         if mirror is not None:

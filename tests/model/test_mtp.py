@@ -284,3 +284,17 @@ def test_nextn_is_an_alias_and_eagle_flags_need_eagle():
     assert EngineConfig(model_path="x", speculative_algorithm="EAGLE").spec_max_draft == 3
     with pytest.raises(ValueError, match="need --speculative-algorithm EAGLE"):
         EngineConfig(model_path="x", speculative_algorithm="ngram", speculative_num_steps=2)
+
+
+def test_kv_corrupt_fault_changes_the_target_layers_only(mtp_case):
+    """The draft's KV is written by the draft alone (the detector compares it with a corrupted target's)."""
+    import torch
+
+    r = runner(mtp_case[0])
+    for store in (*r.kv._k, *r.kv._v):
+        store.copy_(torch.randn_like(store))
+    before = r.kv.export_pages([3])
+    r.corrupt_kv([3], "noise", None, seed=1)
+    after = r.kv.export_pages([3])
+    assert not torch.equal(before.k[:-1], after.k[:-1]) and not torch.equal(before.v[:-1], after.v[:-1])
+    assert torch.equal(before.k[-1], after.k[-1]) and torch.equal(before.v[-1], after.v[-1])
