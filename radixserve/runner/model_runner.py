@@ -14,7 +14,6 @@ from radixserve.layers.batch_invariant import check_row_invariance
 from radixserve.layers.parallel import Collectives
 from radixserve.layers.sampler import Sampler, token_logprobs
 from radixserve.models.model_config import ModelConfig
-from radixserve.models.nextn import NextNLayer, prepare_nextn
 from radixserve.models.registry import model_class
 from radixserve.outputs import TokenLogprob
 from radixserve.runner import kv_scales, kv_transfer
@@ -88,7 +87,7 @@ class ModelRunner:
                                                         cascade=not config.disable_cascade_attention)
         self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
         self.draft = None if config.is_eagle else self._draft_model(config, draft_model)
-        self.mtp = self._mtp(config, draft_model) if config.is_eagle else None
+        self.mtp = MTPDraft.build(config, draft_model, self.kv, self.dtype, self.device) if config.is_eagle else None
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self.structured = StructuredOutput(config.model_path, self.vocab_size,
                                            self.eos_token_ids)
@@ -236,7 +235,8 @@ class ModelRunner:
             return config.max_total_tokens // config.page_size
         heads, head_dim, latent = mc.kv_shape
         heads = heads if latent or num_kv_heads is None else num_kv_heads
-        per_token = KVCache.bytes_per_token(num_layers or mc.num_layers, heads, head_dim, kv_storage_dtype(config), latent)
+        per_token = KVCache.bytes_per_token(num_layers or mc.num_layers, heads, head_dim,
+                                            kv_storage_dtype(config), latent)
         num_pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
         if num_pages < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")
@@ -294,12 +294,6 @@ class ModelRunner:
                        for r, d in zip(results, drafts)]
         return results
 
-    def _mtp(self, config: EngineConfig, layer: NextNLayer | None) -> MTPDraft:
-        if layer is None:
-            raise ValueError("--speculative-algorithm EAGLE needs the checkpoint's NextN layer (from_config loads it)")
-        prepare_nextn(layer, self.dtype, self.device, config.enable_deterministic_inference)
-        return MTPDraft(layer.eval(), self.kv, self.page_size, self.device,
-                        max_carried=2 * config.max_running_requests)
 
     def _draft_model(self, config: EngineConfig, separate: torch.nn.Module | None) -> DraftModel | None:
         """--speculative-algorithm draft: the target's first layers, or `separate` prepared."""

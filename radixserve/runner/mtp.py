@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.engine.runner_api import ScheduledSeq, SeqResult
-from radixserve.models.nextn import NextNLayer
+from radixserve.config import EngineConfig
+from radixserve.models.nextn import NextNLayer, prepare_nextn
 from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.kv_cache import KVCache
@@ -47,6 +48,15 @@ class MTPDraft:
         self.backend = TorchAttentionBackend(kv, mirror_bytes=0)
         self.max_carried = max_carried
         self._carry: OrderedDict[str, tuple[int, torch.Tensor]] = OrderedDict()
+
+    @classmethod
+    def build(cls, config: EngineConfig, layer: NextNLayer | None, kv: KVCache, dtype: torch.dtype,
+              device: torch.device) -> MTPDraft:
+        """The draft of --speculative-algorithm EAGLE over `layer` as loaded (weights/nextn_loader.py), prepared."""
+        if layer is None:
+            raise ValueError("--speculative-algorithm EAGLE needs the checkpoint's NextN layer (from_config loads it)")
+        prepare_nextn(layer, dtype, device, config.enable_deterministic_inference)
+        return cls(layer.eval(), kv, config.page_size, device, max_carried=2 * config.max_running_requests)
 
     def extend(self, batch: list[ScheduledSeq], step: StepBatch, hidden: torch.Tensor,
                results: list[SeqResult]) -> list[list[int]]:

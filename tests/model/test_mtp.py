@@ -4,8 +4,9 @@ A tiny random glm4_moe with one MTP layer in GLM's on-disk layout (tests/model/m
 the engine proposes equals transformers' own MTP chain (its Glm4MoeDecoderLayer block, norms and eh_proj, in
 MtpModel.forward_layer) over the same tokens, with chunked prefill, radix hits, preemption and the host tier
 (the draft's KV is a layer of the target's cache: C51); greedy and seeded output equal the output without
-speculation; a draft built to be exact is accepted (accept length > 1); missing or mismatched MTP weights fail
-the load (C53); PD and tree drafts are refused (C52)."""
+speculation; a draft built to be exact is accepted (accept length > 1); under PD the decode side drafts from
+the draft KV the prefill side sent (C52); missing or mismatched MTP weights fail the load (C53); tree drafts,
+FP8 KV and the disk tier are refused."""
 from __future__ import annotations
 
 import pytest
