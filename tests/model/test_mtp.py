@@ -144,7 +144,7 @@ def test_pd_decode_drafts_from_the_transferred_draft_kv(mtp_case):
     from tests.unit.pd_helpers import Rig, greedy
 
     folder, model, mtp = mtp_case
-    prompts = prompt_set(256, 6, [1, 5, 13, 30, 47])
+    prompts = prompt_set(256, 6, [1, 5, 13, 30, 47, 100, 150])   # the last two: prefill chunks of 64
     want, _ = engine_generate(make_engine(folder, page_size=4), prompts, 10)
     p, d = pd("prefill", folder, 4096, **EAGLE), pd("decode", folder, 4096, **EAGLE)
     records = record_drafts(d.engine)
