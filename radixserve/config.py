@@ -72,10 +72,17 @@ class EngineConfig:
         None, "speculative decoding: ngram = draft tokens copied from earlier in the request's own "
               "prompt and output (or recent requests' outputs); draft = a self-draft model, "
               "the target's first --speculative-draft-layers layers with its own KV; drafts are "
-              "verified in one step (off by default)", ("ngram", "draft"))
-    speculative_num_draft_tokens: int = opt(
-        8, "most draft tokens verified per request and step (a request's draft grows to this "
-           "while its drafts are accepted)")
+              "verified in one step; EAGLE (alias NEXTN) = the checkpoint's NextN/MTP layer drafts a "
+              "chain from the target's last hidden state (off by default)",
+        ("ngram", "draft", "EAGLE", "NEXTN"))
+    speculative_num_draft_tokens: int | None = opt(
+        None, "ngram, draft: most draft tokens verified per request and step (a request's draft grows "
+              "to this while its drafts are accepted; unset: 8); EAGLE: tokens per verify step, the "
+              "last accepted one included, as SGLang counts them: --speculative-num-steps + 1")
+    speculative_num_steps: int | None = opt(
+        None, "EAGLE: draft steps per verify step, i.e. most draft tokens verified (unset: 3)")
+    speculative_eagle_topk: int | None = opt(
+        None, "EAGLE: draft candidates per step; only 1 (a chain) is supported")
     speculative_break_even_tokens: float = opt(
         16.0, "a step's fixed cost (reading the weights) in tokens of compute: with B requests "
               "decoding, a request drafts only while the fraction of its drafts accepted is above "
@@ -166,7 +173,8 @@ class EngineConfig:
                              "(drop --disable-radix-cache)")
         if self.kv_checksum_interval < 1:
             raise ValueError("kv_checksum_interval must be >= 1")
-        if not 1 <= self.speculative_num_draft_tokens <= 16:
+        self._check_eagle()
+        if not 1 <= self.spec_max_draft <= 16:
             raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
         if self.speculative_break_even_tokens < 0:
             raise ValueError("speculative_break_even_tokens must be >= 0")
@@ -199,6 +207,41 @@ class EngineConfig:
     def world_size(self) -> int:
         """Engine processes: --tp-size x --cp-size (one of them is 1)."""
         return self.tp_size * self.cp_size
+
+    @property
+    def is_eagle(self) -> bool:
+        return self.speculative_algorithm in ("EAGLE", "NEXTN")
+
+    @property
+    def spec_max_draft(self) -> int:
+        """Most draft tokens a verify step checks (EAGLE: its draft steps)."""
+        if self.is_eagle:
+            return self.speculative_num_steps or 3
+        return self.speculative_num_draft_tokens or 8
+
+    def _check_eagle(self) -> None:
+        eagle_only = {"--speculative-num-steps": self.speculative_num_steps,
+                      "--speculative-eagle-topk": self.speculative_eagle_topk}
+        if not self.is_eagle:
+            given = [flag for flag, value in eagle_only.items() if value is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} need --speculative-algorithm EAGLE")
+            return
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: only 1 is supported "
+                             f"(a chain of drafts; tree drafts are not implemented)")
+        steps = self.spec_max_draft
+        if self.speculative_num_draft_tokens not in (None, steps + 1):
+            raise ValueError(f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens} with "
+                             f"--speculative-eagle-topk 1 must be --speculative-num-steps + 1 = {steps + 1} "
+                             f"(the last accepted token and {steps} drafts)")
+        unsupported = {"--kv-cache-dtype fp8": self.kv_cache_dtype.startswith("fp8"),
+                       "--tp-size > 1": self.tp_size > 1,
+                       "--hicache-storage-dir": self.hicache_storage_dir is not None}
+        named = [flag for flag, on in unsupported.items() if on]
+        if named:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} cannot be combined with "
+                             f"{', '.join(named)} yet")
 
     def _check_parallel(self) -> None:
         if self.tp_size < 1 or self.cp_size < 1:

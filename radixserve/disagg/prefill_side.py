@@ -88,7 +88,7 @@ class PrefillSide(BootstrapHandler):
         for room in list(self.by_request.values()):
             req = room.req
             if room.state is RoomState.PREFILLING and req.status is Status.RUNNING:
-                full = min(req.num_computed_tokens, len(req.prompt_ids)) // page_size
+                full = min(self.engine.kv.num_settled_tokens(req), len(req.prompt_ids)) // page_size
                 if full > room.num_pages_sent:
                     self._write_pages(room, full)
 

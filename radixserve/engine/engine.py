@@ -30,7 +30,8 @@ class Engine:
         self.page_size = runner.page_size
         self.max_context_len = runner.max_context_len
         self.kv = KVManager(runner.num_pages, runner.page_size, not config.disable_radix_cache,
-                            getattr(runner, "host_kv", None), config.hicache_write_policy)
+                            getattr(runner, "host_kv", None), config.hicache_write_policy,
+                            paired_keys=config.is_eagle)
         self.scheduler = Scheduler(config, self.kv, self.max_request_tokens)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.random_seed)
@@ -39,8 +40,8 @@ class Engine:
                          "num_finished_requests": 0, "num_aborted_requests": 0,
                          "spec_num_verify_steps": 0, "spec_num_draft_tokens": 0,
                          "spec_num_accepted_tokens": 0,
-                         "spec_num_draft_by_position": [0] * config.speculative_num_draft_tokens,
-                         "spec_num_accepted_by_position": [0] * config.speculative_num_draft_tokens}
+                         "spec_num_draft_by_position": [0] * config.spec_max_draft,
+                         "spec_num_accepted_by_position": [0] * config.spec_max_draft}
         if config.enable_kv_checksum and not any(isinstance(h, ChecksumHooks) for h in hooks):
             raise ValueError("--enable-kv-checksum needs ChecksumHooks among the hooks (compose.engine_hooks)")
         self.hooks = HookChain(hooks) if hooks else None   # None: the plain path calls no hook

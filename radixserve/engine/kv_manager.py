@@ -7,13 +7,25 @@ from radixserve.engine.radix_cache import PagePool, RadixCache
 from radixserve.engine.request import Request
 
 
+def paired_key(token_ids: list[int]) -> list[int]:
+    """Radix keys of an EAGLE draft's KV: position i's draft KV is computed from x_i's hidden state and x_{i+1},
+    so its key is the pair (x_i, x_{i+1}) (as SGLang's EAGLE bigram keys): len(token_ids) - 1 keys."""
+    return [a << 32 | b for a, b in zip(token_ids, token_ids[1:])]
+
+
 class KVManager:
     """Every page has exactly one owner: the free list, the radix tree, or one request's private tail
-    (page_ids[num_tree_pages:]); check_invariants verifies it. `host_io`: the host tier (hicache.py)."""
+    (page_ids[num_tree_pages:]); check_invariants verifies it. `host_io`: the host tier (hicache.py).
+    `paired_keys`: pages hold an EAGLE draft's KV too (runner/mtp.py), keyed by paired_key; a page enters
+    the tree once the token after it is known and its draft KV written (a position's draft KV lags the
+    target's by at most one, between prefill chunks)."""
 
     def __init__(self, num_pages: int, page_size: int, enable_cache: bool = True,
-                 host_io: KVTierIO | None = None, write_policy: str = "write_through"):
+                 host_io: KVTierIO | None = None, write_policy: str = "write_through",
+                 paired_keys: bool = False):
+        assert not (paired_keys and getattr(host_io, "disk", None)), "the disk tier hashes token keys"
         self.page_size = page_size
+        self.paired_keys = paired_keys
         self.pool = PagePool(num_pages)
         self.cache = RadixCache(page_size)
         self.enable_cache = enable_cache
@@ -35,7 +47,7 @@ class KVManager:
     def match_len(self, req: Request) -> int:
         if not self._may_match(req):
             return 0
-        return self.cache.match_len(req.all_ids[:req.num_tokens - 1])
+        return self.cache.match_len(self._key(req.all_ids[:req.num_tokens - 1]))
 
     def match(self, req: Request, keep_free_pages: int = 0) -> int:
         """Attach and lock the longest cached prefix of req's first num_tokens - 1 tokens (whole pages);
@@ -43,7 +55,7 @@ class KVManager:
         assert not req.page_ids and req.last_node is None, "match on a request holding pages"
         if not self._may_match(req):
             return 0
-        result = self.cache.match(req.all_ids[:req.num_tokens - 1])
+        result = self.cache.match(self._key(req.all_ids[:req.num_tokens - 1]))
         self.cache.lock(result.node)
         req.page_ids = list(result.page_ids)
         req.num_tree_pages = len(result.page_ids)
@@ -102,10 +114,10 @@ class KVManager:
         and replaced by the tree's, and the lock moves to the new path."""
         if not self.enable_cache:
             return
-        num_full = req.num_computed_tokens // self.page_size
+        num_full = self.num_settled_tokens(req) // self.page_size
         if num_full <= req.num_tree_pages:
             return
-        key = req.all_ids[:num_full * self.page_size]
+        key = self._key(req.all_ids[:num_full * self.page_size + self.paired_keys])
         result = self.cache.insert(key, req.page_ids[:num_full])
         overlap = result.num_overlap_tokens // self.page_size
         dup = req.page_ids[req.num_tree_pages:overlap]
@@ -168,6 +180,13 @@ class KVManager:
             if node is None:
                 return {p for n in hits for p in n.page_ids} & page_ids
             self.pool.free(self.cache.remove(node))
+
+    def num_settled_tokens(self, req: Request) -> int:
+        """Leading positions whose KV no later step rewrites (with paired keys the draft's KV lags by one)."""
+        return max(req.num_computed_tokens - self.paired_keys, 0)
+
+    def _key(self, token_ids: list[int]) -> list[int]:
+        return paired_key(token_ids) if self.paired_keys else token_ids
 
     def _may_match(self, req: Request) -> bool:
         # Prompt logprobs need every position's logits, which the cache does not keep.

@@ -22,14 +22,15 @@ class Scheduler:
         self.running: list[Request] = []
         self.fetching: list[Request] = []
         self.num_preemptions = 0
-        k = config.speculative_num_draft_tokens
+        k = config.spec_max_draft
         # Deterministic inference: drafts depend on the request alone (no batch gate, no shared table).
         alone = config.enable_deterministic_inference
         gate = 0.0 if alone else config.speculative_break_even_tokens
         self.proposer: NgramProposer | ModelDraftProposer | None = (
             NgramProposer(k, shared_entries=0 if alone else 1 << 16, break_even_tokens=gate)
             if config.speculative_algorithm == "ngram"
-            else ModelDraftProposer(k, gate) if config.speculative_algorithm == "draft" else None)
+            else ModelDraftProposer(k, gate) if config.speculative_algorithm == "draft" or config.is_eagle
+            else None)
         self.max_request_tokens = max_request_tokens
 
     def add(self, req: Request) -> None:

@@ -25,6 +25,22 @@ HEAD_SCREEN_MAX_ROWS = 4
 HEAD_EXACT_TOP = 64
 
 
+def prepare_modules(root: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu",
+                    batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
+    """Move `root` to `dtype` on `device` (MoE routers stay fp32) and build its Linear, Router and Experts fast paths."""
+    routers = [m for m in root.modules() if isinstance(m, Router)]
+    kept = [[p.data.float() for p in r.parameters()] for r in routers]
+    root.to(device=device, dtype=dtype)
+    for router, params in zip(routers, kept):
+        for param, data in zip(router.parameters(), params):
+            param.data = data.to(device)
+    for module in root.modules():
+        if isinstance(module, Linear):
+            module.prepare(batch_invariant, quantized_max_tokens)
+        elif isinstance(module, (Router, Experts)):
+            module.prepare(batch_invariant)
+
+
 class LlamaAttention(torch.nn.Module):
     """Under tensor parallelism `tp`: this rank's heads (layers/parallel.py shard_heads), o_proj all-reduced."""
 
@@ -154,19 +170,9 @@ class LlamaForCausalLM(torch.nn.Module):
                 batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
         """After loading: move to `device` and `dtype` (routers stay fp32), build the layers' fast paths or batch-invariant
         form (ValueError where it cannot be built), screen a quantized model's head, time the single-row path."""
-        routers = [m for m in self.modules() if isinstance(m, Router)]
-        kept = [[p.data.float() for p in r.parameters()] for r in routers]
-        self.to(device=device, dtype=dtype)
-        for router, params in zip(routers, kept):
-            for param, data in zip(router.parameters(), params):
-                param.data = data.to(device)
+        prepare_modules(self, dtype, device, batch_invariant, quantized_max_tokens)
         self.rotary.cos_cache = self.rotary.cos_cache.to(device=device, dtype=dtype)
         self.rotary.sin_cache = self.rotary.sin_cache.to(device=device, dtype=dtype)
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepare(batch_invariant, quantized_max_tokens)
-            elif isinstance(module, (Router, Experts)):
-                module.prepare(batch_invariant)
         if any(isinstance(m, Linear) and m.quantized for m in self.modules()):
             self.lm_head.enable_screened_head(HEAD_SCREEN_MAX_ROWS, HEAD_EXACT_TOP)
         row_path.choose([m for m in self.modules() if isinstance(m, Linear)])
@@ -175,10 +181,20 @@ class LlamaForCausalLM(torch.nn.Module):
                 logit_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions (T,) int64; logit_rows (R,) int64 (None: all) -> logits (R, vocab_size) fp32.
         `num_layers`: run only the first that many decoder layers (a self-draft, runner/draft.py)."""
+        residual = self._decode_layers(input_ids, positions, attn, num_layers)
+        if logit_rows is not None:
+            residual = residual.index_select(0, logit_rows)
+        return self.lm_head(self.model.norm(residual)).float()
+
+    def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """Every position's hidden state after the final norm (the LM head's input): (T, hidden_size),
+        what an MTP draft reads (models/nextn.py); logits = lm_head(rows of it)."""
+        return self.model.norm(self._decode_layers(input_ids, positions, attn, None))
+
+    def _decode_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
+                       num_layers: int | None) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(positions)
         residual = self.model.embed_tokens(input_ids)
         for layer in self.model.layers[:num_layers]:
             residual = layer(residual, cos, sin, self.rotary, attn)
-        if logit_rows is not None:
-            residual = residual.index_select(0, logit_rows)
-        return self.lm_head(self.model.norm(residual)).float()
+        return residual

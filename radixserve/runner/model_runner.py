@@ -22,11 +22,13 @@ from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.device import huge_pages_mb, resolve_device, reuse_freed_cpu_buffers
 from radixserve.runner.disk_kv import DiskKV, fingerprint
 from radixserve.runner.draft import DraftModel
+from radixserve.runner.mtp import MTPDraft
 from radixserve.runner.host_kv import HostKV
 from radixserve.sampling_params import SamplingParams
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache, KVPages
 from radixserve.runner.structured import StructuredOutput
 from radixserve.weights.loader import load_checkpoint, load_weights, resolve_quantization
+from radixserve.weights.nextn_loader import load_nextn, nextn_tensors
 from radixserve.weights.paths import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -47,7 +49,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
                  draft_model: torch.nn.Module | None = None):
-        """`model` (and `draft_model`): loaded on CPU, not yet prepared; under tensor parallelism this rank's shard. Raises ValueError for a
+        """`model` (and `draft_model`, with EAGLE the NextNLayer): loaded on CPU, not yet prepared; under tensor
+        parallelism this rank's shard. Raises ValueError for a
         missing device, bad FP8 scales, a context longer than the model's, deterministic inference
         without a batch-invariant matmul here, or a draft vocabulary that is not the target's."""
         self.config = config
@@ -81,14 +84,16 @@ class ModelRunner:
                                                         batch_invariant=deterministic,
                                                         cascade=not config.disable_cascade_attention)
         self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
-        self.draft = self._draft_model(config, draft_model)
+        self.draft = None if config.is_eagle else self._draft_model(config, draft_model)
+        self.mtp = MTPDraft.build(config, draft_model, self.kv, self.dtype, self.device) if config.is_eagle else None
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self.structured = StructuredOutput(config.model_path, self.vocab_size,
                                            self.eos_token_ids)
 
     def kv_layers(self, model_config: ModelConfig) -> int:
-        """Layers of KV storage this runner holds (runner/cp.py's LayerSplit holds fewer)."""
-        return model_config.num_layers
+        """Layers of KV storage this runner holds (runner/cp.py's LayerSplit holds fewer); with EAGLE the NextN
+        draft's KV is one more layer (runner/mtp.py)."""
+        return model_config.num_layers + self.config.is_eagle
 
     @classmethod
     def from_config(cls, config: EngineConfig, tp: Collectives | None = None, **kwargs) -> ModelRunner:
@@ -106,8 +111,11 @@ class ModelRunner:
                         resolve_quantization(config.quantization, path, config.enable_deterministic_inference))
         model_config, weights = load_checkpoint(path, quantization)
         model = model_class(model_config)(model_config, tp=tp)
+        draft_tensors: list[tuple[str, torch.Tensor]] = []
+        if config.is_eagle:
+            weights = nextn_tensors(weights, model_config.num_layers, draft_tensors)
         scales = load_weights(model, weights)
-        draft = None
+        draft = load_nextn(model, draft_tensors) if config.is_eagle else None
         if config.speculative_draft_model_path is not None:
             draft_config, draft_weights = load_checkpoint(
                 resolve_model_path(config.speculative_draft_model_path))
@@ -163,6 +171,8 @@ class ModelRunner:
             out.update(self.host_kv.info())
         if self.kv_scales is not None:
             out["kv_scales"] = self.kv_scales.describe()
+        if self.mtp is not None:
+            out["nextn_draft"] = dict(self.mtp.layer.sources)
         return out
 
     def validate_params(self, params: SamplingParams) -> None:
@@ -176,7 +186,7 @@ class ModelRunner:
 
     def corrupt_kv(self, page_ids: list[int], mode: str, source_page_ids: list[int] | None,
                    seed: int) -> None:
-        """chaos/kv_corrupt.py: overwrite `page_ids` in every layer with Gaussian noise of their own
+        """chaos/kv_corrupt.py: overwrite `page_ids` in every target layer with Gaussian noise of their own
         mean and std ("noise") or `source_page_ids`' KV ("swap"); the DecodeMirror is dropped."""
         if mode == "swap":
             data = self.kv.export_pages(list(source_page_ids or ()))
@@ -190,6 +200,9 @@ class ModelRunner:
                 mean, std = f.mean(dims, keepdim=True), f.std(dims, keepdim=True)
                 return (mean + std * torch.randn(f.shape, generator=gen)).to(x.dtype)
             data = KVPages(noise(data.k), noise(data.v), data.side)
+        if self.mtp is not None:   # the target's layers only: the draft's KV stays its own
+            kept = self.kv.export_pages(page_ids)
+            data.k[-1], data.v[-1] = kept.k[-1], kept.v[-1]
         self.kv.import_pages(page_ids, data)
         mirror = getattr(self.backend, "mirror", None)
         if mirror is not None:
@@ -238,6 +251,9 @@ class ModelRunner:
         """One forward pass over a non-empty batch: the step and its logits (R, V) fp32 (a TP follower's whole step)."""
         step = build_step(batch, self.page_size, self.device)
         attn = self.backend.prepare(step)
+        if self.mtp is not None:   # the draft reads every row's hidden state
+            self._hidden = self.model.final_hidden(step.input_ids, step.positions, attn)
+            return step, self.model.lm_head(self._hidden.index_select(0, step.logit_rows)).float()
         return step, self.model(step.input_ids, step.positions, attn, step.logit_rows)
 
     @torch.inference_mode()
@@ -282,7 +298,12 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.sync(step)
             results = self._propose(batch, results)
+        elif self.mtp is not None:
+            drafts = self.mtp.extend(batch, step, self._hidden, results)
+            results = [dataclasses.replace(r, next_draft=tuple(d)) if d else r
+                       for r, d in zip(results, drafts)]
         return results
+
 
     def _draft_model(self, config: EngineConfig, separate: torch.nn.Module | None) -> DraftModel | None:
         """--speculative-algorithm draft: the target's first layers, or `separate` prepared."""

@@ -93,3 +93,29 @@ def test_kv_manager_ownership_invariant_holds(ops):
         kv.free(req)
     kv.check_invariants([])
     assert kv.pool.num_free + kv.cache.num_cached_pages == 24
+
+
+def test_paired_keys_share_a_page_only_with_the_token_after_it():
+    """EAGLE (C51): a page's draft KV at its last position was computed from the token after the page, so
+    pages are keyed by token pairs; they enter the tree once that token is computed, and a prompt that
+    continues the page differently does not hit it."""
+    def admit(rid, toks, computed):
+        req = Request(rid, toks, SamplingParams(), 0, 4, 0.0)
+        hit = kv.match(req)
+        assert kv.allocate(req, len(toks))
+        req.num_computed_tokens = computed
+        kv.commit(req)
+        return req, hit
+
+    kv = KVManager(num_pages=24, page_size=P, paired_keys=True)
+    first, _ = admit("a", list(range(1, 2 * P + 2)), 2 * P)   # 2 pages computed, the token after them not yet
+    assert first.num_tree_pages == 1
+    first.num_computed_tokens = 2 * P + 1
+    kv.commit(first)
+    assert first.num_tree_pages == 2
+    same, hit_same = admit("b", list(range(1, 2 * P + 3)), 0)
+    other, hit_other = admit("c", list(range(1, 2 * P + 1)) + [99, 98], 0)
+    assert (hit_same, hit_other) == (2 * P, P)
+    for req in (first, same, other):
+        kv.free(req)
+    kv.check_invariants([])

@@ -1,0 +1,61 @@
+"""The NextN / MTP draft layer of glm4_moe checkpoints (GLM-4.5/4.6/4.7): checkpoint layer `num_hidden_layers`.
+
+One step (DeepSeek-V3's multi-token prediction module; transformers' MtpLayer):
+    h' = eh_proj(cat[enorm(embed(next token)), hnorm(h)]) -> decoder block (MoE) -> shared_head.norm
+    logits = lm_head(h')
+h is the target's hidden state after its final norm (the LM head's input) for the first step, and the previous
+step's h' after that. Embeddings and LM head are the target's unless the checkpoint gives the layer its own."""
+from __future__ import annotations
+
+import torch
+
+from radixserve.layers.attention import Attention
+from radixserve.layers.linear import Linear
+from radixserve.layers.norm import RMSNorm
+from radixserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, prepare_modules
+
+NEXTN_FAMILIES = ("glm4_moe",)
+
+
+class SharedHead(torch.nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+
+
+class NextNLayer(LlamaDecoderLayer):
+    """The decoder block of layer N (its attention writes KV layer N) plus enorm, hnorm, eh_proj and
+    shared_head.norm; parameter names are the checkpoint's below `model.layers.N.`."""
+
+    FUSED = LlamaForCausalLM.FUSED
+
+    def __init__(self, target: LlamaForCausalLM):
+        c = target.config
+        super().__init__(c, c.num_layers)
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.eh_proj = Linear(2 * c.hidden_size, c.hidden_size)
+        self.shared_head = SharedHead(c.hidden_size, c.rms_norm_eps)
+        # The target's, not registered here (not loaded or prepared again); _share_or_keep may replace them.
+        self.parts = {"embed": target.model.embed_tokens, "head": target.lm_head, "rotary": target.rotary}
+        self.sources: dict[str, str] = {}
+
+    def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              attn: Attention) -> torch.Tensor:
+        """input_ids, positions (T,) int64 (the token after each hidden row, at that row's position);
+        hidden (T, hidden_size) -> h' (T, hidden_size) after shared_head.norm."""
+        rotary = self.parts["rotary"]
+        cos, sin = rotary.cos_sin(positions)
+        x = self.eh_proj(torch.cat([self.enorm(self.parts["embed"](input_ids)), self.hnorm(hidden)], dim=-1))
+        return self.shared_head.norm(super().forward(x, cos, sin, rotary, attn))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(R, hidden_size) -> (R, vocab_size) fp32."""
+        return self.parts["head"](hidden).float()
+
+
+def prepare_nextn(layer: NextNLayer, dtype: torch.dtype, device: torch.device,
+                  batch_invariant: bool = False) -> None:
+    """After loading: the layer's own modules to `dtype` on `device` with their fast paths (the target's
+    embeddings, head and rotary it shares are prepared with the target)."""
+    prepare_modules(layer, dtype, device, batch_invariant)

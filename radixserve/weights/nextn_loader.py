@@ -1,0 +1,85 @@
+"""Load a checkpoint's NextN / MTP layer (`model.layers.{num_hidden_layers}.*`) into models/nextn.py's NextNLayer.
+
+Every draft parameter comes from a named checkpoint tensor or is the target's (embeddings, LM head); a missing,
+unknown or misshapen tensor is a load error, never a draft left at its initial weights (case C53)."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from radixserve.layers.embedding import VocabEmbedding
+from radixserve.layers.linear import Linear
+from radixserve.models.llama import LlamaForCausalLM
+from radixserve.models.nextn import NEXTN_FAMILIES, NextNLayer
+from radixserve.weights.loader import load_weights
+
+logger = logging.getLogger(__name__)
+# Extra tensors of the NextN layer next to the decoder block's own (checkpoint names under model.layers.N.).
+OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+SHARED = {"embed_tokens.weight": "embed", "shared_head.head.weight": "head"}
+
+
+def nextn_tensors(weights: Iterable[tuple[str, torch.Tensor]], num_layers: int,
+                  sink: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` less the NextN layer's tensors (`model.layers.{num_layers}.*`), which go to `sink`."""
+    prefix = f"model.layers.{num_layers}."
+    for name, tensor in weights:
+        if name.startswith(prefix):
+            sink.append((name, tensor))
+        else:
+            yield name, tensor
+
+
+def load_nextn(target: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> NextNLayer:
+    """The NextN layer from the checkpoint tensors named `model.layers.{num_layers}.*` (`tensors`: those,
+    full names). Raises ValueError for a family without one, a checkpoint without one, a missing, unknown
+    or misshapen tensor (never a layer left at its initial weights: C53)."""
+    c = target.config
+    if c.architecture not in NEXTN_FAMILIES:
+        raise ValueError(f"--speculative-algorithm EAGLE/NEXTN drafts with a checkpoint's NextN (MTP) layer; "
+                         f"{c.architecture!r} has none here (supported: {', '.join(NEXTN_FAMILIES)})")
+    prefix = f"model.layers.{c.num_layers}."
+    layer = NextNLayer(target)
+    own: list[tuple[str, torch.Tensor]] = []
+    shared: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in tensors:
+        short = name.removeprefix(prefix)
+        if short in SHARED:
+            shared.append((name, tensor))
+        else:
+            own.append((short, target.checkpoint_tensor(name, tensor)))
+    if not own:
+        raise ValueError(f"the checkpoint has no NextN (MTP) layer: no tensor named {prefix}* "
+                         f"(--speculative-algorithm EAGLE needs one)")
+    missing = [n for n in OWN if n not in {s for s, _ in own}]
+    if missing:
+        raise ValueError(f"the checkpoint's NextN layer lacks {', '.join(prefix + n for n in missing)}")
+    try:
+        load_weights(layer, own)
+    except ValueError as e:
+        raise ValueError(f"NextN layer {prefix}*: {e}") from None
+    for name, tensor in shared:
+        _share_or_keep(layer, SHARED[name.removeprefix(prefix)], tensor, name)
+    for part in ("embed", "head"):
+        layer.sources.setdefault(part, "the target's " + ("embed_tokens" if part == "embed" else "lm_head"))
+    layer.sources["layer"] = f"{prefix}* ({len(own)} tensors)"
+    logger.info("NextN draft: %s", "; ".join(f"{k} from {v}" for k, v in layer.sources.items()))
+    return layer
+
+
+def _share_or_keep(layer: NextNLayer, part: str, tensor: torch.Tensor, name: str) -> None:
+    """The layer's own embeddings or head: shared with the target's when equal, else kept as its own."""
+    current = layer.parts[part].weight
+    if tuple(tensor.shape) != tuple(current.shape):
+        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} "
+                         f"vs the target's {tuple(current.shape)}")
+    if torch.equal(tensor.to(current.dtype), current.data):
+        layer.sources[part] = f"{name} (equal to the target's, shared)"
+        return
+    own = Linear(tensor.shape[1], tensor.shape[0]) if part == "head" else VocabEmbedding(*tensor.shape)
+    own.weight.data.copy_(tensor)
+    setattr(layer, "own_" + part, own)     # registered: prepared with the layer
+    layer.parts[part] = own
+    layer.sources[part] = f"{name} (its own)"
