@@ -19,6 +19,7 @@ from radixserve.outputs import TokenLogprob
 from radixserve.runner import kv_scales, kv_transfer
 from radixserve.runner.attention.base import AttentionBackend, create_backend
 from radixserve.runner.batch import StepBatch, build_step
+from radixserve.runner.compile_setup import load_decode_graphs
 from radixserve.runner.device import huge_pages_mb, resolve_device, reuse_freed_cpu_buffers
 from radixserve.runner.disk_kv import DiskKV, fingerprint
 from radixserve.runner.draft import DraftModel
@@ -81,6 +82,7 @@ class ModelRunner:
                                                         batch_invariant=deterministic,
                                                         cascade=not config.disable_cascade_attention)
         self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
+        self.decode_graphs = load_decode_graphs(self.model, config, self.device)
         self.draft = self._draft_model(config, draft_model)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self.structured = StructuredOutput(config.model_path, self.vocab_size,
@@ -158,6 +160,8 @@ class ModelRunner:
             out.update(self.host_kv.info())
         if self.kv_scales is not None:
             out["kv_scales"] = self.kv_scales.describe()
+        if self.decode_graphs is not None:
+            out["compile"] = self.decode_graphs.info()
         return out
 
     def validate_params(self, params: SamplingParams) -> None:
@@ -231,6 +235,8 @@ class ModelRunner:
         """One forward pass over a non-empty batch: the step and its logits (R, V) fp32 (a TP follower's whole step)."""
         step = build_step(batch, self.page_size, self.device)
         attn = self.backend.prepare(step)
+        if self.decode_graphs is not None and (logits := self.decode_graphs.run(step, attn)) is not None:
+            return step, logits
         return step, self.model(step.input_ids, step.positions, attn, step.logit_rows)
 
     @torch.inference_mode()
