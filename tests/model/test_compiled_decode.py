@@ -82,3 +82,30 @@ def test_compiled_decode_matches_eager(request, compile_cache, family, scenario)
     info = compiled.runner.info()["compile"]
     assert info["steps"] > 0, info                     # the compiled graphs ran
     assert info["recompiles"] == 0 and graphs.graphs == warm, info   # C63: nothing compiled after warm-up
+
+
+FALLBACK = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+from tests.model.test_parity import make_engine, prompt_set
+engine = make_engine(sys.argv[1], compile="on")
+assert engine.runner.decode_graphs is None
+print("tokens", len(__import__("tests.model.parity", fromlist=["x"]).engine_generate(
+    engine, prompt_set(384, 1, [5, 9]), 4)[0][1]))
+"""
+
+
+def test_no_compiler_falls_back_to_eager_with_one_line(gqa_dir, tmp_path):
+    """--compile on with g++ hidden (PATH without it, no CXX) and an empty cache: one warning, then eager decode."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PATH": str(tmp_path), "RADIXSERVE_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.getcwd()}
+    env.pop("CXX", None)
+    done = subprocess.run([sys.executable, "-c", FALLBACK, str(gqa_dir)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [ln for ln in done.stdout.splitlines() if "compiled decode" in ln]
+    assert len(lines) == 1 and lines[0].startswith("compiled decode failed, decoding eagerly: "), done.stdout
+    assert "tokens 4" in done.stdout
