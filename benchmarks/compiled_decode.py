@@ -5,7 +5,8 @@ Run:  python benchmarks/compiled_decode.py [--quantization none|int4] [--tokens 
 Both engines serve the default model (or --model); each round times one greedy request of --tokens new tokens on
 each, alternating which goes first (ABBA), after one warm-up request each. Prints ms per output token (decode
 steps only: the first token's prefill is excluded), the start-up time of each engine (the compiled one: cold when
-its cache key is new, else loaded from $RADIXSERVE_CACHE_DIR), and that the greedy tokens agree."""
+its cache key is new, else loaded from $RADIXSERVE_CACHE_DIR), the memory each added, and that the greedy tokens
+agree."""
 from __future__ import annotations
 
 import argparse
@@ -19,11 +20,18 @@ from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 
 
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
 def build(args, compile_mode: str) -> tuple[Engine, float]:
-    start = time.perf_counter()
+    """The engine and its start-up seconds; prints the resident memory it added."""
+    start, before = time.perf_counter(), rss_mb()
     config = EngineConfig(model_path=args.model, quantization=args.quantization, compile=compile_mode,
                           torch_compile_max_bs=args.max_bs)
     engine = Engine(config, ModelRunner.from_config(config))
+    print(f"{compile_mode:3s}: the engine added {rss_mb() - before:.0f} MB resident")
     return engine, time.perf_counter() - start
 
 
