@@ -84,6 +84,28 @@ def test_compiled_decode_matches_eager(request, compile_cache, family, scenario)
     assert info["recompiles"] == 0 and graphs.graphs == warm, info   # C63: nothing compiled after warm-up
 
 
+def test_steady_state_soak_compiles_nothing(gqa_dir, compile_cache):
+    """C63: after warm-up, 60 requests of varied lengths, arrival waves and sampling (greedy, seeded, penalties,
+    logprobs) compile no graph: every decode step of <= 4 sequences runs a start-up graph, larger ones run eagerly."""
+    import random
+    engine = make_engine(gqa_dir, compile="on", **CFG, max_total_tokens=2048)
+    graphs = engine.runner.decode_graphs
+    warm = graphs.graphs
+    rng = random.Random(7)
+    for i in range(60):
+        params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True,
+                                temperature=rng.choice([0.0, 0.7]), seed=rng.randint(0, 9),
+                                top_p=rng.choice([1.0, 0.9]), frequency_penalty=rng.choice([0.0, 0.5]),
+                                logprobs=rng.choice([None, 3]))
+        engine.add_request(f"s{i}", [rng.randrange(3, 384) for _ in range(rng.randint(1, 60))], params)
+        while engine.has_unfinished() and rng.random() < 0.7:
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_invariants()
+    assert graphs.steps > 20 and graphs.recompiles == 0 and graphs.graphs == warm, graphs.info()
+
+
 FALLBACK = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
