@@ -109,6 +109,8 @@ class DecodeGraphs:
         """Compile (or load from the disk cache) every bucket, one log line each; raises what Inductor raises.
         Attention is stubbed (zeros) here: warm-up writes no KV."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        logger.info("compiled decode: building batch sizes %s in %s (minutes on a cold cache, seconds from it)",
+                    ", ".join(map(str, self.buckets)), self.folder)
 
         def stub(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return q.new_zeros(q.shape[0], q.shape[1] * v.shape[2])
@@ -119,8 +121,8 @@ class DecodeGraphs:
                     self._compiled(*self._inputs[b])
                 if self.graphs == before:
                     raise RuntimeError(f"batch {b}: torch.compile ran eagerly (no graph compiled)")
-                logger.info("compiled decode: batch %d ready in %.1f s (%d graph(s); cache %s)", b,
-                            time.perf_counter() - start, self.graphs - before, self.folder)
+                logger.info("compiled decode: batch %d ready in %.1f s (%d graph(s))", b,
+                            time.perf_counter() - start, self.graphs - before)
         self.warm = True
 
     def bucket(self, step: StepBatch) -> int | None:

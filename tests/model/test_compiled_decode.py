@@ -84,6 +84,18 @@ def test_compiled_decode_matches_eager(request, compile_cache, family, scenario)
     assert info["recompiles"] == 0 and graphs.graphs == warm, info   # C63: nothing compiled after warm-up
 
 
+def test_compiled_decode_with_ngram_speculation(gqa_dir, compile_cache):
+    """Steps that verify drafts are not plain decode steps: they run eagerly beside the compiled graphs (here every
+    decode step carries a draft: the random model repeats itself), and greedy output is still eager's."""
+    prompts = prompt_set(384, 6, [12, 30, 5, 50])
+    cfg = {**CFG, "max_total_tokens": 2048, "speculative_algorithm": "ngram"}
+    eager, compiled = make_engine(gqa_dir, **cfg), make_engine(gqa_dir, compile="on", **cfg)
+    for i, (g, w) in enumerate(zip(generate(compiled, prompts), generate(eager, prompts))):
+        assert_same_greedy(g, w, f"ngram prompt {i}")
+    assert compiled.counters["spec_num_verify_steps"] > 0
+    assert compiled.runner.decode_graphs.recompiles == 0
+
+
 def test_steady_state_soak_compiles_nothing(gqa_dir, compile_cache):
     """C63: after warm-up, 60 requests of varied lengths, arrival waves and sampling (greedy, seeded, penalties,
     logprobs) compile no graph: every decode step of <= 4 sequences runs a start-up graph, larger ones run eagerly."""
