@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from radixserve.layers import opaque_attention
+from radixserve.layers.attention import Attention
 from radixserve.layers.row_path import cache_dir
 from radixserve.runner.batch import StepBatch
 
@@ -134,7 +135,8 @@ class DecodeGraphs:
             return None
         return next(b for b in self.buckets if b >= n)
 
-    def run(self, step: StepBatch, attn) -> torch.Tensor | None:
+    def run(self, step: StepBatch, attn: Attention) -> torch.Tensor | None:
+        """Logits (B, V) fp32 of a pure decode step through its bucket's graph, `attn` bound; None: not one."""
         b = self.bucket(step)
         if b is None:
             return None
