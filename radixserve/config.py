@@ -106,6 +106,13 @@ class EngineConfig:
            "weight; else fp32, +4): the quantized kernels beat fp32 "
            "only for a few tokens per step (measured crossover ~12-16 on AVX2, docs/benchmarks.md); "
            "0 = the quantized kernel at every size, no float copy")
+    compile: str = opt(
+        "off", "compile the decode forward with torch.compile (Inductor, C++; one graph per batch "
+               "size up to --torch-compile-max-bs, built at start-up and cached on disk): on = fail "
+               "over to eager with one log line if it cannot compile, auto = on where a C++ compiler "
+               "is found, off = eager (docs/runner.md)", ("auto", "on", "off"))
+    enable_torch_compile: bool = opt(False, "SGLang's flag: the same as --compile on")
+    torch_compile_max_bs: int = opt(8, "--compile: largest decode batch run compiled (larger steps run eagerly)")
     enable_deterministic_inference: bool = opt(
         False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
                "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
@@ -185,6 +192,8 @@ class EngineConfig:
                              "--speculative-draft-model-path, and they need it")
         if self.speculative_draft_layers is not None and self.speculative_draft_layers < 1:
             raise ValueError("speculative_draft_layers must be >= 1")
+        if self.torch_compile_max_bs < 1:
+            raise ValueError("torch_compile_max_bs must be >= 1")
         if self.quantized_max_tokens < 0:
             raise ValueError("quantized_max_tokens must be >= 0")
         if self.quantization in ("int4", "int8") and self.enable_deterministic_inference:
@@ -242,6 +251,11 @@ class EngineConfig:
         if named:
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} cannot be combined with "
                              f"{', '.join(named)} yet")
+
+    @property
+    def compile_mode(self) -> str:
+        """--compile, with --enable-torch-compile meaning on."""
+        return "on" if self.enable_torch_compile else self.compile
 
     def _check_parallel(self) -> None:
         if self.tp_size < 1 or self.cp_size < 1:

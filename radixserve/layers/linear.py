@@ -173,7 +173,9 @@ class Linear(torch.nn.Module):
             y = torch.bmm(self._split, xt).view(1, self.out_features)
             y = y if self.bias is None else y.add_(self.bias)
             return y if same else y.to(x.dtype)
-        if self._packed is not None and not (x.shape[0] == 1 and self._row == "linear"):
+        # A compiled graph (runner/compiled_decode.py) multiplies by the plain weight, which Inductor packs itself.
+        if (self._packed is not None and not (x.shape[0] == 1 and self._row == "linear")
+                and not torch.compiler.is_compiling()):
             if x.dtype == self._packed_dtype and (self.bias is None or self.bias.dtype == x.dtype):
                 return bi.matmul(x, self._packed, self.bias)
             y = bi.matmul(x.to(self._packed_dtype), self._packed)

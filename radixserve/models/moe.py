@@ -114,26 +114,48 @@ class Experts(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, hidden); weights, ids (T, k) -> (T, hidden) = sum_j weights[:, j] * expert_{ids[:, j]}(x)."""
-        num_tokens, k = ids.shape
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // k
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
-        rows = x.index_select(0, token_of)
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                part = rows[start:start + count]
-                if self._gate_up_packed is not None and self._down_packed is not None:
-                    hidden = silu_and_mul(bi.matmul(part, self._gate_up_packed[expert]))
-                    out[start:start + count] = bi.matmul(hidden, self._down_packed[expert])
-                else:
-                    hidden = silu_and_mul(F.linear(part, self.gate_up[expert]))
-                    out[start:start + count] = F.linear(hidden, self.down[expert])
-                start += count
-        out = out * weights.reshape(-1)[order, None].to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, out)
+        if torch.compiler.is_compiling():   # data-dependent (tokens per expert): one opaque op in a compiled graph
+            return torch.ops.radixserve.experts(x, weights, ids, self.gate_up, self.down)
+        return grouped_experts(x, weights, ids, self.gate_up, self.down, self._gate_up_packed, self._down_packed)
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, gate_up_packed: list[torch.Tensor] | None = None,
+                    down_packed: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Experts.forward over gate_up (E, 2I, hidden), down (E, hidden, I), with their oneDNN-packed copies if given."""
+    num_tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // k
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    rows = x.index_select(0, token_of)
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            part = rows[start:start + count]
+            if gate_up_packed is not None and down_packed is not None:
+                hidden = silu_and_mul(bi.matmul(part, gate_up_packed[expert]))
+                out[start:start + count] = bi.matmul(hidden, down_packed[expert])
+            else:
+                hidden = silu_and_mul(F.linear(part, gate_up[expert]))
+                out[start:start + count] = F.linear(hidden, down[expert])
+            start += count
+    out = out * weights.reshape(-1)[order, None].to(out.dtype)
+    return torch.zeros_like(x).index_add_(0, token_of, out)
+
+
+@torch.library.custom_op("radixserve::experts", mutates_args=())
+def experts_op(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    """grouped_experts on the plain weights, as one op a compiled graph calls (runner/compiled_decode.py)."""
+    return grouped_experts(x, weights, ids, gate_up, down)
+
+
+@experts_op.register_fake
+def _(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+      down: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 class MoE(torch.nn.Module):

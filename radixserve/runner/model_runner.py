@@ -19,6 +19,7 @@ from radixserve.outputs import TokenLogprob
 from radixserve.runner import kv_scales, kv_transfer
 from radixserve.runner.attention.base import AttentionBackend, create_backend
 from radixserve.runner.batch import StepBatch, build_step
+from radixserve.runner.compile_setup import load_decode_graphs
 from radixserve.runner.device import huge_pages_mb, resolve_device, reuse_freed_cpu_buffers
 from radixserve.runner.disk_kv import DiskKV, fingerprint
 from radixserve.runner.draft import DraftModel
@@ -84,6 +85,7 @@ class ModelRunner:
                                                         batch_invariant=deterministic,
                                                         cascade=not config.disable_cascade_attention)
         self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
+        self.decode_graphs = load_decode_graphs(self.model, config, self.device)
         self.draft = None if config.is_eagle else self._draft_model(config, draft_model)
         self.mtp = MTPDraft.build(config, draft_model, self.kv, self.dtype, self.device) if config.is_eagle else None
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
@@ -173,6 +175,8 @@ class ModelRunner:
             out["kv_scales"] = self.kv_scales.describe()
         if self.mtp is not None:
             out["nextn_draft"] = dict(self.mtp.layer.sources)
+        if self.decode_graphs is not None:
+            out["compile"] = self.decode_graphs.info()
         return out
 
     def validate_params(self, params: SamplingParams) -> None:
@@ -254,6 +258,8 @@ class ModelRunner:
         if self.mtp is not None:   # the draft reads every row's hidden state
             self._hidden = self.model.final_hidden(step.input_ids, step.positions, attn)
             return step, self.model.lm_head(self._hidden.index_select(0, step.logit_rows)).float()
+        if self.decode_graphs is not None and (logits := self.decode_graphs.run(step, attn)) is not None:
+            return step, logits
         return step, self.model(step.input_ids, step.positions, attn, step.logit_rows)
 
     @torch.inference_mode()

@@ -118,6 +118,15 @@ class EngineCollector(Collector):
             for i, value in enumerate(self.stats.get(key, ())):
                 c.add_metric([self.model_name, str(i + 1)], float(value))
             yield c
+        compiled = self.stats.get("runner", {}).get("compile", {})
+        g = GaugeMetricFamily(PREFIX + "compile_graphs", "--compile: decode graphs compiled or loaded "
+                              "(0: decoding eagerly).", labels=labels)
+        g.add_metric([self.model_name], float(compiled.get("graphs", 0)))
+        yield g
+        c = CounterMetricFamily(PREFIX + "compile_recompiles", "--compile: decode graphs compiled after "
+                                "start-up's warm-up (0 in steady state).", labels=labels)
+        c.add_metric([self.model_name], float(compiled.get("recompiles", 0)))
+        yield c
         c = CounterMetricFamily(PREFIX + "num_requests", "Requests finished or aborted.",
                                 labels=labels)
         c.add_metric([self.model_name], float(self.stats["num_finished_requests"]

@@ -32,6 +32,16 @@ def test_engine_snapshot_becomes_gauges_and_counters():
     assert got["radixserve:spec_accepted_tokens_total"][1] == 12
 
 
+def test_compiled_decode_graphs_and_recompiles():
+    """--compile's counts come from the runner's info (C63); eager runners show 0."""
+    m = ServerMetrics("m1")
+    got = samples(m.render(STATS).decode())
+    assert got["radixserve:compile_graphs"][1] == 0 and got["radixserve:compile_recompiles_total"][1] == 0
+    compiled = {**STATS, "runner": {"compile": {"graphs": 4, "recompiles": 1}}}
+    got = samples(m.render(compiled).decode())
+    assert got["radixserve:compile_graphs"][1] == 4 and got["radixserve:compile_recompiles_total"][1] == 1
+
+
 def test_no_snapshot_keeps_the_last_one_and_histograms():
     m = ServerMetrics("m1")
     assert "radixserve:num_running_reqs" not in samples(m.render(None).decode())

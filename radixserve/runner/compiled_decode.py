@@ -1,0 +1,154 @@
+"""The decode forward compiled by torch.compile (Inductor, C++), one graph per batch-size bucket, cached on disk
+(`--compile auto|on|off`, docs/runner.md "Compiled decode"). Prefill, mixed and speculative steps stay eager."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import shutil
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from radixserve.layers import opaque_attention
+from radixserve.layers.attention import Attention
+from radixserve.layers.row_path import cache_dir
+from radixserve.runner.batch import StepBatch
+
+logger = logging.getLogger(__name__)
+
+INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True, "fx_graph_cache": True}
+# Dynamo keeps one cache entry per (runner, bucket) on the shared `_forward` code; its default limit of 8 would send
+# later buckets (or a second runner in one process) to eager silently.
+RECOMPILE_LIMIT = 256
+
+
+def buckets(max_bs: int) -> list[int]:
+    """Decode batch sizes compiled for `--torch-compile-max-bs`: powers of two below it, then it (a step pads up)."""
+    sizes = [1]
+    while sizes[-1] * 2 < max_bs:
+        sizes.append(sizes[-1] * 2)
+    return sizes + ([max_bs] if max_bs > sizes[-1] else [])
+
+
+def graph_key(what: dict) -> str:
+    """A short hash of everything that changes a compiled graph (C61): `what` plus torch's version and the CPU."""
+    cpu = {}
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() in ("model name", "flags") and name.strip() not in cpu:
+                cpu[name.strip()] = value.strip()
+    full = {**what, "torch": torch.__version__, "cpu": cpu, "threads": torch.get_num_threads(),
+            "inductor": INDUCTOR_OPTIONS}
+    return hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def compiler_missing() -> str | None:
+    """Why Inductor cannot compile C++ here (None: a compiler is on PATH or in $CXX)."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return None if shutil.which(cxx) else f"$CXX={cxx} not found"
+    if any(shutil.which(c) for c in ("g++", "clang++", "c++")):
+        return None
+    return "no C++ compiler (g++, clang++, c++) on PATH"
+
+
+@contextlib.contextmanager
+def _inductor_cache(folder: pathlib.Path) -> Iterator[None]:
+    """Inductor's on-disk caches go to `folder` while compiling (its env var is read on each cache access)."""
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+class DecodeGraphs:
+    """Compiled decode of `model` (a LlamaForCausalLM) for steps of up to `max_bs` single-token sequences.
+
+    `run(step, attn)` -> logits (B, V) fp32, or None for a step it does not take (eager runs it). `graphs` counts the
+    graphs Inductor compiled, `recompiles` those compiled after warm-up (0 in steady state, C63)."""
+
+    def __init__(self, model: torch.nn.Module, max_bs: int, key: str, device: torch.device,
+                 root: pathlib.Path | None = None):
+        self.model = model
+        self.buckets = buckets(max_bs)
+        self.folder = (root or cache_dir() / "compile") / key
+        self.device = device
+        self.graphs = 0
+        self.recompiles = 0
+        self.steps = 0
+        self.warm = False
+        self._opaque = opaque_attention.OpaqueAttention()
+        self._inputs = {b: (torch.zeros(b, dtype=torch.int64, device=device),
+                            torch.zeros(b, dtype=torch.int64, device=device)) for b in self.buckets}
+        for name in ("recompile_limit", "accumulated_recompile_limit"):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT))
+        self._compiled = torch.compile(self._forward, backend=self._backend, dynamic=False)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self._opaque)
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+        self.graphs += 1
+        if self.warm:
+            self.recompiles += 1
+            logger.warning("compiled decode: recompiling after warm-up (%d so far)", self.recompiles)
+        return compile_fx(gm, example_inputs, config_patches=INDUCTOR_OPTIONS)
+
+    def warm_up(self) -> None:
+        """Compile (or load from the disk cache) every bucket, one log line each; raises what Inductor raises.
+        Attention is stubbed (zeros) here: warm-up writes no KV."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        logger.info("compiled decode: building batch sizes %s in %s (minutes on a cold cache, seconds from it)",
+                    ", ".join(map(str, self.buckets)), self.folder)
+
+        def stub(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return q.new_zeros(q.shape[0], q.shape[1] * v.shape[2])
+        with _inductor_cache(self.folder), torch.inference_mode():
+            for b in self.buckets:
+                start, before = time.perf_counter(), self.graphs
+                with opaque_attention.bound(stub, b):
+                    self._compiled(*self._inputs[b])
+                if self.graphs == before:
+                    raise RuntimeError(f"batch {b}: torch.compile ran eagerly (no graph compiled)")
+                logger.info("compiled decode: batch %d ready in %.1f s (%d graph(s))", b,
+                            time.perf_counter() - start, self.graphs - before)
+        self.warm = True
+
+    def bucket(self, step: StepBatch) -> int | None:
+        """The bucket a pure decode step of B <= max_bs sequences pads to; None for any other step."""
+        n = step.num_tokens
+        if n > self.buckets[-1] or len(step.query_lens) != n or len(step.logit_rows) != n:
+            return None
+        if any(p is not None for p in step.prompt_rows):
+            return None
+        return next(b for b in self.buckets if b >= n)
+
+    def run(self, step: StepBatch, attn: Attention) -> torch.Tensor | None:
+        """Logits (B, V) fp32 of a pure decode step through its bucket's graph, `attn` bound; None: not one."""
+        b = self.bucket(step)
+        if b is None:
+            return None
+        n = step.num_tokens
+        ids, pos = self._inputs[b]
+        ids[:n].copy_(step.input_ids)
+        pos[:n].copy_(step.positions)
+        with opaque_attention.bound(attn, n), _inductor_cache(self.folder):
+            logits = self._compiled(ids, pos)
+        self.steps += 1
+        return logits[:n]
+
+    def info(self) -> dict:
+        return {"buckets": self.buckets, "graphs": self.graphs, "recompiles": self.recompiles, "steps": self.steps,
+                "cache": str(self.folder)}
