@@ -18,6 +18,7 @@ from radixserve.models.registry import model_class
 from radixserve.outputs import TokenLogprob
 from radixserve.runner import kv_scales, kv_transfer
 from radixserve.runner.attention.base import AttentionBackend, create_backend
+from radixserve.runner.attention.sparse import SparseBackend, add_index_keys, index_bytes_per_token
 from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.device import huge_pages_mb, resolve_device, reuse_freed_cpu_buffers
 from radixserve.runner.disk_kv import DiskKV, fingerprint
@@ -77,9 +78,17 @@ class ModelRunner:
         scales = (self.kv_scales.k, self.kv_scales.v) if self.kv_scales else (None, None)
         self.kv = KVCache(model_config.num_layers, self.num_pages, self.page_size, heads, head_dim,
                           kv_dtype, self.device, self.dtype, *scales, latent=latent)
+        dsa = model_config.dsa
+        if dsa is not None and (deterministic or config.speculative_algorithm == "draft"):
+            raise ValueError("glm_moe_dsa (DSA) does not run with --enable-deterministic-inference or "
+                             "--speculative-algorithm draft yet")
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device,
                                                         batch_invariant=deterministic,
-                                                        cascade=not config.disable_cascade_attention)
+                                                        cascade=not config.disable_cascade_attention,
+                                                        mirror=dsa is None)
+        if dsa is not None:
+            add_index_keys(self.kv, dsa, self.dtype)
+            self.backend = SparseBackend(self.backend)
         self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
         self.draft = self._draft_model(config, draft_model)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
@@ -137,7 +146,7 @@ class ModelRunner:
 
     def _host_kv(self, config: EngineConfig) -> HostKV:
         """The host tier: --hicache-size GiB, else --hicache-ratio x the device pages."""
-        page_bytes = self.kv.token_bytes * self.page_size
+        page_bytes = self.kv.slot_bytes * self.page_size
         num = (int(config.hicache_size * 2**30) // page_bytes if config.hicache_size is not None
                else int(self.num_pages * config.hicache_ratio))
         host = HostKV(self.kv, num)
@@ -221,6 +230,7 @@ class ModelRunner:
         heads, head_dim, latent = mc.kv_shape
         heads = heads if latent or num_kv_heads is None else num_kv_heads
         per_token = KVCache.bytes_per_token(mc.num_layers, heads, head_dim, kv_storage_dtype(config), latent)
+        per_token += index_bytes_per_token(mc.dsa, DTYPES[config.dtype]) if mc.dsa is not None else 0
         num_pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
         if num_pages < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")

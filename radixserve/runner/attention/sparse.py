@@ -1,0 +1,97 @@
+"""DSA over the paged KV cache: the index-key side buffer and SparseAttention (layers/attention.py) around any backend.
+
+The index keys live in the KV cache's side buffer INDEX_KEYS, in the full indexer layers only, at the same slot as
+the token's latent: radix hits, eviction, chunked prefill, preemption, the host and disk tiers and PD carry them with
+the latent, and reads wait for the layer's host-tier load like every other KV read (docs/mla.md, DSA)."""
+from __future__ import annotations
+
+import torch
+
+from radixserve.layers.attention import Attention, Segment
+from radixserve.models.model_config import DSAConfig
+from radixserve.runner.attention.base import AttentionBackend
+from radixserve.runner.batch import StepBatch
+from radixserve.runner.kv_cache import KVCache
+
+INDEX_KEYS = "index_k"
+# Sparse attention gathers at most this many latent values (rows x selected x D) at once.
+GATHER_BLOCK_VALUES = 1 << 24
+
+
+def index_bytes_per_token(dsa: DSAConfig, dtype: torch.dtype) -> int:
+    """Index-key bytes per token over all layers: full layers x index_head_dim x dtype bytes (shared layers: none)."""
+    return len(dsa.full_layers) * dsa.index_head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def add_index_keys(kv: KVCache, dsa: DSAConfig, dtype: torch.dtype) -> None:
+    """Give `kv` its index-key side buffer: (index_head_dim,) per slot in `dtype`, in dsa.full_layers."""
+    kv.add_side_buffer(INDEX_KEYS, (dsa.index_head_dim,), dtype, list(dsa.full_layers))
+
+
+class SparseBackend:
+    """AttentionBackend for DSA models: `inner` runs the dense steps; prepare returns a SparseStepAttention. `inner`
+    must hold no copy of the cache (no DecodeMirror): sparse steps write and read the cache past it."""
+
+    def __init__(self, inner: AttentionBackend):
+        self.inner, self.kv, self.name = inner, inner.kv, inner.name
+
+    def prepare(self, step: StepBatch) -> SparseStepAttention:
+        return SparseStepAttention(self.inner.prepare(step), self.kv, step)
+
+
+class SparseStepAttention:
+    """SparseAttention for one step; calls (dense) go to the inner backend's Attention."""
+
+    def __init__(self, dense: Attention, kv: KVCache, step: StepBatch):
+        self.dense, self.kv, self.step = dense, kv, step
+        self.segments = [Segment(row, row + n, ctx - n, ctx) for row, n, ctx in
+                         zip(step.query_starts, step.query_lens, step.context_lens_host)]
+        self.shared_selection: list[torch.Tensor | None] | None = None
+        self._slots: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.dense(layer_id, q, k, v)
+
+    def context_slots(self, seq: int) -> torch.Tensor:
+        """Segment `seq`'s slots of positions [0, context_len), (context_len,) int64."""
+        slots = self._slots.get(seq)
+        if slots is None:
+            ps = self.kv.page_size
+            pages = torch.tensor(self.step.page_lists[seq], dtype=torch.long, device=self.kv.device)
+            slots = (pages[:, None] * ps + torch.arange(ps, device=self.kv.device)).view(-1)
+            slots = self._slots[seq] = slots[:self.segments[seq].context_len]
+        return slots
+
+    def write_index_keys(self, layer_id: int, keys: torch.Tensor) -> None:
+        self.kv.write_side(INDEX_KEYS, layer_id, self.step.slot_mapping, keys)
+
+    def index_keys(self, layer_id: int, seq: int) -> torch.Tensor:
+        keys = self.kv.read_side(INDEX_KEYS, layer_id, self.context_slots(seq))
+        return keys.to(self.kv.compute_dtype)
+
+    def attend_selected(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                        selected: list[torch.Tensor | None]) -> torch.Tensor:
+        kv = self.kv
+        assert kv.latent, "sparse attention reads the latent layout (V = K)"
+        kv.write(layer_id, self.step.slot_mapping, k, k)
+        num_tokens, heads, dim = q.shape
+        out = torch.empty(num_tokens, heads, dim, dtype=q.dtype, device=q.device)
+        for i, (seg, chosen) in enumerate(zip(self.segments, selected)):
+            n = seg.row_end - seg.row_start
+            pos = seg.start_pos + torch.arange(n, device=q.device)[:, None]
+            if chosen is None:      # a short sequence in a sparse step: every causal position
+                chosen = torch.arange(seg.context_len, device=q.device).expand(n, -1)
+                chosen = chosen.masked_fill(chosen > pos, -1)
+            slots = self.context_slots(i)
+            block = max(1, GATHER_BLOCK_VALUES // (chosen.shape[1] * dim))
+            for a in range(0, n, block):
+                b = min(a + block, n)
+                part = chosen[a:b]
+                latent = kv.read_slots(layer_id, slots[part.clamp(min=0).view(-1)])
+                latent = latent.view(b - a, part.shape[1], dim)                                  # (rows, K, D)
+                rows = q[seg.row_start + a:seg.row_start + b]                                    # (rows, H, D)
+                scores = torch.matmul(rows, latent.transpose(1, 2)).mul_(dim ** -0.5)           # (rows, H, K)
+                scores.masked_fill_((part < 0)[:, None, :], float("-inf"))
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+                out[seg.row_start + a:seg.row_start + b] = torch.matmul(probs, latent)
+        return out.view(num_tokens, heads * dim)
