@@ -66,7 +66,8 @@ class KVCache:
             event.set()
         self._filling = [0] * num_layers
         self._fill_lock = threading.Lock()
-        self.skip_readiness_wait = False        # test only: reads ignore fills in flight
+        self.skip_readiness_wait = False        # test/fault only: reads ignore fills in flight
+        self.skip_side_readiness_wait = False   # fault only: side-buffer reads (DSA index keys) do (GLM-5's race)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -104,9 +105,9 @@ class KVCache:
             if self._filling[layer] == 0:
                 self._ready[layer].set()
 
-    def wait_ready(self, layer: int) -> None:
+    def wait_ready(self, layer: int, side: bool = False) -> None:
         event = self._ready[layer]
-        if not event.is_set() and not self.skip_readiness_wait:
+        if not event.is_set() and not self.skip_readiness_wait and not (side and self.skip_side_readiness_wait):
             event.wait()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -200,7 +201,7 @@ class KVCache:
 
     def read_side(self, name: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """(T, *shape) stored dtype at `slots` (T,) int64, after the layer's readiness wait."""
-        self.wait_ready(layer)
+        self.wait_ready(layer, side=True)
         buf = self._side_buf(name, layer)
         return buf.view(-1, *buf.shape[2:]).index_select(0, slots)
 

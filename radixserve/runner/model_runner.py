@@ -87,7 +87,7 @@ class ModelRunner:
                                                         cascade=not config.disable_cascade_attention,
                                                         mirror=dsa is None)
         if dsa is not None:
-            add_index_keys(self.kv, dsa, self.dtype)
+            add_index_keys(self.kv, dsa.full_layers, dsa.index_head_dim, self.dtype)
             self.backend = SparseBackend(self.backend)
         self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
         self.draft = self._draft_model(config, draft_model)
@@ -230,7 +230,8 @@ class ModelRunner:
         heads, head_dim, latent = mc.kv_shape
         heads = heads if latent or num_kv_heads is None else num_kv_heads
         per_token = KVCache.bytes_per_token(mc.num_layers, heads, head_dim, kv_storage_dtype(config), latent)
-        per_token += index_bytes_per_token(mc.dsa, DTYPES[config.dtype]) if mc.dsa is not None else 0
+        if mc.dsa is not None:
+            per_token += index_bytes_per_token(mc.dsa.full_layers, mc.dsa.index_head_dim, DTYPES[config.dtype])
         num_pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
         if num_pages < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from radixserve.layers.attention import Attention, Segment
-from radixserve.models.model_config import DSAConfig
 from radixserve.runner.attention.base import AttentionBackend
 from radixserve.runner.batch import StepBatch
 from radixserve.runner.kv_cache import KVCache
@@ -18,14 +17,14 @@ INDEX_KEYS = "index_k"
 GATHER_BLOCK_VALUES = 1 << 24
 
 
-def index_bytes_per_token(dsa: DSAConfig, dtype: torch.dtype) -> int:
+def index_bytes_per_token(full_layers: tuple[int, ...], head_dim: int, dtype: torch.dtype) -> int:
     """Index-key bytes per token over all layers: full layers x index_head_dim x dtype bytes (shared layers: none)."""
-    return len(dsa.full_layers) * dsa.index_head_dim * torch.empty((), dtype=dtype).element_size()
+    return len(full_layers) * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def add_index_keys(kv: KVCache, dsa: DSAConfig, dtype: torch.dtype) -> None:
-    """Give `kv` its index-key side buffer: (index_head_dim,) per slot in `dtype`, in dsa.full_layers."""
-    kv.add_side_buffer(INDEX_KEYS, (dsa.index_head_dim,), dtype, list(dsa.full_layers))
+def add_index_keys(kv: KVCache, full_layers: tuple[int, ...], head_dim: int, dtype: torch.dtype) -> None:
+    """Give `kv` its index-key side buffer: (index_head_dim,) per slot in `dtype`, in the full indexer layers."""
+    kv.add_side_buffer(INDEX_KEYS, (head_dim,), dtype, list(full_layers))
 
 
 class SparseBackend:
