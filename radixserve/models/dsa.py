@@ -63,8 +63,9 @@ def select_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, star
 class Indexer(torch.nn.Module):
     """transformers' GlmMoeDsaIndexer: q = wq_b(q_resid) (Hi, Di), k = LayerNorm(wk(x)) (Di,), both rotated on their
     first qk_rope_head_dim dims (interleaved in the checkpoint; the loader de-interleaves, index_rope_rows), head
-    weights = weights_proj(x) * Hi^-0.5 in fp32. Forward returns the selection per segment (select_topk), or None for
-    a step that is dense (every context_len <= index_topk)."""
+    weights = weights_proj(x) * Hi^-0.5 in fp32. Forward writes every token's key and returns the selection per segment
+    (select_topk; None for a segment with context_len <= index_topk: all causal), or None for a step where every
+    segment is such (dense: plain MLA through the backend)."""
 
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
@@ -82,14 +83,15 @@ class Indexer(torch.nn.Module):
         return torch.cat([rotary.apply(x[..., :self.rope], cos, sin), x[..., self.rope:]], dim=-1)
 
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                rotary: RotaryEmbedding, attn: SparseAttention) -> list[torch.Tensor] | None:
+                rotary: RotaryEmbedding, attn: SparseAttention) -> list[torch.Tensor | None] | None:
         keys = self._rotate(self.k_norm(self.wk(x)).unsqueeze(1), cos, sin, rotary).squeeze(1)     # (T, Di)
         attn.write_index_keys(self.layer_id, keys)
         if all(s.context_len <= self.topk for s in attn.segments):
             return None
         q = self._rotate(self.wq_b(q_resid).view(-1, self.num_heads, self.head_dim), cos, sin, rotary)
         weights = self.weights_proj(x) * self.num_heads ** -0.5                                   # (T, Hi)
-        return [select_topk(q[s.row_start:s.row_end], weights[s.row_start:s.row_end],
+        return [None if s.context_len <= self.topk else      # it would select every causal position
+                select_topk(q[s.row_start:s.row_end], weights[s.row_start:s.row_end],
                             attn.index_keys(self.layer_id, i), s.start_pos, self.topk)
                 for i, s in enumerate(attn.segments)]
 

@@ -210,3 +210,28 @@ def test_what_dsa_does_not_run_is_refused(tmp_path):
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="indexer.wk"):
         make_runner(folder)
+
+
+@torch.inference_mode()
+def test_mixed_batch_rows_equal_each_sequence_alone(tmp_path):
+    """C49: one step holding a dense sequence (context <= index_topk) and sparse ones (a long chunk after a cached
+    prefix, a decode) gives each sequence's logits as it gets alone; no sequence reads another's keys."""
+    from radixserve.runner.batch import build_step
+
+    folder = build_dsa(tmp_path)
+    runner = make_runner(folder)
+    pages = list(range(runner.num_pages))
+    seqs = [Seq("short", prompt(TOPK - 3, seed=1), pages[0:4]), Seq("long", prompt(90, seed=2), pages[4:16]),
+            Seq("decode", prompt(40, seed=3), pages[16:24])]
+    done = {"short": 0, "long": 50, "decode": 39}
+    for seq in seqs[1:]:
+        forward_logits(runner, seq, done[seq.rid])
+    step = build_step([s.chunk(None) for s in seqs], runner.page_size, runner.device)
+    together = runner.model(step.input_ids, step.positions, runner.backend.prepare(step), None)
+    alone = make_runner(folder)
+    for seq, start, n in zip(seqs, step.query_starts, step.query_lens):
+        fresh = Seq(seq.rid, seq.prompt, seq.pages)
+        if done[seq.rid]:
+            forward_logits(alone, fresh, done[seq.rid])
+        ref = forward_logits(alone, fresh, n)
+        assert float((together[start:start + n] - ref).abs().max()) <= 1e-5, seq.rid
