@@ -97,3 +97,26 @@ def test_glm5_race_index_keys_read_before_their_load(dsa_dir):
     assert_same({0: reference}, {0: reload_under_delays(dsa_dir, "none")})
     raced = reload_under_delays(dsa_dir, "side")
     assert abs(raced[0][1] - reference[0][1]) > 1e-3, "index keys read before their load went unnoticed"
+
+
+def load_soak():
+    """benchmarks/dsa_race_soak.py as a module (its CI-sized run)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "dsa_race_soak.py"
+    spec = importlib.util.spec_from_file_location("dsa_race_soak", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_race_soak_with_the_wait_has_no_differing_output(tmp_path):
+    """The soak of issue 40 at CI size: 300 requests through a 24-page device pool and the host tier, every layer's
+    load delayed 0-2 ms: 0 differing outputs with the wait; with skip_wait "side" the same run differs."""
+    soak = load_soak()
+    folder = soak.build_tiny(str(tmp_path))
+    waited = soak.soak(folder, num_requests=300)
+    assert waited["differing"] == 0 and waited["hicache_loads"] > 50 and waited["cached_tokens_host"] > 0, waited
+    raced = soak.soak(folder, num_requests=100, skip_wait="side")
+    assert raced["differing"] > 0, raced
