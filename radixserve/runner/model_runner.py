@@ -87,7 +87,8 @@ class ModelRunner:
                                                         cascade=not config.disable_cascade_attention,
                                                         mirror=dsa is None)
         if dsa is not None:
-            add_index_keys(self.kv, dsa.full_layers, dsa.index_head_dim, self.dtype)
+            add_index_keys(self.kv, dsa.full_layers, dsa.index_head_dim, self.dtype,
+                           fp8=config.index_cache_dtype != "auto")
             self.backend = SparseBackend(self.backend)
         self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
         self.draft = self._draft_model(config, draft_model)
@@ -231,7 +232,8 @@ class ModelRunner:
         heads = heads if latent or num_kv_heads is None else num_kv_heads
         per_token = KVCache.bytes_per_token(mc.num_layers, heads, head_dim, kv_storage_dtype(config), latent)
         if mc.dsa is not None:
-            per_token += index_bytes_per_token(mc.dsa.full_layers, mc.dsa.index_head_dim, DTYPES[config.dtype])
+            per_token += index_bytes_per_token(mc.dsa.full_layers, mc.dsa.index_head_dim, DTYPES[config.dtype],
+                                               config.index_cache_dtype != "auto")
         num_pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
         if num_pages < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")

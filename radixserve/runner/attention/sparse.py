@@ -13,18 +13,41 @@ from radixserve.runner.batch import StepBatch
 from radixserve.runner.kv_cache import KVCache
 
 INDEX_KEYS = "index_k"
+# FP8 index keys, per slot: index_head_dim float8_e4m3fn bytes, then the token's fp32 scale (amax / 448), 4 bytes in
+# the machine's byte order (little-endian on x86 and CUDA hosts); key = fp8 value x scale.
+FP8_MAX = 448.0
+SCALE_BYTES = 4
 # Sparse attention gathers at most this many latent values (rows x selected x D) at once.
 GATHER_BLOCK_VALUES = 1 << 24
 
 
-def index_bytes_per_token(full_layers: tuple[int, ...], head_dim: int, dtype: torch.dtype) -> int:
-    """Index-key bytes per token over all layers: full layers x index_head_dim x dtype bytes (shared layers: none)."""
-    return len(full_layers) * head_dim * torch.empty((), dtype=dtype).element_size()
+def index_bytes_per_token(full_layers: tuple[int, ...], head_dim: int, dtype: torch.dtype, fp8: bool = False) -> int:
+    """Index-key bytes per token over all layers: full layers x (index_head_dim x dtype bytes, or index_head_dim + 4
+    with fp8); shared layers store none."""
+    per_layer = head_dim + SCALE_BYTES if fp8 else head_dim * torch.empty((), dtype=dtype).element_size()
+    return len(full_layers) * per_layer
 
 
-def add_index_keys(kv: KVCache, full_layers: tuple[int, ...], head_dim: int, dtype: torch.dtype) -> None:
-    """Give `kv` its index-key side buffer: (index_head_dim,) per slot in `dtype`, in the full indexer layers."""
-    kv.add_side_buffer(INDEX_KEYS, (head_dim,), dtype, list(full_layers))
+def add_index_keys(kv: KVCache, full_layers: tuple[int, ...], head_dim: int, dtype: torch.dtype,
+                   fp8: bool = False) -> None:
+    """Give `kv` its index-key side buffer in the full indexer layers: (index_head_dim,) per slot in `dtype`, or with
+    `fp8` (index_head_dim + 4,) uint8 (FP8 layout above)."""
+    shape, dtype = ((head_dim + SCALE_BYTES,), torch.uint8) if fp8 else ((head_dim,), dtype)
+    kv.add_side_buffer(INDEX_KEYS, shape, dtype, list(full_layers))
+
+
+def encode_fp8(keys: torch.Tensor) -> torch.Tensor:
+    """keys (T, Di) -> (T, Di + 4) uint8: e4m3(keys / scale) | scale as fp32 bytes, scale = amax / 448 per token."""
+    x = keys.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12) / FP8_MAX                   # (T, 1)
+    q = (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([q, scale.view(torch.uint8)], dim=-1)
+
+
+def decode_fp8(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of encode_fp8 up to the FP8 rounding: (T, Di + 4) uint8 -> (T, Di) `dtype`."""
+    scale = raw[:, -SCALE_BYTES:].contiguous().view(torch.float32)                            # (T, 1)
+    return (raw[:, :-SCALE_BYTES].contiguous().view(torch.float8_e4m3fn).float() * scale).to(dtype)
 
 
 class SparseBackend:
@@ -47,6 +70,7 @@ class SparseStepAttention:
                          zip(step.query_starts, step.query_lens, step.context_lens_host)]
         self.shared_selection: list[torch.Tensor | None] | None = None
         self._slots: dict[int, torch.Tensor] = {}
+        self.fp8_index = kv.side_export(INDEX_KEYS, 0)[1] == torch.uint8
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.dense(layer_id, q, k, v)
@@ -62,11 +86,11 @@ class SparseStepAttention:
         return slots
 
     def write_index_keys(self, layer_id: int, keys: torch.Tensor) -> None:
-        self.kv.write_side(INDEX_KEYS, layer_id, self.step.slot_mapping, keys)
+        self.kv.write_side(INDEX_KEYS, layer_id, self.step.slot_mapping, encode_fp8(keys) if self.fp8_index else keys)
 
     def index_keys(self, layer_id: int, seq: int) -> torch.Tensor:
         keys = self.kv.read_side(INDEX_KEYS, layer_id, self.context_slots(seq))
-        return keys.to(self.kv.compute_dtype)
+        return decode_fp8(keys, self.kv.compute_dtype) if self.fp8_index else keys.to(self.kv.compute_dtype)
 
     def attend_selected(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                         selected: list[torch.Tensor | None]) -> torch.Tensor:
