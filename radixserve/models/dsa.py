@@ -121,7 +121,8 @@ def index_rope_rows(config: ModelConfig, name: str, tensor: torch.Tensor) -> tor
     """An indexer checkpoint tensor with the rope rows of each key (wk, k_norm) or query head (wq_b) de-interleaved,
     (2i, 2i+1) -> (i, rope/2 + i): transformers' interleaved rotation equals rotate-half on rows so ordered, and the
     LayerNorm between wk and the rotation commutes with a row permutation applied to its weight and bias too."""
-    if ".indexer." not in name or not any(part in name for part in (".wq_b.", ".wk.", ".k_norm.")):
+    if (not config.dsa.index_rope_interleaved or ".indexer." not in name
+            or not any(part in name for part in (".wq_b.", ".wk.", ".k_norm."))):
         return tensor
     rope, width = config.mla.qk_rope_head_dim, config.dsa.index_head_dim
     order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2), torch.arange(rope, width)])

@@ -44,6 +44,10 @@ FAMILIES = {
         MOE, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, routed_scaling_factor=1.8, rope_theta=1e6,
         first_k_dense_replace=1, index_n_heads=16, index_head_dim=32, index_topk=8)),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        MOE, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        routed_scaling_factor=1.8, first_k_dense_replace=1, index_n_heads=16, index_head_dim=32, index_topk=8)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         MOE, head_dim=16, num_experts=8, norm_topk_prob=True, mlp_only_layers=[0])),
 }
@@ -94,13 +98,15 @@ def test_family_config_is_normalised(family_case):
     assert mc.architecture == family
     glm = family in ("glm", "glm4", "glm4_moe")
     assert mc.rot_dim == (mc.head_dim // 2 if glm else mc.head_dim)
-    mla = family in ("glm4_moe_lite", "glm_moe_dsa")
+    mla = family in ("glm4_moe_lite", "glm_moe_dsa", "deepseek_v32")
     assert mc.rope_interleaved == (family in ("glm", "glm4") or mla) and mc.post_norms == (family == "glm4")
     assert mc.qk_norm == (family in ("qwen3", "qwen3_moe", "glm4_moe"))
-    assert (mc.moe is not None) == ("_moe" in family)
+    assert (mc.moe is not None) == ("_moe" in family or family == "deepseek_v32")
     if glm:
         assert mc.qkv_bias and not mc.o_bias
-    assert (mc.dsa is not None) == (family == "glm_moe_dsa")
+    assert (mc.dsa is not None) == (family in ("glm_moe_dsa", "deepseek_v32"))
+    if mc.dsa is not None:
+        assert mc.dsa.index_rope_interleaved == (family == "glm_moe_dsa")
     if mla:
         assert mc.mla is not None and mc.moe.dense_layers == (0,) and mc.head_dim == mc.mla.qk_rope_head_dim == 8
         assert tuple(mc.kv_shape) == (1, 32 + 8, True)
