@@ -120,3 +120,25 @@ def test_race_soak_with_the_wait_has_no_differing_output(tmp_path):
     assert waited["differing"] == 0 and waited["hicache_loads"] > 50 and waited["cached_tokens_host"] > 0, waited
     raced = soak.soak(folder, num_requests=100, skip_wait="side")
     assert raced["differing"] > 0, raced
+
+
+def test_pd_parity_with_colocated_carries_both_parts(dsa_dir):
+    """PD (prefill worker -> decode worker, the abort/ack handshake of docs/disagg) on the DSA model: prompts of 1 to
+    33 tokens (index_topk 8: both sides of the boundary) and a prefill-side prefix hit decode what colocated serving
+    decodes, so the decode side read the latent and the index keys the prefill side wrote."""
+    from tests.model.test_pd_race import test_pd_parity_with_colocated as pd_parity
+
+    pd_parity(dsa_dir)
+
+
+def test_skip_wait_is_validated_at_the_http_boundary():
+    from pydantic import ValidationError
+
+    from radixserve.chaos.http_faults import FaultSpec
+    from radixserve.errors import InvalidRequest
+
+    assert FaultSpec(kind="hicache.h2d.layer", latency_ms=1, skip_wait="side").params()["skip_wait"] == "side"
+    with pytest.raises(ValidationError):
+        FaultSpec(kind="hicache.h2d.layer", latency_ms=1, skip_wait="index")
+    with pytest.raises(InvalidRequest, match="takes no 'skip_wait'"):
+        FaultSpec(kind="hicache.d2h", latency_ms=1, skip_wait="all").params()
