@@ -289,3 +289,17 @@ def test_page_sizes_give_the_page_size_16_logits(tmp_path, page_size):
     _, ours = run_chunks(runner, tokens, [len(tokens) - 5, 5], decodes=4)
     assert float((ours - ref).abs().max()) <= 1e-5
 
+
+
+@torch.inference_mode()
+def test_fp8_latent_kv_calibrates_and_reads_the_same_on_every_path(tmp_path):
+    """--kv-cache-dtype fp8_e4m3 on a DSA model: scales calibrate (densely), chunks and decodes read what one prefill
+    over the same tokens reads, and the latent quantisation is real."""
+    folder = build_dsa(tmp_path)
+    tokens = prompt(60, seed=11)
+    runner = make_runner(folder, kv_cache_dtype="fp8_e4m3")
+    seq, stepped = run_chunks(runner, tokens, [25, 35], decodes=4)
+    _, whole = run_chunks(make_runner(folder, kv_cache_dtype="fp8_e4m3"), seq.tokens, [len(seq.tokens)])
+    _, exact = run_chunks(make_runner(folder), seq.tokens, [len(seq.tokens)])
+    assert float((stepped - whole).abs().max()) <= 1e-5
+    assert float((whole - exact).abs().max()) > 1e-4
