@@ -39,6 +39,8 @@ class EngineConfig:
     kv_cache_dtype: str = opt("auto", "KV storage dtype (auto: the compute dtype); fp8 stores K/V "
                                       "scaled per layer and KV head", ("auto", "float32", "bfloat16",
                                                                       "fp8_e4m3", "fp8_e5m2"))
+    index_cache_dtype: str = opt("auto", "DSA (glm_moe_dsa) index-key storage: auto (the compute dtype) or "
+                                         "fp8_e4m3 with one fp32 scale per token (docs/mla.md)", ("auto", "fp8_e4m3"))
     quantization_param_path: str | None = opt(
         None, "JSON file of FP8 KV scales {\"k_scale\": [...], \"v_scale\": [...]}, one per layer "
               "(default: the checkpoint's k_scale/v_scale, else calibrated at start-up)")

@@ -146,13 +146,22 @@ class EngineFaults(EngineHooks):
             raise InvalidRequest("the host KV tier is off (--enable-hierarchical-cache)", param="kind")
         return io, tier
 
-    def arm_hicache_h2d(self, latency_ms: float = 0.0, jitter_ms: float = 0.0,
-                        fail_fraction: float = 0.0, duration_s: float | None = None) -> None:
-        self._host_tier()[0].fault = self.copy
-        self.copy.arm_h2d(latency_ms, jitter_ms, fail_fraction, duration_s)
+    def arm_hicache_h2d(self, latency_ms: float = 0.0, jitter_ms: float = 0.0, fail_fraction: float = 0.0,
+                        duration_s: float | None = None, skip_wait: str = "none") -> None:
+        """`skip_wait` drops the device KV's readiness wait ("side": the index keys only, "all"): test/chaos only."""
+        io = self._host_tier()[0]
+        io.fault = self.copy
+        self.copy.arm_h2d(latency_ms, jitter_ms, fail_fraction, duration_s, skip_wait)
+        self._skip_wait(skip_wait)
 
     def disarm_hicache_h2d(self) -> None:
         self.copy.arm_h2d(0.0, 0.0, 0.0, None)
+        self._skip_wait("none")
+
+    def _skip_wait(self, mode: str) -> None:
+        kv = getattr(getattr(self.engine.runner, "host_kv", None), "device", None)   # the runner's KVCache
+        if kv is not None:
+            kv.skip_readiness_wait, kv.skip_side_readiness_wait = mode == "all", mode == "side"
 
     def arm_hicache_d2h(self, latency_ms: float, duration_s: float | None = None) -> None:
         self._host_tier()[0].fault = self.copy

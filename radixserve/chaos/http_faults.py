@@ -34,7 +34,7 @@ KIND_PARAMS = {"step_latency": ("latency_ms", "jitter_ms"), "first_token_latency
                "fail": ("fraction",), "hang": (), "leak_memory": ("mb_per_s", "max_mb"),
                "corrupt": ("mode", "fraction"), "sampler.force_tokens": ("token_ids", "count"),
                "kv_corrupt": ("mode", "fraction", "after_tokens", "count"),
-               "hicache.h2d.layer": ("latency_ms", "jitter_ms", "fail_fraction"),
+               "hicache.h2d.layer": ("latency_ms", "jitter_ms", "fail_fraction", "skip_wait"),
                "hicache.d2h": ("latency_ms",), "hicache.host_alloc": ("fraction",),
                "hicache.l3.get": ("mode", "every", "stall_ms"),
                **{point: ("action", "delay_ms", "delay_max_ms", "probability", "count")
@@ -61,6 +61,7 @@ class FaultSpec(BaseModel):
     jitter_ms: float = Field(0.0, ge=0, le=600_000)
     fraction: float = Field(1.0, ge=0, le=1)
     fail_fraction: float = Field(0.0, ge=0, le=1)
+    skip_wait: Literal["none", "side", "all"] = "none"
     mb_per_s: float | None = Field(None, gt=0, le=4096)
     max_mb: float = Field(4096, gt=0, le=65536)
     mode: Literal["garble", "repeat", "noise", "swap", "fail", "fail_chunk", "short", "stall"] | None = None

@@ -9,11 +9,14 @@ from dataclasses import dataclass, field
 from radixserve.errors import InvalidRequest
 
 L3_MODES = ("fail", "fail_chunk", "short", "stall")
+# hicache.h2d.layer's skip_wait: reads wait for loads (none), all but side-buffer reads wait (side), none wait (all).
+SKIP_WAIT = ("none", "side", "all")
 
 
 @dataclass
 class CopyFaults:
-    """`hold` (tests) blocks a load until set; `*_until_s`: time.monotonic() end or None."""
+    """`hold` (tests) blocks a load until set; `*_until_s`: time.monotonic() end or None; `skip_wait` (SKIP_WAIT):
+    which device KV reads stop waiting for a load in flight, "side" reproducing GLM-5's indexer race."""
 
     h2d_delay_ms: float = 0.0
     h2d_jitter_ms: float = 0.0
@@ -23,9 +26,13 @@ class CopyFaults:
     d2h_until_s: float | None = None
     rng: random.Random = field(default_factory=random.Random)
     hold: threading.Event | None = None
+    skip_wait: str = "none"
 
     def arm_h2d(self, latency_ms: float, jitter_ms: float, fail_fraction: float,
-                duration_s: float | None) -> None:
+                duration_s: float | None, skip_wait: str = "none") -> None:
+        if skip_wait not in SKIP_WAIT:
+            raise InvalidRequest(f"hicache.h2d.layer takes skip_wait {SKIP_WAIT}", param="skip_wait")
+        self.skip_wait = skip_wait
         self.h2d_delay_ms, self.h2d_jitter_ms = latency_ms, jitter_ms
         self.h2d_fail_probability = fail_fraction
         self.h2d_until_s = None if duration_s is None else time.monotonic() + duration_s

@@ -1,6 +1,8 @@
-"""The one attention protocol: what a model layer calls with its q, k, v (implemented by the runner's backends)."""
+"""The attention protocols: what a model layer calls with its q, k, v (implemented by the runner's backends), and the
+sparse form DSA models call (runner/attention/sparse.py)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -11,3 +13,39 @@ class Attention(Protocol):
     Writes k, v at the step's slots; returns (T, H * D) contiguous in q's dtype, each row causal over its context."""
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One sequence of a step: token rows [row_start, row_end) at positions start_pos.., context positions
+    [0, context_len) (the rows' own tokens included)."""
+
+    row_start: int
+    row_end: int
+    start_pos: int
+    context_len: int
+
+
+class SparseAttention(Attention, Protocol):
+    """Attention with one index key per token slot (DSA's lightning indexer) and attention over chosen positions.
+
+    `shared_selection`: the last full indexer layer's choice in this step (None before it), for IndexShare layers."""
+
+    segments: list[Segment]
+    shared_selection: list[torch.Tensor | None] | None
+
+    def write_index_keys(self, layer_id: int, keys: torch.Tensor) -> None:
+        """Store keys (T, Di) at the step's slots; every token's key is written, dense steps included."""
+        ...
+
+    def index_keys(self, layer_id: int, seq: int) -> torch.Tensor:
+        """Segment `seq`'s index keys of positions [0, context_len), (context_len, Di) compute dtype, after the
+        layer's readiness wait (a host-tier load of that layer has landed)."""
+        ...
+
+    def attend_selected(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                        selected: list[torch.Tensor | None]) -> torch.Tensor:
+        """Latent (V = K) attention: writes k (T, 1, D) at the step's slots; segment i's rows attend only to
+        positions selected[i] (n_i, K) int64 (-1: none), or to all causal positions where selected[i] is None.
+        Returns (T, H * D) like Attention; scores scaled by D^-0.5."""
+        ...

@@ -15,6 +15,7 @@ from radixserve.layers.norm import RMSNorm
 from radixserve.layers.parallel import (Collectives, ParallelLMHead, VocabParallelEmbedding, column_split,
                                         row_linear, shard_heads, split_even)
 from radixserve.layers.rotary import RotaryEmbedding, rope_inv_freq
+from radixserve.models.dsa import DSAAttention, index_rope_rows
 from radixserve.models.mla import MLAAttention, rope_rows
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.moe import Experts, MoE, Router
@@ -27,8 +28,9 @@ HEAD_EXACT_TOP = 64
 
 def prepare_modules(root: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu",
                     batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
-    """Move `root` to `dtype` on `device` (MoE routers stay fp32) and build its Linear, Router and Experts fast paths."""
-    routers = [m for m in root.modules() if isinstance(m, Router)]
+    """Move `root` to `dtype` on `device` (MoE routers and modules marked `keep_fp32` stay fp32) and build its Linear,
+    Router and Experts fast paths."""
+    routers = [m for m in root.modules() if isinstance(m, Router) or getattr(m, "keep_fp32", False)]
     kept = [[p.data.float() for p in r.parameters()] for r in routers]
     root.to(device=device, dtype=dtype)
     for router, params in zip(routers, kept):
@@ -94,7 +96,8 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.mla and tp is not None and tp.size > 1:
             raise ValueError("MLA models do not run under --tp-size > 1 yet")
-        self.self_attn = MLAAttention(c, layer_id) if c.mla else LlamaAttention(c, layer_id, tp)
+        self.self_attn = (DSAAttention(c, layer_id) if c.dsa else MLAAttention(c, layer_id) if c.mla
+                          else LlamaAttention(c, layer_id, tp))
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.moe is not None and layer_id not in c.moe.dense_layers:
             shared = (LlamaMLP(c, c.moe.intermediate_size * c.moe.num_shared_experts, tp, reduce=False)
@@ -158,7 +161,7 @@ class LlamaForCausalLM(torch.nn.Module):
         (2i, 2i+1) to (i, i + rot/2) for the rotate-half kernel (q.k is unchanged: q and k permute alike)."""
         c = self.config
         if c.mla is not None:
-            return rope_rows(c, name, tensor)
+            return index_rope_rows(c, name, rope_rows(c, name, tensor)) if c.dsa else rope_rows(c, name, tensor)
         if not c.rope_interleaved or not (".q_proj." in name or ".k_proj." in name):
             return tensor
         rot = c.rot_dim
@@ -168,7 +171,7 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def prepare(self, dtype: torch.dtype, device: torch.device | str = "cpu",
                 batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
-        """After loading: move to `device` and `dtype` (routers stay fp32), build the layers' fast paths or batch-invariant
+        """After loading: move to `device` and `dtype` (routers and keep_fp32 modules stay fp32), build the layers' fast paths or batch-invariant
         form (ValueError where it cannot be built), screen a quantized model's head, time the single-row path."""
         prepare_modules(self, dtype, device, batch_invariant, quantized_max_tokens)
         self.rotary.cos_cache = self.rotary.cos_cache.to(device=device, dtype=dtype)

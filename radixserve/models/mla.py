@@ -53,7 +53,8 @@ class MLAAttention(torch.nn.Module):
                 rotary: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden); cos, sin over the rope dims."""
         num_tokens, h = x.shape[0], self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora else None
+        q = self.q_b_proj(q_resid) if self.q_lora else self.q_proj(x)
         q = q.view(num_tokens, h, self.nope + self.rope)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
@@ -62,9 +63,17 @@ class MLAAttention(torch.nn.Module):
         k = torch.cat([self.kv_a_layernorm(latent), rotary.apply(k_pe.unsqueeze(1), cos, sin).squeeze(1)], dim=-1)
         q = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1).mul_(self.q_scale)               # (T, H, rank + rope)
         k = k.unsqueeze(1)                                                                    # (T, 1, rank + rope)
-        out = attn(self.layer_id, q, k, k).view(num_tokens, h, -1)[..., :self.rank]          # (T, H, rank)
+        out = self.attend(attn, q, k, x, q_resid, cos, sin, rotary)
+        out = out.view(num_tokens, h, -1)[..., :self.rank]                                    # (T, H, rank)
         out = torch.bmm(out.transpose(0, 1), w[:, self.nope:].transpose(1, 2))                # (H, T, v_dim)
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, h * self.v_dim))
+
+    def attend(self, attn: Attention, q: torch.Tensor, k: torch.Tensor, x: torch.Tensor,
+               q_resid: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+               rotary: RotaryEmbedding) -> torch.Tensor:
+        """Latent attention: q (T, H, rank + rope), k (T, 1, rank + rope) -> (T, H * (rank + rope)); DSA overrides
+        it (models/dsa.py) with x (T, hidden) and q_resid (T, q_lora_rank) for its indexer."""
+        return attn(self.layer_id, q, k, k)
 
 
 def rope_rows(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:

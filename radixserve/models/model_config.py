@@ -17,12 +17,15 @@ _FAMILIES = {
     "Glm4ForCausalLM": "glm4", "glm4": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe", "glm4_moe": "glm4_moe",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "glm4_moe_lite": "glm4_moe_lite",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa", "glm_moe_dsa": "glm_moe_dsa",
+    "DeepseekV32ForCausalLM": "deepseek_v32", "deepseek_v32": "deepseek_v32",
 }
 # GGUF `general.architecture` (llama.cpp's names) -> our family name; llama.cpp names GLM-4-9B-hf "chatglm".
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
                  "chatglm": "glm", "glm4": "glm4", "glm4moe": "glm4_moe"}
 _REQUIRED = object()
 _GLM = ("glm", "glm4", "glm4_moe")
+_DSA = ("glm_moe_dsa", "deepseek_v32")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,19 @@ class MLAConfig:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek sparse attention's lightning indexer (GLM-5, DeepSeek-V3.2; models/dsa.py): `full_layers` run their own
+    indexer and store one index key per token; the others (IndexShare) reuse the last full layer's top-k;
+    `index_rope_interleaved`: the indexer's RoPE pairs (2i, 2i+1) (GLM-5) or (i, i + rope/2) (DeepSeek-V3.2)."""
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    full_layers: tuple[int, ...]
+    index_rope_interleaved: bool = True
 
 
 class KVShape(NamedTuple):
@@ -103,6 +119,7 @@ class ModelConfig:
     post_norms: bool = False
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    dsa: DSAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -160,8 +177,9 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=family in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm", False)),
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-            rope_interleaved=family in ("glm", "glm4") or bool(mla and cfg.get("rope_interleave", True)),
-            post_norms=family == "glm4", moe=_moe(family, cfg), mla=mla)
+            rope_interleaved=family in ("glm", "glm4") or bool(
+                mla and (family in _DSA or cfg.get("rope_interleave", True))),   # DSA: always (HF)
+            post_norms=family == "glm4", moe=_moe(family, cfg), mla=mla, dsa=_dsa(family, cfg))
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], tensor_names: Collection[str]) -> ModelConfig:
@@ -222,15 +240,39 @@ class ModelConfig:
             d["moe"] = MoEConfig(**{**d["moe"], "dense_layers": tuple(d["moe"]["dense_layers"])})
         if d.get("mla"):
             d["mla"] = MLAConfig(**d["mla"])
+        if d.get("dsa"):
+            d["dsa"] = DSAConfig(**{**d["dsa"], "full_layers": tuple(d["dsa"]["full_layers"])})
         return cls(**d)
 
 
 def _mla(family: str, cfg: dict[str, Any]) -> MLAConfig | None:
-    if family != "glm4_moe_lite":
+    if family not in ("glm4_moe_lite", *_DSA):
         return None
     return MLAConfig(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
                      qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
                      v_head_dim=cfg["v_head_dim"])
+
+
+def _dsa(family: str, cfg: dict[str, Any]) -> DSAConfig | None:
+    """glm_moe_dsa's indexer settings; which layers are full follows transformers' GlmMoeDsaConfig: `indexer_types`,
+    else `index_topk_pattern` ("F"/"S" string or list), else full iff max(i - offset + 1, 0) % freq == 0 with
+    freq = index_topk_freq (1), offset = index_skip_topk_offset (2). ValueError when layer 0 is not full."""
+    if family not in _DSA:
+        return None
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("indexer_types") if family == "glm_moe_dsa" else ["full"] * n
+    if types is None and cfg.get("index_topk_pattern") is not None:
+        pattern = cfg["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    if types is None:
+        freq, offset = max(cfg.get("index_topk_freq", 1), 1), cfg.get("index_skip_topk_offset", 2)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if len(types) < n or types[0] != "full" or set(types) - {"full", "shared"}:
+        raise ValueError(f"glm_moe_dsa: indexer types {types} must name 'full' or 'shared' for each of {n} layers, "
+                         "layer 0 full")
+    return DSAConfig(index_n_heads=cfg["index_n_heads"], index_head_dim=cfg["index_head_dim"],
+                     index_topk=cfg["index_topk"], full_layers=tuple(i for i in range(n) if types[i] == "full"),
+                     index_rope_interleaved=family == "glm_moe_dsa")
 
 
 def _moe(family: str, cfg: dict[str, Any]) -> MoEConfig | None:
@@ -238,9 +280,10 @@ def _moe(family: str, cfg: dict[str, Any]) -> MoEConfig | None:
     layers are its `mlp_layer_types` (transformers ignores its first_k_dense_replace)."""
     layers = range(cfg["num_hidden_layers"])
     num_experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
-    if family in ("glm4_moe", "glm4_moe_lite"):
-        types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (len(layers) - 1)
-        dense = (tuple(i for i in layers if types[i] == "dense") if family == "glm4_moe_lite"
+    if family in ("glm4_moe", "glm4_moe_lite", *_DSA):
+        first = cfg.get("first_k_dense_replace", 3) if family in _DSA else 1
+        types = cfg.get("mlp_layer_types") or ["dense"] * first + ["sparse"] * (len(layers) - first)
+        dense = (tuple(i for i in layers if types[i] == "dense") if family != "glm4_moe"
                  else tuple(range(min(cfg.get("first_k_dense_replace", 1), len(layers)))))
         return MoEConfig(
             num_experts=num_experts, top_k=cfg["num_experts_per_tok"],

@@ -8,7 +8,8 @@ from radixserve.models.model_config import ModelConfig
 
 _MODELS: dict[str, type[torch.nn.Module]] = {
     family: LlamaForCausalLM for family in ("llama", "qwen2", "qwen3", "qwen3_moe", "glm", "glm4", "glm4_moe",
-                                             "glm4_moe_lite")}
+                                             "glm4_moe_lite", "glm_moe_dsa",
+                                             "deepseek_v32")}
 
 
 def model_class(config: ModelConfig) -> type[torch.nn.Module]:

@@ -49,7 +49,7 @@ class HostKV:
         self.device = device
         self.host = device.like(num_pages, "cpu")
         self.num_pages = num_pages
-        self.page_bytes = device.token_bytes * device.page_size
+        self.page_bytes = device.slot_bytes * device.page_size
         self.fault: CopyFault | None = None
         self.disk = None
         self._stream = torch.cuda.Stream(device.device) if device.device.type == "cuda" else None

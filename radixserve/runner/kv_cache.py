@@ -16,7 +16,7 @@ FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 @dataclass(frozen=True, slots=True)
 class KVPages:
     """Stored dtype on the CPU: k, v (layers, KV, n, page_size, head_dim), v with 0 heads in the latent layout;
-    side: name -> (layers, n, page_size, *shape)."""
+    side: name -> (its layers, n, page_size, *shape), its layers being those add_side_buffer gave it, in order."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -60,12 +60,14 @@ class KVCache:
         self.v_scale = (self.k_scale if latent
                         else (v_scale if v_scale is not None else ones).float().to(self.device))
         self._side: dict[str, list[torch.Tensor]] = {}
+        self._side_layers: dict[str, dict[int, int]] = {}     # name -> {layer: index into _side[name]}
         self._ready = [threading.Event() for _ in range(num_layers)]
         for event in self._ready:
             event.set()
         self._filling = [0] * num_layers
         self._fill_lock = threading.Lock()
-        self.skip_readiness_wait = False        # test only: reads ignore fills in flight
+        self.skip_readiness_wait = False        # test/fault only: reads ignore fills in flight
+        self.skip_side_readiness_wait = False   # fault only: side-buffer reads (DSA index keys) do (GLM-5's race)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -77,6 +79,12 @@ class KVCache:
     def token_bytes(self) -> int:
         """Stored bytes per token over all layers, side buffers excluded."""
         return self.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.latent)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Stored bytes per token slot: token_bytes plus every side buffer's bytes in the layers that have it."""
+        side = sum(b.numel() * b.element_size() for bufs in self._side.values() for b in bufs)
+        return self.token_bytes + side // (self.num_pages * self.page_size)
 
     def allocated_bytes(self) -> int:
         """Bytes of every tensor the cache holds for its pages: K, V (once in the latent layout) and side buffers."""
@@ -97,9 +105,9 @@ class KVCache:
             if self._filling[layer] == 0:
                 self._ready[layer].set()
 
-    def wait_ready(self, layer: int) -> None:
+    def wait_ready(self, layer: int, side: bool = False) -> None:
         event = self._ready[layer]
-        if not event.is_set() and not self.skip_readiness_wait:
+        if not event.is_set() and not self.skip_readiness_wait and not (side and self.skip_side_readiness_wait):
             event.wait()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -164,30 +172,56 @@ class KVCache:
         self.wait_ready(layer)
         return KernelView(self._k[layer], self._v[layer], self.k_scale[layer], self.v_scale[layer])
 
-    def add_side_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Allocate per-layer storage of `shape` per slot, zeroed: (num_pages, page_size, *shape)."""
+    def add_side_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                        layers: list[int] | None = None) -> None:
+        """Allocate storage of `shape` per slot, zeroed, (num_pages, page_size, *shape) in each of `layers` (None: all);
+        the tiers, PD and page copies carry it with K and V, layer by layer."""
         assert name not in self._side, f"side buffer {name!r} exists"
+        layers = list(range(self.num_layers)) if layers is None else sorted(layers)
         full = (self.num_pages, self.page_size, *shape)
-        self._side[name] = [torch.zeros(full, dtype=dtype, device=self.device)
-                            for _ in range(self.num_layers)]
+        self._side[name] = [torch.zeros(full, dtype=dtype, device=self.device) for _ in layers]
+        self._side_layers[name] = {layer: i for i, layer in enumerate(layers)}
 
     @property
     def side_names(self) -> list[str]:
         return list(self._side)
 
+    def side_layers(self, name: str) -> list[int]:
+        return list(self._side_layers[name])
+
+    def _side_buf(self, name: str, layer: int) -> torch.Tensor:
+        index = self._side_layers[name].get(layer)
+        assert index is not None, f"side buffer {name!r} has no layer {layer}"
+        return self._side[name][index]
+
     def write_side(self, name: str, layer: int, slots: torch.Tensor, x: torch.Tensor) -> None:
-        buf = self._side[name][layer]
+        """Store x (T, *shape) at `slots` (T,) int64."""
+        buf = self._side_buf(name, layer)
         buf.view(-1, *buf.shape[2:]).index_copy_(0, slots, x.to(buf.dtype))
 
     def read_side(self, name: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        self.wait_ready(layer)
-        buf = self._side[name][layer]
+        """(T, *shape) stored dtype at `slots` (T,) int64, after the layer's readiness wait."""
+        self.wait_ready(layer, side=True)
+        buf = self._side_buf(name, layer)
         return buf.view(-1, *buf.shape[2:]).index_select(0, slots)
+
+    def read_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """K at `slots` (T,) int64 as (T, KV, D) compute dtype, after the layer's readiness wait (sparse attention)."""
+        self.wait_ready(layer)
+        flat = self._k[layer].view(self.num_kv_heads, self.num_pages * self.page_size, self.head_dim)
+        raw = flat.view(torch.uint8).index_select(1, slots).view(self.dtype) if self.is_fp8 else \
+            flat.index_select(1, slots)
+        return self._decode(raw, self.k_scale[layer]).transpose(0, 1)
 
     def v_shape(self, num_pages: int) -> tuple[int, ...]:
         """Exported V's shape: no heads in the latent layout."""
         heads = 0 if self.latent else self.num_kv_heads
         return (self.num_layers, heads, num_pages, self.page_size, self.head_dim)
+
+    def side_export(self, name: str, num_pages: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """Exported side buffer `name`'s shape (its layers, num_pages, page_size, *shape) and dtype."""
+        bufs = self._side[name]
+        return (len(bufs), num_pages, *bufs[0].shape[1:]), bufs[0].dtype
 
     def copy_layer_from(self, src: KVCache, layer: int, src_ids: list[int], dst_ids: list[int]) -> None:
         """Copy `src`'s pages src_ids of `layer` into dst_ids (same layout, dtype); no readiness wait: the caller orders it."""
@@ -198,14 +232,16 @@ class KVCache:
             if self.is_fp8:
                 target, values = target.view(torch.uint8), values.view(torch.uint8)
             target.index_copy_(1, d_idx, values)
-        for name, bufs in self._side.items():
-            bufs[layer].index_copy_(0, d_idx, src._side[name][layer].index_select(0, s_idx).to(self.device))
+        for name, where in self._side_layers.items():
+            if layer in where:
+                values = src._side_buf(name, layer).index_select(0, s_idx).to(self.device)
+                self._side[name][where[layer]].index_copy_(0, d_idx, values)
 
     def like(self, num_pages: int, device: torch.device | str) -> KVCache:
         other = KVCache(self.num_layers, num_pages, self.page_size, self.num_kv_heads, self.head_dim,
                         self.dtype, device, self.compute_dtype, self.k_scale.cpu(), self.v_scale.cpu(), self.latent)
         for name, bufs in self._side.items():
-            other.add_side_buffer(name, tuple(bufs[0].shape[2:]), bufs[0].dtype)
+            other.add_side_buffer(name, tuple(bufs[0].shape[2:]), bufs[0].dtype, self.side_layers(name))
         return other
 
     def export_pages(self, page_ids: list[int]) -> KVPages:
@@ -235,7 +271,10 @@ class KVCache:
     def import_pages(self, page_ids: list[int], data: KVPages) -> None:
         """Write exported pages into `page_ids`. Raises ValueError on a shape or dtype mismatch."""
         expect = (self.num_layers, self.num_kv_heads, len(page_ids), self.page_size, self.head_dim)
-        if (tuple(data.k.shape) != expect or data.k.dtype != self.dtype or set(data.side) != set(self._side)
+        sides_fit = set(data.side) == set(self._side) and all(
+            (tuple(data.side[name].shape), data.side[name].dtype) == self.side_export(name, len(page_ids))
+            for name in self._side)
+        if (tuple(data.k.shape) != expect or data.k.dtype != self.dtype or not sides_fit
                 or tuple(data.v.shape) != self.v_shape(len(page_ids))):
             raise ValueError(f"imported pages {tuple(data.k.shape)} {data.k.dtype} do not fit "
                              f"this cache {expect} {self.dtype}")
@@ -246,5 +285,6 @@ class KVCache:
                 if self.is_fp8:
                     target, values = target.view(torch.uint8), values.view(torch.uint8)
                 target.index_copy_(1, idx, values)
-            for name, bufs in self._side.items():
-                bufs[layer].index_copy_(0, idx, data.side[name][layer].to(self.device))
+        for name, bufs in self._side.items():
+            for i, buf in enumerate(bufs):
+                buf.index_copy_(0, idx, data.side[name][i].to(self.device))

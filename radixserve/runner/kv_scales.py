@@ -74,9 +74,17 @@ def _checked(k: torch.Tensor, v: torch.Tensor, source: str) -> KVScales:
 
 
 class _Recorder:
+    """Attention that records K/V amax per layer; to DSA models (SparseAttention) it offers no segment, so their
+    indexer skips and every layer attends densely: the scales come from dense attention."""
+
     def __init__(self, num_layers: int, num_kv_heads: int):
         self.k_amax = torch.zeros(num_layers, num_kv_heads)
         self.v_amax = torch.zeros(num_layers, num_kv_heads)
+        self.segments: list = []
+        self.shared_selection = None
+
+    def write_index_keys(self, layer_id: int, keys: torch.Tensor) -> None:
+        pass
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.k_amax[layer_id] = k.abs().float().amax(dim=(0, 2)).cpu()

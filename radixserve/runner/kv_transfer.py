@@ -18,9 +18,7 @@ def unpack_pages(kv: KVCache, num_pages: int, data: bytes) -> KVPages:
     """Inverse of pack_pages. Raises ValueError when the byte count does not fit `num_pages` of `kv`'s layout."""
     kv_shape = (kv.num_layers, kv.num_kv_heads, num_pages, kv.page_size, kv.head_dim)
     shapes = [(kv_shape, kv.dtype), (kv.v_shape(num_pages), kv.dtype)]
-    for name in sorted(kv._side):
-        buf = kv._side[name][0]
-        shapes.append(((kv.num_layers, num_pages, *buf.shape[1:]), buf.dtype))
+    shapes.extend(kv.side_export(name, num_pages) for name in sorted(kv.side_names))
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     tensors, offset = [], 0
     for shape, dtype in shapes:
@@ -31,7 +29,7 @@ def unpack_pages(kv: KVCache, num_pages: int, data: bytes) -> KVPages:
         offset += n
     if offset != raw.numel():
         raise ValueError(f"KV payload of {len(data)} bytes does not fit {num_pages} pages")
-    side = dict(zip(sorted(kv._side), tensors[2:]))
+    side = dict(zip(sorted(kv.side_names), tensors[2:]))
     return KVPages(tensors[0], tensors[1], side)
 
 

@@ -18,6 +18,7 @@ from radixserve.models.registry import model_class
 from radixserve.outputs import TokenLogprob
 from radixserve.runner import kv_scales, kv_transfer
 from radixserve.runner.attention.base import AttentionBackend, create_backend
+from radixserve.runner.attention.sparse import SparseBackend, add_index_keys, index_bytes_per_token
 from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.compile_setup import load_decode_graphs
 from radixserve.runner.device import huge_pages_mb, resolve_device, reuse_freed_cpu_buffers
@@ -81,9 +82,18 @@ class ModelRunner:
         scales = (self.kv_scales.k, self.kv_scales.v) if self.kv_scales else (None, None)
         self.kv = KVCache(self.kv_layers(model_config), self.num_pages, self.page_size, heads, head_dim,
                           kv_dtype, self.device, self.dtype, *scales, latent=latent)
+        dsa = model_config.dsa
+        if dsa is not None and (deterministic or config.speculative_algorithm == "draft" or config.is_eagle):
+            raise ValueError("glm_moe_dsa (DSA) does not run with --enable-deterministic-inference or "
+                             "--speculative-algorithm draft / EAGLE yet")
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device,
                                                         batch_invariant=deterministic,
-                                                        cascade=not config.disable_cascade_attention)
+                                                        cascade=not config.disable_cascade_attention,
+                                                        mirror=dsa is None)
+        if dsa is not None:
+            add_index_keys(self.kv, dsa.full_layers, dsa.index_head_dim, self.dtype,
+                           fp8=config.index_cache_dtype != "auto")
+            self.backend = SparseBackend(self.backend)
         self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
         self.decode_graphs = load_decode_graphs(self.model, config, self.device)
         self.draft = None if config.is_eagle else self._draft_model(config, draft_model)
@@ -152,7 +162,7 @@ class ModelRunner:
 
     def _host_kv(self, config: EngineConfig) -> HostKV:
         """The host tier: --hicache-size GiB, else --hicache-ratio x the device pages."""
-        page_bytes = self.kv.token_bytes * self.page_size
+        page_bytes = self.kv.slot_bytes * self.page_size
         num = (int(config.hicache_size * 2**30) // page_bytes if config.hicache_size is not None
                else int(self.num_pages * config.hicache_ratio))
         host = HostKV(self.kv, num)
@@ -245,6 +255,9 @@ class ModelRunner:
         heads = heads if latent or num_kv_heads is None else num_kv_heads
         per_token = KVCache.bytes_per_token(num_layers or mc.num_layers, heads, head_dim, kv_storage_dtype(config),
                                             latent)
+        if mc.dsa is not None:
+            per_token += index_bytes_per_token(mc.dsa.full_layers, mc.dsa.index_head_dim, DTYPES[config.dtype],
+                                               config.index_cache_dtype != "auto")
         num_pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
         if num_pages < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")

@@ -1,5 +1,5 @@
-"""Qwen3, Qwen3-MoE, GLM-4 (glm), GLM-4-0414 (glm4), GLM-4.5 (glm4_moe) and GLM-4.7-Flash (glm4_moe_lite, MLA)
-against transformers.
+"""Qwen3, Qwen3-MoE, GLM-4 (glm), GLM-4-0414 (glm4), GLM-4.5 (glm4_moe), GLM-4.7-Flash (glm4_moe_lite, MLA) and
+GLM-5 (glm_moe_dsa, MLA + DSA) against transformers.
 
 Tiny random-weight configs (router weights and the GLM
 correction bias randomised: transformers initialises them to zero, which makes every expert
@@ -7,7 +7,9 @@ tie). Engine level: the five scheduling scenarios of test_parity.py, greedy toke
 (tie rule). Runner level: a mixed decode/prefill/cached-prefix batch, top-5 logprobs within
 1e-4. Prompt lengths straddle the partial-rotary and chunk boundaries of case C42. The MLA config's cache
 head (kv_lora_rank + rope = 40) differs from its q.k width (nope + rope = 24) and its v_head_dim (12), so the
-softmax scale and the value split are exercised.
+softmax scale and the value split are exercised. The DSA config keeps 16 indexer heads (fewer make index-score ties
+flip the top-k with chunking, glm-archs §0) and index_topk 8, so prompts of 1 and 7 tokens decode across the
+dense/sparse boundary and every batch mixes dense and sparse sequences (C49); tests/model/test_dsa.py has the rest.
 """
 from __future__ import annotations
 
@@ -38,6 +40,14 @@ FAMILIES = {
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
         MOE, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, routed_scaling_factor=1.8, rope_theta=1e6)),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+        MOE, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, routed_scaling_factor=1.8, rope_theta=1e6,
+        first_k_dense_replace=1, index_n_heads=16, index_head_dim=32, index_topk=8)),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        MOE, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        routed_scaling_factor=1.8, first_k_dense_replace=1, index_n_heads=16, index_head_dim=32, index_topk=8)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         MOE, head_dim=16, num_experts=8, norm_topk_prob=True, mlp_only_layers=[0])),
 }
@@ -88,12 +98,16 @@ def test_family_config_is_normalised(family_case):
     assert mc.architecture == family
     glm = family in ("glm", "glm4", "glm4_moe")
     assert mc.rot_dim == (mc.head_dim // 2 if glm else mc.head_dim)
-    assert mc.rope_interleaved == (family in ("glm", "glm4", "glm4_moe_lite")) and mc.post_norms == (family == "glm4")
+    mla = family in ("glm4_moe_lite", "glm_moe_dsa", "deepseek_v32")
+    assert mc.rope_interleaved == (family in ("glm", "glm4") or mla) and mc.post_norms == (family == "glm4")
     assert mc.qk_norm == (family in ("qwen3", "qwen3_moe", "glm4_moe"))
-    assert (mc.moe is not None) == ("_moe" in family)
+    assert (mc.moe is not None) == ("_moe" in family or family == "deepseek_v32")
     if glm:
         assert mc.qkv_bias and not mc.o_bias
-    if family == "glm4_moe_lite":
+    assert (mc.dsa is not None) == (family in ("glm_moe_dsa", "deepseek_v32"))
+    if mc.dsa is not None:
+        assert mc.dsa.index_rope_interleaved == (family == "glm_moe_dsa")
+    if mla:
         assert mc.mla is not None and mc.moe.dense_layers == (0,) and mc.head_dim == mc.mla.qk_rope_head_dim == 8
         assert tuple(mc.kv_shape) == (1, 32 + 8, True)
     else:

@@ -28,8 +28,9 @@ class AttentionBackend(Protocol):
 
 
 def create_backend(name: str, kv: KVCache, device: torch.device,
-                   batch_invariant: bool = False, cascade: bool = True) -> AttentionBackend:
-    """`name`: "auto" (triton on CUDA when installed, else torch) or one of BACKENDS; `batch_invariant` needs "auto".
+                   batch_invariant: bool = False, cascade: bool = True, mirror: bool = True) -> AttentionBackend:
+    """`name`: "auto" (triton on CUDA when installed, else torch) or one of BACKENDS; `batch_invariant` needs "auto";
+    `mirror`: the torch backend may keep a DecodeMirror on CPU (False: another writer of the cache exists, DSA).
     Raises ValueError for unknown names and for triton where it cannot run (CPU needs TRITON_INTERPRET=1)."""
     if name not in ("auto", *KNOWN_BACKENDS):
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(KNOWN_BACKENDS)}")
@@ -47,7 +48,7 @@ def create_backend(name: str, kv: KVCache, device: torch.device,
     from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 
     if device.type == "cpu":
-        return TorchAttentionBackend(kv, mirror_bytes=2 << 30, cascade=cascade)
+        return TorchAttentionBackend(kv, mirror_bytes=2 << 30 if mirror else 0, cascade=cascade)
     # No mirror, one decode sub-batch: the sub-batch budget is a CPU-cache size.
     return TorchAttentionBackend(kv, decode_chunk_bytes=0, mirror_bytes=0)
 
