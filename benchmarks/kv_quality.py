@@ -26,7 +26,7 @@ import tempfile
 from radixserve import LLM, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.runner.kv_cache import KVCache
-from radixserve.runner.model_runner import ModelRunner, kv_storage_dtype
+from radixserve.runner.kv_sizing import kv_storage_dtype, num_pages
 
 PROMPTS = [
     "Count from 1 to 500, separated by commas.",
@@ -125,7 +125,7 @@ def main() -> None:
     for d in ("float32", "bfloat16", "fp8_e4m3"):
         cfg = EngineConfig(kv_cache_dtype=d, kv_cache_memory_gb=args.kv_cache_memory_gb)
         per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_storage_dtype(cfg))
-        pages = ModelRunner._num_pages(cfg, mc)
+        pages = num_pages(cfg, mc)
         print(f"| {d} | {per_token} B/token | {pages * cfg.page_size} tokens |")
 
 

@@ -26,6 +26,7 @@ from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.kv_cache import KVCache
+from radixserve.runner.kv_sizing import num_pages
 from radixserve.runner.layer_split import LayerSplit
 from radixserve.runner.model_runner import ModelRunner
 
@@ -154,7 +155,7 @@ class CPModelRunner(ModelRunner):
         self.layer_split = LayerSplit(model_config.num_layers, comm) if config.enable_layer_split else None
         if self.layer_split is not None and config.max_total_tokens is None:
             layers = -(-model_config.num_layers // comm.size) + 1
-            pages = ModelRunner._num_pages(config, model_config, None, layers)
+            pages = num_pages(config, model_config, None, layers)
             config = dataclasses.replace(config, max_total_tokens=pages * config.page_size)
         super().__init__(model, model_config, config, checkpoint_kv_scales, draft_model)
 

@@ -18,7 +18,7 @@ from radixserve.models.registry import model_class
 from radixserve.outputs import TokenLogprob
 from radixserve.runner import kv_scales, kv_transfer
 from radixserve.runner.attention.base import AttentionBackend, create_backend
-from radixserve.runner.attention.sparse import SparseBackend, add_index_keys, index_bytes_per_token
+from radixserve.runner.attention.sparse import SparseBackend, add_index_keys
 from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.compile_setup import load_decode_graphs
 from radixserve.runner.device import huge_pages_mb, resolve_device, reuse_freed_cpu_buffers
@@ -28,21 +28,13 @@ from radixserve.runner.mtp import MTPDraft
 from radixserve.runner.host_kv import HostKV
 from radixserve.sampling_params import SamplingParams
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache, KVPages
+from radixserve.runner.kv_sizing import DTYPES, kv_storage_dtype, num_pages
 from radixserve.runner.structured import StructuredOutput
 from radixserve.weights.loader import load_checkpoint, load_weights, resolve_quantization
 from radixserve.weights.nextn_loader import load_nextn, nextn_tensors
 from radixserve.weights.paths import resolve_model_path
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-KV_DTYPES = {**DTYPES, **FP8_DTYPES}
-
-
-def kv_storage_dtype(config: EngineConfig) -> torch.dtype:
-    """The KV cache's stored dtype: --kv-cache-dtype, or the compute dtype for auto."""
-    return DTYPES[config.dtype] if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
-
 
 class ModelRunner:
     """The Runner protocol (engine/runner_api.py) over a real model. CPU memory: weights twice
@@ -76,7 +68,7 @@ class ModelRunner:
         heads, head_dim, latent = model_config.kv_shape
         if not latent:
             heads = getattr(model, "num_kv_heads", heads)   # this rank's
-        self.num_pages = self._num_pages(config, model_config, heads, self.kv_layers(model_config))
+        self.num_pages = num_pages(config, model_config, heads, self.kv_layers(model_config))
         kv_dtype = kv_storage_dtype(config)
         self.kv_scales = self._kv_scales(kv_dtype, checkpoint_kv_scales or {})
         scales = (self.kv_scales.k, self.kv_scales.v) if self.kv_scales else (None, None)
@@ -244,24 +236,6 @@ class ModelRunner:
         mirror = getattr(self.backend, "mirror", None)
         if foreign and mirror is not None:
             mirror.reset()
-
-    @staticmethod
-    def _num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = None,
-                   num_layers: int | None = None) -> int:
-        """`num_kv_heads`: this rank's under TP (None: the model's); `num_layers`: of KV stored (None: the model's)."""
-        if config.max_total_tokens is not None:
-            return config.max_total_tokens // config.page_size
-        heads, head_dim, latent = mc.kv_shape
-        heads = heads if latent or num_kv_heads is None else num_kv_heads
-        per_token = KVCache.bytes_per_token(num_layers or mc.num_layers, heads, head_dim, kv_storage_dtype(config),
-                                            latent)
-        if mc.dsa is not None:
-            per_token += index_bytes_per_token(mc.dsa.full_layers, mc.dsa.index_head_dim, DTYPES[config.dtype],
-                                               config.index_cache_dtype != "auto")
-        num_pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
-        if num_pages < 2:
-            raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")
-        return num_pages
 
     @torch.inference_mode()
     def forward(self, batch: list[ScheduledSeq]) -> tuple[StepBatch, torch.Tensor]:

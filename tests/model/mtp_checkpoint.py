@@ -21,6 +21,10 @@ def build_glm_mtp(folder, seed: int = 0, exact: bool = False, shared_copies: boo
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**COMMON, **extra})).eval()
     mtp = MtpModel(model, 1).eval()
     with torch.no_grad():
+        # MtpModel's own layers come uninitialized (whatever memory held): give every one of their tensors values
+        for tensor in mtp.layers.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn_like(tensor) * model.config.initializer_range)
         for module in (model, mtp):
             for name, tensor in module.state_dict().items():
                 if name.endswith("mlp.gate.weight"):

@@ -13,6 +13,7 @@ from radixserve.models.dsa import DSAAttention
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.attention.base import create_backend
 from radixserve.runner.attention.sparse import INDEX_KEYS
+from radixserve.runner.kv_sizing import num_pages
 from radixserve.runner.model_runner import ModelRunner
 from tests.model.test_families import COMMON, FAMILIES, build_family
 from tests.model.test_mla import forward_logits
@@ -174,7 +175,7 @@ def test_pool_bytes_per_token_per_layer_are_latent_plus_index_key(tmp_path, dtyp
     assert kv.allocated_bytes() == kv.num_pages * kv.page_size * per_token
     assert kv.slot_bytes == per_token
     gib = EngineConfig(model_path=str(folder), dtype=dtype, kv_cache_memory_gb=0.001)
-    assert ModelRunner._num_pages(gib, mc) == int(0.001 * 2**30) // (per_token * gib.page_size)
+    assert num_pages(gib, mc) == int(0.001 * 2**30) // (per_token * gib.page_size)
 
 
 def test_indexer_types_follow_transformers():

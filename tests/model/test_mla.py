@@ -11,6 +11,7 @@ import torch
 from radixserve.config import EngineConfig
 from radixserve.runner.batch import build_step
 from radixserve.runner.kv_transfer import pack_pages, unpack_pages
+from radixserve.runner.kv_sizing import num_pages
 from radixserve.runner.model_runner import ModelRunner
 from tests.model.test_families import FAMILIES, build_family
 from tests.model.test_hicache_model import SMALL_POOL, assert_same, generate, rounds, sessions
@@ -73,7 +74,7 @@ def test_pool_bytes_per_token_per_layer_are_latent_plus_rope(mla_dir, dtype, kv_
     assert kv.token_bytes * slots == kv.allocated_bytes()
     gib = EngineConfig(model_path=str(mla_dir), dtype=dtype, kv_cache_dtype=kv_dtype, kv_cache_memory_gb=0.001)
     per_token = runner.model_config.num_layers * (mla.kv_lora_rank + mla.qk_rope_head_dim) * width
-    assert ModelRunner._num_pages(gib, runner.model_config) == int(0.001 * 2**30) // (per_token * gib.page_size)
+    assert num_pages(gib, runner.model_config) == int(0.001 * 2**30) // (per_token * gib.page_size)
 
 
 @torch.inference_mode()

@@ -1,0 +1,37 @@
+"""How the KV cache is sized: its stored dtype and its number of pages."""
+from __future__ import annotations
+
+import torch
+
+from radixserve.config import EngineConfig
+from radixserve.models.model_config import ModelConfig
+from radixserve.runner.attention.sparse import index_bytes_per_token
+from radixserve.runner.kv_cache import FP8_DTYPES, KVCache
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_DTYPES = {**DTYPES, **FP8_DTYPES}
+
+
+def kv_storage_dtype(config: EngineConfig) -> torch.dtype:
+    """The KV cache's stored dtype: --kv-cache-dtype, or the compute dtype for auto."""
+    return DTYPES[config.dtype] if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
+
+
+def num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = None,
+               num_layers: int | None = None) -> int:
+    """Pages of `config.page_size` tokens the KV cache gets: --max-total-tokens, else --kv-cache-memory-gb over the bytes
+    per token (every stored layer, index keys included). `num_kv_heads`: this rank's under TP (None: the model's);
+    `num_layers`: of KV stored (None: the model's). Raises ValueError below two pages."""
+    if config.max_total_tokens is not None:
+        return config.max_total_tokens // config.page_size
+    heads, head_dim, latent = mc.kv_shape
+    heads = heads if latent or num_kv_heads is None else num_kv_heads
+    per_token = KVCache.bytes_per_token(num_layers or mc.num_layers, heads, head_dim, kv_storage_dtype(config),
+                                        latent)
+    if mc.dsa is not None:
+        per_token += index_bytes_per_token(mc.dsa.full_layers, mc.dsa.index_head_dim, DTYPES[config.dtype],
+                                           config.index_cache_dtype != "auto")
+    pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
+    if pages < 2:
+        raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")
+    return pages
