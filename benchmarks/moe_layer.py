@@ -32,7 +32,8 @@ def build(args):
     import transformers
 
     from radixserve.models.llama import LlamaMLP
-    from radixserve.models.model_config import ModelConfig, MoEConfig
+    from radixserve.models.block_config import MoEConfig
+    from radixserve.models.model_config import ModelConfig
     from radixserve.models.moe import MoE
 
     cfg = transformers.Glm4MoeConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from radixserve.layers import batch_invariant as bi
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.parallel import Collectives, split_even
-from radixserve.models.model_config import MoEConfig
+from radixserve.models.block_config import MoEConfig
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 logger = logging.getLogger(__name__)
