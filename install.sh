@@ -17,8 +17,8 @@ python -m pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.p
 # interpreter (TRITON_INTERPRET=1) in tests/model/test_triton_backend.py, which fails without it in CI.
 step 5 "triton 3.7.1, for the Triton kernels' interpreter tests"
 python -m pip install --quiet triton==3.7.1
-# --compile (auto: on where a C++ compiler works) has torch's Inductor build C++ at start-up; without a
-# compiler the engine decodes eagerly. Debian's g++ when running as root (as .ci/run installs its tools).
+# --compile on|auto (off by default; auto compiles where a C++ compiler works) has torch's Inductor build C++
+# at start-up; without a compiler the engine decodes eagerly. Debian's g++ when running as root (as .ci/run installs its tools).
 step 6 "a C++ compiler for --compile"
 if command -v "${CXX:-g++}" >/dev/null 2>&1; then
   echo "install.sh: C++ compiler: $(command -v "${CXX:-g++}")"
