@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
@@ -236,8 +237,11 @@ class EngineConfig:
         if not self.is_eagle:
             given = [flag for flag, value in eagle_only.items() if value is not None]
             if given:
-                raise ValueError(f"{', '.join(given)} need --speculative-algorithm EAGLE")
+                raise ValueError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
+                                 f"--speculative-algorithm EAGLE")
             return
+        if self.speculative_num_steps is not None and not 1 <= self.speculative_num_steps <= 16:
+            raise ValueError(f"--speculative-num-steps must be in [1, 16], got {self.speculative_num_steps}")
         if self.speculative_eagle_topk not in (None, 1):
             raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: only 1 is supported "
                              f"(a chain of drafts; tree drafts are not implemented)")
@@ -366,9 +370,33 @@ class ServerConfig:
             raise ValueError("request_body_timeout must be > 0")
         if not self.graceful_shutdown_timeout >= 0:
             raise ValueError("graceful_shutdown_timeout must be >= 0")
+        self._check_guard()
         if self.tool_call_constraint == "native" and self.tool_call_parser not in NATIVE_TOOL_FORMATS:
             raise ValueError("--tool-call-constraint native needs --tool-call-parser "
                              + " | ".join(NATIVE_TOOL_FORMATS) + f", got {self.tool_call_parser}")
+
+
+    def _check_guard(self) -> None:
+        """The output detectors' thresholds: finite, and in the range their rule can use (ValueError)."""
+        checks = {
+            "--speculative-anomaly-min-accept-length (finite, >= 0)":
+                math.isfinite(self.speculative_anomaly_min_accept_length)
+                and self.speculative_anomaly_min_accept_length >= 0,
+            "--speculative-anomaly-max-accept-rate (in (0, 1])":
+                0 < self.speculative_anomaly_max_accept_rate <= 1,
+            "--speculative-anomaly-min-tokens (>= 0)": self.speculative_anomaly_min_tokens >= 0,
+            "--speculative-anomaly-min-verify-steps (>= 0)": self.speculative_anomaly_min_verify_steps >= 0,
+            "--confidence-window (>= 1)": self.confidence_window >= 1,
+            "--confidence-min-mean-logprob (finite, <= 0)":
+                math.isfinite(self.confidence_min_mean_logprob) and self.confidence_min_mean_logprob <= 0,
+            "--confidence-min-drop (finite, >= 0)":
+                math.isfinite(self.confidence_min_drop) and self.confidence_min_drop >= 0,
+            "--confidence-max-temperature (finite, >= 0)":
+                math.isfinite(self.confidence_max_temperature) and self.confidence_max_temperature >= 0,
+        }
+        bad = [flag for flag, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"out of range: {'; '.join(bad)}")
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:

@@ -101,3 +101,22 @@ def test_version_prints_the_package_version():
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"radixserve {radixserve.__version__}\n"
     assert re.fullmatch(r"\d+\.\d+\.\d+\S*", radixserve.__version__)
+
+
+@pytest.mark.parametrize("flags, names", [
+    (["--enable-confidence-detector", "--confidence-window", "0"], "--confidence-window"),
+    (["--confidence-min-drop", "nan"], "--confidence-min-drop"),
+    (["--speculative-anomaly-max-accept-rate", "2"], "--speculative-anomaly-max-accept-rate"),
+    (["--speculative-anomaly-max-accept-rate", "nan"], "--speculative-anomaly-max-accept-rate"),
+    (["--speculative-anomaly-min-accept-length", "-1"], "--speculative-anomaly-min-accept-length"),
+    (["--speculative-anomaly-min-tokens", "-5"], "--speculative-anomaly-min-tokens"),
+    (["--speculative-anomaly-min-verify-steps", "-1"], "--speculative-anomaly-min-verify-steps"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "0"], "--speculative-num-steps must be in [1, 16]"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "100"], "--speculative-num-steps must be in [1, 16]"),
+    (["--speculative-num-steps", "2"], "--speculative-num-steps needs --speculative-algorithm EAGLE"),
+])
+def test_out_of_range_settings_are_exit_2_naming_the_flag(flags, names, no_serving, capsys):
+    """A threshold no rule can use (a zero window divided by, a rate above 1, NaN) fails at start-up, in one line."""
+    assert cli.main(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    assert names in err and "Traceback" not in err, err
