@@ -389,8 +389,7 @@ class ServerConfig:
             "--confidence-window (>= 1)": self.confidence_window >= 1,
             "--confidence-min-mean-logprob (finite, <= 0)":
                 math.isfinite(self.confidence_min_mean_logprob) and self.confidence_min_mean_logprob <= 0,
-            "--confidence-min-drop (finite, >= 0)":
-                math.isfinite(self.confidence_min_drop) and self.confidence_min_drop >= 0,
+            "--confidence-min-drop (finite)": math.isfinite(self.confidence_min_drop),
             "--confidence-max-temperature (finite, >= 0)":
                 math.isfinite(self.confidence_max_temperature) and self.confidence_max_temperature >= 0,
         }

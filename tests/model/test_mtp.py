@@ -283,7 +283,7 @@ def test_nextn_is_an_alias_and_eagle_flags_need_eagle():
     c = EngineConfig(model_path="x", speculative_algorithm="NEXTN", speculative_num_steps=5)
     assert c.is_eagle and c.spec_max_draft == 5
     assert EngineConfig(model_path="x", speculative_algorithm="EAGLE").spec_max_draft == 3
-    with pytest.raises(ValueError, match="need --speculative-algorithm EAGLE"):
+    with pytest.raises(ValueError, match="needs? --speculative-algorithm EAGLE"):
         EngineConfig(model_path="x", speculative_algorithm="ngram", speculative_num_steps=2)
 
 
