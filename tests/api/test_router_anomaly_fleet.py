@@ -11,15 +11,17 @@ import httpx
 import pytest
 
 from tests.api.conftest import API_KEY
-from tests.api.router_fixtures import Fleet, wait_for
+from tests.api.router_fixtures import ROUTER_FLAGS, Fleet, wait_for
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-MAX_REQUESTS = 20    # non-streamed requests until one has met the garbling worker
+MAX_REQUESTS = 20    # non-streamed requests until one has met the garbling worker (round robin: the 1st or 2nd)
 
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir):
-    f = Fleet(tiny_model_dir, worker_flags=("--anomaly-guard-action", "abort")).wait_ready()
+    # round robin: cache-aware routing may keep every prompt of this family on the clean worker
+    f = Fleet(tiny_model_dir, router_flags=[*ROUTER_FLAGS, "--policy", "round_robin"],
+              worker_flags=("--anomaly-guard-action", "abort")).wait_ready()
     yield f
     f.stop()
 
