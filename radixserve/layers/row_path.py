@@ -54,14 +54,21 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path(base) / "radixserve")
 
 
-def decision_key(layers: Sequence, offered: Sequence[str]) -> str:
-    """What a decision depends on: the CPU (model name and flags), torch, its threads, the timed layers' shapes."""
+def cpu_identity() -> dict[str, str]:
+    """This CPU's model name and flags from /proc/cpuinfo (empty where there is none): part of any key for
+    choices a CPU can change."""
     cpu = {}
     with contextlib.suppress(OSError):
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             name, _, value = line.partition(":")
             if name.strip() in ("model name", "flags") and name.strip() not in cpu:
                 cpu[name.strip()] = value.strip()
+    return cpu
+
+
+def decision_key(layers: Sequence, offered: Sequence[str]) -> str:
+    """What a decision depends on: the CPU (model name and flags), torch, its threads, the timed layers' shapes."""
+    cpu = cpu_identity()
     shapes = [(m.out_features, m.in_features, str(m.weight.dtype)) for m in layers]
     what = [cpu, torch.__version__, torch.get_num_threads(), shapes, list(offered)]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]

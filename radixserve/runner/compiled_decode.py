@@ -16,7 +16,7 @@ import torch
 
 from radixserve.layers import opaque_attention
 from radixserve.layers.attention import Attention
-from radixserve.layers.row_path import cache_dir
+from radixserve.layers.row_path import cache_dir, cpu_identity
 from radixserve.runner.batch import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -37,12 +37,7 @@ def buckets(max_bs: int) -> list[int]:
 
 def graph_key(what: dict) -> str:
     """A short hash of everything that changes a compiled graph (C61): `what` plus torch's version and the CPU."""
-    cpu = {}
-    with contextlib.suppress(OSError):
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name.strip() in ("model name", "flags") and name.strip() not in cpu:
-                cpu[name.strip()] = value.strip()
+    cpu = cpu_identity()
     full = {**what, "torch": torch.__version__, "cpu": cpu, "threads": torch.get_num_threads(),
             "inductor": INDUCTOR_OPTIONS}
     return hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
