@@ -126,9 +126,9 @@ def test_pd_parity_with_colocated_carries_both_parts(dsa_dir):
     """PD (prefill worker -> decode worker, the abort/ack handshake of docs/disagg) on the DSA model: prompts of 1 to
     33 tokens (index_topk 8: both sides of the boundary) and a prefill-side prefix hit decode what colocated serving
     decodes, so the decode side read the latent and the index keys the prefill side wrote."""
-    from tests.model.test_pd_race import test_pd_parity_with_colocated as pd_parity
+    from tests.model.test_pd_race import check_pd_parity_with_colocated
 
-    pd_parity(dsa_dir)
+    check_pd_parity_with_colocated(dsa_dir)
 
 
 def test_skip_wait_is_validated_at_the_http_boundary():

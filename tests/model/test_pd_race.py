@@ -121,6 +121,11 @@ def test_six_step_slot_reuse_race(mha_dir, skip_handshake, checksum):
 
 
 def test_pd_parity_with_colocated(mha_dir):
+    check_pd_parity_with_colocated(mha_dir)
+
+
+def check_pd_parity_with_colocated(mha_dir):
+    """Prompts of 1 to 33 tokens and a prefill-side prefix hit decode over PD exactly what colocated serving decodes."""
     rng = random.Random(22)
     lengths = [1, 3, 4, 5, 8, 12, 16, 17, 24, 33]
     prompts = [[rng.randrange(1, 384) for _ in range(n)] for n in lengths]
