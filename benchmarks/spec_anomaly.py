@@ -1,10 +1,10 @@
 """Acceptance and confidence as anomaly detectors: detection rate, tokens to detection and false positives of the text, acceptance, confidence and combined detectors.
 
-Run:  PYTHONPATH=. python benchmarks/spec_anomaly.py [--algorithm ngram|draft|none] [--draft-layers L]
+Run:  PYTHONPATH=. python benchmarks/spec_anomaly.py [--algorithm eagle|ngram|draft|none] [--draft-layers L]
           [--num-normal 2000] [--num-faulted 200] [--max-tokens 160] [--concurrency 32] [--out DIR]
 
-In-process on the embedded SmolLM2-135M-Instruct with speculation on (n-gram drafts, or a
-self-draft of the first L of its 30 layers; K=4) and the radix cache off (a corrupted page then
+In-process on the embedded SmolLM2-135M-Instruct with speculation on (its trained EAGLE head, S=3; n-gram
+drafts, or a self-draft of the first L of its 30 layers; K=4) and the radix cache off (a corrupted page then
 belongs to one request only):
 
 1. normal: `--num-normal` chat requests, a quarter each of chat (explanations, lists, poems,
@@ -268,8 +268,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--out", default="/tmp/spec_anomaly")
-    ap.add_argument("--algorithm", choices=("ngram", "draft", "none"), default="ngram",
-                    help="none: no speculation (the acceptance detector then sees nothing)")
+    ap.add_argument("--algorithm", choices=("eagle", "ngram", "draft", "none"), default="eagle",
+                    help="eagle: the default model's trained draft head (its default, S = 3); none: no "
+                         "speculation (the acceptance detector then sees nothing)")
     ap.add_argument("--draft-layers", type=int, default=8, help="draft: self-draft depth")
     ap.add_argument("--kv-checksum", action="store_true", help="run the engine with --enable-kv-checksum")
     ap.add_argument("--summarize", metavar="TRACES", help="only recompute the summary of a "
@@ -290,8 +291,8 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     draft = {"speculative_draft_layers": args.draft_layers} if args.algorithm == "draft" else {}
-    spec = {} if args.algorithm == "none" else {"speculative_algorithm": args.algorithm,
-                                                "speculative_num_draft_tokens": 4}
+    spec = ({"speculative_algorithm": "none"} if args.algorithm == "none" else {} if args.algorithm == "eagle"
+            else {"speculative_algorithm": args.algorithm, "speculative_num_draft_tokens": 4})
     llm = LLM(**spec, enable_kv_checksum=args.kv_checksum,
               disable_radix_cache=True, max_total_tokens=65536, **draft)
     start = time.monotonic()

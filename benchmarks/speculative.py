@@ -1,6 +1,10 @@
-"""N-gram speculative decoding on vs off on the default model, same process, output tok/s and the ratio.
+"""Speculative decoding on vs off on the default model, same process, output tok/s and the ratio.
 
-Run:  python benchmarks/speculative.py [--reps 4] [--draft-tokens 8] [--break-even-tokens R] [--only chat]
+Run:  python benchmarks/speculative.py [--algorithm ngram|eagle] [--reps 4] [--draft-tokens 8]
+                                       [--break-even-tokens R] [--only chat]
+
+`--algorithm eagle` is the default model's trained draft head (its default); ngram is prompt lookup. The
+"off" side runs --speculative-algorithm none.
 
 Both sides are engines in this process (offline API, greedy, at most 16 requests running), built
 once; each repetition runs every workload on both, in alternating order (AB BA ...), from an
@@ -12,6 +16,9 @@ traffic is kept, as on a warm server. Workloads:
 - chat c16: 64 short unrelated chat questions, 16 running at a time (SGLang's
   `--max-concurrency 16`): little to copy, speculation must back off and cost little.
 - chat burst16: the first 16 of them at once, one wave: the wall time is the longest answer's.
+- heldout c1 / heldout c16: 8 (c1, one request at a time) and 64 (16 running) chat, code, copy-editing,
+  translation and summary prompts from training/prompt_mix.py's held-out split (subjects the draft head
+  never saw in training), 128 tokens each.
 Prints per side the median tok/s over the repetitions, every run, the spec/off ratio, the
 acceptance counters summed over the repetitions, and the load average. Greedy outputs of the
 two sides are compared (they must be equal).
@@ -61,22 +68,29 @@ def workloads() -> dict[str, tuple[list[list[dict]], int]]:
     edit = [{"role": "user", "content": "Repeat this code exactly, but rename `config` to `settings`:\n\n" + CODE}]
     chat = [[{"role": "user", "content": q}]
             for q in QUESTIONS + [t.format(t=topic) for t in TEMPLATES for topic in TOPICS]]
-    return {"copy-edit c1": ([edit], 300), "chat c16": (chat, 64), "chat burst16": (chat[:CONCURRENCY], 64)}
+    from training.prompt_mix import prompts
+    heldout = [[{"role": "user", "content": text}] for _, text in prompts(64, "heldout", seed=1)]
+    return {"copy-edit c1": ([edit], 300), "chat c16": (chat, 64), "chat burst16": (chat[:CONCURRENCY], 64),
+            "heldout c1": (heldout[:8], 128), "heldout c16": (heldout, 128)}
 
 
 def build(spec: bool, args: argparse.Namespace):
     from radixserve import LLM, SamplingParams
 
-    kwargs = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": args.draft_tokens,
-              **({"speculative_break_even_tokens": args.break_even_tokens}
-                 if args.break_even_tokens is not None else {})} if spec else {}
+    gate = {"speculative_break_even_tokens": args.break_even_tokens} if args.break_even_tokens is not None else {}
+    if not spec:
+        kwargs = {"speculative_algorithm": "none"}
+    elif args.algorithm == "ngram":
+        kwargs = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": args.draft_tokens, **gate}
+    else:
+        kwargs = gate     # the default model's trained head (weights/default_draft.py)
     llm = LLM(max_total_tokens=32768, max_running_requests=CONCURRENCY, **kwargs)
     llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=4, temperature=0),
              use_tqdm=False)   # warm-up
     return llm
 
 
-def measure(llm, conversations: list[list[dict]], max_tokens: int) -> dict:
+def measure(llm, name: str, conversations: list[list[dict]], max_tokens: int) -> dict:
     """One run from an empty prefix cache and shared n-gram table (`flush_cache`): tok/s, the outputs and the
     speculation counters' increase."""
     from radixserve import SamplingParams
@@ -84,8 +98,12 @@ def measure(llm, conversations: list[list[dict]], max_tokens: int) -> dict:
     engine = llm.engine
     assert engine.flush_cache()
     before = {k: v for k, v in engine.counters.items() if k.startswith("spec_") and isinstance(v, int)}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
     start = time.perf_counter()
-    results = llm.chat(conversations, SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
+    if name.endswith(" c1"):    # a single stream: one request at a time
+        results = [llm.chat(c, params, use_tqdm=False)[0] for c in conversations]
+    else:
+        results = llm.chat(conversations, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = [r.outputs[0].token_ids for r in results]
     return {"tok_s": sum(map(len, tokens)) / elapsed, "tokens": tokens,
@@ -94,6 +112,7 @@ def measure(llm, conversations: list[list[dict]], max_tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--algorithm", default="eagle", choices=("eagle", "ngram"))
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--draft-tokens", type=int, default=8)
     ap.add_argument("--break-even-tokens", type=float, default=None,
@@ -106,8 +125,8 @@ def main() -> None:
     for rep in range(args.reps):
         for spec in ((False, True) if rep % 2 == 0 else (True, False)):
             for name, (conversations, max_tokens) in chosen.items():
-                runs[name][spec].append(measure(llms[spec], conversations, max_tokens))
-    print(f"load {os.getloadavg()[0]:.2f}; draft tokens {args.draft_tokens}; break-even tokens "
+                runs[name][spec].append(measure(llms[spec], name, conversations, max_tokens))
+    print(f"load {os.getloadavg()[0]:.2f}; {args.algorithm}; draft tokens {args.draft_tokens}; break-even tokens "
           f"{args.break_even_tokens or 'default'}; {args.reps} repetitions")
     for name, sides in runs.items():
         off, on = ([r["tok_s"] for r in sides[s]] for s in (False, True))
@@ -118,7 +137,8 @@ def main() -> None:
               f"ratio {statistics.median(on) / statistics.median(off):.2f}  greedy outputs equal: {same}  "
               f"(runs off {' '.join(f'{x:.1f}' for x in off)}, spec {' '.join(f'{x:.1f}' for x in on)})  "
               f"verify steps {steps}, accepted {accepted}/{drafted} drafted "
-              f"({accepted / drafted if drafted else 0:.2f})")
+              f"({accepted / drafted if drafted else 0:.2f}; accept length "
+              f"{(accepted + steps) / steps if steps else 0:.2f})")
 
 
 if __name__ == "__main__":

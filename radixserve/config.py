@@ -75,9 +75,11 @@ class EngineConfig:
         None, "speculative decoding: ngram = draft tokens copied from earlier in the request's own "
               "prompt and output (or recent requests' outputs); draft = a self-draft model, "
               "the target's first --speculative-draft-layers layers with its own KV; drafts are "
-              "verified in one step; EAGLE (alias NEXTN) = the checkpoint's NextN/MTP layer drafts a "
-              "chain from the target's last hidden state (off by default)",
-        ("ngram", "draft", "EAGLE", "NEXTN"))
+              "verified in one step; EAGLE (alias NEXTN) = the checkpoint's NextN/MTP layer, or the "
+              "trained head file given by --speculative-draft-model-path, drafts a chain from the "
+              "target's last hidden state; none = off. Default: EAGLE with the packaged trained head "
+              "when the default model is served (docs/speculative.md), else off",
+        ("ngram", "draft", "EAGLE", "NEXTN", "none"))
     speculative_num_draft_tokens: int | None = opt(
         None, "ngram, draft: most draft tokens verified per request and step (a request's draft grows "
               "to this while its drafts are accepted; unset: 8); EAGLE: tokens per verify step, the "
@@ -96,7 +98,8 @@ class EngineConfig:
               "make the self-draft model (with --speculative-draft-model-path: of that model's; "
               "default all)")
     speculative_draft_model_path: str | None = opt(
-        None, "draft: a separate draft model (HF folder or .gguf) with the target's vocabulary")
+        None, "draft: a separate draft model (HF folder or .gguf) with the target's vocabulary; "
+              "EAGLE: a trained draft head file (.safetensors, training/train_draft_head.py)")
     quantization: str = opt(
         "none", "weight-only quantized linear layers for a GGUF model: int4 serves its Q4_0 / Q4_1 / "
                 "Q4_K weights exactly on torch's int4 kernel (~6x less linear-weight memory, faster at "
@@ -190,9 +193,11 @@ class EngineConfig:
             raise ValueError("speculative_break_even_tokens must be >= 0")
         draft_given = (self.speculative_draft_layers is not None
                        or self.speculative_draft_model_path is not None)
-        if (self.speculative_algorithm == "draft") != draft_given:
+        head_given = self.is_eagle and self.speculative_draft_layers is None
+        if (self.speculative_algorithm == "draft") != draft_given and not head_given:
             raise ValueError("--speculative-algorithm draft needs --speculative-draft-layers or "
-                             "--speculative-draft-model-path, and they need it")
+                             "--speculative-draft-model-path, and they need it (or EAGLE, for a draft head "
+                             "file given by --speculative-draft-model-path)")
         if self.speculative_draft_layers is not None and self.speculative_draft_layers < 1:
             raise ValueError("speculative_draft_layers must be >= 1")
         if self.torch_compile_max_bs < 1:

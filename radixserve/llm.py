@@ -20,9 +20,10 @@ class LLM:
     def __init__(self, model_path: str | None = None, **engine_kwargs):
         from radixserve.runner.tp import load_runner
         from radixserve.tokenizer.tokenizer import Tokenizer
+        from radixserve.weights.default_draft import with_default_draft
         from radixserve.weights.paths import resolve_model_path
 
-        self.config = EngineConfig(model_path=model_path, **engine_kwargs)
+        self.config = with_default_draft(EngineConfig(model_path=model_path, **engine_kwargs))
         self.tokenizer = Tokenizer.load(resolve_model_path(model_path, need_tokenizer=True))
         runner = load_runner(self.config)
         self.engine = Engine(self.config, runner, self.tokenizer.eos_token_ids,

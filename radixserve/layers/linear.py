@@ -58,6 +58,12 @@ class Linear(torch.nn.Module):
         else:
             target.copy_(tensor)
 
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` ((K,) int64) of the loaded weight in float (dequantized where a quantized weight was
+        loaded); before prepare(), and only for an unfused weight."""
+        q = self._quant_shards.get(None)
+        return q.take_rows(index).dequantize() if q is not None else self.weight.data.index_select(0, index)
+
     def tie(self, weight: torch.nn.Parameter) -> None:
         assert tuple(weight.shape) == (self.out_features, self.in_features), "tied shapes differ"
         self.weight = weight

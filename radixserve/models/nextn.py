@@ -4,7 +4,10 @@ One step (DeepSeek-V3's multi-token prediction module; transformers' MtpLayer):
     h' = eh_proj(cat[enorm(embed(next token)), hnorm(h)]) -> decoder block (MoE) -> shared_head.norm
     logits = lm_head(h')
 h is the target's hidden state after its final norm (the LM head's input) for the first step, and the previous
-step's h' after that. Embeddings and LM head are the target's unless the checkpoint gives the layer its own."""
+step's h' after that. Embeddings and LM head are the target's unless the checkpoint gives the layer its own.
+A trained head file (weights/nextn_loader.py's load_draft_head, e.g. the default model's) has the same structure for
+any Llama-shaped family and may bring a `token_map`: the draft then scores only those vocabulary rows of the head
+(a reduced draft vocabulary, as FR-Spec and EAGLE-3 do) and proposes only those tokens."""
 from __future__ import annotations
 
 import torch
@@ -39,6 +42,7 @@ class NextNLayer(LlamaDecoderLayer):
         # The target's, not registered here (not loaded or prepared again); _share_or_keep may replace them.
         self.parts = {"embed": target.model.embed_tokens, "head": target.lm_head, "rotary": target.rotary}
         self.sources: dict[str, str] = {}
+        self.token_map: torch.Tensor | None = None    # (K,) int64 vocabulary ids of the draft head's rows
 
     def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
               attn: Attention) -> torch.Tensor:
@@ -50,8 +54,30 @@ class NextNLayer(LlamaDecoderLayer):
         return self.shared_head.norm(super().forward(x, cos, sin, rotary, attn))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(R, hidden_size) -> (R, vocab_size) fp32."""
+        """(R, hidden_size) -> (R, vocab_size) fp32, or (R, K) over the token map's rows."""
         return self.parts["head"](hidden).float()
+
+    def propose(self, hidden: torch.Tensor) -> list[int]:
+        """(R, hidden_size) -> R greedy draft token ids (vocabulary ids, through the token map if any)."""
+        best = self.logits(hidden).argmax(-1)
+        return (best if self.token_map is None else self.token_map[best]).tolist()
+
+    def reduce_vocab(self, token_map: torch.Tensor) -> None:
+        """Score only the head rows `token_map` ((K,) int64, distinct ids < vocab_size): a head of its own holding
+        those rows of the current one (called at load time, before prepare). Raises ValueError on bad ids."""
+        head = self.parts["head"]
+        if token_map.dim() != 1 or token_map.numel() == 0 or token_map.dtype != torch.int64:
+            raise ValueError(f"token_map must be a non-empty 1-D int64 tensor, got {tuple(token_map.shape)} "
+                             f"{token_map.dtype}")
+        if int(token_map.min()) < 0 or int(token_map.max()) >= head.out_features \
+                or token_map.unique().numel() != token_map.numel():
+            raise ValueError(f"token_map must hold distinct ids in [0, {head.out_features})")
+        own = Linear(head.in_features, token_map.numel())
+        own.weight.data.copy_(head.weight_rows(token_map))
+        self.own_head = own          # registered: prepared with the layer
+        self.parts["head"] = own
+        self.token_map = token_map.clone()
+        self.sources["head"] = f"{token_map.numel()} rows of {self.sources.get('head', 'the target head')}"
 
 
 def prepare_nextn(layer: NextNLayer, dtype: torch.dtype, device: torch.device,

@@ -31,7 +31,7 @@ from radixserve.runner.kv_cache import FP8_DTYPES, KVCache, KVPages
 from radixserve.runner.kv_sizing import DTYPES, kv_storage_dtype, num_pages
 from radixserve.runner.structured import StructuredOutput
 from radixserve.weights.loader import load_checkpoint, load_weights, resolve_quantization
-from radixserve.weights.nextn_loader import load_nextn, nextn_tensors
+from radixserve.weights.nextn_loader import load_draft_head, load_nextn, nextn_tensors
 from radixserve.weights.paths import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -119,8 +119,11 @@ class ModelRunner:
         if config.is_eagle:
             weights = nextn_tensors(weights, model_config.num_layers, draft_tensors)
         scales = load_weights(model, weights)
-        draft = load_nextn(model, draft_tensors) if config.is_eagle else None
-        if config.speculative_draft_model_path is not None:
+        draft = None
+        if config.is_eagle:
+            path = config.speculative_draft_model_path
+            draft = load_draft_head(model, path) if path is not None else load_nextn(model, draft_tensors)
+        elif config.speculative_draft_model_path is not None:
             draft_config, draft_weights = load_checkpoint(
                 resolve_model_path(config.speculative_draft_model_path))
             draft = model_class(draft_config)(draft_config)

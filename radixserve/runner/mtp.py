@@ -113,7 +113,7 @@ class MTPDraft:
         """Greedy chain from each extend's last row h' (hidden: (len(wanting), hidden_size)): draft 1 from
         its logits, draft j + 1 from the layer run on (h'_j, draft j) at the extend's last position + j."""
         while True:
-            for e, token in zip(wanting, self.layer.logits(hidden).argmax(-1).tolist()):
+            for e, token in zip(wanting, self.layer.propose(hidden)):
                 drafts[e.index].append(token)
             live = [k for k, e in enumerate(wanting) if len(drafts[e.index]) < e.propose]
             if not live:

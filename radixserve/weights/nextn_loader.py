@@ -1,13 +1,16 @@
 """Load a checkpoint's NextN / MTP layer (`model.layers.{num_hidden_layers}.*`) into models/nextn.py's NextNLayer.
 
 Every draft parameter comes from a named checkpoint tensor or is the target's (embeddings, LM head); a missing,
-unknown or misshapen tensor is a load error, never a draft left at its initial weights (case C53)."""
+unknown or misshapen tensor is a load error, never a draft left at its initial weights (case C53). A trained head
+file (load_draft_head) brings the same tensors for any Llama-shaped family."""
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from radixserve.layers.embedding import VocabEmbedding
 from radixserve.layers.linear import Linear
@@ -39,7 +42,33 @@ def load_nextn(target: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tens
     c = target.config
     if c.architecture not in NEXTN_FAMILIES:
         raise ValueError(f"--speculative-algorithm EAGLE/NEXTN drafts with a checkpoint's NextN (MTP) layer; "
-                         f"{c.architecture!r} has none here (supported: {', '.join(NEXTN_FAMILIES)})")
+                         f"{c.architecture!r} has none here (supported: {', '.join(NEXTN_FAMILIES)}; "
+                         f"or give a trained head with --speculative-draft-model-path)")
+    return _build(target, tensors, "the checkpoint")
+
+
+def load_draft_head(target: LlamaForCausalLM, path: str) -> NextNLayer:
+    """A trained draft head file (training/train_draft_head.py writes one): safetensors with the NextN tensor
+    names under `model.layers.{num_layers}.` and optionally `token_map` ((K,) int64, the draft vocabulary).
+    Raises ValueError for an unreadable file, a tensor outside that prefix, or as load_nextn does."""
+    try:
+        tensors = load_file(path)
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"--speculative-draft-model-path {path!r}: not a readable safetensors file ({e})") from None
+    token_map = tensors.pop("token_map", None)
+    prefix = f"model.layers.{target.config.num_layers}."
+    stray = sorted(name for name in tensors if not name.startswith(prefix))
+    if stray:
+        raise ValueError(f"draft head {path}: tensors outside {prefix}* ({', '.join(stray[:3])}): "
+                         f"is it for a model with {target.config.num_layers} layers?")
+    layer = _build(target, tensors.items(), path)
+    if token_map is not None:
+        layer.reduce_vocab(token_map)
+    return layer
+
+
+def _build(target: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], origin: str) -> NextNLayer:
+    c = target.config
     prefix = f"model.layers.{c.num_layers}."
     layer = NextNLayer(target)
     own: list[tuple[str, torch.Tensor]] = []
@@ -51,20 +80,20 @@ def load_nextn(target: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tens
         else:
             own.append((short, target.checkpoint_tensor(name, tensor)))
     if not own:
-        raise ValueError(f"the checkpoint has no NextN (MTP) layer: no tensor named {prefix}* "
+        raise ValueError(f"{origin} has no NextN (MTP) layer: no tensor named {prefix}* "
                          f"(--speculative-algorithm EAGLE needs one)")
     missing = [n for n in OWN if n not in {s for s, _ in own}]
     if missing:
-        raise ValueError(f"the checkpoint's NextN layer lacks {', '.join(prefix + n for n in missing)}")
+        raise ValueError(f"{origin}'s NextN layer lacks {', '.join(prefix + n for n in missing)}")
     try:
         load_weights(layer, own)
     except ValueError as e:
-        raise ValueError(f"NextN layer {prefix}*: {e}") from None
+        raise ValueError(f"NextN layer {prefix}* of {origin}: {e}") from None
     for name, tensor in shared:
         _share_or_keep(layer, SHARED[name.removeprefix(prefix)], tensor, name)
     for part in ("embed", "head"):
         layer.sources.setdefault(part, "the target's " + ("embed_tokens" if part == "embed" else "lm_head"))
-    layer.sources["layer"] = f"{prefix}* ({len(own)} tensors)"
+    layer.sources["layer"] = f"{prefix}* of {origin} ({len(own)} tensors)"
     logger.info("NextN draft: %s", "; ".join(f"{k} from {v}" for k, v in layer.sources.items()))
     return layer
 
