@@ -131,6 +131,9 @@ class EngineConfig:
     # tensor parallelism (docs/parallel.md); flag names are SGLang's
     tp_size: int = opt(1, "tensor-parallel ranks, one engine process each: rank 0 schedules and broadcasts "
                           "each step, every rank holds 1/N of the heads, MLP rows and vocabulary")
+    ep_size: int = opt(1, "expert-parallel ranks inside the --tp-size group (must divide it): each holds "
+                          "1/N of a MoE model's routed experts, whole when N = --tp-size; the router, shared "
+                          "experts and attention stay tensor-parallel (docs/parallel.md)")
     cp_size: int = opt(1, "context-parallel ranks for prefill (tensor parallelism 1): each rank computes every "
                           "N-th token of a prefill step against all keys, the new KV all-gathered per layer; "
                           "decode runs unsplit on every rank (docs/parallel.md)")
@@ -266,6 +269,9 @@ class EngineConfig:
     def _check_parallel(self) -> None:
         if self.tp_size < 1 or self.cp_size < 1:
             raise ValueError("--tp-size and --cp-size must be positive")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"--ep-size {self.ep_size} must be a positive divisor of --tp-size {self.tp_size} (the "
+                             "expert-parallel ranks are a split of the tensor-parallel group)")
         if self.nnodes < 1 or self.world_size % self.nnodes or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--nnodes must divide the {self.world_size} ranks (--tp-size x --cp-size), and "
                              "--node-rank be in [0, --nnodes)")
