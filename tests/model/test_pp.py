@@ -1,0 +1,183 @@
+"""Pipeline parallelism, PP=2 over gloo in 2 processes vs PP=1 (stages: tests/model/pp_worker.py).
+
+On a tiny Llama (2 layers, tied embeddings: the last stage keeps the embedding as its head) and a tiny GLM-4.5 MoE (3
+layers on 2 stages: 2 + 1; a dense first layer, shared experts, untied), with prompts chunked by 32, batches of
+several sequences and a 90 % radix hit, at M = 2 (the default), 1 and 3 micro-batches: logits within 1e-5 relative
+and greedy tokens equal to PP=1, and the same whatever M is; the last stage's logits bit-identical to what rank 0
+samples from; per-rank parameter and KV bytes and per-step point-to-point bytes equal docs/parallel.md's formulas
+exactly; a stage that stops answering ends rank 0's receive with DistError after the group's timeout, a killed
+stage ends rank 0's next step with DistError, and `load_runner` starts and stops its follower."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from radixserve.config import EngineConfig
+from radixserve.models.model_config import ModelConfig
+from radixserve.runner.kv_sizing import num_pages
+from radixserve.runner.layer_split import owned_layers
+from radixserve.runner.tp import free_init_addr
+from radixserve.weights.safetensors import read_hf_config
+from tests.conftest import build_tiny_llama
+from tests.model.pp_worker import MICRO, TIMEOUT_S
+from tests.model.test_families import build_family
+from tests.model.test_tp import layer_bytes
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+CASES = ("llama", "glm4_moe")
+SIZE = 2
+PAGE = 16
+
+
+def build(folder: pathlib.Path, case: str) -> str:
+    if case == "llama":
+        build_tiny_llama(folder)
+    else:
+        build_family(folder, case)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """(configs, folders, per rank its results), one PP=2 group for every case."""
+    folders = [build(tmp_path_factory.mktemp(case), case) for case in CASES]
+    out = tmp_path_factory.mktemp("pp-out")
+    addr = free_init_addr()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.model.pp_worker", str(r), str(SIZE), addr, str(out),
+                               *folders], cwd=REPO, env=env) for r in range(SIZE)]
+    try:
+        assert [p.wait(600) for p in procs] == [0] * SIZE
+    finally:
+        for p in procs:
+            p.kill()
+    configs = [ModelConfig.from_hf(read_hf_config(f)) for f in folders]
+    return configs, folders, [torch.load(out / f"rank{r}.pt") for r in range(SIZE)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max()) if b.numel() else 0.0
+
+
+@pytest.mark.parametrize("micro", MICRO)
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_pp2_logits_and_greedy_tokens_equal_pp1(group, index, micro):
+    rank0, last = group[2][0]["models"][index], group[2][SIZE - 1]["models"][index]
+    result, ref = rank0[micro], rank0["ref"]
+    assert [s["query_lens"] for s in result["steps"]] == [s["query_lens"] for s in ref["steps"]]
+    assert any(s["query_lens"] == [7] and s["context_lens"] == [71] for s in ref["steps"])    # the radix hit
+    assert any(s["num_seqs"] >= 3 for s in ref["steps"])                                       # micro-batches
+    for step, want in zip(result["steps"], ref["steps"]):
+        assert step["logits"].shape == want["logits"].shape
+        assert rel_err(step["logits"], want["logits"]) <= 1e-5
+    assert result["tokens"] == ref["tokens"]
+    for a, b in zip(result["steps"], last[micro]["steps"]):
+        assert torch.equal(a["logits"], b["logits"])         # rank 0 samples the last stage's bits
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_the_output_does_not_depend_on_the_micro_batch_count(group, index):
+    rank0 = group[2][0]["models"][index]
+    base = rank0[MICRO[0]]
+    for micro in MICRO[1:]:
+        assert rank0[micro]["tokens"] == base["tokens"]
+        for a, b in zip(rank0[micro]["steps"], base["steps"]):
+            assert rel_err(a["logits"], b["logits"]) <= 1e-5
+
+
+def stage_param_bytes(c: ModelConfig, stage: int) -> int:
+    """docs/parallel.md: the stage's layers, plus the embedding (stage 0) and the final norm + LM head (last stage;
+    a tied head is the embedding, kept there as its storage)."""
+    h, v = c.hidden_size, c.vocab_size
+    layers = sum(layer_bytes(c, 1, i) for i in owned_layers(c.num_layers, SIZE, stage))
+    return layers + 4 * ((v * h if stage == 0 else 0) + (v * h + h if stage == SIZE - 1 else 0))
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_parameter_and_kv_bytes_equal_the_formulas(group, index):
+    c = group[0][index]
+    token_bytes = 2 * c.num_kv_heads * c.head_dim * 4                     # K and V of one token in one layer, fp32
+    ref = group[2][0]["models"][index]["ref"]
+    assert sum(stage_param_bytes(c, s) for s in range(SIZE)) == ref["param_bytes"] + 4 * c.vocab_size * c.hidden_size \
+        * c.tie_word_embeddings                                            # a tied embedding is held twice
+    for stage in range(SIZE):
+        result = group[2][stage]["models"][index]
+        n_s = len(owned_layers(c.num_layers, SIZE, stage))
+        for micro in MICRO:
+            assert result[micro]["param_bytes"] == stage_param_bytes(c, stage)
+            assert result[micro]["kv_layers"] == n_s
+            assert result[micro]["kv_bytes"] == n_s * result[micro]["num_pages"] * PAGE * token_bytes
+        # without --max-total-tokens every stage sizes its pages for the largest stage, ceil(L / N) layers
+        sized = num_pages(EngineConfig(kv_cache_memory_gb=0.001), c, None, -(-c.num_layers // SIZE))
+        assert result["sized_pages"] == sized
+    assert [len(owned_layers(3, 2, s)) for s in range(2)] == [2, 1]
+
+
+@pytest.mark.parametrize("micro", MICRO)
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_point_to_point_bytes_equal_the_formulas(group, index, micro):
+    """Per step: stage 0 sends T * h * 4 (the residual) in M' = min(M, B) sends and receives R * V * 4 (the logit
+    rows) from the last stage in one receive per micro-batch with logit rows; the last stage mirrors it."""
+    c = group[0][index]
+    h, v = c.hidden_size, c.vocab_size
+    m = micro or SIZE
+    for stage in range(SIZE):
+        for step in group[2][stage]["models"][index][micro]["steps"]:
+            parts = min(m, step["num_seqs"])
+            base, rem = divmod(step["num_seqs"], parts)
+            sizes = [base + (i < rem) for i in range(parts)]
+            firsts = [sum(sizes[:i]) for i in range(parts)]
+            with_rows = sum(1 for f, n in zip(firsts, sizes) if sum(step["seq_logit_rows"][f:f + n]))
+            act, logits = step["num_tokens"] * h * 4, step["logit_rows"] * v * 4
+            sent, got = (act, logits) if stage == 0 else (logits, act)
+            sends, recvs = (parts, with_rows) if stage == 0 else (with_rows, parts)
+            assert step["bytes"] == {k: n for k, n in (("send", sent), ("recv", got)) if n}
+            assert step["calls"] == {k: n for k, n in (("send", sends), ("recv", recvs)) if n}
+
+
+def test_a_hung_stage_ends_rank_0s_receive_with_an_error(group):
+    hung = group[2][0]["hung"]
+    assert "recv failed on rank 0" in hung["error"]
+    assert hung["waited_s"] >= TIMEOUT_S * 0.9     # it waited out the group's timeout, then failed (no hang)
+
+
+def test_serving_path_starts_and_stops_its_follower(group):
+    """load_runner (what `serve --pp-size 2` calls) on this process as stage 0: PP=1's greedy tokens, and close()
+    ends the follower process with code 0."""
+    from radixserve.runner.tp import load_runner
+    from tests.model.tp_worker import generate
+
+    config = EngineConfig(model_path=group[1][1], pp_size=2, max_total_tokens=4096, quantization="none",
+                          chunked_prefill_size=32, num_threads=1)
+    runner = load_runner(config)
+    try:
+        assert runner.info()["pp_stage_layers"] == [0, 2]
+        tokens = generate(runner)
+    finally:
+        runner.close()
+    assert [p.returncode for p in runner.followers.processes] == [0]
+    assert tokens == generate(load_runner(dataclasses.replace(config, pp_size=1)))
+
+
+def test_a_killed_stage_ends_rank_0s_step_with_an_error(group):
+    """Stage 1 dies between steps; rank 0's next step raises DistError (no hang), and close() still returns."""
+    from radixserve.dist.comm import DistError
+    from radixserve.runner.tp import load_runner
+    from tests.model.tp_worker import generate
+
+    runner = load_runner(EngineConfig(model_path=group[1][0], pp_size=2, max_total_tokens=4096, quantization="none",
+                                      num_threads=1, dist_timeout=30))
+    try:
+        follower = runner.followers.processes[0]
+        follower.kill()
+        follower.wait(60)
+        with pytest.raises(DistError, match="rank 0"):
+            generate(runner)
+    finally:
+        runner.close()
