@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -135,7 +136,8 @@ class ModelRunner:
         return runner
 
     @classmethod
-    def select_part(cls, model: torch.nn.Module, weights, **kwargs):
+    def select_part(cls, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
         """Before loading: the checkpoint tensors (name, tensor) this runner loads into `model`, all by default (a
         pipeline stage, runner/pp.py, first cuts `model` to its layers and keeps their tensors only)."""
         return weights

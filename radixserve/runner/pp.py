@@ -18,6 +18,7 @@ rows, R * V * 4 (fp32). Every row's arithmetic is the same whatever M is (each m
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import torch
 
@@ -67,7 +68,8 @@ class PPModelRunner(ModelRunner):
                                       cascade=not config.disable_cascade_attention, mirror=False)
 
     @classmethod
-    def select_part(cls, model: torch.nn.Module, weights, comm: Communicator | None = None, **kwargs):
+    def select_part(cls, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    comm: Communicator | None = None, **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
         mc = model.config
         if mc.mla is not None or mc.kv_shape.latent:
             raise ValueError(f"--pp-size {comm.size}: MLA/DSA models ({mc.architecture}) do not run under "
