@@ -273,8 +273,7 @@ class EngineConfig:
             raise ValueError("--tp-size and --cp-size must be positive")
         if self.nnodes < 1 or self.world_size % self.nnodes or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--nnodes must divide the {self.world_size} ranks (--tp-size x --cp-size x "
-                             "--pp-size), and "
-                             "--node-rank be in [0, --nnodes)")
+                             "--pp-size), and --node-rank be in [0, --nnodes)")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (rank 0's machine)")
         if not self.dist_timeout > 0:

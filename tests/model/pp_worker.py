@@ -19,12 +19,33 @@ from radixserve.config import EngineConfig
 from radixserve.dist.comm import DistError, init_communicator
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.runner.pp import PPModelRunner
+from radixserve.engine.engine import Engine
 from radixserve.runner.tp import Followers, TPRunner, follow
-from tests.model.cp_worker import generate
+from radixserve.sampling_params import SamplingParams
+from tests.model.cp_worker import NUM_NEW, PHASES
 
 MICRO = (None, 1, 3)
 TIMEOUT_S = 10.0
 KEEP: list = []     # rank 0's TPRunners: one collected would close the group (its finalizer)
+
+
+def generate(runner) -> dict[str, list]:
+    """cp_worker's phases, greedy; the 37-token prompt also asks for its prompt logprobs (several logit rows per
+    sequence in each of its chunks). Returns each request's tokens, and under "prompt_logprobs" that request's
+    (token id, logprob, top-2 token ids) per prompt position."""
+    engine = Engine(runner.config, runner, frozenset())
+    out: dict[str, list] = {}
+    for phase, prompts in enumerate(PHASES):
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True,
+                                    prompt_logprobs=2 if len(prompt) == 37 else None)
+            engine.add_request(f"{phase}-{i}", prompt, params)
+        while engine.has_unfinished():
+            for item in engine.step():
+                out.setdefault(item.request_id, []).extend(item.new_token_ids)
+                for lp in item.prompt_logprobs or ():
+                    out.setdefault("prompt_logprobs", []).append((lp.token_id, lp.logprob, [t for t, _ in lp.top]))
+    return out
 
 
 def recording(runner: ModelRunner, comm=None) -> list[dict]:
