@@ -7,7 +7,7 @@ logits within 1e-5 relative and greedy tokens equal to PP=1, and the same whatev
 bit-identical to what rank 0 samples from; per-rank parameter and KV bytes and per-step point-to-point bytes equal
 docs/parallel.md's formulas exactly; a stage that stops answering ends rank 0's receive with DistError after the
 group's timeout, a killed stage ends rank 0's next step with DistError, and `load_runner` starts and stops its
-follower."""
+follower. PP=3 on the MoE (one layer per stage, a middle stage): the same logits, tokens and byte formulas."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +15,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -32,7 +33,6 @@ from tests.model.test_tp import layer_bytes
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CASES = ("llama", "glm4_moe")
-SIZE = 2
 PAGE = 16
 
 
@@ -44,22 +44,41 @@ def build(folder: pathlib.Path, case: str) -> str:
     return str(folder)
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    """(configs, folders, per rank its results), one PP=2 group for every case."""
-    folders = [build(tmp_path_factory.mktemp(case), case) for case in CASES]
-    out = tmp_path_factory.mktemp("pp-out")
+@dataclass(frozen=True)
+class Group:
+    """One PP group's run: its size, each case's config and folder, per rank its results (pp_worker.py)."""
+
+    size: int
+    configs: list[ModelConfig]
+    folders: list[str]
+    ranks: list[dict]
+
+
+def run_group(tmp_path_factory, size: int, cases: tuple[str, ...]) -> Group:
+    folders = [build(tmp_path_factory.mktemp(case), case) for case in cases]
+    out = tmp_path_factory.mktemp(f"pp{size}-out")
     addr = free_init_addr()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.model.pp_worker", str(r), str(SIZE), addr, str(out),
-                               *folders], cwd=REPO, env=env) for r in range(SIZE)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.model.pp_worker", str(r), str(size), addr, str(out),
+                               *folders], cwd=REPO, env=env) for r in range(size)]
     try:
-        assert [p.wait(600) for p in procs] == [0] * SIZE
+        assert [p.wait(600) for p in procs] == [0] * size
     finally:
         for p in procs:
             p.kill()
-    configs = [ModelConfig.from_hf(read_hf_config(f)) for f in folders]
-    return configs, folders, [torch.load(out / f"rank{r}.pt") for r in range(SIZE)]
+    return Group(size, [ModelConfig.from_hf(read_hf_config(f)) for f in folders], folders,
+                 [torch.load(out / f"rank{r}.pt") for r in range(size)])
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory) -> Group:
+    return run_group(tmp_path_factory, 2, CASES)
+
+
+@pytest.fixture(scope="module")
+def group3(tmp_path_factory) -> Group:
+    """PP=3 on the 3-layer MoE: one layer per stage, a middle stage that only receives, computes and sends."""
+    return run_group(tmp_path_factory, 3, ("glm4_moe",))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -75,10 +94,9 @@ def check_same_output(out: dict, ref: dict) -> None:
         assert (tok, top) == (tok_ref, top_ref) and abs(lp - lp_ref) <= 1e-4
 
 
-@pytest.mark.parametrize("micro", MICRO)
-@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
-def test_pp2_logits_and_greedy_tokens_equal_pp1(group, index, micro):
-    rank0, last = group[2][0]["models"][index], group[2][SIZE - 1]["models"][index]
+def check_logits_and_tokens(g: Group, index: int, micro: int | None) -> None:
+    """Logits within 1e-5 and the output equal to PP=1; the last stage's logits are the bits rank 0 samples."""
+    rank0, last = g.ranks[0]["models"][index], g.ranks[-1]["models"][index]
     result, ref = rank0[micro], rank0["ref"]
     assert [s["query_lens"] for s in result["steps"]] == [s["query_lens"] for s in ref["steps"]]
     assert any(s["query_lens"] == [7] and s["context_lens"] == [71] for s in ref["steps"])    # the radix hit
@@ -88,12 +106,11 @@ def test_pp2_logits_and_greedy_tokens_equal_pp1(group, index, micro):
         assert rel_err(step["logits"], want["logits"]) <= 1e-5
     check_same_output(result["tokens"], ref["tokens"])
     for a, b in zip(result["steps"], last[micro]["steps"]):
-        assert torch.equal(a["logits"], b["logits"])         # rank 0 samples the last stage's bits
+        assert torch.equal(a["logits"], b["logits"])
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
-def test_the_output_does_not_depend_on_the_micro_batch_count(group, index):
-    rank0 = group[2][0]["models"][index]
+def check_micro_batch_independence(g: Group, index: int) -> None:
+    rank0 = g.ranks[0]["models"][index]
     base = rank0[MICRO[0]]
     for micro in MICRO[1:]:
         check_same_output(rank0[micro]["tokens"], base["tokens"])
@@ -101,58 +118,88 @@ def test_the_output_does_not_depend_on_the_micro_batch_count(group, index):
             assert rel_err(a["logits"], b["logits"]) <= 1e-5
 
 
-def stage_param_bytes(c: ModelConfig, stage: int) -> int:
+def stage_param_bytes(c: ModelConfig, stage: int, size: int) -> int:
     """docs/parallel.md: the stage's layers, plus the embedding (stage 0) and the final norm + LM head (last stage;
     a tied head is the embedding, kept there as its storage)."""
     h, v = c.hidden_size, c.vocab_size
-    layers = sum(layer_bytes(c, 1, i) for i in owned_layers(c.num_layers, SIZE, stage))
-    return layers + 4 * ((v * h if stage == 0 else 0) + (v * h + h if stage == SIZE - 1 else 0))
+    layers = sum(layer_bytes(c, 1, i) for i in owned_layers(c.num_layers, size, stage))
+    return layers + 4 * ((v * h if stage == 0 else 0) + (v * h + h if stage == size - 1 else 0))
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
-def test_parameter_and_kv_bytes_equal_the_formulas(group, index):
-    c = group[0][index]
+def check_parameter_and_kv_bytes(g: Group, index: int) -> None:
+    c, size = g.configs[index], g.size
     token_bytes = 2 * c.num_kv_heads * c.head_dim * 4                     # K and V of one token in one layer, fp32
-    ref = group[2][0]["models"][index]["ref"]
-    assert sum(stage_param_bytes(c, s) for s in range(SIZE)) == ref["param_bytes"] + 4 * c.vocab_size * c.hidden_size \
-        * c.tie_word_embeddings                                            # a tied embedding is held twice
-    for stage in range(SIZE):
-        result = group[2][stage]["models"][index]
-        n_s = len(owned_layers(c.num_layers, SIZE, stage))
+    ref = g.ranks[0]["models"][index]["ref"]
+    tied_twice = 4 * c.vocab_size * c.hidden_size * c.tie_word_embeddings    # a tied embedding is held twice
+    assert sum(stage_param_bytes(c, s, size) for s in range(size)) == ref["param_bytes"] + tied_twice
+    for stage in range(size):
+        result = g.ranks[stage]["models"][index]
+        n_s = len(owned_layers(c.num_layers, size, stage))
         for micro in MICRO:
-            assert result[micro]["param_bytes"] == stage_param_bytes(c, stage)
+            assert result[micro]["param_bytes"] == stage_param_bytes(c, stage, size)
             assert result[micro]["kv_layers"] == n_s
             assert result[micro]["kv_bytes"] == n_s * result[micro]["num_pages"] * PAGE * token_bytes
         # without --max-total-tokens every stage sizes its pages for the largest stage, ceil(L / N) layers
-        sized = num_pages(EngineConfig(kv_cache_memory_gb=0.001), c, None, -(-c.num_layers // SIZE))
+        sized = num_pages(EngineConfig(kv_cache_memory_gb=0.001), c, None, -(-c.num_layers // size))
         assert result["sized_pages"] == sized
-    assert [len(owned_layers(3, 2, s)) for s in range(2)] == [2, 1]
 
 
-@pytest.mark.parametrize("micro", MICRO)
-@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
-def test_point_to_point_bytes_equal_the_formulas(group, index, micro):
-    """Per step: stage 0 sends T * h * 4 (the residual) in M' = min(M, B) sends and receives R * V * 4 (the logit
-    rows) from the last stage in one receive per micro-batch with logit rows; the last stage mirrors it."""
-    c = group[0][index]
+def check_point_to_point_bytes(g: Group, index: int, micro: int | None) -> None:
+    """Per step, M' = min(M, B) micro-batches: stage s < N-1 sends T * h * 4 (the residual) in M' sends and stage
+    s > 0 receives it in M' receives; the last stage sends R * V * 4 (the logit rows) to rank 0, one message per
+    micro-batch with logit rows."""
+    c, size = g.configs[index], g.size
     h, v = c.hidden_size, c.vocab_size
-    m = micro or SIZE
-    for stage in range(SIZE):
-        for step in group[2][stage]["models"][index][micro]["steps"]:
+    m = micro or size
+    for stage in range(size):
+        for step in g.ranks[stage]["models"][index][micro]["steps"]:
             parts = min(m, step["num_seqs"])
             base, rem = divmod(step["num_seqs"], parts)
             sizes = [base + (i < rem) for i in range(parts)]
             firsts = [sum(sizes[:i]) for i in range(parts)]
             with_rows = sum(1 for f, n in zip(firsts, sizes) if sum(step["seq_logit_rows"][f:f + n]))
             act, logits = step["num_tokens"] * h * 4, step["logit_rows"] * v * 4
-            sent, got = (act, logits) if stage == 0 else (logits, act)
-            sends, recvs = (parts, with_rows) if stage == 0 else (with_rows, parts)
+            sent = act if stage < size - 1 else logits
+            got = act if stage > 0 else logits
+            sends = parts if stage < size - 1 else with_rows
+            recvs = parts if stage > 0 else with_rows
             assert step["bytes"] == {k: n for k, n in (("send", sent), ("recv", got)) if n}
             assert step["calls"] == {k: n for k, n in (("send", sends), ("recv", recvs)) if n}
 
 
+@pytest.mark.parametrize("micro", MICRO)
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_pp2_logits_and_greedy_tokens_equal_pp1(group, index, micro):
+    check_logits_and_tokens(group, index, micro)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_the_output_does_not_depend_on_the_micro_batch_count(group, index):
+    check_micro_batch_independence(group, index)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_parameter_and_kv_bytes_equal_the_formulas(group, index):
+    check_parameter_and_kv_bytes(group, index)
+    assert [len(owned_layers(3, 2, s)) for s in range(2)] == [2, 1]
+
+
+@pytest.mark.parametrize("micro", MICRO)
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_point_to_point_bytes_equal_the_formulas(group, index, micro):
+    check_point_to_point_bytes(group, index, micro)
+
+
+def test_pp3_with_a_middle_stage_equals_pp1_with_exact_bytes(group3):
+    for micro in MICRO:
+        check_logits_and_tokens(group3, 0, micro)
+        check_point_to_point_bytes(group3, 0, micro)
+    check_micro_batch_independence(group3, 0)
+    check_parameter_and_kv_bytes(group3, 0)
+
+
 def test_a_hung_stage_ends_rank_0s_receive_with_an_error(group):
-    hung = group[2][0]["hung"]
+    hung = group.ranks[0]["hung"]
     assert "recv failed on rank 0" in hung["error"]
     assert hung["waited_s"] >= TIMEOUT_S * 0.9     # it waited out the group's timeout, then failed (no hang)
 
@@ -163,7 +210,7 @@ def test_serving_path_starts_and_stops_its_follower(group):
     from radixserve.runner.tp import load_runner
     from tests.model.tp_worker import generate
 
-    config = EngineConfig(model_path=group[1][1], pp_size=2, max_total_tokens=4096, quantization="none",
+    config = EngineConfig(model_path=group.folders[1], pp_size=2, max_total_tokens=4096, quantization="none",
                           chunked_prefill_size=32, num_threads=1)
     runner = load_runner(config)
     try:
@@ -181,8 +228,8 @@ def test_a_killed_stage_ends_rank_0s_step_with_an_error(group):
     from radixserve.runner.tp import load_runner
     from tests.model.tp_worker import generate
 
-    runner = load_runner(EngineConfig(model_path=group[1][0], pp_size=2, max_total_tokens=4096, quantization="none",
-                                      num_threads=1, dist_timeout=30))
+    runner = load_runner(EngineConfig(model_path=group.folders[0], pp_size=2, max_total_tokens=4096,
+                                      quantization="none", num_threads=1, dist_timeout=30))
     try:
         follower = runner.followers.processes[0]
         follower.kill()
