@@ -189,7 +189,10 @@ class LlamaForCausalLM(torch.nn.Module):
                 logit_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions (T,) int64; logit_rows (R,) int64 (None: all) -> logits (R, vocab_size) fp32.
         `num_layers`: run only the first that many decoder layers (a self-draft, runner/draft.py)."""
-        residual = self._decode_layers(input_ids, positions, attn, num_layers)
+        return self.head(self._decode_layers(input_ids, positions, attn, num_layers), logit_rows)
+
+    def head(self, residual: torch.Tensor, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """residual (T, hidden) -> logits (R, vocab_size) fp32 of `logit_rows` (R,) int64 (None: all rows)."""
         if logit_rows is not None:
             residual = residual.index_select(0, logit_rows)
         return self.lm_head(self.model.norm(residual)).float()
@@ -201,8 +204,38 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def _decode_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
                        num_layers: int | None) -> torch.Tensor:
+        layers = range(len(self.model.layers))[:num_layers]
+        return self.run_layers(self.embed(input_ids), positions, attn, layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (T,) int64 -> the residual stream's start (T, hidden)."""
+        return self.model.embed_tokens(input_ids)
+
+    def run_layers(self, residual: torch.Tensor, positions: torch.Tensor, attn: Attention,
+                   layers: range) -> torch.Tensor:
+        """residual (T, hidden) through decoder layers `layers` (in place); positions (T,) int64. A pipeline stage
+        (runner/pp.py) runs its own range on the residual the previous stage sent."""
         cos, sin = self.rotary.cos_sin(positions)
-        residual = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers[:num_layers]:
-            residual = layer(residual, cos, sin, self.rotary, attn)
+        for i in layers:
+            residual = self.model.layers[i](residual, cos, sin, self.rotary, attn)
         return residual
+
+    def keep_stage(self, layers: range, first: bool, last: bool) -> tuple[str, ...]:
+        """Pipeline parallelism (runner/pp.py), before loading: keep decoder `layers` (their attention renumbered
+        from 0: the stage's KV cache holds only them), the embedding on the `first` stage and the final norm and LM
+        head on the `last` (a tied head keeps the embedding as its storage); drop the rest. Returns the checkpoint
+        name prefixes of what was dropped (the loader must skip them)."""
+        dropped = [f"model.layers.{i}." for i in range(len(self.model.layers)) if i not in layers]
+        for i in range(len(self.model.layers)):
+            if i in layers:
+                self.model.layers[i].self_attn.layer_id = i - layers.start
+            else:
+                self.model.layers[i] = torch.nn.Identity()
+        tied = self.config.tie_word_embeddings
+        if not first and not (last and tied):
+            self.model.embed_tokens = None
+            dropped.append("model.embed_tokens.")
+        if not last:
+            self.model.norm = self.lm_head = None
+            dropped += ["model.norm.", "lm_head."]
+        return tuple(dropped)

@@ -1,6 +1,6 @@
-"""`radixserve serve --tp-size 2` and `--cp-size 2 --enable-layer-split`: one follower process beside the engine; the
-same greedy text as the single-process tiny server, and a clean stop (the follower leaves on rank 0's stop message,
-not on a broken connection)."""
+"""`radixserve serve --tp-size 2`, `--cp-size 2 --enable-layer-split` and `--pp-size 2`: one follower process beside
+the engine; the same greedy text as the single-process tiny server, and a clean stop (the follower leaves on rank
+0's stop message, not on a broken connection)."""
 from __future__ import annotations
 
 import pytest
@@ -17,8 +17,9 @@ def completion_texts(server, model: str) -> list[str]:
 
 
 @pytest.mark.parametrize("flags, field", [(["--tp-size", "2"], "tp_size"),
-                                          (["--cp-size", "2", "--enable-layer-split"], "cp_size")],
-                         ids=["tp2", "cp2-layer-split"])
+                                          (["--cp-size", "2", "--enable-layer-split"], "cp_size"),
+                                          (["--pp-size", "2"], "pp_size")],
+                         ids=["tp2", "cp2-layer-split", "pp2"])
 def test_two_rank_server_gives_one_ranks_text_and_stops_cleanly(request, tiny_server, flags, field):
     server = start_tiny_server(request, ["--context-length", str(TINY_CONTEXT), "--max-total-tokens", "16384",
                                          "--page-size", "16", "--served-model-name", "tiny", *flags],

@@ -98,11 +98,11 @@ def expert_bytes(m: MoEConfig, h: int, tp: int, ep: int = 1) -> int:
     return 4 * (m.num_experts // ep) * 3 * (m.intermediate_size * ep // tp) * h
 
 
-def param_bytes(c: ModelConfig, tp: int, ep: int = 1) -> int:
-    """docs/parallel.md: per-rank fp32 parameter bytes of a decoder at tensor parallelism tp, ep expert-parallel."""
-    h, d, layers = c.hidden_size, c.head_dim, c.num_layers
+def layer_bytes(c: ModelConfig, tp: int, i: int, ep: int = 1) -> int:
+    """docs/parallel.md: fp32 parameter bytes of decoder layer `i` on one rank at tensor parallelism tp, ep
+    expert-parallel."""
+    h, d = c.hidden_size, c.head_dim
     heads, kv, inter = c.num_heads // tp, max(1, c.num_kv_heads // tp), c.intermediate_size // tp
-    vocab = -(-c.vocab_size // tp)
     qkv = (heads + 2 * kv) * d
     attention = (2 * h + (2 * d if c.qk_norm else 0) + (2 * h if c.post_norms else 0)
                  + qkv * h + (qkv if c.qkv_bias else 0) + h * heads * d + (h if c.o_bias else 0))
@@ -110,16 +110,19 @@ def param_bytes(c: ModelConfig, tp: int, ep: int = 1) -> int:
     def mlp(width: int) -> int:
         return 3 * width * h + ((2 * width + h) if c.mlp_bias else 0)
 
-    total = 0
-    for i in range(layers):
-        if c.moe is None or i in c.moe.dense_layers:
-            total += attention + mlp(inter)
-        else:
-            m, width = c.moe, c.moe.intermediate_size // tp
-            shared = mlp(width * m.num_shared_experts) if m.num_shared_experts else 0
-            total += (attention + m.num_experts * h + (m.num_experts if m.scoring == "sigmoid" else 0)
-                      + expert_bytes(m, h, tp, ep) // 4 + shared)
-    return 4 * (vocab * h * (1 if c.tie_word_embeddings else 2) + h + total)
+    if c.moe is None or i in c.moe.dense_layers:
+        return 4 * (attention + mlp(inter))
+    m, width = c.moe, c.moe.intermediate_size // tp
+    shared = mlp(width * m.num_shared_experts) if m.num_shared_experts else 0
+    return 4 * (attention + m.num_experts * h + (m.num_experts if m.scoring == "sigmoid" else 0)
+                + expert_bytes(m, h, tp, ep) // 4 + shared)
+
+
+def param_bytes(c: ModelConfig, tp: int, ep: int = 1) -> int:
+    """docs/parallel.md: per-rank fp32 parameter bytes of a decoder at tensor parallelism tp, ep expert-parallel."""
+    vocab = -(-c.vocab_size // tp)
+    embeddings = 4 * (vocab * c.hidden_size * (1 if c.tie_word_embeddings else 2) + c.hidden_size)
+    return embeddings + sum(layer_bytes(c, tp, i, ep) for i in range(c.num_layers))
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
