@@ -122,7 +122,8 @@ def mla_from_gguf(family: str, get: Callable[..., Any]) -> MLAConfig | None:
                      v_head_dim=get("attention.value_length_mla"))
 
 
-def dsa_from_gguf(family: str, get: Callable[..., Any], num_layers: int, tensor_names: Collection[str]) -> DSAConfig | None:
+def dsa_from_gguf(family: str, get: Callable[..., Any], num_layers: int,
+                  tensor_names: Collection[str]) -> DSAConfig | None:
     """glm-dsa's indexer (attention.indexer.head_count / key_length / top_k). The gguf library (0.19) has no key for
     IndexShare's layer types, so a layer is full iff the file holds its indexer tensors (a shared layer has none);
     ValueError when layer 0 has none or a layer holds only some of them."""

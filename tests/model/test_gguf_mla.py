@@ -136,6 +136,30 @@ def test_q8_0_tensors_equal_the_checkpoints_round_trip(case):
         assert isinstance(int8["model.layers.0.self_attn.indexer.weights_proj.weight"], torch.Tensor)
 
 
+@torch.inference_mode()
+def test_int4_serves_q4_0_blocks_with_rope_rows_reordered(tmp_path):
+    """--quantization int4 on a Q4_0 GLM-4.7-Flash file: q_b_proj and kv_a_proj_with_mqa run as Int4Weight with their
+    rope rows de-interleaved as the fp32 ones are: each layer times the identity gives the fp32-served weight up to
+    the int4 kernel's bf16 rounding (a row mix-up is off by whole weights)."""
+    from radixserve.layers.quant_linear import Int4Weight
+
+    family, spec = CASES["glm4_moe_lite"]
+    path = tmp_path / "q4_0.gguf"
+    write_gguf(build_family(tmp_path / "hf", family, seed=1, spec=spec), path, {p: "Q4_0" for p in Q8_0})
+    assert isinstance(dict(load_checkpoint(str(path), "int4")[1])["model.layers.1.self_attn.q_b_proj.weight"],
+                      Int4Weight)
+    served = {}
+    for quantization in ("none", "int4"):
+        runner = ModelRunner.from_config(EngineConfig(model_path=str(path), max_total_tokens=512,
+                                                      quantization=quantization))
+        modules = dict(runner.model.named_modules())
+        served[quantization] = {name: modules[name](torch.eye(modules[name].in_features))
+                                for name in ("model.layers.1.self_attn.q_b_proj",
+                                             "model.layers.1.self_attn.kv_a_proj_with_mqa")}
+    for name, ref in served["none"].items():
+        assert float((served["int4"][name] - ref).abs().max()) <= float(ref.abs().max()) / 256, name   # bf16 ulp
+
+
 MLA = {"attention.kv_lora_rank": 32, "attention.key_length_mla": 24, "attention.value_length_mla": 12,
        "rope.dimension_count": 8, "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32}
 INDEXER = {"attention.indexer.head_count": 16, "attention.indexer.key_length": 32, "attention.indexer.top_k": 8}
@@ -163,7 +187,8 @@ def test_what_gguf_cannot_express_is_refused():
     with pytest.raises(ValueError, match="glm-dsa: layer 0 has no DSA indexer tensors"):
         ModelConfig.from_gguf(_meta("glm-dsa", **sigmoid, **INDEXER), _indexer_tensors(1))
     with pytest.raises(ValueError, match=r"glm-dsa: layer 1 lacks indexer tensors blk\.1\.indexer\.k_norm\.bias"):
-        ModelConfig.from_gguf(_meta("glm-dsa", **sigmoid, **INDEXER), _indexer_tensors(0) | _indexer_tensors(1, "k_norm.bias"))
+        ModelConfig.from_gguf(_meta("glm-dsa", **sigmoid, **INDEXER),
+                              _indexer_tensors(0) | _indexer_tensors(1, "k_norm.bias"))
     with pytest.raises(ValueError, match="metadata lacks deepseek2.attention.value_length_mla"):
         ModelConfig.from_gguf(_meta("deepseek2", **{k: v for k, v in sigmoid.items() if "value_length" not in k}),
                               set())
