@@ -26,7 +26,9 @@ from radixserve.weights.safetensors import read_hf_config
 from tests.model.gguf_convert import write_gguf
 from tests.model.test_families import FAMILIES, build_family
 from tests.model.test_gguf_families import _meta
+from tests.model.parity import assert_parity, engine_generate, hf_greedy
 from tests.model.test_mla import forward_logits
+from tests.model.test_parity import make_engine, prompt_set
 from tests.model.test_runner import Seq
 
 ATOL = 1e-4
@@ -114,6 +116,21 @@ def test_logits_equal_transformers_at_every_position(case):
         ours.append(forward_logits(runner, seq, 1))
     ref = hf(torch.tensor([seq.tokens])).logits[0, :seq.computed]
     assert float((torch.cat(ours) - ref).abs().max()) <= ATOL
+
+
+def test_engine_greedy_equals_transformers(case):
+    """The F32 file through the engine (scheduler, chunked prefill, radix cache), batched: transformers' greedy tokens
+    on the HF checkpoint, one prompt at a time (tie rule): transformers' left-padded batch is no reference for DSA
+    (its padding can change its own top-k, docs/gguf.md)."""
+    from transformers import AutoModelForCausalLM
+
+    family, folder = case
+    prompts = prompt_set(512, 3, [1, 7, 24, 65, 140])
+    hf = AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32).eval()
+    ours, _ = engine_generate(make_engine(folder / "f32.gguf"), prompts, 12)
+    for i, (tokens, prompt) in enumerate(zip(ours, prompts)):
+        ref, logits = hf_greedy(hf, prompt, 12)
+        assert_parity(tokens, ref, logits, f"{family} prompt {i}")
 
 
 def test_q8_0_tensors_equal_the_checkpoints_round_trip(case):
