@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from typing import Any, NoReturn
 
@@ -55,14 +56,19 @@ def run_serve(args: argparse.Namespace) -> int:
             read_prompts(server_config.warmup_prompts)   # a bad file fails now, not after loading
     except (ValueError, ModelPathError) as exc:
         return _fail(exc, 2)
-    if engine_config.node_rank > 0:
-        from radixserve.runner.tp import serve_node
-        return serve_node(engine_config)
     try:
         sock = bind_socket(server_config.host, server_config.port)
     except PortUnavailable as exc:
         return _fail(f"{exc} (choose another with --host / --port)", 1)
     with sock:
+        if engine_config.node_rank > 0:   # this machine's ranks only; /health and /live for its probes
+            from radixserve.runner.tp import serve_node
+            from radixserve.server.node_health import node_health
+            # node 0 ends the group after its drain (a lost node 0 ends it too): SIGTERM here would cut that drain
+            signal.signal(signal.SIGTERM, lambda *_: logging.getLogger("radixserve").warning(
+                "SIGTERM ignored: node %d's ranks stop when node 0 ends the group", engine_config.node_rank))
+            with node_health(sock):
+                return serve_node(engine_config)
         if engine_config.device not in (None, "cpu"):
             try:
                 from radixserve.runner.device import resolve_device

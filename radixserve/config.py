@@ -134,13 +134,20 @@ class EngineConfig:
     # tensor parallelism (docs/parallel.md); flag names are SGLang's
     tp_size: int = opt(1, "tensor-parallel ranks, one engine process each: rank 0 schedules and broadcasts "
                           "each step, every rank holds 1/N of the heads, MLP rows and vocabulary")
+    ep_size: int = opt(1, "expert-parallel ranks inside the --tp-size group (must divide it): each holds "
+                          "1/N of a MoE model's routed experts, whole when N = --tp-size; the router, shared "
+                          "experts and attention stay tensor-parallel (docs/parallel.md)")
     cp_size: int = opt(1, "context-parallel ranks for prefill (tensor parallelism 1): each rank computes every "
                           "N-th token of a prefill step against all keys, the new KV all-gathered per layer; "
                           "decode runs unsplit on every rank (docs/parallel.md)")
     enable_layer_split: bool = opt(False, "with --cp-size > 1: each rank stores only its own layers' KV plus "
                                           "one scratch layer, which the owner fills by broadcast before "
                                           "attention (GLM's LayerSplit)")
-    nnodes: int = opt(1, "machines the ranks (--tp-size x --cp-size) span (an equal share each)")
+    pp_size: int = opt(1, "pipeline-parallel stages, one engine process each: stage s holds consecutive layers "
+                          "(the first L %% N stages one more), activations go point to point (docs/parallel.md)")
+    pp_micro_batches: int | None = opt(None, "--pp-size > 1: micro-batches (by sequences) each step is cut into so "
+                                             "the stages overlap (None: --pp-size)")
+    nnodes: int = opt(1, "machines the ranks (--tp-size x --cp-size x --pp-size) span (an equal share each)")
     node_rank: int = opt(0, "this machine's index among --nnodes (0 serves HTTP; the others run ranks only)")
     dist_init_addr: str | None = opt(None, "host:port where rank 0 meets the other ranks (needed with "
                                            "--nnodes > 1; default: a free port on 127.0.0.1)")
@@ -222,8 +229,8 @@ class EngineConfig:
 
     @property
     def world_size(self) -> int:
-        """Engine processes: --tp-size x --cp-size (one of them is 1)."""
-        return self.tp_size * self.cp_size
+        """Engine processes: --tp-size x --cp-size x --pp-size (at most one of them above 1)."""
+        return self.tp_size * self.cp_size * self.pp_size
 
     @property
     def is_eagle(self) -> bool:
@@ -269,11 +276,15 @@ class EngineConfig:
         return "on" if self.enable_torch_compile else self.compile
 
     def _check_parallel(self) -> None:
+        self._check_pipeline()
         if self.tp_size < 1 or self.cp_size < 1:
             raise ValueError("--tp-size and --cp-size must be positive")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"--ep-size {self.ep_size} must be a positive divisor of --tp-size {self.tp_size} (the "
+                             "expert-parallel ranks are a split of the tensor-parallel group)")
         if self.nnodes < 1 or self.world_size % self.nnodes or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--nnodes must divide the {self.world_size} ranks (--tp-size x --cp-size), and "
-                             "--node-rank be in [0, --nnodes)")
+            raise ValueError(f"--nnodes must divide the {self.world_size} ranks (--tp-size x --cp-size x "
+                             "--pp-size), and --node-rank be in [0, --nnodes)")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (rank 0's machine)")
         if not self.dist_timeout > 0:
@@ -298,6 +309,26 @@ class EngineConfig:
         named = [flag for flag, on in unsupported.items() if on]
         if named:
             raise ValueError(f"{ranks} cannot be combined with {', '.join(named)} yet")
+
+    def _check_pipeline(self) -> None:
+        """--pp-size: what runner/pp.py does not build is refused here, before any process starts."""
+        if self.pp_size < 1 or (self.pp_micro_batches is not None and self.pp_micro_batches < 1):
+            raise ValueError("--pp-size and --pp-micro-batches must be positive")
+        if self.pp_size == 1:
+            if self.pp_micro_batches is not None:
+                raise ValueError("--pp-micro-batches needs --pp-size > 1")
+            return
+        unsupported = {"--tp-size > 1": self.tp_size > 1, "--cp-size > 1": self.cp_size > 1,
+                       f"--speculative-algorithm {self.speculative_algorithm}": self.speculative_algorithm is not None,
+                       "--disaggregation-mode": self.disaggregation_mode != "null",
+                       "--enable-hierarchical-cache": self.enable_hierarchical_cache,
+                       "an fp8 --kv-cache-dtype": self.kv_cache_dtype.startswith("fp8"),
+                       "--enable-deterministic-inference": self.enable_deterministic_inference,
+                       "--enable-kv-checksum": self.enable_kv_checksum,
+                       f"--compile {self.compile_mode}": self.compile_mode != "off"}
+        named = [flag for flag, on in unsupported.items() if on]
+        if named:
+            raise ValueError(f"--pp-size {self.pp_size} cannot be combined with {', '.join(named)} yet")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""Collectives for one tensor-parallel group over torch.distributed (gloo on CPU, NCCL on CUDA), counted and timed out.
+"""Collectives and point-to-point ops for one parallel group over torch.distributed (gloo on CPU, NCCL on CUDA),
+counted and timed out.
 
 Two process groups join the same ranks (after a join that may take `join_timeout_s`, while ranks import and start):
-`group` (the forward's all-reduces and all-gathers) times out after `timeout_s`, so a dead or stuck peer ends every
-rank with DistError instead of a hang; `step_group` (gloo, no practical timeout) carries rank 0's step messages,
-which followers may wait on while the server is idle. A peer that exits closes its sockets, which fails a waiting
-collective at once on either group (docs/parallel.md)."""
+`group` (the forward's all-reduces, all-gathers and pipeline sends/receives) times out after `timeout_s`, so a dead
+or stuck peer ends every rank with DistError instead of a hang; `step_group` (gloo, no practical timeout) carries
+rank 0's step messages, which followers may wait on while the server is idle. A peer that exits closes its sockets,
+which fails a waiting collective or receive at once on either group (docs/parallel.md)."""
 from __future__ import annotations
 
 import datetime
@@ -30,7 +31,7 @@ class DistError(RuntimeError):
 class Communicator:
     """One process's handle on the group. Counters, per op name: `calls[op]` and `bytes[op]`, the bytes this rank
     contributes (all_reduce, broadcast: the tensor's nbytes; all_gather: its input's; broadcast_object: 8 + the
-    pickle)."""
+    pickle) or, for point-to-point ops, sends ("send") and receives ("recv") (the tensor's nbytes)."""
 
     def __init__(self, rank: int, size: int, device: torch.device, group: Any = None, step_group: Any = None):
         self.rank, self.size, self.device = rank, size, device
@@ -68,6 +69,20 @@ class Communicator:
         self._count("broadcast", x.nelement() * x.element_size())
         return Pending(_run("broadcast", dist.broadcast, x, src, group=self.group, async_op=True))
 
+    def send_async(self, x: torch.Tensor, dst: int) -> Pending:
+        """Send `x` to rank `dst` (its matching recv) in the background; keep `x` unchanged until the returned
+        Pending's wait() returns. Counted as "send": x's nbytes."""
+        x = x.contiguous()
+        self._count("send", x.nelement() * x.element_size())
+        return Pending(_run("send", dist.isend, x, dst, group=self.group), "send", x)
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank `src`'s matching send into `x` (the same shape and dtype as sent), blocking; DistError when `src`
+        exited or did not send within the group's timeout. Counted as "recv": x's nbytes. Returns x."""
+        self._count("recv", x.nelement() * x.element_size())
+        _run("recv", dist.recv, x, src, group=self.group)
+        return x
+
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """Rank `src`'s picklable `obj` (others pass None) to every rank over the step group (CPU, no timeout)."""
         size = torch.zeros(1, dtype=torch.int64)
@@ -97,14 +112,14 @@ class Communicator:
 
 
 class Pending:
-    """A collective in flight (Communicator.broadcast_async)."""
+    """An op in flight (Communicator.broadcast_async, send_async); holds the tensor it reads or writes."""
 
-    def __init__(self, work: Any):
-        self.work = work
+    def __init__(self, work: Any, op: str = "broadcast", tensor: torch.Tensor | None = None):
+        self.work, self.op, self.tensor = work, op, tensor
 
     def wait(self) -> None:
         """Block until it has landed; DistError when a peer exited or the group's timeout passed."""
-        _run("broadcast", self.work.wait)
+        _run(self.op, self.work.wait)
 
 
 def _run(op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:

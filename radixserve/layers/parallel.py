@@ -57,6 +57,37 @@ def split_even(n: int, tp: Collectives) -> tuple[int, int]:
     return tp.rank * (n // tp.size), n // tp.size
 
 
+class ExpertShard(NamedTuple):
+    """This rank's routed experts: checkpoint experts [first, first + count), each holding intermediate rows
+    [row_start, row_start + rows)."""
+
+    first: int
+    count: int
+    row_start: int
+    rows: int
+
+
+def shard_experts(num_experts: int, intermediate_size: int, tp: Collectives | None, ep_size: int = 1) -> ExpertShard:
+    """Expert parallelism inside the tensor-parallel group (SGLang's layout): with m = size / ep_size, rank r is
+    expert-parallel rank r // m, which owns num_experts / ep_size consecutive whole experts, and slices each one's
+    intermediate rows I / m ways at r % m. ep_size 1 is plain TP (every expert, I / size rows each); ep_size ==
+    size gives whole experts. Raises ValueError when ep_size does not divide size, the experts or I / m."""
+    if tp is None or tp.size == 1:
+        if ep_size != 1:
+            raise ValueError(f"--ep-size {ep_size} needs --tp-size >= {ep_size}")
+        return ExpertShard(0, num_experts, 0, intermediate_size)
+    if ep_size < 1 or tp.size % ep_size:
+        raise ValueError(f"--ep-size {ep_size} must divide --tp-size {tp.size}")
+    if num_experts % ep_size:
+        raise ValueError(f"--ep-size {ep_size} does not divide the {num_experts} routed experts")
+    slices = tp.size // ep_size
+    if intermediate_size % slices:
+        raise ValueError(f"--tp-size {tp.size} / --ep-size {ep_size} = {slices} does not divide the experts' "
+                         f"intermediate size {intermediate_size}")
+    count, rows = num_experts // ep_size, intermediate_size // slices
+    return ExpertShard(tp.rank // slices * count, count, tp.rank % slices * rows, rows)
+
+
 def vocab_part(vocab_size: int, tp: Collectives) -> tuple[int, int]:
     """(start, length) of this rank's vocabulary rows: ceil(V / size) each, the last rank's tail past V padded."""
     per_rank = -(-vocab_size // tp.size)

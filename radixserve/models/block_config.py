@@ -2,11 +2,15 @@
 multi-head latent attention (MLA) and DeepSeek sparse attention's indexer (DSA)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 DSA_FAMILIES = ("glm_moe_dsa", "deepseek_v32")
+# Sigmoid routing with a selection-only correction bias (GGUF exp_probs_b).
+CORRECTION_BIAS_FAMILIES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
+# A full DSA layer's indexer tensors in a glm-dsa GGUF file (gguf.TENSOR_NAMES' blk.{bid}.indexer.*), weight or bias.
+INDEXER_TENSORS = ("attn_k.weight", "attn_q_b.weight", "k_norm.weight", "k_norm.bias", "proj.weight")
 
 
 @dataclass(frozen=True)
@@ -106,18 +110,59 @@ def moe_from_hf(family: str, cfg: dict[str, Any]) -> MoEConfig | None:
     return None
 
 
+def mla_from_gguf(family: str, get: Callable[..., Any]) -> MLAConfig | None:
+    """MLA sizes as llama.cpp's DeepseekV2 converter writes them (deepseek2, glm-dsa): attention.kv_lora_rank,
+    attention.q_lora_rank (absent: no q LoRA), rope.dimension_count = qk_rope_head_dim, attention.key_length_mla =
+    qk_nope + qk_rope, attention.value_length_mla = v_head_dim (key_length / value_length are its MQA view)."""
+    if family not in ("glm4_moe_lite", *DSA_FAMILIES):
+        return None
+    rope = get("rope.dimension_count")
+    return MLAConfig(q_lora_rank=get("attention.q_lora_rank", None), kv_lora_rank=get("attention.kv_lora_rank"),
+                     qk_nope_head_dim=get("attention.key_length_mla") - rope, qk_rope_head_dim=rope,
+                     v_head_dim=get("attention.value_length_mla"))
+
+
+def dsa_from_gguf(family: str, get: Callable[..., Any], num_layers: int,
+                  tensor_names: Collection[str]) -> DSAConfig | None:
+    """glm-dsa's indexer (attention.indexer.head_count / key_length / top_k). The gguf library (0.19) has no key for
+    IndexShare's layer types, so a layer is full iff the file holds its indexer tensors (a shared layer has none);
+    ValueError when layer 0 has none or a layer holds only some of them."""
+    if family != "glm_moe_dsa":
+        return None
+    full = []
+    for i in range(num_layers):
+        held = {p for p in INDEXER_TENSORS if f"blk.{i}.indexer.{p}" in tensor_names}
+        if held and held != set(INDEXER_TENSORS):
+            raise ValueError(f"GGUF glm-dsa: layer {i} lacks indexer tensors "
+                             f"{', '.join(f'blk.{i}.indexer.{p}' for p in INDEXER_TENSORS if p not in held)}")
+        if held:
+            full.append(i)
+    if 0 not in full:
+        raise ValueError("GGUF glm-dsa: layer 0 has no DSA indexer tensors (blk.0.indexer.attn_k / attn_q_b / k_norm / "
+                         "proj); the model cannot pick its top-k without them")
+    return DSAConfig(index_n_heads=get("attention.indexer.head_count"),
+                     index_head_dim=get("attention.indexer.key_length"), index_topk=get("attention.indexer.top_k"),
+                     full_layers=tuple(full), index_rope_interleaved=True)
+
+
 def moe_from_gguf(arch: str, family: str, get: Callable[..., Any], num_layers: int) -> MoEConfig | None:
-    """MoE settings as llama.cpp reads them (qwen3moe: always softmax, renormalised); ValueError for other gating."""
-    if family not in ("qwen3_moe", "glm4_moe"):
+    """MoE settings as llama.cpp reads them (qwen3moe: always softmax, renormalised; deepseek2 and glm-dsa without
+    expert_gating_func: softmax, llama.cpp's default for DeepSeek-V2 files); ValueError for other gating, and for
+    softmax routing in an MLA file (DeepSeek-V2's routing is not implemented; GLM's is sigmoid)."""
+    if family not in ("qwen3_moe", *CORRECTION_BIAS_FAMILIES):
         return None
     experts = dict(num_experts=get("expert_count"), top_k=get("expert_used_count"),
                    intermediate_size=get("expert_feed_forward_length"))
     if family == "qwen3_moe":
         return MoEConfig(**experts, scoring="softmax", norm_topk_prob=True)
-    scoring = {1: "softmax", 2: "sigmoid"}.get(get("expert_gating_func", 2))
+    scoring = {1: "softmax", 2: "sigmoid"}.get(get("expert_gating_func", 2 if family == "glm4_moe" else 1))
     if scoring is None:
         raise ValueError(f"GGUF architecture {arch!r}: expert_gating_func {get('expert_gating_func')} "
                          "is not supported (1 softmax, 2 sigmoid)")
+    if scoring == "softmax" and family != "glm4_moe":
+        raise ValueError(f"GGUF architecture {arch!r}: softmax expert gating (DeepSeek-V2 / V2.5 routing, also "
+                         "llama.cpp's default when expert_gating_func is absent) is not supported; the MLA models "
+                         "route as GLM-4.7-Flash / GLM-5 / DeepSeek-V3 do (expert_gating_func 2, sigmoid)")
     return MoEConfig(
         **experts, scoring=scoring, norm_topk_prob=bool(get("expert_weights_norm", False)),
         routed_scaling_factor=float(get("expert_weights_scale", 1.0)),

@@ -90,7 +90,7 @@ class LlamaMLP(torch.nn.Module):
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, tp: Collectives | None = None):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: Collectives | None = None, ep_size: int = 1):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -102,7 +102,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         if c.moe is not None and layer_id not in c.moe.dense_layers:
             shared = (LlamaMLP(c, c.moe.intermediate_size * c.moe.num_shared_experts, tp, reduce=False)
                       if c.moe.num_shared_experts else None)
-            self.mlp: torch.nn.Module = MoE(c.hidden_size, c.moe, shared, tp)
+            self.mlp: torch.nn.Module = MoE(c.hidden_size, c.moe, shared, tp, ep_size)
         else:
             self.mlp = LlamaMLP(c, tp=tp)
         self.post_self_attn_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.post_norms else None
@@ -119,29 +119,34 @@ class LlamaDecoderLayer(torch.nn.Module):
 
 
 class LlamaModel(torch.nn.Module):
-    def __init__(self, config: ModelConfig, tp: Collectives | None = None):
+    def __init__(self, config: ModelConfig, tp: Collectives | None = None, ep_size: int = 1):
         super().__init__()
         parallel = tp is not None and tp.size > 1
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if parallel
                              else VocabEmbedding(config.vocab_size, config.hidden_size))
-        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(config, i, tp) for i in range(config.num_layers))
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(config, i, tp, ep_size)
+                                         for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(torch.nn.Module):
     """Parameter names are transformers' with q/k/v and gate/up fused (`model.layers.0.self_attn.qkv_proj.weight`).
-    `tp`: this rank's group under tensor parallelism; every rank then returns the same full logits."""
+    `tp`: this rank's group under tensor parallelism; every rank then returns the same full logits. `ep_size`:
+    expert-parallel ranks inside it (models/moe.py Experts); ValueError for a model without routed experts."""
 
     # checkpoint name part -> (our fused module name part, shard)
     FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
              "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
-    def __init__(self, config: ModelConfig, tp: Collectives | None = None):
+    def __init__(self, config: ModelConfig, tp: Collectives | None = None, ep_size: int = 1):
         super().__init__()
+        if ep_size > 1 and config.moe is None:
+            raise ValueError(f"--ep-size {ep_size} needs a mixture-of-experts model ({config.architecture} has no "
+                             "routed experts)")
         self.config = config
         if config.mla is not None:   # MLA's q_proj (no q LoRA) is a plain projection
             self.FUSED = {name: target for name, target in self.FUSED.items() if target[0] != "qkv_proj"}
-        self.model = LlamaModel(config, tp)
+        self.model = LlamaModel(config, tp, ep_size)
         self.num_kv_heads = shard_heads(config.num_heads, config.num_kv_heads, tp).num_kv_heads   # cached per rank
         self.lm_head = (ParallelLMHead(config.hidden_size, config.vocab_size, tp) if tp is not None and tp.size > 1
                         else Linear(config.hidden_size, config.vocab_size))
@@ -184,7 +189,10 @@ class LlamaForCausalLM(torch.nn.Module):
                 logit_rows: torch.Tensor | None = None, num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions (T,) int64; logit_rows (R,) int64 (None: all) -> logits (R, vocab_size) fp32.
         `num_layers`: run only the first that many decoder layers (a self-draft, runner/draft.py)."""
-        residual = self._decode_layers(input_ids, positions, attn, num_layers)
+        return self.head(self._decode_layers(input_ids, positions, attn, num_layers), logit_rows)
+
+    def head(self, residual: torch.Tensor, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """residual (T, hidden) -> logits (R, vocab_size) fp32 of `logit_rows` (R,) int64 (None: all rows)."""
         if logit_rows is not None:
             residual = residual.index_select(0, logit_rows)
         return self.lm_head(self.model.norm(residual)).float()
@@ -196,8 +204,38 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def _decode_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
                        num_layers: int | None) -> torch.Tensor:
+        layers = range(len(self.model.layers))[:num_layers]
+        return self.run_layers(self.embed(input_ids), positions, attn, layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (T,) int64 -> the residual stream's start (T, hidden)."""
+        return self.model.embed_tokens(input_ids)
+
+    def run_layers(self, residual: torch.Tensor, positions: torch.Tensor, attn: Attention,
+                   layers: range) -> torch.Tensor:
+        """residual (T, hidden) through decoder layers `layers` (in place); positions (T,) int64. A pipeline stage
+        (runner/pp.py) runs its own range on the residual the previous stage sent."""
         cos, sin = self.rotary.cos_sin(positions)
-        residual = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers[:num_layers]:
-            residual = layer(residual, cos, sin, self.rotary, attn)
+        for i in layers:
+            residual = self.model.layers[i](residual, cos, sin, self.rotary, attn)
         return residual
+
+    def keep_stage(self, layers: range, first: bool, last: bool) -> tuple[str, ...]:
+        """Pipeline parallelism (runner/pp.py), before loading: keep decoder `layers` (their attention renumbered
+        from 0: the stage's KV cache holds only them), the embedding on the `first` stage and the final norm and LM
+        head on the `last` (a tied head keeps the embedding as its storage); drop the rest. Returns the checkpoint
+        name prefixes of what was dropped (the loader must skip them)."""
+        dropped = [f"model.layers.{i}." for i in range(len(self.model.layers)) if i not in layers]
+        for i in range(len(self.model.layers)):
+            if i in layers:
+                self.model.layers[i].self_attn.layer_id = i - layers.start
+            else:
+                self.model.layers[i] = torch.nn.Identity()
+        tied = self.config.tie_word_embeddings
+        if not first and not (last and tied):
+            self.model.embed_tokens = None
+            dropped.append("model.embed_tokens.")
+        if not last:
+            self.model.norm = self.lm_head = None
+            dropped += ["model.norm.", "lm_head."]
+        return tuple(dropped)

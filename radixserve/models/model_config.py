@@ -7,8 +7,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from radixserve.models.block_config import (DSA_FAMILIES, DSAConfig, MLAConfig, MoEConfig, dsa_from_hf,
-                                             mla_from_hf, moe_from_gguf, moe_from_hf)
+from radixserve.models.block_config import (DSA_FAMILIES, DSAConfig, MLAConfig, MoEConfig, dsa_from_gguf, dsa_from_hf,
+                                             mla_from_gguf, mla_from_hf, moe_from_gguf, moe_from_hf)
 
 # HF `architectures[0]` (or `model_type`) -> our family name.
 _FAMILIES = {
@@ -23,9 +23,11 @@ _FAMILIES = {
     "GlmMoeDsaForCausalLM": "glm_moe_dsa", "glm_moe_dsa": "glm_moe_dsa",
     "DeepseekV32ForCausalLM": "deepseek_v32", "deepseek_v32": "deepseek_v32",
 }
-# GGUF `general.architecture` (llama.cpp's names) -> our family name; llama.cpp names GLM-4-9B-hf "chatglm".
+# GGUF `general.architecture` (llama.cpp's names) -> our family name; llama.cpp names GLM-4-9B-hf "chatglm", writes
+# GLM-4.7-Flash (and DeepSeek-V2/V3) as "deepseek2" and GLM-5 as "glm-dsa" (docs/gguf.md).
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-                 "chatglm": "glm", "glm4": "glm4", "glm4moe": "glm4_moe"}
+                 "chatglm": "glm", "glm4": "glm4", "glm4moe": "glm4_moe", "deepseek2": "glm4_moe_lite",
+                 "glm-dsa": "glm_moe_dsa"}
 _REQUIRED = object()
 _GLM = ("glm", "glm4", "glm4_moe")
 
@@ -160,10 +162,16 @@ class ModelConfig:
         if get("rope.dimension_sections", None) is not None:
             raise ValueError(f"GGUF architecture {arch!r}: M-RoPE (rope.dimension_sections, the vision "
                              "models' RoPE) is not supported")
+        if arch == "deepseek2" and (get("attention.indexer.top_k", None) is not None
+                                    or any(".indexer." in n for n in tensor_names)):
+            raise ValueError("GGUF architecture 'deepseek2' with a DSA indexer (DeepSeek-V3.2): the gguf library "
+                             "maps indexer tensors only for 'glm-dsa' (GLM-5's interleaved indexer RoPE), so "
+                             "DeepSeek-V3.2's half-split indexer has no GGUF form; serve its HF checkpoint")
         num_heads, hidden = get("attention.head_count"), get("embedding_length")
-        head_dim = get("attention.key_length", hidden // num_heads)
-        rotary_dim = get("rope.dimension_count", head_dim)
         num_layers = get("block_count") - get("nextn_predict_layers", 0)
+        mla = mla_from_gguf(family, get)
+        head_dim = mla.qk_rope_head_dim if mla else get("attention.key_length", hidden // num_heads)
+        rotary_dim = get("rope.dimension_count", head_dim)
         scaling = None
         if get("rope.scaling.type", "none") not in ("none", None):
             scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0),
@@ -174,21 +182,24 @@ class ModelConfig:
         def has(part: str) -> bool:
             return f"blk.0.{part}" in tensor_names
 
+        # MLA has no KV heads: llama.cpp's head_count_kv 1 is its MQA view of the latent; transformers says num_heads.
         return cls(
             architecture=family, vocab_size=int(vocab), hidden_size=hidden,
             intermediate_size=get("feed_forward_length"), num_layers=num_layers,
-            num_heads=num_heads, num_kv_heads=get("attention.head_count_kv", None) or num_heads,
+            num_heads=num_heads, num_kv_heads=(None if mla else get("attention.head_count_kv", None)) or num_heads,
             head_dim=head_dim, rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             max_position_embeddings=get("context_length", 2048),
             tie_word_embeddings="output.weight" not in tensor_names, rope_scaling=_rope_scaling(scaling),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
-            qkv_bias=has("attn_q.bias") or has("attn_qkv.bias"), o_bias=has("attn_output.bias"),
+            qkv_bias=any(has(f"{p}.bias") for p in ("attn_q", "attn_qkv", "attn_q_a", "attn_kv_a_mqa")),
+            o_bias=has("attn_output.bias"),
             mlp_bias=has("ffn_down.bias"), qk_norm=has("attn_q_norm.weight"),
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-            rope_interleaved=family in ("glm", "glm4"), post_norms=family == "glm4",
-            moe=moe_from_gguf(arch, family, get, num_layers))
+            rope_interleaved=family in ("glm", "glm4") or mla is not None, post_norms=family == "glm4",
+            moe=moe_from_gguf(arch, family, get, num_layers), mla=mla,
+            dsa=dsa_from_gguf(family, get, num_layers, tensor_names))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from radixserve.layers import batch_invariant as bi
 from radixserve.layers.activation import silu_and_mul
-from radixserve.layers.parallel import Collectives, split_even
+from radixserve.layers.parallel import Collectives, shard_experts
 from radixserve.models.block_config import MoEConfig
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -79,17 +79,19 @@ class Router(torch.nn.Module):
 
 
 class Experts(torch.nn.Module):
-    """E SwiGLU experts stacked: gate_up (E, 2I, hidden) [gate rows | up rows], down (E, hidden, I). Under tensor
-    parallelism `tp` every rank holds every expert's I / size intermediate rows; the output is then a partial sum."""
+    """This rank's SwiGLU experts stacked: gate_up (E_r, 2I_r, hidden) [gate rows | up rows], down (E_r, hidden, I_r).
+    Without parallelism E_r = E, I_r = I. Under tensor parallelism `tp` with `ep_size` expert-parallel ranks
+    (layers/parallel.py shard_experts) the rank holds checkpoint experts [first, first + E_r), E_r = E / ep_size,
+    with I_r = I * ep_size / size rows each; its output is then a partial sum (tokens routed elsewhere add 0)."""
 
-    def __init__(self, hidden_size: int, config: MoEConfig, tp: Collectives | None = None):
+    def __init__(self, hidden_size: int, config: MoEConfig, tp: Collectives | None = None, ep_size: int = 1):
         super().__init__()
-        e = config.num_experts
-        self.rows = (split_even(config.intermediate_size, tp) if tp is not None and tp.size > 1
-                     else (0, config.intermediate_size))
-        self.intermediate_size = i = self.rows[1]
-        self.gate_up = torch.nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
-        self.down = torch.nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
+        shard = shard_experts(config.num_experts, config.intermediate_size, tp, ep_size)
+        self.num_experts, self.first = config.num_experts, shard.first
+        self.rows = (shard.row_start, shard.rows)
+        self.intermediate_size = i = shard.rows
+        self.gate_up = torch.nn.Parameter(torch.empty(shard.count, 2 * i, hidden_size), requires_grad=False)
+        self.down = torch.nn.Parameter(torch.empty(shard.count, hidden_size, i), requires_grad=False)
         self._gate_up_packed: list[torch.Tensor] | None = None
         self._down_packed: list[torch.Tensor] | None = None
 
@@ -98,13 +100,17 @@ class Experts(torch.nn.Module):
         self._down_packed = _packed(list(self.down.data), batch_invariant)
 
     def checkpoint_names(self) -> list[str]:
-        return [f"{e}.{p}" for e in range(self.gate_up.shape[0]) for p in PROJECTIONS]
+        return [f"{self.first + e}.{p}" for e in range(self.gate_up.shape[0]) for p in PROJECTIONS]
 
     def load_expert(self, expert: int, projection: str, tensor: torch.Tensor) -> None:
-        """Copy `experts.{expert}.{projection}.weight` into its slice; ValueError for an unknown one or a wrong shape."""
+        """Copy `experts.{expert}.{projection}.weight` into its slice (nothing for another expert-parallel rank's
+        expert); ValueError for an unknown one or a wrong shape."""
         i = self.intermediate_size
-        if not 0 <= expert < self.gate_up.shape[0] or projection not in PROJECTIONS:
-            raise ValueError(f"no expert tensor {expert}.{projection} in a {self.gate_up.shape[0]}-expert layer")
+        if not 0 <= expert < self.num_experts or projection not in PROJECTIONS:
+            raise ValueError(f"no expert tensor {expert}.{projection} in a {self.num_experts}-expert layer")
+        expert -= self.first
+        if not 0 <= expert < self.gate_up.shape[0]:
+            return
         target = {"gate_proj": self.gate_up.data[expert, :i], "up_proj": self.gate_up.data[expert, i:],
                   "down_proj": self.down.data[expert]}[projection]
         tensor = tensor.narrow(1 if projection == "down_proj" else 0, *self.rows)
@@ -115,19 +121,23 @@ class Experts(torch.nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, hidden); weights, ids (T, k) -> (T, hidden) = sum_j weights[:, j] * expert_{ids[:, j]}(x)."""
         if torch.compiler.is_compiling():   # data-dependent (tokens per expert): one opaque op in a compiled graph
-            return torch.ops.radixserve.experts(x, weights, ids, self.gate_up, self.down)
-        return grouped_experts(x, weights, ids, self.gate_up, self.down, self._gate_up_packed, self._down_packed)
+            return torch.ops.radixserve.experts(x, weights, ids, self.gate_up, self.down, self.first)
+        return grouped_experts(x, weights, ids, self.gate_up, self.down, self._gate_up_packed, self._down_packed,
+                               self.first)
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, gate_up_packed: list[torch.Tensor] | None = None,
-                    down_packed: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Experts.forward over gate_up (E, 2I, hidden), down (E, hidden, I), with their oneDNN-packed copies if given."""
+                    down_packed: list[torch.Tensor] | None = None, first: int = 0) -> torch.Tensor:
+    """Experts.forward over experts [first, first + E) held as gate_up (E, 2I, hidden), down (E, hidden, I), with
+    their oneDNN-packed copies if given; (token, expert) pairs outside that range add nothing."""
     num_tokens, k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    local = gate_up.shape[0]
+    flat = ids.reshape(-1) - first
+    flat = flat.masked_fill((flat < 0) | (flat >= local), local)    # another rank's experts sort last, dropped
+    counts = torch.bincount(flat, minlength=local + 1).tolist()[:local]
+    order = torch.argsort(flat, stable=True)[:sum(counts)]
     token_of = order // k
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
     rows = x.index_select(0, token_of)
     out = torch.empty_like(rows)
     start = 0
@@ -147,26 +157,27 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
 
 @torch.library.custom_op("radixserve::experts", mutates_args=())
 def experts_op(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-               down: torch.Tensor) -> torch.Tensor:
+               down: torch.Tensor, first: int = 0) -> torch.Tensor:
     """grouped_experts on the plain weights, as one op a compiled graph calls (runner/compiled_decode.py)."""
-    return grouped_experts(x, weights, ids, gate_up, down)
+    return grouped_experts(x, weights, ids, gate_up, down, first=first)
 
 
 @experts_op.register_fake
 def _(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-      down: torch.Tensor) -> torch.Tensor:
+      down: torch.Tensor, first: int = 0) -> torch.Tensor:
     return torch.empty_like(x)
 
 
 class MoE(torch.nn.Module):
     """Router (replicated, fp32: every rank routes alike) + experts (+ shared experts, a plain MLP `shared_mlp` built by
-    the model; under `tp` one whose down_proj does not reduce), then one all-reduce of their partial sums."""
+    the model; under `tp` one whose down_proj does not reduce), then one all-reduce of their partial sums; with
+    `ep_size` > 1 the routed experts are split whole between expert-parallel ranks (Experts), the same all-reduce."""
 
     def __init__(self, hidden_size: int, config: MoEConfig, shared_mlp: torch.nn.Module | None,
-                 tp: Collectives | None = None):
+                 tp: Collectives | None = None, ep_size: int = 1):
         super().__init__()
         self.gate = Router(hidden_size, config)
-        self.experts = Experts(hidden_size, config, tp)
+        self.experts = Experts(hidden_size, config, tp, ep_size)
         self.shared_experts = shared_mlp
         self.tp = tp if tp is not None and tp.size > 1 else None
 

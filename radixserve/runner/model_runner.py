@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -111,10 +112,11 @@ class ModelRunner:
         path = resolve_model_path(config.model_path)
         start = time.perf_counter()
         logger.info("loading the model from %s", path)
-        quantization = ("none" if tp is not None and config.quantization == "auto" else
+        quantization = ("none" if (tp is not None or config.pp_size > 1) and config.quantization == "auto" else
                         resolve_quantization(config.quantization, path, config.enable_deterministic_inference))
         model_config, weights = load_checkpoint(path, quantization)
-        model = model_class(model_config)(model_config, tp=tp)
+        model = model_class(model_config)(model_config, tp=tp, ep_size=config.ep_size)
+        weights = cls.select_part(model, weights, **kwargs)
         draft_tensors: list[tuple[str, torch.Tensor]] = []
         if config.is_eagle:
             weights = nextn_tensors(weights, model_config.num_layers, draft_tensors)
@@ -135,6 +137,13 @@ class ModelRunner:
                     runner.num_pages, runner.page_size, str(runner.kv.dtype).removeprefix("torch."),
                     huge_pages_mb())
         return runner
+
+    @classmethod
+    def select_part(cls, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
+        """Before loading: the checkpoint tensors (name, tensor) this runner loads into `model`, all by default (a
+        pipeline stage, runner/pp.py, first cuts `model` to its layers and keeps their tensors only)."""
+        return weights
 
     def _kv_scales(self, kv_dtype: torch.dtype, from_checkpoint: dict[str, torch.Tensor]) -> kv_scales.KVScales | None:
         if kv_dtype not in FP8_DTYPES.values():

@@ -7,7 +7,8 @@
     close(): broadcast_object(None) ──────────►   exits 0
 
 Only rank 0 samples; followers need no tokens, since the next step's batch carries them (docs/parallel.md). The same
-processes and step broadcast carry context parallelism (--cp-size: runner/cp.py's CPModelRunner on every rank)."""
+processes and step broadcast carry context parallelism (--cp-size: runner/cp.py's CPModelRunner on every rank) and
+pipeline parallelism (--pp-size: runner/pp.py's PPModelRunner, one stage per rank)."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +26,7 @@ from radixserve.engine.runner_api import ScheduledSeq, SeqResult
 from radixserve.runner.cp import CPModelRunner
 from radixserve.runner.device import resolve_device
 from radixserve.runner.model_runner import ModelRunner
+from radixserve.runner.pp import PPModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -113,15 +115,18 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 
 def rank_runner(config: EngineConfig, comm: Communicator) -> ModelRunner:
-    """This rank's runner: a CPModelRunner (whole weights) with --cp-size > 1, else ModelRunner's TP shard."""
+    """This rank's runner: a CPModelRunner (whole weights) with --cp-size > 1, a PPModelRunner (its stage's layers)
+    with --pp-size > 1, else ModelRunner's TP shard."""
+    if config.pp_size > 1:
+        return PPModelRunner.from_config(config, comm=comm)
     if config.cp_size > 1:
         return CPModelRunner.from_config(config, comm=comm)
     return ModelRunner.from_config(config, comm)
 
 
 def load_runner(config: EngineConfig) -> ModelRunner | TPRunner:
-    """The engine's runner: a ModelRunner, or with --tp-size or --cp-size > 1 rank 0's TPRunner, its node's followers
-    started first. Raises DistError when a rank does not join within --dist-timeout."""
+    """The engine's runner: a ModelRunner, or with --tp-size, --cp-size or --pp-size > 1 rank 0's TPRunner, its node's
+    followers started first. Raises DistError when a rank does not join within --dist-timeout."""
     if config.world_size == 1:
         return ModelRunner.from_config(config)
     if config.dist_init_addr is None:

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from radixserve.layers.quant_linear import Int4Weight, Int8Weight, QuantWeight
 from radixserve.models.model_config import ModelConfig
 from radixserve.weights.gguf_blocks import INT4_TYPES, decode_int4
-from radixserve.weights.gguf_names import Piece, hf_pieces
+from radixserve.weights.gguf_names import FP32_ONLY, Piece, hf_pieces, merge_kv_b
 
 logger = logging.getLogger(__name__)
 
@@ -104,20 +104,23 @@ def _fp32(t) -> torch.Tensor:
 
 def _dequantized(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config, reader = _read(path)
-    return config, {name: w for pieces, t in _mapped_tensors(config, reader)
-                    for name, w in _cut(config, pieces, _fp32(t))}
+    tensors = {name: w for pieces, t in _mapped_tensors(config, reader) for name, w in _cut(config, pieces, _fp32(t))}
+    merge_kv_b(tensors)
+    return config, tensors
 
 
 def _quantized(path: str, mode: str) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight]]:
     """"int4": Q4_0 / Q4_1 / Q4_K linear weights as Int4Weight; "int8": every linear weight as Int8Weight.
-    Everything else fp32, routed experts included (the MoE layer has no quantized kernel)."""
+    Everything else fp32: routed experts (the MoE layer has no quantized kernel), MLA's k_b / v_b halves (3-D; merged
+    into kv_b_proj) and FP32_ONLY."""
     config, reader = _read(path)
     tensors: dict[str, torch.Tensor | QuantWeight] = {}
     kept: dict[str, int] = {}
     for pieces, t in _mapped_tensors(config, reader):
         kind = t.tensor_type.name
-        linear = (all(p.name.endswith("_proj.weight") or p.name == "lm_head.weight" for p in pieces)
-                  and not any(isinstance(p.index, int) for p in pieces))
+        linear = (all((p.name.endswith("_proj.weight") and not p.name.endswith(FP32_ONLY))
+                      or p.name == "lm_head.weight" for p in pieces)
+                  and not any(isinstance(p.index, int) for p in pieces) and len(t.shape) == 2)
         if linear and mode == "int4" and kind in INT4_TYPES:
             w = Int4Weight(*(torch.from_numpy(a) for a in decode_int4(kind, t.data, int(t.shape[0]))))
             tensors.update(_cut(config, pieces, w))
@@ -127,6 +130,7 @@ def _quantized(path: str, mode: str) -> tuple[ModelConfig, dict[str, torch.Tenso
             if linear:
                 kept[kind] = kept.get(kind, 0) + 1
             tensors.update(_cut(config, pieces, _fp32(t)))
+    merge_kv_b(tensors)
     if kept:
         logger.info("%s: linear weights of GGUF type %s have no exact %s mapping; served in fp32", mode,
                     ", ".join(f"{k} ({n})" for k, n in sorted(kept.items())), mode)

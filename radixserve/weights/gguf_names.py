@@ -4,12 +4,21 @@ Names as the `gguf` library's `constants.MODEL_TENSORS` encodes them (tests/mode
 
     blk.{i}.ffn_{gate,up,down}_exps   (E, rows, cols) stacked experts -> mlp.experts.{e}.{gate,up,down}_proj
     blk.{i}.attn_qkv                  rows [q | k | v] (ChatGLM)      -> self_attn.{q,k,v}_proj
-    blk.{i}.ffn_up  (chatglm, glm4)   rows [gate | up]               -> mlp.gate_up_proj (loaded fused)"""
+    blk.{i}.ffn_up  (chatglm, glm4)   rows [gate | up]               -> mlp.gate_up_proj (loaded fused)
+
+Merged (MLA, llama.cpp's DeepseekV2 converter splits kv_b_proj (H * (nope + v), rank) per head for absorbed attention):
+
+    blk.{i}.attn_k_b (H, rank, nope)  the key part, transposed       \
+    blk.{i}.attn_v_b (H, v, rank)     the value part                 -> self_attn.kv_b_proj (merge_kv_b)
+    blk.{i}.attn_kv_b                 older files: kept whole        /"""
 from __future__ import annotations
 
 import re
 from typing import NamedTuple
 
+import torch
+
+from radixserve.models.block_config import CORRECTION_BIAS_FAMILIES
 from radixserve.models.model_config import ModelConfig
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -23,6 +32,13 @@ _ROUTER = {"ffn_gate_inp": "mlp.gate"}
 _SHARED = {"ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
            "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_MLA = {**{p: _ATTENTION[p] for p in ("attn_norm", "attn_q", "attn_output")}, "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",
+        **_FFN_NORM, **_MLP, **_ROUTER, **_SHARED}
+_INDEXER = {"indexer.attn_k": "self_attn.indexer.wk", "indexer.attn_q_b": "self_attn.indexer.wq_b",
+            "indexer.k_norm": "self_attn.indexer.k_norm", "indexer.proj": "self_attn.indexer.weights_proj"}
 LAYER_NAMES: dict[str, dict[str, str]] = {
     "llama": {**_ATTENTION, **_FFN_NORM, **_MLP},
     "qwen2": {**_ATTENTION, **_FFN_NORM, **_MLP},
@@ -34,8 +50,12 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     # glm4moe's "post_attention_norm" is the MLP's input norm
     "glm4_moe": {**_ATTENTION, **_QK_NORM, "post_attention_norm": "post_attention_layernorm", **_MLP,
                  **_ROUTER, **_SHARED},
+    "glm4_moe_lite": _MLA,
+    "glm_moe_dsa": {**_MLA, **_INDEXER},
 }
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
+# Weights no quantized kernel reads: MLA's kv_b_proj is sliced per head, the indexer's weights_proj stays fp32.
+FP32_ONLY = ("self_attn.kv_b_proj.weight", "indexer.weights_proj.weight")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)\.(weight|bias)$")
 
 
@@ -62,7 +82,7 @@ def hf_pieces(config: ModelConfig, gguf_name: str) -> list[Piece]:
     if family in MOE_FAMILIES and part in EXPERTS:
         return [Piece(f"{prefix}.mlp.experts.{e}.{EXPERTS[part]}.{suffix}", e)
                 for e in range(config.moe.num_experts)]
-    if family == "glm4_moe" and (part, suffix) == ("exp_probs_b", "bias"):
+    if family in CORRECTION_BIAS_FAMILIES and (part, suffix) == ("exp_probs_b", "bias"):
         return [Piece(f"{prefix}.mlp.gate.e_score_correction_bias")]
     module = LAYER_NAMES[family].get(part)
     if module is None:
@@ -77,3 +97,19 @@ def hf_pieces(config: ModelConfig, gguf_name: str) -> list[Piece]:
 def _unmapped(family: str, gguf_name: str) -> ValueError:
     note = " (llama3 RoPE frequency factors are not supported)" if gguf_name.startswith("rope_freqs.") else ""
     return ValueError(f"GGUF {family}: tensor {gguf_name!r} has no transformers mapping{note}")
+
+
+def merge_kv_b(tensors: dict) -> None:
+    """In place: each layer's self_attn.{k_b,v_b}_proj.weight pair -> self_attn.kv_b_proj.weight, rows per head
+    [k_b[h].T (nope, rank) | v_b[h] (v, rank)]; both dropped where the file also holds attn_kv_b. fp32 tensors only.
+    Raises ValueError for a layer holding one half."""
+    for k_name in [n for n in tensors if n.endswith(".self_attn.k_b_proj.weight")]:
+        v_name, kv_name = (k_name.replace(".k_b_proj.", p) for p in (".v_b_proj.", ".kv_b_proj."))
+        if v_name not in tensors:
+            raise ValueError(f"GGUF MLA: {k_name} (attn_k_b) has no {v_name} (attn_v_b) to rebuild kv_b_proj")
+        k_b, v_b = tensors.pop(k_name), tensors.pop(v_name)
+        if kv_name not in tensors:
+            tensors[kv_name] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1]).contiguous()
+    stray = [n for n in tensors if n.endswith(".self_attn.v_b_proj.weight")]
+    if stray:
+        raise ValueError(f"GGUF MLA: {stray[0]} (attn_v_b) has no matching attn_k_b to rebuild kv_b_proj")

@@ -13,6 +13,13 @@ converter class writes. What the converter does per architecture, and this file 
 - Qwen3-MoE, GLM-4.5: experts stacked per layer into one (E, rows, cols) tensor per projection;
   GLM-4.5 also writes its MoE keys, counts its MTP layers in `block_count` and renames
   `e_score_correction_bias` to `e_score_correction.bias` (GGUF `exp_probs_b.bias`);
+- GLM-4.7-Flash (as DEEPSEEK2) and GLM-5 (as GLM_DSA), DeepseekV2Model's MLA rules: head_count_kv 1 (MLA as
+  MQA), key_length / value_length kv_lora + rope / kv_lora, key_length_mla / value_length_mla nope + rope / v,
+  q_lora_rank (when set), kv_lora_rank, rope dimension = qk_rope, leading_dense_block_count =
+  first_k_dense_replace, expert_weights_norm only when true, no RoPE permutation, and kv_b_proj split per
+  head into k_b_proj (transposed, (H, rank, nope)) and v_b_proj ((H, v, rank)), kv_b_proj itself not
+  written; GLM-5 adds the indexer's head count, key length and top-k (gguf 0.19 has no key for IndexShare's
+  layer types: a shared layer simply has no indexer tensors);
 - 1-D tensors and the router (`ffn_gate_inp`) stay F32 whatever the output type.
 """
 from __future__ import annotations
@@ -24,7 +31,8 @@ import re
 import numpy as np
 
 ARCHES = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE", "glm": "CHATGLM",
-          "glm4": "GLM4", "glm4_moe": "GLM4_MOE"}
+          "glm4": "GLM4", "glm4_moe": "GLM4_MOE", "glm4_moe_lite": "DEEPSEEK2", "glm_moe_dsa": "GLM_DSA"}
+MLA_FAMILIES = ("glm4_moe_lite", "glm_moe_dsa")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
@@ -47,7 +55,8 @@ def write_gguf(hf_dir, path, types: dict[str, str] | None = None, fuse_qkv: bool
     family = cfg["model_type"]
     arch = getattr(gguf.MODEL_ARCH, ARCHES[family])
     tensors = {k: v.astype(np.float32) for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items()}
-    block_count = cfg["num_hidden_layers"] + (cfg.get("num_nextn_predict_layers", 0) if family == "glm4_moe" else 0)
+    mtp = family in ("glm4_moe", *MLA_FAMILIES)
+    block_count = cfg["num_hidden_layers"] + ((cfg.get("num_nextn_predict_layers") or 0) if mtp else 0)
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     _write_metadata(writer, family, cfg, block_count)
     names = gguf.get_tensor_name_map(arch, block_count)
@@ -76,6 +85,8 @@ def _converted(family: str, cfg: dict, tensors: dict[str, np.ndarray], fuse_qkv:
         elif family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             yield name, permute_qk(a, heads)
+        elif family in MLA_FAMILIES and name.endswith("kv_b_proj.weight"):
+            yield from _split_kv_b(cfg, name, a)
         elif name.endswith("e_score_correction_bias"):
             yield name.replace("e_score_correction_bias", "e_score_correction.bias"), a
         elif fuse_qkv and ".self_attn.q_proj." in name:
@@ -85,6 +96,43 @@ def _converted(family: str, cfg: dict, tensors: dict[str, np.ndarray], fuse_qkv:
             yield name, a
     for (prefix, projection), by_expert in experts.items():
         yield f"{prefix}.{projection}.weight", np.stack([by_expert[e] for e in sorted(by_expert)])
+
+
+def _split_kv_b(cfg: dict, name: str, a: np.ndarray):
+    nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    per_head = a.reshape(cfg["num_attention_heads"], nope + v, a.shape[-1])
+    yield name.replace("kv_b_proj", "k_b_proj"), np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1))
+    yield name.replace("kv_b_proj", "v_b_proj"), np.ascontiguousarray(per_head[:, nope:])
+
+
+def _write_mla_metadata(w, family: str, cfg: dict) -> None:
+    rank, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    types = cfg.get("mlp_layer_types")
+    first = cfg.get("first_k_dense_replace", 0)
+    assert types is None or types == ["dense"] * first + ["sparse"] * (len(types) - first), \
+        "GGUF holds only a leading dense block count"
+    w.add_leading_dense_block_count(first)
+    w.add_vocab_size(cfg["vocab_size"])
+    if cfg.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(rank)
+    w.add_key_length(rank + rope)
+    w.add_value_length(rank)
+    w.add_key_length_mla(cfg["qk_nope_head_dim"] + rope)
+    w.add_value_length_mla(cfg["v_head_dim"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(rope)
+    if cfg.get("num_nextn_predict_layers"):
+        w.add_nextn_predict_layers(cfg["num_nextn_predict_layers"])
+    if family == "glm_moe_dsa":
+        w.add_indexer_head_count(cfg["index_n_heads"])
+        w.add_indexer_key_length(cfg["index_head_dim"])
+        w.add_indexer_top_k(cfg["index_topk"])
 
 
 def _write_metadata(w, family: str, cfg: dict, block_count: int) -> None:
@@ -97,7 +145,7 @@ def _write_metadata(w, family: str, cfg: dict, block_count: int) -> None:
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_head_count_kv(1 if family in MLA_FAMILIES else cfg["num_key_value_heads"])
     _write_vocab(w, cfg)
     if family == "glm":   # ChatGLMModel.set_gguf_parameters replaces the base class's keys
         w.add_context_length(cfg.get("seq_length", hidden))
@@ -107,11 +155,16 @@ def _write_metadata(w, family: str, cfg: dict, block_count: int) -> None:
         return
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
     for key, add in (("num_local_experts", w.add_expert_count), ("num_experts_per_tok", w.add_expert_used_count),
                      ("n_group", w.add_expert_group_count), ("topk_group", w.add_expert_group_used_count)):
         if cfg.get(key) is not None:
             add(cfg[key])
+    if family in MLA_FAMILIES:
+        # The sigmoid routing these models use (llama.cpp's deepseek2 loader reads a file without the key as softmax).
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        _write_mla_metadata(w, family, cfg)
+        return
     head_dim = cfg.get("head_dim") or hidden // heads
     if "head_dim" in cfg:
         w.add_key_length(head_dim)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from radixserve.layers.quant_linear import Int4Weight
+from radixserve.models.block_config import CORRECTION_BIAS_FAMILIES
 from radixserve.models.model_config import GGUF_FAMILIES, ModelConfig
 from radixserve.weights.gguf_names import EXPERTS, LAYER_NAMES, MOE_FAMILIES, hf_pieces
 from radixserve.weights.loader import load_checkpoint
@@ -191,7 +192,7 @@ def test_names_are_the_gguf_librarys(family):
     parts = dict(LAYER_NAMES[family], **({p: f"mlp.experts.{m}" for p, m in EXPERTS.items()}
                                           if family in MOE_FAMILIES else {}))
     assert set(parts) <= known, set(parts) - known
-    if family == "glm4_moe":
+    if family in CORRECTION_BIAS_FAMILIES:
         assert names.get_name("model.layers.0.mlp.gate.e_score_correction.bias",
                               try_suffixes=(".bias",)) == "blk.0.exp_probs_b.bias"
     for part, module in parts.items():

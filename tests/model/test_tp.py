@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from radixserve.models.block_config import MoEConfig
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.tp import free_init_addr
 from radixserve.weights.safetensors import read_hf_config
@@ -49,22 +50,30 @@ def group(tmp_path_factory):
         else:
             build_family(folder, case)
         folders.append(str(folder))
-    out = tmp_path_factory.mktemp("tp-out")
+    return (folders, *run_group(tmp_path_factory.mktemp("tp-out"), folders))
+
+
+def run_group(out: pathlib.Path, folders: list[str], ep_size: int = 1) -> tuple[list[dict], list[dict]]:
+    """Rank 0's and rank 1's results of one tests/model/tp_worker.py group of 2 processes over `folders`."""
     addr = free_init_addr()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.model.tp_worker", str(r), addr, str(out), *folders],
-                              cwd=REPO, env=env) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.model.tp_worker", str(r), addr, str(out),
+                               "--ep-size", str(ep_size), *folders], cwd=REPO, env=env) for r in range(2)]
     try:
         assert [p.wait(600) for p in procs] == [0, 0]
     finally:
         for p in procs:
             p.kill()
-    return folders, torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    return torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
 def test_tp2_logits_and_greedy_tokens_equal_tp1(group, index):
-    rank0 = group[1][index]
+    assert_matches_tp1(group[1][index])
+
+
+def assert_matches_tp1(rank0: dict) -> None:
+    """Rank 0's logits within 1e-5 relative of the TP=1 run's, step by step, and its greedy tokens equal."""
     assert len(rank0["steps"]) == len(rank0["ref_steps"])
     for step, ref in zip(rank0["steps"], rank0["ref_steps"]):
         assert step["logits"].shape == ref["logits"].shape     # the full vocabulary, padding cut
@@ -75,17 +84,25 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1(group, index):
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
 def test_both_ranks_bit_identical(group, index):
-    rank0, rank1 = group[1][index], group[2][index]
+    assert_bit_identical(group[1][index], group[2][index])
+
+
+def assert_bit_identical(rank0: dict, rank1: dict) -> None:
     assert len(rank0["steps"]) == len(rank1["steps"])
     for a, b in zip(rank0["steps"], rank1["steps"]):
         assert torch.equal(a["logits"], b["logits"])
 
 
-def param_bytes(c: ModelConfig, tp: int) -> int:
-    """docs/parallel.md: per-rank fp32 parameter bytes of a dense decoder at tensor parallelism tp."""
-    h, d, layers = c.hidden_size, c.head_dim, c.num_layers
+def expert_bytes(m: MoEConfig, h: int, tp: int, ep: int = 1) -> int:
+    """docs/parallel.md: one MoE layer's routed-expert fp32 bytes on one rank: E / ep experts of I * ep / tp rows."""
+    return 4 * (m.num_experts // ep) * 3 * (m.intermediate_size * ep // tp) * h
+
+
+def layer_bytes(c: ModelConfig, tp: int, i: int, ep: int = 1) -> int:
+    """docs/parallel.md: fp32 parameter bytes of decoder layer `i` on one rank at tensor parallelism tp, ep
+    expert-parallel."""
+    h, d = c.hidden_size, c.head_dim
     heads, kv, inter = c.num_heads // tp, max(1, c.num_kv_heads // tp), c.intermediate_size // tp
-    vocab = -(-c.vocab_size // tp)
     qkv = (heads + 2 * kv) * d
     attention = (2 * h + (2 * d if c.qk_norm else 0) + (2 * h if c.post_norms else 0)
                  + qkv * h + (qkv if c.qkv_bias else 0) + h * heads * d + (h if c.o_bias else 0))
@@ -93,30 +110,38 @@ def param_bytes(c: ModelConfig, tp: int) -> int:
     def mlp(width: int) -> int:
         return 3 * width * h + ((2 * width + h) if c.mlp_bias else 0)
 
-    total = 0
-    for i in range(layers):
-        if c.moe is None or i in c.moe.dense_layers:
-            total += attention + mlp(inter)
-        else:
-            m, width = c.moe, c.moe.intermediate_size // tp
-            shared = mlp(width * m.num_shared_experts) if m.num_shared_experts else 0
-            total += (attention + m.num_experts * h + (m.num_experts if m.scoring == "sigmoid" else 0)
-                      + m.num_experts * 3 * width * h + shared)
-    return 4 * (vocab * h * (1 if c.tie_word_embeddings else 2) + h + total)
+    if c.moe is None or i in c.moe.dense_layers:
+        return 4 * (attention + mlp(inter))
+    m, width = c.moe, c.moe.intermediate_size // tp
+    shared = mlp(width * m.num_shared_experts) if m.num_shared_experts else 0
+    return 4 * (attention + m.num_experts * h + (m.num_experts if m.scoring == "sigmoid" else 0)
+                + expert_bytes(m, h, tp, ep) // 4 + shared)
+
+
+def param_bytes(c: ModelConfig, tp: int, ep: int = 1) -> int:
+    """docs/parallel.md: per-rank fp32 parameter bytes of a decoder at tensor parallelism tp, ep expert-parallel."""
+    vocab = -(-c.vocab_size // tp)
+    embeddings = 4 * (vocab * c.hidden_size * (1 if c.tie_word_embeddings else 2) + c.hidden_size)
+    return embeddings + sum(layer_bytes(c, tp, i, ep) for i in range(c.num_layers))
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
 def test_parameter_and_collective_bytes_equal_the_formulas(group, index):
     config = ModelConfig.from_hf(read_hf_config(group[0][index]))
-    h, layers, vocab_part = config.hidden_size, config.num_layers, -(-config.vocab_size // 2)
     for rank in (1, 2):
         result = group[rank][index]
         assert result["param_bytes"] == param_bytes(config, 2)
-        for step in result["steps"]:
-            t, r = step["num_tokens"], step["logits"].shape[0]
-            assert step["calls"] == {"all_reduce": 1 + 2 * layers, "all_gather": 1}
-            assert step["bytes"] == {"all_reduce": (1 + 2 * layers) * t * h * 4, "all_gather": r * vocab_part * 4}
+        assert_collective_bytes(config, result["steps"])
     assert param_bytes(config, 1) < 2 * group[1][index]["param_bytes"]     # replicated norms (and KV heads)
+
+
+def assert_collective_bytes(config: ModelConfig, steps: list[dict]) -> None:
+    """Per step at 2 ranks: 1 + 2L all-reduces of T·h·4 bytes, one all-gather of R·ceil(V/2)·4 (docs/parallel.md)."""
+    h, layers, vocab_part = config.hidden_size, config.num_layers, -(-config.vocab_size // 2)
+    for step in steps:
+        t, r = step["num_tokens"], step["logits"].shape[0]
+        assert step["calls"] == {"all_reduce": 1 + 2 * layers, "all_gather": 1}
+        assert step["bytes"] == {"all_reduce": (1 + 2 * layers) * t * h * 4, "all_gather": r * vocab_part * 4}
 
 
 def test_serving_path_starts_and_stops_its_follower(group):

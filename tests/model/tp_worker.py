@@ -1,7 +1,8 @@
-"""One rank of test_tp.py's TP=2 group: `python -m tests.model.tp_worker RANK ADDR OUT_DIR MODEL_DIR...`.
+"""One rank of test_tp.py's TP=2 group: `python -m tests.model.tp_worker RANK ADDR OUT_DIR [--ep-size N] MODEL_DIR...`.
 
 Per model, both ranks build this rank's shard; rank 0 runs an Engine over a TPRunner (greedy prompts), rank 1
-follows. Both record each step's logits, token and logit-row counts and the collective counters; rank 0 then
+follows. Both record each step's logits, token and logit-row counts and the collective counters, and the parameter
+bytes (all, and the routed experts'); rank 0 then
 runs the same prompts at TP=1. Results: OUT_DIR/rank{R}.pt, a list with one dict per model."""
 from __future__ import annotations
 
@@ -54,21 +55,25 @@ def generate(runner) -> dict[str, list[int]]:
 
 def main(argv: list[str]) -> int:
     rank, addr, out_dir, folders = int(argv[0]), argv[1], argv[2], argv[3:]
+    ep_size = 1
+    if folders[0] == "--ep-size":
+        ep_size, folders = int(folders[1]), folders[2:]
     torch.set_num_threads(1)
     comm = init_communicator(rank, 2, addr, 60.0)
     results, keep = [], []
     for folder in folders:
         config = EngineConfig(model_path=folder, tp_size=2, max_total_tokens=4096, quantization="none",
-                              chunked_prefill_size=32, num_threads=1)
+                              chunked_prefill_size=32, num_threads=1, ep_size=ep_size)
         runner = ModelRunner.from_config(config, comm)
-        out = {"param_bytes": sum(p.nbytes for p in runner.model.parameters())}
+        out = {"param_bytes": sum(p.nbytes for p in runner.model.parameters()),
+               "expert_bytes": sum(p.nbytes for name, p in runner.model.named_parameters() if ".mlp.experts." in name)}
         out["steps"] = recording(runner, comm)
         if rank == 0:
             tp_runner = TPRunner(runner, Followers(comm, []))
             keep.append(tp_runner)
             out["tokens"] = generate(tp_runner)
             tp_runner.followers.stop()
-            single = ModelRunner.from_config(dataclasses.replace(config, tp_size=1))
+            single = ModelRunner.from_config(dataclasses.replace(config, tp_size=1, ep_size=1))
             out["ref_steps"] = recording(single)
             out["ref_tokens"] = generate(single)
         else:

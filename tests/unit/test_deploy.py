@@ -22,17 +22,18 @@ from radixserve.drain import FLUSH_S
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
+TP = K8S / "tp"   # a multi-node tensor-parallel group, applied on its own (docs/parallel.md)
 # The oldest Kubernetes release still widely run, and the newest the validator bundles.
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 ENGINE_STOP_MARGIN_S = 5   # the engine process's stop after the HTTP server closed
 
 
-def manifests() -> list[dict]:
-    """Every resource the kustomization applies, in file order."""
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+def manifests(folder: pathlib.Path = K8S) -> list[dict]:
+    """Every resource the kustomization in `folder` applies, in file order."""
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
     docs = []
     for name in kustomization["resources"]:
-        docs += [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+        docs += [d for d in yaml.safe_load_all((folder / name).read_text()) if d]
     return docs
 
 
@@ -109,9 +110,12 @@ def serves_get(app, path: str) -> bool:
 COMPONENTS = ("worker", "router", "agent")
 
 
-@pytest.mark.parametrize("index", range(len(manifests())))
+ALL_MANIFESTS = manifests() + manifests(TP)   # with deploy/k8s/tp/ (tests/unit/test_deploy_tp.py checks the rest)
+
+
+@pytest.mark.parametrize("index", range(len(ALL_MANIFESTS)))
 def test_every_manifest_validates_against_the_kubernetes_schema(index):
-    doc = manifests()[index]
+    doc = ALL_MANIFESTS[index]
     for version in K8S_VERSIONS:    # raises ValidationError on any schema violation
         checked = kubernetes_validate.validate(doc, version, strict=True)   # the schema's "1.29"
         assert version.startswith(checked + ".")
@@ -128,11 +132,14 @@ def test_the_schema_check_rejects_a_misspelled_field_and_a_wrong_type():
 
 
 def test_the_kustomization_applies_every_manifest_and_names_the_image():
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    assert sorted(kustomization["resources"]) == sorted(
-        p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
-    images = {i["name"] for i in kustomization["images"]}
-    assert {container(c)["image"] for c in COMPONENTS} == images == {"radixserve"}
+    for folder in (K8S, TP):
+        kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+        assert sorted(kustomization["resources"]) == sorted(
+            p.name for p in folder.glob("*.yaml") if p.name != "kustomization.yaml")
+        assert {i["name"] for i in kustomization["images"]} == {"radixserve"}
+    images = {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in ALL_MANIFESTS
+              if d["kind"] in ("Deployment", "StatefulSet")}
+    assert images == {"radixserve"}
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
@@ -283,3 +290,4 @@ def test_dockerfile_runs_a_worker_as_a_non_root_user_on_the_worker_port():
     assert "RADIXSERVE_CACHE_DIR=/cache" in " ".join(steps["ENV"])
     mounts = container("worker")["volumeMounts"]
     assert {"name": "cache", "mountPath": "/cache"} in mounts
+
