@@ -18,8 +18,8 @@ import statistics
 import time
 
 from radixserve.cli import build_runner
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
+from radixserve.engine_config import EngineConfig
 from radixserve.sampling_params import SamplingParams
 
 

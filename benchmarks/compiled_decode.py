@@ -14,8 +14,8 @@ import random
 import statistics
 import time
 
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 

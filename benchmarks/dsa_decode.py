@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from radixserve.config import EngineConfig
 from radixserve.engine.runner_api import ScheduledSeq
+from radixserve.engine_config import EngineConfig
 from radixserve.models.dsa import select_topk
 from radixserve.runner.attention.sparse import INDEX_KEYS
 from radixserve.runner.batch import build_step

@@ -27,8 +27,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from radixserve.bench.check import TIE_GAP  # noqa: E402
 from radixserve.chaos.engine_faults import EngineFaults  # noqa: E402
-from radixserve.config import EngineConfig  # noqa: E402
 from radixserve.engine.engine import Engine  # noqa: E402
+from radixserve.engine_config import EngineConfig  # noqa: E402
 from radixserve.runner.model_runner import ModelRunner  # noqa: E402
 from radixserve.sampling_params import SamplingParams  # noqa: E402
 

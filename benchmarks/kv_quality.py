@@ -24,7 +24,7 @@ import os
 import tempfile
 
 from radixserve import LLM, SamplingParams
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.kv_cache import KVCache
 from radixserve.runner.kv_sizing import kv_storage_dtype, num_pages
 

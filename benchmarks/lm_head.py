@@ -24,8 +24,8 @@ import time
 import torch
 
 from radixserve.cli import build_runner
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
+from radixserve.engine_config import EngineConfig
 from radixserve.layers.linear import Linear
 from radixserve.layers.screened_head import ScreenedHead
 from radixserve.models.llama import HEAD_EXACT_TOP

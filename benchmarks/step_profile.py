@@ -34,8 +34,8 @@ from collections import defaultdict
 import torch
 
 from radixserve.cli import build_runner
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
+from radixserve.engine_config import EngineConfig
 from radixserve.sampling_params import SamplingParams
 
 PHASES = {   # phase -> (object path from the engine, method name)

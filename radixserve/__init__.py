@@ -5,8 +5,9 @@ import os
 # allocation, hence before any; a value already set (0: off) is kept.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from radixserve.config import EngineConfig, ServerConfig  # noqa: E402
+from radixserve.engine_config import EngineConfig  # noqa: E402
 from radixserve.sampling_params import SamplingParams  # noqa: E402
+from radixserve.server_config import ServerConfig  # noqa: E402
 
 __version__ = "0.1.0"  # pyproject.toml reads it from here
 

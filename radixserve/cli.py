@@ -9,7 +9,9 @@ import sys
 from typing import Any, NoReturn
 
 from radixserve import __version__
-from radixserve.config import EngineConfig, ServerConfig, add_dataclass_args, from_args
+from radixserve.config import add_dataclass_args, from_args
+from radixserve.engine_config import EngineConfig
+from radixserve.server_config import ServerConfig
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

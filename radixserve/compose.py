@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.engine.hooks import EngineHooks
 from radixserve.engine.kv_checksum import ChecksumHooks
 from radixserve.engine.loop import EngineParts, RunnerFactory
 from radixserve.engine.messages import EngineInfo
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.profiler import ProfilerHooks
 
 

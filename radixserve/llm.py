@@ -7,8 +7,8 @@ from collections.abc import Iterator, Sequence
 from tqdm import tqdm
 
 from radixserve.compose import engine_hooks
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
+from radixserve.engine_config import EngineConfig
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 

@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from radixserve.config import EngineConfig  # noqa: E402
 from radixserve.engine.runner_api import ScheduledSeq  # noqa: E402
+from radixserve.engine_config import EngineConfig  # noqa: E402
 from radixserve.models.model_config import ModelConfig  # noqa: E402
 from radixserve.models.registry import model_class  # noqa: E402
 from radixserve.runner.attention.base import create_backend  # noqa: E402

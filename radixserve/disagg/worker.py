@@ -5,7 +5,6 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from radixserve.config import EngineConfig
 from radixserve.disagg.api import FaultPoints, Fired
 from radixserve.disagg.decode_side import DecodeSide
 from radixserve.disagg.prefill_side import PrefillSide
@@ -16,6 +15,7 @@ from radixserve.engine.engine import Engine
 from radixserve.engine.hooks import EngineHooks
 from radixserve.engine.request import Request
 from radixserve.engine.runner_api import Runner
+from radixserve.engine_config import EngineConfig
 from radixserve.errors import InvalidRequest
 from radixserve.outputs import EngineOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams

@@ -5,13 +5,13 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from radixserve.config import EngineConfig
 from radixserve.engine.hooks import EngineHooks, HookChain
 from radixserve.engine.kv_checksum import ChecksumHooks
 from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
 from radixserve.engine.runner_api import Runner, ScheduledSeq, SeqResult
 from radixserve.engine.scheduler import Scheduler
+from radixserve.engine_config import EngineConfig
 from radixserve.errors import ContextLengthExceeded, InvalidRequest
 from radixserve.outputs import EngineOutput, SpecCounts, TokenLogprob
 from radixserve.sampling_params import SamplingParams

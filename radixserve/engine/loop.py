@@ -14,11 +14,11 @@ from typing import Any, Callable, NamedTuple, NoReturn, Protocol
 import msgspec
 import zmq
 
-from radixserve.config import EngineConfig
 from radixserve.engine.messages import (Abort, AddReq, Call, CallResult, EngineInfo, Fatal, FromEngine,
                                         Heartbeat, Ready, Shutdown, Submitted,
                                         ToEngine, WireError)
 from radixserve.engine.runner_api import Runner
+from radixserve.engine_config import EngineConfig
 from radixserve.errors import InvalidRequest, RadixServeError
 from radixserve.outputs import EngineOutput
 from radixserve.sampling_params import SamplingParams

@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from radixserve.config import EngineConfig
 from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
 from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.engine.speculative import ModelDraftProposer, NgramProposer
+from radixserve.engine_config import EngineConfig
 
 
 class Scheduler:

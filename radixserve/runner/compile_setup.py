@@ -8,7 +8,7 @@ import pathlib
 
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.compiled_decode import DecodeGraphs, compiler_missing, graph_key
 from radixserve.weights.paths import resolve_model_path
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixserve.config import EngineConfig
 from radixserve.dist.comm import Communicator
 from radixserve.engine.runner_api import ScheduledSeq
+from radixserve.engine_config import EngineConfig
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.kv_cache import KVCache

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.attention.sparse import index_bytes_per_token
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache

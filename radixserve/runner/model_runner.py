@@ -9,8 +9,8 @@ from collections.abc import Iterable
 
 import torch
 
-from radixserve.config import EngineConfig
 from radixserve.engine.runner_api import ScheduledSeq, SeqResult
+from radixserve.engine_config import EngineConfig
 from radixserve.layers.batch_invariant import check_row_invariance
 from radixserve.layers.parallel import Collectives
 from radixserve.layers.sampler import Sampler, token_logprobs
@@ -25,12 +25,12 @@ from radixserve.runner.compile_setup import load_decode_graphs
 from radixserve.runner.device import huge_pages_mb, resolve_device, reuse_freed_cpu_buffers
 from radixserve.runner.disk_kv import DiskKV, fingerprint
 from radixserve.runner.draft import DraftModel
-from radixserve.runner.mtp import MTPDraft
 from radixserve.runner.host_kv import HostKV
-from radixserve.sampling_params import SamplingParams
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache, KVPages
 from radixserve.runner.kv_sizing import DTYPES, kv_storage_dtype, num_pages
+from radixserve.runner.mtp import MTPDraft
 from radixserve.runner.structured import StructuredOutput
+from radixserve.sampling_params import SamplingParams
 from radixserve.weights.loader import load_checkpoint, load_weights, resolve_quantization
 from radixserve.weights.nextn_loader import load_draft_head, load_nextn, nextn_tensors
 from radixserve.weights.paths import resolve_model_path

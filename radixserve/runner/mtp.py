@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.engine.runner_api import ScheduledSeq, SeqResult
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.models.nextn import NextNLayer, prepare_nextn
 from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 from radixserve.runner.batch import StepBatch, build_step

@@ -22,9 +22,9 @@ from collections.abc import Iterable
 
 import torch
 
-from radixserve.config import EngineConfig
 from radixserve.dist.comm import Communicator, Pending
 from radixserve.engine.runner_api import ScheduledSeq
+from radixserve.engine_config import EngineConfig
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.attention.base import create_backend
 from radixserve.runner.batch import StepBatch, build_step

@@ -20,9 +20,9 @@ import subprocess
 import sys
 import weakref
 
-from radixserve.config import EngineConfig
 from radixserve.dist.comm import Communicator, DistError, init_communicator
 from radixserve.engine.runner_api import ScheduledSeq, SeqResult
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.cp import CPModelRunner
 from radixserve.runner.device import resolve_device
 from radixserve.runner.model_runner import ModelRunner

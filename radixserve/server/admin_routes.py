@@ -9,11 +9,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from radixserve.config import ServerConfig
+from radixserve.chaos.http_faults import KIND_PARAMS, FaultInjector, FaultSpec, HangMiddleware
 from radixserve.drain import Drain
 from radixserve.errors import InvalidRequest
-from radixserve.chaos.http_faults import KIND_PARAMS, FaultInjector, FaultSpec, HangMiddleware
 from radixserve.server.serving import ServingContext, parse_body
+from radixserve.server_config import ServerConfig
 
 MAX_ADMIN_BODY_BYTES = 64 << 10
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
 
-from radixserve.config import ServerConfig
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
 from radixserve.server.confidence_guard import ConfidenceConfig, ConfidenceDetector, judged
 from radixserve.server.filters import Detection, Reporter
 from radixserve.server.tracker import ChoiceUpdate
+from radixserve.server_config import ServerConfig
 
 KINDS = ("repetition", "garbled", "rare_chars")
 

@@ -12,9 +12,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from radixserve.config import EngineConfig, ServerConfig
 from radixserve.drain import FLUSH_S, Drain, DrainMiddleware, GracefulServer
 from radixserve.engine.loop import PartsFactory
+from radixserve.engine_config import EngineConfig
 from radixserve.errors import InvalidRequest
 from radixserve.http_common import (SERVER_KEEP_ALIVE_S, BodyTimeoutMiddleware, bearer_key_check,
                                     install_error_handlers, quiet_signals)
@@ -25,6 +25,7 @@ from radixserve.server.metrics import ServerMetrics
 from radixserve.server.routes import install_openai_routes, install_probe_routes
 from radixserve.server.serving import ServingContext
 from radixserve.server.validation import render_details
+from radixserve.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.config import EngineConfig
-from radixserve.errors import (ContextLengthExceeded, EngineDead, InvalidRequest, KVTransferFailed,
-                               ModelNotFound, Overloaded, RadixServeError)
-from radixserve.outputs import EngineOutput
 from radixserve.engine.loop import PartsFactory, run_engine_process
 from radixserve.engine.messages import (AddReq, Abort, Call, CallResult, EngineInfo, Fatal,
                                         FromEngine, Ready, Shutdown, Submitted,
                                         WireError)
+from radixserve.engine_config import EngineConfig
+from radixserve.errors import (ContextLengthExceeded, EngineDead, InvalidRequest, KVTransferFailed,
+                               ModelNotFound, Overloaded, RadixServeError)
+from radixserve.outputs import EngineOutput
 
 logger = logging.getLogger(__name__)
 

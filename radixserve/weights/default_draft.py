@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.weights.paths import DEFAULT_MODEL_FILE, ModelPathError, resolve_model_path
 
 logger = logging.getLogger(__name__)

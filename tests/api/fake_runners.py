@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 import time
 
-from radixserve.config import EngineConfig
 from radixserve.engine.runner_api import ScheduledSeq, SeqResult
+from radixserve.engine_config import EngineConfig
 from tests.unit.fake_runner import FakeRunner
 
 FAKE_VOCAB = 1000

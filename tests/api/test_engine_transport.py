@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from radixserve.compose import EngineFactory
-from radixserve.config import EngineConfig
 from radixserve.engine.messages import AddReq
+from radixserve.engine_config import EngineConfig
 from radixserve.errors import ContextLengthExceeded, EngineDead, InvalidRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.engine_client import EngineClient

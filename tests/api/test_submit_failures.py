@@ -9,8 +9,8 @@ import pytest
 import zmq
 
 from radixserve.compose import EngineFactory
-from radixserve.config import EngineConfig
 from radixserve.engine.messages import AddReq
+from radixserve.engine_config import EngineConfig
 from radixserve.errors import InvalidRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.engine_client import EngineClient

@@ -13,9 +13,9 @@ import sys
 import torch
 
 from radixserve.chaos.cp_faults import LayerSplitFaults
-from radixserve.config import EngineConfig
 from radixserve.dist.comm import init_communicator
 from radixserve.engine.engine import Engine
+from radixserve.engine_config import EngineConfig
 from radixserve.runner import cp
 from radixserve.runner.cp import CPModelRunner
 from radixserve.runner.model_runner import ModelRunner

@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from radixserve.config import EngineConfig
 from radixserve.dist.comm import DistError, init_communicator
+from radixserve.engine.engine import Engine
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.runner.pp import PPModelRunner
-from radixserve.engine.engine import Engine
 from radixserve.runner.tp import Followers, TPRunner, follow
 from radixserve.sampling_params import SamplingParams
 from tests.model.cp_worker import NUM_NEW, PHASES

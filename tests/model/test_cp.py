@@ -187,7 +187,7 @@ def test_serving_path_starts_and_stops_its_follower(tmp_path, layer_split):
     as CP=1, and close() ends the follower process with code 0."""
     import dataclasses
 
-    from radixserve.config import EngineConfig
+    from radixserve.engine_config import EngineConfig
     from radixserve.runner.tp import load_runner
     from tests.model.cp_worker import generate
 
@@ -206,8 +206,8 @@ def test_serving_path_starts_and_stops_its_follower(tmp_path, layer_split):
 
 def test_a_killed_follower_ends_rank_0s_step_with_an_error(tmp_path):
     """C54 under CP: rank 1 dies between steps; rank 0's next step raises DistError (no hang), close() returns."""
-    from radixserve.config import EngineConfig
     from radixserve.dist.comm import DistError
+    from radixserve.engine_config import EngineConfig
     from radixserve.runner.tp import load_runner
     from tests.model.cp_worker import generate
 

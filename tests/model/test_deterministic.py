@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.model_runner import ModelRunner
 from tests.model.test_families import build_family
 from tests.model.test_parity import make_engine, prompt_set

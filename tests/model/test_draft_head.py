@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 from radixserve.weights.default_draft import DEFAULT_DRAFT_HEAD, with_default_draft

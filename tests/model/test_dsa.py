@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.models.dsa import DSAAttention
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.attention.base import create_backend

@@ -55,7 +55,7 @@ def test_serving_path_with_expert_parallelism(group):
     other experts (the config travels to it), greedy tokens equal one process's, and close() ends it with 0."""
     import dataclasses
 
-    from radixserve.config import EngineConfig
+    from radixserve.engine_config import EngineConfig
     from radixserve.runner.tp import load_runner
     from tests.model.tp_worker import generate
 

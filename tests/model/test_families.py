@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.weights.safetensors import read_hf_config

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from radixserve.config import EngineConfig
 from radixserve.engine.runner_api import ScheduledSeq
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 from radixserve.weights import gguf as gguf_weights

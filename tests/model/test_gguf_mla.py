@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.layers.quant_linear import Int8Weight
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.model_runner import ModelRunner

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 from radixserve.runner.kv_cache import KVCache
 from radixserve.runner.model_runner import ModelRunner

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.batch import build_step
-from radixserve.runner.kv_transfer import pack_pages, unpack_pages
 from radixserve.runner.kv_sizing import num_pages
+from radixserve.runner.kv_transfer import pack_pages, unpack_pages
 from radixserve.runner.model_runner import ModelRunner
 from tests.model.test_families import FAMILIES, build_family
 from tests.model.test_hicache_model import SMALL_POOL, assert_same, generate, rounds, sessions

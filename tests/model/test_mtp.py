@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 from tests.model.mtp_checkpoint import build_glm_mtp, hf_mtp_drafts

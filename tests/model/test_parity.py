@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
+from radixserve.engine_config import EngineConfig
 from tests.model.parity import PARITY_TEXTS, assert_parity, engine_generate, hf_greedy, hf_greedy_batch
 
 NUM_NEW = 32

@@ -17,9 +17,9 @@ import pytest
 from radixserve.chaos.pd_faults import PDFaults
 from radixserve.chaos.tier_faults import CopyFaults
 from radixserve.compose import engine_hooks
-from radixserve.config import EngineConfig
 from radixserve.disagg.worker import PDWorker
 from radixserve.engine.engine import Engine
+from radixserve.engine_config import EngineConfig
 from radixserve.outputs import KV_CHECKSUM_ERROR
 from radixserve.runner.model_runner import ModelRunner
 from tests.unit.pd_helpers import FakeClock, Rig, greedy

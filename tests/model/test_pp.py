@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.kv_sizing import num_pages
 from radixserve.runner.layer_split import owned_layers

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from radixserve.cli import build_parser
-from radixserve.config import EngineConfig
 from radixserve.engine.runner_api import ScheduledSeq
+from radixserve.engine_config import EngineConfig
 from radixserve.layers import quant_linear
 from radixserve.layers.linear import Linear
 from radixserve.runner.model_runner import ModelRunner

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from radixserve.config import EngineConfig
 from radixserve.engine.runner_api import ScheduledSeq
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams

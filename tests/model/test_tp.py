@@ -149,7 +149,7 @@ def test_serving_path_starts_and_stops_its_follower(group):
     tokens as TP=1, and close() ends the follower process with code 0."""
     import dataclasses
 
-    from radixserve.config import EngineConfig
+    from radixserve.engine_config import EngineConfig
     from radixserve.runner.tp import load_runner
     from tests.model.tp_worker import generate
 
@@ -166,8 +166,8 @@ def test_serving_path_starts_and_stops_its_follower(group):
 
 def test_a_killed_follower_ends_rank_0s_step_with_an_error(group):
     """C54: rank 1 dies between steps; rank 0's next step raises DistError (no hang), and close() still returns."""
-    from radixserve.config import EngineConfig
     from radixserve.dist.comm import DistError
+    from radixserve.engine_config import EngineConfig
     from radixserve.runner.tp import load_runner
     from tests.model.tp_worker import generate
 

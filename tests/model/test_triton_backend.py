@@ -26,7 +26,7 @@ if importlib.util.find_spec("triton") is None and os.environ.get("RADIXSERVE_CI"
     pytest.fail("RADIXSERVE_CI=1 and no triton: install.sh should have installed it", pytrace=False)
 pytest.importorskip("triton")
 
-from radixserve.config import EngineConfig  # noqa: E402
+from radixserve.engine_config import EngineConfig  # noqa: E402
 from radixserve.runner.attention.base import BACKENDS, create_backend  # noqa: E402
 from radixserve.runner.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from radixserve.runner.attention.triton_backend import TritonAttentionBackend  # noqa: E402

@@ -12,9 +12,9 @@ import sys
 
 import torch
 
-from radixserve.config import EngineConfig
 from radixserve.dist.comm import init_communicator
 from radixserve.engine.engine import Engine
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.runner.tp import Followers, TPRunner, follow
 from radixserve.sampling_params import SamplingParams

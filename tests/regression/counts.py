@@ -17,8 +17,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
+from radixserve.engine_config import EngineConfig
 from radixserve.sampling_params import SamplingParams
 from tests.regression.workload import (EOS_ID, VOCAB_SIZE, Conversation, agent_repos, mixed,
                                        multi_turn, random_prompts, shared_prefix)

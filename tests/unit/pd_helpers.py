@@ -4,9 +4,9 @@ from __future__ import annotations
 import time
 
 from radixserve.chaos.pd_faults import PDFaults
-from radixserve.config import EngineConfig
-from radixserve.disagg.worker import PDWorker
 from radixserve.disagg.protocol import PDTarget
+from radixserve.disagg.worker import PDWorker
+from radixserve.engine_config import EngineConfig
 from radixserve.sampling_params import SamplingParams
 from tests.unit.fake_runner import FakeHostKV, FakeRunner
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.runner import compile_setup
 from radixserve.runner.compiled_decode import buckets, graph_key
 from tests.conftest import build_tiny_llama

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.cp import CPModelRunner
 from radixserve.runner.layer_split import owned_layers
 from tests.conftest import build_tiny_llama

@@ -17,8 +17,10 @@ import pytest
 import yaml
 from starlette.routing import Match
 
-from radixserve.config import EngineConfig, ServerConfig, from_args
+from radixserve.config import from_args
 from radixserve.drain import FLUSH_S
+from radixserve.engine_config import EngineConfig
+from radixserve.server_config import ServerConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.runner.device import resolve_device
 
 

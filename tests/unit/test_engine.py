@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
+from radixserve.engine_config import EngineConfig
 from radixserve.errors import ContextLengthExceeded, InvalidRequest
 from radixserve.sampling_params import SamplingParams
 from tests.unit.fake_runner import FakeRunner, reference_next_token

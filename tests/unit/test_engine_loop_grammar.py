@@ -8,11 +8,11 @@ import msgspec
 import pytest
 import zmq
 
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.engine.loop import EngineLoop
 from radixserve.engine.messages import (Abort, AddReq, FromEngine, Shutdown, Submitted,
                                         ToEngine)
+from radixserve.engine_config import EngineConfig
 from radixserve.errors import InvalidRequest
 from radixserve.sampling_params import SamplingParams
 from tests.unit.fake_runner import FakeRunner

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.layers.parallel import ExpertShard, shard_experts
 from radixserve.models.block_config import MoEConfig
 from radixserve.models.moe import PROJECTIONS, Experts, Router

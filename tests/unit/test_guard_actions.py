@@ -8,13 +8,13 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.config import ServerConfig
 from radixserve.errors import OutputAnomaly
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.anomaly import AnomalyGuard, GuardConfig, GuardSettings, acceptance_action
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.serving import GenerationRun
 from radixserve.server.tracker import ChoiceUpdate
+from radixserve.server_config import ServerConfig
 from tests.unit.test_filters import context
 
 BYTE_TOKEN = 111    # a lone UTF-8 byte in the default tokenizer: decodes to U+FFFD

@@ -8,9 +8,9 @@ import httpx
 from fastapi.testclient import TestClient
 
 from radixserve.agent.observe import Observer
-from radixserve.config import ServerConfig
 from radixserve.server.app import build_app
 from radixserve.server.serving import ServingContext
+from radixserve.server_config import ServerConfig
 
 
 def app_with(num_open: int, max_open: int = 3) -> TestClient:

@@ -7,9 +7,9 @@ import pytest
 
 from radixserve.chaos.engine_faults import EngineFaults
 from radixserve.chaos.tier_faults import AllocFaults
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.engine.request import Request
+from radixserve.engine_config import EngineConfig
 from radixserve.sampling_params import SamplingParams
 from tests.unit.fake_runner import FakeHostKV, FakeRunner
 from tests.unit.test_engine import VOCAB, assert_idle_pool, reference, run_all

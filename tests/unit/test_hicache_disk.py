@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.engine.hicache_disk import page_names
 from radixserve.engine.request import Status
+from radixserve.engine_config import EngineConfig
 from tests.unit.fake_runner import FakeDiskKV, FakeHostKV, FakeRunner
 from tests.unit.test_engine import VOCAB, reference, run_all
 from tests.unit.test_hicache import P, check_all_idle, greedy

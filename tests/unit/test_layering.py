@@ -57,7 +57,7 @@ COMPOSITION_ROOTS = {"cli", "llm", "__main__", "compose"}
 UPWARD_EXCEPTIONS = {
     # the --tool-call-parser / --reasoning-parser choices are the parser registries' keys;
     # parsers/ imports nothing of radixserve, so no cycle can form
-    ("config", "radixserve.parsers.chat_output"),
+    ("server_config", "radixserve.parsers.chat_output"),
     # the terminal chat's local mode is the offline API
     ("chat", "radixserve.llm"),
     # the package's public API (radixserve.LLM), imported lazily

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from radixserve.config import ServerConfig
 from radixserve.errors import InvalidRequest
 from radixserve.server.chat_tools import ChatOutputs, plan_tools
 from radixserve.server.native_tools import native_calls_tag
+from radixserve.server_config import ServerConfig
 from tests.unit.parser_cases import glm45, glm47, qwen3_coder
 from tests.unit.test_chat_tools import TIME, request
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.registry import model_class
 from radixserve.runner.pp import PPModelRunner, split_micro_batches

@@ -7,10 +7,10 @@ import pathlib
 
 import pytest
 
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
-from radixserve.runner.profiler import ProfilerHooks
+from radixserve.engine_config import EngineConfig
 from radixserve.errors import InvalidRequest
+from radixserve.runner.profiler import ProfilerHooks
 from radixserve.sampling_params import SamplingParams
 from tests.unit.fake_runner import FakeRunner
 

@@ -158,7 +158,7 @@ def test_layers_without_a_float_single_row_path_offer_none():
 
 def test_the_model_prepares_every_float_layer_on_one_path(monkeypatch, tiny_llama_dir):
     from radixserve.cli import build_runner
-    from radixserve.config import EngineConfig
+    from radixserve.engine_config import EngineConfig
 
     monkeypatch.setenv(row_path.ENV, "packed")
     runner = build_runner(EngineConfig(model_path=str(tiny_llama_dir)))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
+from radixserve.engine_config import EngineConfig
 from radixserve.sampling_params import SamplingParams
 from tests.unit.fake_runner import FakeRunner
 

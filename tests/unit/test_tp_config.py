@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.config import EngineConfig
+from radixserve.engine_config import EngineConfig
 from radixserve.layers.parallel import Heads, shard_heads, vocab_part
 
 

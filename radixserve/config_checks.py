@@ -1,0 +1,124 @@
+"""The cross-flag checks of EngineConfig (speculative decoding, PD, parallelism): each raises ValueError.
+
+`config` is the EngineConfig being built (engine_config.py calls these from its __post_init__); it is
+typed Any because importing EngineConfig here would make an import cycle.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def check_speculative(config: Any) -> None:
+    """--speculative-*: the EAGLE flags, the draft budget, and what a draft model needs."""
+    _check_eagle(config)
+    if not 1 <= config.spec_max_draft <= 16:
+        raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
+    if config.speculative_break_even_tokens < 0:
+        raise ValueError("speculative_break_even_tokens must be >= 0")
+    draft_given = (config.speculative_draft_layers is not None
+                   or config.speculative_draft_model_path is not None)
+    head_given = config.is_eagle and config.speculative_draft_layers is None
+    if (config.speculative_algorithm == "draft") != draft_given and not head_given:
+        raise ValueError("--speculative-algorithm draft needs --speculative-draft-layers or "
+                         "--speculative-draft-model-path, and they need it (or EAGLE, for a draft head "
+                         "file given by --speculative-draft-model-path)")
+    if config.speculative_draft_layers is not None and config.speculative_draft_layers < 1:
+        raise ValueError("speculative_draft_layers must be >= 1")
+
+
+def _check_eagle(config: Any) -> None:
+    eagle_only = {"--speculative-num-steps": config.speculative_num_steps,
+                  "--speculative-eagle-topk": config.speculative_eagle_topk}
+    if not config.is_eagle:
+        given = [flag for flag, value in eagle_only.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
+                             f"--speculative-algorithm EAGLE")
+        return
+    if config.speculative_num_steps is not None and not 1 <= config.speculative_num_steps <= 16:
+        raise ValueError(f"--speculative-num-steps must be in [1, 16], got {config.speculative_num_steps}")
+    if config.speculative_eagle_topk not in (None, 1):
+        raise ValueError(f"--speculative-eagle-topk {config.speculative_eagle_topk}: only 1 is supported "
+                         f"(a chain of drafts; tree drafts are not implemented)")
+    steps = config.spec_max_draft
+    if config.speculative_num_draft_tokens not in (None, steps + 1):
+        raise ValueError(f"--speculative-num-draft-tokens {config.speculative_num_draft_tokens} with "
+                         f"--speculative-eagle-topk 1 must be --speculative-num-steps + 1 = {steps + 1} "
+                         f"(the last accepted token and {steps} drafts)")
+    unsupported = {"--kv-cache-dtype fp8": config.kv_cache_dtype.startswith("fp8"),
+                   "--tp-size > 1": config.tp_size > 1,
+                   "--hicache-storage-dir": config.hicache_storage_dir is not None}
+    named = [flag for flag, on in unsupported.items() if on]
+    if named:
+        raise ValueError(f"--speculative-algorithm {config.speculative_algorithm} cannot be combined with "
+                         f"{', '.join(named)} yet")
+
+
+def check_disaggregation(config: Any) -> None:
+    """--disaggregation-*: no draft model on a PD worker, the bootstrap port, the timeout and chunk size."""
+    if config.disaggregation_mode != "null" and config.speculative_algorithm == "draft":
+        raise ValueError("--speculative-algorithm draft cannot run on a prefill or decode "
+                         "worker: the draft model's KV is not transferred")
+    if not 0 <= config.disaggregation_bootstrap_port <= 65535:
+        raise ValueError("disaggregation_bootstrap_port must be in [0, 65535]")
+    if config.disaggregation_transfer_timeout <= 0 or config.disaggregation_chunk_pages < 1:
+        raise ValueError("disaggregation_transfer_timeout must be > 0 and "
+                         "disaggregation_chunk_pages >= 1")
+
+
+def check_parallel(config: Any) -> None:
+    """--tp/ep/cp/pp-size, --nnodes and the --dist-* flags, and what parallel ranks do not build yet."""
+    _check_pipeline(config)
+    if config.tp_size < 1 or config.cp_size < 1:
+        raise ValueError("--tp-size and --cp-size must be positive")
+    if config.ep_size < 1 or config.tp_size % config.ep_size:
+        raise ValueError(f"--ep-size {config.ep_size} must be a positive divisor of --tp-size {config.tp_size} (the "
+                         "expert-parallel ranks are a split of the tensor-parallel group)")
+    if config.nnodes < 1 or config.world_size % config.nnodes or not 0 <= config.node_rank < config.nnodes:
+        raise ValueError(f"--nnodes must divide the {config.world_size} ranks (--tp-size x --cp-size x "
+                         "--pp-size), and --node-rank be in [0, --nnodes)")
+    if config.nnodes > 1 and config.dist_init_addr is None:
+        raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (rank 0's machine)")
+    if not config.dist_timeout > 0:
+        raise ValueError("dist_timeout must be > 0")
+    if config.enable_layer_split and config.cp_size == 1:
+        raise ValueError("--enable-layer-split needs --cp-size > 1")
+    if config.enable_layer_split and config.enable_kv_checksum:
+        raise ValueError("--enable-kv-checksum cannot check --enable-layer-split's KV (rank 0 stores only its "
+                         "own layers and a scratch layer that changes every layer)")
+    if config.world_size == 1:
+        return
+    if config.cp_size > 1 and config.tp_size > 1:
+        raise ValueError("--cp-size > 1 with --tp-size > 1 is not built yet (context-parallel ranks hold "
+                         "whole weights)")
+    ranks = f"--tp-size {config.tp_size}" if config.cp_size == 1 else f"--cp-size {config.cp_size}"
+    speculative = config.speculative_algorithm == "draft" or (config.cp_size > 1 and config.speculative_algorithm)
+    unsupported = {f"--speculative-algorithm {config.speculative_algorithm}": speculative,
+                   "--enable-hierarchical-cache": config.enable_hierarchical_cache,
+                   "--disaggregation-mode": config.disaggregation_mode != "null",
+                   "an fp8 --kv-cache-dtype": config.kv_cache_dtype.startswith("fp8"),
+                   "--enable-deterministic-inference": config.cp_size > 1 and config.enable_deterministic_inference}
+    named = [flag for flag, on in unsupported.items() if on]
+    if named:
+        raise ValueError(f"{ranks} cannot be combined with {', '.join(named)} yet")
+
+
+def _check_pipeline(config: Any) -> None:
+    """--pp-size: what runner/pp.py does not build is refused here, before any process starts."""
+    if config.pp_size < 1 or (config.pp_micro_batches is not None and config.pp_micro_batches < 1):
+        raise ValueError("--pp-size and --pp-micro-batches must be positive")
+    if config.pp_size == 1:
+        if config.pp_micro_batches is not None:
+            raise ValueError("--pp-micro-batches needs --pp-size > 1")
+        return
+    unsupported = {"--tp-size > 1": config.tp_size > 1, "--cp-size > 1": config.cp_size > 1,
+                   f"--speculative-algorithm {config.speculative_algorithm}": config.speculative_algorithm is not None,
+                   "--disaggregation-mode": config.disaggregation_mode != "null",
+                   "--enable-hierarchical-cache": config.enable_hierarchical_cache,
+                   "an fp8 --kv-cache-dtype": config.kv_cache_dtype.startswith("fp8"),
+                   "--enable-deterministic-inference": config.enable_deterministic_inference,
+                   "--enable-kv-checksum": config.enable_kv_checksum,
+                   f"--compile {config.compile_mode}": config.compile_mode != "off"}
+    named = [flag for flag, on in unsupported.items() if on]
+    if named:
+        raise ValueError(f"--pp-size {config.pp_size} cannot be combined with {', '.join(named)} yet")
