@@ -269,7 +269,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--out", default="/tmp/spec_anomaly")
     ap.add_argument("--algorithm", choices=("eagle", "ngram", "draft", "none"), default="eagle",
-                    help="eagle: the default model's trained draft head (its default, S = 3); none: no "
+                    help="eagle: the default model's trained draft head (S = 3); none: no "
                          "speculation (the acceptance detector then sees nothing)")
     ap.add_argument("--draft-layers", type=int, default=8, help="draft: self-draft depth")
     ap.add_argument("--kv-checksum", action="store_true", help="run the engine with --enable-kv-checksum")
@@ -291,7 +291,8 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     draft = {"speculative_draft_layers": args.draft_layers} if args.algorithm == "draft" else {}
-    spec = ({"speculative_algorithm": "none"} if args.algorithm == "none" else {} if args.algorithm == "eagle"
+    spec = ({"speculative_algorithm": "none"} if args.algorithm == "none"
+            else {"speculative_algorithm": "EAGLE"} if args.algorithm == "eagle"
             else {"speculative_algorithm": args.algorithm, "speculative_num_draft_tokens": 4})
     llm = LLM(**spec, enable_kv_checksum=args.kv_checksum,
               disable_radix_cache=True, max_total_tokens=65536, **draft)

@@ -3,7 +3,7 @@
 Run:  python benchmarks/speculative.py [--algorithm ngram|eagle] [--reps 4] [--draft-tokens 8]
                                        [--break-even-tokens R] [--only chat]
 
-`--algorithm eagle` is the default model's trained draft head (its default); ngram is prompt lookup. The
+`--algorithm eagle` is the default model's trained draft head (weights/default_draft.py); ngram is prompt lookup. The
 "off" side runs --speculative-algorithm none.
 
 Both sides are engines in this process (offline API, greedy, at most 16 requests running), built
@@ -83,7 +83,7 @@ def build(spec: bool, args: argparse.Namespace):
     elif args.algorithm == "ngram":
         kwargs = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": args.draft_tokens, **gate}
     else:
-        kwargs = gate     # the default model's trained head (weights/default_draft.py)
+        kwargs = {"speculative_algorithm": "EAGLE", **gate}     # the default model's trained head
     llm = LLM(max_total_tokens=32768, max_running_requests=CONCURRENCY, **kwargs)
     llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=4, temperature=0),
              use_tqdm=False)   # warm-up

@@ -60,9 +60,9 @@ class EngineConfig:
               "prompt and output (or recent requests' outputs); draft = a self-draft model, "
               "the target's first --speculative-draft-layers layers with its own KV; drafts are "
               "verified in one step; EAGLE (alias NEXTN) = the checkpoint's NextN/MTP layer, or the "
-              "trained head file given by --speculative-draft-model-path, drafts a chain from the "
-              "target's last hidden state; none = off. Default: EAGLE with the packaged trained head "
-              "when the default model is served (docs/speculative.md), else off",
+              "trained head file given by --speculative-draft-model-path (on the default model: its "
+              "packaged trained head), drafts a chain from the target's last hidden state; none = off "
+              "(the default)",
         ("ngram", "draft", "EAGLE", "NEXTN", "none"))
     speculative_num_draft_tokens: int | None = opt(
         None, "ngram, draft: most draft tokens verified per request and step (a request's draft grows "

@@ -1,6 +1,6 @@
 """Train the default model's EAGLE draft head (a NextN-shaped layer) on make_draft_data.py's output.
 
-    python -m training.train_draft_head DATA.pt OUT.safetensors [--vocab 8192] [--epochs 4]
+    python -m training.train_draft_head DATA.pt[,DATA2.pt...] OUT.safetensors [--vocab 8192] [--epochs 4]
 
 The head is models/nextn.py's structure, so the serving path is the one GLM's MTP layers use:
     h'_i = norm(block(eh_proj(cat[enorm(embed(x_{i+1})), hnorm(h_i)])))     block: one Llama decoder layer
@@ -126,9 +126,28 @@ def step_loss(head: DraftHead, embed: torch.nn.Embedding, lm_rows: torch.Tensor,
     return loss, stats
 
 
+@torch.no_grad()
+def answer_accuracy(head: DraftHead, embed: torch.nn.Embedding, lm_rows: torch.Tensor, token_map: torch.Tensor,
+                    seqs: list[dict]) -> dict:
+    """Greedy-token accuracy of the first pass (chain step 1) and the second (later steps) at answer positions."""
+    n = hits1 = hits2 = 0
+    for s in seqs:
+        tokens, hidden, first = s["tokens"], s["hidden"].float()[None], s["prompt_len"] - 1
+        emb = embed(tokens[None, 1:])
+        out1 = head(emb, hidden[:, :-1])
+        out2 = head(emb, torch.cat([hidden[:, :1], out1[:, :-1]], dim=1))
+        labels = s["argmax"][1:][first:]
+        for out, tally in ((out1, 1), (out2, 2)):
+            ok = int((token_map[(out[0, first:] @ lm_rows.T).argmax(-1)] == labels).sum())
+            hits1, hits2 = (hits1 + ok, hits2) if tally == 1 else (hits1, hits2 + ok)
+        n += labels.numel()
+    return {"answer_tokens": n, "step1_accuracy": round(hits1 / max(1, n), 4),
+            "later_step_accuracy": round(hits2 / max(1, n), 4)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("data")
+    ap.add_argument("data", help="make_draft_data.py outputs, comma-separated")
     ap.add_argument("out")
     ap.add_argument("--vocab", type=int, default=8192, help="draft vocabulary: the most frequent greedy tokens")
     ap.add_argument("--epochs", type=float, default=4.0)
@@ -136,11 +155,12 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--no-second-pass", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval", help="a held-out make_draft_data.py output: accuracy reported and kept in the recipe")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    data = torch.load(args.data, weights_only=False)
-    seqs = data["sequences"]
+    parts = [torch.load(path, weights_only=False) for path in args.data.split(",")]
+    seqs = [s for part in parts for s in part["sequences"]]
     path = resolve_model_path(None)
     target = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                   dtype=torch.float32).eval()
@@ -177,7 +197,10 @@ def main() -> None:
                 mean = {k: round(sum(w[k] for w in window) / len(window), 4) for k in window[0]}
                 print(f"step {step}/{total} {time.perf_counter() - t0:.0f}s {mean}", flush=True)
                 window = []
-    recipe = {"base": os.path.basename(path), "data": data["meta"], "vocab": len(token_map),
+    head.eval()
+    held_out = (answer_accuracy(head, embed, lm_rows, token_map, torch.load(args.eval, weights_only=False)["sequences"])
+                if args.eval else None)
+    recipe = {"base": os.path.basename(path), "held_out": held_out, "data": [part["meta"] for part in parts], "vocab": len(token_map),
               "coverage": round(coverage, 4), "epochs": args.epochs, "lr": args.lr,
               "batch_tokens": args.batch_tokens, "second_pass": not args.no_second_pass, "seed": args.seed,
               "steps": total, "train_s": round(time.perf_counter() - t0)}

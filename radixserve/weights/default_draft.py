@@ -1,10 +1,11 @@
-"""The default model's trained draft head (training/train_draft_head.py), on by default when that model is served.
+"""The default model's trained draft head (training/train_draft_head.py), shipped in the package.
 
 `with_default_draft(config)` is what `radixserve serve` and the offline LLM call on their EngineConfig:
-    --speculative-algorithm none        -> no speculation (the value leaves as None)
-    unset, the default model served     -> EAGLE with DEFAULT_DRAFT_HEAD, unless the configuration refuses EAGLE
-                                           (e.g. --kv-cache-dtype fp8_e4m3, --tp-size 2): then none, one log line
-    anything else                       -> unchanged"""
+    --speculative-algorithm none                      -> no speculation (the value leaves as None)
+    EAGLE without --speculative-draft-model-path,
+      the default model served                        -> EAGLE with DEFAULT_DRAFT_HEAD
+    anything else                                     -> unchanged
+Speculation stays off by default: measured on held-out prompts the head does not pay yet (docs/speculative.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,17 +35,8 @@ def with_default_draft(config: EngineConfig) -> EngineConfig:
     """`config` with its speculative decoding resolved as the module docstring says."""
     if config.speculative_algorithm == "none":
         return dataclasses.replace(config, speculative_algorithm=None)
-    if config.speculative_algorithm is not None or not serves_default_model(config.model_path):
+    if (not config.is_eagle or config.speculative_draft_model_path is not None
+            or not serves_default_model(config.model_path) or not os.path.exists(DEFAULT_DRAFT_HEAD)):
         return config
-    if not os.path.exists(DEFAULT_DRAFT_HEAD):
-        logger.info("speculative decoding off: the default draft head %s is missing", DEFAULT_DRAFT_HEAD)
-        return config
-    try:
-        eagle = dataclasses.replace(config, speculative_algorithm="EAGLE",
-                                    speculative_draft_model_path=DEFAULT_DRAFT_HEAD)
-    except ValueError as e:
-        logger.info("speculative decoding off (the default model's draft head needs EAGLE: %s)", e)
-        return config
-    logger.info("speculative decoding: EAGLE with the default model's trained draft head "
-                "(--speculative-algorithm none turns it off)")
-    return eagle
+    logger.info("EAGLE drafts with the default model's trained head %s", DEFAULT_DRAFT_HEAD)
+    return dataclasses.replace(config, speculative_draft_model_path=DEFAULT_DRAFT_HEAD)

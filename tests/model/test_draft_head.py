@@ -4,9 +4,11 @@ model ships one: radixserve/weights/drafts/).
 On a tiny random Llama with a head built by the training code itself (its DraftHead, exported by export_head, a
 reduced draft vocabulary): every draft the engine proposes equals the training module's chain over the same tokens
 (so what training optimises is what serving runs), only token-map ids are proposed, greedy output equals the output
-without speculation; a bad head file is a load error (C53). The packaged head on the default model: on by default,
-off with --speculative-algorithm none or where EAGLE is refused, and its drafts are accepted."""
+without speculation; a bad head file is a load error (C53). The packaged head on the default model: taken by
+--speculative-algorithm EAGLE, and its drafts are accepted."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -128,33 +130,35 @@ def test_a_bad_head_file_fails_the_load(head_case, tmp_path, case, error):
         _runner(folder, bad)
 
 
-def test_the_default_model_gets_its_head_unless_refused_or_turned_off(default_gguf, tiny_llama_dir):
-    on = with_default_draft(EngineConfig())
-    assert on.speculative_algorithm == "EAGLE" and on.speculative_draft_model_path == DEFAULT_DRAFT_HEAD
-    assert with_default_draft(EngineConfig(model_path=str(default_gguf))).is_eagle
+def test_eagle_on_the_default_model_takes_its_packaged_head(default_gguf, tiny_llama_dir):
+    eagle = with_default_draft(EngineConfig(speculative_algorithm="EAGLE"))
+    assert eagle.speculative_draft_model_path == DEFAULT_DRAFT_HEAD and os.path.exists(DEFAULT_DRAFT_HEAD)
+    given = with_default_draft(EngineConfig(model_path=str(default_gguf), speculative_algorithm="EAGLE"))
+    assert given.speculative_draft_model_path == DEFAULT_DRAFT_HEAD
+    assert with_default_draft(EngineConfig()).speculative_algorithm is None     # off by default
     assert with_default_draft(EngineConfig(speculative_algorithm="none")).speculative_algorithm is None
     assert with_default_draft(EngineConfig(speculative_algorithm="ngram")).speculative_algorithm == "ngram"
-    assert with_default_draft(EngineConfig(kv_cache_dtype="fp8_e4m3")).speculative_algorithm is None
-    assert with_default_draft(EngineConfig(model_path=str(tiny_llama_dir))).speculative_algorithm is None
+    other = with_default_draft(EngineConfig(model_path=str(tiny_llama_dir), speculative_algorithm="EAGLE"))
+    assert other.speculative_draft_model_path is None
 
 
 def test_the_shipped_head_is_accepted_on_the_default_model():
-    """The packaged head drafts what the default model says (accept length > 1.5 on a held-out prompt) and
-    greedy output is the output without speculation."""
+    """The packaged head drafts what the default model says (accept length > 1.3 on held-out prompts: 1.6
+    measured in docs/speculative.md) and greedy output is the output without speculation."""
     from radixserve.llm import LLM
     from training.prompt_mix import prompts
 
     conversations = [[{"role": "user", "content": text}] for _, text in prompts(4, "heldout", seed=11)]
     params = SamplingParams(temperature=0.0, max_tokens=48)
     outs = {}
-    for algorithm in (None, "none"):
+    for algorithm in ("EAGLE", None):
         llm = LLM(None, speculative_algorithm=algorithm)
         try:
             outs[algorithm] = llm.chat(conversations, params, use_tqdm=False)
         finally:
             llm.close()
-    assert [o.outputs[0].token_ids for o in outs[None]] == [o.outputs[0].token_ids for o in outs["none"]]
-    spec = outs[None][0].spec
-    for o in outs[None][1:]:
+    assert [o.outputs[0].token_ids for o in outs["EAGLE"]] == [o.outputs[0].token_ids for o in outs[None]]
+    spec = outs["EAGLE"][0].spec
+    for o in outs["EAGLE"][1:]:
         spec = spec + o.spec
-    assert spec.verify_steps > 0 and spec.accept_length > 1.5
+    assert spec.verify_steps > 0 and spec.accept_length > 1.3
