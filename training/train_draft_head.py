@@ -24,14 +24,17 @@ import time
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from radixserve.weights.paths import resolve_model_path
+
+# transformers is imported where used: importing this module (as the tests do) must not import triton, whose
+# interpreter mode is read once, at its import (tests/model/test_triton_backend.py).
 
 
 class DraftHead(torch.nn.Module):
     def __init__(self, target: torch.nn.Module):
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
         super().__init__()
         c = target.config
         c._attn_implementation = "sdpa"
@@ -157,6 +160,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval", help="a held-out make_draft_data.py output: accuracy reported and kept in the recipe")
     args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     parts = [torch.load(path, weights_only=False) for path in args.data.split(",")]

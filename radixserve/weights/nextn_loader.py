@@ -88,7 +88,7 @@ def _build(target: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]]
     try:
         load_weights(layer, own)
     except ValueError as e:
-        raise ValueError(f"NextN layer {prefix}* of {origin}: {e}") from None
+        raise ValueError(f"NextN layer of {origin}, {prefix}*: {e}") from None
     for name, tensor in shared:
         _share_or_keep(layer, SHARED[name.removeprefix(prefix)], tensor, name)
     for part in ("embed", "head"):
