@@ -123,8 +123,8 @@ class ModelRunner:
         scales = load_weights(model, weights)
         draft = None
         if config.is_eagle:
-            path = config.speculative_draft_model_path
-            draft = load_draft_head(model, path) if path is not None else load_nextn(model, draft_tensors)
+            head = config.speculative_draft_model_path
+            draft = load_draft_head(model, head) if head is not None else load_nextn(model, draft_tensors)
         elif config.speculative_draft_model_path is not None:
             draft_config, draft_weights = load_checkpoint(
                 resolve_model_path(config.speculative_draft_model_path))
