@@ -127,6 +127,19 @@ def workload(rng: random.Random, num: int, max_tokens: int) -> list[tuple[str, l
     return items
 
 
+def with_faults(llm):
+    """`llm` with its engine rebuilt over the same runner with chaos/'s EngineFaults attached (kv_corrupt);
+    returns the faults."""
+    from radixserve.chaos.engine_faults import EngineFaults
+    from radixserve.compose import engine_hooks
+    from radixserve.engine.engine import Engine
+
+    faults = EngineFaults()
+    llm.engine = Engine(llm.config, llm.engine.runner, llm.tokenizer.eos_token_ids,
+                        [*engine_hooks(llm.config), faults])
+    return faults
+
+
 def run(llm, items, concurrency: int, corrupt: str | None = None) -> list[dict]:
     """Generate every item, `concurrency` in flight; return per item its trace: deltas
     [text, token ids, [verify, draft, accepted] or None, confidences], tokens, and the
@@ -135,7 +148,7 @@ def run(llm, items, concurrency: int, corrupt: str | None = None) -> list[dict]:
 
     engine, tok = llm.engine, llm.tokenizer
     if corrupt is not None:
-        engine.arm_kv_corrupt(corrupt, fraction=0.5, after_tokens=16, count=len(items), seed=7)
+        llm.faults.arm_kv_corrupt(corrupt, fraction=0.5, after_tokens=16, count=len(items), seed=7)
     traces: list[dict] = [{} for _ in items]
     trackers: dict[str, tuple[int, RequestTracker]] = {}
     generated: dict[int, int] = {}
@@ -165,8 +178,8 @@ def run(llm, items, concurrency: int, corrupt: str | None = None) -> list[dict]:
             if tracker.finished:
                 del trackers[out.request_id]
                 traces[i]["tokens"] = tracker.result().outputs[0].token_ids
-    hits = dict(engine.kv_corrupt_hits)
-    engine.disarm_kv_corrupt()
+    hits = dict(llm.faults.kv_corrupt_hits)
+    llm.faults.disarm_kv_corrupt()
     for i, t in enumerate(traces):
         t["hit_at"] = hits.get(f"r{i}-0")
     return traces
@@ -296,6 +309,7 @@ def main() -> None:
             else {"speculative_algorithm": args.algorithm, "speculative_num_draft_tokens": 4})
     llm = LLM(**spec, enable_kv_checksum=args.kv_checksum,
               disable_radix_cache=True, max_total_tokens=65536, **draft)
+    llm.faults = with_faults(llm)
     start = time.monotonic()
     normal = run(llm, workload(random.Random(1), args.num_normal, args.max_tokens), args.concurrency)
     for t in normal:
