@@ -160,6 +160,8 @@ class EngineConfig:
                "answer; reproduces the KV slot reuse race")
 
     def __post_init__(self) -> None:
+        if self.speculative_algorithm == "none":    # the flag's explicit off is the field's None
+            object.__setattr__(self, "speculative_algorithm", None)
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.chunked_prefill_size < self.page_size:

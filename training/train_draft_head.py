@@ -1,6 +1,6 @@
 """Train the default model's EAGLE draft head (a NextN-shaped layer) on make_draft_data.py's output.
 
-    python -m training.train_draft_head DATA.pt[,DATA2.pt...] OUT.safetensors [--vocab 8192] [--epochs 4]
+    python -m training.train_draft_head DATA.pt[,DATA2.pt...] OUT.safetensors [--vocab 8192] [--epochs 3] [--eval HELDOUT.pt]
 
 The head is models/nextn.py's structure, so the serving path is the one GLM's MTP layers use:
     h'_i = norm(block(eh_proj(cat[enorm(embed(x_{i+1})), hnorm(h_i)])))     block: one Llama decoder layer
@@ -133,19 +133,18 @@ def step_loss(head: DraftHead, embed: torch.nn.Embedding, lm_rows: torch.Tensor,
 def answer_accuracy(head: DraftHead, embed: torch.nn.Embedding, lm_rows: torch.Tensor, token_map: torch.Tensor,
                     seqs: list[dict]) -> dict:
     """Greedy-token accuracy of the first pass (chain step 1) and the second (later steps) at answer positions."""
-    n = hits1 = hits2 = 0
+    n, hits = 0, [0, 0]     # chain step 1, later steps
     for s in seqs:
         tokens, hidden, first = s["tokens"], s["hidden"].float()[None], s["prompt_len"] - 1
         emb = embed(tokens[None, 1:])
         out1 = head(emb, hidden[:, :-1])
         out2 = head(emb, torch.cat([hidden[:, :1], out1[:, :-1]], dim=1))
         labels = s["argmax"][1:][first:]
-        for out, tally in ((out1, 1), (out2, 2)):
-            ok = int((token_map[(out[0, first:] @ lm_rows.T).argmax(-1)] == labels).sum())
-            hits1, hits2 = (hits1 + ok, hits2) if tally == 1 else (hits1, hits2 + ok)
+        for k, out in enumerate((out1, out2)):
+            hits[k] += int((token_map[(out[0, first:] @ lm_rows.T).argmax(-1)] == labels).sum())
         n += labels.numel()
-    return {"answer_tokens": n, "step1_accuracy": round(hits1 / max(1, n), 4),
-            "later_step_accuracy": round(hits2 / max(1, n), 4)}
+    return {"answer_tokens": n, "step1_accuracy": round(hits[0] / max(1, n), 4),
+            "later_step_accuracy": round(hits[1] / max(1, n), 4)}
 
 
 def main() -> None:
@@ -153,9 +152,9 @@ def main() -> None:
     ap.add_argument("data", help="make_draft_data.py outputs, comma-separated")
     ap.add_argument("out")
     ap.add_argument("--vocab", type=int, default=8192, help="draft vocabulary: the most frequent greedy tokens")
-    ap.add_argument("--epochs", type=float, default=4.0)
+    ap.add_argument("--epochs", type=float, default=3.0)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--no-second-pass", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval", help="a held-out make_draft_data.py output: accuracy reported and kept in the recipe")

@@ -1,7 +1,6 @@
 """The default model's trained draft head (training/train_draft_head.py), shipped in the package.
 
 `with_default_draft(config)` is what `radixserve serve` and the offline LLM call on their EngineConfig:
-    --speculative-algorithm none                      -> no speculation (the value leaves as None)
     EAGLE without --speculative-draft-model-path,
       the default model served                        -> EAGLE with DEFAULT_DRAFT_HEAD
     anything else                                     -> unchanged
@@ -33,8 +32,6 @@ def serves_default_model(model_path: str | None) -> bool:
 
 def with_default_draft(config: EngineConfig) -> EngineConfig:
     """`config` with its speculative decoding resolved as the module docstring says."""
-    if config.speculative_algorithm == "none":
-        return dataclasses.replace(config, speculative_algorithm=None)
     if (not config.is_eagle or config.speculative_draft_model_path is not None
             or not serves_default_model(config.model_path) or not os.path.exists(DEFAULT_DRAFT_HEAD)):
         return config
