@@ -30,6 +30,25 @@ MODES = {"plain": {}, "layer_split": {"enable_layer_split": True}}
 KEEP: list = []     # rank 0's TPRunners: one collected would close the group (its finalizer)
 
 
+def comm_delta(comm, before: tuple[dict, dict]) -> dict:
+    """The calls and bytes per op `comm` made since `before` = (dict(comm.calls), dict(comm.bytes))."""
+    calls, sent = before
+    return {"calls": {k: v - calls.get(k, 0) for k, v in comm.calls.items() if v > calls.get(k, 0)},
+            "bytes": {k: v - sent.get(k, 0) for k, v in comm.bytes.items() if v > sent.get(k, 0)}}
+
+
+def drive_or_follow(runner: ModelRunner, comm, rank: int, generate) -> dict:
+    """Rank 0 runs `generate` on a TPRunner over the other ranks ({"tokens": its result}); the others follow ({})."""
+    if rank != 0:
+        follow(runner, comm)
+        return {}
+    driver = TPRunner(runner, Followers(comm, []))
+    KEEP.append(driver)
+    tokens = generate(driver)
+    driver.followers.stop()
+    return {"tokens": tokens}
+
+
 def recording(runner: ModelRunner, comm=None) -> list[dict]:
     """Wrap runner.forward to record, per step: logits, the step's rows and pages, and the collectives it made."""
     steps: list[dict] = []
@@ -42,8 +61,7 @@ def recording(runner: ModelRunner, comm=None) -> list[dict]:
                  "context_lens": list(step.context_lens_host), "page_lists": [list(p) for p in step.page_lists],
                  "logit_rows": step.logit_rows.tolist()}
         if comm is not None:
-            entry["calls"] = {k: v - before[0].get(k, 0) for k, v in comm.calls.items() if v > before[0].get(k, 0)}
-            entry["bytes"] = {k: v - before[1].get(k, 0) for k, v in comm.bytes.items() if v > before[1].get(k, 0)}
+            entry.update(comm_delta(comm, before))
         split = getattr(runner, "layer_split", None)
         if split is not None:
             entry["events"] = list(split.events)
@@ -72,14 +90,7 @@ def run_mode(config: EngineConfig, comm, rank: int, fault: bool) -> dict:
     if fault:
         runner.layer_split.fault = LayerSplitFaults(drop_kv_wait=True)
     out = {"kv_bytes": runner.kv.allocated_bytes(), "num_pages": runner.num_pages, "steps": recording(runner, comm)}
-    if rank == 0:
-        cp_runner = TPRunner(runner, Followers(comm, []))
-        KEEP.append(cp_runner)
-        out["tokens"] = generate(cp_runner)
-        cp_runner.followers.stop()
-    else:
-        follow(runner, comm)
-    return out
+    return {**out, **drive_or_follow(runner, comm, rank, generate)}
 
 
 def main(argv: list[str]) -> int:

@@ -20,13 +20,11 @@ from radixserve.engine.engine import Engine
 from radixserve.engine_config import EngineConfig
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.runner.pp import PPModelRunner
-from radixserve.runner.tp import Followers, TPRunner, follow
 from radixserve.sampling_params import SamplingParams
-from tests.model.cp_worker import NUM_NEW, PHASES
+from tests.model.cp_worker import NUM_NEW, PHASES, comm_delta, drive_or_follow
 
 MICRO = (None, 1, 3)
 TIMEOUT_S = 10.0
-KEEP: list = []     # rank 0's TPRunners: one collected would close the group (its finalizer)
 
 
 def generate(runner) -> dict[str, list]:
@@ -62,8 +60,7 @@ def recording(runner: ModelRunner, comm=None) -> list[dict]:
                  "seq_logit_rows": [sum(1 for r in step.logit_rows.tolist() if a <= r < a + n)
                                     for a, n in zip(step.query_starts, step.query_lens)]}
         if comm is not None:
-            entry["calls"] = {k: v - before[0].get(k, 0) for k, v in comm.calls.items() if v > before[0].get(k, 0)}
-            entry["bytes"] = {k: v - before[1].get(k, 0) for k, v in comm.bytes.items() if v > before[1].get(k, 0)}
+            entry.update(comm_delta(comm, before))
         steps.append(entry)
         return step, logits
 
@@ -75,14 +72,7 @@ def run_micro(config: EngineConfig, comm, rank: int) -> dict:
     runner = PPModelRunner.from_config(config, comm=comm)
     out = {"param_bytes": sum(p.nbytes for p in runner.model.parameters()), "kv_bytes": runner.kv.allocated_bytes(),
            "num_pages": runner.num_pages, "kv_layers": runner.kv.num_layers, "steps": recording(runner, comm)}
-    if rank == 0:
-        pp_runner = TPRunner(runner, Followers(comm, []))
-        KEEP.append(pp_runner)
-        out["tokens"] = generate(pp_runner)
-        pp_runner.followers.stop()
-    else:
-        follow(runner, comm)
-    return out
+    return {**out, **drive_or_follow(runner, comm, rank, generate)}
 
 
 def main(argv: list[str]) -> int:
