@@ -138,7 +138,7 @@ def engine_args(mode: str) -> dict:
     """`int4@12` -> quantization int4 with --quantized-max-tokens 12; `none`, `int4`, ... as is
     (a `/fp32` suffix is handled by `build`)."""
     name, _, limit = mode.removesuffix("/fp32").partition("@")
-    return {"quantization": name, **({"quantized_max_tokens": int(limit)} if limit else {})}
+    return {"quantization": name, "quantized_max_tokens": int(limit) if limit else 0}
 
 
 def build(mode: str, **common) -> LLM:

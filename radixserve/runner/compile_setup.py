@@ -65,8 +65,10 @@ def load_decode_graphs(model: torch.nn.Module, config: EngineConfig, device: tor
     if why is not None:
         say("compiled decode off, decoding eagerly: %s", why)
         return None
-    # Quantized layers keep no float weight for steps over --quantized-max-tokens; the graphs stay under it.
-    max_bs = min(config.torch_compile_max_bs, config.max_running_requests, config.quantized_max_tokens or 1 << 30)
+    # Steps over --quantized-max-tokens run quantized layers on their float copy; the graphs stay on the kernel.
+    quantized = any(getattr(m, "quantized", False) for m in model.modules())
+    cap = config.quantized_max_tokens if quantized and config.quantized_max_tokens else 1 << 30
+    max_bs = min(config.torch_compile_max_bs, config.max_running_requests, cap)
     graphs = DecodeGraphs(model, max_bs, graph_key(key_fields(config, model, max_bs)), device)
     try:
         graphs.warm_up()
