@@ -1,8 +1,9 @@
 """GLM-format chat templates (GLM-4.5, GLM-4.7, GLM-5) and a tiny GLM-5-shaped model directory that carries one.
 
 The templates are written here, in our own words, to the layout GLM's published templates produce (zai-org's
-GLM-4.5 / GLM-4.7 chat_template.jinja, read for the format only; GLM-5 ships GLM-4.7's layout, per
-../shared/research/glm-archs.md and docs/tool_calls.md's glm47 row):
+GLM-4.5 / GLM-4.7 chat_template.jinja, as recalled for the format only). GLM-5's is taken to be GLM-4.7's layout,
+which is how GLM-5 is served elsewhere (the glm47 tool parser); GLM-5's own template file is not in this repo and
+was not compared:
 
     [gMASK]<sop>[<|system|>(tools block)]<|system|>S<|user|>U<|assistant|><think>R</think>C<tool_call>f
     <arg_key>k</arg_key><arg_value>v</arg_value></tool_call><|observation|><tool_response>T</tool_response>
@@ -12,7 +13,7 @@ GLM-4.5 puts a newline after each role token and between the call tags and does 
 prompt; GLM-4.7 and GLM-5 do neither newline and open <think> (`</think>` with enable_thinking false). Like GLM's own
 templates these iterate `arguments.items()` and print tool content as it comes, so an assistant call whose arguments
 are a JSON string, or tool content that is a list of parts, fails or renders wrong unless the server normalises the
-messages first (CASES.md C60). Assistant reasoning is kept only after the last user message (the tool loop)."""
+messages first (field case C60). Assistant reasoning is kept only after the last user message (the tool loop)."""
 from __future__ import annotations
 
 import pathlib

@@ -1,4 +1,4 @@
-"""CASES.md C60: GLM-4.5, GLM-4.7 and GLM-5 chat templates (tests/api/glm_templates.py) render OpenAI-shaped tool
+"""Field case C60: GLM-4.5, GLM-4.7 and GLM-5 chat templates (tests/api/glm_templates.py) render OpenAI-shaped tool
 history. A request's messages go through the server's seam (ChatCompletionRequest -> template_dict) and must render
 exactly as the template applied to normalised messages (arguments as objects, text parts joined): call arguments as
 a JSON string, an object, "" or "{}"; tool content as a string, text parts or empty; 2-5 messages; with and
