@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from radixserve.errors import InvalidRequest
 from radixserve.sampling_params import SamplingParams
+from radixserve.tokenizer.messages import call_arguments
 
 # What msgpack and torch can carry to the engine; add_request stays the semantic validator.
 INT64_MAX = 2**63 - 1
@@ -107,7 +108,8 @@ class TextPart(_Strict):
 class FunctionCall(_Strict):
     """A call in a client's assistant message. `arguments` arrives as JSON object text (OpenAI's form) or an object
     and is kept as the object, the one form chat templates read (GLM's iterate `arguments.items()`; a string there
-    failed, C60): "", whitespace and "{}" are {}; text that is not a JSON object is a 400 naming the field."""
+    failed, C60; tokenizer/messages.py: call_arguments): "", blank and "{}" are {}; text that is not a JSON object is a
+    400 naming the field."""
 
     name: str
     arguments: dict[str, Any] = Field(default_factory=dict)
@@ -115,19 +117,7 @@ class FunctionCall(_Strict):
     @field_validator("arguments", mode="before")
     @classmethod
     def _parse_arguments(cls, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        if not value.strip():
-            return {}
-        try:
-            parsed = json.loads(value)
-        except (ValueError, RecursionError) as exc:     # RecursionError: nesting too deep to read
-            raise ValueError(f"arguments must be a JSON object, got text that is not JSON ({exc})") from None
-        if not isinstance(parsed, dict):
-            kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-                type(parsed), "a number")
-            raise ValueError(f"arguments must be a JSON object, got {kind}")
-        return parsed
+        return call_arguments(value) if isinstance(value, str) else value
 
 
 class ToolCallIn(_Strict):

@@ -2,7 +2,8 @@
 history. A request's messages go through the server's seam (ChatCompletionRequest -> template_dict) and must render
 exactly as the template applied to normalised messages (arguments as objects, text parts joined): call arguments as
 a JSON string, an object, "" or "{}"; tool content as a string, text parts or empty; 2-5 messages; with and
-without tools. Arguments that are not a JSON object are refused at parse time (a 400; over HTTP: test_api_glm5.py)."""
+without tools. Arguments that are not a JSON object are refused at parse time (a 400; over HTTP: test_api_glm5.py);
+Tokenizer.apply_chat_template (router, LLM.chat) normalises raw messages the same way."""
 from __future__ import annotations
 
 import copy
@@ -79,11 +80,17 @@ def test_json_text_and_object_arguments_give_byte_identical_prompts(glm):
         text, add_special_tokens=False)
 
 
-def test_raw_templates_fail_on_what_the_seam_normalises(glm):
-    """Why the seam matters: GLM templates iterate arguments.items(), so the JSON text OpenAI clients send fails
-    without the server's normalisation (C60's source bug)."""
-    with pytest.raises(InvalidRequest, match="could not be rendered"):
-        glm.render_chat(history(3, json.dumps(ARGS), RESULT))
+def test_every_tokenizer_caller_gets_the_same_normalisation(glm):
+    """GLM templates iterate arguments.items(), so the JSON text OpenAI clients send fails in the raw template (C60's
+    source bug); Tokenizer.apply_chat_template, which the router's route key and LLM.chat call on raw messages,
+    normalises as the server does: the same ids as the object form, and a 400 for arguments that are not an object."""
+    with pytest.raises(Exception, match="items"):
+        glm.hf.apply_chat_template(history(3, json.dumps(ARGS), RESULT), tokenize=False)
+    parts = [{"type": "text", "text": RESULT[:9]}, {"type": "text", "text": RESULT[9:]}]
+    assert glm.apply_chat_template(history(5, json.dumps(ARGS), parts)) == glm.apply_chat_template(
+        history(5, ARGS, RESULT))
+    with pytest.raises(InvalidRequest, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments: .*an array"):
+        glm.apply_chat_template(history(3, "[1]", RESULT))
 
 
 @pytest.mark.parametrize("args, says", [("{oops", "not JSON"), ('{"city": "Paris"', "not JSON"),
