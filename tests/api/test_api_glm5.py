@@ -15,7 +15,8 @@ import torch
 from radixserve.tokenizer.tokenizer import Tokenizer
 from tests.api.glm_templates import glm5_model_dir
 from tests.api.streams import post_stream
-from tests.api.tool_fixtures import TOOLS, chat, force, parser_server
+from tests.api.tool_fixtures import (TOOLS, chat, force, full_message, parser_server, same_reply, stream,
+                                     streamed_message)
 from tests.model.parity import assert_parity, hf_greedy
 
 QUESTION = [{"role": "system", "content": "Use tools."},
@@ -74,6 +75,15 @@ def test_openai_client_two_turn_tool_conversation(server, tokenizer):
         "<|assistant|><think>The user wants Paris.</think>Let me check." + CALL
         + "<|observation|><tool_response>Sunny, 24 C</tool_response><|assistant|><think>")
     assert second.usage.prompt_tokens == len(tokenizer.apply_chat_template(expected, tools=TOOLS))
+
+
+def test_streamed_glm5_reply_equals_the_full_one(server, tokenizer):
+    """Thinking, text and two calls in GLM-5's layout, streamed and not: the same message (C43 on this format)."""
+    force(server, tokenizer, "Two cities.</think>Checking." + CALL + CALL.replace("Paris", "Rome"), count=2, end=END)
+    full = full_message(chat(server, messages=QUESTION, tools=TOOLS))
+    same_reply(streamed_message(stream(server, messages=QUESTION, tools=TOOLS)), full)
+    assert (full["reasoning"], full["content"], full["finish_reason"]) == ("Two cities.", "Checking.", "tool_calls")
+    assert [json.loads(c["arguments"])["city"] for c in full["calls"]] == ["Paris", "Rome"]
 
 
 def history(args, content) -> list[dict]:
