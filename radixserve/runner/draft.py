@@ -8,6 +8,7 @@ import dataclasses
 import torch
 
 from radixserve.engine.runner_api import ScheduledSeq
+from radixserve.runner.attention.sparse import SparseBackend, add_index_keys
 from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.kv_cache import KVCache
@@ -26,6 +27,10 @@ class DraftModel:
         self.kv = KVCache(num_layers, num_pages, page_size, heads, head_dim, dtype, device, latent=latent)
         # No decode mirror: propose steps run ahead of the sequences a mirror tracks.
         self.backend = TorchAttentionBackend(self.kv, mirror_bytes=0)
+        dsa = getattr(mc, "dsa", None)
+        if dsa is not None:   # DSA: the draft's full indexer layers keep their own index keys (bf16/fp32, never FP8)
+            add_index_keys(self.kv, tuple(i for i in dsa.full_layers if i < num_layers), dsa.index_head_dim, dtype)
+            self.backend = SparseBackend(self.backend)
 
     def _forward(self, step: StepBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         return self.model(step.input_ids, step.positions, self.backend.prepare(step), logit_rows,

@@ -76,9 +76,9 @@ class ModelRunner:
         self.kv = KVCache(self.kv_layers(model_config), self.num_pages, self.page_size, heads, head_dim,
                           kv_dtype, self.device, self.dtype, *scales, latent=latent)
         dsa = model_config.dsa
-        if dsa is not None and (deterministic or config.speculative_algorithm == "draft" or config.is_eagle):
+        if dsa is not None and (deterministic or config.is_eagle):
             raise ValueError("glm_moe_dsa (DSA) does not run with --enable-deterministic-inference or "
-                             "--speculative-algorithm draft / EAGLE yet")
+                             "--speculative-algorithm EAGLE yet")
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device,
                                                         batch_invariant=deterministic,
                                                         cascade=not config.disable_cascade_attention,

@@ -47,7 +47,9 @@ async def chat_run(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[Gen
     if plan.json_schema is not None:
         params = dataclasses.replace(params, json_schema=plan.json_schema, json_schema_param="tools")
     prompt_ids = await chat_prompt(ctx, req, plan.template_tools)
-    reasoning = ctx.reasoning_parser is not None
+    # A JSON grammar (response_format, enforced calls) holds from the first token, so nothing is thinking: a prompt
+    # that opens <think> (GLM-4.7/5) would otherwise turn the whole JSON reply into reasoning_content.
+    reasoning = ctx.reasoning_parser is not None and params.json_schema is None
     outputs = ChatOutputs(plan, ctx.tool_call_parser, reasoning,
                           prompt_tail(ctx.tokenizer, prompt_ids) if reasoning else "")
     if plan.native is not None:

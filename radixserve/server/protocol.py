@@ -7,10 +7,11 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from radixserve.errors import InvalidRequest
 from radixserve.sampling_params import SamplingParams
+from radixserve.tokenizer.messages import call_arguments
 
 # What msgpack and torch can carry to the engine; add_request stays the semantic validator.
 INT64_MAX = 2**63 - 1
@@ -105,10 +106,18 @@ class TextPart(_Strict):
 
 
 class FunctionCall(_Strict):
-    """A call in a client's assistant message; `arguments` as JSON text or an object."""
+    """A call in a client's assistant message. `arguments` arrives as JSON object text (OpenAI's form) or an object
+    and is kept as the object, the one form chat templates read (GLM's iterate `arguments.items()`; a string there
+    failed, C60; tokenizer/messages.py: call_arguments): "", blank and "{}" are {}; text that is not a JSON object is a
+    400 naming the field."""
 
     name: str
-    arguments: str | dict[str, Any] = "{}"
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _parse_arguments(cls, value: Any) -> Any:
+        return call_arguments(value) if isinstance(value, str) else value
 
 
 class ToolCallIn(_Strict):
@@ -134,18 +143,9 @@ class ChatMessage(_Strict):
         return self.content or ""
 
     def template_dict(self) -> dict[str, Any]:
-        """Every field sent, content as one string, JSON-object arguments as objects (else quoted twice)."""
+        """Every field sent, content as one string (text parts joined), call arguments as objects (FunctionCall)."""
         msg = self.model_dump(exclude_none=True)
         msg["content"] = self.text()
-        for call in msg.get("tool_calls", ()):
-            args = call["function"]["arguments"]
-            if isinstance(args, str):
-                try:
-                    parsed = json.loads(args)
-                except ValueError:
-                    continue
-                if isinstance(parsed, dict):
-                    call["function"]["arguments"] = parsed
         return msg
 
 

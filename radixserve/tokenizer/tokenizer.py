@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from radixserve.errors import InvalidRequest
+from radixserve.tokenizer.messages import normalize_messages
 from radixserve.tokenizer.text_bound import TextBound
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class Tokenizer:
               tools: list[dict] | None, template_kwargs: Mapping[str, Any] | None) -> Any:
         if not self.hf.chat_template:
             raise InvalidRequest("this model has no chat template; use the completions API", param="messages")
-        normalized = _normalize_messages(messages)
+        normalized = normalize_messages(messages)
         extra = dict(template_kwargs or {})
         reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
@@ -131,35 +132,6 @@ class Tokenizer:
         """Text of `ids`, verbatim (no clean-up of tokenization spaces)."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
                               clean_up_tokenization_spaces=False)
-
-
-def _normalize_messages(messages: Any) -> list[dict]:
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise InvalidRequest("messages must be a non-empty list", param="messages")
-    out = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, Mapping):
-            raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
-        role = msg.get("role")
-        if not isinstance(role, str) or not role:
-            raise InvalidRequest(f"messages[{i}].role must be a non-empty string", param="messages")
-        content = msg.get("content")
-        if isinstance(content, (list, tuple)):
-            parts = []
-            for part in content:
-                if not (isinstance(part, Mapping) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise InvalidRequest(f"messages[{i}].content: only text parts are supported",
-                                         param="messages")
-                parts.append(part["text"])
-            content = "".join(parts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts",
-                                 param="messages")
-        out.append({**msg, "content": content})
-    return out
 
 
 def _template_turn_end_id(hf: Any) -> int | None:

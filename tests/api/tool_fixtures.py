@@ -74,11 +74,11 @@ def qwen_like_model_dir(tiny_model_dir: pathlib.Path, target: pathlib.Path) -> p
     return target
 
 
-def force(server, tokenizer, text: str, count: int = 1) -> int:
-    """The next `count` requests emit `text` (in the tokenizer's ids) and then <|im_end|>;
+def force(server, tokenizer, text: str, count: int = 1, end: str = "<|im_end|>") -> int:
+    """The next `count` requests emit `text` (in the tokenizer's ids) and then `end` (an eos);
     returns the number of tokens each will have generated."""
     ids = [*tokenizer.hf.encode(text, add_special_tokens=False),
-           tokenizer.hf.convert_tokens_to_ids("<|im_end|>")]
+           tokenizer.hf.convert_tokens_to_ids(end)]
     assert tokenizer.decode(ids[:-1]) == text, "canned text does not round-trip"
     r = server.post("/admin/fault", json={"kind": "sampler.force_tokens", "token_ids": ids,
                                           "count": count})

@@ -193,7 +193,8 @@ def test_indexer_types_follow_transformers():
 
 
 def test_what_dsa_does_not_run_is_refused(tmp_path):
-    """A full layer without its indexer weights, TP, deterministic inference and a self-draft: load errors."""
+    """A full layer without its indexer weights, TP, deterministic inference and EAGLE: load errors (a self-draft
+    runs: test_dsa_speculative.py)."""
     from safetensors.torch import load_file, save_file
 
     from radixserve.models.llama import LlamaDecoderLayer
@@ -202,8 +203,8 @@ def test_what_dsa_does_not_run_is_refused(tmp_path):
     with pytest.raises(ValueError, match="MLA models do not run under --tp-size"):
         LlamaDecoderLayer(mc, 1, tp=type("TP", (), {"size": 2, "rank": 0})())
     folder = build_dsa(tmp_path / "m")
-    for cfg in [{"enable_deterministic_inference": True}, {"speculative_algorithm": "draft", "speculative_draft_layers": 1}]:
-        with pytest.raises(ValueError, match="DSA"):
+    for cfg in [{"enable_deterministic_inference": True}, {"speculative_algorithm": "EAGLE"}]:
+        with pytest.raises(ValueError, match="glm_moe_dsa"):
             make_runner(folder, **cfg)
     path = folder / "model.safetensors"
     tensors = load_file(path)
