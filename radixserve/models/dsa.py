@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from radixserve.layers.attention import SparseAttention
 from radixserve.layers.linear import Linear
+from radixserve.layers.parallel import Collectives
 from radixserve.layers.rotary import RotaryEmbedding
 from radixserve.models.mla import MLAAttention
 from radixserve.models.model_config import ModelConfig
@@ -98,10 +99,12 @@ class Indexer(torch.nn.Module):
 
 class DSAAttention(MLAAttention):
     """transformers' GlmMoeDsaAttention: a full layer (config.dsa.full_layers) runs its Indexer, a shared one reuses
-    attn.shared_selection; a dense step (selection None) attends through the plain MLA path."""
+    attn.shared_selection; a dense step (selection None) attends through the plain MLA path. Under tensor
+    parallelism `tp` the heads split as MLA's; the Indexer is replicated, so every rank computes the same top-k bits
+    from the same (all-reduced) input."""
 
-    def __init__(self, config: ModelConfig, layer_id: int):
-        super().__init__(config, layer_id)
+    def __init__(self, config: ModelConfig, layer_id: int, tp: Collectives | None = None):
+        super().__init__(config, layer_id, tp)
         if config.mla.q_lora_rank is None:
             raise ValueError("glm_moe_dsa needs q_lora_rank (the indexer reads the q LoRA residual)")
         self.indexer = Indexer(config, layer_id) if layer_id in config.dsa.full_layers else None
