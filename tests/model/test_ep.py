@@ -51,16 +51,17 @@ def test_expert_parameter_and_collective_bytes_equal_the_formulas(group, index):
 
 
 def test_serving_path_with_expert_parallelism(group):
-    """load_runner (what `serve --tp-size 2 --ep-size 2` calls) on this process as rank 0: the follower loads the
-    other experts (the config travels to it), greedy tokens equal one process's, and close() ends it with 0."""
+    """load_runner (what `serve --tp-size 2 --ep-size 2` calls) on this process as rank 0, on glm_moe_dsa (MLA + DSA):
+    the follower loads the other experts (the config travels to it), greedy tokens equal one process's, and close()
+    ends it with 0."""
     import dataclasses
 
     from radixserve.engine_config import EngineConfig
     from radixserve.runner.tp import load_runner
     from tests.model.tp_worker import generate
 
-    config = EngineConfig(model_path=group[0][1], tp_size=2, ep_size=2, max_total_tokens=4096, quantization="none",
-                          chunked_prefill_size=32, num_threads=1)
+    config = EngineConfig(model_path=group[0][CASES.index("glm_moe_dsa")], tp_size=2, ep_size=2,
+                          max_total_tokens=4096, quantization="none", chunked_prefill_size=32, num_threads=1)
     runner = load_runner(config)
     try:
         assert runner.model.model.layers[1].mlp.experts.gate_up.shape[0] == 4
