@@ -4,7 +4,8 @@
     round-robin: row g -> rank g % R, local row g // R;  each rank runs M = ceil(N / R) rows (a short rank pads with
     row 0, whose output is dropped)
     per layer:  k|v (M, 2KV, D) ──all_gather──► (R*M) ──order──► (N) rows: every rank writes ALL new tokens' KV at the
-                step's slots, then attends its own queries over each sequence's whole context (cached prefix included)
+                step's slots, then attends its own queries over each sequence's whole context (cached prefix included);
+                MLA's latent layout (V = K) gathers k (M, 1, r + rope) only
     end:        each rank's logit rows (padded to K per rank) ──all_gather──► the step's logit rows, in order
 
 A step without prefill (every query one token: decode) runs unsplit: every rank computes the whole step, so every rank's
@@ -117,8 +118,9 @@ class CPAttention:
             store, pending = ls.storage(layer_id), ls.post(kv, layer_id, split.prefix_pages)
         if split.is_split:
             num_kv = k.shape[1]
-            new = self.comm.all_gather(torch.cat([k, v], dim=1), dim=0).index_select(0, split.order)
-            k, v = new[:, :num_kv], new[:, num_kv:]                       # (N, KV, D) in step row order
+            local = k if kv.latent else torch.cat([k, v], dim=1)
+            new = self.comm.all_gather(local, dim=0).index_select(0, split.order)
+            k, v = (new, new) if kv.latent else (new[:, :num_kv], new[:, num_kv:])   # (N, KV, D) in step row order
             if ls is not None:
                 ls.events.append((layer_id, "all_gather new kv"))
         if ls is not None:
@@ -141,15 +143,16 @@ class CPAttention:
 
 class CPModelRunner(ModelRunner):
     """A context-parallel rank's ModelRunner: whole weights, forward() split as above; with --enable-layer-split a
-    KVCache of this rank's layers plus scratch (pages sized for ceil(L / R) + 1 layers, equal on every rank).
-    Raises ValueError for MLA/DSA models (their latent and indexer caches are not built under CP yet)."""
+    KVCache of this rank's layers plus scratch (pages sized for ceil(L / R) + 1 layers, equal on every rank). MLA runs
+    as MQA over its latent head (models/mla.py); raises ValueError for DSA models (the index keys' all-gather and
+    LayerSplit's index-key broadcast are not built)."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
                  draft_model: torch.nn.Module | None = None, comm: Communicator | None = None):
-        if model_config.mla is not None or model_config.kv_shape.latent:
-            raise ValueError(f"--cp-size {config.cp_size}: MLA/DSA models ({model_config.architecture}) do not run "
-                             "under context parallelism yet")
+        if model_config.dsa is not None:
+            raise ValueError(f"--cp-size {config.cp_size}: DSA models ({model_config.architecture}) do not run under "
+                             "context parallelism yet (MLA without the indexer does)")
         assert comm is not None and comm.size == config.cp_size, "a CP rank needs its group"
         self.comm = comm
         self.layer_split = LayerSplit(model_config.num_layers, comm) if config.enable_layer_split else None

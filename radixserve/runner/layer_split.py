@@ -10,7 +10,8 @@ only its own layers' KV plus one scratch layer, which a layer's owner fills by b
             layer's KV (a fault, `fault.drop_kv_wait`, lets attention read it: GLM's read-before-ready class)
 
 Bytes (docs/parallel.md): storage (n_r + 1) * S * 2 * KV * D * e per rank; each layer's broadcast moves
-2 * KV * D * e * page_size * P_pages (P_pages: distinct pages of the step's cached prefixes)."""
+2 * KV * D * e * page_size * P_pages (P_pages: distinct pages of the step's cached prefixes). MLA's latent layout stores
+and moves K only: one store, 1 * D * e per token."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ def owned_layers(num_layers: int, size: int, rank: int) -> range:
 
 @dataclass(slots=True)
 class PendingKV:
-    """Layer `layer`'s broadcast in flight: buffer (2, KV, pages * page_size, D) compute dtype, K then V."""
+    """Layer `layer`'s broadcast in flight: buffer (2, KV, pages * page_size, D) compute dtype, K then V (latent:
+    (1, 1, ..., D), K only)."""
 
     layer: int
     page_ids: torch.Tensor
@@ -67,11 +69,12 @@ class LayerSplit:
         receiver = owner != self.comm.rank
         if page_ids.numel() == 0:
             return PendingKV(layer, page_ids, None, None, receiver)
+        stores = 1 if kv.latent else 2
         if receiver:
-            shape = (2, kv.num_kv_heads, page_ids.numel() * kv.page_size, kv.head_dim)
+            shape = (stores, kv.num_kv_heads, page_ids.numel() * kv.page_size, kv.head_dim)
             buffer = torch.empty(shape, dtype=kv.compute_dtype, device=kv.device)
         else:
-            buffer = torch.stack(kv.read_pages(self.storage(layer), page_ids))
+            buffer = torch.stack(kv.read_pages(self.storage(layer), page_ids)[:stores])
         return PendingKV(layer, page_ids, buffer, self.comm.broadcast_async(buffer, owner), receiver)
 
     def wait(self, kv: KVCache, pending: PendingKV) -> None:
@@ -99,7 +102,7 @@ class LayerSplit:
             return
         p.pending.wait()
         if p.receiver:
-            self._write_scratch(kv, p.page_ids, p.buffer[0], p.buffer[1])
+            self._write_scratch(kv, p.page_ids, p.buffer[0], p.buffer[-1])
 
     def _write_scratch(self, kv: KVCache, page_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (KV, pages * page_size, D) into the scratch layer's `page_ids`."""

@@ -1,7 +1,7 @@
 """Context-parallel prefill and LayerSplit, CP=2 and CP=4 over gloo vs CP=1 (ranks: tests/model/cp_worker.py).
 
 CP=2 on a tiny Llama of 3 layers (LayerSplit owners uneven: rank 0 layers 0-1, rank 1 layer 2; untied head) and a tiny
-Qwen3 of 2 layers, prompts of 1, 2, 3, 37 and 38 tokens chunked by 32, then a 64-token prompt and the same 64 tokens
+Qwen3 of 2 layers and a tiny glm4_moe_lite (MLA: the latent head gathered and broadcast, K only) of 3 layers, prompts of 1, 2, 3, 37 and 38 tokens chunked by 32, then a 64-token prompt and the same 64 tokens
 + 7 (a 90 % radix hit): logits within 1e-5 relative and greedy tokens equal to CP=1 (C57), both ranks bit-identical,
 per-rank KV bytes and per-step collective bytes equal docs/parallel.md's formulas exactly, the LayerSplit order per
 layer, and a dropped KV wait gives wrong logits where the normal path is exact. CP=4 on the Llama (4 processes on 2
@@ -24,7 +24,7 @@ from tests.conftest import build_tiny_llama
 from tests.model.test_families import build_family
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-CASES = ("llama3", "qwen3")
+CASES = ("llama3", "qwen3", "glm4_moe_lite")
 MODES = ("plain", "layer_split")
 PAGE = 16
 
@@ -75,8 +75,9 @@ def is_hit(step: dict) -> bool:
 
 
 def token_bytes(c: ModelConfig) -> int:
-    """K and V of one token in one layer, fp32."""
-    return 2 * c.num_kv_heads * c.head_dim * 4
+    """K and V of one token in one layer, fp32 (MLA: the one latent head, kv_lora_rank + rope, no V)."""
+    heads, dim, latent = c.kv_shape
+    return (1 if latent else 2) * heads * dim * 4
 
 
 def prefix_pages(step: dict) -> int:

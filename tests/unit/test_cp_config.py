@@ -62,9 +62,9 @@ def test_layer_split_kv_bytes_per_rank(tmp_path, num_layers):
         assert runner.kv.allocated_bytes() == (n_r + 1) * 1024 * token
 
 
-def test_mla_is_refused_under_cp(tmp_path):
-    build_family(tmp_path, "glm4_moe_lite")
+def test_dsa_is_refused_under_cp(tmp_path):
+    build_family(tmp_path, "glm_moe_dsa")
     config = EngineConfig(model_path=str(tmp_path), cp_size=2, max_total_tokens=1024, quantization="none",
                           num_threads=1)
-    with pytest.raises(ValueError, match="MLA/DSA models .* do not run under context parallelism"):
+    with pytest.raises(ValueError, match="DSA models .* do not run under context parallelism"):
         CPModelRunner.from_config(config, comm=Rank(0, 2))
