@@ -40,7 +40,8 @@ class FP32Weight(torch.nn.Module):
 def select_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start_pos: int, topk: int,
                 stride: int = 1) -> torch.Tensor:
     """The lightning indexer's choice for n query rows at positions start_pos + stride * j over keys of positions
-    [0, ctx): I[t, s] = sum_h weights[t, h] * relu(q[t, h] . keys[s] * Di^-0.5), s <= t; the min(topk, ctx) largest per row.
+    [0, ctx): I[t, s] = sum_h weights[t, h] * relu(q[t, h] . keys[s] * Di^-0.5), s <= t; the min(topk, ctx) largest
+    per row.
 
     q (n, Hi, Di), weights (n, Hi) fp32 (already x Hi^-0.5), keys (ctx, Di); computed in fp32. Returns (n, K) int64
     positions, -1 where fewer than K positions are causal (transformers selects masked ones there, then masks them)."""

@@ -1,13 +1,13 @@
 """Context-parallel prefill and LayerSplit, CP=2 and CP=4 over gloo vs CP=1 (ranks: tests/model/cp_worker.py).
 
-CP=2 on a tiny Llama of 3 layers (LayerSplit owners uneven: rank 0 layers 0-1, rank 1 layer 2; untied head) and a tiny
-Qwen3 of 2 layers, a tiny glm4_moe_lite (MLA: the latent head gathered and broadcast, K only) and glm_moe_dsa (MLA +
-the DSA indexer, index_topk 8: index keys gathered, and broadcast before the KV) of 3 layers, prompts of 1, 2, 3, 37 and 38 tokens chunked by 32, then a 64-token prompt and the same 64 tokens
-+ 7 (a 90 % radix hit): logits within 1e-5 relative and greedy tokens equal to CP=1 (C57), both ranks bit-identical,
-per-rank KV bytes and per-step collective bytes equal docs/parallel.md's formulas exactly, the LayerSplit order per
-layer (DSA: index keys broadcast -> indexer -> wait(KV) -> attention), and a dropped KV wait gives wrong logits where
-the normal path is exact. CP=4 on the Llama (4 processes on 2
-cores): rank 3 owns no layer, and the same logits, tokens and byte formulas hold."""
+CP=2 on a tiny Llama of 3 layers (LayerSplit owners uneven: rank 0 layers 0-1, rank 1 layer 2; untied head), a tiny
+Qwen3 of 2 layers, and tiny glm4_moe_lite (MLA: the latent head gathered and broadcast, K only) and glm_moe_dsa (MLA +
+the DSA indexer, index_topk 8: index keys gathered, and broadcast before the KV) of 3 layers; prompts of 1, 2, 3, 37
+and 38 tokens chunked by 32, then a 64-token prompt and the same 64 tokens + 7 (a 90 % radix hit): logits within 1e-5
+relative and greedy tokens equal to CP=1 (C57), both ranks bit-identical, per-rank KV bytes and per-step collective
+bytes equal docs/parallel.md's formulas exactly, the LayerSplit order per layer (DSA: index keys broadcast -> indexer
+-> wait(KV) -> attention), and a dropped KV wait gives wrong logits where the normal path is exact. CP=4 on the Llama
+(4 processes on 2 cores): rank 3 owns no layer, and the same logits, tokens and byte formulas hold."""
 from __future__ import annotations
 
 import os

@@ -154,7 +154,8 @@ def test_parameter_and_collective_bytes_equal_the_formulas(group, index):
 
 
 def assert_collective_bytes(config: ModelConfig, steps: list[dict], tp: int = 2) -> None:
-    """Per step at tp ranks: 1 + 2L all-reduces of T·h·4 bytes, one all-gather of R·ceil(V/tp)·4 (docs/parallel.md)."""
+    """Per step at tp ranks: 1 + 2L all-reduces of T·h·4 bytes, one all-gather of R·ceil(V/tp)·4
+    (docs/parallel.md)."""
     h, layers, vocab_part = config.hidden_size, config.num_layers, -(-config.vocab_size // tp)
     for step in steps:
         t, r = step["num_tokens"], step["logits"].shape[0]

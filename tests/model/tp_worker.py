@@ -87,7 +87,8 @@ def kv_record(runner: ModelRunner, steps: list[dict]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    rank, addr, out_dir, tp_size, ep_size, folders = int(argv[0]), argv[1], argv[2], int(argv[3]), int(argv[4]), argv[5:]
+    rank, addr, out_dir, folders = int(argv[0]), argv[1], argv[2], argv[5:]
+    tp_size, ep_size = int(argv[3]), int(argv[4])
     torch.set_num_threads(1)
     comm = init_communicator(rank, tp_size, addr, 60.0)
     results, keep = [], []
