@@ -17,13 +17,15 @@ class Attention(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """One sequence of a step: token rows [row_start, row_end) at positions start_pos.., context positions
-    [0, context_len) (the rows' own tokens included)."""
+    """One sequence of a step: token rows [row_start, row_end), row row_start + j at position start_pos + stride * j
+    (stride > 1: a context-parallel rank's round-robin rows, runner/cp.py), context positions [0, context_len) (the
+    rows' own tokens included)."""
 
     row_start: int
     row_end: int
     start_pos: int
     context_len: int
+    stride: int = 1
 
 
 class SparseAttention(Attention, Protocol):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from radixserve.layers.attention import SparseAttention
 from radixserve.layers.linear import Linear
+from radixserve.layers.parallel import Collectives
 from radixserve.layers.rotary import RotaryEmbedding
 from radixserve.models.mla import MLAAttention
 from radixserve.models.model_config import ModelConfig
@@ -36,9 +37,11 @@ class FP32Weight(torch.nn.Module):
         return F.linear(x.float(), self.weight)
 
 
-def select_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start_pos: int, topk: int) -> torch.Tensor:
-    """The lightning indexer's choice for n query rows at positions start_pos.. over keys of positions [0, ctx):
-    I[t, s] = sum_h weights[t, h] * relu(q[t, h] . keys[s] * Di^-0.5), s <= t; the min(topk, ctx) largest per row.
+def select_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start_pos: int, topk: int,
+                stride: int = 1) -> torch.Tensor:
+    """The lightning indexer's choice for n query rows at positions start_pos + stride * j over keys of positions
+    [0, ctx): I[t, s] = sum_h weights[t, h] * relu(q[t, h] . keys[s] * Di^-0.5), s <= t; the min(topk, ctx) largest
+    per row.
 
     q (n, Hi, Di), weights (n, Hi) fp32 (already x Hi^-0.5), keys (ctx, Di); computed in fp32. Returns (n, K) int64
     positions, -1 where fewer than K positions are causal (transformers selects masked ones there, then masks them)."""
@@ -53,7 +56,7 @@ def select_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, star
         b = min(a + block, n)
         scores = torch.matmul(q[a:b].float(), keys.T).mul_(dim ** -0.5).relu_()            # (rows, Hi, ctx)
         index = torch.matmul(weights[a:b].unsqueeze(1), scores).squeeze(1)                 # (rows, ctx)
-        pos = start_pos + torch.arange(a, b, device=q.device)[:, None]
+        pos = start_pos + stride * torch.arange(a, b, device=q.device)[:, None]
         index.masked_fill_(key_pos[None, :] > pos, float("-inf"))
         chosen = index.topk(k, dim=-1).indices
         out[a:b] = chosen.masked_fill_(chosen > pos, -1)
@@ -92,16 +95,18 @@ class Indexer(torch.nn.Module):
         weights = self.weights_proj(x) * self.num_heads ** -0.5                                   # (T, Hi)
         return [None if s.context_len <= self.topk else      # it would select every causal position
                 select_topk(q[s.row_start:s.row_end], weights[s.row_start:s.row_end],
-                            attn.index_keys(self.layer_id, i), s.start_pos, self.topk)
+                            attn.index_keys(self.layer_id, i), s.start_pos, self.topk, s.stride)
                 for i, s in enumerate(attn.segments)]
 
 
 class DSAAttention(MLAAttention):
     """transformers' GlmMoeDsaAttention: a full layer (config.dsa.full_layers) runs its Indexer, a shared one reuses
-    attn.shared_selection; a dense step (selection None) attends through the plain MLA path."""
+    attn.shared_selection; a dense step (selection None) attends through the plain MLA path. Under tensor
+    parallelism `tp` the heads split as MLA's; the Indexer is replicated, so every rank computes the same top-k bits
+    from the same (all-reduced) input."""
 
-    def __init__(self, config: ModelConfig, layer_id: int):
-        super().__init__(config, layer_id)
+    def __init__(self, config: ModelConfig, layer_id: int, tp: Collectives | None = None):
+        super().__init__(config, layer_id, tp)
         if config.mla.q_lora_rank is None:
             raise ValueError("glm_moe_dsa needs q_lora_rank (the indexer reads the q LoRA residual)")
         self.indexer = Indexer(config, layer_id) if layer_id in config.dsa.full_layers else None

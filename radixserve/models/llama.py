@@ -94,9 +94,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        if c.mla and tp is not None and tp.size > 1:
-            raise ValueError("MLA models do not run under --tp-size > 1 yet")
-        self.self_attn = (DSAAttention(c, layer_id) if c.dsa else MLAAttention(c, layer_id) if c.mla
+        self.self_attn = (DSAAttention(c, layer_id, tp) if c.dsa else MLAAttention(c, layer_id, tp) if c.mla
                           else LlamaAttention(c, layer_id, tp))
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.moe is not None and layer_id not in c.moe.dense_layers:
@@ -147,7 +145,8 @@ class LlamaForCausalLM(torch.nn.Module):
         if config.mla is not None:   # MLA's q_proj (no q LoRA) is a plain projection
             self.FUSED = {name: target for name, target in self.FUSED.items() if target[0] != "qkv_proj"}
         self.model = LlamaModel(config, tp, ep_size)
-        self.num_kv_heads = shard_heads(config.num_heads, config.num_kv_heads, tp).num_kv_heads   # cached per rank
+        # KV heads cached per rank (MLA: the one latent head, replicated)
+        self.num_kv_heads = 1 if config.mla else shard_heads(config.num_heads, config.num_kv_heads, tp).num_kv_heads
         self.lm_head = (ParallelLMHead(config.hidden_size, config.vocab_size, tp) if tp is not None and tp.size > 1
                         else Linear(config.hidden_size, config.vocab_size))
         if config.tie_word_embeddings:

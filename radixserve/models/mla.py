@@ -10,6 +10,7 @@ import torch
 from radixserve.layers.attention import Attention
 from radixserve.layers.linear import Linear
 from radixserve.layers.norm import RMSNorm
+from radixserve.layers.parallel import Collectives, TPSplit, column_split, row_linear, shard_heads
 from radixserve.layers.rotary import RotaryEmbedding
 from radixserve.models.model_config import ModelConfig
 
@@ -18,34 +19,47 @@ LORA_NORM_EPS = 1e-6
 
 
 class Weight(torch.nn.Module):
-    """A bare (out, in) weight read as a tensor, never called: kv_b_proj (its loader name stays `.weight`)."""
+    """A bare (out, in) weight read as a tensor, never called: kv_b_proj (its loader name stays `.weight`);
+    `tp_split`: the rows of the checkpoint tensor this rank holds (None: all)."""
 
-    def __init__(self, out_features: int, in_features: int):
+    def __init__(self, out_features: int, in_features: int, tp_split: TPSplit | None = None):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.tp_split = tp_split
+
+    def local_part(self, tensor: torch.Tensor, shard: str | None = None, is_bias: bool = False) -> torch.Tensor:
+        return tensor if self.tp_split is None else self.tp_split.local(tensor, shard, is_bias)
 
 
 class MLAAttention(torch.nn.Module):
-    """transformers' DeepseekV3Attention / Glm4MoeLiteAttention; rope rows arrive de-interleaved (rope_rows)."""
+    """transformers' DeepseekV3Attention / Glm4MoeLiteAttention; rope rows arrive de-interleaved (rope_rows).
 
-    def __init__(self, config: ModelConfig, layer_id: int):
+    Under tensor parallelism `tp` (docs/parallel.md, MLA): this rank's H / size query heads (q_proj or q_b_proj and
+    kv_b_proj by head rows, o_proj row-parallel and all-reduced); the LoRA down-projections, their norms and so the
+    one latent cache head are replicated: every rank computes and stores every token's full latent."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, tp: Collectives | None = None):
         super().__init__()
         c, m = config, config.mla
-        self.layer_id, self.num_heads = layer_id, c.num_heads
+        heads = shard_heads(c.num_heads, 1, tp)      # one latent "head", replicated: no KV-head divisibility
+        self.layer_id, self.num_heads = layer_id, heads.num_heads
         self.nope, self.rope, self.rank, self.v_dim = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank,
                                                        m.v_head_dim)
-        q_out = c.num_heads * (self.nope + self.rope)
+        q_width, kv_width = self.nope + self.rope, self.nope + self.v_dim
+        q_rows = {None: (heads.q_start * q_width, heads.num_heads * q_width)}
         self.q_lora = m.q_lora_rank is not None
         if not self.q_lora:
-            self.q_proj = Linear(c.hidden_size, q_out)
+            self.q_proj = column_split(Linear(c.hidden_size, q_rows[None][1]), q_rows, tp)
         else:
             self.q_a_proj = Linear(c.hidden_size, m.q_lora_rank, c.qkv_bias)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = Linear(m.q_lora_rank, q_out)
+            self.q_b_proj = column_split(Linear(m.q_lora_rank, q_rows[None][1]), q_rows, tp)
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, self.rank + self.rope, c.qkv_bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LORA_NORM_EPS)
-        self.kv_b_proj = Weight(c.num_heads * (self.nope + self.v_dim), self.rank)
-        self.o_proj = Linear(c.num_heads * self.v_dim, c.hidden_size, c.o_bias)
+        kv_rows = (heads.q_start * kv_width, heads.num_heads * kv_width)
+        self.kv_b_proj = Weight(kv_rows[1], self.rank,
+                                TPSplit(0, {None: kv_rows}, tp.rank) if tp is not None and tp.size > 1 else None)
+        self.o_proj = row_linear(c.num_heads * self.v_dim, c.hidden_size, c.o_bias, tp)
         # The backend scales scores by D^-0.5 over the cache width D; transformers by (nope + rope)^-0.5.
         self.q_scale = ((self.rank + self.rope) / (self.nope + self.rope)) ** 0.5
 

@@ -4,14 +4,16 @@
     round-robin: row g -> rank g % R, local row g // R;  each rank runs M = ceil(N / R) rows (a short rank pads with
     row 0, whose output is dropped)
     per layer:  k|v (M, 2KV, D) ──all_gather──► (R*M) ──order──► (N) rows: every rank writes ALL new tokens' KV at the
-                step's slots, then attends its own queries over each sequence's whole context (cached prefix included)
+                step's slots, then attends its own queries over each sequence's whole context (cached prefix included);
+                MLA's latent layout (V = K) gathers k (M, 1, r + rope) only
     end:        each rank's logit rows (padded to K per rank) ──all_gather──► the step's logit rows, in order
 
 A step without prefill (every query one token: decode) runs unsplit: every rank computes the whole step, so every rank's
 cache stays whole (no collective). Round-robin rather than zigzag (docs/parallel.md): any batch of any lengths splits
 with no per-sequence bookkeeping, causal work per rank differs by at most one row's context, and LayerSplit needs it.
 Attention is computed here (CPAttention), not by the runner's backends: they assume a sequence's queries are its last
-rows in one contiguous block, which a rank's round-robin rows are not."""
+rows in one contiguous block, which a rank's round-robin rows are not. DSA models (CPSparseAttention) all-gather the
+index keys like the KV, and under LayerSplit broadcast a full layer's index keys before its KV."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,11 +25,13 @@ import torch.nn.functional as F
 from radixserve.dist.comm import Communicator
 from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.engine_config import EngineConfig
+from radixserve.layers.attention import Segment
 from radixserve.models.model_config import ModelConfig
+from radixserve.runner.attention.sparse import INDEX_KEYS, attend_chosen, read_index_keys, write_index_keys
 from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.kv_cache import KVCache
 from radixserve.runner.kv_sizing import num_pages
-from radixserve.runner.layer_split import LayerSplit
+from radixserve.runner.layer_split import LayerSplit, PendingKV, page_slots
 from radixserve.runner.model_runner import ModelRunner
 
 # CPAttention's query rows per SDPA: each block reads keys only up to its last row's position, so a rank's
@@ -37,8 +41,8 @@ QUERY_BLOCK = 256
 
 @dataclass(frozen=True, slots=True)
 class SeqRows:
-    """One sequence's rows on this rank: local (n,) int64 row indices, positions (n,) int64, its context's page ids
-    (pages,) int64 and context length in tokens."""
+    """One sequence's rows on this rank: local (n,) int64 row indices (consecutive; n may be 0), positions (n,) int64,
+    its context's page ids (pages,) int64 and context length in tokens."""
 
     local: torch.Tensor
     positions: torch.Tensor
@@ -79,10 +83,9 @@ def plan_split(step: StepBatch, page_size: int, rank: int, size: int) -> CPSplit
         first, end = -(-(start - me) // num_ranks), -(-(start + q_len - me) // num_ranks)
         pages = step.page_lists[s][:-(-ctx // page_size)]
         prefix.update(pages[:-(-(ctx - q_len) // page_size)])
-        if end > first:
-            local_t = torch.arange(first, end, device=device)
-            seqs.append(SeqRows(local_t, step.positions[rows[local_t]],
-                                torch.tensor(pages, dtype=torch.long, device=device), ctx))
+        local_t = torch.arange(first, end, device=device)
+        seqs.append(SeqRows(local_t, step.positions[rows[local_t]],
+                            torch.tensor(pages, dtype=torch.long, device=device), ctx))
     logit_rows = step.logit_rows.tolist()
     if not split:
         return CPSplit(rows, None, step.logit_rows, None, seqs,
@@ -109,25 +112,44 @@ class CPAttention:
     def __init__(self, kv: KVCache, step: StepBatch, split: CPSplit, comm: Communicator,
                  layer_split: LayerSplit | None):
         self.kv, self.step, self.split, self.comm, self.layer_split = kv, step, split, comm, layer_split
+        self._pending: dict[int, PendingKV] = {}
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def storage(self, layer_id: int) -> int:
+        """The KVCache layer holding model layer `layer_id` on this rank (LayerSplit: its own or the scratch)."""
+        return layer_id if self.layer_split is None else self.layer_split.storage(layer_id)
+
+    def post_kv(self, layer_id: int) -> None:
+        """LayerSplit: start layer `layer_id`'s KV broadcast, once per layer (a DSA layer starts it before its
+        indexer scores, so the two overlap)."""
+        if self.layer_split is not None and layer_id not in self._pending:
+            self._pending[layer_id] = self.layer_split.post(self.kv, layer_id, self.split.prefix_pages)
+
+    def store_new_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """The step's new KV at its slots: this rank's k, v (M, KV, D) all-gathered on a split step, written after
+        LayerSplit's wait(KV). Returns the storage layer."""
         kv, split, ls = self.kv, self.split, self.layer_split
-        store, pending = layer_id, None
-        if ls is not None:
-            store, pending = ls.storage(layer_id), ls.post(kv, layer_id, split.prefix_pages)
+        self.post_kv(layer_id)
+        store = self.storage(layer_id)
         if split.is_split:
             num_kv = k.shape[1]
-            new = self.comm.all_gather(torch.cat([k, v], dim=1), dim=0).index_select(0, split.order)
-            k, v = new[:, :num_kv], new[:, num_kv:]                       # (N, KV, D) in step row order
+            local = k if kv.latent else torch.cat([k, v], dim=1)
+            new = self.comm.all_gather(local, dim=0).index_select(0, split.order)
+            k, v = (new, new) if kv.latent else (new[:, :num_kv], new[:, num_kv:])   # (N, KV, D) in step row order
             if ls is not None:
                 ls.events.append((layer_id, "all_gather new kv"))
         if ls is not None:
-            ls.wait(kv, pending)
+            ls.wait(kv, self._pending.pop(layer_id))
             ls.events.append((layer_id, "attention"))
         kv.write(store, self.step.slot_mapping, k, v)
+        return store
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        store = self.store_new_kv(layer_id, k, v)
         out = torch.zeros_like(q)
-        for seq in split.seqs:
-            k_ctx, v_ctx = kv.read_pages(store, seq.page_ids)              # (KV, pages * page_size, D)
+        for seq in self.split.seqs:
+            if not seq.local.numel():
+                continue
+            k_ctx, v_ctx = self.kv.read_pages(store, seq.page_ids)              # (KV, pages * page_size, D)
             for a in range(0, seq.local.numel(), QUERY_BLOCK):
                 local, positions = seq.local[a:a + QUERY_BLOCK], seq.positions[a:a + QUERY_BLOCK]
                 ctx = int(positions[-1]) + 1                                # keys past the block's last row: masked
@@ -139,17 +161,70 @@ class CPAttention:
         return out.view(q.shape[0], -1)
 
 
+def segment(seq: SeqRows, stride: int) -> Segment:
+    """`seq`'s rows on this rank as a Segment (row j at position positions[0] + stride * j); empty: rows [0, 0)."""
+    if not seq.local.numel():
+        return Segment(0, 0, 0, seq.context_len, stride)
+    return Segment(int(seq.local[0]), int(seq.local[-1]) + 1, int(seq.positions[0]), seq.context_len, stride)
+
+
+class CPSparseAttention(CPAttention):
+    """SparseAttention (layers/attention.py) for one context-parallel step of a DSA model: one Segment per sequence
+    of the step, over this rank's rows (stride R on a split step; possibly none: every rank takes the same dense or
+    sparse path). Per full layer, with LayerSplit (events in this order):
+
+        broadcast index_k -> all_gather new index_k -> wait index_k -> broadcast kv -> indexer
+                          -> all_gather new kv -> wait kv -> attention
+
+    The indexer needs the index keys, so they move first; the KV broadcast runs while the indexer scores."""
+
+    def __init__(self, kv: KVCache, step: StepBatch, split: CPSplit, comm: Communicator,
+                 layer_split: LayerSplit | None):
+        super().__init__(kv, step, split, comm, layer_split)
+        stride = comm.size if split.is_split else 1
+        self.segments = [segment(s, stride) for s in split.seqs]
+        self.shared_selection: list[torch.Tensor | None] | None = None
+        self._slots = [page_slots(kv, s.page_ids)[:s.context_len] for s in split.seqs]
+
+    def write_index_keys(self, layer_id: int, keys: torch.Tensor) -> None:
+        """keys (M, Di) of this rank's rows: every new token's key stored (all-gathered on a split step), after the
+        owner's broadcast of the cached prefix's keys under LayerSplit; then layer_id's KV broadcast starts."""
+        kv, split, ls = self.kv, self.split, self.layer_split
+        pending = ls.post(kv, layer_id, split.prefix_pages, side=INDEX_KEYS) if ls is not None else None
+        if split.is_split:
+            keys = self.comm.all_gather(keys, dim=0).index_select(0, split.order)          # (N, Di) step row order
+            if ls is not None:
+                ls.events.append((layer_id, f"all_gather new {INDEX_KEYS}"))
+        if ls is not None:
+            ls.wait(kv, pending)
+        write_index_keys(kv, self.storage(layer_id), self.step.slot_mapping, keys)
+        self.post_kv(layer_id)
+        if ls is not None:
+            ls.events.append((layer_id, "indexer"))
+
+    def index_keys(self, layer_id: int, seq: int) -> torch.Tensor:
+        return read_index_keys(self.kv, self.storage(layer_id), self._slots[seq])
+
+    def attend_selected(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                        selected: list[torch.Tensor | None]) -> torch.Tensor:
+        store = self.store_new_kv(layer_id, k, k)
+        out = torch.zeros_like(q)
+        for i, (seg, seq, chosen) in enumerate(zip(self.segments, self.split.seqs, selected)):
+            if seg.row_end > seg.row_start:
+                rows = slice(seg.row_start, seg.row_end)
+                out[rows] = attend_chosen(self.kv, store, q[rows], self._slots[i], chosen, seq.positions)
+        return out.view(q.shape[0], -1)
+
+
 class CPModelRunner(ModelRunner):
     """A context-parallel rank's ModelRunner: whole weights, forward() split as above; with --enable-layer-split a
-    KVCache of this rank's layers plus scratch (pages sized for ceil(L / R) + 1 layers, equal on every rank).
-    Raises ValueError for MLA/DSA models (their latent and indexer caches are not built under CP yet)."""
+    KVCache of this rank's layers plus scratch (pages sized for ceil(L / R) + 1 layers, equal on every rank). MLA runs
+    as MQA over its latent head (models/mla.py); DSA through CPSparseAttention, its index keys in the storage layers
+    of the full indexer layers."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
                  draft_model: torch.nn.Module | None = None, comm: Communicator | None = None):
-        if model_config.mla is not None or model_config.kv_shape.latent:
-            raise ValueError(f"--cp-size {config.cp_size}: MLA/DSA models ({model_config.architecture}) do not run "
-                             "under context parallelism yet")
         assert comm is not None and comm.size == config.cp_size, "a CP rank needs its group"
         self.comm = comm
         self.layer_split = LayerSplit(model_config.num_layers, comm) if config.enable_layer_split else None
@@ -162,13 +237,19 @@ class CPModelRunner(ModelRunner):
     def kv_layers(self, model_config: ModelConfig) -> int:
         return model_config.num_layers if self.layer_split is None else self.layer_split.num_storage_layers
 
+    def index_key_layers(self, full_layers: tuple[int, ...]) -> tuple[int, ...]:
+        if self.layer_split is None:
+            return full_layers
+        return tuple(sorted({self.layer_split.storage(layer) for layer in full_layers}))
+
     @torch.inference_mode()
     def forward(self, batch: list[ScheduledSeq]) -> tuple[StepBatch, torch.Tensor]:
         step = build_step(batch, self.page_size, self.device)
         split = plan_split(step, self.page_size, self.comm.rank, self.comm.size)
         if self.layer_split is not None:
             self.layer_split.events.clear()
-        attn = CPAttention(self.kv, step, split, self.comm, self.layer_split)
+        attention = CPSparseAttention if self.model.config.dsa is not None else CPAttention
+        attn = attention(self.kv, step, split, self.comm, self.layer_split)
         logits = self.model(step.input_ids.index_select(0, split.rows), step.positions.index_select(0, split.rows),
                             attn, split.logit_local)
         if self.layer_split is not None:

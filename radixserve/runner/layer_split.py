@@ -10,7 +10,9 @@ only its own layers' KV plus one scratch layer, which a layer's owner fills by b
             layer's KV (a fault, `fault.drop_kv_wait`, lets attention read it: GLM's read-before-ready class)
 
 Bytes (docs/parallel.md): storage (n_r + 1) * S * 2 * KV * D * e per rank; each layer's broadcast moves
-2 * KV * D * e * page_size * P_pages (P_pages: distinct pages of the step's cached prefixes)."""
+2 * KV * D * e * page_size * P_pages (P_pages: distinct pages of the step's cached prefixes). MLA's latent layout stores
+and moves K only: one store, 1 * D * e per token. A DSA full layer also broadcasts its index keys (a side buffer),
+first: the indexer needs them before the KV (runner/cp.py CPSparseAttention)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +21,11 @@ import torch
 
 from radixserve.dist.comm import Communicator, Pending
 from radixserve.runner.kv_cache import KVCache
+
+
+def page_slots(kv: KVCache, page_ids: torch.Tensor) -> torch.Tensor:
+    """The slots of `page_ids` (n,) int64, (n * page_size,) int64 in page order."""
+    return (page_ids[:, None] * kv.page_size + torch.arange(kv.page_size, device=kv.device)).reshape(-1)
 
 
 def owned_layers(num_layers: int, size: int, rank: int) -> range:
@@ -30,13 +37,15 @@ def owned_layers(num_layers: int, size: int, rank: int) -> range:
 
 @dataclass(slots=True)
 class PendingKV:
-    """Layer `layer`'s broadcast in flight: buffer (2, KV, pages * page_size, D) compute dtype, K then V."""
+    """Layer `layer`'s broadcast in flight: buffer (2, KV, pages * page_size, D) compute dtype, K then V (latent:
+    (1, 1, ..., D), K only); with `side`, that side buffer's (pages * page_size, *shape) stored rows."""
 
     layer: int
     page_ids: torch.Tensor
     buffer: torch.Tensor | None
     pending: Pending | None
     receiver: bool
+    side: str | None = None
 
 
 class LayerSplit:
@@ -60,23 +69,37 @@ class LayerSplit:
         """The KVCache layer index that holds model layer `layer` on this rank: its own, or the scratch."""
         return layer - self.owned.start if layer in self.owned else self.scratch
 
-    def post(self, kv: KVCache, layer: int, page_ids: torch.Tensor) -> PendingKV:
-        """Start layer `layer`'s broadcast of `page_ids` (n,) int64 from its owner; nothing moves when n is 0."""
-        self.events.append((layer, "broadcast kv"))
+    def post(self, kv: KVCache, layer: int, page_ids: torch.Tensor, side: str | None = None) -> PendingKV:
+        """Start layer `layer`'s broadcast of `page_ids` (n,) int64 from its owner: their KV, or side buffer `side`'s
+        rows; nothing moves when n is 0."""
+        self.events.append((layer, f"broadcast {side or 'kv'}"))
         owner = self.owners[layer]
         receiver = owner != self.comm.rank
         if page_ids.numel() == 0:
-            return PendingKV(layer, page_ids, None, None, receiver)
+            return PendingKV(layer, page_ids, None, None, receiver, side)
+        if side is not None:
+            if receiver:
+                shape, dtype = kv.side_export(side, page_ids.numel())
+                buffer = torch.empty((page_ids.numel() * kv.page_size, *shape[3:]), dtype=dtype, device=kv.device)
+            else:
+                buffer = kv.read_side(side, self.storage(layer), page_slots(kv, page_ids))
+            return PendingKV(layer, page_ids, buffer, self.comm.broadcast_async(buffer, owner), receiver, side)
+        stores = 1 if kv.latent else 2
         if receiver:
-            shape = (2, kv.num_kv_heads, page_ids.numel() * kv.page_size, kv.head_dim)
+            shape = (stores, kv.num_kv_heads, page_ids.numel() * kv.page_size, kv.head_dim)
             buffer = torch.empty(shape, dtype=kv.compute_dtype, device=kv.device)
         else:
-            buffer = torch.stack(kv.read_pages(self.storage(layer), page_ids))
+            buffer = torch.stack(kv.read_pages(self.storage(layer), page_ids)[:stores])
         return PendingKV(layer, page_ids, buffer, self.comm.broadcast_async(buffer, owner), receiver)
 
     def wait(self, kv: KVCache, pending: PendingKV) -> None:
         """The wait(KV) step: after it, scratch holds the owner's pages (receivers). Dropped by the fault, the
-        broadcast lands only in finish(), after attention has read the scratch."""
+        broadcast lands only in finish(), after attention has read the scratch. A side buffer's wait is never
+        dropped."""
+        if pending.side is not None:
+            self.events.append((pending.layer, f"wait {pending.side}"))
+            self._land(kv, pending)
+            return
         if self.fault is not None and self.fault.drop_kv_wait:
             self.events.append((pending.layer, "wait kv dropped"))
             self.late.append(pending)
@@ -98,11 +121,11 @@ class LayerSplit:
         if p.pending is None:
             return
         p.pending.wait()
-        if p.receiver:
-            self._write_scratch(kv, p.page_ids, p.buffer[0], p.buffer[1])
+        if p.receiver and p.side is not None:
+            kv.write_side(p.side, self.scratch, page_slots(kv, p.page_ids), p.buffer)
+        elif p.receiver:
+            self._write_scratch(kv, p.page_ids, p.buffer[0], p.buffer[-1])
 
     def _write_scratch(self, kv: KVCache, page_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (KV, pages * page_size, D) into the scratch layer's `page_ids`."""
-        offsets = torch.arange(kv.page_size, device=kv.device)
-        slots = (page_ids[:, None] * kv.page_size + offsets).reshape(-1)
-        kv.write(self.scratch, slots, k.transpose(0, 1), v.transpose(0, 1))
+        kv.write(self.scratch, page_slots(kv, page_ids), k.transpose(0, 1), v.transpose(0, 1))

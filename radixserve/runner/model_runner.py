@@ -84,7 +84,7 @@ class ModelRunner:
                                                         cascade=not config.disable_cascade_attention,
                                                         mirror=dsa is None)
         if dsa is not None:
-            add_index_keys(self.kv, dsa.full_layers, dsa.index_head_dim, self.dtype,
+            add_index_keys(self.kv, self.index_key_layers(dsa.full_layers), dsa.index_head_dim, self.dtype,
                            fp8=config.index_cache_dtype != "auto")
             self.backend = SparseBackend(self.backend)
         self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
@@ -99,6 +99,11 @@ class ModelRunner:
         """Layers of KV storage this runner holds (runner/cp.py's LayerSplit holds fewer); with EAGLE the NextN
         draft's KV is one more layer (runner/mtp.py)."""
         return model_config.num_layers + self.config.is_eagle
+
+    def index_key_layers(self, full_layers: tuple[int, ...]) -> tuple[int, ...]:
+        """The KV storage layers holding DSA index keys, for the model's full indexer layers (runner/cp.py's
+        LayerSplit maps them to its own layers and the scratch)."""
+        return full_layers
 
     @classmethod
     def from_config(cls, config: EngineConfig, tp: Collectives | None = None, **kwargs) -> ModelRunner:

@@ -1,11 +1,14 @@
 """Context-parallel prefill and LayerSplit, CP=2 and CP=4 over gloo vs CP=1 (ranks: tests/model/cp_worker.py).
 
-CP=2 on a tiny Llama of 3 layers (LayerSplit owners uneven: rank 0 layers 0-1, rank 1 layer 2; untied head) and a tiny
-Qwen3 of 2 layers, prompts of 1, 2, 3, 37 and 38 tokens chunked by 32, then a 64-token prompt and the same 64 tokens
-+ 7 (a 90 % radix hit): logits within 1e-5 relative and greedy tokens equal to CP=1 (C57), both ranks bit-identical,
-per-rank KV bytes and per-step collective bytes equal docs/parallel.md's formulas exactly, the LayerSplit order per
-layer, and a dropped KV wait gives wrong logits where the normal path is exact. CP=4 on the Llama (4 processes on 2
-cores): rank 3 owns no layer, and the same logits, tokens and byte formulas hold."""
+CP=2 on a tiny Llama of 3 layers (LayerSplit owners uneven: rank 0 layers 0-1, rank 1 layer 2; untied head), a tiny
+Qwen3 of 2 layers, and tiny glm4_moe_lite (MLA: the latent head gathered and broadcast, K only) and glm_moe_dsa (MLA +
+the DSA indexer, index_topk 8: index keys gathered, and broadcast before the KV) of 3 layers; prompts of 1, 2, 3, 37
+and 38 tokens chunked by 32, then a 64-token prompt and the same 64 tokens + 7 (a 90 % radix hit): logits within 1e-5
+relative and greedy tokens equal to CP=1 (C57), both ranks bit-identical, per-rank KV bytes and per-step collective
+bytes equal docs/parallel.md's formulas exactly, the LayerSplit order per layer (DSA: index keys broadcast -> indexer
+-> wait(KV) -> attention), and a dropped KV wait gives wrong logits where the normal path is exact. CP=4 on the Llama
+(4 processes on 2 cores) and glm_moe_dsa (the indexer's rows at stride 4, sequences with no row on some ranks): rank 3
+owns no layer, and the same logits, tokens and byte formulas hold."""
 from __future__ import annotations
 
 import os
@@ -24,7 +27,8 @@ from tests.conftest import build_tiny_llama
 from tests.model.test_families import build_family
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-CASES = ("llama3", "qwen3")
+CASES = ("llama3", "qwen3", "glm4_moe_lite", "glm_moe_dsa")
+CASES4 = ("llama3", "glm_moe_dsa")
 MODES = ("plain", "layer_split")
 PAGE = 16
 
@@ -61,8 +65,8 @@ def group(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def group4(tmp_path_factory):
-    """CP=4 on the 3-layer Llama: rank 3 owns no layer (LayerSplit: its scratch only), 4-way padding."""
-    return run_group(tmp_path_factory, 4, ("llama3",))
+    """CP=4 on the 3-layer Llama and glm_moe_dsa: rank 3 owns no layer (LayerSplit: its scratch only), 4-way padding."""
+    return run_group(tmp_path_factory, 4, CASES4)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -75,8 +79,19 @@ def is_hit(step: dict) -> bool:
 
 
 def token_bytes(c: ModelConfig) -> int:
-    """K and V of one token in one layer, fp32."""
-    return 2 * c.num_kv_heads * c.head_dim * 4
+    """K and V of one token in one layer, fp32 (MLA: the one latent head, kv_lora_rank + rope, no V)."""
+    heads, dim, latent = c.kv_shape
+    return (1 if latent else 2) * heads * dim * 4
+
+
+def full_layers(c: ModelConfig) -> tuple[int, ...]:
+    """The DSA full indexer layers (none without DSA)."""
+    return c.dsa.full_layers if c.dsa is not None else ()
+
+
+def index_bytes(c: ModelConfig) -> int:
+    """One token's index key in one full DSA layer, fp32."""
+    return c.dsa.index_head_dim * 4 if c.dsa is not None else 0
 
 
 def prefix_pages(step: dict) -> int:
@@ -103,34 +118,39 @@ def check_logits_and_tokens(ranks: list[list[dict]], index: int, mode: str) -> N
 
 
 def check_kv_bytes(c: ModelConfig, ranks: list[list[dict]], index: int) -> None:
-    """S0 = L * S * b per rank without LayerSplit; S1 = (n_r + 1) * S * b with it (b: one token's K and V)."""
+    """S0 = L * S * b per rank without LayerSplit; S1 = (n_r + 1) * S * b with it (b: one token's K and V); DSA adds
+    S * b_I per full layer (S0) or per storage layer holding one (S1: its own full layers and the scratch)."""
     for rank, results in enumerate(ranks):
         plain, split = results[index]["plain"], results[index]["layer_split"]
         slots = plain["num_pages"] * PAGE
-        assert plain["kv_bytes"] == c.num_layers * slots * token_bytes(c)
-        n_r = len(owned_layers(c.num_layers, len(ranks), rank))
+        full = full_layers(c)
+        assert plain["kv_bytes"] == (c.num_layers * token_bytes(c) + len(full) * index_bytes(c)) * slots
+        owned = owned_layers(c.num_layers, len(ranks), rank)
+        stored_full = len({layer if layer in owned else "scratch" for layer in full})
         assert split["num_pages"] == plain["num_pages"]
-        assert split["kv_bytes"] == (n_r + 1) * slots * token_bytes(c)
+        assert split["kv_bytes"] == ((len(owned) + 1) * token_bytes(c) + stored_full * index_bytes(c)) * slots
     assert ranks[0][index]["ref"]["kv_bytes"] == ranks[0][index]["plain"]["kv_bytes"]
 
 
 def check_collective_bytes(c: ModelConfig, ranks: list[list[dict]], index: int, mode: str) -> None:
     """Per split step of N tokens: L all-gathers of ceil(N/R) * b bytes (the new KV) and one of K * V * 4 (logits,
     K = most logit rows on one rank); per unsplit (decode) step none. LayerSplit adds per layer one broadcast of
-    P_pages * page_size * b bytes, counted on every rank (the owner sends it, the others receive it)."""
-    size = len(ranks)
+    P_pages * page_size * b bytes, counted on every rank (the owner sends it, the others receive it). A DSA full layer
+    adds one all-gather of ceil(N/R) * b_I and one broadcast of P_pages * page_size * b_I (its index keys)."""
+    size, full = len(ranks), len(full_layers(c))
+    per_token = c.num_layers * token_bytes(c) + full * index_bytes(c)          # over all layers
     for results in ranks:
         for step in results[index][mode]["steps"]:
             n, rows = step["num_tokens"], step["logit_rows"]
             want_calls, want_bytes = {}, {}
             if max(step["query_lens"]) > 1:
                 k = max(sum(1 for r in rows if r % size == j) for j in range(size))
-                want_calls["all_gather"] = c.num_layers + (1 if k else 0)
-                want_bytes["all_gather"] = c.num_layers * -(-n // size) * token_bytes(c) + k * c.vocab_size * 4
+                want_calls["all_gather"] = c.num_layers + full + (1 if k else 0)
+                want_bytes["all_gather"] = -(-n // size) * per_token + k * c.vocab_size * 4
             pages = prefix_pages(step)
             if mode == "layer_split" and pages:
-                want_calls["broadcast"] = c.num_layers
-                want_bytes["broadcast"] = c.num_layers * pages * PAGE * token_bytes(c)
+                want_calls["broadcast"] = c.num_layers + full
+                want_bytes["broadcast"] = pages * PAGE * per_token
             assert step["calls"] == want_calls
             assert step["bytes"] == want_bytes
 
@@ -153,10 +173,11 @@ def test_collective_bytes_equal_the_formulas(group, index, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_cp4_equals_cp1_with_exact_bytes(group4, mode):
-    check_logits_and_tokens(group4[1], 0, mode)
-    check_kv_bytes(group4[0][0], group4[1], 0)
-    check_collective_bytes(group4[0][0], group4[1], 0, mode)
+@pytest.mark.parametrize("index", range(len(CASES4)), ids=CASES4)
+def test_cp4_equals_cp1_with_exact_bytes(group4, index, mode):
+    check_logits_and_tokens(group4[1], index, mode)
+    check_kv_bytes(group4[0][index], group4[1], index)
+    check_collective_bytes(group4[0][index], group4[1], index, mode)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
@@ -165,8 +186,12 @@ def test_layer_split_waits_for_the_kv_before_attention(group, index):
     for results in group[1]:
         for step in results[index]["layer_split"]["steps"]:
             split = max(step["query_lens"]) > 1
-            per_layer = ["broadcast kv"] + (["all_gather new kv"] if split else []) + ["wait kv", "attention"]
-            assert step["events"] == [(layer, e) for layer in range(c.num_layers) for e in per_layer]
+            index_first = (["broadcast index_k"] + (["all_gather new index_k"] if split else [])
+                           + ["wait index_k"])                    # a DSA full layer: the indexer's keys first
+            after = ["indexer"] if c.dsa is not None else []      # the indexer scores while the KV broadcast runs
+            kv = ["broadcast kv"] + after + (["all_gather new kv"] if split else []) + ["wait kv", "attention"]
+            assert step["events"] == [(layer, e) for layer in range(c.num_layers)
+                                      for e in (index_first if layer in full_layers(c) else []) + kv]
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)

@@ -193,15 +193,18 @@ def test_indexer_types_follow_transformers():
 
 
 def test_what_dsa_does_not_run_is_refused(tmp_path):
-    """A full layer without its indexer weights, TP, deterministic inference and EAGLE: load errors (a self-draft
-    runs: test_dsa_speculative.py)."""
+    """A full layer without its indexer weights, deterministic inference and EAGLE: load errors (a self-draft runs:
+    test_dsa_speculative.py). Under TP only the query heads must divide (C47: no KV-head divisibility check on the
+    one latent head)."""
     from safetensors.torch import load_file, save_file
 
     from radixserve.models.llama import LlamaDecoderLayer
 
-    mc = ModelConfig.from_hf({**COMMON, **BASE, "model_type": "glm_moe_dsa"})
-    with pytest.raises(ValueError, match="MLA models do not run under --tp-size"):
-        LlamaDecoderLayer(mc, 1, tp=type("TP", (), {"size": 2, "rank": 0})())
+    mc = ModelConfig.from_hf({**COMMON, **BASE, "model_type": "glm_moe_dsa", "num_attention_heads": 12,
+                              "num_key_value_heads": 6})     # 6 KV heads would not split 4 ways (GQA)
+    assert LlamaDecoderLayer(mc, 1, tp=type("TP", (), {"size": 4, "rank": 1})()).self_attn.num_heads == 3
+    with pytest.raises(ValueError, match="does not divide 12 attention heads"):
+        LlamaDecoderLayer(mc, 1, tp=type("TP", (), {"size": 8, "rank": 0})())
     folder = build_dsa(tmp_path / "m")
     for cfg in [{"enable_deterministic_inference": True}, {"speculative_algorithm": "EAGLE"}]:
         with pytest.raises(ValueError, match="glm_moe_dsa"):

@@ -4,19 +4,19 @@ configs (tests/model/tp_worker.py, test_tp.py's checks).
 Each rank holds 4 of the 8 routed experts whole. Checked: logits within 1e-5 relative and greedy tokens equal; both
 ranks' logits bit-identical; per-rank routed-expert and total parameter bytes equal docs/parallel.md's formulas
 exactly (half the experts, every row), and the collectives are TP's (one all-reduce per MoE layer, no new traffic);
-the serving path (`load_runner`) with --ep-size 2. The MLA/DSA families refuse --tp-size > 1, so also EP."""
+the serving path (`load_runner`) with --ep-size 2. glm_moe_dsa (MLA + DSA) runs under EP as under TP
+(test_tp_mla.py): its heads split, its latent and indexer replicated, its experts whole."""
 from __future__ import annotations
 
 import pytest
 
 from radixserve.models.model_config import ModelConfig
 from radixserve.weights.safetensors import read_hf_config
-from tests.model.test_families import COMMON, FAMILIES, build_family
+from tests.model.test_families import build_family
 from tests.model.test_tp import (assert_bit_identical, assert_collective_bytes, assert_matches_tp1, expert_bytes,
                                  param_bytes, run_group)
 
-CASES = ("glm4_moe", "qwen3_moe")
-MLA_CASES = ("glm4_moe_lite", "glm_moe_dsa", "deepseek_v32")
+CASES = ("glm4_moe", "qwen3_moe", "glm_moe_dsa")
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +51,17 @@ def test_expert_parameter_and_collective_bytes_equal_the_formulas(group, index):
 
 
 def test_serving_path_with_expert_parallelism(group):
-    """load_runner (what `serve --tp-size 2 --ep-size 2` calls) on this process as rank 0: the follower loads the
-    other experts (the config travels to it), greedy tokens equal one process's, and close() ends it with 0."""
+    """load_runner (what `serve --tp-size 2 --ep-size 2` calls) on this process as rank 0, on glm_moe_dsa (MLA + DSA):
+    the follower loads the other experts (the config travels to it), greedy tokens equal one process's, and close()
+    ends it with 0."""
     import dataclasses
 
     from radixserve.engine_config import EngineConfig
     from radixserve.runner.tp import load_runner
     from tests.model.tp_worker import generate
 
-    config = EngineConfig(model_path=group[0][1], tp_size=2, ep_size=2, max_total_tokens=4096, quantization="none",
-                          chunked_prefill_size=32, num_threads=1)
+    config = EngineConfig(model_path=group[0][CASES.index("glm_moe_dsa")], tp_size=2, ep_size=2,
+                          max_total_tokens=4096, quantization="none", chunked_prefill_size=32, num_threads=1)
     runner = load_runner(config)
     try:
         assert runner.model.model.layers[1].mlp.experts.gate_up.shape[0] == 4
@@ -70,20 +71,3 @@ def test_serving_path_with_expert_parallelism(group):
     assert [p.returncode for p in runner.followers.processes] == [0]
     assert tokens == generate(load_runner(dataclasses.replace(config, tp_size=1, ep_size=1)))
 
-
-class Rank:
-    def __init__(self, rank: int, size: int):
-        self.rank, self.size = rank, size
-
-
-@pytest.mark.parametrize("family", MLA_CASES)
-def test_mla_families_refuse_expert_parallelism(family):
-    import transformers
-
-    from radixserve.models.llama import LlamaForCausalLM
-
-    config_cls, _, extra = FAMILIES[family]
-    config = ModelConfig.from_hf(getattr(transformers, config_cls)(**{**COMMON, **extra}).to_dict())
-    assert config.moe is not None
-    with pytest.raises(ValueError, match="MLA models do not run under --tp-size > 1 yet"):
-        LlamaForCausalLM(config, Rank(0, 2), ep_size=2)

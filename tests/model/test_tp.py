@@ -53,18 +53,18 @@ def group(tmp_path_factory):
     return (folders, *run_group(tmp_path_factory.mktemp("tp-out"), folders))
 
 
-def run_group(out: pathlib.Path, folders: list[str], ep_size: int = 1) -> tuple[list[dict], list[dict]]:
-    """Rank 0's and rank 1's results of one tests/model/tp_worker.py group of 2 processes over `folders`."""
+def run_group(out: pathlib.Path, folders: list[str], ep_size: int = 1, tp_size: int = 2) -> tuple[list[dict], ...]:
+    """Each rank's results (rank order) of one tests/model/tp_worker.py group of tp_size processes over `folders`."""
     addr = free_init_addr()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.model.tp_worker", str(r), addr, str(out),
-                               "--ep-size", str(ep_size), *folders], cwd=REPO, env=env) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.model.tp_worker", str(r), addr, str(out), str(tp_size),
+                               str(ep_size), *folders], cwd=REPO, env=env) for r in range(tp_size)]
     try:
-        assert [p.wait(600) for p in procs] == [0, 0]
+        assert [p.wait(600) for p in procs] == [0] * tp_size
     finally:
         for p in procs:
             p.kill()
-    return torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    return tuple(torch.load(out / f"rank{r}.pt") for r in range(tp_size))
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
@@ -104,8 +104,9 @@ def layer_bytes(c: ModelConfig, tp: int, i: int, ep: int = 1) -> int:
     h, d = c.hidden_size, c.head_dim
     heads, kv, inter = c.num_heads // tp, max(1, c.num_kv_heads // tp), c.intermediate_size // tp
     qkv = (heads + 2 * kv) * d
-    attention = (2 * h + (2 * d if c.qk_norm else 0) + (2 * h if c.post_norms else 0)
-                 + qkv * h + (qkv if c.qkv_bias else 0) + h * heads * d + (h if c.o_bias else 0))
+    attention = 2 * h + (mla_attention(c, tp, i) if c.mla else
+                         (2 * d if c.qk_norm else 0) + (2 * h if c.post_norms else 0)
+                         + qkv * h + (qkv if c.qkv_bias else 0) + h * heads * d + (h if c.o_bias else 0))
 
     def mlp(width: int) -> int:
         return 3 * width * h + ((2 * width + h) if c.mlp_bias else 0)
@@ -116,6 +117,23 @@ def layer_bytes(c: ModelConfig, tp: int, i: int, ep: int = 1) -> int:
     shared = mlp(width * m.num_shared_experts) if m.num_shared_experts else 0
     return 4 * (attention + m.num_experts * h + (m.num_experts if m.scoring == "sigmoid" else 0)
                 + expert_bytes(m, h, tp, ep) // 4 + shared)
+
+
+def mla_attention(c: ModelConfig, tp: int, i: int) -> int:
+    """docs/parallel.md: MLA/DSA attention parameters (fp32 values) of layer `i` on one rank: the q and kv LoRA
+    down-projections and norms (and the DSA indexer of a full layer) replicated, q_b/kv_b by H / tp heads' rows,
+    o_proj by their columns."""
+    m, h, heads = c.mla, c.hidden_size, c.num_heads // tp
+    bias = c.qkv_bias
+    q = (heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) * (m.q_lora_rank or h)
+         + ((h + bias + 1) * m.q_lora_rank if m.q_lora_rank else 0))
+    kv = (h + bias) * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+    kv_b = heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank
+    o = heads * m.v_head_dim * h + (h if c.o_bias else 0)
+    x = c.dsa
+    indexer = (x.index_n_heads * (x.index_head_dim * m.q_lora_rank + h) + (h + 2) * x.index_head_dim
+               if x is not None and i in x.full_layers else 0)     # wq_b, weights_proj; wk, k_norm
+    return q + kv + kv_b + o + indexer
 
 
 def param_bytes(c: ModelConfig, tp: int, ep: int = 1) -> int:
@@ -135,9 +153,10 @@ def test_parameter_and_collective_bytes_equal_the_formulas(group, index):
     assert param_bytes(config, 1) < 2 * group[1][index]["param_bytes"]     # replicated norms (and KV heads)
 
 
-def assert_collective_bytes(config: ModelConfig, steps: list[dict]) -> None:
-    """Per step at 2 ranks: 1 + 2L all-reduces of T·h·4 bytes, one all-gather of R·ceil(V/2)·4 (docs/parallel.md)."""
-    h, layers, vocab_part = config.hidden_size, config.num_layers, -(-config.vocab_size // 2)
+def assert_collective_bytes(config: ModelConfig, steps: list[dict], tp: int = 2) -> None:
+    """Per step at tp ranks: 1 + 2L all-reduces of T·h·4 bytes, one all-gather of R·ceil(V/tp)·4
+    (docs/parallel.md)."""
+    h, layers, vocab_part = config.hidden_size, config.num_layers, -(-config.vocab_size // tp)
     for step in steps:
         t, r = step["num_tokens"], step["logits"].shape[0]
         assert step["calls"] == {"all_reduce": 1 + 2 * layers, "all_gather": 1}

@@ -62,9 +62,17 @@ def test_layer_split_kv_bytes_per_rank(tmp_path, num_layers):
         assert runner.kv.allocated_bytes() == (n_r + 1) * 1024 * token
 
 
-def test_mla_is_refused_under_cp(tmp_path):
-    build_family(tmp_path, "glm4_moe_lite")
-    config = EngineConfig(model_path=str(tmp_path), cp_size=2, max_total_tokens=1024, quantization="none",
-                          num_threads=1)
-    with pytest.raises(ValueError, match="MLA/DSA models .* do not run under context parallelism"):
-        CPModelRunner.from_config(config, comm=Rank(0, 2))
+def test_layer_split_keeps_index_keys_in_its_full_layers_and_the_scratch(tmp_path):
+    """glm_moe_dsa with layers full, shared, full on 2 ranks: rank 0 (layers 0-1, scratch 2) stores index keys in
+    storage 0 (layer 0) and the scratch (layer 2's broadcast); rank 1 (layer 2 as 0, scratch 1) in 0 and the scratch."""
+    from radixserve.runner.attention.sparse import INDEX_KEYS
+    from tests.model.test_families import FAMILIES
+
+    config_cls, model_cls, extra = FAMILIES["glm_moe_dsa"]
+    build_family(tmp_path, "", spec=(config_cls, model_cls, {**extra, "indexer_types": ["full", "shared", "full"]}))
+    config = EngineConfig(model_path=str(tmp_path), cp_size=2, enable_layer_split=True, max_total_tokens=1024,
+                          quantization="none", num_threads=1)
+    for rank, layers in [(0, [0, 2]), (1, [0, 1])]:
+        runner = CPModelRunner.from_config(config, comm=Rank(rank, 2))
+        assert runner.model.config.dsa.full_layers == (0, 2)
+        assert runner.kv.side_layers(INDEX_KEYS) == layers

@@ -70,7 +70,6 @@ class SparseStepAttention:
                          zip(step.query_starts, step.query_lens, step.context_lens_host)]
         self.shared_selection: list[torch.Tensor | None] | None = None
         self._slots: dict[int, torch.Tensor] = {}
-        self.fp8_index = kv.side_export(INDEX_KEYS, 0)[1] == torch.uint8
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.dense(layer_id, q, k, v)
@@ -86,11 +85,10 @@ class SparseStepAttention:
         return slots
 
     def write_index_keys(self, layer_id: int, keys: torch.Tensor) -> None:
-        self.kv.write_side(INDEX_KEYS, layer_id, self.step.slot_mapping, encode_fp8(keys) if self.fp8_index else keys)
+        write_index_keys(self.kv, layer_id, self.step.slot_mapping, keys)
 
     def index_keys(self, layer_id: int, seq: int) -> torch.Tensor:
-        keys = self.kv.read_side(INDEX_KEYS, layer_id, self.context_slots(seq))
-        return decode_fp8(keys, self.kv.compute_dtype) if self.fp8_index else keys.to(self.kv.compute_dtype)
+        return read_index_keys(self.kv, layer_id, self.context_slots(seq))
 
     def attend_selected(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                         selected: list[torch.Tensor | None]) -> torch.Tensor:
@@ -100,21 +98,41 @@ class SparseStepAttention:
         num_tokens, heads, dim = q.shape
         out = torch.empty(num_tokens, heads, dim, dtype=q.dtype, device=q.device)
         for i, (seg, chosen) in enumerate(zip(self.segments, selected)):
-            n = seg.row_end - seg.row_start
-            pos = seg.start_pos + torch.arange(n, device=q.device)[:, None]
-            if chosen is None:      # a short sequence in a sparse step: every causal position
-                chosen = torch.arange(seg.context_len, device=q.device).expand(n, -1)
-                chosen = chosen.masked_fill(chosen > pos, -1)
-            slots = self.context_slots(i)
-            block = max(1, GATHER_BLOCK_VALUES // (chosen.shape[1] * dim))
-            for a in range(0, n, block):
-                b = min(a + block, n)
-                part = chosen[a:b]
-                latent = kv.read_slots(layer_id, slots[part.clamp(min=0).view(-1)])
-                latent = latent.view(b - a, part.shape[1], dim)                                  # (rows, K, D)
-                rows = q[seg.row_start + a:seg.row_start + b]                                    # (rows, H, D)
-                scores = torch.matmul(rows, latent.transpose(1, 2)).mul_(dim ** -0.5)           # (rows, H, K)
-                scores.masked_fill_((part < 0)[:, None, :], float("-inf"))
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-                out[seg.row_start + a:seg.row_start + b] = torch.matmul(probs, latent)
+            rows = slice(seg.row_start, seg.row_end)
+            positions = seg.start_pos + torch.arange(seg.row_end - seg.row_start, device=q.device)
+            out[rows] = attend_chosen(kv, layer_id, q[rows], self.context_slots(i), chosen, positions)
         return out.view(num_tokens, heads * dim)
+
+
+def write_index_keys(kv: KVCache, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+    """Store keys (T, Di) compute dtype at `slots` (T,) int64 of `layer`'s index-key side buffer (FP8-encoded if so)."""
+    fp8 = kv.side_export(INDEX_KEYS, 0)[1] == torch.uint8
+    kv.write_side(INDEX_KEYS, layer, slots, encode_fp8(keys) if fp8 else keys)
+
+
+def read_index_keys(kv: KVCache, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """The index keys at `slots` (n,) int64 of `layer` as (n, Di) compute dtype."""
+    keys = kv.read_side(INDEX_KEYS, layer, slots)
+    return decode_fp8(keys, kv.compute_dtype) if keys.dtype == torch.uint8 else keys.to(kv.compute_dtype)
+
+
+def attend_chosen(kv: KVCache, layer: int, q: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor | None,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """q (n, H, D) rows at `positions` (n,) int64 attend to the latent of `layer` at slots[chosen] (slots (ctx,) int64
+    of the sequence's positions [0, ctx); chosen (n, K) int64 positions, -1 none; None: every causal position).
+    Returns (n, H, D) in q's dtype; scores scaled by D^-0.5."""
+    n, _, dim = q.shape
+    if chosen is None:      # a short sequence in a sparse step: every causal position
+        chosen = torch.arange(slots.numel(), device=q.device).expand(n, -1)
+        chosen = chosen.masked_fill(chosen > positions[:, None], -1)
+    out = torch.empty_like(q)
+    block = max(1, GATHER_BLOCK_VALUES // (max(1, chosen.shape[1]) * dim))
+    for a in range(0, n, block):
+        b = min(a + block, n)
+        part = chosen[a:b]
+        latent = kv.read_slots(layer, slots[part.clamp(min=0).view(-1)]).view(b - a, part.shape[1], dim)  # (rows, K, D)
+        scores = torch.matmul(q[a:b], latent.transpose(1, 2)).mul_(dim ** -0.5)                         # (rows, H, K)
+        scores.masked_fill_((part < 0)[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[a:b] = torch.matmul(probs, latent)
+    return out
