@@ -46,8 +46,11 @@ class MLAAttention(torch.nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, LORA_NORM_EPS)
         self.kv_b_proj = Weight(c.num_heads * (self.nope + self.v_dim), self.rank)
         self.o_proj = Linear(c.num_heads * self.v_dim, c.hidden_size, c.o_bias)
-        # The backend scales scores by D^-0.5 over the cache width D; transformers by (nope + rope)^-0.5.
-        self.q_scale = ((self.rank + self.rope) / (self.nope + self.rope)) ** 0.5
+        # transformers' scale: (nope + rope)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 (1.0 without YaRN).
+        # The backend scales scores by D^-0.5 over the cache width D = rank + rope, so q carries the ratio.
+        m = c.rope_scaling.softmax_mscale if c.rope_scaling else 1.0
+        self.softmax_scale = (self.nope + self.rope) ** -0.5 * m * m    # transformers' order: equal to the bit
+        self.q_scale = self.softmax_scale * (self.rank + self.rope) ** 0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: RotaryEmbedding, attn: Attention) -> torch.Tensor:
