@@ -9,10 +9,14 @@ import random
 import pytest
 import torch
 
+from radixserve.engine_config import EngineConfig
+from radixserve.runner.batch import build_step
+from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 from tests.model.parity import assert_parity, engine_generate
 from tests.model.test_mla import build_mla
 from tests.model.test_parity import make_engine
+from tests.model.test_runner import Seq
 
 VOCAB = 512
 
@@ -72,3 +76,75 @@ def test_c45_prompt_logprobs_under_the_smallest_chunks_equal_a_cold_unchunked_ru
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
         want = ref.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)[-len(lps):]
         assert float((torch.tensor(lps) - want).abs().max()) <= 1e-3, rid
+
+
+PAGE_SIZES = [1, 2, 3, 16, 64]
+NUM_NEW = 64
+
+
+def lengths(page: int) -> list[int]:
+    """C46's P - 1, P, P + 1, 3P + 1 and four more: a batch of 8 mixed lengths."""
+    edges = [n for n in (page - 1, page, page + 1, 3 * page + 1) if n > 0]
+    return edges + [1, 7, 2 * page + 3, 40, 5][:8 - len(edges)]
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_c46_greedy_at_every_page_size_equals_transformers_cold_and_warm(mla_case, page):
+    """fp32: a batch of 8 mixed lengths, 64 greedy tokens, cold then again (radix hits on whole pages) equal to
+    transformers' (tie rule); the engine runs at the configured page size."""
+    from tests.model.parity import hf_greedy_batch
+
+    folder, hf = mla_case
+    prompts = [tokens(n, seed=100 * page + i) for i, n in enumerate(lengths(page))]
+    assert len(prompts) == 8
+    refs = hf_greedy_batch(hf, prompts, NUM_NEW)
+    engine = make_engine(folder, page_size=page, chunked_prefill_size=max(64, page), max_total_tokens=4096)
+    assert engine.runner.page_size == engine.runner.kv.page_size == page
+    for run in ("cold", "warm"):
+        outs, cached = engine_generate(engine, prompts, NUM_NEW)
+        for i, (out, (ref, ref_logits)) in enumerate(zip(outs, refs)):
+            assert_parity(out, ref, ref_logits, f"page {page} {run} prompt {i} ({len(prompts[i])} tokens)")
+        if run == "warm":
+            assert all(c == (len(p) - 1) // page * page for c, p in zip(cached, prompts)), cached
+
+
+def batch_logits(folder, page: int, dtype: str, kv_dtype: str, prompts: list[list[int]]) -> torch.Tensor:
+    """Every logit row of the prompts prefilled together (the longer ones in two chunks, the second reading the
+    first's latent through the page table), then 3 batched greedy decodes; (rows, V) fp32."""
+    runner = ModelRunner.from_config(EngineConfig(model_path=str(folder), page_size=page, dtype=dtype,
+                                                  kv_cache_dtype=kv_dtype, max_total_tokens=2048 // page * page))
+    free = list(range(runner.num_pages))[::-1]
+    seqs = [Seq(f"s{i}", p, [free.pop() for _ in range(-(-(len(p) + 4) // page))]) for i, p in enumerate(prompts)]
+    rows, last = [], {}
+
+    def step(chunks: list[tuple[Seq, int | None]]) -> None:
+        scheduled = [s.chunk(n) for s, n in chunks]
+        batch = build_step(scheduled, runner.page_size, runner.device)
+        logits = runner.model(batch.input_ids, batch.positions, runner.backend.prepare(batch), None)
+        end = 0
+        for (s, _), sched in zip(chunks, scheduled):
+            s.computed += len(sched.input_ids)
+            end += len(sched.input_ids)
+            last[s.rid] = logits[end - 1]
+        rows.append(logits.float())
+
+    with torch.inference_mode():
+        step([(s, len(s.prompt) // 2 if len(s.prompt) > 8 else None) for s in seqs])
+        step([(s, None) for s in seqs if s.computed < len(s.prompt)])
+        for _ in range(3):
+            for s in seqs:
+                s.output.append(int(last[s.rid].argmax()))
+            step([(s, None) for s in seqs])
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [("bfloat16", "auto"), ("float32", "fp8_e4m3"), ("bfloat16", "fp8_e4m3")])
+def test_c46_bf16_and_fp8_latent_at_every_page_size_equal_page_size_1(mla_case, dtype, kv_dtype):
+    """The same batch of 8 mixed lengths (P - 1 .. 3P + 1 of each P) gives page size 1's logits at every page size,
+    in bf16 and with an fp8 latent (the page size changes nothing but where the latent lives)."""
+    folder, _ = mla_case
+    for page in PAGE_SIZES[1:]:
+        prompts = [tokens(n, seed=100 * page + i) for i, n in enumerate(lengths(page))]
+        ours, ref = (batch_logits(folder, p, dtype, kv_dtype, prompts) for p in (page, 1))
+        err = float((torch.log_softmax(ours, -1) - torch.log_softmax(ref, -1)).abs().max())
+        assert err <= 1e-3, f"page {page}: logprobs differ by {err:.3g}"
