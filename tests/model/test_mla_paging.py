@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from radixserve.engine_config import EngineConfig
+from radixserve.runner.attention.cascade import merge_states
 from radixserve.runner.batch import build_step
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
@@ -77,6 +78,28 @@ def test_c45_prompt_logprobs_under_the_smallest_chunks_equal_a_cold_unchunked_ru
         want = ref.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)[-len(lps):]
         assert float((torch.tensor(lps) - want).abs().max()) <= 1e-3, rid
 
+
+
+def test_c45_mla_decodes_through_the_cascade_merge_like_transformers(mla_case, monkeypatch):
+    """The one (output, LSE) merge on the MLA path: cascade decode over the latent mirror (prefix part read once,
+    suffix part; a sequence in no group has an empty suffix), every token checked against transformers."""
+    import radixserve.runner.attention.cascade as cascade
+    from tests.model.test_cascade_attention import shared
+    from tests.model.test_runner import Harness
+
+    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", -10**9)
+    monkeypatch.setattr(cascade, "MIN_PREFIX_TOKENS", 8)
+    merges = []
+    monkeypatch.setattr(cascade, "merge_states", lambda *a: merges.append(1) or merge_states(*a))
+    h = Harness(mla_case[0], page_size=8, seed=5)
+    a, x = h.new_seq("a", 70), h.new_seq("x", 30)
+    h.step([(a, a.chunk()), (x, x.chunk())])
+    b, c = shared(h, a, "b", 6, 5), shared(h, a, "c", 4, 9)
+    h.step([(b, b.chunk()), (c, c.chunk()), (a, a.chunk()), (x, x.chunk())])
+    for _ in range(4):
+        h.step([(s, s.chunk()) for s in (c, a, x, b)])
+    assert merges, "the cascade merge was never used"
+    assert [len(s.output) for s in (a, x, b, c)] == [6, 6, 5, 5]
 
 PAGE_SIZES = [1, 2, 3, 16, 64]
 NUM_NEW = 64
