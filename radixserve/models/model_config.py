@@ -37,7 +37,7 @@ _GLM = ("glm", "glm4", "glm4_moe")
 class RopeScaling:
     """`linear`: inv_freq / factor; `llama3`: Llama 3.1's banded scaling (transformers `_compute_llama3_parameters`);
     `yarn` (MLA models only): YaRN's frequencies (layers/rotary.py yarn_inv_freq) with `beta_fast` / `beta_slow` /
-    `truncate`, cos and sin times `cos_sin_scale`, and MLA's softmax scale times `softmax_mscale` squared (docs/mla.md)."""
+    `truncate`, cos and sin times `cos_sin_scale`, MLA's softmax scale times `softmax_mscale` squared (docs/mla.md)."""
 
     rope_type: str
     factor: float
@@ -67,7 +67,9 @@ class RopeScaling:
     def softmax_mscale(self) -> float:
         """mscale(factor, mscale_all_dim) when mscale_all_dim is set, else 1.0: MLA's whole q.k softmax scale is
         multiplied by it twice (DeepSeek-V2's reference and transformers' `yarn_apply_mscale`)."""
-        return yarn_mscale(self.factor, self.mscale_all_dim) if self.rope_type == "yarn" and self.mscale_all_dim else 1.0
+        if self.rope_type != "yarn" or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim)
 
 
 class KVShape(NamedTuple):

@@ -1,6 +1,7 @@
 """MLA (glm4_moe_lite) under the smallest chunks and at every page size: C45's end-to-end repro (prompt logprobs of a
-batch mixing 10-chunk prompts, short ones and prefix hits, against transformers) and C46 (page sizes 1, 2, 3, 16, 64,
-fp32 / bf16 / fp8 latent, equal to page size 1's fp32 output). The merge arithmetic itself: tests/unit/test_attention_merge.py."""
+batch mixing 10-chunk prompts, short ones and prefix hits, against transformers; decodes through the cascade merge)
+and C46 (page sizes 1, 2, 3, 16, 64; fp32 against transformers, bf16 / fp8 latent against page size 1).
+The merge arithmetic: tests/unit/test_attention_merge.py."""
 from __future__ import annotations
 
 import math
