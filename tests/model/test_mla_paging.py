@@ -115,7 +115,7 @@ def lengths(page: int) -> list[int]:
 @pytest.mark.parametrize("page", PAGE_SIZES)
 def test_c46_greedy_at_every_page_size_equals_transformers_cold_and_warm(mla_case, page):
     """fp32: a batch of 8 mixed lengths, 64 greedy tokens, cold then again (radix hits on whole pages) equal to
-    transformers' (tie rule); the engine runs at the configured page size."""
+    transformers' (tie rule); the engine reports (its stats, served by /debug/pages) and runs the configured page size."""
     from tests.model.parity import hf_greedy_batch
 
     folder, hf = mla_case
@@ -123,7 +123,7 @@ def test_c46_greedy_at_every_page_size_equals_transformers_cold_and_warm(mla_cas
     assert len(prompts) == 8
     refs = hf_greedy_batch(hf, prompts, NUM_NEW)
     engine = make_engine(folder, page_size=page, chunked_prefill_size=max(64, page), max_total_tokens=4096)
-    assert engine.runner.page_size == engine.runner.kv.page_size == page
+    assert engine.stats()["page_size"] == engine.runner.page_size == engine.runner.kv.page_size == page   # served
     for run in ("cold", "warm"):
         outs, cached = engine_generate(engine, prompts, NUM_NEW)
         for i, (out, (ref, ref_logits)) in enumerate(zip(outs, refs)):
