@@ -1,4 +1,5 @@
-"""Rotary position embedding (RoPE, Su et al. 2021) in the rotate-half layout, with linear and llama3 scaling and partial rotary (GLM)."""
+"""Rotary position embedding (RoPE, Su et al. 2021) in the rotate-half layout; linear, llama3 and YaRN scaling; partial
+rotary (GLM)."""
 from __future__ import annotations
 
 import math
@@ -26,11 +27,40 @@ def rope_inv_freq(head_dim: int, theta: float, rope_type: str | None = None, fac
     return inv_freq
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (Peng et al. 2023, arXiv 2309.00071, eq. 21, as
+    DeepSeek-V2 parameterises it with `mscale`); 1.0 for factor <= 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(head_dim: int, theta: float, factor: float, original_max_position: int,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True) -> torch.Tensor:
+    """(head_dim // 2,) fp32 YaRN frequencies ("NTK-by-parts", arXiv 2309.00071 section 3.2): dims that turn more than
+    beta_fast times over the original context keep theta^(-2i/d) (extrapolation), those turning fewer than beta_slow
+    times take it / factor (interpolation), a linear ramp in dim index between them. The dim of r rotations is
+    d * ln(L / (2 pi r)) / (2 ln theta); `truncate` floors / ceils the ramp's ends (transformers'
+    `_compute_yarn_parameters`, whose arithmetic order this follows so angles are bit-identical)."""
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001   # a one-point ramp would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolate = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
 class RotaryEmbedding(torch.nn.Module):
-    """cos / signed-sin tables for [0, max_position); with rotary_dim < head_dim only the first rotary_dim dims rotate."""
+    """cos / signed-sin tables for [0, max_position); with rotary_dim < head_dim only the first rotary_dim dims rotate.
+    `scale` multiplies the rotated dims' cos and sin (YaRN's attention factor; 1.0 otherwise)."""
 
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor,
-                 dtype: torch.dtype = torch.float32, rotary_dim: int | None = None):
+                 dtype: torch.dtype = torch.float32, rotary_dim: int | None = None, scale: float = 1.0):
         super().__init__()
         rot = rotary_dim or head_dim
         assert inv_freq.shape[0] * 2 == rot, "inv_freq must have rotary_dim / 2 entries"
@@ -38,9 +68,9 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         half = rot // 2
-        sin = emb.sin()
+        sin = emb.sin() * scale
         sin[:, :half] = -sin[:, :half]
-        cos = emb.cos()
+        cos = emb.cos() * scale
         if rot < head_dim:
             cos = torch.cat([cos, torch.ones(max_position, head_dim - rot)], dim=-1)
             sin = torch.cat([sin, torch.zeros(max_position, head_dim - rot)], dim=-1)

@@ -14,7 +14,7 @@ from radixserve.layers.linear import GateUpLinear, Linear, QKVLinear
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.parallel import (Collectives, ParallelLMHead, VocabParallelEmbedding, column_split,
                                         row_linear, shard_heads, split_even)
-from radixserve.layers.rotary import RotaryEmbedding, rope_inv_freq
+from radixserve.layers.rotary import RotaryEmbedding, rope_inv_freq, yarn_inv_freq
 from radixserve.models.dsa import DSAAttention, index_rope_rows
 from radixserve.models.mla import MLAAttention, rope_rows
 from radixserve.models.model_config import ModelConfig
@@ -41,6 +41,21 @@ def prepare_modules(root: torch.nn.Module, dtype: torch.dtype, device: torch.dev
             module.prepare(batch_invariant, quantized_max_tokens)
         elif isinstance(module, (Router, Experts)):
             module.prepare(batch_invariant)
+
+
+def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
+    """The model's RoPE tables from its rope_theta and rope_scaling (YaRN: its frequencies and cos / sin scale)."""
+    s = config.rope_scaling
+    original = (s.original_max_position_embeddings or config.max_position_embeddings) if s else None
+    if s is not None and s.rope_type == "yarn":
+        inv_freq = yarn_inv_freq(config.rot_dim, config.rope_theta, s.factor, original, s.beta_fast, s.beta_slow,
+                                 s.truncate)
+    else:
+        inv_freq = rope_inv_freq(config.rot_dim, config.rope_theta, s.rope_type if s else None,
+                                 s.factor if s else 1.0, s.low_freq_factor if s else 1.0,
+                                 s.high_freq_factor if s else 4.0, original)
+    return RotaryEmbedding(config.head_dim, config.max_position_embeddings, inv_freq, rotary_dim=config.rot_dim,
+                           scale=s.cos_sin_scale if s else 1.0)
 
 
 class LlamaAttention(torch.nn.Module):
@@ -151,14 +166,7 @@ class LlamaForCausalLM(torch.nn.Module):
                         else Linear(config.hidden_size, config.vocab_size))
         if config.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens.weight)
-        s = config.rope_scaling
-        inv_freq = rope_inv_freq(config.rot_dim, config.rope_theta,
-                                 s.rope_type if s else None, s.factor if s else 1.0,
-                                 s.low_freq_factor if s else 1.0, s.high_freq_factor if s else 4.0,
-                                 (s.original_max_position_embeddings or config.max_position_embeddings)
-                                 if s else None)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, inv_freq,
-                                      rotary_dim=config.rot_dim)
+        self.rotary = rotary_embedding(config)
 
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor as stored here: with interleaved RoPE (GLM-4) q/k rotary rows reorder from pairs

@@ -60,8 +60,11 @@ class MLAAttention(torch.nn.Module):
         self.kv_b_proj = Weight(kv_rows[1], self.rank,
                                 TPSplit(0, {None: kv_rows}, tp.rank) if tp is not None and tp.size > 1 else None)
         self.o_proj = row_linear(c.num_heads * self.v_dim, c.hidden_size, c.o_bias, tp)
-        # The backend scales scores by D^-0.5 over the cache width D; transformers by (nope + rope)^-0.5.
-        self.q_scale = ((self.rank + self.rope) / (self.nope + self.rope)) ** 0.5
+        # transformers' scale: (nope + rope)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 (1.0 without YaRN).
+        # The backend scales scores by D^-0.5 over the cache width D = rank + rope, so q carries the ratio.
+        m = c.rope_scaling.softmax_mscale if c.rope_scaling else 1.0
+        self.softmax_scale = (self.nope + self.rope) ** -0.5 * m * m    # transformers' order: equal to the bit
+        self.q_scale = self.softmax_scale * (self.rank + self.rope) ** 0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: RotaryEmbedding, attn: Attention) -> torch.Tensor:

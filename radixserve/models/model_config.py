@@ -7,6 +7,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from radixserve.layers.rotary import yarn_mscale
 from radixserve.models.block_config import (DSA_FAMILIES, DSAConfig, MLAConfig, MoEConfig, dsa_from_gguf, dsa_from_hf,
                                              mla_from_gguf, mla_from_hf, moe_from_gguf, moe_from_hf)
 
@@ -34,13 +35,41 @@ _GLM = ("glm", "glm4", "glm4_moe")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """`linear`: inv_freq / factor; `llama3`: Llama 3.1's banded scaling (transformers `_compute_llama3_parameters`)."""
+    """`linear`: inv_freq / factor; `llama3`: Llama 3.1's banded scaling (transformers `_compute_llama3_parameters`);
+    `yarn` (MLA models only): YaRN's frequencies (layers/rotary.py yarn_inv_freq) with `beta_fast` / `beta_slow` /
+    `truncate`, cos and sin times `cos_sin_scale`, MLA's softmax scale times `softmax_mscale` squared (docs/mla.md)."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """YaRN: `attention_factor` if given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both
+        are set (1.0 when equal, as on DeepSeek-V3), else mscale(factor); 1.0 for the other types."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """mscale(factor, mscale_all_dim) when mscale_all_dim is set, else 1.0: MLA's whole q.k softmax scale is
+        multiplied by it twice (DeepSeek-V2's reference and transformers' `yarn_apply_mscale`)."""
+        if self.rope_type != "yarn" or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim)
 
 
 class KVShape(NamedTuple):
@@ -121,6 +150,10 @@ class ModelConfig:
         rope = dict(cfg.get("rope_parameters") or {})
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        rope_scaling = _rope_scaling(scaling, cfg.get("max_position_embeddings", 2048))
+        if rope_scaling is not None and rope_scaling.rope_type == "yarn" and mla is None:
+            raise ValueError(f"rope scaling 'yarn' is supported for MLA models only (glm4_moe_lite, glm_moe_dsa, "
+                             f"deepseek_v32), not {family}")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         glm = family in _GLM
@@ -135,7 +168,7 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            rope_scaling=_rope_scaling(scaling), bos_token_id=cfg.get("bos_token_id"),
+            rope_scaling=rope_scaling, bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids, hidden_act=cfg.get("hidden_act", "silu"),
             qkv_bias=attention_bias or family == "qwen2", o_bias=attention_bias and not glm,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -167,6 +200,9 @@ class ModelConfig:
             raise ValueError("GGUF architecture 'deepseek2' with a DSA indexer (DeepSeek-V3.2): the gguf library "
                              "maps indexer tensors only for 'glm-dsa' (GLM-5's interleaved indexer RoPE), so "
                              "DeepSeek-V3.2's half-split indexer has no GGUF form; serve its HF checkpoint")
+        if get("rope.scaling.type", "none") == "yarn":
+            raise ValueError(f"GGUF architecture {arch!r}: rope scaling 'yarn' is not read from GGUF metadata; "
+                             "serve the HF checkpoint (its config.json rope_scaling)")
         num_heads, hidden = get("attention.head_count"), get("embedding_length")
         num_layers = get("block_count") - get("nextn_predict_layers", 0)
         mla = mla_from_gguf(family, get)
@@ -190,7 +226,8 @@ class ModelConfig:
             head_dim=head_dim, rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             max_position_embeddings=get("context_length", 2048),
-            tie_word_embeddings="output.weight" not in tensor_names, rope_scaling=_rope_scaling(scaling),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            rope_scaling=_rope_scaling(scaling, get("context_length", 2048)),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             qkv_bias=any(has(f"{p}.bias") for p in ("attn_q", "attn_qkv", "attn_q_a", "attn_kv_a_mqa")),
@@ -218,16 +255,31 @@ class ModelConfig:
         return cls(**d)
 
 
-def _rope_scaling(d: dict[str, Any] | None) -> RopeScaling | None:
-    """Map a rope-scaling dict to RopeScaling; raises ValueError for types we do not implement."""
+def _rope_scaling(d: dict[str, Any] | None, max_position_embeddings: int) -> RopeScaling | None:
+    """Map a rope-scaling dict to RopeScaling (yarn's defaults and its factor from the context ratio when null, as
+    transformers' `_compute_yarn_parameters`); raises ValueError for types we do not implement."""
     if not d:
         return None
     kind = d.get("rope_type") or d.get("type")
     if kind in (None, "default", "none"):
         return None
-    if kind not in ("linear", "llama3"):
-        raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
-    return RopeScaling(rope_type=kind, factor=float(d.get("factor", 1.0)),
-                       low_freq_factor=float(d.get("low_freq_factor", 1.0)),
-                       high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-                       original_max_position_embeddings=d.get("original_max_position_embeddings"))
+    if kind not in ("linear", "llama3", "yarn"):
+        raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, yarn for MLA)")
+    original = d.get("original_max_position_embeddings")
+    if kind != "yarn":
+        return RopeScaling(rope_type=kind, factor=float(d.get("factor", 1.0)),
+                           low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+                           high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+                           original_max_position_embeddings=original)
+    if original is None:
+        raise ValueError("rope scaling 'yarn' needs original_max_position_embeddings")
+    factor = d.get("factor")
+
+    def optional(key: str) -> float | None:
+        return None if d.get(key) is None else float(d[key])
+
+    return RopeScaling(rope_type="yarn", factor=float(max_position_embeddings / original if factor is None else factor),
+                       original_max_position_embeddings=int(original),
+                       beta_fast=float(d.get("beta_fast") or 32), beta_slow=float(d.get("beta_slow") or 1),
+                       mscale=optional("mscale"), mscale_all_dim=optional("mscale_all_dim"),
+                       attention_factor=optional("attention_factor"), truncate=bool(d.get("truncate", True)))

@@ -123,12 +123,27 @@ def cascade_attend(plan: CascadePlan, q: torch.Tensor, k: torch.Tensor, v: torch
     o_s = o_s.reshape(n, num_heads, head_dim).index_select(0, plan.row_slots)
     lse_s = lse_s.reshape(n, num_heads).index_select(0, plan.row_slots).float()
     lse_s.masked_fill_(plan.no_suffix, float("-inf"))
-    lse_prefix = lse_prefix.view(batch, num_heads)
-    total = torch.logaddexp(lse_prefix, lse_s)
-    w_p = torch.exp(lse_prefix - total).unsqueeze(-1)
-    w_s = torch.exp(lse_s.sub_(total)).unsqueeze(-1)
-    merged = torch.mul(o_prefix.view(batch, num_heads, head_dim), w_p).addcmul_(o_s, w_s)
+    merged, _ = merge_states(o_prefix.view(batch, num_heads, head_dim), lse_prefix.view(batch, num_heads), o_s, lse_s)
     return merged.to(q.dtype)
+
+
+def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                 lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over key sets A and B from each part's output o (..., D) and log-sum-exp lse (...) of its scaled
+    scores (natural log, fp32): lse = logaddexp(lse_a, lse_b), o = o_a e^(lse_a - lse) + o_b e^(lse_b - lse), in fp32.
+
+    A part with no keys reports lse -inf, or +inf as some kernels do (a finite LSE for "empty" cannot be told from a
+    real one and is the caller's bug), whatever its o (NaN included): it contributes nothing, so merge(empty, s) = s
+    bit for bit and merge(empty, empty) = (0, -inf), never the NaN of (-inf) - (-inf) (C45; vLLM #27491)."""
+    empty_a, empty_b = torch.isinf(lse_a), torch.isinf(lse_b)
+    lse_a = lse_a.masked_fill(empty_a, float("-inf"))
+    lse_b = lse_b.masked_fill(empty_b, float("-inf"))
+    lse = torch.logaddexp(lse_a, lse_b)
+    base = lse.masked_fill(empty_a & empty_b, 0.0)
+    w_a = torch.exp(lse_a - base).unsqueeze(-1)
+    w_b = torch.exp(lse_b - base).unsqueeze(-1)
+    part_a = torch.mul(o_a, w_a).masked_fill_(empty_a.unsqueeze(-1), 0.0)
+    return part_a.addcmul_(o_b.masked_fill(empty_b.unsqueeze(-1), 0.0), w_b), lse
 
 
 def _head_order(plan: CascadePlan, num_heads: int, num_kv: int, device: torch.device) -> torch.Tensor:
