@@ -13,8 +13,11 @@ import torch
 
 from radixserve.engine.engine import Engine
 from radixserve.engine_config import EngineConfig
+from radixserve.runner.kv_cache import KVCache
+from radixserve.runner.mixed_kv import MixedKVCache
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
+from tests.model.test_mla import build_mla
 
 PAGE = 4
 SETTINGS = {"model": {}, "fp8": {"kv_cache_dtype": "fp8_e4m3"},
@@ -45,6 +48,35 @@ def run(eng: Engine, prompts: dict[str, list[int]], **params) -> dict[str, list]
 def prompt_of(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 384) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def mla_dir(tmp_path_factory):
+    return build_mla(tmp_path_factory.mktemp("mla"))
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_reads_dequantise_fp8_pages_through_the_same_accessor(latent):
+    """Global pages 0-2 are model-dtype pages 0-2, 3-4 FP8 pages 0-1: a read over both equals each store's own."""
+    torch.manual_seed(0)
+    heads = 1 if latent else 2
+    scale = torch.full((1, heads), 0.02)
+    mixed = MixedKVCache.build(1, 3, 2, PAGE, heads, 8, torch.float8_e4m3fn, torch.device("cpu"), torch.float32,
+                               scale, scale, latent)
+    ref_model = KVCache(1, 3, PAGE, heads, 8, torch.float32, latent=latent)
+    ref_fp8 = KVCache(1, 2, PAGE, heads, 8, torch.float8_e4m3fn, compute_dtype=torch.float32, k_scale=scale,
+                      v_scale=scale, latent=latent)
+    k, v = torch.randn(20, heads, 8), torch.randn(20, heads, 8)
+    mixed.write(0, torch.arange(20), k, v)
+    ref_model.write(0, torch.arange(12), k[:12], v[:12])
+    ref_fp8.write(0, torch.arange(8), k[12:], v[12:])
+    got_k, got_v = mixed.read_pages(0, torch.tensor([4, 0, 3, 2]))
+    want = [torch.cat(parts, dim=1) for parts in zip(ref_fp8.read_pages(0, torch.tensor([1])),
+                                                      ref_model.read_pages(0, torch.tensor([0])),
+                                                      ref_fp8.read_pages(0, torch.tensor([0])),
+                                                      ref_model.read_pages(0, torch.tensor([2])))]
+    assert torch.equal(got_k, want[0]) and torch.equal(got_v, want[1])
+    assert not torch.equal(got_k[:, :PAGE], k[16:].transpose(0, 1)), "FP8 pages must be lossy here"
 
 
 @pytest.fixture(scope="module")
@@ -94,23 +126,25 @@ def test_memory_sized_pool_splits_bytes_by_the_fraction(gqa_dir):
     assert runner.kv.allocated_bytes() <= budget
 
 
-def test_second_turn_hits_only_history_and_equals_the_reference(gqa_dir, engines):
+@pytest.mark.parametrize("family", ["gqa_dir", "mla_dir"])
+def test_second_turn_hits_only_history_and_equals_the_reference(family, request):
     """(c) Turn 2 = turn 1's prompt + its reply + new text. With mixed pages the radix hit is turn 1's prompt only
     (the reply re-prefills at the model dtype) and turn 2's first-token logprobs equal the reference server's,
-    which has cached the same prompt pages; all-FP8 KV hits the reply too and differs."""
+    which has cached the same prompt pages; all-FP8 KV hits the reply too and differs. GQA and MLA's latent."""
+    folder = request.getfixturevalue(family)
     turn1 = prompt_of(24, 4)                                   # page-aligned: the reply starts an FP8 page
-    mixed = engine(gqa_dir, "mixed")
+    mixed = engine(folder, "mixed")
     reply = run(mixed, {"t1": turn1}, max_tokens=9)["t1"][0]
     tree = mixed.kv.cache.all_page_ids()
     assert tree and all(p < mixed.kv.pool.num_model_pages for p in tree), "the tree holds an FP8 page"
     turn2 = turn1 + reply + prompt_of(11, 5)
     got = run(mixed, {"t2": turn2}, max_tokens=1, logprobs=5)["t2"]
     assert got[3] == len(turn1)
-    ref = engine(gqa_dir, "model")
+    ref = engine(folder, "model")
     run(ref, {"t1": turn1}, max_tokens=1)                     # caches the prompt pages only, as above
     want = run(ref, {"t2": turn2}, max_tokens=1, logprobs=5)["t2"]
     assert want[3] == len(turn1) and got[1] == want[1]
-    fp8 = engine(gqa_dir, "fp8")
+    fp8 = engine(folder, "fp8")
     run(fp8, {"t1": turn1}, max_tokens=9)
     drift = run(fp8, {"t2": turn2}, max_tokens=1, logprobs=5)["t2"]
     assert drift[3] > len(turn1) and drift[1] != want[1]
