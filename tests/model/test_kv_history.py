@@ -1,4 +1,4 @@
-"""--kv-history-dtype auto: history pages at the model dtype, decode pages in FP8 (CASES.md C39's guard, docs/runner.md).
+"""--kv-history-dtype auto: history pages at the model dtype, decode pages in FP8 (case C39's guard, docs/runner.md).
 
 Against an all-model-dtype server on the same tiny random model: prompt logprobs equal exactly; the pages a decode
 writes are stored as FP8; a second turn hits only the model-dtype history and its first token's logprobs equal
@@ -194,3 +194,11 @@ def test_too_small_a_pool_is_refused(gqa_dir):
                           kv_fp8_page_fraction=0.1, **SETTINGS["mixed"])
     with pytest.raises(ValueError, match="1 fp8|0 fp8"):
         ModelRunner.from_config(config)
+
+
+def test_serve_exits_2_naming_the_flags(capsys):
+    """(e) at the command line: `radixserve serve` refuses before loading anything."""
+    from radixserve.cli import main
+    assert main(["serve", "--kv-cache-dtype", "fp8_e4m3", "--kv-history-dtype", "auto",
+                 "--enable-hierarchical-cache"]) == 2
+    assert "--kv-history-dtype auto cannot be combined with --enable-hierarchical-cache" in capsys.readouterr().err
