@@ -1,6 +1,6 @@
 """Multi-turn drift of FP8 KV against model-dtype KV, per turn: all FP8 vs FP8 with model-dtype history (case C39).
 
-Run:  python benchmarks/kv_history_drift.py [--conversations 20] [--reply-tokens 48] [--model PATH]
+Run:  python benchmarks/kv_history_drift.py [--conversations 20] [--reply-tokens 64] [--model PATH]
 
 Three engines over one model (default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF), compute fp32:
   model  --kv-cache-dtype auto (fp32 KV; the reference)
@@ -8,11 +8,11 @@ Three engines over one model (default: the embedded SmolLM2-135M-Instruct Q4_1 G
   mixed  --kv-cache-dtype fp8_e4m3 --kv-history-dtype auto (history fp32, the turn being generated FP8)
 Each conversation is a system prompt and 4 user turns; every engine gets the same prompts, built from the
 reference's own replies (token ids, so earlier turns hit each engine's radix cache). Replies are greedy, up to
---reply-tokens, stopping at EOS. Per turn and engine: the first position where the reply leaves the reference's
-(median over conversations, and how many replies equal the reference's), and |Δ logprob| of the chosen token
-against the reference's at the positions before that divergence (identical contexts, so the difference is the
-KV's alone): at the first reply token, and mean / max over all of them; plus the mean radix hit.
-"""
+--reply-tokens, stopping at EOS. Per turn and engine: how many replies equal the reference's, and for the others
+the first position where the reply leaves the reference's (median, min); |Δ logprob| of the reference's token
+under each KV against the reference's own, at every position up to and including that divergence (their contexts
+are identical, so the difference is the KV's alone; from the top 5 logprobs), at the first reply token and mean /
+max over all of them; and the mean radix hit in tokens."""
 from __future__ import annotations
 
 import argparse
@@ -53,7 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--conversations", type=int, default=20)
-    ap.add_argument("--reply-tokens", type=int, default=48)
+    ap.add_argument("--reply-tokens", type=int, default=64)
     args = ap.parse_args()
     common = dict(max_total_tokens=16384, chunked_prefill_size=1024, page_size=16)
     engines = {name: LLM(args.model, **common, **kw) for name, kw in SETTINGS.items()}
@@ -65,9 +65,9 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.reply_tokens, temperature=0, logprobs=5)
     print(f"load {os.getloadavg()[0]:.2f}; {args.conversations} conversations x {len(TURNS)} turns, "
           f"replies <= {args.reply_tokens} tokens; mixed pages: {engines['mixed'].engine.runner.info()['kv_pages']}")
-    print("| turn | KV | mean prompt tokens | mean radix hit | first divergence: median (replies equal to the "
-          "reference's) | abs Δ logprob, first token: mean | up to the divergence: mean / max |")
-    print("|---|---|---:|---:|---|---:|---|")
+    print("| turn | KV | mean prompt tokens | mean radix hit | replies equal to the reference's | first divergence "
+          "of the others: median (min) | abs Δ logprob, first token: mean | up to the divergence: mean / max |")
+    print("|---|---|---:|---:|---:|---|---:|---|")
     start = time.perf_counter()
     for turn in range(len(TURNS)):
         raw = {name: llm.generate(prompts, params, use_tqdm=False) for name, llm in engines.items()}
@@ -77,7 +77,8 @@ def main() -> None:
             for (ids, lps), (ref_ids, ref_lps) in zip(outs[name], outs["model"]):
                 div = next((j for j, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), min(len(ids), len(ref_ids)))
                 equal += ids == ref_ids
-                firsts.append(div)
+                if ids != ref_ids:
+                    firsts.append(div)
                 # positions 0..div share their context: the reference token's logprob under each KV
                 d = [abs(lps[j][ref_ids[j]] - ref_lps[j][ref_ids[j]])
                      for j in range(min(div + 1, len(ids), len(ref_ids))) if ref_ids[j] in lps[j]]
@@ -85,7 +86,8 @@ def main() -> None:
                 deltas += d
             hit = statistics.mean(o.num_cached_tokens for o in raw[name])
             print(f"| {turn + 1} | {name} | {statistics.mean(len(p) for p in prompts):.0f} | {hit:.0f} | "
-                  f"{statistics.median(firsts):.0f} ({equal}/{len(firsts)}) | {statistics.mean(first_d):.4f} | "
+                  f"{equal}/{len(prompts)} | {f'{statistics.median(firsts):.0f} ({min(firsts)})' if firsts else '-'} | "
+                  f"{statistics.mean(first_d):.4f} | "
                   f"{statistics.mean(deltas):.4f} / {max(deltas):.4f} |")
         if turn + 1 < len(TURNS):
             blocks = [turn_blocks(ref, s, TURNS[turn + 1].format(t)) for s, t in convs]
