@@ -263,6 +263,8 @@ class Engine:
             "num_pages": kv.num_pages, "page_size": self.page_size,
             "num_free_pages": kv.pool.num_free, "num_cached_pages": kv.cache.num_cached_pages,
             "num_evictable_pages": kv.cache.num_evictable_pages,
+            **({"num_fp8_pages": kv.pool.num_fp8_pages, "num_free_fp8_pages": kv.pool.num_free_fp8}
+               if kv.pool.num_fp8_pages else {}),
             "token_usage": used / kv.num_pages,
             "cache_hit_rate": c["num_cached_tokens"] / c["num_prompt_tokens"] if c["num_prompt_tokens"] else 0.0,
             "num_preemptions": self.scheduler.num_preemptions, **c,

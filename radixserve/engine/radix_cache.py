@@ -35,6 +35,10 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free) + len(self._free_fp8)
 
+    @property
+    def num_free_fp8(self) -> int:
+        return len(self._free_fp8)
+
     def num_free_for(self, fp8: bool) -> int:
         """Free pages an allocate(n, fp8) may take."""
         return self.num_free if fp8 else len(self._free)

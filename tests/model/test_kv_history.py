@@ -169,7 +169,9 @@ def test_no_page_leaks_after_preemption_and_aborts(gqa_dir):
     assert eng.scheduler.num_preemptions > 0
     pool = eng.kv.pool
     assert all(p < pool.num_model_pages for p in eng.kv.cache.all_page_ids())
-    assert pool.num_free + eng.kv.cache.num_cached_pages == pool.num_pages
+    stats = eng.stats()
+    assert stats["num_free_pages"] + stats["num_cached_pages"] == stats["num_pages"] == 40
+    assert stats["num_free_fp8_pages"] == stats["num_fp8_pages"] == 10
     assert eng.flush_cache() and pool.num_free == pool.num_pages
 
 
