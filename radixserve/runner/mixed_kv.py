@@ -13,7 +13,8 @@ from radixserve.runner.kv_cache import KVCache
 
 
 class MixedKVCache:
-    """The KVCache surface the torch attention backend uses (write, head_rows, gather, round_trip) and the sizing
+    """The KVCache surface the torch attention backend and its DecodeMirror use (write, head_rows, gather, round_trip
+    by slot) and the sizing
     accessors. Host tier, PD export/import, side buffers, kernel views and checksums are not offered: the flags
     needing them are refused at start-up (config_checks.check_kv_history)."""
 
@@ -74,8 +75,18 @@ class MixedKVCache:
             self.model.write(layer, slots[on_model], k[on_model], v[on_model])
         self.fp8.write(layer, slots[in_fp8] - boundary, k[in_fp8], v[in_fp8])
 
-    def round_trip(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v unchanged: a prefill without cached context (the only caller) writes model-dtype pages."""
+    round_trip_by_slot = True
+
+    def round_trip(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                   slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (T, KV, D) as a later read of `slots` (T,) int64 returns them: rows in FP8 pages quantised and back.
+        slots None: a prefill without cached context, which writes model-dtype pages only: k, v unchanged."""
+        in_fp8 = None if slots is None else slots >= self.num_model_pages * self.page_size
+        if in_fp8 is None or not bool(in_fp8.any()):
+            return k, v
+        k_fp8, v_fp8 = self.fp8.round_trip(layer, k[in_fp8], v[in_fp8])
+        k, v = k.clone(), v.clone()
+        k[in_fp8], v[in_fp8] = k_fp8, v_fp8
         return k, v
 
     def head_rows(self, page_ids: torch.Tensor) -> torch.Tensor:

@@ -87,11 +87,10 @@ class ModelRunner:
         if dsa is not None and (deterministic or config.is_eagle):
             raise ValueError("glm_moe_dsa (DSA) does not run with --enable-deterministic-inference or "
                              "--speculative-algorithm EAGLE yet")
-        # Mixed pages: the torch backend's gathers, no DecodeMirror (its round trips assume one dtype).
         self.backend: AttentionBackend = create_backend("torch" if mixed else config.attention_backend, self.kv,
                                                         self.device, batch_invariant=deterministic,
                                                         cascade=not config.disable_cascade_attention,
-                                                        mirror=dsa is None and not mixed)
+                                                        mirror=dsa is None)
         if dsa is not None:
             add_index_keys(self.kv, dsa.full_layers, dsa.index_head_dim, self.dtype,
                            fp8=config.index_cache_dtype != "auto")

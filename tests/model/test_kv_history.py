@@ -114,6 +114,21 @@ def test_decode_pages_are_fp8_and_pool_bytes_equal_the_formula(engines):
     eng.abort("d")
 
 
+def test_decode_mirror_reads_what_the_pages_hold(gqa_dir, engines):
+    """The DecodeMirror rounds each new token through its page's dtype: decoding with it gives what decoding with
+    per-step page gathers gives (the mirror's new tokens in FP8 pages would otherwise stay exact)."""
+    from radixserve.runner.attention.torch_backend import TorchAttentionBackend
+    assert engines["mixed"].runner.backend.mirror is not None
+    gathers = engine(gqa_dir, "mixed")
+    gathers.runner.backend = TorchAttentionBackend(gathers.runner.kv, mirror_bytes=0)
+    prompts = {f"m{i}": prompt_of(13 + 9 * i, 20 + i) for i in range(3)}
+    want = run(gathers, prompts, max_tokens=24, logprobs=3)
+    got = run(engines["mixed"], prompts, max_tokens=24, logprobs=3)
+    for rid in prompts:
+        assert got[rid][0] == want[rid][0]
+        assert max(abs(a[1] - b[1]) for a, b in zip(got[rid][1], want[rid][1])) < 1e-5
+
+
 def test_memory_sized_pool_splits_bytes_by_the_fraction(gqa_dir):
     config = EngineConfig(model_path=str(gqa_dir), page_size=PAGE, kv_cache_memory_gb=0.001,
                           kv_fp8_page_fraction=0.5, **SETTINGS["mixed"])
