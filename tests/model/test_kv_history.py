@@ -145,7 +145,8 @@ def test_memory_sized_pool_splits_bytes_by_the_fraction(gqa_dir):
 def test_second_turn_hits_only_history_and_equals_the_reference(family, request):
     """(c) Turn 2 = turn 1's prompt + its reply + new text. With mixed pages the radix hit is turn 1's prompt only
     (the reply re-prefills at the model dtype) and turn 2's first-token logprobs equal the reference server's,
-    which has cached the same prompt pages; all-FP8 KV hits the reply too and differs. GQA and MLA's latent."""
+    which has cached the same prompt pages, and the mixed server's own for turn 2 sent whole (within 1e-5: other
+    chunking); all-FP8 KV hits the reply too and differs. GQA and MLA's latent."""
     folder = request.getfixturevalue(family)
     turn1 = prompt_of(24, 4)                                   # page-aligned: the reply starts an FP8 page
     mixed = engine(folder, "mixed")
@@ -159,6 +160,8 @@ def test_second_turn_hits_only_history_and_equals_the_reference(family, request)
     run(ref, {"t1": turn1}, max_tokens=1)                     # caches the prompt pages only, as above
     want = run(ref, {"t2": turn2}, max_tokens=1, logprobs=5)["t2"]
     assert want[3] == len(turn1) and got[1] == want[1]
+    whole = run(engine(folder, "mixed"), {"t2": turn2}, max_tokens=1, logprobs=5)["t2"]    # C39 (c): sent whole
+    assert whole[3] == 0 and whole[0] == got[0] and abs(whole[1][0][1] - got[1][0][1]) < 1e-5
     fp8 = engine(folder, "fp8")
     run(fp8, {"t1": turn1}, max_tokens=9)
     drift = run(fp8, {"t2": turn2}, max_tokens=1, logprobs=5)["t2"]
