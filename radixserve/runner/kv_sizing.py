@@ -24,7 +24,7 @@ def num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = 
     `num_layers`: of KV stored (None: the model's). Raises ValueError below two pages."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens // config.page_size
-    per_token = _bytes_per_token(config, mc, kv_storage_dtype(config), num_kv_heads, num_layers)
+    per_token = _bytes_per_token(mc, kv_storage_dtype(config), num_kv_heads, num_layers)
     if mc.dsa is not None:
         per_token += index_bytes_per_token(mc.dsa.full_layers, mc.dsa.index_head_dim, DTYPES[config.dtype],
                                            config.index_cache_dtype != "auto")
@@ -48,7 +48,7 @@ def history_split(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | Non
     else:
         budget = int(config.kv_cache_memory_gb * 2**30)
         fp8_budget = int(budget * fraction)
-        split = tuple((part // (_bytes_per_token(config, mc, dtype, num_kv_heads, num_layers) * page))
+        split = tuple((part // (_bytes_per_token(mc, dtype, num_kv_heads, num_layers) * page))
                       for part, dtype in ((budget - fp8_budget, DTYPES[config.dtype]),
                                           (fp8_budget, KV_DTYPES[config.kv_cache_dtype])))
     if split[0] < 2 or split[1] < 1:
@@ -57,8 +57,7 @@ def history_split(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | Non
     return split
 
 
-def _bytes_per_token(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, num_kv_heads: int | None,
-                     num_layers: int | None) -> int:
+def _bytes_per_token(mc: ModelConfig, dtype: torch.dtype, num_kv_heads: int | None, num_layers: int | None) -> int:
     heads, head_dim, latent = mc.kv_shape
     heads = heads if latent or num_kv_heads is None else num_kv_heads
     return KVCache.bytes_per_token(num_layers or mc.num_layers, heads, head_dim, dtype, latent)
