@@ -122,3 +122,25 @@ def _check_pipeline(config: Any) -> None:
     named = [flag for flag, on in unsupported.items() if on]
     if named:
         raise ValueError(f"--pp-size {config.pp_size} cannot be combined with {', '.join(named)} yet")
+
+
+def check_kv_history(config: Any) -> None:
+    """--kv-history-dtype auto: an fp8 --kv-cache-dtype, a page fraction in (0, 1), and none of the paths that
+    cannot carry pages of two dtypes yet (docs/runner.md lists them)."""
+    if config.kv_history_dtype != "auto":
+        return
+    if not config.kv_cache_dtype.startswith("fp8"):
+        raise ValueError(f"--kv-history-dtype auto keeps history at the compute dtype and decode pages in fp8: "
+                         f"it needs --kv-cache-dtype fp8_e4m3 or fp8_e5m2 (got {config.kv_cache_dtype})")
+    if not 0 < config.kv_fp8_page_fraction < 1:
+        raise ValueError(f"--kv-fp8-page-fraction must be in (0, 1), got {config.kv_fp8_page_fraction}")
+    unsupported = {f"--speculative-algorithm {config.speculative_algorithm}": config.speculative_algorithm is not None,
+                   "--enable-hierarchical-cache": config.enable_hierarchical_cache,
+                   "--disaggregation-mode": config.disaggregation_mode != "null",
+                   "--attention-backend triton": config.attention_backend == "triton",
+                   f"--compile {config.compile_mode}": config.compile_mode != "off",
+                   "--enable-deterministic-inference": config.enable_deterministic_inference,
+                   "--enable-kv-checksum": config.enable_kv_checksum}
+    named = [flag for flag, on in unsupported.items() if on]
+    if named:
+        raise ValueError(f"--kv-history-dtype auto cannot be combined with {', '.join(named)} yet")

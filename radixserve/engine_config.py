@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass
 
 from radixserve.config import opt
-from radixserve.config_checks import check_disaggregation, check_parallel, check_speculative
+from radixserve.config_checks import check_disaggregation, check_kv_history, check_parallel, check_speculative
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,13 @@ class EngineConfig:
                                                                       "fp8_e4m3", "fp8_e5m2"))
     index_cache_dtype: str = opt("auto", "DSA (glm_moe_dsa) index-key storage: auto (the compute dtype) or "
                                          "fp8_e4m3 with one fp32 scale per token (docs/mla.md)", ("auto", "fp8_e4m3"))
+    kv_history_dtype: str = opt(
+        "same", "with an fp8 --kv-cache-dtype: auto = conversation history (prompt pages, the only pages the radix "
+                "tree keeps) at the compute dtype, only pages a decode writes in fp8, so FP8 error never carries "
+                "into the next turn (docs/runner.md); same = every page in --kv-cache-dtype", ("same", "auto"))
+    kv_fp8_page_fraction: float = opt(
+        0.25, "--kv-history-dtype auto: share of the KV pool's bytes given to fp8 decode pages (the rest: "
+              "compute-dtype history pages)")
     quantization_param_path: str | None = opt(
         None, "JSON file of FP8 KV scales {\"k_scale\": [...], \"v_scale\": [...]}, one per layer "
               "(default: the checkpoint's k_scale/v_scale, else calibrated at start-up)")
@@ -190,6 +197,7 @@ class EngineConfig:
                              f"proven batch-invariant (use --quantization none or auto)")
         check_disaggregation(self)
         check_parallel(self)
+        check_kv_history(self)
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 

@@ -31,7 +31,7 @@ class Engine:
         self.max_context_len = runner.max_context_len
         self.kv = KVManager(runner.num_pages, runner.page_size, not config.disable_radix_cache,
                             getattr(runner, "host_kv", None), config.hicache_write_policy,
-                            paired_keys=config.is_eagle)
+                            paired_keys=config.is_eagle, num_fp8_pages=getattr(runner, "num_fp8_pages", 0))
         self.scheduler = Scheduler(config, self.kv, self.max_request_tokens)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.random_seed)
@@ -53,7 +53,7 @@ class Engine:
 
     @property
     def max_request_tokens(self) -> int:
-        return min(self.max_context_len, self.kv.num_pages * self.page_size)
+        return min(self.max_context_len, self.kv.num_model_pages * self.page_size)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; the one validator of client input. Raises InvalidRequest (bad ids or
@@ -263,6 +263,8 @@ class Engine:
             "num_pages": kv.num_pages, "page_size": self.page_size,
             "num_free_pages": kv.pool.num_free, "num_cached_pages": kv.cache.num_cached_pages,
             "num_evictable_pages": kv.cache.num_evictable_pages,
+            **({"num_fp8_pages": kv.pool.num_fp8_pages, "num_free_fp8_pages": kv.pool.num_free_fp8}
+               if kv.pool.num_fp8_pages else {}),
             "token_usage": used / kv.num_pages,
             "cache_hit_rate": c["num_cached_tokens"] / c["num_prompt_tokens"] if c["num_prompt_tokens"] else 0.0,
             "num_preemptions": self.scheduler.num_preemptions, **c,

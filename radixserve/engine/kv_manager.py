@@ -18,15 +18,17 @@ class KVManager:
     (page_ids[num_tree_pages:]); check_invariants verifies it. `host_io`: the host tier (hicache.py).
     `paired_keys`: pages hold an EAGLE draft's KV too (runner/mtp.py), keyed by paired_key; a page enters
     the tree once the token after it is known and its draft KV written (a position's draft KV lags the
-    target's by at most one, between prefill chunks)."""
+    target's by at most one, between prefill chunks). `num_fp8_pages` (--kv-history-dtype auto): PagePool's
+    split; a decode step's new pages are FP8 ones, everything else model-dtype ones, and commit gives the
+    tree only the pages before a request's first FP8 page (their KV is what an all-model-dtype cache holds)."""
 
     def __init__(self, num_pages: int, page_size: int, enable_cache: bool = True,
                  host_io: KVTierIO | None = None, write_policy: str = "write_through",
-                 paired_keys: bool = False):
+                 paired_keys: bool = False, num_fp8_pages: int = 0):
         assert not (paired_keys and getattr(host_io, "disk", None)), "the disk tier hashes token keys"
         self.page_size = page_size
         self.paired_keys = paired_keys
-        self.pool = PagePool(num_pages)
+        self.pool = PagePool(num_pages, num_fp8_pages)
         self.cache = RadixCache(page_size)
         self.enable_cache = enable_cache
         self.tier = HostTier(host_io, write_policy, self.cache) if host_io and enable_cache else None
@@ -36,6 +38,11 @@ class KVManager:
     @property
     def num_pages(self) -> int:
         return self.pool.num_pages
+
+    @property
+    def num_model_pages(self) -> int:
+        """Pages a prompt may use: a request longer than these could never be (re)computed."""
+        return self.pool.num_model_pages
 
     @property
     def num_available_pages(self) -> int:
@@ -89,10 +96,11 @@ class KVManager:
         req.loads.append(load)
         req.num_host_hit_tokens = len(load.device_ids) * self.page_size
 
-    def _take_pages(self, n: int) -> list[int] | None:
-        if n > self.pool.num_free:
-            self.pool.free(self.cache.evict(n - self.pool.num_free, self._demote))
-        return self.pool.allocate(n)
+    def _take_pages(self, n: int, fp8: bool = False) -> list[int] | None:
+        free = self.pool.num_free_for(fp8)
+        if n > free:
+            self.pool.free(self.cache.evict(n - free, self._demote))
+        return self.pool.allocate(n, fp8)
 
     @property
     def _demote(self):
@@ -103,7 +111,8 @@ class KVManager:
         need = self.pages_for(num_tokens) - len(req.page_ids)
         if need <= 0:
             return True
-        pages = self._take_pages(need)
+        decode = num_tokens == req.num_computed_tokens + 1 == req.num_tokens and bool(req.output_ids)
+        pages = self._take_pages(need, fp8=decode and self.pool.num_fp8_pages > 0)
         if pages is None:
             return False
         req.page_ids.extend(pages)
@@ -115,6 +124,8 @@ class KVManager:
         if not self.enable_cache:
             return
         num_full = self.num_settled_tokens(req) // self.page_size
+        if self.pool.num_fp8_pages:
+            num_full = self.pool.num_model_prefix(req.page_ids[:num_full])
         if num_full <= req.num_tree_pages:
             return
         key = self._key(req.all_ids[:num_full * self.page_size + self.paired_keys])

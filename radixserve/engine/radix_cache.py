@@ -16,33 +16,53 @@ from typing import Any, Callable, NamedTuple
 
 class PagePool:
     """Free page ids in [0, num_pages); running out returns None, never raises. Owners of used pages
-    track them (KVManager.check_invariants)."""
+    track them (KVManager.check_invariants). With `num_fp8_pages` (--kv-history-dtype auto) two free lists:
 
-    def __init__(self, num_pages: int):
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        [0, num_model_pages)          model-dtype pages: prompts (history), the only pages the tree keeps
+        [num_model_pages, num_pages)  FP8 pages: what decodes write; a decode falls back to a model-dtype page"""
+
+    def __init__(self, num_pages: int, num_fp8_pages: int = 0):
+        if num_pages < 1 or not 0 <= num_fp8_pages < num_pages:
+            raise ValueError(f"num_pages must be >= 1 and num_fp8_pages in [0, num_pages), got "
+                             f"{num_pages}, {num_fp8_pages}")
+        self.num_pages, self.num_fp8_pages = num_pages, num_fp8_pages
+        self.num_model_pages = num_pages - num_fp8_pages
+        self._free: deque[int] = deque(range(self.num_model_pages))
+        self._free_fp8: deque[int] = deque(range(self.num_model_pages, num_pages))
         self.on_free: Callable[[list[int]], None] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._free_fp8)
 
-    def allocate(self, n: int) -> list[int] | None:
-        if n > len(self._free):
+    @property
+    def num_free_fp8(self) -> int:
+        return len(self._free_fp8)
+
+    def num_free_for(self, fp8: bool) -> int:
+        """Free pages an allocate(n, fp8) may take."""
+        return self.num_free if fp8 else len(self._free)
+
+    def allocate(self, n: int, fp8: bool = False) -> list[int] | None:
+        """n page ids; `fp8`: FP8 pages first, then model-dtype ones."""
+        if n > self.num_free_for(fp8):
             return None
-        return [self._free.popleft() for _ in range(n)]
+        from_fp8 = min(n, len(self._free_fp8)) if fp8 else 0
+        return [self._free_fp8.popleft() for _ in range(from_fp8)] + [self._free.popleft() for _ in range(n - from_fp8)]
 
     def free(self, page_ids: list[int]) -> None:
         for p in page_ids:
             assert 0 <= p < self.num_pages, f"page id {p} out of range"
-        self._free.extend(page_ids)
+            (self._free if p < self.num_model_pages else self._free_fp8).append(p)
         if self.on_free is not None:
             self.on_free(page_ids)
 
     def free_ids(self) -> list[int]:
-        return list(self._free)
+        return list(self._free) + list(self._free_fp8)
+
+    def num_model_prefix(self, page_ids: list[int]) -> int:
+        """How many of `page_ids` lead before the first FP8 page."""
+        return next((i for i, p in enumerate(page_ids) if p >= self.num_model_pages), len(page_ids))
 
 
 @dataclass(slots=True, eq=False)

@@ -132,8 +132,12 @@ class KVCache:
         view = scale.view(-1, *([1] * (x.dim() - 1)))
         return (x.float() * view).to(self.compute_dtype)
 
-    def round_trip(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v (T, KV, D) as a later read returns them (lossy for FP8), for caches of caches (DecodeMirror)."""
+    round_trip_by_slot = False     # round_trip's result depends on `slots` (MixedKVCache)
+
+    def round_trip(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                   slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (T, KV, D) as a later read returns them (lossy for FP8), for caches of caches (DecodeMirror); `slots`
+        (T,) int64 where they are stored, unused here (one dtype for every slot)."""
         if not self.is_fp8 and self.dtype == self.compute_dtype:
             return k, v
         out = []

@@ -24,10 +24,7 @@ def num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = 
     `num_layers`: of KV stored (None: the model's). Raises ValueError below two pages."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens // config.page_size
-    heads, head_dim, latent = mc.kv_shape
-    heads = heads if latent or num_kv_heads is None else num_kv_heads
-    per_token = KVCache.bytes_per_token(num_layers or mc.num_layers, heads, head_dim, kv_storage_dtype(config),
-                                        latent)
+    per_token = _bytes_per_token(mc, kv_storage_dtype(config), num_kv_heads, num_layers)
     if mc.dsa is not None:
         per_token += index_bytes_per_token(mc.dsa.full_layers, mc.dsa.index_head_dim, DTYPES[config.dtype],
                                            config.index_cache_dtype != "auto")
@@ -35,3 +32,32 @@ def num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = 
     if pages < 2:
         raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")
     return pages
+
+
+def history_split(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = None,
+                  num_layers: int | None = None) -> tuple[int, int]:
+    """--kv-history-dtype auto: (model-dtype pages, FP8 pages). With --max-total-tokens its pages split by
+    --kv-fp8-page-fraction; else that fraction F of B = --kv-cache-memory-gb bytes goes to FP8 pages:
+    fp8 = floor(F * B) // (fp8 bytes per page), model = (B - floor(F * B)) // (model-dtype bytes per page).
+    Raises ValueError when either range gets no page or the history fewer than two."""
+    page, fraction = config.page_size, config.kv_fp8_page_fraction
+    if config.max_total_tokens is not None:
+        total = config.max_total_tokens // page
+        fp8 = round(total * fraction)
+        split = (total - fp8, fp8)
+    else:
+        budget = int(config.kv_cache_memory_gb * 2**30)
+        fp8_budget = int(budget * fraction)
+        split = tuple((part // (_bytes_per_token(mc, dtype, num_kv_heads, num_layers) * page))
+                      for part, dtype in ((budget - fp8_budget, DTYPES[config.dtype]),
+                                          (fp8_budget, KV_DTYPES[config.kv_cache_dtype])))
+    if split[0] < 2 or split[1] < 1:
+        raise ValueError(f"--kv-history-dtype auto: the KV pool splits into {split[0]} history and {split[1]} fp8 "
+                         f"pages; it needs at least 2 and 1 (raise the pool size or change --kv-fp8-page-fraction)")
+    return split
+
+
+def _bytes_per_token(mc: ModelConfig, dtype: torch.dtype, num_kv_heads: int | None, num_layers: int | None) -> int:
+    heads, head_dim, latent = mc.kv_shape
+    heads = heads if latent or num_kv_heads is None else num_kv_heads
+    return KVCache.bytes_per_token(num_layers or mc.num_layers, heads, head_dim, dtype, latent)

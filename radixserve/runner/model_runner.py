@@ -27,7 +27,8 @@ from radixserve.runner.disk_kv import DiskKV, fingerprint
 from radixserve.runner.draft import DraftModel
 from radixserve.runner.host_kv import HostKV
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache, KVPages
-from radixserve.runner.kv_sizing import DTYPES, kv_storage_dtype, num_pages
+from radixserve.runner.kv_sizing import DTYPES, history_split, kv_storage_dtype, num_pages
+from radixserve.runner.mixed_kv import MixedKVCache
 from radixserve.runner.mtp import MTPDraft
 from radixserve.runner.structured import StructuredOutput
 from radixserve.sampling_params import SamplingParams
@@ -69,18 +70,25 @@ class ModelRunner:
         heads, head_dim, latent = model_config.kv_shape
         if not latent:
             heads = getattr(model, "num_kv_heads", heads)   # this rank's
-        self.num_pages = num_pages(config, model_config, heads, self.kv_layers(model_config))
+        mixed = config.kv_history_dtype == "auto"
+        dsa = model_config.dsa
+        if mixed and dsa is not None:
+            raise ValueError("--kv-history-dtype auto does not carry glm_moe_dsa's index-key side buffers yet")
+        split = history_split(config, model_config, heads, self.kv_layers(model_config)) if mixed else None
+        self.num_pages = sum(split) if split else num_pages(config, model_config, heads, self.kv_layers(model_config))
+        self.num_fp8_pages = split[1] if split else 0
         kv_dtype = kv_storage_dtype(config)
         self.kv_scales = self._kv_scales(kv_dtype, checkpoint_kv_scales or {})
         scales = (self.kv_scales.k, self.kv_scales.v) if self.kv_scales else (None, None)
-        self.kv = KVCache(self.kv_layers(model_config), self.num_pages, self.page_size, heads, head_dim,
-                          kv_dtype, self.device, self.dtype, *scales, latent=latent)
-        dsa = model_config.dsa
+        shape = (self.kv_layers(model_config), self.page_size, heads, head_dim)
+        self.kv = (MixedKVCache.build(shape[0], *split, *shape[1:], kv_dtype, self.device, self.dtype, *scales, latent)
+                   if split else KVCache(shape[0], self.num_pages, *shape[1:], kv_dtype, self.device, self.dtype,
+                                         *scales, latent=latent))
         if dsa is not None and (deterministic or config.is_eagle):
             raise ValueError("glm_moe_dsa (DSA) does not run with --enable-deterministic-inference or "
                              "--speculative-algorithm EAGLE yet")
-        self.backend: AttentionBackend = create_backend(config.attention_backend, self.kv, self.device,
-                                                        batch_invariant=deterministic,
+        self.backend: AttentionBackend = create_backend("torch" if mixed else config.attention_backend, self.kv,
+                                                        self.device, batch_invariant=deterministic,
                                                         cascade=not config.disable_cascade_attention,
                                                         mirror=dsa is None)
         if dsa is not None:
@@ -188,6 +196,9 @@ class ModelRunner:
         out = {"device": str(self.device), "attention_backend": self.backend.name,
                "kv_cache_dtype": str(self.kv.dtype).removeprefix("torch."),
                "deterministic_inference": self.config.enable_deterministic_inference}
+        if self.num_fp8_pages:
+            out["kv_history_dtype"] = str(self.kv.history_dtype).removeprefix("torch.")
+            out["kv_pages"] = {"history": self.num_pages - self.num_fp8_pages, "fp8": self.num_fp8_pages}
         if self.host_kv is not None:
             out.update(self.host_kv.info())
         if self.kv_scales is not None:

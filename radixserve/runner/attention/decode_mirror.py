@@ -73,7 +73,12 @@ class DecodeMirror:
         cascade = (plan_cascade(slot_idx, d.lens, d.page_lists, kv.page_size, kv.compute_dtype,
                                 kv.device, [slot.borrowed for slot in slots]) if share else None)
         self._own_what_is_read(kv, d, slots, cascade)
-        return MirrorStep(self, kv, slot_idx, d.lens, cascade)
+        new_slots = None
+        if kv.round_trip_by_slot:    # where each new token is stored: its page at position len - 1
+            size = kv.page_size
+            new_slots = torch.tensor([pages[(n - 1) // size] * size + (n - 1) % size
+                                      for pages, n in zip(d.page_lists, d.lens)], dtype=torch.long, device=kv.device)
+        return MirrorStep(self, kv, slot_idx, d.lens, cascade, new_slots)
 
     @staticmethod
     def _token_bytes(kv: KVCache) -> int:
@@ -184,8 +189,9 @@ def _round(n: int) -> int:
 
 class MirrorStep:
     def __init__(self, mirror: DecodeMirror, kv: KVCache, slot_idx: list[int], lens: list[int],
-                 cascade: CascadePlan | None = None):
-        self.mirror, self.kv, self.cascade = mirror, kv, cascade
+                 cascade: CascadePlan | None = None, new_slots: torch.Tensor | None = None):
+        """`new_slots`: (B,) int64 cache slots of the decode group's new tokens, for round_trip by slot."""
+        self.mirror, self.kv, self.cascade, self.new_slots = mirror, kv, cascade, new_slots
         self.num_kv, self.head_dim = kv.num_kv_heads, kv.head_dim
         batch = len(slot_idx)
         self.num_used = max(slot_idx) + 1
@@ -205,7 +211,7 @@ class MirrorStep:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (B, H, D), k and v: (B, KV, D) of the decode group -> (B, H, D)."""
         m = self.mirror
-        k, v = self.kv.round_trip(layer, k, v)
+        k, v = self.kv.round_trip(layer, k, v, self.new_slots)
         flat = (self.num_kv, m.num_slots * m.capacity, self.head_dim)
         m.k[layer].view(flat).index_copy_(1, self.write_idx, k.transpose(0, 1))
         if not self.kv.latent:
