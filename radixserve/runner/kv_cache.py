@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.runner.device import zeros
+
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
@@ -49,8 +51,9 @@ class KVCache:
         if self.is_fp8 and (k_scale is None or v_scale is None):
             raise ValueError("float8 KV storage needs k_scale and v_scale")
         shape = (num_kv_heads, num_pages, page_size, head_dim)
-        self._k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self._v = self._k if latent else [torch.zeros(shape, dtype=dtype, device=self.device)
+        # Anonymous mappings on CPU (device.zeros): a page of the pool costs memory once a slot in it is written.
+        self._k = [zeros(shape, dtype, self.device) for _ in range(num_layers)]
+        self._v = self._k if latent else [zeros(shape, dtype, self.device)
                                           for _ in range(num_layers)]
         self._stores = [self._k] if latent else [self._k, self._v]
         self._head_offsets = torch.arange(num_kv_heads, device=self.device) * num_pages
@@ -183,7 +186,7 @@ class KVCache:
         assert name not in self._side, f"side buffer {name!r} exists"
         layers = list(range(self.num_layers)) if layers is None else sorted(layers)
         full = (self.num_pages, self.page_size, *shape)
-        self._side[name] = [torch.zeros(full, dtype=dtype, device=self.device) for _ in layers]
+        self._side[name] = [zeros(full, dtype, self.device) for _ in layers]
         self._side_layers[name] = {layer: i for i, layer in enumerate(layers)}
 
     @property
