@@ -19,6 +19,7 @@ from tests.model.mtp_checkpoint import build_glm_mtp
 from tests.model.test_mtp import (EAGLE, check_drafts_after_a_shared_prefix, check_drafts_after_host_tier_reloads,
                                   check_drafts_in_scenario, check_greedy_equals_no_speculation,
                                   check_pd_decode_drafts, rewrite, runner)
+from tests.model.test_parity import SCENARIOS
 
 DSA = {"family": "glm_moe_dsa", "num_nextn_predict_layers": 1, "index_topk_pattern": "FSF"}
 
@@ -51,7 +52,7 @@ def test_pd_decode_drafts_from_the_transferred_draft_kv(dsa_mtp_case):
     check_pd_decode_drafts(dsa_mtp_case)
 
 
-@pytest.mark.parametrize("name", ["a_one_at_a_time", "d_small_chunks", "e_preemption"])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_greedy_equals_no_speculation(dsa_mtp_case, name):
     check_greedy_equals_no_speculation(dsa_mtp_case[0], name)
 
