@@ -6,7 +6,8 @@ dsa_mtp_model). The draft is a full DSA layer: its index keys are layer 3 of the
 the target's full layers 0 and 2. Every draft equals transformers' MTP chain (its sparse attention over the top-8 once
 the draft context passes 8 tokens) under the glm4_moe test's scenarios, run by its own helpers: batching, a warm cache,
 small chunks, preemption, shared-prefix radix hits, host-tier reloads and PD; greedy output equals the output without
-speculation; missing indexer weights of the MTP layer fail the load (C53)."""
+speculation; a draft built to be accepted extends its KV over accepted tokens as transformers' chain does; missing
+indexer weights of the MTP layer fail the load (C53)."""
 from __future__ import annotations
 
 import pytest
@@ -30,6 +31,28 @@ def dsa_mtp_case(tmp_path_factory):
     model, mtp = build_glm_mtp(folder, **DSA)
     assert mtp.layers[0].mtp_block.self_attn.indexer is not None and model.config.index_topk == 8
     return folder, model, mtp
+
+
+@pytest.fixture(scope="module")
+def accepting_case(tmp_path_factory):
+    """The exact build (target and draft predict the next token from the current one) with the draft's attention
+    output given back (o_proj random, x 0.1): drafts are mostly accepted and still depend on the draft's sparse
+    attention (a dense draft differs from transformers' by 5e-3), so the extend over accepted rows is checked."""
+    folder = tmp_path_factory.mktemp("glm5_mtp_accepting")
+    model, mtp = build_glm_mtp(folder, exact=True, **DSA)
+    gen = torch.Generator().manual_seed(3)
+    weight = mtp.layers[0].mtp_block.self_attn.o_proj.weight
+    with torch.no_grad():
+        weight.copy_(torch.randn(weight.shape, generator=gen) * 0.1)
+    rewrite(folder, lambda t: t.__setitem__("model.layers.3.self_attn.o_proj.weight", weight.detach().clone()))
+    return folder, model, mtp
+
+
+def test_accepted_drafts_extend_the_draft_kv_as_transformers(accepting_case):
+    engine = check_drafts_in_scenario(accepting_case, "d_small_chunks")
+    s = engine.stats()
+    assert s["spec_num_accepted_tokens"] > s["spec_num_verify_steps"], s
+    check_greedy_equals_no_speculation(accepting_case[0], "e_preemption", exact=True)
 
 
 @pytest.mark.parametrize("name", ["b_all_at_once", "c_warm_cache", "d_small_chunks", "e_preemption"])

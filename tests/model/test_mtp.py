@@ -94,8 +94,9 @@ def test_drafts_equal_transformers_mtp(mtp_case, name):
     check_drafts_in_scenario(mtp_case, name)
 
 
-def check_drafts_in_scenario(case, name: str) -> None:
-    """Scenario `name` with EAGLE over case = (folder, hf model, hf MtpModel): every draft equals transformers'."""
+def check_drafts_in_scenario(case, name: str):
+    """Scenario `name` with EAGLE over case = (folder, hf model, hf MtpModel): every draft equals transformers'.
+    Returns the engine."""
     folder, model, mtp = case
     spec = SCENARIOS[name]
     prompts = prompt_set(256, 1, LENGTHS)
@@ -107,6 +108,7 @@ def check_drafts_in_scenario(case, name: str) -> None:
     assert_drafts_match_transformers(model, mtp, records)
     if name == "e_preemption":
         assert engine.stats()["num_preemptions"] > 0
+    return engine
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
