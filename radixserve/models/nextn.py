@@ -1,10 +1,12 @@
-"""The NextN / MTP draft layer of glm4_moe checkpoints (GLM-4.5/4.6/4.7): checkpoint layer `num_hidden_layers`.
+"""The NextN / MTP draft layer of glm4_moe (GLM-4.5/4.6/4.7) and glm_moe_dsa (GLM-5): checkpoint layer N = num_layers.
 
 One step (DeepSeek-V3's multi-token prediction module; transformers' MtpLayer):
     h' = eh_proj(cat[enorm(embed(next token)), hnorm(h)]) -> decoder block (MoE) -> shared_head.norm
     logits = lm_head(h')
 h is the target's hidden state after its final norm (the LM head's input) for the first step, and the previous
 step's h' after that. Embeddings and LM head are the target's unless the checkpoint gives the layer its own.
+glm_moe_dsa: the block is a DSA layer with a full indexer of its own (transformers' MtpModel builds the block as layer 0
+of the MTP config, and indexer_types[0] is always "full"), its index keys in the KV cache's side buffer at layer N.
 A trained head file (weights/nextn_loader.py's load_draft_head, e.g. the default model's) has the same structure for
 any Llama-shaped family and may bring a `token_map`: the draft then scores only those vocabulary rows of the head
 (a reduced draft vocabulary, as FR-Spec and EAGLE-3 do) and proposes only those tokens."""
@@ -15,9 +17,10 @@ import torch
 from radixserve.layers.attention import Attention
 from radixserve.layers.linear import Linear
 from radixserve.layers.norm import RMSNorm
+from radixserve.models.dsa import Indexer
 from radixserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, prepare_modules
 
-NEXTN_FAMILIES = ("glm4_moe",)
+NEXTN_FAMILIES = ("glm4_moe", "glm_moe_dsa")
 
 
 class SharedHead(torch.nn.Module):
@@ -35,6 +38,8 @@ class NextNLayer(LlamaDecoderLayer):
     def __init__(self, target: LlamaForCausalLM):
         c = target.config
         super().__init__(c, c.num_layers)
+        if c.dsa is not None and self.self_attn.indexer is None:   # N is past config.dsa.full_layers
+            self.self_attn.indexer = Indexer(c, c.num_layers)
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.eh_proj = Linear(2 * c.hidden_size, c.hidden_size)

@@ -17,6 +17,12 @@ def kv_storage_dtype(config: EngineConfig) -> torch.dtype:
     return DTYPES[config.dtype] if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
 
 
+def index_key_layers(mc: ModelConfig, num_layers: int | None = None) -> tuple[int, ...]:
+    """The stored layers with DSA index keys: the model's full indexer layers, and the NextN draft's layer N (its DSA
+    block runs a full indexer, models/nextn.py) when `num_layers` (stored) is N + 1."""
+    return mc.dsa.full_layers + tuple(range(mc.num_layers, num_layers or mc.num_layers))
+
+
 def num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = None,
                num_layers: int | None = None) -> int:
     """Pages of `config.page_size` tokens the KV cache gets: --max-total-tokens, else --kv-cache-memory-gb over the bytes
@@ -26,8 +32,8 @@ def num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = 
         return config.max_total_tokens // config.page_size
     per_token = _bytes_per_token(mc, kv_storage_dtype(config), num_kv_heads, num_layers)
     if mc.dsa is not None:
-        per_token += index_bytes_per_token(mc.dsa.full_layers, mc.dsa.index_head_dim, DTYPES[config.dtype],
-                                           config.index_cache_dtype != "auto")
+        per_token += index_bytes_per_token(index_key_layers(mc, num_layers), mc.dsa.index_head_dim,
+                                           DTYPES[config.dtype], config.index_cache_dtype != "auto")
     pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
     if pages < 2:
         raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")

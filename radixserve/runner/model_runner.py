@@ -27,7 +27,7 @@ from radixserve.runner.disk_kv import DiskKV, fingerprint
 from radixserve.runner.draft import DraftModel
 from radixserve.runner.host_kv import HostKV
 from radixserve.runner.kv_cache import FP8_DTYPES, KVCache, KVPages
-from radixserve.runner.kv_sizing import DTYPES, history_split, kv_storage_dtype, num_pages
+from radixserve.runner.kv_sizing import DTYPES, history_split, index_key_layers, kv_storage_dtype, num_pages
 from radixserve.runner.mixed_kv import MixedKVCache
 from radixserve.runner.mtp import MTPDraft
 from radixserve.runner.structured import StructuredOutput
@@ -84,16 +84,15 @@ class ModelRunner:
         self.kv = (MixedKVCache.build(shape[0], *split, *shape[1:], kv_dtype, self.device, self.dtype, *scales, latent)
                    if split else KVCache(shape[0], self.num_pages, *shape[1:], kv_dtype, self.device, self.dtype,
                                          *scales, latent=latent))
-        if dsa is not None and (deterministic or config.is_eagle):
-            raise ValueError("glm_moe_dsa (DSA) does not run with --enable-deterministic-inference or "
-                             "--speculative-algorithm EAGLE yet")
+        if dsa is not None and deterministic:
+            raise ValueError("glm_moe_dsa (DSA) does not run with --enable-deterministic-inference yet")
         self.backend: AttentionBackend = create_backend("torch" if mixed else config.attention_backend, self.kv,
                                                         self.device, batch_invariant=deterministic,
                                                         cascade=not config.disable_cascade_attention,
                                                         mirror=dsa is None)
-        if dsa is not None:
-            add_index_keys(self.kv, self.index_key_layers(dsa.full_layers), dsa.index_head_dim, self.dtype,
-                           fp8=config.index_cache_dtype != "auto")
+        if dsa is not None:   # the full indexer layers (and an EAGLE draft's layer N), as this runner stores them
+            add_index_keys(self.kv, self.index_key_layers(index_key_layers(model_config, self.kv.num_layers)),
+                           dsa.index_head_dim, self.dtype, fp8=config.index_cache_dtype != "auto")
             self.backend = SparseBackend(self.backend)
         self.host_kv = self._host_kv(config) if config.enable_hierarchical_cache else None
         self.decode_graphs = load_decode_graphs(self.model, config, self.device)
@@ -234,9 +233,12 @@ class ModelRunner:
                 mean, std = f.mean(dims, keepdim=True), f.std(dims, keepdim=True)
                 return (mean + std * torch.randn(f.shape, generator=gen)).to(x.dtype)
             data = KVPages(noise(data.k), noise(data.v), data.side)
-        if self.mtp is not None:   # the target's layers only: the draft's KV stays its own
-            kept = self.kv.export_pages(page_ids)
+        if self.mtp is not None:   # the target's layers only: the draft's KV (and index keys) stays its own
+            kept, draft = self.kv.export_pages(page_ids), self.kv.num_layers - 1
             data.k[-1], data.v[-1] = kept.k[-1], kept.v[-1]
+            for name in data.side:
+                if draft in self.kv.side_layers(name):
+                    data.side[name][-1] = kept.side[name][-1]
         self.kv.import_pages(page_ids, data)
         mirror = getattr(self.backend, "mirror", None)
         if mirror is not None:

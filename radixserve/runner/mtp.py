@@ -23,6 +23,7 @@ import torch
 from radixserve.engine.runner_api import ScheduledSeq, SeqResult
 from radixserve.engine_config import EngineConfig
 from radixserve.models.nextn import NextNLayer, prepare_nextn
+from radixserve.runner.attention.sparse import SparseBackend
 from radixserve.runner.attention.torch_backend import TorchAttentionBackend
 from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.kv_cache import KVCache
@@ -46,6 +47,8 @@ class MTPDraft:
         self.layer, self.page_size, self.device = layer, page_size, device
         # No decode mirror: chain steps run ahead of the sequences a mirror tracks.
         self.backend = TorchAttentionBackend(kv, mirror_bytes=0)
+        if getattr(layer.self_attn, "indexer", None) is not None:   # glm_moe_dsa: sparse over its own index keys
+            self.backend = SparseBackend(self.backend)
         self.max_carried = max_carried
         self._carry: OrderedDict[str, tuple[int, torch.Tensor]] = OrderedDict()
 

@@ -1,5 +1,5 @@
-"""Tiny glm4_moe checkpoints with a NextN (MTP) layer at index num_hidden_layers, in GLM's on-disk layout, built
-from transformers' own Glm4MoeForCausalLM and MtpModel (tests/model/test_mtp.py)."""
+"""Tiny glm4_moe and glm_moe_dsa checkpoints with a NextN (MTP) layer at index num_hidden_layers, in GLM's on-disk
+layout, built from transformers' own model classes and MtpModel (tests/model/test_mtp.py, test_dsa_mtp.py)."""
 from __future__ import annotations
 
 import torch
@@ -7,8 +7,10 @@ import torch
 from tests.model.test_families import COMMON, FAMILIES
 
 
-def build_glm_mtp(folder, seed: int = 0, exact: bool = False, shared_copies: bool = False):
-    """Save a random glm4_moe with one MTP layer into `folder`; returns (hf model, hf MtpModel), fp32, eval.
+def build_glm_mtp(folder, seed: int = 0, exact: bool = False, shared_copies: bool = False, family: str = "glm4_moe",
+                  **overrides):
+    """Save a random `family` model (FAMILIES' config, `overrides` over it) with one MTP layer into `folder`; returns
+    (hf model, hf MtpModel), fp32, eval.
     `exact`: attention and MLP outputs zeroed in target and draft, eh_proj = [I | 0] and shared_head.norm = the
     final norm, so the target's next token depends on the current one only and the draft predicts it exactly.
     `shared_copies`: the layer also stores embed_tokens and shared_head.head (copies of the target's)."""
@@ -16,10 +18,11 @@ def build_glm_mtp(folder, seed: int = 0, exact: bool = False, shared_copies: boo
     from safetensors.torch import load_file, save_file
     from transformers.modeling_layers import MtpModel
 
-    config_cls, model_cls, extra = FAMILIES["glm4_moe"]
+    config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**COMMON, **extra})).eval()
-    mtp = MtpModel(model, 1).eval()
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
+    model = getattr(transformers, model_cls)(config).eval()
+    mtp = (dsa_mtp_model(model) if family == "glm_moe_dsa" else MtpModel(model, 1)).eval()
     with torch.no_grad():
         # MtpModel's own layers come uninitialized (whatever memory held): give every one of their tensors values
         for tensor in mtp.layers.state_dict().values():
@@ -49,6 +52,28 @@ def build_glm_mtp(folder, seed: int = 0, exact: bool = False, shared_copies: boo
     tensors.update(glm_mtp_tensors(mtp, model.config.num_hidden_layers, shared_copies))
     save_file(tensors, path, metadata={"format": "pt"})
     return model, mtp
+
+
+def dsa_mtp_model(model):
+    """transformers 5.25's MtpModel over a glm_moe_dsa model. It builds the layer (GlmMoeDsaDecoderLayer as layer 0 of
+    the MTP config: indexer_types[0] is "full", so a full indexer of its own; MoE, first_k_dense_replace being 0) once
+    the config names num_mtp_layers and the MTP layer types, which GlmMoeDsaConfig does not; its forward_layer then
+    needs a causal mask (there is no mask function for "indexed_attention" layers) and the block's hidden states alone
+    (the block returns (hidden, top-k)). Both are given here; every computation stays transformers'."""
+    from transformers.modeling_layers import MtpModel
+
+    c = model.config
+    c.num_mtp_layers, c.mtp_layer_types, c.mtp_mlp_layer_types = 1, ["indexed_attention"], ["sparse"]
+    mtp = MtpModel(model, 1)
+    for name in ("num_mtp_layers", "mtp_layer_types", "mtp_mlp_layer_types"):
+        delattr(c, name)   # the saved config.json stays GLM-5's (num_nextn_predict_layers only)
+
+    def causal_mask(layer_idx, inputs_embeds, cache, position_ids):
+        n = inputs_embeds.shape[1]
+        return {"attention_mask": torch.ones(n, n, dtype=torch.bool).tril()[None, None]}
+    mtp.create_masks_for_mtp_layer = causal_mask
+    mtp.layers[0].mtp_block.register_forward_hook(lambda module, args, out: out[0])
+    return mtp
 
 
 def glm_mtp_tensors(mtp, num_layers: int, shared_copies: bool = False) -> dict[str, torch.Tensor]:

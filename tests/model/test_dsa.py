@@ -193,8 +193,8 @@ def test_indexer_types_follow_transformers():
 
 
 def test_what_dsa_does_not_run_is_refused(tmp_path):
-    """A full layer without its indexer weights, deterministic inference and EAGLE: load errors (a self-draft runs:
-    test_dsa_speculative.py). Under TP only the query heads must divide (C47: no KV-head divisibility check on the
+    """A full layer without its indexer weights and deterministic inference: load errors (a self-draft runs:
+    test_dsa_speculative.py; EAGLE on the MTP layer: test_dsa_mtp.py). Under TP only the query heads must divide (C47: no KV-head divisibility check on the
     one latent head)."""
     from safetensors.torch import load_file, save_file
 
@@ -206,9 +206,8 @@ def test_what_dsa_does_not_run_is_refused(tmp_path):
     with pytest.raises(ValueError, match="does not divide 12 attention heads"):
         LlamaDecoderLayer(mc, 1, tp=type("TP", (), {"size": 8, "rank": 0})())
     folder = build_dsa(tmp_path / "m")
-    for cfg in [{"enable_deterministic_inference": True}, {"speculative_algorithm": "EAGLE"}]:
-        with pytest.raises(ValueError, match="glm_moe_dsa"):
-            make_runner(folder, **cfg)
+    with pytest.raises(ValueError, match="glm_moe_dsa"):
+        make_runner(folder, enable_deterministic_inference=True)
     path = folder / "model.safetensors"
     tensors = load_file(path)
     del tensors["model.layers.1.self_attn.indexer.wk.weight"]

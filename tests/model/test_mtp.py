@@ -91,7 +91,13 @@ def assert_drafts_match_transformers(model, mtp, records, limit: int = 60):
 
 @pytest.mark.parametrize("name", ["b_all_at_once", "c_warm_cache", "d_small_chunks", "e_preemption"])
 def test_drafts_equal_transformers_mtp(mtp_case, name):
-    folder, model, mtp = mtp_case
+    check_drafts_in_scenario(mtp_case, name)
+
+
+def check_drafts_in_scenario(case, name: str):
+    """Scenario `name` with EAGLE over case = (folder, hf model, hf MtpModel): every draft equals transformers'.
+    Returns the engine."""
+    folder, model, mtp = case
     spec = SCENARIOS[name]
     prompts = prompt_set(256, 1, LENGTHS)
     engine = make_engine(folder, **scenario_cfg(name), **EAGLE)
@@ -102,6 +108,7 @@ def test_drafts_equal_transformers_mtp(mtp_case, name):
     assert_drafts_match_transformers(model, mtp, records)
     if name == "e_preemption":
         assert engine.stats()["num_preemptions"] > 0
+    return engine
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -109,7 +116,11 @@ def test_drafts_equal_transformers_mtp_after_a_shared_prefix(mtp_case, page_size
     """C51: a 3-page shared prefix, then new suffixes. The draft KV of the prefix's last position was computed
     from the token after it, so pages are keyed by token pairs (engine/kv_manager.py paired_key): a hit never
     reuses draft KV made for another next token."""
-    folder, model, mtp = mtp_case
+    check_drafts_after_a_shared_prefix(mtp_case, page_size)
+
+
+def check_drafts_after_a_shared_prefix(case, page_size: int) -> None:
+    folder, model, mtp = case
     prefix = prompt_set(256, 4, [48])[0]
     prompts = [prefix + s for s in prompt_set(256, 5, [0, 9, 20, 33])]
     prompts.append(list(prompts[1]))   # the same prompt again: a full hit
@@ -123,7 +134,11 @@ def test_drafts_equal_transformers_mtp_after_a_shared_prefix(mtp_case, page_size
 
 def test_drafts_equal_transformers_mtp_after_host_tier_reloads(mtp_case):
     """C51: the draft's KV travels to the host tier and back with the target's (one cache, one more layer)."""
-    folder, model, mtp = mtp_case
+    check_drafts_after_host_tier_reloads(mtp_case)
+
+
+def check_drafts_after_host_tier_reloads(case) -> None:
+    folder, model, mtp = case
     prompts = [[t % 250 + 3 for t in p] for p in sessions(n=4, length=110)]
     engine = make_engine(folder, enable_hierarchical_cache=True, **SMALL_POOL, **EAGLE)
     engine_generate(engine, prompts, 8)
@@ -140,10 +155,14 @@ def test_pd_decode_drafts_from_the_transferred_draft_kv(mtp_case):
     after it) and sends it with the target's, as one more layer of each page; the decode side's first step
     decodes without a draft, which gives it the hidden state to draft from. Output equals colocated, and
     every decode-side draft equals transformers' (a draft layer left behind would not)."""
+    check_pd_decode_drafts(mtp_case)
+
+
+def check_pd_decode_drafts(case) -> None:
     from tests.model.test_pd_race import pd
     from tests.unit.pd_helpers import Rig, greedy
 
-    folder, model, mtp = mtp_case
+    folder, model, mtp = case
     prompts = prompt_set(256, 6, [1, 5, 13, 30, 47, 100, 150])   # the last two: prefill chunks of 64
     want, _ = engine_generate(make_engine(folder, page_size=4), prompts, 10)
     p, d = pd("prefill", folder, 4096, **EAGLE), pd("decode", folder, 4096, **EAGLE)
@@ -176,7 +195,11 @@ def generate(engine, prompts, params) -> tuple[list[list[int]], list]:
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 @pytest.mark.parametrize("exact", [False, True], ids=["random", "exact"])
 def test_greedy_equals_no_speculation(mtp_case, exact_dir, name, exact):
-    folder = exact_dir if exact else mtp_case[0]
+    check_greedy_equals_no_speculation(exact_dir if exact else mtp_case[0], name, exact)
+
+
+def check_greedy_equals_no_speculation(folder, name: str, exact: bool = False) -> None:
+    """Scenario `name` over `folder`: greedy tokens with EAGLE equal those without; `exact`: drafts are accepted."""
     spec = SCENARIOS[name]
     prompts = prompt_set(256, 2, LENGTHS)
     outs = []
