@@ -63,9 +63,9 @@ def reuse_freed_cpu_buffers() -> bool:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """torch.zeros; on CPU a fresh anonymous mapping, zero-filled on first touch, so unwritten pages cost nothing."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
+    if torch.device(device).type != "cpu" or count == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
     buf = mmap.mmap(-1, max(1, count * torch.empty((), dtype=dtype).element_size()))
     if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)

@@ -30,10 +30,8 @@ def num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = 
     `num_layers`: of KV stored (None: the model's). Raises ValueError below two pages."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens // config.page_size
-    per_token = _bytes_per_token(mc, kv_storage_dtype(config), num_kv_heads, num_layers)
-    if mc.dsa is not None:
-        per_token += index_bytes_per_token(index_key_layers(mc, num_layers), mc.dsa.index_head_dim,
-                                           DTYPES[config.dtype], config.index_cache_dtype != "auto")
+    per_token = _bytes_per_token(mc, kv_storage_dtype(config), num_kv_heads, num_layers) + \
+        _index_bytes_per_token(config, mc, num_layers)
     pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
     if pages < 2:
         raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")
@@ -44,7 +42,8 @@ def history_split(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | Non
                   num_layers: int | None = None) -> tuple[int, int]:
     """--kv-history-dtype auto: (model-dtype pages, FP8 pages). With --max-total-tokens its pages split by
     --kv-fp8-page-fraction; else that fraction F of B = --kv-cache-memory-gb bytes goes to FP8 pages:
-    fp8 = floor(F * B) // (fp8 bytes per page), model = (B - floor(F * B)) // (model-dtype bytes per page).
+    fp8 = floor(F * B) // (fp8 bytes per page), model = (B - floor(F * B)) // (model-dtype bytes per page), a page's
+    bytes counting its DSA index keys (stored alike in both ranges).
     Raises ValueError when either range gets no page or the history fewer than two."""
     page, fraction = config.page_size, config.kv_fp8_page_fraction
     if config.max_total_tokens is not None:
@@ -54,7 +53,8 @@ def history_split(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | Non
     else:
         budget = int(config.kv_cache_memory_gb * 2**30)
         fp8_budget = int(budget * fraction)
-        split = tuple((part // (_bytes_per_token(mc, dtype, num_kv_heads, num_layers) * page))
+        index = _index_bytes_per_token(config, mc, num_layers)    # DSA index keys: the same bytes in both ranges
+        split = tuple((part // ((_bytes_per_token(mc, dtype, num_kv_heads, num_layers) + index) * page))
                       for part, dtype in ((budget - fp8_budget, DTYPES[config.dtype]),
                                           (fp8_budget, KV_DTYPES[config.kv_cache_dtype])))
     if split[0] < 2 or split[1] < 1:
@@ -67,3 +67,11 @@ def _bytes_per_token(mc: ModelConfig, dtype: torch.dtype, num_kv_heads: int | No
     heads, head_dim, latent = mc.kv_shape
     heads = heads if latent or num_kv_heads is None else num_kv_heads
     return KVCache.bytes_per_token(num_layers or mc.num_layers, heads, head_dim, dtype, latent)
+
+
+def _index_bytes_per_token(config: EngineConfig, mc: ModelConfig, num_layers: int | None) -> int:
+    """DSA index-key bytes per token over every stored layer that keeps them (0 without DSA)."""
+    if mc.dsa is None:
+        return 0
+    return index_bytes_per_token(index_key_layers(mc, num_layers), mc.dsa.index_head_dim, DTYPES[config.dtype],
+                                 config.index_cache_dtype != "auto")

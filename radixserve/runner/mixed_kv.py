@@ -4,7 +4,8 @@
     page ids [num_model_pages, num_pages)  -> `fp8`, page p - num_model_pages
 
 The engine's PagePool hands prompt (history) pages from the first range and decode pages from the second, so the radix
-tree only ever holds model-dtype KV. Reads and writes take global slots and head rows and split them by range."""
+tree only ever holds model-dtype KV. Reads and writes take global slots and head rows and split them by range. Side
+buffers (DSA index keys) are not split: one store over every global slot, in the dtype their owner asks for."""
 from __future__ import annotations
 
 import torch
@@ -13,10 +14,9 @@ from radixserve.runner.kv_cache import KVCache
 
 
 class MixedKVCache:
-    """The KVCache surface the torch attention backend and its DecodeMirror use (write, head_rows, gather, round_trip
-    by slot) and the sizing
-    accessors. Host tier, PD export/import, side buffers, kernel views and checksums are not offered: the flags
-    needing them are refused at start-up (config_checks.check_kv_history)."""
+    """The KVCache surface the torch attention backend, its DecodeMirror and the sparse backend use (write, head_rows,
+    gather, round_trip by slot, read_slots, side buffers) and the sizing accessors. Host tier, PD export/import, kernel
+    views and checksums are not offered: the flags needing them are refused at start-up (config_checks.check_kv_history)."""
 
     def __init__(self, model: KVCache, fp8: KVCache):
         assert not model.is_fp8 and fp8.is_fp8, "model must store the model dtype and fp8 an FP8 dtype"
@@ -31,6 +31,9 @@ class MixedKVCache:
         self.dtype, self.history_dtype = fp8.dtype, model.dtype
         self.k_scale, self.v_scale = fp8.k_scale, fp8.v_scale
         self._head_offsets = torch.arange(self.num_kv_heads, device=self.device) * self.num_pages
+        # Side buffers only: a KVCache with no KV heads over the global page-id space (its K/V hold 0 bytes).
+        self._sides = KVCache(self.num_layers, self.num_pages, self.page_size, 0, self.head_dim, model.dtype,
+                              self.device)
 
     @classmethod
     def build(cls, num_layers: int, num_model_pages: int, num_fp8_pages: int, page_size: int, num_kv_heads: int,
@@ -53,7 +56,42 @@ class MixedKVCache:
         return self.allocated_bytes() // (self.num_pages * self.page_size)
 
     def allocated_bytes(self) -> int:
-        return self.model.allocated_bytes() + self.fp8.allocated_bytes()
+        return self.model.allocated_bytes() + self.fp8.allocated_bytes() + self._sides.allocated_bytes()
+
+    def add_side_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                        layers: list[int] | None = None) -> None:
+        """KVCache.add_side_buffer over every global slot."""
+        self._sides.add_side_buffer(name, shape, dtype, layers)
+
+    @property
+    def side_names(self) -> list[str]:
+        return self._sides.side_names
+
+    def side_layers(self, name: str) -> list[int]:
+        return self._sides.side_layers(name)
+
+    def side_export(self, name: str, num_pages: int) -> tuple[tuple[int, ...], torch.dtype]:
+        return self._sides.side_export(name, num_pages)
+
+    def write_side(self, name: str, layer: int, slots: torch.Tensor, x: torch.Tensor) -> None:
+        self._sides.write_side(name, layer, slots, x)
+
+    def read_side(self, name: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return self._sides.read_side(name, layer, slots)
+
+    def read_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """K at global `slots` (T,) int64 as (T, KV, D) compute dtype, FP8 rows dequantised (sparse attention)."""
+        boundary = self.num_model_pages * self.page_size
+        in_fp8 = slots >= boundary
+        if not bool(in_fp8.any()):
+            return self.model.read_slots(layer, slots)
+        out = torch.empty((slots.numel(), self.num_kv_heads, self.head_dim), dtype=self.compute_dtype,
+                          device=self.device)
+        on_model = ~in_fp8
+        if bool(on_model.any()):
+            out[on_model] = self.model.read_slots(layer, slots[on_model])
+        out[in_fp8] = self.fp8.read_slots(layer, slots[in_fp8] - boundary)
+        return out
 
     def is_fp8_page(self, page_id: int) -> bool:
         return page_id >= self.num_model_pages

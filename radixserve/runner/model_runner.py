@@ -72,8 +72,6 @@ class ModelRunner:
             heads = getattr(model, "num_kv_heads", heads)   # this rank's
         mixed = config.kv_history_dtype == "auto"
         dsa = model_config.dsa
-        if mixed and dsa is not None:
-            raise ValueError("--kv-history-dtype auto does not carry glm_moe_dsa's index-key side buffers yet")
         split = history_split(config, model_config, heads, self.kv_layers(model_config)) if mixed else None
         self.num_pages = sum(split) if split else num_pages(config, model_config, heads, self.kv_layers(model_config))
         self.num_fp8_pages = split[1] if split else 0

@@ -17,6 +17,7 @@ from radixserve.runner.kv_cache import KVCache
 from radixserve.runner.mixed_kv import MixedKVCache
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
+from tests.model.test_dsa import TOPK, build_dsa
 from tests.model.test_mla import build_mla
 
 PAGE = 4
@@ -53,6 +54,11 @@ def prompt_of(n: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def mla_dir(tmp_path_factory):
     return build_mla(tmp_path_factory.mktemp("mla"))
+
+
+@pytest.fixture(scope="module")
+def dsa_dir(tmp_path_factory):
+    return build_dsa(tmp_path_factory.mktemp("dsa"))
 
 
 @pytest.mark.parametrize("latent", [False, True])
@@ -141,12 +147,13 @@ def test_memory_sized_pool_splits_bytes_by_the_fraction(gqa_dir):
     assert runner.kv.allocated_bytes() <= budget
 
 
-@pytest.mark.parametrize("family", ["gqa_dir", "mla_dir"])
+@pytest.mark.parametrize("family", ["gqa_dir", "mla_dir", "dsa_dir"])
 def test_second_turn_hits_only_history_and_equals_the_reference(family, request):
     """(c) Turn 2 = turn 1's prompt + its reply + new text. With mixed pages the radix hit is turn 1's prompt only
     (the reply re-prefills at the model dtype) and turn 2's first-token logprobs equal the reference server's,
     which has cached the same prompt pages, and the mixed server's own for turn 2 sent whole (within 1e-5: other
-    chunking); all-FP8 KV hits the reply too and differs. GQA and MLA's latent."""
+    chunking); all-FP8 KV hits the reply too and differs. GQA, MLA's latent, and DSA (glm_moe_dsa: index keys in one
+    side buffer over both ranges; turn 2 is longer than index_topk, so its attention is sparse)."""
     folder = request.getfixturevalue(family)
     turn1 = prompt_of(24, 4)                                   # page-aligned: the reply starts an FP8 page
     mixed = engine(folder, "mixed")
@@ -154,6 +161,7 @@ def test_second_turn_hits_only_history_and_equals_the_reference(family, request)
     tree = mixed.kv.cache.all_page_ids()
     assert tree and all(p < mixed.kv.pool.num_model_pages for p in tree), "the tree holds an FP8 page"
     turn2 = turn1 + reply + prompt_of(11, 5)
+    assert family != "dsa_dir" or len(turn2) > TOPK
     got = run(mixed, {"t2": turn2}, max_tokens=1, logprobs=5)["t2"]
     assert got[3] == len(turn1)
     ref = engine(folder, "model")
@@ -222,3 +230,15 @@ def test_serve_exits_2_naming_the_flags(capsys):
     assert main(["serve", "--kv-cache-dtype", "fp8_e4m3", "--kv-history-dtype", "auto",
                  "--enable-hierarchical-cache"]) == 2
     assert "--kv-history-dtype auto cannot be combined with --enable-hierarchical-cache" in capsys.readouterr().err
+
+
+def test_dsa_pool_bytes_count_index_keys_over_every_page(dsa_dir):
+    """glm_moe_dsa under the policy: K/V split by range, index keys one side buffer over all pages (model dtype),
+    and the pool's bytes are exactly that."""
+    from radixserve.runner.attention.sparse import INDEX_KEYS
+    eng = engine(dsa_dir, "mixed")
+    kv, pool, mc = eng.runner.kv, eng.kv.pool, eng.runner.model_config
+    assert INDEX_KEYS in kv.side_names and kv.side_layers(INDEX_KEYS) == list(mc.dsa.full_layers)
+    index = len(mc.dsa.full_layers) * mc.dsa.index_head_dim * 4              # fp32 index keys per token
+    pages = zip((pool.num_model_pages, pool.num_fp8_pages), kv.bytes_per_page())
+    assert kv.allocated_bytes() == sum(n * b for n, b in pages) + pool.num_pages * PAGE * index
