@@ -230,13 +230,16 @@ class ModelRunner:
         return self.kv.slot_checksums(slots)
 
     def kv_layout(self) -> dict:
-        """disagg.protocol.KVLayout's fields."""
+        """disagg.protocol.KVLayout's fields: this rank's cache (export_kv's bytes hold its layers 0..num_layers-1 in
+        order) and the group's layout."""
         if getattr(self, "_identity", None) is None:
             self._identity = kv_transfer.model_identity(self.model_config, self.model)
-        kv = self.kv
+        kv, config = self.kv, self.config
         return {"page_size": self.page_size, "kv_dtype": str(kv.dtype).removeprefix("torch."),
                 "num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads,
-                "head_dim": kv.head_dim, "model": self._identity}
+                "head_dim": kv.head_dim, "model": self._identity, "layer_ids": tuple(range(kv.num_layers)),
+                "tp_size": config.tp_size, "cp_size": config.cp_size, "pp_size": config.pp_size,
+                "layer_split": config.enable_layer_split}
 
     def export_kv(self, page_ids: list[int]) -> bytes:
         return kv_transfer.pack_pages(self.kv.export_pages(page_ids))

@@ -1,0 +1,116 @@
+"""PD with a context-parallel prefill worker (C58, issue 42): `serve --disaggregation-mode prefill --cp-size 2` (rank 0
+ends a CP prefill holding every layer's KV and sends it as a one-rank worker does) feeding a one-rank decode worker
+behind `radixserve route` gives the colocated one-process worker's greedy tokens, for a GQA Llama and an MLA
+glm4_moe_lite, prompts of odd and even lengths and a prefill-side prefix hit. Refused layouts: test_pd_layout.py."""
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from radixserve.bench.launch import free_port
+from radixserve.http_common import poller_limits
+from tests.api.conftest import REPO, ServerProcess
+from tests.api.test_pd_api import _ok, wait_for
+
+COMMON = ["--max-total-tokens", "16384", "--page-size", "16", "--context-length", "512",
+          "--served-model-name", "tiny"]
+LENGTHS = (2, 5, 16, 17, 33, 48)
+
+
+@contextlib.contextmanager
+def pd_pair(model_dir, prefill_flags: list[str]):
+    """Prefill worker (`prefill_flags` added), one-rank decode worker and the router; yields (prefill, router client)."""
+    model = ["--model-path", str(model_dir), *COMMON]
+    prefill = ServerProcess([*model, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                             str(free_port()), "--disaggregation-transfer-timeout", "10", *prefill_flags],
+                            log_level="info")
+    decode = ServerProcess([*model, "--disaggregation-mode", "decode", "--disaggregation-transfer-timeout", "10"])
+    router = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        port = free_port()
+        router = subprocess.Popen([sys.executable, "-m", "radixserve", "route", "--prefill", prefill.base_url,
+                                   "--decode", decode.base_url, "--port", str(port), "--health-check-interval-s",
+                                   "0.5", "--log-level", "warning"], cwd=REPO)
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _ok(url + "/health"), "the router to be ready")
+        with httpx.Client(limits=poller_limits(), base_url=url, timeout=120, trust_env=False) as client:
+            yield prefill, client
+        prefill.assert_no_tracebacks()
+        decode.assert_no_tracebacks()
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(30)
+        prefill.stop()
+        decode.stop()
+
+
+def assert_same_greedy(ref: ServerProcess, router: httpx.Client) -> None:
+    prompts = [[100 + 7 * i % 200 for i in range(n)] for n in LENGTHS]
+    prompts.append(prompts[-1][:32] + [9, 8, 7])      # 35 tokens, 32 of them a prefix hit on the prefill worker
+    for prompt in prompts:
+        body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": 8, "logprobs": 1}
+        got, want = router.post("/v1/completions", json=body), ref.post("/v1/completions", json=body)
+        assert got.status_code == 200 == want.status_code, got.text
+        g, w = got.json()["choices"][0], want.json()["choices"][0]
+        assert g["logprobs"]["tokens"] == w["logprobs"]["tokens"] and g["text"] == w["text"], len(prompt)
+        assert abs(g["logprobs"]["token_logprobs"][0] - w["logprobs"]["token_logprobs"][0]) < 1e-3
+    assert got.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+def test_cp2_prefill_to_tp1_decode_llama(tiny_server, tiny_model_dir):
+    with pd_pair(tiny_model_dir, ["--cp-size", "2"]) as (prefill, router):
+        assert prefill.stats()["runner"]["cp_size"] == 2
+        assert_same_greedy(tiny_server, router)
+        assert "rank 1 of 2 joined" in prefill.output(tail_chars=None)
+
+
+@pytest.fixture(scope="module")
+def mla_model_dir(default_tokenizer, tmp_path_factory):
+    """A tiny glm4_moe_lite (MLA) with the default model's tokenizer and vocabulary."""
+    from tests.model.test_families import FAMILIES, build_family
+
+    config_cls, model_cls, extra = FAMILIES["glm4_moe_lite"]
+    folder = tmp_path_factory.mktemp("pd-cp-mla")
+    hf = default_tokenizer.hf
+    build_family(folder, "glm4_moe_lite", spec=(config_cls, model_cls, {
+        **extra, "vocab_size": len(hf), "bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id}))
+    hf.save_pretrained(folder)
+    return folder
+
+
+def cp_runs_mla(model_dir) -> bool:
+    """Whether this build's CP runner accepts an MLA model (runner/cp.py; built on another branch)."""
+    from radixserve.engine_config import EngineConfig
+    from radixserve.runner.cp import CPModelRunner
+
+    class Rank:
+        rank, size = 0, 2
+
+    try:
+        CPModelRunner.from_config(EngineConfig(model_path=str(model_dir), cp_size=2, max_total_tokens=256,
+                                               num_threads=1), comm=Rank())
+    except ValueError as exc:
+        if "MLA" in str(exc):
+            return False
+        raise
+    return True
+
+
+def test_cp2_prefill_to_tp1_decode_mla(request, mla_model_dir):
+    if not cp_runs_mla(mla_model_dir):
+        pytest.skip("MLA under --cp-size is not in this build (runner/cp.py refuses it)")
+    ref = ServerProcess(["--model-path", str(mla_model_dir), *COMMON])
+    try:
+        with pd_pair(mla_model_dir, ["--cp-size", "2"]) as (prefill, router):
+            ref.wait_ready()
+            assert prefill.stats()["runner"]["cp_size"] == 2
+            assert_same_greedy(ref, router)
+    finally:
+        ref.stop()
