@@ -5,6 +5,7 @@ glm4_moe_lite, prompts of odd and even lengths and a prefill-side prefix hit. Re
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 
@@ -114,3 +115,16 @@ def test_cp2_prefill_to_tp1_decode_mla(request, mla_model_dir):
             assert_same_greedy(ref, router)
     finally:
         ref.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["decode", "--tp-size", "2"], "--disaggregation-mode decode with --tp-size 2 --cp-size 1 is not built yet"),
+    (["prefill", "--cp-size", "2", "--enable-layer-split"], "--cp-size 2 --enable-layer-split is not built yet"),
+    (["prefill", "--pp-size", "2"], "--pp-size 2 cannot be combined with --disaggregation-mode"),
+], ids=["tp2-decode", "layer-split-prefill", "pp2-prefill"])
+def test_unbuilt_layouts_refused_at_start_up(flags, message):
+    """Before any model loads: exit code 2 and the layout named (the handshake refuses the rest: test_pd_layout.py)."""
+    done = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--model-path", "unused",
+                           "--disaggregation-mode", *flags], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and message in done.stderr, done.stderr
