@@ -104,17 +104,18 @@ def check_parallel(config: Any) -> None:
 
 
 def _check_pd_layout(config: Any) -> None:
-    """The PD workers' parallel layouts: only a plain-CP prefill worker (rank 0 holds every layer's KV and sends it
-    as a one-rank worker does) feeding a one-rank decode worker is built (disagg/protocol.py KVLayout.mismatch)."""
+    """The PD workers' parallel layouts built (disagg/protocol.py KVLayout.mismatch): a prefill worker of one rank or
+    plain CP (rank 0 holds every layer's KV and sends it as a one-rank worker does) feeding a decode worker of one rank
+    or TP (rank 0 receives, every rank keeps its KV heads)."""
     mode = config.disaggregation_mode
     if mode == "null" or config.pp_size > 1:      # PP: _check_pipeline names --disaggregation-mode
         return
     layout = (f"--tp-size {config.tp_size} --cp-size {config.cp_size}"
               f"{' --enable-layer-split' if config.enable_layer_split else ''}")
-    if mode == "decode" or config.tp_size > 1 or config.enable_layer_split:
+    if (config.cp_size > 1 if mode == "decode" else config.tp_size > 1) or config.enable_layer_split:
         raise ValueError(f"--disaggregation-mode {mode} with {layout} is not built yet: the PD pairs built are a "
-                         "prefill worker with --cp-size N (no --tp-size, --pp-size or --enable-layer-split) or one "
-                         "rank, and a one-rank decode worker (docs/disaggregation.md)")
+                         "prefill worker of one rank or --cp-size N (no --tp-size, --pp-size or "
+                         "--enable-layer-split) and a decode worker of one rank or --tp-size N (docs/disaggregation.md)")
 
 
 def _check_pipeline(config: Any) -> None:

@@ -39,12 +39,13 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     def mismatch(self, decode: KVLayout) -> str | None:
         """Why this prefill worker cannot fill `decode`'s pages (None: it can). Built pairs: a prefill worker of one
-        rank or plain CP (tp=1, pp=1, no layer split: rank 0 holds every layer) -> a one-rank decode worker."""
+        rank or plain CP (tp=1, pp=1, no layer split: rank 0 holds every layer and sends every KV head) -> a decode
+        worker of one rank or TP (its rank 0 receives and each rank keeps its KV heads: runner/tp.py import_kv)."""
         if not (self.tp_size == self.pp_size == 1 and not self.layer_split
-                and decode.tp_size == decode.cp_size == decode.pp_size == 1 and not decode.layer_split):
+                and decode.cp_size == decode.pp_size == 1 and not decode.layer_split):
             return (f"PD layout pair not built: prefill worker {self.describe()} -> decode worker "
                     f"{decode.describe()} (built: prefill tp=1 pp=1, any cp without layer split -> decode "
-                    f"tp=1 cp=1 pp=1)")
+                    f"cp=1 pp=1, any tp)")
         for side, layout in (("prefill", self), ("decode", decode)):
             if tuple(layout.layer_ids) != tuple(range(layout.num_layers)):
                 return (f"KV layer ids on {side} are {list(layout.layer_ids)}, not layers 0..{layout.num_layers - 1} "

@@ -236,7 +236,7 @@ class ModelRunner:
             self._identity = kv_transfer.model_identity(self.model_config, self.model)
         kv, config = self.kv, self.config
         return {"page_size": self.page_size, "kv_dtype": str(kv.dtype).removeprefix("torch."),
-                "num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads,
+                "num_layers": kv.num_layers, "num_kv_heads": self.model_config.kv_shape.num_heads,
                 "head_dim": kv.head_dim, "model": self._identity, "layer_ids": tuple(range(kv.num_layers)),
                 "tp_size": config.tp_size, "cp_size": config.cp_size, "pp_size": config.pp_size,
                 "layer_split": config.enable_layer_split}
@@ -245,9 +245,12 @@ class ModelRunner:
         return kv_transfer.pack_pages(self.kv.export_pages(page_ids))
 
     def import_kv(self, page_ids: list[int], data: bytes, foreign: bool) -> None:
-        """Write another worker's export_kv bytes into `page_ids`; `foreign` (pages of a sequence
-        that already ran) drops the DecodeMirror. Raises ValueError when the bytes do not fit."""
-        self.kv.import_pages(page_ids, kv_transfer.unpack_pages(self.kv, len(page_ids), data))
+        """Write another worker's export_kv bytes (every KV head of the model) into `page_ids`, keeping this rank's
+        KV heads under tensor parallelism; `foreign` (pages of a sequence that already ran) drops the DecodeMirror.
+        Raises ValueError when the bytes do not fit."""
+        total, _, latent = self.model_config.kv_shape       # MLA's latent head is replicated on every rank
+        heads = (total, 0 if latent else getattr(self.model, "kv_head_start", 0))
+        self.kv.import_pages(page_ids, kv_transfer.unpack_pages(self.kv, len(page_ids), data, heads))
         mirror = getattr(self.backend, "mirror", None)
         if foreign and mirror is not None:
             mirror.reset()

@@ -22,18 +22,23 @@ COMMON = ["--max-total-tokens", "16384", "--page-size", "16", "--context-length"
 LENGTHS = (2, 5, 16, 17, 33, 48)
 
 
+def prefill_worker(model_dir) -> ServerProcess:
+    """A `--cp-size 2` prefill worker (not yet ready)."""
+    return ServerProcess(["--model-path", str(model_dir), *COMMON, "--disaggregation-mode", "prefill",
+                          "--disaggregation-bootstrap-port", str(free_port()), "--disaggregation-transfer-timeout",
+                          "10", "--cp-size", "2"], log_level="info")
+
+
 @contextlib.contextmanager
-def pd_pair(model_dir, prefill_flags: list[str]):
-    """Prefill worker (`prefill_flags` added), one-rank decode worker and the router; yields (prefill, router client)."""
-    model = ["--model-path", str(model_dir), *COMMON]
-    prefill = ServerProcess([*model, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
-                             str(free_port()), "--disaggregation-transfer-timeout", "10", *prefill_flags],
-                            log_level="info")
-    decode = ServerProcess([*model, "--disaggregation-mode", "decode", "--disaggregation-transfer-timeout", "10"])
+def routed(model_dir, prefill: ServerProcess, decode_flags: list[str]):
+    """A decode worker (`decode_flags` added) and a router to it and `prefill`; yields (decode, the router's client)."""
+    decode = ServerProcess(["--model-path", str(model_dir), *COMMON, "--disaggregation-mode", "decode",
+                            "--disaggregation-transfer-timeout", "10", *decode_flags], log_level="info")
     router = None
     try:
         prefill.wait_ready()
         decode.wait_ready()
+        assert prefill.stats()["runner"]["cp_size"] == 2
         port = free_port()
         router = subprocess.Popen([sys.executable, "-m", "radixserve", "route", "--prefill", prefill.base_url,
                                    "--decode", decode.base_url, "--port", str(port), "--health-check-interval-s",
@@ -41,14 +46,12 @@ def pd_pair(model_dir, prefill_flags: list[str]):
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _ok(url + "/health"), "the router to be ready")
         with httpx.Client(limits=poller_limits(), base_url=url, timeout=120, trust_env=False) as client:
-            yield prefill, client
-        prefill.assert_no_tracebacks()
+            yield decode, client
         decode.assert_no_tracebacks()
     finally:
         if router is not None:
             router.terminate()
             router.wait(30)
-        prefill.stop()
         decode.stop()
 
 
@@ -62,14 +65,27 @@ def assert_same_greedy(ref: ServerProcess, router: httpx.Client) -> None:
         g, w = got.json()["choices"][0], want.json()["choices"][0]
         assert g["logprobs"]["tokens"] == w["logprobs"]["tokens"] and g["text"] == w["text"], len(prompt)
         assert abs(g["logprobs"]["token_logprobs"][0] - w["logprobs"]["token_logprobs"][0]) < 1e-3
-    assert got.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+        usage = got.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 32
 
 
-def test_cp2_prefill_to_tp1_decode_llama(tiny_server, tiny_model_dir):
-    with pd_pair(tiny_model_dir, ["--cp-size", "2"]) as (prefill, router):
-        assert prefill.stats()["runner"]["cp_size"] == 2
+@pytest.fixture(scope="module")
+def cp_prefill(tiny_model_dir):
+    server = prefill_worker(tiny_model_dir)
+    yield server
+    try:
+        assert "rank 1 of 2 joined" in server.output(tail_chars=None)
+        server.assert_no_tracebacks()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("decode_flags", [[], ["--tp-size", "2"]], ids=["tp1-decode", "tp2-decode"])
+def test_cp2_prefill_llama(tiny_server, tiny_model_dir, cp_prefill, decode_flags):
+    """Llama's 2 KV heads: a TP 2 decode worker's ranks keep one head each of what the prefill worker sent."""
+    with routed(tiny_model_dir, cp_prefill, decode_flags) as (decode, router):
+        assert decode.stats()["runner"].get("tp_size", 1) == (2 if decode_flags else 1)
         assert_same_greedy(tiny_server, router)
-        assert "rank 1 of 2 joined" in prefill.output(tail_chars=None)
 
 
 @pytest.fixture(scope="module")
@@ -104,24 +120,27 @@ def cp_runs_mla(model_dir) -> bool:
     return True
 
 
-def test_cp2_prefill_to_tp1_decode_mla(request, mla_model_dir):
+def test_cp2_prefill_mla(request, mla_model_dir):
+    """MLA: the latent is one head, replicated; decode TP 1 (TP for MLA is built on another branch)."""
     if not cp_runs_mla(mla_model_dir):
         pytest.skip("MLA under --cp-size is not in this build (runner/cp.py refuses it)")
     ref = ServerProcess(["--model-path", str(mla_model_dir), *COMMON])
+    prefill = prefill_worker(mla_model_dir)
     try:
-        with pd_pair(mla_model_dir, ["--cp-size", "2"]) as (prefill, router):
+        with routed(mla_model_dir, prefill, []) as (_, router):
             ref.wait_ready()
-            assert prefill.stats()["runner"]["cp_size"] == 2
             assert_same_greedy(ref, router)
     finally:
         ref.stop()
+        prefill.stop()
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["decode", "--tp-size", "2"], "--disaggregation-mode decode with --tp-size 2 --cp-size 1 is not built yet"),
+    (["decode", "--cp-size", "2"], "--disaggregation-mode decode with --tp-size 1 --cp-size 2 is not built yet"),
+    (["prefill", "--tp-size", "2"], "--disaggregation-mode prefill with --tp-size 2 --cp-size 1 is not built yet"),
     (["prefill", "--cp-size", "2", "--enable-layer-split"], "--cp-size 2 --enable-layer-split is not built yet"),
     (["prefill", "--pp-size", "2"], "--pp-size 2 cannot be combined with --disaggregation-mode"),
-], ids=["tp2-decode", "layer-split-prefill", "pp2-prefill"])
+], ids=["cp2-decode", "tp2-prefill", "layer-split-prefill", "pp2-prefill"])
 def test_unbuilt_layouts_refused_at_start_up(flags, message):
     """Before any model loads: exit code 2 and the layout named (the handshake refuses the rest: test_pd_layout.py)."""
     done = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--model-path", "unused",

@@ -19,7 +19,7 @@ from tests.model.test_families import build_family
     (dict(cp_size=2, disaggregation_mode="decode"), "--disaggregation-mode decode with --tp-size 1 --cp-size 2 is not"),
     (dict(cp_size=2, enable_layer_split=True, disaggregation_mode="prefill"),
      "--disaggregation-mode prefill with --tp-size 1 --cp-size 2 --enable-layer-split is not built"),
-    (dict(tp_size=2, disaggregation_mode="decode"), "--disaggregation-mode decode with --tp-size 2 --cp-size 1"),
+    (dict(tp_size=2, disaggregation_mode="prefill"), "--disaggregation-mode prefill with --tp-size 2 --cp-size 1"),
     (dict(cp_size=2, enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
     (dict(cp_size=2, speculative_algorithm="ngram"), "--speculative-algorithm ngram"),
     (dict(cp_size=2, kv_cache_dtype="fp8_e4m3"), "fp8"),

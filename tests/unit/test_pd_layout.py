@@ -30,8 +30,10 @@ def run_pair(prefill_layout: KVLayout, decode_layout: KVLayout) -> tuple[Rig, di
         rig.close()
 
 
-def test_cp_prefill_to_one_rank_decode_is_built():
-    rig, _ = run_pair(msgspec.structs.replace(BASE, cp_size=2), BASE)
+@pytest.mark.parametrize("prefill, decode", [(dict(cp_size=2), {}), ({}, dict(tp_size=2)),
+                                             (dict(cp_size=2), dict(tp_size=2))], ids=["cp2-tp1", "cp1-tp2", "cp2-tp2"])
+def test_built_pairs_pass_the_handshake(prefill, decode):
+    rig, _ = run_pair(msgspec.structs.replace(BASE, **prefill), msgspec.structs.replace(BASE, **decode))
     assert rig.tokens["r"] == reference([3, 1, 4, 1, 5, 9, 2], 4)
     assert rig.finals["r"].error is None
 
@@ -39,14 +41,15 @@ def test_cp_prefill_to_one_rank_decode_is_built():
 @pytest.mark.parametrize("prefill, decode, message", [
     (dict(cp_size=2, layer_split=True), {}, "prefill worker tp=1 cp=2 pp=1 with layer split -> decode worker "
                                             "tp=1 cp=1 pp=1"),
-    ({}, dict(tp_size=2), "prefill worker tp=1 cp=1 pp=1 -> decode worker tp=2 cp=1 pp=1"),
-    (dict(cp_size=2), dict(tp_size=2), "prefill worker tp=1 cp=2 pp=1 -> decode worker tp=2 cp=1 pp=1"),
-    (dict(tp_size=2), {}, "prefill worker tp=2 cp=1 pp=1 -> decode worker tp=1"),
+    ({}, dict(cp_size=2), "prefill worker tp=1 cp=1 pp=1 -> decode worker tp=1 cp=2 pp=1"),
+    (dict(cp_size=2), dict(tp_size=2, cp_size=2, layer_split=True),
+     "prefill worker tp=1 cp=2 pp=1 -> decode worker tp=2 cp=2 pp=1 with layer split"),
+    (dict(tp_size=2), dict(tp_size=2), "prefill worker tp=2 cp=1 pp=1 -> decode worker tp=2"),
     (dict(pp_size=2), dict(pp_size=2), "prefill worker tp=1 cp=1 pp=2 -> decode worker tp=1 cp=1 pp=2"),
     ({}, dict(layer_ids=(0, 2, 1)), "KV layer ids on decode are [0, 2, 1], not layers 0..2 in order"),
     (dict(layer_ids=(1, 2, 3)), {}, "KV layer ids on prefill are [1, 2, 3]"),
     ({}, dict(num_layers=4, layer_ids=(0, 1, 2, 3)), "num_layers is 3 on prefill but 4 on decode"),
-], ids=["layer-split-prefill", "tp2-decode", "cp2-to-tp2", "tp2-prefill", "pp2-pair", "reordered-layers",
+], ids=["layer-split-prefill", "cp2-decode", "cp2-to-layer-split", "tp2-prefill", "pp2-pair", "reordered-layers",
         "shifted-layers", "layer-count"])
 def test_refused_pair_fails_both_legs_at_the_handshake(prefill, decode, message):
     rig, stats = run_pair(msgspec.structs.replace(BASE, **prefill), msgspec.structs.replace(BASE, **decode))
