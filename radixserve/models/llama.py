@@ -147,8 +147,7 @@ class LlamaForCausalLM(torch.nn.Module):
         if config.mla is not None:   # MLA's q_proj (no q LoRA) is a plain projection
             self.FUSED = {name: target for name, target in self.FUSED.items() if target[0] != "qkv_proj"}
         self.model = LlamaModel(config, tp, ep_size)
-        heads = shard_heads(config.num_heads, config.num_kv_heads, tp)
-        self.num_kv_heads, self.kv_head_start = heads.num_kv_heads, heads.kv_start   # cached per rank, first one
+        self.num_kv_heads = shard_heads(config.num_heads, config.num_kv_heads, tp).num_kv_heads   # cached per rank
         self.lm_head = (ParallelLMHead(config.hidden_size, config.vocab_size, tp) if tp is not None and tp.size > 1
                         else Linear(config.hidden_size, config.vocab_size))
         if config.tie_word_embeddings:

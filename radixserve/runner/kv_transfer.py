@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.layers.parallel import shard_heads
 from radixserve.runner.kv_cache import KVCache, KVPages
 
 
@@ -47,6 +48,14 @@ def unpack_pages(kv: KVCache, num_pages: int, data: bytes, heads: tuple[int, int
     side = dict(zip(sorted(kv.side_names), tensors[2:]))
     mine = slice(first, first + kv.num_kv_heads)
     return KVPages(tensors[0][:, mine].contiguous(), tensors[1][:, mine].contiguous(), side)
+
+
+def first_kv_head(model_config, tp) -> int:
+    """The first of the model's KV heads a rank of tensor-parallel group `tp` (None: no TP) caches; 0 for MLA, whose
+    one latent head is replicated on every rank."""
+    if model_config.kv_shape.latent:
+        return 0
+    return shard_heads(model_config.num_heads, model_config.num_kv_heads, tp).kv_start
 
 
 def model_identity(model_config, model: torch.nn.Module) -> str:

@@ -41,6 +41,8 @@ class ModelRunner:
     """The Runner protocol (engine/runner_api.py) over a real model. CPU memory: weights twice
     (plain + oneDNN-packed; quantized layers packed only), the KV cache, the DecodeMirror (<= 2 GiB)."""
 
+    kv_head_start = 0     # the first of the model's KV heads this rank caches (from_config sets it under TP)
+
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
                  draft_model: torch.nn.Module | None = None):
@@ -131,6 +133,7 @@ class ModelRunner:
             draft = model_class(draft_config)(draft_config)
             load_weights(draft, draft_weights)
         runner = cls(model, model_config, config, scales, draft, **kwargs)
+        runner.kv_head_start = kv_transfer.first_kv_head(model_config, tp)
         logger.info("loaded %s (%s, %d layers, quantization %s) in %.1f s on %s; KV: %d pages x %d tokens, "
                     "%s; transparent huge pages: %s MiB", path, model_config.architecture,
                     model_config.num_layers, quantization, time.perf_counter() - start, runner.device,
@@ -248,8 +251,7 @@ class ModelRunner:
         """Write another worker's export_kv bytes (every KV head of the model) into `page_ids`, keeping this rank's
         KV heads under tensor parallelism; `foreign` (pages of a sequence that already ran) drops the DecodeMirror.
         Raises ValueError when the bytes do not fit."""
-        total, _, latent = self.model_config.kv_shape       # MLA's latent head is replicated on every rank
-        heads = (total, 0 if latent else getattr(self.model, "kv_head_start", 0))
+        heads = (self.model_config.kv_shape.num_heads, self.kv_head_start)
         self.kv.import_pages(page_ids, kv_transfer.unpack_pages(self.kv, len(page_ids), data, heads))
         mirror = getattr(self.backend, "mirror", None)
         if foreign and mirror is not None:
