@@ -5,6 +5,7 @@ glm4_moe_lite, prompts of odd and even lengths and a prefill-side prefix hit. Re
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -102,9 +103,12 @@ def mla_model_dir(default_tokenizer, tmp_path_factory):
     return folder
 
 
-def cp_runs_mla(model_dir) -> bool:
-    """Whether this build's CP runner accepts an MLA model (runner/cp.py; built on another branch)."""
+def mla_runs_cp_and_tp(model_dir) -> bool:
+    """Whether this build runs an MLA model under --cp-size (runner/cp.py) and --tp-size (models/llama.py): both are
+    built on another branch (mla-tp) and refused here with a ValueError naming MLA."""
     from radixserve.engine_config import EngineConfig
+    from radixserve.models.model_config import ModelConfig
+    from radixserve.models.registry import model_class
     from radixserve.runner.cp import CPModelRunner
 
     class Rank:
@@ -113,6 +117,8 @@ def cp_runs_mla(model_dir) -> bool:
     try:
         CPModelRunner.from_config(EngineConfig(model_path=str(model_dir), cp_size=2, max_total_tokens=256,
                                                num_threads=1), comm=Rank())
+        config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+        model_class(config)(config, tp=Rank())
     except ValueError as exc:
         if "MLA" in str(exc):
             return False
@@ -120,15 +126,16 @@ def cp_runs_mla(model_dir) -> bool:
     return True
 
 
-def test_cp2_prefill_mla(request, mla_model_dir):
-    """MLA: the latent is one head, replicated; decode TP 1 (TP for MLA is built on another branch)."""
-    if not cp_runs_mla(mla_model_dir):
-        pytest.skip("MLA under --cp-size is not in this build (runner/cp.py refuses it)")
+def test_cp2_prefill_mla_to_tp2_decode(mla_model_dir):
+    """MLA: the latent is one head, replicated; every TP rank imports all of it (the TP 1 import is Llama's path)."""
+    if not mla_runs_cp_and_tp(mla_model_dir):
+        pytest.skip("MLA under --cp-size and --tp-size is not in this build (built on branch mla-tp)")
     ref = ServerProcess(["--model-path", str(mla_model_dir), *COMMON])
     prefill = prefill_worker(mla_model_dir)
     try:
-        with routed(mla_model_dir, prefill, []) as (_, router):
+        with routed(mla_model_dir, prefill, ["--tp-size", "2"]) as (decode, router):
             ref.wait_ready()
+            assert decode.stats()["runner"]["tp_size"] == 2
             assert_same_greedy(ref, router)
     finally:
         ref.stop()
