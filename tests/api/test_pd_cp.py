@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -87,6 +88,24 @@ def test_cp2_prefill_llama(tiny_server, tiny_model_dir, cp_prefill, decode_flags
     with routed(tiny_model_dir, cp_prefill, decode_flags) as (decode, router):
         assert decode.stats()["runner"].get("tp_size", 1) == (2 if decode_flags else 1)
         assert_same_greedy(tiny_server, router)
+        if decode_flags:
+            assert_same_greedy_concurrent(tiny_server, router)
+
+
+def assert_same_greedy_concurrent(ref: ServerProcess, router: httpx.Client, n: int = 32) -> None:
+    """C58 at concurrency 32: prompts of 3..34 tokens at once, so CP prefill steps split several sequences."""
+    prompts = [[50 + (5 * i + j) % 300 for j in range(3 + i)] for i in range(n)]
+
+    def complete(client, prompt):
+        return client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "temperature": 0,
+                                                     "max_tokens": 6})
+
+    with ThreadPoolExecutor(n) as pool:
+        got = list(pool.map(lambda p: complete(router, p), prompts))
+    for prompt, g in zip(prompts, got):
+        want = complete(ref, prompt)
+        assert g.status_code == 200, g.text
+        assert g.json()["choices"][0]["text"] == want.json()["choices"][0]["text"], len(prompt)
 
 
 @pytest.fixture(scope="module")
