@@ -115,7 +115,8 @@ def _check_pd_layout(config: Any) -> None:
     if (config.cp_size > 1 if mode == "decode" else config.tp_size > 1) or config.enable_layer_split:
         raise ValueError(f"--disaggregation-mode {mode} with {layout} is not built yet: the PD pairs built are a "
                          "prefill worker of one rank or --cp-size N (no --tp-size, --pp-size or "
-                         "--enable-layer-split) and a decode worker of one rank or --tp-size N (docs/disaggregation.md)")
+                         "--enable-layer-split) and a decode worker of one rank or --tp-size N "
+                         "(docs/disaggregation.md)")
 
 
 def _check_pipeline(config: Any) -> None:
