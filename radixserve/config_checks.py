@@ -88,6 +88,7 @@ def check_parallel(config: Any) -> None:
                          "own layers and a scratch layer that changes every layer)")
     if config.world_size == 1:
         return
+    _check_pd_layout(config)
     if config.cp_size > 1 and config.tp_size > 1:
         raise ValueError("--cp-size > 1 with --tp-size > 1 is not built yet (context-parallel ranks hold "
                          "whole weights)")
@@ -95,12 +96,27 @@ def check_parallel(config: Any) -> None:
     speculative = config.speculative_algorithm == "draft" or (config.cp_size > 1 and config.speculative_algorithm)
     unsupported = {f"--speculative-algorithm {config.speculative_algorithm}": speculative,
                    "--enable-hierarchical-cache": config.enable_hierarchical_cache,
-                   "--disaggregation-mode": config.disaggregation_mode != "null",
                    "an fp8 --kv-cache-dtype": config.kv_cache_dtype.startswith("fp8"),
                    "--enable-deterministic-inference": config.cp_size > 1 and config.enable_deterministic_inference}
     named = [flag for flag, on in unsupported.items() if on]
     if named:
         raise ValueError(f"{ranks} cannot be combined with {', '.join(named)} yet")
+
+
+def _check_pd_layout(config: Any) -> None:
+    """The PD workers' parallel layouts built (disagg/protocol.py KVLayout.mismatch): a prefill worker of one rank or
+    plain CP (rank 0 holds every layer's KV and sends it as a one-rank worker does) feeding a decode worker of one rank
+    or TP (rank 0 receives, every rank keeps its KV heads)."""
+    mode = config.disaggregation_mode
+    if mode == "null" or config.pp_size > 1:      # PP: _check_pipeline names --disaggregation-mode
+        return
+    layout = (f"--tp-size {config.tp_size} --cp-size {config.cp_size}"
+              f"{' --enable-layer-split' if config.enable_layer_split else ''}")
+    if (config.cp_size > 1 if mode == "decode" else config.tp_size > 1) or config.enable_layer_split:
+        raise ValueError(f"--disaggregation-mode {mode} with {layout} is not built yet: the PD pairs built are a "
+                         "prefill worker of one rank or --cp-size N (no --tp-size, --pp-size or "
+                         "--enable-layer-split) and a decode worker of one rank or --tp-size N "
+                         "(docs/disaggregation.md)")
 
 
 def _check_pipeline(config: Any) -> None:

@@ -16,7 +16,10 @@ from radixserve.outputs import TokenLogprob
 
 
 class KVLayout(msgspec.Struct, frozen=True):
-    """What must match for pages to mean the same on both sides; checked per request."""
+    """What must match for pages to mean the same on both sides, and the worker's parallel layout; checked per
+    request (`mismatch`). `layer_ids`: the model layer each exported layer slot holds, in export order (0..L-1 on
+    every worker that can send or receive); tp/cp/pp_size and layer_split: the worker's --tp-size, --cp-size,
+    --pp-size and --enable-layer-split."""
 
     page_size: int
     kv_dtype: str
@@ -24,9 +27,30 @@ class KVLayout(msgspec.Struct, frozen=True):
     num_kv_heads: int
     head_dim: int
     model: str              # architecture, sizes and a weight fingerprint
+    layer_ids: tuple[int, ...]
+    tp_size: int = 1
+    cp_size: int = 1
+    pp_size: int = 1
+    layer_split: bool = False
+
+    def describe(self) -> str:
+        return (f"tp={self.tp_size} cp={self.cp_size} pp={self.pp_size}"
+                f"{' with layer split' if self.layer_split else ''}")
 
     def mismatch(self, decode: KVLayout) -> str | None:
-        for name in self.__struct_fields__:
+        """Why this prefill worker cannot fill `decode`'s pages (None: it can). Built pairs: a prefill worker of one
+        rank or plain CP (tp=1, pp=1, no layer split: rank 0 holds every layer and sends every KV head) -> a decode
+        worker of one rank or TP (its rank 0 receives and each rank keeps its KV heads: runner/tp.py import_kv)."""
+        if not (self.tp_size == self.pp_size == 1 and not self.layer_split
+                and decode.cp_size == decode.pp_size == 1 and not decode.layer_split):
+            return (f"PD layout pair not built: prefill worker {self.describe()} -> decode worker "
+                    f"{decode.describe()} (built: prefill tp=1 pp=1, any cp without layer split -> decode "
+                    f"cp=1 pp=1, any tp)")
+        for side, layout in (("prefill", self), ("decode", decode)):
+            if tuple(layout.layer_ids) != tuple(range(layout.num_layers)):
+                return (f"KV layer ids on {side} are {list(layout.layer_ids)}, not layers 0..{layout.num_layers - 1} "
+                        f"in order: pages pair by layer id")
+        for name in ("page_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "model"):
             mine, theirs = getattr(self, name), getattr(decode, name)
             if mine != theirs:
                 return (f"KV layout mismatch between prefill and decode workers: {name} is "

@@ -2,10 +2,22 @@
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 import torch
 
+from radixserve.layers.parallel import shard_heads
 from radixserve.runner.kv_cache import KVCache, KVPages
+
+
+@dataclass(frozen=True, slots=True)
+class KVImport:
+    """A PD decode worker's import, sent by rank 0 on the step group between batches (runner/tp.py; defined here, not
+    in tp.py, which followers run as __main__): each follower runs ModelRunner.import_kv(page_ids, data, foreign)."""
+
+    page_ids: list[int]
+    data: bytes
+    foreign: bool
 
 
 def pack_pages(pages: KVPages) -> bytes:
@@ -14,10 +26,14 @@ def pack_pages(pages: KVPages) -> bytes:
     return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in parts)
 
 
-def unpack_pages(kv: KVCache, num_pages: int, data: bytes) -> KVPages:
-    """Inverse of pack_pages. Raises ValueError when the byte count does not fit `num_pages` of `kv`'s layout."""
-    kv_shape = (kv.num_layers, kv.num_kv_heads, num_pages, kv.page_size, kv.head_dim)
-    shapes = [(kv_shape, kv.dtype), (kv.v_shape(num_pages), kv.dtype)]
+def unpack_pages(kv: KVCache, num_pages: int, data: bytes, heads: tuple[int, int] | None = None) -> KVPages:
+    """Inverse of pack_pages. `heads` (total, first): the bytes hold `total` KV heads and `kv` keeps its
+    kv.num_kv_heads of them from `first` on (a tensor-parallel rank's share; None: the bytes hold kv's heads). Raises
+    ValueError when the byte count does not fit `num_pages` of that layout."""
+    total, first = heads or (kv.num_kv_heads, 0)
+    kv_shape = (kv.num_layers, total, num_pages, kv.page_size, kv.head_dim)
+    v_shape = (kv.num_layers, 0 if kv.latent else total, num_pages, kv.page_size, kv.head_dim)
+    shapes = [(kv_shape, kv.dtype), (v_shape, kv.dtype)]
     shapes.extend(kv.side_export(name, num_pages) for name in sorted(kv.side_names))
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     tensors, offset = [], 0
@@ -30,7 +46,16 @@ def unpack_pages(kv: KVCache, num_pages: int, data: bytes) -> KVPages:
     if offset != raw.numel():
         raise ValueError(f"KV payload of {len(data)} bytes does not fit {num_pages} pages")
     side = dict(zip(sorted(kv.side_names), tensors[2:]))
-    return KVPages(tensors[0], tensors[1], side)
+    mine = slice(first, first + kv.num_kv_heads)
+    return KVPages(tensors[0][:, mine].contiguous(), tensors[1][:, mine].contiguous(), side)
+
+
+def first_kv_head(model_config, tp) -> int:
+    """The first of the model's KV heads a rank of tensor-parallel group `tp` (None: no TP) caches; 0 for MLA, whose
+    one latent head is replicated on every rank."""
+    if model_config.kv_shape.latent:
+        return 0
+    return shard_heads(model_config.num_heads, model_config.num_kv_heads, tp).kv_start
 
 
 def model_identity(model_config, model: torch.nn.Module) -> str:

@@ -42,6 +42,8 @@ class ModelRunner:
     """The Runner protocol (engine/runner_api.py) over a real model. CPU memory: weights twice
     (plain + oneDNN-packed; quantized layers packed only), the KV cache, the DecodeMirror (<= 2 GiB)."""
 
+    kv_head_start = 0     # the first of the model's KV heads this rank caches (from_config sets it under TP)
+
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
                  draft_model: torch.nn.Module | None = None):
@@ -141,6 +143,7 @@ class ModelRunner:
             draft = model_class(draft_config)(draft_config)
             load_weights(draft, draft_weights)
         runner = cls(model, model_config, config, scales, draft, **kwargs)
+        runner.kv_head_start = kv_transfer.first_kv_head(model_config, tp)
         logger.info("loaded %s (%s, %d layers, quantization %s) in %.1f s on %s; KV: %d pages x %d tokens, "
                     "%s; transparent huge pages: %s MiB", path, model_config.architecture,
                     model_config.num_layers, quantization, time.perf_counter() - start, runner.device,
@@ -246,21 +249,26 @@ class ModelRunner:
         return self.kv.slot_checksums(slots)
 
     def kv_layout(self) -> dict:
-        """disagg.protocol.KVLayout's fields."""
+        """disagg.protocol.KVLayout's fields: this rank's cache (export_kv's bytes hold its layers 0..num_layers-1 in
+        order) and the group's layout."""
         if getattr(self, "_identity", None) is None:
             self._identity = kv_transfer.model_identity(self.model_config, self.model)
-        kv = self.kv
+        kv, config = self.kv, self.config
         return {"page_size": self.page_size, "kv_dtype": str(kv.dtype).removeprefix("torch."),
-                "num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads,
-                "head_dim": kv.head_dim, "model": self._identity}
+                "num_layers": kv.num_layers, "num_kv_heads": self.model_config.kv_shape.num_heads,
+                "head_dim": kv.head_dim, "model": self._identity, "layer_ids": tuple(range(kv.num_layers)),
+                "tp_size": config.tp_size, "cp_size": config.cp_size, "pp_size": config.pp_size,
+                "layer_split": config.enable_layer_split}
 
     def export_kv(self, page_ids: list[int]) -> bytes:
         return kv_transfer.pack_pages(self.kv.export_pages(page_ids))
 
     def import_kv(self, page_ids: list[int], data: bytes, foreign: bool) -> None:
-        """Write another worker's export_kv bytes into `page_ids`; `foreign` (pages of a sequence
-        that already ran) drops the DecodeMirror. Raises ValueError when the bytes do not fit."""
-        self.kv.import_pages(page_ids, kv_transfer.unpack_pages(self.kv, len(page_ids), data))
+        """Write another worker's export_kv bytes (every KV head of the model) into `page_ids`, keeping this rank's
+        KV heads under tensor parallelism; `foreign` (pages of a sequence that already ran) drops the DecodeMirror.
+        Raises ValueError when the bytes do not fit."""
+        heads = (self.model_config.kv_shape.num_heads, self.kv_head_start)
+        self.kv.import_pages(page_ids, kv_transfer.unpack_pages(self.kv, len(page_ids), data, heads))
         mirror = getattr(self.backend, "mirror", None)
         if foreign and mirror is not None:
             mirror.reset()

@@ -25,6 +25,7 @@ from radixserve.engine.runner_api import ScheduledSeq, SeqResult
 from radixserve.engine_config import EngineConfig
 from radixserve.runner.cp import CPModelRunner
 from radixserve.runner.device import resolve_device
+from radixserve.runner.kv_transfer import KVImport
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.runner.pp import PPModelRunner
 
@@ -86,6 +87,12 @@ class TPRunner:
             return []
         self.comm.broadcast_object(for_followers(batch))
         return self.runner.run(batch)
+
+    def import_kv(self, page_ids: list[int], data: bytes, foreign: bool) -> None:
+        """A PD decode worker's KV import (ModelRunner.import_kv): rank 0 first (a ValueError for bytes that do not
+        fit stops here), then the same bytes to the followers, each keeping its own KV heads."""
+        self.runner.import_kv(page_ids, data, foreign)
+        self.comm.broadcast_object(KVImport(page_ids, data, foreign))
 
     def info(self) -> dict:
         return {"tp_size": self.runner.config.tp_size, **self.runner.info()}
@@ -151,9 +158,13 @@ def serve_node(config: EngineConfig) -> int:
 
 
 def follow(runner: ModelRunner, comm: Communicator) -> None:
-    """A follower's loop: run each broadcast batch's forward until rank 0 sends None; DistError if a peer fails."""
-    while (batch := comm.broadcast_object()) is not None:
-        runner.forward(batch)
+    """A follower's loop: run each broadcast batch's forward (or KV import) until rank 0 sends None; DistError if a
+    peer fails."""
+    while (msg := comm.broadcast_object()) is not None:
+        if isinstance(msg, KVImport):
+            runner.import_kv(msg.page_ids, msg.data, msg.foreign)
+        else:
+            runner.forward(msg)
 
 
 def main(argv: list[str]) -> int:

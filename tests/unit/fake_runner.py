@@ -126,7 +126,8 @@ class FakeRunner:
     # ---- prefill->decode transfer (radixserve/disagg): the fake KV's slots as bytes -----------
     def kv_layout(self) -> dict:
         return {"page_size": self.page_size, "kv_dtype": "fake", "num_layers": 1,
-                "num_kv_heads": 1, "head_dim": 1, "model": f"fake vocab={self.vocab_size}"}
+                "num_kv_heads": 1, "head_dim": 1, "model": f"fake vocab={self.vocab_size}",
+                "layer_ids": (0,)}
 
     def export_kv(self, page_ids: list[int]) -> bytes:
         return msgspec.msgpack.encode([self.slots[p * self.page_size + o] for p in page_ids
