@@ -16,10 +16,8 @@ from radixserve.outputs import TokenLogprob
 
 
 class KVLayout(msgspec.Struct, frozen=True):
-    """What must match for pages to mean the same on both sides, and the worker's parallel layout; checked per
-    request (`mismatch`). `layer_ids`: the model layer each exported layer slot holds, in export order (0..L-1 on
-    every worker that can send or receive); tp/cp/pp_size and layer_split: the worker's --tp-size, --cp-size,
-    --pp-size and --enable-layer-split."""
+    """What must match for pages to mean the same on both sides, and the worker's parallel layout (its --tp/cp/pp-size,
+    --enable-layer-split), checked per request (`mismatch`). `layer_ids`: the model layer of each exported layer."""
 
     page_size: int
     kv_dtype: str

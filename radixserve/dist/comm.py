@@ -1,11 +1,9 @@
 """Collectives and point-to-point ops for one parallel group over torch.distributed (gloo on CPU, NCCL on CUDA),
 counted and timed out.
 
-Two process groups join the same ranks (after a join that may take `join_timeout_s`, while ranks import and start):
-`group` (the forward's all-reduces, all-gathers and pipeline sends/receives) times out after `timeout_s`, so a dead
-or stuck peer ends every rank with DistError instead of a hang; `step_group` (gloo, no practical timeout) carries
-rank 0's step messages, which followers may wait on while the server is idle. A peer that exits closes its sockets,
-which fails a waiting collective or receive at once on either group (docs/parallel.md)."""
+Two groups over the same ranks: `group` (the forward's collectives and sends) times out after `timeout_s`, so a dead or
+stuck peer ends every rank with DistError, never a hang; `step_group` (gloo, no practical timeout) carries rank 0's step
+messages, which idle followers wait on (docs/parallel.md)."""
 from __future__ import annotations
 
 import datetime

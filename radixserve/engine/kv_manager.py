@@ -17,10 +17,8 @@ class KVManager:
     """Every page has exactly one owner: the free list, the radix tree, or one request's private tail
     (page_ids[num_tree_pages:]); check_invariants verifies it. `host_io`: the host tier (hicache.py).
     `paired_keys`: pages hold an EAGLE draft's KV too (runner/mtp.py), keyed by paired_key; a page enters
-    the tree once the token after it is known and its draft KV written (a position's draft KV lags the
-    target's by at most one, between prefill chunks). `num_fp8_pages` (--kv-history-dtype auto): PagePool's
-    split; a decode step's new pages are FP8 ones, everything else model-dtype ones, and commit gives the
-    tree only the pages before a request's first FP8 page (their KV is what an all-model-dtype cache holds)."""
+    the tree once the token after it is known and its draft KV written. `num_fp8_pages` (--kv-history-dtype
+    auto): decode steps take FP8 pages, and the tree gets only the pages before a request's first FP8 page."""
 
     def __init__(self, num_pages: int, page_size: int, enable_cache: bool = True,
                  host_io: KVTierIO | None = None, write_policy: str = "write_through",

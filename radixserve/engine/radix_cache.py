@@ -17,9 +17,7 @@ from typing import Any, Callable, NamedTuple
 class PagePool:
     """Free page ids in [0, num_pages); running out returns None, never raises. Owners of used pages
     track them (KVManager.check_invariants). With `num_fp8_pages` (--kv-history-dtype auto) two free lists:
-
-        [0, num_model_pages)          model-dtype pages: prompts (history), the only pages the tree keeps
-        [num_model_pages, num_pages)  FP8 pages: what decodes write; a decode falls back to a model-dtype page"""
+    [0, num_model_pages) model-dtype pages (prompts; the tree's), the rest FP8 pages (decodes; else a model page)."""
 
     def __init__(self, num_pages: int, num_fp8_pages: int = 0):
         if num_pages < 1 or not 0 <= num_fp8_pages < num_pages:

@@ -37,9 +37,8 @@ def yarn_inv_freq(head_dim: int, theta: float, factor: float, original_max_posit
                   beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True) -> torch.Tensor:
     """(head_dim // 2,) fp32 YaRN frequencies ("NTK-by-parts", arXiv 2309.00071 section 3.2): dims that turn more than
     beta_fast times over the original context keep theta^(-2i/d) (extrapolation), those turning fewer than beta_slow
-    times take it / factor (interpolation), a linear ramp in dim index between them. The dim of r rotations is
-    d * ln(L / (2 pi r)) / (2 ln theta); `truncate` floors / ceils the ramp's ends (transformers'
-    `_compute_yarn_parameters`, whose arithmetic order this follows so angles are bit-identical)."""
+    times take it / factor (interpolation), a linear ramp between; `truncate` floors / ceils the ramp's ends, in
+    transformers' `_compute_yarn_parameters` arithmetic order (bit-identical angles)."""
     def dim_of(rotations: float) -> float:
         return head_dim * math.log(original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 

@@ -1,9 +1,8 @@
 """DeepSeek sparse attention (DSA; DeepSeek-V3.2, GLM-5): MLA (models/mla.py) whose queries attend only to the top-k
 positions a lightning indexer picks, as transformers 5.25's GlmMoeDsaAttention / GlmMoeDsaIndexer compute it.
 
-Per full layer and token the indexer stores one key (index_head_dim) in the KV cache's side buffer (the attention's
-`write_index_keys`); IndexShare ("shared") layers have no indexer and reuse the last full layer's choice. A step whose
-every sequence has context_len <= index_topk selects everything causal, so it runs as plain MLA (docs/mla.md, DSA)."""
+Per full layer and token the indexer stores one key in the KV cache's side buffer; IndexShare ("shared") layers reuse
+the last full layer's choice; a step with every context <= index_topk runs as plain MLA (docs/mla.md, DSA)."""
 from __future__ import annotations
 
 import torch

@@ -228,10 +228,9 @@ class LlamaForCausalLM(torch.nn.Module):
         return residual
 
     def keep_stage(self, layers: range, first: bool, last: bool) -> tuple[str, ...]:
-        """Pipeline parallelism (runner/pp.py), before loading: keep decoder `layers` (their attention renumbered
-        from 0: the stage's KV cache holds only them), the embedding on the `first` stage and the final norm and LM
-        head on the `last` (a tied head keeps the embedding as its storage); drop the rest. Returns the checkpoint
-        name prefixes of what was dropped (the loader must skip them)."""
+        """Pipeline parallelism (runner/pp.py), before loading: keep decoder `layers` (attention renumbered from 0),
+        the embedding on the `first` stage and the norm and LM head on the `last` (a tied head keeps the embedding);
+        drop the rest. Returns the dropped checkpoint name prefixes (the loader skips them)."""
         dropped = [f"model.layers.{i}." for i in range(len(self.model.layers)) if i not in layers]
         for i in range(len(self.model.layers)):
             if i in layers:

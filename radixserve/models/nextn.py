@@ -5,11 +5,8 @@ One step (DeepSeek-V3's multi-token prediction module; transformers' MtpLayer):
     logits = lm_head(h')
 h is the target's hidden state after its final norm (the LM head's input) for the first step, and the previous
 step's h' after that. Embeddings and LM head are the target's unless the checkpoint gives the layer its own.
-glm_moe_dsa: the block is a DSA layer with a full indexer of its own (transformers' MtpModel builds the block as layer 0
-of the MTP config, and indexer_types[0] is always "full"), its index keys in the KV cache's side buffer at layer N.
-A trained head file (weights/nextn_loader.py's load_draft_head, e.g. the default model's) has the same structure for
-any Llama-shaped family and may bring a `token_map`: the draft then scores only those vocabulary rows of the head
-(a reduced draft vocabulary, as FR-Spec and EAGLE-3 do) and proposes only those tokens."""
+glm_moe_dsa: the block is a DSA layer with a full indexer of its own, its index keys at layer N. A trained head file
+(weights/nextn_loader.py) has the same structure and may bring a `token_map`, a reduced draft vocabulary (docs/speculative.md)."""
 from __future__ import annotations
 
 import torch

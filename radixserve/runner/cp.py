@@ -8,12 +8,9 @@
                 MLA's latent layout (V = K) gathers k (M, 1, r + rope) only
     end:        each rank's logit rows (padded to K per rank) ──all_gather──► the step's logit rows, in order
 
-A step without prefill (every query one token: decode) runs unsplit: every rank computes the whole step, so every rank's
-cache stays whole (no collective). Round-robin rather than zigzag (docs/parallel.md): any batch of any lengths splits
-with no per-sequence bookkeeping, causal work per rank differs by at most one row's context, and LayerSplit needs it.
-Attention is computed here (CPAttention), not by the runner's backends: they assume a sequence's queries are its last
-rows in one contiguous block, which a rank's round-robin rows are not. DSA models (CPSparseAttention) all-gather the
-index keys like the KV, and under LayerSplit broadcast a full layer's index keys before its KV."""
+A step without prefill (decode) runs unsplit on every rank, so every rank's cache stays whole. Attention is computed
+here (CPAttention, CPSparseAttention for DSA), not by the runner's backends, which assume a sequence's queries are one
+contiguous block (why round-robin, and the DSA order: docs/parallel.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -171,12 +168,8 @@ def segment(seq: SeqRows, stride: int) -> Segment:
 class CPSparseAttention(CPAttention):
     """SparseAttention (layers/attention.py) for one context-parallel step of a DSA model: one Segment per sequence
     of the step, over this rank's rows (stride R on a split step; possibly none: every rank takes the same dense or
-    sparse path). Per full layer, with LayerSplit (events in this order):
-
-        broadcast index_k -> all_gather new index_k -> wait index_k -> broadcast kv -> indexer
-                          -> all_gather new kv -> wait kv -> attention
-
-    The indexer needs the index keys, so they move first; the KV broadcast runs while the indexer scores."""
+    sparse path). Per full layer, with LayerSplit: broadcast index_k -> all_gather new index_k -> wait index_k ->
+    broadcast kv -> indexer -> all_gather new kv -> wait kv -> attention (the KV moves while the indexer scores)."""
 
     def __init__(self, kv: KVCache, step: StepBatch, split: CPSplit, comm: Communicator,
                  layer_split: LayerSplit | None):

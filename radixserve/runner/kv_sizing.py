@@ -42,9 +42,8 @@ def history_split(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | Non
                   num_layers: int | None = None) -> tuple[int, int]:
     """--kv-history-dtype auto: (model-dtype pages, FP8 pages). With --max-total-tokens its pages split by
     --kv-fp8-page-fraction; else that fraction F of B = --kv-cache-memory-gb bytes goes to FP8 pages:
-    fp8 = floor(F * B) // (fp8 bytes per page), model = (B - floor(F * B)) // (model-dtype bytes per page), a page's
-    bytes counting its DSA index keys (stored alike in both ranges).
-    Raises ValueError when either range gets no page or the history fewer than two."""
+    fp8 = floor(F * B) // (fp8 bytes per page), model = (B - floor(F * B)) // (model-dtype bytes per page), DSA index
+    keys counted in both. Raises ValueError when either range gets no page or the history fewer than two."""
     page, fraction = config.page_size, config.kv_fp8_page_fraction
     if config.max_total_tokens is not None:
         total = config.max_total_tokens // page

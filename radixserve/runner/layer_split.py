@@ -8,11 +8,7 @@ only its own layers' KV plus one scratch layer, which a layer's owner fills by b
       post: the owner sends layer l's pages holding the step's cached prefix (async), the others receive a buffer
       wait: the explicit step; receivers copy the buffer into scratch. Until it returns, scratch holds an older
             layer's KV (a fault, `fault.drop_kv_wait`, lets attention read it: GLM's read-before-ready class)
-
-Bytes (docs/parallel.md): storage (n_r + 1) * S * 2 * KV * D * e per rank; each layer's broadcast moves
-2 * KV * D * e * page_size * P_pages (P_pages: distinct pages of the step's cached prefixes). MLA's latent layout stores
-and moves K only: one store, 1 * D * e per token. A DSA full layer also broadcasts its index keys (a side buffer),
-first: the indexer needs them before the KV (runner/cp.py CPSparseAttention)."""
+Bytes per rank and per broadcast, MLA's one store and DSA's index keys first: docs/parallel.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass

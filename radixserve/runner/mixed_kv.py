@@ -3,9 +3,8 @@
     page ids [0, num_model_pages)          -> `model`, page p
     page ids [num_model_pages, num_pages)  -> `fp8`, page p - num_model_pages
 
-The engine's PagePool hands prompt (history) pages from the first range and decode pages from the second, so the radix
-tree only ever holds model-dtype KV. Reads and writes take global slots and head rows and split them by range. Side
-buffers (DSA index keys) are not split: one store over every global slot, in the dtype their owner asks for."""
+PagePool hands prompt pages from the first range and decode pages from the second (the tree holds model-dtype KV
+only). Reads and writes split global slots by range; side buffers (DSA index keys) are one store over every slot."""
 from __future__ import annotations
 
 import torch

@@ -11,8 +11,7 @@ target's hidden state at q and the token after it. After each target step (`exte
     draft chain    from the last row: draft 1 = argmax logits; draft j at position p+j-1 from (h'_{j-1},
                    draft j-1), h' the layer's own output (written KV past p is rewritten next step)
 
-A radix hit at s reuses draft KV at s-1 that another request computed from its own x_s (the same token when
-the prompts share s + 1 tokens; otherwise one position of draft context differs: docs/speculative.md)."""
+Draft KV reused by a radix hit: docs/speculative.md."""
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -11,10 +11,8 @@ activations go point to point from stage to stage, cut into micro-batches so the
         stage 1             recv(m0) ─► layers(m0) ─send─► recv(m1) ─► layers(m1) ─send─► ...
         stage N-1                     recv(m0) ─► layers+norm+head(m0) ─send logits to 0─► recv(m1) ...
 
-Sends are asynchronous (isend), so stage s computes micro-batch m + 1 while stage s + 1 computes m (GPipe's forward
-schedule within one step; inference has no backward). What moves (Communicator "send"/"recv" bytes): per boundary
-s -> s + 1 the residual stream, sum over m of T_m * hidden * e = T * hidden * e; from stage N - 1 to rank 0 the logit
-rows, R * V * 4 (fp32). Every row's arithmetic is the same whatever M is (each micro-batch is whole sequences)."""
+Sends are asynchronous (isend), so stage s computes micro-batch m + 1 while stage s + 1 computes m. Bytes moved and why
+M does not change any row's arithmetic: docs/parallel.md."""
 from __future__ import annotations
 
 import dataclasses

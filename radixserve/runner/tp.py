@@ -6,9 +6,8 @@
       runner.run(batch): forward + sample          (the same collectives, no sampling)
     close(): broadcast_object(None) ──────────►   exits 0
 
-Only rank 0 samples; followers need no tokens, since the next step's batch carries them (docs/parallel.md). The same
-processes and step broadcast carry context parallelism (--cp-size: runner/cp.py's CPModelRunner on every rank) and
-pipeline parallelism (--pp-size: runner/pp.py's PPModelRunner, one stage per rank)."""
+Only rank 0 samples (the next batch carries the tokens). The same processes carry --cp-size (runner/cp.py) and
+--pp-size (runner/pp.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -106,10 +106,8 @@ class TextPart(_Strict):
 
 
 class FunctionCall(_Strict):
-    """A call in a client's assistant message. `arguments` arrives as JSON object text (OpenAI's form) or an object
-    and is kept as the object, the one form chat templates read (GLM's iterate `arguments.items()`; a string there
-    failed, C60; tokenizer/messages.py: call_arguments): "", blank and "{}" are {}; text that is not a JSON object is a
-    400 naming the field."""
+    """A call in a client's assistant message; `arguments` (JSON object text or an object) kept as the object chat
+    templates read (C60, tokenizer/messages.py call_arguments); other text is a 400 naming the field."""
 
     name: str
     arguments: dict[str, Any] = Field(default_factory=dict)

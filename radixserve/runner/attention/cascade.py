@@ -132,9 +132,8 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     """Attention over key sets A and B from each part's output o (..., D) and log-sum-exp lse (...) of its scaled
     scores (natural log, fp32): lse = logaddexp(lse_a, lse_b), o = o_a e^(lse_a - lse) + o_b e^(lse_b - lse), in fp32.
 
-    A part with no keys reports lse -inf, or +inf as some kernels do (a finite LSE for "empty" cannot be told from a
-    real one and is the caller's bug), whatever its o (NaN included): it contributes nothing, so merge(empty, s) = s
-    bit for bit and merge(empty, empty) = (0, -inf), never the NaN of (-inf) - (-inf) (C45; vLLM #27491)."""
+    A part with no keys (lse -inf or +inf, any o) contributes nothing: merge(empty, s) = s bit for bit and
+    merge(empty, empty) = (0, -inf), never the NaN of (-inf) - (-inf) (C45)."""
     empty_a, empty_b = torch.isinf(lse_a), torch.isinf(lse_b)
     lse_a = lse_a.masked_fill(empty_a, float("-inf"))
     lse_b = lse_b.masked_fill(empty_b, float("-inf"))

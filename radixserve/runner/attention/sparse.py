@@ -1,9 +1,7 @@
 """DSA over the paged KV cache: the index-key side buffer and SparseAttention (layers/attention.py) around any backend.
 
-The index keys live in the KV cache's side buffer INDEX_KEYS, in the full indexer layers only (with EAGLE, the MTP
-draft's layer too: runner/kv_sizing.py index_key_layers), at the same slot as
-the token's latent: radix hits, eviction, chunked prefill, preemption, the host and disk tiers and PD carry them with
-the latent, and reads wait for the layer's host-tier load like every other KV read (docs/mla.md, DSA)."""
+The index keys live in the KV cache's side buffer INDEX_KEYS of the full indexer layers (and an EAGLE draft's layer N),
+at the token's slot, so every KV path carries them and reads wait for the layer's load (docs/mla.md, DSA)."""
 from __future__ import annotations
 
 import torch
