@@ -43,5 +43,5 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600.0,
                 return
         except httpx.TransportError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise RuntimeError(f"{name} ({url}) not healthy after {timeout_s} s")

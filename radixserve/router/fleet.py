@@ -167,7 +167,7 @@ def wait_healthy(workers: list[WorkerProc], timeout_s: float) -> None:
             raise RuntimeError(f"workers not healthy after {timeout_s} s: "
                                f"{[w.url for w in pending]}")
         if pending:
-            time.sleep(0.5)
+            time.sleep(0.1)
 
 
 def stop_workers(workers: list[WorkerProc], grace_s: float) -> None:

@@ -72,7 +72,7 @@ class ServerProcess:
                     return self
             except httpx.TransportError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.1)
         pytest.fail(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{self.output()}")
 
     def output(self, tail_chars: int | None = 8000) -> str:

@@ -1,6 +1,6 @@
 """benchmarks/agent_soak.py scaled down (issue 16: no false alarms idle or busy).
 
-The soak's own code on two tiny-model workers: the fleet idle under a supervising agent (7 s,
+The soak's own code on two tiny-model workers: the fleet idle under a supervising agent (6 s,
 longer than the servers' 5 s keep-alive, so pooled connections do expire), then
 serving clients with ±30 % step-latency noise on every worker, and no hang phase. The script
 fails on any agent `/status` sample showing a worker `health_ok: false`, any finding, any
@@ -22,7 +22,7 @@ def test_idle_then_busy_fleet_raises_no_false_alarm(tiny_model_dir, tmp_path):
     base = free_ports(11)   # router, workers from +1, agent on +10
     done = subprocess.run(
         [sys.executable, "benchmarks/agent_soak.py", "--model-path", str(tiny_model_dir),
-         "--num-workers", "2", "--idle-s", "7", "--noise-s", "8", "--concurrency", "2",
+         "--num-workers", "2", "--idle-s", "6", "--noise-s", "4", "--concurrency", "2",
          "--skip-hang", "--base-port", str(base), "--out-dir", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(REPO)})
