@@ -100,8 +100,10 @@ def main(argv: list[str]) -> int:
             comm.recv(torch.empty(4), size - 1)
         except DistError as exc:
             hung = {"error": str(exc), "waited_s": time.monotonic() - start}
-    elif rank == size - 1:
-        time.sleep(TIMEOUT_S + 5)
+    elif rank == size - 1:      # silent until rank 0 has waited out the timeout and saved (at most TIMEOUT_S + 5 s)
+        deadline = time.monotonic() + TIMEOUT_S + 5
+        while time.monotonic() < deadline and not os.path.exists(os.path.join(out_dir, "rank0.pt")):
+            time.sleep(0.1)
     torch.save({"models": results, "hung": hung}, os.path.join(out_dir, f"rank{rank}.pt"))
     os._exit(0)
 
