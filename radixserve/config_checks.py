@@ -143,13 +143,20 @@ def _check_pipeline(config: Any) -> None:
 def check_kv_history(config: Any) -> None:
     """--kv-history-dtype auto: an fp8 --kv-cache-dtype, a page fraction in (0, 1), and none of the paths that
     cannot carry pages of two dtypes yet (docs/runner.md lists them)."""
+    if not 0 < config.kv_fp8_page_fraction < 1:
+        raise ValueError(f"--kv-fp8-page-fraction must be in (0, 1), got {config.kv_fp8_page_fraction}")
     if config.kv_history_dtype != "auto":
         return
     if not config.kv_cache_dtype.startswith("fp8"):
         raise ValueError(f"--kv-history-dtype auto keeps history at the compute dtype and decode pages in fp8: "
                          f"it needs --kv-cache-dtype fp8_e4m3 or fp8_e5m2 (got {config.kv_cache_dtype})")
-    if not 0 < config.kv_fp8_page_fraction < 1:
-        raise ValueError(f"--kv-fp8-page-fraction must be in (0, 1), got {config.kv_fp8_page_fraction}")
+    if config.max_total_tokens is not None:      # the split kv_sizing.history_split makes, known before any load
+        total = config.max_total_tokens // config.page_size
+        fp8 = round(total * config.kv_fp8_page_fraction)
+        if total - fp8 < 2 or fp8 < 1:
+            raise ValueError(f"--kv-history-dtype auto: --max-total-tokens {config.max_total_tokens} splits into "
+                             f"{total - fp8} history and {fp8} fp8 pages at --kv-fp8-page-fraction "
+                             f"{config.kv_fp8_page_fraction}; it needs at least 2 and 1")
     unsupported = {f"--speculative-algorithm {config.speculative_algorithm}": config.speculative_algorithm is not None,
                    "--enable-hierarchical-cache": config.enable_hierarchical_cache,
                    "--disaggregation-mode": config.disaggregation_mode != "null",

@@ -32,6 +32,25 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text, any JSON object, or {"json_schema": {"name", "schema", "strict"}}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    def schema_text(self) -> str | None:
+        """The schema as text (None for "text"); InvalidRequest (400) without a schema object."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        schema = (self.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format json_schema needs json_schema.schema, a JSON schema object",
+                                 param="response_format")
+        return json.dumps(schema)
+
+
 class _GenerationRequest(_Strict):
 
     model: str | None = None
@@ -60,6 +79,7 @@ class _GenerationRequest(_Strict):
     bootstrap_host: str | None = None
     bootstrap_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     bootstrap_room: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    response_format: ResponseFormat | None = None     # both endpoints, as vLLM (a JSON grammar on the output)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
@@ -76,7 +96,8 @@ class _GenerationRequest(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_logit_bias(self.logit_bias))
-        return params
+        schema = self.response_format.schema_text() if self.response_format is not None else None
+        return params if schema is None else dataclasses.replace(params, json_schema=schema)
 
     @property
     def include_usage(self) -> bool:
@@ -147,25 +168,6 @@ class ChatMessage(_Strict):
         return msg
 
 
-class ResponseFormat(_Strict):
-    """OpenAI's response_format: text, any JSON object, or {"json_schema": {"name", "schema", "strict"}}."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-    def schema_text(self) -> str | None:
-        """The schema as text (None for "text"); InvalidRequest (400) without a schema object."""
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return '{"type": "object"}'
-        schema = (self.json_schema or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise InvalidRequest("response_format json_schema needs json_schema.schema, a JSON schema object",
-                                 param="response_format")
-        return json.dumps(schema)
-
-
 # OpenAI's characters plus ".:/" (MCP names); nothing that breaks a tool-call format.
 FunctionName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:/-]+$")]
 
@@ -198,18 +200,11 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: WireInt | None = None
     logprobs: bool = False
     top_logprobs: WireInt | None = None
-    response_format: ResponseFormat | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None) -> SamplingParams:
-        params = super().sampling_params(max_tokens, logprobs, prompt_logprobs)
-        schema = self.response_format.schema_text() if self.response_format is not None else None
-        return params if schema is None else dataclasses.replace(params, json_schema=schema)
 
 
 class PromptTokensDetails(BaseModel):

@@ -46,7 +46,20 @@ def test_output_matches_the_format_stream_and_not(server, response_format, schem
     {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}},
     {"type": "yaml"},
 ])
-def test_unusable_format_is_400(server, response_format):
-    r = chat(server, max_tokens=8, response_format=response_format)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_unusable_format_is_400(server, response_format, path):
+    body = {"messages": ASK} if path == "/v1/chat/completions" else {"prompt": "A person as JSON:"}
+    r = server.post(path, json={"model": server.model, "max_tokens": 8, "response_format": response_format, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] in ("response_format", "response_format.type", None)
+
+
+def test_completions_take_response_format_too(server):
+    """/v1/completions constrains its output like chat (vLLM accepts response_format on both); it was ignored."""
+    fields = {"model": server.model, "prompt": "A person as JSON:", "max_tokens": 200, "temperature": 0,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+    r = server.post("/v1/completions", json=fields)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    jsonschema.validate(json.loads(choice["text"]), PERSON)
+    assert choice["finish_reason"] == "stop"

@@ -204,6 +204,9 @@ def test_no_page_leaks_after_preemption_and_aborts(gqa_dir):
 @pytest.mark.parametrize("flags, message", [
     ({"kv_history_dtype": "auto"}, "needs --kv-cache-dtype fp8"),
     ({**SETTINGS["mixed"], "kv_fp8_page_fraction": 0.0}, "must be in (0, 1)"),
+    ({"kv_fp8_page_fraction": float("nan")}, "must be in (0, 1)"),          # checked without the policy too
+    ({**SETTINGS["mixed"], "max_total_tokens": 32, "page_size": 16, "kv_fp8_page_fraction": 0.99},
+     "splits into 0 history and 2 fp8 pages"),
     ({**SETTINGS["mixed"], "speculative_algorithm": "ngram"}, "--speculative-algorithm ngram"),
     ({**SETTINGS["mixed"], "enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
     ({**SETTINGS["mixed"], "disaggregation_mode": "decode"}, "--disaggregation-mode"),
@@ -218,9 +221,13 @@ def test_bad_flag_combinations_are_refused(flags, message):
 
 
 def test_too_small_a_pool_is_refused(gqa_dir):
-    config = EngineConfig(model_path=str(gqa_dir), page_size=PAGE, max_total_tokens=3 * PAGE,
-                          kv_fp8_page_fraction=0.1, **SETTINGS["mixed"])
-    with pytest.raises(ValueError, match="1 fp8|0 fp8"):
+    """With --max-total-tokens the split is known from the flags: refused by EngineConfig, before any load; a
+    memory-sized pool is split (and refused) by the runner."""
+    with pytest.raises(ValueError, match="0 fp8"):
+        EngineConfig(model_path=str(gqa_dir), page_size=PAGE, max_total_tokens=3 * PAGE,
+                     kv_fp8_page_fraction=0.1, **SETTINGS["mixed"])
+    config = EngineConfig(model_path=str(gqa_dir), page_size=PAGE, kv_cache_memory_gb=1e-6, **SETTINGS["mixed"])
+    with pytest.raises(ValueError, match="history and 0 fp8 pages|needs at least 2 and 1"):
         ModelRunner.from_config(config)
 
 
