@@ -150,7 +150,7 @@ def check_kv_history(config: Any) -> None:
     if not config.kv_cache_dtype.startswith("fp8"):
         raise ValueError(f"--kv-history-dtype auto keeps history at the compute dtype and decode pages in fp8: "
                          f"it needs --kv-cache-dtype fp8_e4m3 or fp8_e5m2 (got {config.kv_cache_dtype})")
-    if config.max_total_tokens is not None:      # the split kv_sizing.history_split makes, known before any load
+    if config.max_total_tokens is not None:
         total = config.max_total_tokens // config.page_size
         fp8 = round(total * config.kv_fp8_page_fraction)
         if total - fp8 < 2 or fp8 < 1:

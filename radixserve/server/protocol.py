@@ -79,7 +79,7 @@ class _GenerationRequest(_Strict):
     bootstrap_host: str | None = None
     bootstrap_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     bootstrap_room: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
-    response_format: ResponseFormat | None = None     # both endpoints, as vLLM (a JSON grammar on the output)
+    response_format: ResponseFormat | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
