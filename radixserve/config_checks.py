@@ -151,12 +151,8 @@ def check_kv_history(config: Any) -> None:
         raise ValueError(f"--kv-history-dtype auto keeps history at the compute dtype and decode pages in fp8: "
                          f"it needs --kv-cache-dtype fp8_e4m3 or fp8_e5m2 (got {config.kv_cache_dtype})")
     if config.max_total_tokens is not None:
-        total = config.max_total_tokens // config.page_size
-        fp8 = round(total * config.kv_fp8_page_fraction)
-        if total - fp8 < 2 or fp8 < 1:
-            raise ValueError(f"--kv-history-dtype auto: --max-total-tokens {config.max_total_tokens} splits into "
-                             f"{total - fp8} history and {fp8} fp8 pages at --kv-fp8-page-fraction "
-                             f"{config.kv_fp8_page_fraction}; it needs at least 2 and 1")
+        check_history_split(token_history_split(config.max_total_tokens // config.page_size,
+                                                config.kv_fp8_page_fraction))
     unsupported = {f"--speculative-algorithm {config.speculative_algorithm}": config.speculative_algorithm is not None,
                    "--enable-hierarchical-cache": config.enable_hierarchical_cache,
                    "--disaggregation-mode": config.disaggregation_mode != "null",
@@ -167,3 +163,15 @@ def check_kv_history(config: Any) -> None:
     named = [flag for flag, on in unsupported.items() if on]
     if named:
         raise ValueError(f"--kv-history-dtype auto cannot be combined with {', '.join(named)} yet")
+
+
+def token_history_split(num_pages: int, fraction: float) -> tuple[int, int]:
+    """(history pages, round(fraction * num_pages) fp8 pages) of a --max-total-tokens pool."""
+    fp8 = round(num_pages * fraction)
+    return num_pages - fp8, fp8
+
+
+def check_history_split(split: tuple[int, int]) -> None:
+    if split[0] < 2 or split[1] < 1:
+        raise ValueError(f"--kv-history-dtype auto: the KV pool splits into {split[0]} history and {split[1]} fp8 "
+                         f"pages; it needs at least 2 and 1 (raise the pool size or change --kv-fp8-page-fraction)")

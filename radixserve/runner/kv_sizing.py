@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.config_checks import check_history_split, token_history_split
 from radixserve.engine_config import EngineConfig
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.attention.sparse import index_bytes_per_token
@@ -40,15 +41,12 @@ def num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = 
 
 def history_split(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = None,
                   num_layers: int | None = None) -> tuple[int, int]:
-    """--kv-history-dtype auto: (model-dtype pages, FP8 pages). With --max-total-tokens its pages split by
-    --kv-fp8-page-fraction; else that fraction F of B = --kv-cache-memory-gb bytes goes to FP8 pages:
-    fp8 = floor(F * B) // (fp8 bytes per page), model = (B - floor(F * B)) // (model-dtype bytes per page), DSA index
-    keys counted in both. Raises ValueError when either range gets no page or the history fewer than two."""
+    """--kv-history-dtype auto: (model-dtype pages, FP8 pages), config_checks.token_history_split for a token-sized
+    pool; else F = --kv-fp8-page-fraction of B = --kv-cache-memory-gb: fp8 = floor(F * B) // (fp8 page bytes), model
+    = (B - floor(F * B)) // (model-dtype page bytes), index keys in both. ValueError: check_history_split."""
     page, fraction = config.page_size, config.kv_fp8_page_fraction
     if config.max_total_tokens is not None:
-        total = config.max_total_tokens // page
-        fp8 = round(total * fraction)
-        split = (total - fp8, fp8)
+        split = token_history_split(config.max_total_tokens // page, fraction)
     else:
         budget = int(config.kv_cache_memory_gb * 2**30)
         fp8_budget = int(budget * fraction)
@@ -56,9 +54,7 @@ def history_split(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | Non
         split = tuple((part // ((_bytes_per_token(mc, dtype, num_kv_heads, num_layers) + index) * page))
                       for part, dtype in ((budget - fp8_budget, DTYPES[config.dtype]),
                                           (fp8_budget, KV_DTYPES[config.kv_cache_dtype])))
-    if split[0] < 2 or split[1] < 1:
-        raise ValueError(f"--kv-history-dtype auto: the KV pool splits into {split[0]} history and {split[1]} fp8 "
-                         f"pages; it needs at least 2 and 1 (raise the pool size or change --kv-fp8-page-fraction)")
+    check_history_split(split)
     return split
 
 

@@ -14,13 +14,12 @@ import torch
 
 from radixserve.chaos.cp_faults import LayerSplitFaults
 from radixserve.dist.comm import init_communicator
-from radixserve.engine.engine import Engine
 from radixserve.engine_config import EngineConfig
 from radixserve.runner import cp
 from radixserve.runner.cp import CPModelRunner
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.runner.tp import Followers, TPRunner, follow
-from radixserve.sampling_params import SamplingParams
+from tests.model.tp_worker import greedy_batches
 
 PHASES = [[[5], [6, 7], [8, 9, 10], list(range(3, 40)), list(range(100, 138))],
           [list(range(150, 214))],
@@ -73,16 +72,7 @@ def recording(runner: ModelRunner, comm=None) -> list[dict]:
 
 
 def generate(runner) -> dict[str, list[int]]:
-    engine = Engine(runner.config, runner, frozenset())
-    tokens: dict[str, list[int]] = {}
-    for phase, prompts in enumerate(PHASES):
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"{phase}-{i}", prompt,
-                               SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True))
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return tokens
+    return greedy_batches(runner, [(f"{phase}-", prompts) for phase, prompts in enumerate(PHASES)], NUM_NEW)
 
 
 def run_mode(config: EngineConfig, comm, rank: int, fault: bool) -> dict:

@@ -52,18 +52,24 @@ def recording(runner: ModelRunner, comm=None) -> list[dict]:
     return steps
 
 
-def generate(runner, prompts: list[list[int]] = PROMPTS, follow_up: list[list[int]] = ()) -> dict[str, list[int]]:
-    """Greedy NUM_NEW tokens for `prompts` (request ids "0", "1", ...), then for `follow_up` ("f0", ...)."""
+def greedy_batches(runner, batches: list[tuple[str, list[list[int]]]], num_new: int) -> dict[str, list[int]]:
+    """Greedy `num_new` tokens per prompt, batch after batch (each run to the end, so a later batch can hit the
+    radix cache); request ids are the batch's prefix and the prompt's index."""
     engine = Engine(runner.config, runner, frozenset())
     tokens: dict[str, list[int]] = {}
-    for prefix, batch in (("", prompts), ("f", follow_up)):
+    for prefix, batch in batches:
         for i, prompt in enumerate(batch):
             engine.add_request(f"{prefix}{i}", prompt,
-                               SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True))
+                               SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True))
         while engine.has_unfinished():
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     return tokens
+
+
+def generate(runner, prompts: list[list[int]] = PROMPTS, follow_up: list[list[int]] = ()) -> dict[str, list[int]]:
+    """`prompts` (request ids "0", "1", ...), then `follow_up` ("f0", ...)."""
+    return greedy_batches(runner, [("", prompts), ("f", follow_up)], NUM_NEW)
 
 
 def record_topk(model: torch.nn.Module) -> list:
