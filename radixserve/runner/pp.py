@@ -24,6 +24,7 @@ import torch
 from radixserve.dist.comm import Communicator, Pending
 from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.engine_config import EngineConfig
+from radixserve.layers.attention import SparseAttention
 from radixserve.models.dsa import selection_rows
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.attention.base import create_backend
@@ -64,8 +65,8 @@ class PPModelRunner(ModelRunner):
         self.is_first, self.is_last = comm.rank == 0, comm.rank == comm.size - 1
         self.num_micro_batches = config.pp_micro_batches or config.pp_size
         dsa = model_config.dsa
-        self.selection_in = dsa is not None and self.layers.start not in dsa.full_layers
-        self.selection_out = dsa is not None and not self.is_last and self.layers.stop not in dsa.full_layers
+        self.receives_topk = dsa is not None and self.layers.start not in dsa.full_layers
+        self.sends_topk = dsa is not None and not self.is_last and self.layers.stop not in dsa.full_layers
         if config.max_total_tokens is None:     # every stage the same pages: sized for the largest stage
             stages = [owned_layers(model_config.num_layers, comm.size, s) for s in range(comm.size)]
             pages = min(num_pages(config, model_config, None, len(r), stage_index_layers(model_config, r))
@@ -93,7 +94,7 @@ class PPModelRunner(ModelRunner):
     def index_key_layers(self, full_layers: tuple[int, ...]) -> tuple[int, ...]:
         return stage_index_layers(self.model_config, self.layers)
 
-    def _recv_selection(self, attn) -> list[torch.Tensor | None] | None:
+    def _recv_selection(self, attn: SparseAttention) -> list[torch.Tensor | None] | None:
         """The previous stage's last DSA top-k for micro-batch `attn` (models/dsa.py selection_rows' shapes)."""
         topk = self.model_config.dsa.index_topk
         rows = selection_rows(attn.segments, topk)
@@ -118,12 +119,12 @@ class PPModelRunner(ModelRunner):
             else:
                 residual = self.comm.recv(torch.empty(sub.num_tokens, hidden, dtype=self.dtype, device=self.device),
                                           rank - 1)
-                if self.selection_in:
+                if self.receives_topk:
                     attn.shared_selection = self._recv_selection(attn)
             residual = self.model.run_layers(residual, sub.positions, attn, self.layers)
             if not self.is_last:
                 sends.append(self.comm.send_async(residual, rank + 1))
-                if self.selection_out and attn.shared_selection is not None:
+                if self.sends_topk and attn.shared_selection is not None:
                     sends.append(self.comm.send_async(torch.cat([s for s in attn.shared_selection if s is not None]),
                                                       rank + 1))
                 continue

@@ -3,9 +3,9 @@
 Per model and micro-batch count M (MICRO: None = --pp-size), every rank builds its PPModelRunner; rank 0 runs an
 Engine over a TPRunner (tests/model/cp_worker.py's phases: prompts of 1, 2, 3, 37 and 38 tokens chunked by 32, then
 a 64-token prompt and the same 64 tokens + 7 new ones, a radix hit), the others follow. Each records its steps'
-logits, batch sizes and point-to-point counters, its parameter and KV bytes, and the pages it sizes without
---max-total-tokens, and every DSA indexer top-k; rank 0 then runs the same at PP=1. Last, a hung stage: rank 0 waits in a receive that the last
-stage never sends (it sleeps past the group's timeout). Results: OUT_DIR/rank{R}.pt, one dict per model."""
+logits, batch sizes and point-to-point counters, its parameter and KV bytes, every DSA indexer top-k, and the pages
+it sizes without --max-total-tokens; rank 0 then runs the same at PP=1. Last, a hung stage: rank 0 waits in a receive
+that the last stage never sends (it sleeps past the group's timeout). Results: OUT_DIR/rank{R}.pt, a dict per model."""
 from __future__ import annotations
 
 import dataclasses

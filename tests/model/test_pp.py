@@ -3,8 +3,8 @@
 On a tiny Llama (2 layers, tied embeddings: the last stage keeps the embedding as its head), a tiny GLM-4.5 MoE (3
 layers on 2 stages: 2 + 1; a dense first layer, shared experts, untied), a tiny glm4_moe_lite (MLA, 3 layers) and a
 tiny glm_moe_dsa (DSA, 5 layers: 3 + 2, stage 1 starting on an IndexShare layer, so it receives stage 0's top-k; the
-64- and 71-token prompts past index_topk 8), with prompts chunked by 32 (one asking for
-prompt logprobs), batches of several sequences and a 90 % radix hit, at M = 2 (the default), 1 and 3 micro-batches:
+64- and 71-token prompts past index_topk 8), with prompts chunked by 32 (one asking for prompt logprobs), batches of
+several sequences and a 90 % radix hit, at M = 2 (the default), 1 and 3 micro-batches:
 logits within 1e-5 relative and greedy tokens equal to PP=1, and the same whatever M is; the last stage's logits
 bit-identical to what rank 0 samples from; per-rank parameter and KV bytes and per-step point-to-point bytes equal
 docs/parallel.md's formulas exactly (KV: latent and index keys for MLA/DSA); at M = 1 each stage's DSA top-k

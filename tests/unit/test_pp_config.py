@@ -73,7 +73,7 @@ def test_dsa_stages_hold_their_latent_and_index_keys(tmp_path):
     assert [r.kv.side_layers(INDEX_KEYS) if r.kv.side_names else None for r in stages] == [[0, 1], None, [0]]
     layers = [stages[0].model.model.layers[1], stages[2].model.model.layers[4]]
     assert [(x.self_attn.layer_id, x.self_attn.indexer.layer_id) for x in layers] == [(1, 1), (0, 0)]
-    assert [(r.selection_in, r.selection_out) for r in stages] == [(False, True), (True, False), (False, False)]
+    assert [(r.receives_topk, r.sends_topk) for r in stages] == [(False, True), (True, False), (False, False)]
     mc = stages[0].model_config
     latent, index = 4 * (mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim), 4 * mc.dsa.index_head_dim
     per_token = [2 * latent + 2 * index, 2 * latent, latent + index]
