@@ -24,10 +24,10 @@ from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.engine_config import EngineConfig
 from radixserve.layers.attention import Segment
 from radixserve.models.model_config import ModelConfig
+from radixserve.runner import kv_transfer
 from radixserve.runner.attention.sparse import INDEX_KEYS, attend_chosen, read_index_keys, write_index_keys
 from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.kv_cache import KVCache
-from radixserve.runner import kv_transfer
 from radixserve.runner.kv_sizing import index_key_layers, num_pages
 from radixserve.runner.layer_split import LayerSplit, PendingKV, page_slots
 from radixserve.runner.model_runner import ModelRunner

@@ -23,7 +23,7 @@ class KVImport:
 
 @dataclass(frozen=True, slots=True)
 class KVExport:
-    """Rank 0 of a LayerSplit PD prefill worker asks the followers (step group, between batches) to run export_kv."""
+    """Rank 0 of a LayerSplit or GQA TP prefill worker asks the followers (between batches) to run export_kv."""
 
     page_ids: list[int]
 
@@ -65,13 +65,13 @@ def gather_kv_heads(pages: KVPages, tp, model_config) -> KVPages | None:
     starts = [shard_heads(model_config.num_heads, model_config.num_kv_heads, r).kv_start for r in ranks]
     senders = [r for r, start in enumerate(starts) if starts.index(start) == r]
     if tp.rank != 0:
-        for pending in [tp.send_async(t, 0) for t in (pages.k, pages.v)] if tp.rank in senders else []:
+        for pending in [tp.send_async(t.to(tp.device), 0) for t in (pages.k, pages.v)] if tp.rank in senders else []:
             pending.wait()
         return None
     k, v = [pages.k], [pages.v]
     for rank in senders[1:]:
-        k.append(tp.recv(torch.empty_like(pages.k), rank))
-        v.append(tp.recv(torch.empty_like(pages.v), rank))
+        k.append(tp.recv(torch.empty_like(pages.k, device=tp.device), rank).cpu())
+        v.append(tp.recv(torch.empty_like(pages.v, device=tp.device), rank).cpu())
     return KVPages(torch.cat(k, dim=1), torch.cat(v, dim=1), {})
 
 

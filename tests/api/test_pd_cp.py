@@ -166,17 +166,17 @@ def dsa_model_dir(default_tokenizer, tmp_path_factory):
     return folder
 
 
-def test_cp2_layer_split_prefill_dsa(dsa_model_dir):
-    """MLA + DSA from a LayerSplit prefill worker: the latent (one head, replicated: every TP rank imports all of it)
-    and the index keys of rank 1's layer (a full DSA layer) reach the TP 1 and TP 2 decode workers."""
+def test_cp2_layer_split_prefill_dsa_to_tp2_decode(dsa_model_dir):
+    """MLA + DSA from a LayerSplit prefill worker: the latent and the index keys of rank 1's layer (a full DSA layer)
+    reach a TP 2 decode worker. Both are replicated under TP, so each rank, rank 0 first, imports all of them as a
+    one-rank decode worker does (ModelRunner.import_kv): TP 2 covers TP 1's import."""
     ref = ServerProcess(["--model-path", str(dsa_model_dir), *COMMON])
     prefill = prefill_worker(dsa_model_dir, LAYER_SPLIT)
     try:
-        for decode_flags in ([], TP2):
-            with routed(dsa_model_dir, [prefill], decode_flags) as (decode, routers):
-                ref.wait_ready()
-                assert decode.stats()["runner"].get("tp_size", 1) == (2 if decode_flags else 1)
-                assert_same_greedy(ref, routers[0])
+        with routed(dsa_model_dir, [prefill], TP2) as (decode, routers):
+            ref.wait_ready()
+            assert decode.stats()["runner"]["tp_size"] == 2
+            assert_same_greedy(ref, routers[0])
         wait_for(lambda: prefill.pages()["num_in_use_pages"] == 0, "idle pages")
         prefill.assert_no_leak()
     finally:
