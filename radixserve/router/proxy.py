@@ -20,7 +20,7 @@ from radixserve.router.lease import Attempts, Lease
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.outcome import anomaly_kind, classify, error_kind, error_of_body, event_status
 from radixserve.router.relay import Opened, Relay, RelayResponse, wire_header
-from radixserve.router.stream import StreamLedger, error_of, sse_events
+from radixserve.router.stream import StreamLedger, error_in, sse_events
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class Forwarder:
         events = lease.watch().events(sse_events(upstream.aiter_raw()))
         pending: list[bytes] = []
         async for event in events:
-            error = error_of(event)
+            error = error_in(ledger.parse(event))
             if error is not None:
                 status, kind = event_status(error), error.get("type")
                 if classify(status, False, kind).retry:
