@@ -7,7 +7,8 @@ and /get_server_info answer what the router's monitor reads, POST /v1/completion
 --chat) returns a fixed 1-token completion (or an SSE stream with --stream). `--router-prefix CMD` runs the
 router under CMD (e.g. "py-spy record -o FILE --format raw --"). Requests are sequential over one kept-alive client
 connection, alternating direct-to-stub and through-router, so drift hits both alike. Prints p50 / p99 of each
-and of the router's added latency per pair (router minus direct), in ms, with the 1-minute load average.
+and of the router's added latency per pair (router minus direct), in ms, the router's CPU per request (ms,
+without --router-prefix) and the 1-minute load average.
 """
 from __future__ import annotations
 
@@ -92,6 +93,13 @@ def pct(values: list[float], q: float) -> float:
     return round(s[min(len(s) - 1, int(q * len(s)))], 3)
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=400)
@@ -128,9 +136,11 @@ def main() -> None:
             for _ in range(50):
                 post(stub), post(router)
             t_direct, t_router = [], []
+            cpu0 = cpu_s(procs[1].pid)
             for _ in range(args.requests):
                 t_direct.append(post(stub))
                 t_router.append(post(router))
+            router_cpu = (cpu_s(procs[1].pid) - cpu0) / args.requests * 1e3
     finally:
         for i, proc in enumerate(procs):  # a profiler writes its file on SIGINT
             proc.send_signal(signal.SIGINT if i and args.router_prefix else signal.SIGTERM)
@@ -141,7 +151,8 @@ def main() -> None:
                       "stream": args.stream,
                       "direct_p50_ms": pct(t_direct, 0.5), "direct_p99_ms": pct(t_direct, 0.99),
                       "router_p50_ms": pct(t_router, 0.5), "router_p99_ms": pct(t_router, 0.99),
-                      "router_added_p50_ms": pct(added, 0.5), "router_added_p99_ms": pct(added, 0.99)}))
+                      "router_added_p50_ms": pct(added, 0.5), "router_added_p99_ms": pct(added, 0.99),
+                      "router_cpu_ms_per_request": round(router_cpu, 3)}))
 
 
 if __name__ == "__main__":
