@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 # A worker that cannot be reached (a bad URL included: never a 500).
 UNREACHABLE = (httpx.TransportError, httpx.InvalidURL)
+Post = Callable[[str, bytes, dict[str, bytes]], Awaitable[httpx.Response]]
 
 
 def outcome_label(status: int | None, transport_error: bool, kind: str | None = None) -> str:
@@ -63,10 +64,15 @@ class Forwarder:
     """Sends requests to policy-picked workers, retrying on untried ones (SGLang router retry rules)."""
 
     def __init__(self, config: RouterConfig, registry: Any, policy: Any, metrics: RouterMetrics,
-                 http: httpx.AsyncClient):
+                 http: httpx.AsyncClient, post: Post | None = None):
         self.config, self.registry, self.policy = config, registry, policy
         self.metrics, self.http = metrics, http
+        self.post = post or self._post
         self.max_attempts = 1 if config.disable_retries else config.retry_max_attempts
+
+    async def _post(self, url: str, body: bytes, headers: dict[str, bytes]) -> httpx.Response:
+        request = self.http.build_request("POST", url, content=body, headers=headers)
+        return await self.http.send(request, stream=True)
 
     def backoff_s(self, retry: int) -> float:
         """Seconds before 1-based retry `retry`: capped exponential, times 1 + U[-jitter, jitter] (SGLang `retry.rs`)."""
@@ -168,9 +174,7 @@ class Forwarder:
         read = lease.watch().read if ledger is not None else _call
         try:
             try:
-                request = self.http.build_request("POST", worker.url + path, content=body,
-                                                  headers=headers)
-                upstream = await read(lambda: self.http.send(request, stream=True))
+                upstream = await read(lambda: self.post(worker.url + path, body, headers))
                 if ledger is not None and upstream.status_code == 200:
                     opened = await self._open(lease, upstream, ledger)
                     if isinstance(opened, Opened):

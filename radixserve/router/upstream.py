@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 
@@ -14,7 +14,7 @@ except ImportError:
     aiohttp = None
 
 
-def upstream_transport() -> httpx.AsyncBaseTransport | None:
+def upstream_transport() -> AiohttpTransport | None:
     """The fast transport, or None (httpx's default) without aiohttp."""
     return AiohttpTransport() if aiohttp is not None else None
 
@@ -63,18 +63,31 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         self.session: Any = None
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeout = request.extensions.get("timeout", {})
+        return await self.send(request.method, str(request.url), request.headers.multi_items(),
+                               request.content, timeout.get("pool"), timeout.get("connect"),
+                               timeout.get("read"), request)
+
+    def poster(self, connect_s: float, read_s: float) -> Callable[..., Awaitable[httpx.Response]]:
+        """post(url, body, headers as bytes) -> the response, its body unread; what
+        Forwarder.post is without httpx's request and cookie handling."""
+        async def post(url: str, body: bytes, headers: dict[str, bytes]) -> httpx.Response:
+            return await self.send("POST", url, [(k, _text(v)) for k, v in headers.items()],
+                                   body, connect_s, connect_s, read_s)
+        return post
+
+    async def send(self, method: str, url: str, headers: list[tuple[str, str]], body: bytes,
+                   pool_s: float | None, connect_s: float | None, read_s: float | None,
+                   request: httpx.Request | None = None) -> httpx.Response:
         if self.session is None:
             self.session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEP_ALIVE_S),
                 cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
-        timeout = request.extensions.get("timeout", {})
         try:
             response = await self.session.request(
-                request.method, str(request.url), headers=request.headers.multi_items(),
-                data=request.content or None, allow_redirects=False,
-                timeout=aiohttp.ClientTimeout(connect=timeout.get("pool"),
-                                              sock_connect=timeout.get("connect"),
-                                              sock_read=timeout.get("read")))
+                method, url, headers=headers, data=body or None, allow_redirects=False,
+                skip_auto_headers=("Content-Type",),
+                timeout=aiohttp.ClientTimeout(connect=pool_s, sock_connect=connect_s, sock_read=read_s))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _transport_error(exc) from exc
         return httpx.Response(response.status, headers=response.raw_headers, stream=_Body(response),
@@ -83,3 +96,11 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         if self.session is not None:
             await self.session.close()
+
+
+def _text(value: bytes) -> str:
+    """A header value for aiohttp, which writes UTF-8: exact unless the bytes are not UTF-8."""
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return value.decode("latin-1")

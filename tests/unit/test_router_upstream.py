@@ -135,3 +135,18 @@ async def test_a_closed_port_is_a_connect_error():
     async with client() as http:
         with pytest.raises(httpx.ConnectError):
             await http.post(f"http://127.0.0.1:{free_ports(1)}/v1/completions", content=b"{}")
+
+
+async def test_the_routers_post_sends_the_headers_it_is_given():
+    server = Server(lambda path: [OK])
+    transport = AiohttpTransport()
+    post = transport.poster(connect_s=5.0, read_s=30.0)
+    async with serving(server) as url:
+        try:
+            r = await post(url + "/v1/completions", b"{}", {"x-request-id": "id-\u00e9".encode()})
+            assert r.status_code == 200 and await r.aread() == b'{"ok": 1.0}'
+            await r.aclose()
+        finally:
+            await transport.aclose()
+    head = server.heads[0].lower()
+    assert b"x-request-id: id-\xc3\xa9\r\n" in head and b"content-type" not in head
