@@ -42,7 +42,8 @@ class ModelRunner:
     """The Runner protocol (engine/runner_api.py) over a real model. CPU memory: weights twice
     (plain + oneDNN-packed; quantized layers packed only), the KV cache, the DecodeMirror (<= 2 GiB)."""
 
-    kv_head_start = 0     # the first of the model's KV heads this rank caches (from_config sets it under TP)
+    kv_head_start = 0     # the first of the model's KV heads this rank caches; from_config sets it and `tp`
+    tp: Collectives | None = None
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
@@ -128,7 +129,7 @@ class ModelRunner:
                         resolve_quantization(config.quantization, path, config.enable_deterministic_inference))
         model_config, weights = load_checkpoint(path, quantization)
         model = model_class(model_config)(model_config, tp=tp, ep_size=config.ep_size)
-        weights = cls.select_part(model, weights, **kwargs)
+        weights = cls.select_part(model, weights, tp=tp, **kwargs)
         draft_tensors: list[tuple[str, torch.Tensor]] = []
         if config.is_eagle:
             weights = nextn_tensors(weights, model_config.num_layers, draft_tensors)
@@ -143,7 +144,7 @@ class ModelRunner:
             draft = model_class(draft_config)(draft_config)
             load_weights(draft, draft_weights)
         runner = cls(model, model_config, config, scales, draft, **kwargs)
-        runner.kv_head_start = kv_transfer.first_kv_head(model_config, tp)
+        runner.kv_head_start, runner.tp = kv_transfer.first_kv_head(model_config, tp), tp
         logger.info("loaded %s (%s, %d layers, quantization %s) in %.1f s on %s; KV: %d pages x %d tokens, "
                     "%s; transparent huge pages: %s MiB", path, model_config.architecture,
                     model_config.num_layers, quantization, time.perf_counter() - start, runner.device,
