@@ -27,10 +27,9 @@ class DistError(RuntimeError):
 
 
 class Communicator:
-    """One process's handle on the group (`rank` and the ranks ops name: numbered within it). Counters, per op name:
-    `calls[op]` and `bytes[op]`, the bytes this rank contributes (all_reduce, broadcast: the tensor's nbytes;
-    all_gather: its input's; broadcast_object: 8 + the pickle) or, for point-to-point ops, sends ("send") and receives
-    ("recv") (the tensor's nbytes)."""
+    """One process's handle on the group (ranks numbered within it). Counters, per op: `calls[op]`, `bytes[op]`, the
+    bytes this rank contributes (all_reduce, broadcast: the tensor's nbytes; all_gather: its input's; broadcast_object:
+    8 + the pickle) or, point to point, sends ("send") and receives ("recv") (the tensor's nbytes)."""
 
     def __init__(self, rank: int, size: int, device: torch.device, group: Any = None, step_group: Any = None):
         self.rank, self.size, self.device = rank, size, device
@@ -97,8 +96,7 @@ class Communicator:
         return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
 
     def probe(self) -> None:
-        """All-reduce PROBE_VALUE on both groups (a split_group has no step group); DistError unless each gives
-        size * PROBE_VALUE."""
+        """All-reduce PROBE_VALUE on each group it has; DistError unless each gives size * PROBE_VALUE."""
         for name, group in (("group", self.group), ("step group", self.step_group)):
             if group is None:
                 continue

@@ -11,9 +11,8 @@ activations go point to point from stage to stage, cut into micro-batches so the
         stage 1             recv(m0) ─► layers(m0) ─send─► recv(m1) ─► layers(m1) ─send─► ...
         stage N-1                     recv(m0) ─► layers+norm+head(m0) ─send logits to 0─► recv(m1) ...
 
-Sends are asynchronous (isend), so stage s computes micro-batch m + 1 while stage s + 1 computes m. tp_rank i sends
-the residual's i-th 1/T of columns to tp_rank i of the next stage, which all-gathers them; the last stage's tp_rank 0
-sends the logits to rank 0. Bytes moved and why M does not change any row's arithmetic: docs/parallel.md."""
+Sends are asynchronous (isend), so stage s computes micro-batch m + 1 while stage s + 1 computes m. Under TP, tp_rank i
+sends its 1/T of the residual's columns to the next stage's tp_rank i (bytes, formulas: docs/parallel.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -107,7 +106,7 @@ class PPModelRunner(ModelRunner):
                 residual = residual if self.tp is None else self.tp.all_gather(residual, dim=-1)
             residual = self.model.run_layers(residual, sub.positions, attn, self.layers)
             if not self.is_last:
-                part = residual.narrow(1, self.tp_rank * width, width)           # (T_m, hidden / T)
+                part = residual.narrow(1, self.tp_rank * width, width)
                 sends.append(self.comm.send_async(part, rank + self.tp_size))
                 continue
             if sub.logit_rows.numel():
