@@ -4,8 +4,8 @@
 runner/tp.py's rank_runner (its stage's layers, its TP shard of them); rank 0 runs pp_worker's phases on an Engine over
 a TPRunner, the others follow. Each records its steps' logits and batch sizes, the world group's point-to-point and the
 TP group's collective counters, its parameter and KV bytes, and the pages it sizes without --max-total-tokens; rank 0
-then runs the same at PP=1 TP=1. Results: OUT_DIR/rank{R}.pt. Last, rank 3 exits and rank 0 runs one more request:
-every survivor's DistError (or None) and its wait go to OUT_DIR/dead{R}.pt."""
+then runs the same at PP=1 TP=1. Results: OUT_DIR/rank{R}.pt. Last, rank 0 runs one more request and rank 3 exits
+inside its forward: every survivor's DistError (or None) and its wait go to OUT_DIR/dead{R}.pt."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,16 +43,12 @@ def tp_recording(runner: ModelRunner) -> list[dict]:
 
 
 def dead_rank(runner: ModelRunner, comm, rank: int, out_dir: str) -> None:
-    """Rank 3 exits; rank 0 (once rank 3's results are saved) runs one more request, the others follow."""
+    """Rank 0 runs one more request, the others follow; rank 3 exits when that step's forward starts."""
     if rank == 3:
-        os._exit(0)
+        runner.forward = lambda batch: os._exit(0)
     start, error = time.monotonic(), None
     try:
         if rank == 0:
-            while not os.path.exists(os.path.join(out_dir, "rank3.pt")):
-                time.sleep(0.1)
-            time.sleep(1.0)
-            start = time.monotonic()
             generate(TPRunner(runner, Followers(comm, [])))
         else:
             follow(runner, comm)
