@@ -3,17 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.engine.engine import Engine
 from radixserve.engine.hooks import EngineHooks
-from radixserve.engine.kv_checksum import ChecksumHooks
 from radixserve.engine.loop import EngineParts, RunnerFactory
 from radixserve.engine.messages import EngineInfo
 from radixserve.engine_config import EngineConfig
-from radixserve.runner.profiler import ProfilerHooks
 
 
 def engine_hooks(config: EngineConfig) -> list[EngineHooks]:
     """The hooks `config` asks for (--enable-kv-checksum)."""
+    from radixserve.engine.kv_checksum import ChecksumHooks
     return [ChecksumHooks(config.kv_checksum_interval)] if config.enable_kv_checksum else []
 
 
@@ -26,6 +24,8 @@ class EngineFactory:
     fault_injection: bool = False
 
     def __call__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> EngineParts:
+        from radixserve.engine.engine import Engine
+        from radixserve.runner.profiler import ProfilerHooks
         runner = self.runner_factory(config)
         hooks = engine_hooks(config)
         calls = {}

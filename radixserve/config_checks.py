@@ -104,18 +104,17 @@ def check_parallel(config: Any) -> None:
 
 
 def _check_pd_layout(config: Any) -> None:
-    """The PD workers' parallel layouts built (disagg/protocol.py KVLayout.mismatch): a prefill worker of one rank or
-    plain CP (rank 0 holds every layer's KV and sends it as a one-rank worker does) feeding a decode worker of one rank
-    or TP (rank 0 receives, every rank keeps its KV heads)."""
+    """The PD layouts built (disagg/protocol.py KVLayout.mismatch): any prefill worker but PP (rank 0 sends every
+    layer's KV and head) feeding a decode worker of one rank or TP (rank 0 receives, every rank keeps its heads)."""
     mode = config.disaggregation_mode
     if mode == "null" or config.pp_size > 1:      # PP: _check_pipeline names --disaggregation-mode
         return
     layout = (f"--tp-size {config.tp_size} --cp-size {config.cp_size}"
               f"{' --enable-layer-split' if config.enable_layer_split else ''}")
-    if (config.cp_size > 1 if mode == "decode" else config.tp_size > 1) or config.enable_layer_split:
+    if mode == "decode" and config.cp_size > 1:
         raise ValueError(f"--disaggregation-mode {mode} with {layout} is not built yet: the PD pairs built are a "
-                         "prefill worker of one rank or --cp-size N (no --tp-size, --pp-size or "
-                         "--enable-layer-split) and a decode worker of one rank or --tp-size N "
+                         "prefill worker of one rank, --tp-size N or --cp-size N (with or without "
+                         "--enable-layer-split; no --pp-size) and a decode worker of one rank or --tp-size N "
                          "(docs/disaggregation.md)")
 
 

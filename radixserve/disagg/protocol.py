@@ -36,14 +36,11 @@ class KVLayout(msgspec.Struct, frozen=True):
                 f"{' with layer split' if self.layer_split else ''}")
 
     def mismatch(self, decode: KVLayout) -> str | None:
-        """Why this prefill worker cannot fill `decode`'s pages (None: it can). Built pairs: a prefill worker of one
-        rank or plain CP (tp=1, pp=1, no layer split: rank 0 holds every layer and sends every KV head) -> a decode
-        worker of one rank or TP (its rank 0 receives and each rank keeps its KV heads: runner/tp.py import_kv)."""
-        if not (self.tp_size == self.pp_size == 1 and not self.layer_split
-                and decode.cp_size == decode.pp_size == 1 and not decode.layer_split):
+        """Why this prefill worker cannot fill `decode`'s pages (None: it can). Built: a prefill worker of one rank, TP
+        or CP (rank 0 sends every layer's KV and head) -> a decode worker of one rank or TP (runner/tp.py import_kv)."""
+        if not (self.pp_size == 1 and decode.cp_size == decode.pp_size == 1 and not decode.layer_split):
             return (f"PD layout pair not built: prefill worker {self.describe()} -> decode worker "
-                    f"{decode.describe()} (built: prefill tp=1 pp=1, any cp without layer split -> decode "
-                    f"cp=1 pp=1, any tp)")
+                    f"{decode.describe()} (built: prefill pp=1 -> decode cp=1 pp=1)")
         for side, layout in (("prefill", self), ("decode", decode)):
             if tuple(layout.layer_ids) != tuple(range(layout.num_layers)):
                 return (f"KV layer ids on {side} are {list(layout.layer_ids)}, not layers 0..{layout.num_layers - 1} "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers.attention import SparseAttention
+from radixserve.layers.attention import Segment, SparseAttention
 from radixserve.layers.linear import Linear
 from radixserve.layers.parallel import Collectives
 from radixserve.layers.rotary import RotaryEmbedding
@@ -62,6 +62,14 @@ def select_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, star
     return out
 
 
+def selection_rows(segments: list[Segment], topk: int) -> list[int | None] | None:
+    """Per segment the rows of its Indexer selection, (rows, topk) int64, or None where it would select every causal
+    position (context_len <= topk); None for a step where every segment is such."""
+    if all(s.context_len <= topk for s in segments):
+        return None
+    return [None if s.context_len <= topk else s.row_end - s.row_start for s in segments]
+
+
 class Indexer(torch.nn.Module):
     """transformers' GlmMoeDsaIndexer: q = wq_b(q_resid) (Hi, Di), k = LayerNorm(wk(x)) (Di,), both rotated on their
     first qk_rope_head_dim dims (interleaved in the checkpoint; the loader de-interleaves, index_rope_rows), head
@@ -88,14 +96,15 @@ class Indexer(torch.nn.Module):
                 rotary: RotaryEmbedding, attn: SparseAttention) -> list[torch.Tensor | None] | None:
         keys = self._rotate(self.k_norm(self.wk(x)).unsqueeze(1), cos, sin, rotary).squeeze(1)     # (T, Di)
         attn.write_index_keys(self.layer_id, keys)
-        if all(s.context_len <= self.topk for s in attn.segments):
+        rows = selection_rows(attn.segments, self.topk)
+        if rows is None:
             return None
         q = self._rotate(self.wq_b(q_resid).view(-1, self.num_heads, self.head_dim), cos, sin, rotary)
         weights = self.weights_proj(x) * self.num_heads ** -0.5                                   # (T, Hi)
-        return [None if s.context_len <= self.topk else      # it would select every causal position
-                select_topk(q[s.row_start:s.row_end], weights[s.row_start:s.row_end],
+        return [select_topk(q[s.row_start:s.row_end], weights[s.row_start:s.row_end],
                             attn.index_keys(self.layer_id, i), s.start_pos, self.topk, s.stride)
-                for i, s in enumerate(attn.segments)]
+                if n is not None else None
+                for i, (s, n) in enumerate(zip(attn.segments, rows))]
 
 
 class DSAAttention(MLAAttention):

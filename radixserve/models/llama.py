@@ -234,7 +234,10 @@ class LlamaForCausalLM(torch.nn.Module):
         dropped = [f"model.layers.{i}." for i in range(len(self.model.layers)) if i not in layers]
         for i in range(len(self.model.layers)):
             if i in layers:
-                self.model.layers[i].self_attn.layer_id = i - layers.start
+                attn = self.model.layers[i].self_attn
+                attn.layer_id = i - layers.start
+                if getattr(attn, "indexer", None) is not None:
+                    attn.indexer.layer_id = attn.layer_id
             else:
                 self.model.layers[i] = torch.nn.Identity()
         tied = self.config.tie_word_embeddings

@@ -1,12 +1,12 @@
-"""The NextN / MTP draft layer of glm4_moe (GLM-4.5/4.6/4.7) and glm_moe_dsa (GLM-5): checkpoint layer N = num_layers.
+"""The NextN / MTP draft layer of glm4_moe (GLM-4.5/4.6/4.7), glm_moe_dsa (GLM-5), deepseek_v32: layer N = num_layers.
 
 One step (DeepSeek-V3's multi-token prediction module; transformers' MtpLayer):
     h' = eh_proj(cat[enorm(embed(next token)), hnorm(h)]) -> decoder block (MoE) -> shared_head.norm
     logits = lm_head(h')
 h is the target's hidden state after its final norm (the LM head's input) for the first step, and the previous
 step's h' after that. Embeddings and LM head are the target's unless the checkpoint gives the layer its own.
-glm_moe_dsa: the block is a DSA layer with a full indexer of its own, its index keys at layer N. A trained head file
-(weights/nextn_loader.py) has the same structure and may bring a `token_map`, a reduced draft vocabulary (docs/speculative.md)."""
+glm_moe_dsa, deepseek_v32: the block is a DSA layer with a full indexer of its own, its index keys at layer N. A trained
+head file (weights/nextn_loader.py) has the same structure and may bring a `token_map`, a reduced draft vocabulary."""
 from __future__ import annotations
 
 import torch
@@ -17,7 +17,7 @@ from radixserve.layers.norm import RMSNorm
 from radixserve.models.dsa import Indexer
 from radixserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, prepare_modules
 
-NEXTN_FAMILIES = ("glm4_moe", "glm_moe_dsa")
+NEXTN_FAMILIES = ("glm4_moe", "glm_moe_dsa", "deepseek_v32")
 
 
 class SharedHead(torch.nn.Module):

@@ -24,10 +24,11 @@ from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.engine_config import EngineConfig
 from radixserve.layers.attention import Segment
 from radixserve.models.model_config import ModelConfig
+from radixserve.runner import kv_transfer
 from radixserve.runner.attention.sparse import INDEX_KEYS, attend_chosen, read_index_keys, write_index_keys
 from radixserve.runner.batch import StepBatch, build_step
 from radixserve.runner.kv_cache import KVCache
-from radixserve.runner.kv_sizing import num_pages
+from radixserve.runner.kv_sizing import index_key_layers, num_pages
 from radixserve.runner.layer_split import LayerSplit, PendingKV, page_slots
 from radixserve.runner.model_runner import ModelRunner
 
@@ -250,6 +251,24 @@ class CPModelRunner(ModelRunner):
         if split.is_split and split.logit_local.numel():
             logits = self.comm.all_gather(logits, dim=0).index_select(0, split.logit_order)
         return step, logits
+
+    def kv_layout(self) -> dict:
+        """ModelRunner.kv_layout; under LayerSplit export_kv's bytes hold every model layer, not this rank's storage."""
+        layers = self.model_config.num_layers
+        return {**super().kv_layout(), **({} if self.layer_split is None else
+                                           {"num_layers": layers, "layer_ids": tuple(range(layers))})}
+
+    @property
+    def export_gathers(self) -> bool:
+        return self.layer_split is not None
+
+    def export_kv(self, page_ids: list[int]) -> bytes:
+        """Under LayerSplit every rank runs it (followers on KVExport): rank 0 returns all layers, a follower b""."""
+        if self.layer_split is None:
+            return super().export_kv(page_ids)
+        side = {name: index_key_layers(self.model_config) for name in self.kv.side_names}
+        pages = self.layer_split.gather_pages(self.kv, page_ids, side)
+        return b"" if pages is None else kv_transfer.pack_pages(pages)
 
     def info(self) -> dict:
         return {**super().info(), "cp_size": self.comm.size, "layer_split": self.layer_split is not None}

@@ -25,14 +25,15 @@ def index_key_layers(mc: ModelConfig, num_layers: int | None = None) -> tuple[in
 
 
 def num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = None,
-               num_layers: int | None = None) -> int:
+               num_layers: int | None = None, index_layers: tuple[int, ...] | None = None) -> int:
     """Pages of `config.page_size` tokens the KV cache gets: --max-total-tokens, else --kv-cache-memory-gb over the bytes
     per token (every stored layer, index keys included). `num_kv_heads`: this rank's under TP (None: the model's);
-    `num_layers`: of KV stored (None: the model's). Raises ValueError below two pages."""
+    `num_layers`: of KV stored (None: the model's); `index_layers`: with index keys (None: index_key_layers); ValueError
+    below two pages."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens // config.page_size
     per_token = _bytes_per_token(mc, kv_storage_dtype(config), num_kv_heads, num_layers) + \
-        _index_bytes_per_token(config, mc, num_layers)
+        _index_bytes_per_token(config, mc, num_layers, index_layers)
     pages = int(config.kv_cache_memory_gb * 2**30) // (per_token * config.page_size)
     if pages < 2:
         raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than two pages")
@@ -64,9 +65,11 @@ def _bytes_per_token(mc: ModelConfig, dtype: torch.dtype, num_kv_heads: int | No
     return KVCache.bytes_per_token(num_layers or mc.num_layers, heads, head_dim, dtype, latent)
 
 
-def _index_bytes_per_token(config: EngineConfig, mc: ModelConfig, num_layers: int | None) -> int:
+def _index_bytes_per_token(config: EngineConfig, mc: ModelConfig, num_layers: int | None,
+                           index_layers: tuple[int, ...] | None = None) -> int:
     """DSA index-key bytes per token over every stored layer that keeps them (0 without DSA)."""
     if mc.dsa is None:
         return 0
-    return index_bytes_per_token(index_key_layers(mc, num_layers), mc.dsa.index_head_dim, DTYPES[config.dtype],
+    layers = index_key_layers(mc, num_layers) if index_layers is None else index_layers
+    return index_bytes_per_token(layers, mc.dsa.index_head_dim, DTYPES[config.dtype],
                                  config.index_cache_dtype != "auto")

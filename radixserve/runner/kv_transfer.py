@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -18,6 +19,13 @@ class KVImport:
     page_ids: list[int]
     data: bytes
     foreign: bool
+
+
+@dataclass(frozen=True, slots=True)
+class KVExport:
+    """Rank 0 of a LayerSplit or GQA TP prefill worker asks the followers (between batches) to run export_kv."""
+
+    page_ids: list[int]
 
 
 def pack_pages(pages: KVPages) -> bytes:
@@ -48,6 +56,23 @@ def unpack_pages(kv: KVCache, num_pages: int, data: bytes, heads: tuple[int, int
     side = dict(zip(sorted(kv.side_names), tensors[2:]))
     mine = slice(first, first + kv.num_kv_heads)
     return KVPages(tensors[0][:, mine].contiguous(), tensors[1][:, mine].contiguous(), side)
+
+
+def gather_kv_heads(pages: KVPages, tp, model_config) -> KVPages | None:
+    """Every TP rank's `pages` (its KV heads) -> all the model's heads at rank 0 (a copy sent once), else None."""
+    assert not pages.side, "a TP export with side buffers is not built"
+    ranks = [SimpleNamespace(rank=r, size=tp.size) for r in range(tp.size)]
+    starts = [shard_heads(model_config.num_heads, model_config.num_kv_heads, r).kv_start for r in ranks]
+    senders = [r for r, start in enumerate(starts) if starts.index(start) == r]
+    if tp.rank != 0:
+        for pending in [tp.send_async(t.to(tp.device), 0) for t in (pages.k, pages.v)] if tp.rank in senders else []:
+            pending.wait()
+        return None
+    k, v = [pages.k], [pages.v]
+    for rank in senders[1:]:
+        k.append(tp.recv(torch.empty_like(pages.k, device=tp.device), rank).cpu())
+        v.append(tp.recv(torch.empty_like(pages.v, device=tp.device), rank).cpu())
+    return KVPages(torch.cat(k, dim=1), torch.cat(v, dim=1), {})
 
 
 def first_kv_head(model_config, tp) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.dist.comm import Communicator, Pending
-from radixserve.runner.kv_cache import KVCache
+from radixserve.runner.kv_cache import KVCache, KVPages
 
 
 def page_slots(kv: KVCache, page_ids: torch.Tensor) -> torch.Tensor:
@@ -112,6 +112,28 @@ class LayerSplit:
         for pending in self.late:
             self._land(kv, pending)
         self.late.clear()
+
+    def gather_pages(self, kv: KVCache, page_ids: list[int], side_layers: dict[str, tuple[int, ...]]) -> KVPages | None:
+        """Pages `page_ids` of all L layers at rank 0 (KVCache.export_pages' layout; others get None): each rank r > 0
+        sends rank 0 its own layers' K, V and side rows (side buffer `name` in model layers side_layers[name])."""
+        mine = kv.export_pages(page_ids)
+        num_side = {name: sum(layer in self.owned for layer in layers) for name, layers in side_layers.items()}
+        own = [mine.k[:len(self.owned)], mine.v[:len(self.owned)],
+               *(mine.side[name][:num_side[name]] for name in sorted(side_layers))]
+        if self.comm.rank != 0:
+            for pending in [self.comm.send_async(t.to(self.comm.device), 0) for t in own if t.numel()]:
+                pending.wait()
+            return None
+        parts = [own]
+        for rank in range(1, self.comm.size):
+            owned = owned_layers(self.num_layers, self.comm.size, rank)
+            counts = [len(owned)] * 2 + [sum(layer in owned for layer in side_layers[name])
+                                         for name in sorted(side_layers)]
+            theirs = [torch.empty((count, *t.shape[1:]), dtype=t.dtype, device=self.comm.device)
+                      for count, t in zip(counts, own)]
+            parts.append([self.comm.recv(t, rank).cpu() if t.numel() else t.cpu() for t in theirs])
+        k, v, *side = (torch.cat(tensors) for tensors in zip(*parts))
+        return KVPages(k, v, dict(zip(sorted(side_layers), side)))
 
     def _land(self, kv: KVCache, p: PendingKV) -> None:
         if p.pending is None:

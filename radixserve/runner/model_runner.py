@@ -42,7 +42,7 @@ class ModelRunner:
     """The Runner protocol (engine/runner_api.py) over a real model. CPU memory: weights twice
     (plain + oneDNN-packed; quantized layers packed only), the KV cache, the DecodeMirror (<= 2 GiB)."""
 
-    kv_head_start = 0     # the first of the model's KV heads this rank caches; from_config sets it and `tp`
+    kv_head_start = 0     # the first of the model's KV heads this rank caches (from_config sets it under TP)
     tp: Collectives | None = None
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
@@ -261,8 +261,17 @@ class ModelRunner:
                 "tp_size": config.tp_size, "cp_size": config.cp_size, "pp_size": config.pp_size,
                 "layer_split": config.enable_layer_split}
 
+    @property
+    def export_gathers(self) -> bool:
+        """Whether every rank runs export_kv (TPRunner.export_kv sends the followers KVExport): GQA under TP."""
+        return self.tp is not None and self.tp.size > 1 and not self.kv.latent
+
     def export_kv(self, page_ids: list[int]) -> bytes:
-        return kv_transfer.pack_pages(self.kv.export_pages(page_ids))
+        """The pages' bytes with every KV head of the model (gathered at rank 0 under TP; a follower gets b"")."""
+        pages = self.kv.export_pages(page_ids)
+        if self.export_gathers:
+            pages = kv_transfer.gather_kv_heads(pages, self.tp, self.model_config)
+        return b"" if pages is None else kv_transfer.pack_pages(pages)
 
     def import_kv(self, page_ids: list[int], data: bytes, foreign: bool) -> None:
         """Write another worker's export_kv bytes (every KV head of the model) into `page_ids`, keeping this rank's

@@ -46,7 +46,7 @@ class MTPDraft:
         self.layer, self.page_size, self.device = layer, page_size, device
         # No decode mirror: chain steps run ahead of the sequences a mirror tracks.
         self.backend = TorchAttentionBackend(kv, mirror_bytes=0)
-        if getattr(layer.self_attn, "indexer", None) is not None:   # glm_moe_dsa: sparse over its own index keys
+        if getattr(layer.self_attn, "indexer", None) is not None:   # DSA: sparse over its own index keys
             self.backend = SparseBackend(self.backend)
         self.max_carried = max_carried
         self._carry: OrderedDict[str, tuple[int, torch.Tensor]] = OrderedDict()

@@ -3,16 +3,17 @@ activations go point to point from stage to stage, cut into micro-batches so the
 
     layers:  stage s holds owned_layers(L, N, s): n_s = L // N + (s < L % N) layers from s * (L // N) + min(s, L % N)
              (the first L % N stages one more); the embedding on stage 0, the final norm and LM head on stage N - 1
-    ranks:   rank = stage * T + tp_rank (each stage a --tp-size T group); rank 0 also schedules, samples and broadcasts
-             each step's batch to every rank (runner/tp.py), so the page ids and count are the same everywhere
+    ranks:   rank = stage * T + tp_rank (each stage a --tp-size T group); rank 0 also schedules, samples and
+             broadcasts each step to every rank (runner/tp.py): page ids and count (for the largest stage) agree
     a step:  the batch cut into M micro-batches of consecutive sequences (sizes differ by at most one sequence)
 
         stage 0    embed+layers(m0) ─send─► embed+layers(m1) ─send─► ...          recv logits(m0 .. m M-1)
         stage 1             recv(m0) ─► layers(m0) ─send─► recv(m1) ─► layers(m1) ─send─► ...
         stage N-1                     recv(m0) ─► layers+norm+head(m0) ─send logits to 0─► recv(m1) ...
 
-Sends are asynchronous (isend), so stage s computes micro-batch m + 1 while stage s + 1 computes m. Under TP, tp_rank i
-sends its 1/T of the residual's columns to the next stage's tp_rank i (bytes, formulas: docs/parallel.md)."""
+Sends are asynchronous (isend), so stage s computes micro-batch m + 1 while stage s + 1 computes m; under TP, tp_rank
+i sends its 1/T of the residual's columns to the next stage's tp_rank i. DSA: a stage stores its full layers' index
+keys; one starting on an IndexShare layer also receives the top-k. Bytes, and why M changes no row: docs/parallel.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +24,9 @@ import torch
 from radixserve.dist.comm import Communicator, Pending
 from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.engine_config import EngineConfig
+from radixserve.layers.attention import SparseAttention
 from radixserve.layers.parallel import Collectives
+from radixserve.models.dsa import selection_rows
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.attention.base import create_backend
 from radixserve.runner.batch import StepBatch, build_step
@@ -44,11 +47,15 @@ def split_micro_batches(batch: list[ScheduledSeq], num: int) -> list[list[Schedu
     return out
 
 
+def stage_index_layers(mc: ModelConfig, layers: range) -> tuple[int, ...]:
+    """The full DSA indexer layers among decoder `layers`, renumbered from layers.start = 0 (none without DSA)."""
+    return () if mc.dsa is None else tuple(i - layers.start for i in mc.dsa.full_layers if i in layers)
+
+
 class PPModelRunner(ModelRunner):
     """A pipeline stage's ModelRunner: this stage's layers (and embedding / head) and a KVCache of its layers only;
     forward() as above. On rank 0 forward returns the whole step's logits (R, V) fp32 for run() to sample; on the
-    last stage's ranks its own logit rows; elsewhere (0, V). Raises ValueError for MLA/DSA models (their latent and
-    indexer caches are not cut per stage yet) and a hidden size that --tp-size does not divide."""
+    last stage's ranks its own logit rows; elsewhere (0, V). ValueError: a hidden size --tp-size does not divide."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
@@ -59,14 +66,20 @@ class PPModelRunner(ModelRunner):
         self.layers = owned_layers(model_config.num_layers, config.pp_size, self.stage)
         self.is_first, self.is_last = self.stage == 0, self.stage == config.pp_size - 1
         self.num_micro_batches = config.pp_micro_batches or config.pp_size
+        dsa = model_config.dsa
+        self.receives_topk = dsa is not None and self.layers.start not in dsa.full_layers
+        self.sends_topk = dsa is not None and not self.is_last and self.layers.stop not in dsa.full_layers
         if config.max_total_tokens is None:     # every stage the same pages: sized for the largest stage
-            pages = num_pages(config, model_config, getattr(model, "num_kv_heads", None),
-                              -(-model_config.num_layers // config.pp_size))
+            stages = [owned_layers(model_config.num_layers, config.pp_size, s) for s in range(config.pp_size)]
+            heads = getattr(model, "num_kv_heads", None)
+            pages = min(num_pages(config, model_config, heads, len(r), stage_index_layers(model_config, r))
+                        for r in stages)
             config = dataclasses.replace(config, max_total_tokens=pages * config.page_size)
         super().__init__(model, model_config, config, checkpoint_kv_scales, draft_model)
-        # no DecodeMirror: it keeps the slots of one decode group per step, and each micro-batch is another group
-        self.backend = create_backend(config.attention_backend, self.kv, self.device,
-                                      cascade=not config.disable_cascade_attention, mirror=False)
+        # no DecodeMirror (DSA has none): it keeps the slots of one decode group per step, each micro-batch another
+        if dsa is None:
+            self.backend = create_backend(config.attention_backend, self.kv, self.device,
+                                          cascade=not config.disable_cascade_attention, mirror=False)
 
     @classmethod
     def select_part(cls, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
@@ -74,9 +87,6 @@ class PPModelRunner(ModelRunner):
                     **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
         mc, tp_size = model.config, tp.size if tp is not None else 1
         stage, stages = comm.rank // tp_size, comm.size // tp_size
-        if mc.mla is not None or mc.kv_shape.latent:
-            raise ValueError(f"--pp-size {stages}: MLA/DSA models ({mc.architecture}) do not run under "
-                             "pipeline parallelism yet")
         if stages > mc.num_layers:
             raise ValueError(f"--pp-size {stages} exceeds the model's {mc.num_layers} layers")
         if mc.hidden_size % tp_size:
@@ -87,6 +97,20 @@ class PPModelRunner(ModelRunner):
 
     def kv_layers(self, model_config: ModelConfig) -> int:
         return len(self.layers)
+
+    def index_key_layers(self, full_layers: tuple[int, ...]) -> tuple[int, ...]:
+        return stage_index_layers(self.model_config, self.layers)
+
+    def _recv_selection(self, attn: SparseAttention) -> list[torch.Tensor | None] | None:
+        """The previous stage's last DSA top-k for micro-batch `attn` (models/dsa.py selection_rows' shapes)."""
+        topk = self.model_config.dsa.index_topk
+        rows = selection_rows(attn.segments, topk)
+        if rows is None:
+            return None
+        sizes = [n or 0 for n in rows]
+        flat = self.comm.recv(torch.empty(sum(sizes), topk, dtype=torch.long, device=self.device),
+                             self.comm.rank - self.tp_size)
+        return [part if n is not None else None for part, n in zip(flat.split(sizes), rows)]
 
     @torch.inference_mode()
     def forward(self, batch: list[ScheduledSeq]) -> tuple[StepBatch, torch.Tensor]:
@@ -104,10 +128,15 @@ class PPModelRunner(ModelRunner):
                 residual = self.comm.recv(torch.empty(sub.num_tokens, width, dtype=self.dtype, device=self.device),
                                           rank - self.tp_size)
                 residual = residual if self.tp is None else self.tp.all_gather(residual, dim=-1)
+                if self.receives_topk:
+                    attn.shared_selection = self._recv_selection(attn)
             residual = self.model.run_layers(residual, sub.positions, attn, self.layers)
             if not self.is_last:
                 part = residual.narrow(1, self.tp_rank * width, width)
                 sends.append(self.comm.send_async(part, rank + self.tp_size))
+                if self.sends_topk and attn.shared_selection is not None:
+                    sends.append(self.comm.send_async(torch.cat([s for s in attn.shared_selection if s is not None]),
+                                                      rank + self.tp_size))
                 continue
             if sub.logit_rows.numel():
                 logits.append(self.model.head(residual, sub.logit_rows))      # (R_m, V) fp32
@@ -124,5 +153,5 @@ class PPModelRunner(ModelRunner):
         return step, torch.cat(logits)
 
     def info(self) -> dict:
-        return {**super().info(), "pp_size": self.config.pp_size, "pp_stage_layers": [self.layers.start, self.layers.stop],
-                "pp_micro_batches": self.num_micro_batches}
+        return {**super().info(), "pp_size": self.config.pp_size, "pp_micro_batches": self.num_micro_batches,
+                "pp_stage_layers": [self.layers.start, self.layers.stop]}

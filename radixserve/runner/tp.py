@@ -24,7 +24,7 @@ from radixserve.engine.runner_api import ScheduledSeq, SeqResult
 from radixserve.engine_config import EngineConfig
 from radixserve.runner.cp import CPModelRunner
 from radixserve.runner.device import resolve_device
-from radixserve.runner.kv_transfer import KVImport
+from radixserve.runner.kv_transfer import KVExport, KVImport
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.runner.pp import PPModelRunner
 
@@ -93,6 +93,12 @@ class TPRunner:
         self.runner.import_kv(page_ids, data, foreign)
         self.comm.broadcast_object(KVImport(page_ids, data, foreign))
 
+    def export_kv(self, page_ids: list[int]) -> bytes:
+        """A PD prefill worker's KV export (ModelRunner.export_kv), with the followers when it gathers."""
+        if self.runner.export_gathers:
+            self.comm.broadcast_object(KVExport(page_ids))
+        return self.runner.export_kv(page_ids)
+
     def info(self) -> dict:
         return {"tp_size": self.runner.config.tp_size, **self.runner.info()}
 
@@ -158,11 +164,13 @@ def serve_node(config: EngineConfig) -> int:
 
 
 def follow(runner: ModelRunner, comm: Communicator) -> None:
-    """A follower's loop: run each broadcast batch's forward (or KV import) until rank 0 sends None; DistError if a
-    peer fails."""
+    """A follower's loop: run each broadcast batch's forward (or KV import, export) until rank 0 sends None; DistError
+    if a peer fails."""
     while (msg := comm.broadcast_object()) is not None:
         if isinstance(msg, KVImport):
             runner.import_kv(msg.page_ids, msg.data, msg.foreign)
+        elif isinstance(msg, KVExport):
+            runner.export_kv(msg.page_ids)
         else:
             runner.forward(msg)
 

@@ -1,11 +1,12 @@
-"""PD with a context-parallel prefill worker (C58, issue 42): `serve --disaggregation-mode prefill --cp-size 2` (rank 0
-ends a CP prefill holding every layer's KV and sends it as a one-rank worker does) feeding a one-rank decode worker
-behind `radixserve route` gives the colocated one-process worker's greedy tokens, for a GQA Llama and an MLA
-glm4_moe_lite, prompts of odd and even lengths and a prefill-side prefix hit. Refused layouts: test_pd_layout.py."""
+"""PD with a parallel prefill worker (C58, issue 42): `serve --disaggregation-mode prefill --cp-size 2` (rank 0 ends a
+CP prefill holding every layer's KV and sends it as a one-rank worker does), the same with `--enable-layer-split`
+(rank 0 first gathers the layers the other rank owns) and `--tp-size 2` (rank 0 gathers the other rank's KV heads)
+feeding a one-rank or TP 2 decode worker behind `radixserve route` give the colocated one-process worker's greedy
+tokens, for a GQA Llama (and an MLA + DSA glm_moe_dsa from LayerSplit), prompts of odd and even lengths and a
+prefill-side prefix hit; client aborts leak no page on either side. Refused layouts: test_pd_layout.py."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -20,38 +21,43 @@ from tests.api.conftest import REPO, ServerProcess
 from tests.api.test_pd_api import _ok, wait_for
 
 COMMON = ["--max-total-tokens", "16384", "--page-size", "16", "--context-length", "512",
-          "--served-model-name", "tiny"]
+          "--served-model-name", "tiny", "--enable-debug-endpoints"]
 LENGTHS = (2, 5, 16, 17, 33, 48)
+CP2, LAYER_SPLIT, TP2 = ["--cp-size", "2"], ["--cp-size", "2", "--enable-layer-split"], ["--tp-size", "2"]
 
 
-def prefill_worker(model_dir) -> ServerProcess:
-    """A `--cp-size 2` prefill worker (not yet ready)."""
+def prefill_worker(model_dir, flags: list[str] = CP2) -> ServerProcess:
+    """A prefill worker of 2 ranks, `flags` its layout (not yet ready)."""
     return ServerProcess(["--model-path", str(model_dir), *COMMON, "--disaggregation-mode", "prefill",
                           "--disaggregation-bootstrap-port", str(free_port()), "--disaggregation-transfer-timeout",
-                          "10", "--cp-size", "2"], log_level="info")
+                          "10", *flags], log_level="info")
 
 
 @contextlib.contextmanager
-def routed(model_dir, prefill: ServerProcess, decode_flags: list[str]):
-    """A decode worker (`decode_flags` added) and a router to it and `prefill`; yields (decode, the router's client)."""
+def routed(model_dir, prefills: list[ServerProcess], decode_flags: list[str]):
+    """A decode worker (`decode_flags` added) and one router from each of `prefills` to it; yields (decode, the
+    routers' clients in `prefills` order)."""
     decode = ServerProcess(["--model-path", str(model_dir), *COMMON, "--disaggregation-mode", "decode",
                             "--disaggregation-transfer-timeout", "10", *decode_flags], log_level="info")
-    router = None
+    routers, clients = [], []
     try:
-        prefill.wait_ready()
         decode.wait_ready()
-        assert prefill.stats()["runner"]["cp_size"] == 2
-        port = free_port()
-        router = subprocess.Popen([sys.executable, "-m", "radixserve", "route", "--prefill", prefill.base_url,
-                                   "--decode", decode.base_url, "--port", str(port), "--health-check-interval-s",
-                                   "0.5", "--log-level", "warning"], cwd=REPO)
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _ok(url + "/health"), "the router to be ready")
-        with httpx.Client(limits=poller_limits(), base_url=url, timeout=120, trust_env=False) as client:
-            yield decode, client
+        with contextlib.ExitStack() as stack:
+            for prefill in prefills:
+                prefill.wait_ready()
+                port = free_port()
+                routers.append(subprocess.Popen([sys.executable, "-m", "radixserve", "route", "--prefill",
+                                                 prefill.base_url, "--decode", decode.base_url, "--port", str(port),
+                                                 "--health-check-interval-s", "0.5", "--log-level", "warning"],
+                                                cwd=REPO))
+                url = f"http://127.0.0.1:{port}"
+                wait_for(lambda url=url: _ok(url + "/health"), "the router to be ready")
+                clients.append(stack.enter_context(httpx.Client(limits=poller_limits(), base_url=url, timeout=120,
+                                                                trust_env=False)))
+            yield decode, clients
         decode.assert_no_tracebacks()
     finally:
-        if router is not None:
+        for router in routers:
             router.terminate()
             router.wait(30)
         decode.stop()
@@ -71,9 +77,8 @@ def assert_same_greedy(ref: ServerProcess, router: httpx.Client) -> None:
     assert usage["prompt_tokens_details"]["cached_tokens"] == 32
 
 
-@pytest.fixture(scope="module")
-def cp_prefill(tiny_model_dir):
-    server = prefill_worker(tiny_model_dir)
+def serve_prefill(model_dir, flags: list[str] = CP2):
+    server = prefill_worker(model_dir, flags)
     yield server
     try:
         assert "rank 1 of 2 joined" in server.output(tail_chars=None)
@@ -82,14 +87,53 @@ def cp_prefill(tiny_model_dir):
         server.stop()
 
 
-@pytest.mark.parametrize("decode_flags", [[], ["--tp-size", "2"]], ids=["tp1-decode", "tp2-decode"])
-def test_cp2_prefill_llama(tiny_server, tiny_model_dir, cp_prefill, decode_flags):
-    """Llama's 2 KV heads: a TP 2 decode worker's ranks keep one head each of what the prefill worker sent."""
-    with routed(tiny_model_dir, cp_prefill, decode_flags) as (decode, router):
+@pytest.fixture(scope="module")
+def cp_prefill(tiny_model_dir):
+    yield from serve_prefill(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def ls_prefill(tiny_model_dir):
+    yield from serve_prefill(tiny_model_dir, LAYER_SPLIT)
+
+
+@pytest.fixture(scope="module")
+def tp_prefill(tiny_model_dir):
+    yield from serve_prefill(tiny_model_dir, TP2)
+
+
+@pytest.mark.parametrize("decode_flags", [[], TP2], ids=["tp1-decode", "tp2-decode"])
+def test_cp2_and_tp2_prefill_llama(tiny_server, tiny_model_dir, cp_prefill, ls_prefill, tp_prefill, decode_flags):
+    """Llama's 2 KV heads, from a plain CP, a LayerSplit and a TP 2 prefill worker (one KV head per rank, gathered):
+    a TP 2 decode worker's ranks keep one head each of what the prefill worker sent. Client aborts first (TP 1
+    decode): the LayerSplit and TP groups stay in step."""
+    with routed(tiny_model_dir, [cp_prefill, ls_prefill, tp_prefill], decode_flags) as (decode, routers):
         assert decode.stats()["runner"].get("tp_size", 1) == (2 if decode_flags else 1)
-        assert_same_greedy(tiny_server, router)
-        if decode_flags:
-            assert_same_greedy_concurrent(tiny_server, router)
+        assert ls_prefill.stats()["runner"]["layer_split"] and tp_prefill.stats()["runner"]["tp_size"] == 2
+        if not decode_flags:
+            for router, prefill in zip(routers[1:], (ls_prefill, tp_prefill)):
+                assert_aborts_leak_nothing(router, [prefill, decode])
+        for router in routers:
+            assert_same_greedy(tiny_server, router)
+            if decode_flags:
+                assert_same_greedy_concurrent(tiny_server, router)
+
+
+def assert_aborts_leak_nothing(router: httpx.Client, servers: list[ServerProcess]) -> None:
+    """16 prompts of 100..400 tokens, each abandoned by its client after 10..160 ms: then no page in use anywhere."""
+    def abandon(i: int) -> bool:
+        body = {"model": "tiny", "prompt": [60 + (3 * i + j) % 400 for j in range(100 + 20 * i)], "max_tokens": 32}
+        try:
+            router.post("/v1/completions", json=body, timeout=0.01 * (1 + i))
+        except httpx.TimeoutException:
+            return True
+        return False
+
+    with ThreadPoolExecutor(8) as pool:
+        assert any(pool.map(abandon, range(16)))
+    for server in servers:
+        wait_for(lambda server=server: server.pages()["num_in_use_pages"] == 0, "idle pages")
+        server.assert_no_leak()
 
 
 def assert_same_greedy_concurrent(ref: ServerProcess, router: httpx.Client, n: int = 32) -> None:
@@ -109,53 +153,32 @@ def assert_same_greedy_concurrent(ref: ServerProcess, router: httpx.Client, n: i
 
 
 @pytest.fixture(scope="module")
-def mla_model_dir(default_tokenizer, tmp_path_factory):
-    """A tiny glm4_moe_lite (MLA) with the default model's tokenizer and vocabulary."""
+def dsa_model_dir(default_tokenizer, tmp_path_factory):
+    """A tiny glm_moe_dsa (MLA + DSA, top-8 index) with the default model's tokenizer and vocabulary."""
     from tests.model.test_families import FAMILIES, build_family
 
-    config_cls, model_cls, extra = FAMILIES["glm4_moe_lite"]
-    folder = tmp_path_factory.mktemp("pd-cp-mla")
+    config_cls, model_cls, extra = FAMILIES["glm_moe_dsa"]
+    folder = tmp_path_factory.mktemp("pd-cp-dsa")
     hf = default_tokenizer.hf
-    build_family(folder, "glm4_moe_lite", spec=(config_cls, model_cls, {
+    build_family(folder, "glm_moe_dsa", spec=(config_cls, model_cls, {
         **extra, "vocab_size": len(hf), "bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id}))
     hf.save_pretrained(folder)
     return folder
 
 
-def mla_runs_cp_and_tp(model_dir) -> bool:
-    """Whether this build runs an MLA model under --cp-size (runner/cp.py) and --tp-size (models/llama.py): both are
-    built on another branch (mla-tp) and refused here with a ValueError naming MLA."""
-    from radixserve.engine_config import EngineConfig
-    from radixserve.models.model_config import ModelConfig
-    from radixserve.models.registry import model_class
-    from radixserve.runner.cp import CPModelRunner
-
-    class Rank:
-        rank, size = 0, 2
-
+def test_cp2_layer_split_prefill_dsa_to_tp2_decode(dsa_model_dir):
+    """MLA + DSA from a LayerSplit prefill worker: the latent and the index keys of rank 1's layer (a full DSA layer)
+    reach a TP 2 decode worker. Both are replicated under TP, so each rank, rank 0 first, imports all of them as a
+    one-rank decode worker does (ModelRunner.import_kv): TP 2 covers TP 1's import."""
+    ref = ServerProcess(["--model-path", str(dsa_model_dir), *COMMON])
+    prefill = prefill_worker(dsa_model_dir, LAYER_SPLIT)
     try:
-        CPModelRunner.from_config(EngineConfig(model_path=str(model_dir), cp_size=2, max_total_tokens=256,
-                                               num_threads=1), comm=Rank())
-        config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-        model_class(config)(config, tp=Rank())
-    except ValueError as exc:
-        if "MLA" in str(exc):
-            return False
-        raise
-    return True
-
-
-def test_cp2_prefill_mla_to_tp2_decode(mla_model_dir):
-    """MLA: the latent is one head, replicated; every TP rank imports all of it (the TP 1 import is Llama's path)."""
-    if not mla_runs_cp_and_tp(mla_model_dir):
-        pytest.skip("MLA under --cp-size and --tp-size is not in this build (built on branch mla-tp)")
-    ref = ServerProcess(["--model-path", str(mla_model_dir), *COMMON])
-    prefill = prefill_worker(mla_model_dir)
-    try:
-        with routed(mla_model_dir, prefill, ["--tp-size", "2"]) as (decode, router):
+        with routed(dsa_model_dir, [prefill], TP2) as (decode, routers):
             ref.wait_ready()
             assert decode.stats()["runner"]["tp_size"] == 2
-            assert_same_greedy(ref, router)
+            assert_same_greedy(ref, routers[0])
+        wait_for(lambda: prefill.pages()["num_in_use_pages"] == 0, "idle pages")
+        prefill.assert_no_leak()
     finally:
         ref.stop()
         prefill.stop()
@@ -163,10 +186,10 @@ def test_cp2_prefill_mla_to_tp2_decode(mla_model_dir):
 
 @pytest.mark.parametrize("flags, message", [
     (["decode", "--cp-size", "2"], "--disaggregation-mode decode with --tp-size 1 --cp-size 2 is not built yet"),
-    (["prefill", "--tp-size", "2"], "--disaggregation-mode prefill with --tp-size 2 --cp-size 1 is not built yet"),
-    (["prefill", "--cp-size", "2", "--enable-layer-split"], "--cp-size 2 --enable-layer-split is not built yet"),
+    (["decode", "--cp-size", "2", "--enable-layer-split"], "decode with --tp-size 1 --cp-size 2 --enable-layer-split is "
+                                                           "not built yet"),
     (["prefill", "--pp-size", "2"], "--pp-size 2 cannot be combined with --disaggregation-mode"),
-], ids=["cp2-decode", "tp2-prefill", "layer-split-prefill", "pp2-prefill"])
+], ids=["cp2-decode", "layer-split-decode", "pp2-prefill"])
 def test_unbuilt_layouts_refused_at_start_up(flags, message):
     """Before any model loads: exit code 2 and the layout named (the handshake refuses the rest: test_pd_layout.py)."""
     done = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--model-path", "unused",

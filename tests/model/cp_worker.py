@@ -3,7 +3,8 @@
 Per model and mode (plain CP, LayerSplit, LayerSplit with its KV wait dropped), both ranks build a CPModelRunner; rank 0
 runs an Engine over a TPRunner (phase 1: prompts of 1, 2, 3, 37 and 38 tokens, chunked by 32; phase 2, after phase 1
 ends: a 64-token prompt, then its 64 tokens + 7 new ones, a radix hit), rank 1 follows. Both record each step's
-logits, rows and collectives, rank 0 then the same at CP=1. Results: OUT_DIR/rank{R}.pt, one dict per model."""
+logits, rows and collectives, rank 0 then the same at CP=1, and rank 0 what export_kv gives a PD transfer. Results:
+OUT_DIR/rank{R}.pt, one dict per model."""
 from __future__ import annotations
 
 import dataclasses
@@ -75,12 +76,25 @@ def generate(runner) -> dict[str, list[int]]:
     return greedy_batches(runner, [(f"{phase}-", prompts) for phase, prompts in enumerate(PHASES)], NUM_NEW)
 
 
+def generate_and_export(runner, steps: list[dict], out: dict, comm=None) -> dict[str, list[int]]:
+    """generate(), then a PD transfer's export_kv of every page the steps used into out["export"] (and, with `comm`,
+    the collectives it made into out["export_comm"])."""
+    tokens = generate(runner)
+    pages = sorted({p for step in steps for pages in step["page_lists"] for p in pages})
+    before = (dict(comm.calls), dict(comm.bytes)) if comm is not None else ({}, {})
+    out.update(export=runner.export_kv(pages), export_pages=len(pages))
+    if comm is not None:
+        out["export_comm"] = comm_delta(comm, before)
+    return tokens
+
+
 def run_mode(config: EngineConfig, comm, rank: int, fault: bool) -> dict:
     runner = CPModelRunner.from_config(config, comm=comm)
     if fault:
         runner.layer_split.fault = LayerSplitFaults(drop_kv_wait=True)
     out = {"kv_bytes": runner.kv.allocated_bytes(), "num_pages": runner.num_pages, "steps": recording(runner, comm)}
-    return {**out, **drive_or_follow(runner, comm, rank, generate)}
+    out.update(drive_or_follow(runner, comm, rank, lambda driver: generate_and_export(driver, out["steps"], out, comm)))
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -97,7 +111,7 @@ def main(argv: list[str]) -> int:
         if rank == 0:
             single = ModelRunner.from_config(dataclasses.replace(config, cp_size=1))
             out["ref"] = {"kv_bytes": single.kv.allocated_bytes(), "steps": recording(single)}
-            out["ref"]["tokens"] = generate(single)
+            out["ref"]["tokens"] = generate_and_export(single, out["ref"]["steps"], out["ref"])
         results.append(out)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     os._exit(0)

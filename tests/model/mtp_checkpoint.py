@@ -1,9 +1,11 @@
-"""Tiny glm4_moe and glm_moe_dsa checkpoints with a NextN (MTP) layer at index num_hidden_layers, in GLM's on-disk
-layout, built from transformers' own model classes and MtpModel (tests/model/test_mtp.py, test_dsa_mtp.py)."""
+"""Tiny glm4_moe, glm_moe_dsa and deepseek_v32 checkpoints with a NextN (MTP) layer at index num_hidden_layers, in the
+on-disk layout of GLM and DeepSeek-V3, built from transformers' own model classes and MtpModel (test_mtp.py,
+test_dsa_mtp.py)."""
 from __future__ import annotations
 
 import torch
 
+from radixserve.models.block_config import DSA_FAMILIES
 from tests.model.test_families import COMMON, FAMILIES
 
 
@@ -22,7 +24,7 @@ def build_glm_mtp(folder, seed: int = 0, exact: bool = False, shared_copies: boo
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     model = getattr(transformers, model_cls)(config).eval()
-    mtp = (dsa_mtp_model(model) if family == "glm_moe_dsa" else MtpModel(model, 1)).eval()
+    mtp = (dsa_mtp_model(model) if family in DSA_FAMILIES else MtpModel(model, 1)).eval()
     with torch.no_grad():
         # MtpModel's own layers come uninitialized (whatever memory held): give every one of their tensors values
         for tensor in mtp.layers.state_dict().values():
@@ -55,24 +57,26 @@ def build_glm_mtp(folder, seed: int = 0, exact: bool = False, shared_copies: boo
 
 
 def dsa_mtp_model(model):
-    """transformers 5.25's MtpModel over a glm_moe_dsa model. It builds the layer (GlmMoeDsaDecoderLayer as layer 0 of
-    the MTP config: indexer_types[0] is "full", so a full indexer of its own; MoE, first_k_dense_replace being 0) once
-    the config names num_mtp_layers and the MTP layer types, which GlmMoeDsaConfig does not; its forward_layer then
-    needs a causal mask (there is no mask function for "indexed_attention" layers) and the block's hidden states alone
-    (the block returns (hidden, top-k)). Both are given here; every computation stays transformers'."""
+    """transformers 5.25's MtpModel over a glm_moe_dsa or deepseek_v32 model. It builds the layer (the family's decoder
+    layer as layer 0 of the MTP config: glm_moe_dsa's indexer_types[0] is "full", deepseek_v32's layers are all full, so
+    a full indexer of its own; MoE, first_k_dense_replace being 0) once the config names num_mtp_layers and the MTP
+    layer types, which neither config does; its forward_layer then needs a causal mask (there is no mask function for
+    "indexed_attention" layers) and the block's hidden states alone (GLM-5's block returns (hidden, top-k)). Both are
+    given here; every computation stays transformers'."""
     from transformers.modeling_layers import MtpModel
 
     c = model.config
     c.num_mtp_layers, c.mtp_layer_types, c.mtp_mlp_layer_types = 1, ["indexed_attention"], ["sparse"]
     mtp = MtpModel(model, 1)
     for name in ("num_mtp_layers", "mtp_layer_types", "mtp_mlp_layer_types"):
-        delattr(c, name)   # the saved config.json stays GLM-5's (num_nextn_predict_layers only)
+        delattr(c, name)   # the saved config.json stays the family's (num_nextn_predict_layers only)
 
     def causal_mask(layer_idx, inputs_embeds, cache, position_ids):
         n = inputs_embeds.shape[1]
         return {"attention_mask": torch.ones(n, n, dtype=torch.bool).tril()[None, None]}
     mtp.create_masks_for_mtp_layer = causal_mask
-    mtp.layers[0].mtp_block.register_forward_hook(lambda module, args, out: out[0])
+    if c.model_type == "glm_moe_dsa":
+        mtp.layers[0].mtp_block.register_forward_hook(lambda module, args, out: out[0])
     return mtp
 
 

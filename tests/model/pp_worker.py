@@ -3,9 +3,9 @@
 Per model and micro-batch count M (MICRO: None = --pp-size), every rank builds its PPModelRunner; rank 0 runs an
 Engine over a TPRunner (tests/model/cp_worker.py's phases: prompts of 1, 2, 3, 37 and 38 tokens chunked by 32, then
 a 64-token prompt and the same 64 tokens + 7 new ones, a radix hit), the others follow. Each records its steps'
-logits, batch sizes and point-to-point counters, its parameter and KV bytes, and the pages it sizes without
---max-total-tokens; rank 0 then runs the same at PP=1. Last, a hung stage: rank 0 waits in a receive that the last
-stage never sends (it sleeps past the group's timeout). Results: OUT_DIR/rank{R}.pt, one dict per model."""
+logits, batch sizes and point-to-point counters, its parameter and KV bytes, every DSA indexer top-k, and the pages
+it sizes without --max-total-tokens; rank 0 then runs the same at PP=1. Last, a hung stage: rank 0 waits in a receive
+that the last stage never sends (it sleeps past the group's timeout). Results: OUT_DIR/rank{R}.pt, a dict per model."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +22,7 @@ from radixserve.runner.model_runner import ModelRunner
 from radixserve.runner.pp import PPModelRunner
 from radixserve.sampling_params import SamplingParams
 from tests.model.cp_worker import NUM_NEW, PHASES, comm_delta, drive_or_follow
+from tests.model.tp_worker import record_topk
 
 MICRO = (None, 1, 3)
 TIMEOUT_S = 10.0
@@ -71,7 +72,8 @@ def recording(runner: ModelRunner, comm=None) -> list[dict]:
 def run_micro(config: EngineConfig, comm, rank: int) -> dict:
     runner = PPModelRunner.from_config(config, comm=comm)
     out = {"param_bytes": sum(p.nbytes for p in runner.model.parameters()), "kv_bytes": runner.kv.allocated_bytes(),
-           "num_pages": runner.num_pages, "kv_layers": runner.kv.num_layers, "steps": recording(runner, comm)}
+           "num_pages": runner.num_pages, "kv_layers": runner.kv.num_layers, "steps": recording(runner, comm),
+           "topk": record_topk(runner.model)}
     return {**out, **drive_or_follow(runner, comm, rank, generate)}
 
 
@@ -90,7 +92,8 @@ def main(argv: list[str]) -> int:
         if rank == 0:
             single = ModelRunner.from_config(dataclasses.replace(config, pp_size=1))
             out["ref"] = {"param_bytes": sum(p.nbytes for p in single.model.parameters()),
-                          "kv_bytes": single.kv.allocated_bytes(), "steps": recording(single)}
+                          "kv_bytes": single.kv.allocated_bytes(), "steps": recording(single),
+                          "topk": record_topk(single.model)}
             out["ref"]["tokens"] = generate(single)
         results.append(out)
     hung = {}

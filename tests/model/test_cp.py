@@ -155,6 +155,25 @@ def check_collective_bytes(c: ModelConfig, ranks: list[list[dict]], index: int, 
             assert step["bytes"] == want_bytes
 
 
+def check_export(c: ModelConfig, ranks: list[list[dict]], index: int) -> None:
+    """A PD prefill worker's export_kv of every page the steps used: under LayerSplit rank 0 receives the other ranks'
+    layers, pages * page_size * ((L - n_0) * b + (F - f_0) * b_I) bytes (F full DSA layers, f_0 of them rank 0's),
+    and sends plain CP's bytes, whose KV is the one process's within 1e-5."""
+    plain, split, ref = (ranks[0][index][mode] for mode in ("plain", "layer_split", "ref"))
+    assert split["export_pages"] == plain["export_pages"] == ref["export_pages"] > 8
+    assert split["export"] == plain["export"] and len(plain["export"]) == len(ref["export"])
+    assert rel_err(*(torch.frombuffer(bytearray(m["export"]), dtype=torch.float32) for m in (plain, ref))) <= 1e-5
+    owned = owned_layers(c.num_layers, len(ranks), 0)
+    others = (c.num_layers - len(owned)) * token_bytes(c) + sum(i not in owned for i in full_layers(c)) * index_bytes(c)
+    assert split["export_comm"]["bytes"]["recv"] == split["export_pages"] * PAGE * others
+    assert plain["export_comm"] == {"calls": {}, "bytes": {}}
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_layer_split_export_gathers_every_layer_at_rank_0(group, index):
+    check_export(group[0][index], group[1], index)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
 def test_cp2_logits_and_greedy_tokens_equal_cp1(group, index, mode):
@@ -178,6 +197,7 @@ def test_cp4_equals_cp1_with_exact_bytes(group4, index, mode):
     check_logits_and_tokens(group4[1], index, mode)
     check_kv_bytes(group4[0][index], group4[1], index)
     check_collective_bytes(group4[0][index], group4[1], index, mode)
+    check_export(group4[0][index], group4[1], index)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)

@@ -1,4 +1,4 @@
-"""EAGLE / NEXTN with glm_moe_dsa's MTP layer (GLM-5; issue 41 item 2; cases C51-C53).
+"""EAGLE / NEXTN with the MTP layer of glm_moe_dsa (GLM-5) and deepseek_v32 (issue 41 item 2; cases C51-C53).
 
 A tiny random glm_moe_dsa (IndexShare pattern F S F, index_topk 8, 16 indexer heads) with one MTP layer in GLM's
 on-disk layout, built from transformers' own GlmMoeDsaForCausalLM and MtpModel (tests/model/mtp_checkpoint.py
@@ -7,7 +7,9 @@ the target's full layers 0 and 2. Every draft equals transformers' MTP chain (it
 the draft context passes 8 tokens) under the glm4_moe test's scenarios, run by its own helpers: batching, a warm cache,
 small chunks, preemption, shared-prefix radix hits, host-tier reloads and PD; greedy output equals the output without
 speculation; a draft built to be accepted extends its KV over accepted tokens as transformers' chain does; missing
-indexer weights of the MTP layer fail the load (C53)."""
+indexer weights of the MTP layer fail the load (C53). deepseek_v32 (DeepSeek-V3.2: every layer full, its MTP layer's
+index keys at layer 3 next to the target's 0-2) runs a subset: drafts in two scenarios and after a shared prefix, greedy
+output, C53."""
 from __future__ import annotations
 
 import pytest
@@ -23,6 +25,7 @@ from tests.model.test_mtp import (EAGLE, check_drafts_after_a_shared_prefix, che
 from tests.model.test_parity import SCENARIOS
 
 DSA = {"family": "glm_moe_dsa", "num_nextn_predict_layers": 1, "index_topk_pattern": "FSF"}
+V32 = {"family": "deepseek_v32", "num_nextn_predict_layers": 1}
 
 
 @pytest.fixture(scope="module")
@@ -105,4 +108,37 @@ def test_missing_indexer_weights_of_the_mtp_layer_fail_the_load(tmp_path):
     build_glm_mtp(tmp_path, **DSA)
     rewrite(tmp_path, lambda t: t.pop("model.layers.3.self_attn.indexer.wk.weight"))
     with pytest.raises(ValueError, match=r"model\.layers\.3\.\*: checkpoint lacks .*self_attn\.indexer\.wk\.weight"):
+        runner(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def v32_mtp_case(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dsv32_mtp")
+    model, mtp = build_glm_mtp(folder, **V32)
+    assert mtp.layers[0].mtp_block.self_attn.indexer is not None
+    kv = runner(folder).kv
+    assert kv.side_layers(INDEX_KEYS) == [0, 1, 2, 3] and kv.slot_bytes == 4 * 4 * ((32 + 8) + 32)   # fp32, 4 layers
+    return folder, model, mtp
+
+
+@pytest.mark.parametrize("name", ["b_all_at_once", "e_preemption"])
+def test_deepseek_v32_drafts_equal_transformers_mtp(v32_mtp_case, name):
+    check_drafts_in_scenario(v32_mtp_case, name)
+
+
+def test_deepseek_v32_drafts_equal_transformers_mtp_after_a_shared_prefix(v32_mtp_case):
+    check_drafts_after_a_shared_prefix(v32_mtp_case, 16)
+
+
+def test_deepseek_v32_greedy_equals_no_speculation(v32_mtp_case):
+    check_greedy_equals_no_speculation(v32_mtp_case[0], "d_small_chunks")
+
+
+def test_deepseek_v32_missing_mtp_weights_fail_the_load(tmp_path):
+    build_glm_mtp(tmp_path, **V32)
+    rewrite(tmp_path, lambda t: t.pop("model.layers.3.self_attn.indexer.weights_proj.weight"))
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.\*: checkpoint lacks .*indexer\.weights_proj\.weight"):
+        runner(tmp_path)
+    rewrite(tmp_path, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("model.layers.3.")]])
+    with pytest.raises(ValueError, match="no NextN"):
         runner(tmp_path)

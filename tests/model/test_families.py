@@ -51,6 +51,9 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         MOE, head_dim=16, num_experts=8, norm_topk_prob=True, mlp_only_layers=[0])),
 }
+# glm_moe_dsa on 5 layers, IndexShare layers 2 and 3 (a pipeline stage may start on one: tests/model/test_pp.py)
+DSA_SHARED = (*FAMILIES["glm_moe_dsa"][:2], {**FAMILIES["glm_moe_dsa"][2], "num_hidden_layers": 5,
+                                             "indexer_types": ["full", "full", "shared", "shared", "full"]})
 LENGTHS = [1, 7, 23, 24, 25, 63, 64, 65, 129, 300]
 
 

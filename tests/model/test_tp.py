@@ -153,6 +153,25 @@ def test_parameter_and_collective_bytes_equal_the_formulas(group, index):
     assert param_bytes(config, 1) < 2 * group[1][index]["param_bytes"]     # replicated norms (and KV heads)
 
 
+@pytest.mark.parametrize("index", range(len(CASES)), ids=CASES)
+def test_pd_export_gathers_every_kv_head_at_rank_0(group, index):
+    assert_export(ModelConfig.from_hf(read_hf_config(group[0][index])), group[1][index])
+
+
+def assert_export(config: ModelConfig, rank0: dict, tp: int = 2) -> None:
+    """A TP prefill worker's export_kv of every page used: every KV head at rank 0, within 1e-5 of TP=1's; GQA: rank 0
+    receives n * page_size * L * 2 * (KV - KV_0) * D * 4 bytes (KV_0 its own heads; a replicated head is not sent),
+    MLA: no collective (the latent is replicated)."""
+    got, want = rank0["export"], rank0["ref_export"]
+    assert got["num_pages"] == want["num_pages"] > 2 and len(got["data"]) == len(want["data"])
+    a, b = (torch.frombuffer(bytearray(e["data"]), dtype=torch.float32) for e in (got, want))
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    heads, dim, latent = config.kv_shape
+    received = got["num_pages"] * got["page_size"] * config.num_layers * 2 * (heads - max(heads // tp, 1)) * dim * 4
+    assert got["calls"] == ({} if latent else {"broadcast_object": 1, **({"recv": 2 * (tp - 1)} if received else {})})
+    assert got["bytes"].get("recv", 0) == (0 if latent else received)
+
+
 def assert_collective_bytes(config: ModelConfig, steps: list[dict], tp: int = 2) -> None:
     """Per step at tp ranks: 1 + 2L all-reduces of T·h·4 bytes, one all-gather of R·ceil(V/tp)·4
     (docs/parallel.md)."""

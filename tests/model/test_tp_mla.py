@@ -16,7 +16,7 @@ from radixserve.models.model_config import ModelConfig
 from radixserve.runner.attention.sparse import INDEX_KEYS
 from radixserve.weights.safetensors import read_hf_config
 from tests.model.test_families import build_family
-from tests.model.test_tp import assert_collective_bytes, assert_matches_tp1, param_bytes, run_group
+from tests.model.test_tp import assert_collective_bytes, assert_export, assert_matches_tp1, param_bytes, run_group
 from tests.model.tp_worker import FOLLOW_UP, PROMPTS
 
 GROUPS = {2: ("glm4_moe_lite", "glm_moe_dsa", "deepseek_v32"), 4: ("glm_moe_dsa",)}
@@ -110,3 +110,9 @@ def test_parameter_and_collective_bytes_equal_the_formulas(groups, tp, index):
         assert rank["param_bytes"] == param_bytes(config, tp)
         assert_collective_bytes(config, rank["steps"], tp)
     assert param_bytes(config, 1) < tp * ranks[0]["param_bytes"]     # replicated LoRA down-projections, indexer
+
+
+@pytest.mark.parametrize("tp,index", CASES, ids=IDS)
+def test_pd_export_is_rank_0s_own_latent(groups, tp, index):
+    config, ranks = case(groups, tp, index)
+    assert_export(config, ranks[0], tp)

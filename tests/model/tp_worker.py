@@ -5,8 +5,8 @@ follows. Both record each step's logits, token and logit-row counts, each reques
 the collective counters, and the parameter bytes (all, and the routed experts'); rank 0 then
 runs the same prompts at TP=1. An MLA/DSA model (C47) gets longer prompts (many pages, past index_topk) and a
 follow-up that hits the radix cache, and both ranks also record every indexer top-k, their KV pool bytes and pages,
-and the stored KV (latent and index keys) of those requests' pages. Results: OUT_DIR/rank{R}.pt, a list with one dict
-per model."""
+and the stored KV (latent and index keys) of those requests' pages; rank 0 also what export_kv gives a PD transfer.
+Results: OUT_DIR/rank{R}.pt, a list with one dict per model."""
 from __future__ import annotations
 
 import dataclasses
@@ -92,6 +92,19 @@ def kv_record(runner: ModelRunner, steps: list[dict]) -> dict:
             "stored": {rid: (p.k, p.v, p.side) for rid, p in stored.items()}, "pages": pages}
 
 
+def export(runner, steps: list[dict]) -> dict:
+    """What export_kv gives a PD transfer for every page the steps used (under TP gathered at rank 0), the page count
+    and size, and rank 0's collectives during it."""
+    pages = sorted({p for step in steps for ids in step["pages"].values() for p in ids})
+    comm = getattr(runner, "comm", None)
+    before = (dict(comm.calls), dict(comm.bytes)) if comm is not None else ({}, {})
+    out = {"data": runner.export_kv(pages), "num_pages": len(pages), "page_size": runner.page_size}
+    if comm is not None:
+        out["calls"] = {k: v - before[0].get(k, 0) for k, v in comm.calls.items() if v > before[0].get(k, 0)}
+        out["bytes"] = {k: v - before[1].get(k, 0) for k, v in comm.bytes.items() if v > before[1].get(k, 0)}
+    return out
+
+
 def main(argv: list[str]) -> int:
     rank, addr, out_dir, folders = int(argv[0]), argv[1], argv[2], argv[5:]
     tp_size, ep_size = int(argv[3]), int(argv[4])
@@ -112,10 +125,12 @@ def main(argv: list[str]) -> int:
             tp_runner = TPRunner(runner, Followers(comm, []))
             keep.append(tp_runner)
             out["tokens"] = generate(tp_runner, *prompts)
+            out["export"] = export(tp_runner, out["steps"])
             tp_runner.followers.stop()
             single = ModelRunner.from_config(dataclasses.replace(config, tp_size=1, ep_size=1))
             out["ref_steps"] = recording(single)
             out["ref_tokens"] = generate(single, *prompts)
+            out["ref_export"] = export(single, out["ref_steps"])
             if mla:
                 out["ref_kv"] = kv_record(single, out["ref_steps"])
         else:

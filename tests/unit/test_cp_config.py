@@ -17,9 +17,8 @@ from tests.model.test_families import build_family
     (dict(cp_size=2, tp_size=2), "not built yet"),
     (dict(cp_size=2, enable_layer_split=True, enable_kv_checksum=True), "--enable-kv-checksum"),
     (dict(cp_size=2, disaggregation_mode="decode"), "--disaggregation-mode decode with --tp-size 1 --cp-size 2 is not"),
-    (dict(cp_size=2, enable_layer_split=True, disaggregation_mode="prefill"),
-     "--disaggregation-mode prefill with --tp-size 1 --cp-size 2 --enable-layer-split is not built"),
-    (dict(tp_size=2, disaggregation_mode="prefill"), "--disaggregation-mode prefill with --tp-size 2 --cp-size 1"),
+    (dict(cp_size=2, enable_layer_split=True, disaggregation_mode="decode"),
+     "--disaggregation-mode decode with --tp-size 1 --cp-size 2 --enable-layer-split is not built"),
     (dict(cp_size=2, enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
     (dict(cp_size=2, speculative_algorithm="ngram"), "--speculative-algorithm ngram"),
     (dict(cp_size=2, kv_cache_dtype="fp8_e4m3"), "fp8"),
@@ -34,7 +33,8 @@ def test_accepted():
     c = EngineConfig(cp_size=4, enable_layer_split=True, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
     assert (c.world_size, c.enable_layer_split) == (4, True)
     assert EngineConfig(tp_size=2, speculative_algorithm="ngram").world_size == 2
-    assert EngineConfig(cp_size=2, disaggregation_mode="prefill").world_size == 2   # C58: plain CP prefill worker
+    for prefill in (dict(cp_size=2), dict(cp_size=2, enable_layer_split=True), dict(tp_size=2)):   # C58
+        assert EngineConfig(**prefill, disaggregation_mode="prefill").world_size == 2
 
 
 def test_owned_layers_are_contiguous_and_cover_every_layer_once():

@@ -30,8 +30,11 @@ def run_pair(prefill_layout: KVLayout, decode_layout: KVLayout) -> tuple[Rig, di
         rig.close()
 
 
-@pytest.mark.parametrize("prefill, decode", [(dict(cp_size=2), {}), ({}, dict(tp_size=2)),
-                                             (dict(cp_size=2), dict(tp_size=2))], ids=["cp2-tp1", "cp1-tp2", "cp2-tp2"])
+@pytest.mark.parametrize("prefill, decode", [
+    (dict(cp_size=2), {}), ({}, dict(tp_size=2)), (dict(cp_size=2), dict(tp_size=2)),
+    (dict(cp_size=2, layer_split=True), {}), (dict(cp_size=4, layer_split=True), dict(tp_size=2)),
+    (dict(tp_size=2), {}), (dict(tp_size=2), dict(tp_size=4))],
+    ids=["cp2-tp1", "cp1-tp2", "cp2-tp2", "layer-split-cp2-tp1", "layer-split-cp4-tp2", "tp2-tp1", "tp2-tp4"])
 def test_built_pairs_pass_the_handshake(prefill, decode):
     rig, _ = run_pair(msgspec.structs.replace(BASE, **prefill), msgspec.structs.replace(BASE, **decode))
     assert rig.tokens["r"] == reference([3, 1, 4, 1, 5, 9, 2], 4)
@@ -39,17 +42,16 @@ def test_built_pairs_pass_the_handshake(prefill, decode):
 
 
 @pytest.mark.parametrize("prefill, decode, message", [
-    (dict(cp_size=2, layer_split=True), {}, "prefill worker tp=1 cp=2 pp=1 with layer split -> decode worker "
-                                            "tp=1 cp=1 pp=1"),
+    (dict(tp_size=2), dict(pp_size=2), "prefill worker tp=2 cp=1 pp=1 -> decode worker tp=1 cp=1 pp=2"),
     ({}, dict(cp_size=2), "prefill worker tp=1 cp=1 pp=1 -> decode worker tp=1 cp=2 pp=1"),
     (dict(cp_size=2), dict(tp_size=2, cp_size=2, layer_split=True),
      "prefill worker tp=1 cp=2 pp=1 -> decode worker tp=2 cp=2 pp=1 with layer split"),
-    (dict(tp_size=2), dict(tp_size=2), "prefill worker tp=2 cp=1 pp=1 -> decode worker tp=2"),
+    (dict(pp_size=2), {}, "prefill worker tp=1 cp=1 pp=2 -> decode worker tp=1 cp=1 pp=1"),
     (dict(pp_size=2), dict(pp_size=2), "prefill worker tp=1 cp=1 pp=2 -> decode worker tp=1 cp=1 pp=2"),
     ({}, dict(layer_ids=(0, 2, 1)), "KV layer ids on decode are [0, 2, 1], not layers 0..2 in order"),
     (dict(layer_ids=(1, 2, 3)), {}, "KV layer ids on prefill are [1, 2, 3]"),
     ({}, dict(num_layers=4, layer_ids=(0, 1, 2, 3)), "num_layers is 3 on prefill but 4 on decode"),
-], ids=["layer-split-prefill", "cp2-decode", "cp2-to-layer-split", "tp2-prefill", "pp2-pair", "reordered-layers",
+], ids=["tp2-to-pp2", "cp2-decode", "cp2-to-layer-split", "pp2-prefill", "pp2-pair", "reordered-layers",
         "shifted-layers", "layer-count"])
 def test_refused_pair_fails_both_legs_at_the_handshake(prefill, decode, message):
     rig, stats = run_pair(msgspec.structs.replace(BASE, **prefill), msgspec.structs.replace(BASE, **decode))

@@ -6,10 +6,11 @@ import pytest
 from radixserve.engine_config import EngineConfig
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.registry import model_class
+from radixserve.runner.attention.sparse import INDEX_KEYS
 from radixserve.runner.pp import PPModelRunner, split_micro_batches
 from radixserve.weights.safetensors import read_hf_config
 from tests.conftest import build_tiny_llama
-from tests.model.test_families import build_family
+from tests.model.test_families import DSA_SHARED, build_family
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -60,10 +61,7 @@ class Rank:
         self.rank, self.size = rank, size
 
 
-def test_mla_models_more_stages_than_layers_and_an_indivisible_residual_are_refused(tmp_path):
-    mla = ModelConfig.from_hf(read_hf_config(build_family(tmp_path / "mla", "glm4_moe_lite")))
-    with pytest.raises(ValueError, match="MLA/DSA models .* pipeline parallelism"):
-        PPModelRunner.select_part(model_class(mla)(mla), [], comm=Rank(0, 2))
+def test_more_stages_than_layers_and_an_indivisible_residual_are_refused(tmp_path):
     llama = ModelConfig.from_hf(read_hf_config(build_tiny_llama(tmp_path / "llama")))
     with pytest.raises(ValueError, match="--pp-size 3 exceeds the model's 2 layers"):
         PPModelRunner.select_part(model_class(llama)(llama), [], comm=Rank(0, 3))
@@ -71,6 +69,27 @@ def test_mla_models_more_stages_than_layers_and_an_indivisible_residual_are_refu
         PPModelRunner.select_part(model_class(llama)(llama), [], comm=Rank(5, 6), tp=Rank(1, 2))
     with pytest.raises(ValueError, match="--tp-size 3: the hidden size 64 does not divide"):
         PPModelRunner.select_part(model_class(llama)(llama), [], comm=Rank(0, 6), tp=Rank(0, 3))
+
+
+def test_dsa_stages_hold_their_latent_and_index_keys(tmp_path):
+    """glm_moe_dsa, 5 layers (full, full, shared, shared, full) on 3 stages [0, 2), [2, 4), [4, 5): each stage's
+    latent KV has its layers, index keys only in its full layers renumbered ((0, 1), none, (0,)) as its indexers are;
+    the pages equal everywhere, sized for the stage of most bytes per token; stage 1 starts on a shared layer, so
+    stage 0 sends it the top-k."""
+    folder = str(build_family(tmp_path / "dsa", "glm_moe_dsa", spec=DSA_SHARED))
+    config = EngineConfig(model_path=folder, pp_size=3, quantization="none", num_threads=1, kv_cache_memory_gb=0.001)
+    stages = [PPModelRunner.from_config(config, comm=Rank(s, 3)) for s in range(3)]
+    assert [r.kv.num_layers for r in stages] == [2, 2, 1]
+    assert [r.kv.side_layers(INDEX_KEYS) if r.kv.side_names else None for r in stages] == [[0, 1], None, [0]]
+    layers = [stages[0].model.model.layers[1], stages[2].model.model.layers[4]]
+    assert [(x.self_attn.layer_id, x.self_attn.indexer.layer_id) for x in layers] == [(1, 1), (0, 0)]
+    assert [(r.receives_topk, r.sends_topk) for r in stages] == [(False, True), (True, False), (False, False)]
+    mc = stages[0].model_config
+    latent, index = 4 * (mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim), 4 * mc.dsa.index_head_dim
+    per_token = [2 * latent + 2 * index, 2 * latent, latent + index]
+    pages = int(0.001 * 2**30) // (16 * max(per_token))
+    assert [r.num_pages for r in stages] == [pages] * 3
+    assert [r.kv.allocated_bytes() for r in stages] == [pages * 16 * b for b in per_token]
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -14,7 +14,7 @@ from radixserve.layers.parallel import Heads, shard_heads, vocab_part
     (dict(tp_size=2, dist_timeout=0), "dist_timeout"),
     (dict(tp_size=2, enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
     (dict(tp_size=2, kv_cache_dtype="fp8_e4m3"), "fp8"),
-    (dict(tp_size=2, disaggregation_mode="prefill"), "--disaggregation-mode"),
+    (dict(tp_size=2, cp_size=2, disaggregation_mode="decode"), "decode with --tp-size 2 --cp-size 2 is not built"),
     (dict(tp_size=2, speculative_algorithm="draft", speculative_draft_layers=1), "draft"),
 ])
 def test_refused(kwargs, message):

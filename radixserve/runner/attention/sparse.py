@@ -30,7 +30,9 @@ def index_bytes_per_token(full_layers: tuple[int, ...], head_dim: int, dtype: to
 def add_index_keys(kv: KVCache, full_layers: tuple[int, ...], head_dim: int, dtype: torch.dtype,
                    fp8: bool = False) -> None:
     """Give `kv` its index-key side buffer in the full indexer layers: (index_head_dim,) per slot in `dtype`, or with
-    `fp8` (index_head_dim + 4,) uint8 (FP8 layout above)."""
+    `fp8` (index_head_dim + 4,) uint8 (FP8 layout above); none without full layers (a pipeline stage's)."""
+    if not full_layers:
+        return
     shape, dtype = ((head_dim + SCALE_BYTES,), torch.uint8) if fp8 else ((head_dim,), dtype)
     kv.add_side_buffer(INDEX_KEYS, shape, dtype, list(full_layers))
 
