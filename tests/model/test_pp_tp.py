@@ -4,8 +4,8 @@ On a tiny Llama (vocabulary 257, not divisible by 2; tied embeddings; one KV hea
 GLM-4.5 MoE (3 layers on 2 stages: 2 + 1; --ep-size 2: whole experts per TP rank) and test_pp.py's 5-layer glm_moe_dsa
 (stage 1 starts on a shared layer: it receives the top-k), pp_worker's prompts (chunked by 32, prompt logprobs, a radix
 hit) at M = 2 micro-batches: logits within 1e-5 relative and greedy tokens equal to PP=1 TP=1; the last stage's
-ranks' logits bit-identical to rank 0's; for the first two, per-rank parameter and KV bytes, the sized page count and
-per-step point-to-point (world group) and collective (TP group) bytes and calls equal docs/parallel.md's formulas; a rank that exits inside a forward ends the survivors' step with DistError."""
+ranks' logits bit-identical to rank 0's; per-rank parameter and KV bytes, the sized page count and per-step
+point-to-point (world group) and collective (TP group) bytes and calls equal docs/parallel.md's formulas exactly; a rank that exits inside a forward ends the survivors' step with DistError."""
 from __future__ import annotations
 
 import os
@@ -15,9 +15,7 @@ import sys
 import pytest
 import torch
 
-from radixserve.engine_config import EngineConfig
 from radixserve.models.model_config import ModelConfig
-from radixserve.runner.kv_sizing import num_pages
 from radixserve.runner.layer_split import owned_layers
 from radixserve.runner.tp import free_init_addr
 from radixserve.weights.safetensors import read_hf_config
@@ -28,7 +26,6 @@ from tests.model.test_pp import REPO, check_same_output, rel_err
 from tests.model.test_tp import layer_bytes, randomize_biases
 
 CASES = {"llama257": 1, "glm4_moe": 2, "glm_moe_dsa": 1}      # case -> --ep-size
-EXACT = ("llama257", "glm4_moe")       # byte formulas checked (the DSA case: logits and tokens only)
 PAGE = 16
 WORLD = PP * TP
 
@@ -62,13 +59,17 @@ def group(tmp_path_factory):
             {r: torch.load(out / f"dead{r}.pt") for r in range(WORLD - 1)})
 
 
-def micro_batches(step: dict, m: int = PP) -> tuple[int, int]:
-    """(micro-batches, those with logit rows) of a recorded step: min(M, B) runs of consecutive sequences."""
+def micro_batches(step: dict, k: int, m: int = PP) -> tuple[int, int, list[int]]:
+    """Of a recorded step cut into min(M, B) runs of consecutive sequences: (micro-batches, those with logit rows,
+    per micro-batch with a sequence past index_topk k > 0 the top-k's bytes: its query rows x k x 8)."""
     parts = min(m, step["num_seqs"])
     base, rem = divmod(step["num_seqs"], parts)
     sizes = [base + (i < rem) for i in range(parts)]
     firsts = [sum(sizes[:i]) for i in range(parts)]
-    return parts, sum(1 for f, n in zip(firsts, sizes) if sum(step["seq_logit_rows"][f:f + n]))
+    rows = [sum(q for q, ctx in zip(step["query_lens"][f:f + n], step["context_lens"][f:f + n]) if ctx > k)
+            for f, n in zip(firsts, sizes)] if k else []
+    return (parts, sum(1 for f, n in zip(firsts, sizes) if sum(step["seq_logit_rows"][f:f + n])),
+            [r * k * 8 for r in rows if r])
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=list(CASES))
@@ -104,39 +105,53 @@ def stage_param_bytes(c: ModelConfig, stage: int, ep: int) -> int:
     return layers + 4 * ((vocab if stage == 0 else 0) + (vocab + c.hidden_size if stage == PP - 1 else 0))
 
 
-@pytest.mark.parametrize("index", range(len(EXACT)), ids=EXACT)
+def token_kv_bytes(c: ModelConfig, layers: range) -> int:
+    """docs/parallel.md: one token's KV bytes on a rank holding decoder `layers`: K and V of kv_r = max(1, KV / T) heads
+    per layer, or MLA's latent (r + d_rope) per layer and DSA's index key (Di) per full indexer layer (fp32)."""
+    if c.mla is None:
+        return len(layers) * 2 * max(1, c.num_kv_heads // TP) * c.head_dim * 4
+    full = sum(1 for i in layers if i in c.dsa.full_layers) if c.dsa else 0
+    return 4 * (len(layers) * (c.mla.kv_lora_rank + c.mla.qk_rope_head_dim) + full * c.dsa.index_head_dim)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=list(CASES))
 def test_parameter_and_kv_bytes_equal_the_formulas(group, index):
+    """Without --max-total-tokens every rank sizes its pages for the stage of most KV bytes per token."""
     c, ep = group[0][index], list(CASES.values())[index]
-    kv_heads = max(1, c.num_kv_heads // TP)
-    sized = num_pages(EngineConfig(kv_cache_memory_gb=0.001), c, kv_heads, -(-c.num_layers // PP))
+    stages = [owned_layers(c.num_layers, PP, s) for s in range(PP)]
+    sized = int(0.001 * 2**30) // (PAGE * max(token_kv_bytes(c, r) for r in stages))
     for rank, result in enumerate(r[index] for r in group[1]):
-        stage, n_s = rank // TP, len(owned_layers(c.num_layers, PP, rank // TP))
-        assert result["param_bytes"] == stage_param_bytes(c, stage, ep)
-        assert (result["kv_layers"], result["num_pages"]) == (n_s, 4096 // PAGE)
-        assert result["kv_bytes"] == n_s * result["num_pages"] * PAGE * 2 * kv_heads * c.head_dim * 4
+        layers = stages[rank // TP]
+        assert result["param_bytes"] == stage_param_bytes(c, rank // TP, ep)
+        assert (result["kv_layers"], result["num_pages"]) == (len(layers), 4096 // PAGE)
+        assert result["kv_bytes"] == result["num_pages"] * PAGE * token_kv_bytes(c, layers)
         assert result["sized_pages"] == sized
 
 
-@pytest.mark.parametrize("index", range(len(EXACT)), ids=EXACT)
+@pytest.mark.parametrize("index", range(len(CASES)), ids=list(CASES))
 def test_point_to_point_and_collective_bytes_equal_the_formulas(group, index):
     """Per step, M' micro-batches (M'_R of them with logit rows), on a rank of stage s holding n_s layers:
     world group: stage s < P-1 sends T*(h/T)*4 (its columns of the residual) in M' sends, stage s > 0 receives as much;
-    the last stage's tp_rank 0 sends R*V*4 in M'_R sends and rank 0 receives them.
+    the last stage's tp_rank 0 sends R*V*4 in M'_R sends and rank 0 receives them; DSA, stage 1 starting on a shared
+    layer: each tp_rank of stage 0 also sends its peer the top-k of each micro-batch with a sequence past index_topk.
     TP group: (1[s = 0] + 2 n_s) * T*h*4 all-reduced in M' times as many calls; all-gathered: T*(h/T)*4 on s > 0
     (M' calls) and R*ceil(V/T)*4 on the last stage (M'_R calls)."""
     c = group[0][index]
-    h, v = c.hidden_size, c.vocab_size
+    h, v, k = c.hidden_size, c.vocab_size, c.dsa.index_topk if c.dsa else 0
+    shared = c.dsa is not None and owned_layers(c.num_layers, PP, 1).start not in c.dsa.full_layers
+    assert shared == (c.dsa is not None)
+    assert all(not c.dsa or any(micro_batches(step, k)[2] for step in r[index]["steps"]) for r in group[1][:TP])
     for rank, result in enumerate(r[index] for r in group[1]):
         stage, tp_rank = divmod(rank, TP)
         n_s = len(owned_layers(c.num_layers, PP, stage))
         for step, tp_step in zip(result["steps"], result["tp_steps"], strict=True):
-            parts, with_rows = micro_batches(step)
+            parts, with_rows, picks = micro_batches(step, k)
             t, r = step["num_tokens"], step["logit_rows"]
             p2p = {"send": (0, 0), "recv": (0, 0)}
             if stage < PP - 1:
-                p2p["send"] = (parts, t * h // TP * 4)
+                p2p["send"] = (parts + len(picks), t * h // TP * 4 + sum(picks))
             if stage > 0:
-                p2p["recv"] = (parts, t * h // TP * 4)
+                p2p["recv"] = (parts + len(picks), t * h // TP * 4 + sum(picks))
             if stage == PP - 1 and tp_rank == 0:
                 p2p["send"] = (with_rows, r * v * 4)
             if rank == 0:
