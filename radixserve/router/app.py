@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from typing import Any, AsyncIterator
@@ -90,7 +91,6 @@ def build_app(state: RouterState) -> FastAPI:
     install_error_handlers(app, "router")
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=state.config.request_body_timeout)
     app.add_middleware(DrainMiddleware, drain=state.drain)
-    app.include_router(build_admin_router(state))
 
     async def relay_post(request: Request, path: str) -> Response:
         t_start = time.perf_counter()
@@ -105,13 +105,9 @@ def build_app(state: RouterState) -> FastAPI:
         work = state.forwarder.forward(path, raw, headers, key, body.get("stream") is True, t_start)
         return await race_disconnect(request.receive, work)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await relay_post(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await relay_post(request, "/v1/chat/completions")
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        app.add_route(path, functools.partial(relay_post, path=path), methods=["POST"])
+    app.include_router(build_admin_router(state))
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:

@@ -20,12 +20,13 @@ from radixserve.router.lease import Attempts, Lease
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.outcome import anomaly_kind, classify, error_kind, error_of_body, event_status
 from radixserve.router.relay import Opened, Relay, RelayResponse, wire_header
-from radixserve.router.stream import StreamLedger, error_of, sse_events
+from radixserve.router.stream import StreamLedger, error_in, sse_events
 
 logger = logging.getLogger(__name__)
 
 # A worker that cannot be reached (a bad URL included: never a 500).
 UNREACHABLE = (httpx.TransportError, httpx.InvalidURL)
+Post = Callable[[str, bytes, dict[str, bytes]], Awaitable[httpx.Response]]
 
 
 def outcome_label(status: int | None, transport_error: bool, kind: str | None = None) -> str:
@@ -63,10 +64,15 @@ class Forwarder:
     """Sends requests to policy-picked workers, retrying on untried ones (SGLang router retry rules)."""
 
     def __init__(self, config: RouterConfig, registry: Any, policy: Any, metrics: RouterMetrics,
-                 http: httpx.AsyncClient):
+                 http: httpx.AsyncClient, post: Post | None = None):
         self.config, self.registry, self.policy = config, registry, policy
         self.metrics, self.http = metrics, http
+        self.post = post or self._post
         self.max_attempts = 1 if config.disable_retries else config.retry_max_attempts
+
+    async def _post(self, url: str, body: bytes, headers: dict[str, bytes]) -> httpx.Response:
+        request = self.http.build_request("POST", url, content=body, headers=headers)
+        return await self.http.send(request, stream=True)
 
     def backoff_s(self, retry: int) -> float:
         """Seconds before 1-based retry `retry`: capped exponential, times 1 + U[-jitter, jitter] (SGLang `retry.rs`)."""
@@ -168,9 +174,7 @@ class Forwarder:
         read = lease.watch().read if ledger is not None else _call
         try:
             try:
-                request = self.http.build_request("POST", worker.url + path, content=body,
-                                                  headers=headers)
-                upstream = await read(lambda: self.http.send(request, stream=True))
+                upstream = await read(lambda: self.post(worker.url + path, body, headers))
                 if ledger is not None and upstream.status_code == 200:
                     opened = await self._open(lease, upstream, ledger)
                     if isinstance(opened, Opened):
@@ -201,7 +205,7 @@ class Forwarder:
         events = lease.watch().events(sse_events(upstream.aiter_raw()))
         pending: list[bytes] = []
         async for event in events:
-            error = error_of(event)
+            error = error_in(ledger.parse(event))
             if error is not None:
                 status, kind = event_status(error), error.get("type")
                 if classify(status, False, kind).retry:

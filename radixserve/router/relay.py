@@ -13,7 +13,7 @@ from radixserve.router.eject import Ejected
 from radixserve.router.lease import Lease
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.outcome import anomaly_kind, classify, event_status
-from radixserve.router.stream import DONE, StreamLedger, error_event, error_of
+from radixserve.router.stream import DONE, StreamLedger, error_event, error_in
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class Relay:
         last = pending[-1] if pending else b""
         async for event in opened.events:
             last = event
-            error = error_of(event)
+            error = error_in(ledger.parse(event))
             if error is not None:
                 status, kind, anomaly = event_status(error), error.get("type"), anomaly_kind(error)
                 if anomaly is not None or (self.forwarder.migration_on

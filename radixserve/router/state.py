@@ -14,6 +14,7 @@ from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policy import Policy, make_policy
 from radixserve.router.prefix_tree import ApproxPrefixTree
 from radixserve.router.proxy import Forwarder
+from radixserve.router.upstream import upstream_transport
 from radixserve.router.validate import worker_url
 from radixserve.router.worker import WorkerRegistry, WorkerState
 
@@ -81,15 +82,17 @@ def build_state(config: RouterConfig, worker_urls: list[str], tokenizer: Any = N
     policy = make_policy(config, registry, tree)
     metrics = RouterMetrics()
     c = config
+    transport = upstream_transport()
     http = httpx.AsyncClient(
         timeout=httpx.Timeout(connect=c.connect_timeout_s, read=c.silence_timeout_s,
                               write=c.silence_timeout_s, pool=c.connect_timeout_s),
         limits=poller_limits(max_connections=None,
                              max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS),
-        trust_env=False)
+        trust_env=False, transport=transport)
+    post = transport.poster(c.connect_timeout_s, c.silence_timeout_s) if transport else None
     monitor = HealthMonitor(config, registry, metrics, http)
     state = RouterState(config, registry, tree, policy, metrics, http, monitor,
-                        Forwarder(config, registry, policy, metrics, http),
+                        Forwarder(config, registry, policy, metrics, http, post),
                         Drain(config.graceful_shutdown_timeout), tokenizer)
     for url in worker_urls:
         state.add_worker(worker_url(url))

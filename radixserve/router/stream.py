@@ -33,7 +33,10 @@ def payload(event: bytes) -> Any:
 
 
 def error_of(event: bytes) -> dict | None:
-    data = payload(event)
+    return error_in(payload(event))
+
+
+def error_in(data: Any) -> dict | None:
     error = data.get("error") if isinstance(data, dict) else None
     return error if isinstance(error, dict) else None
 
@@ -84,6 +87,7 @@ class StreamLedger:
         self.role_sent = False
         self.committed = False
         self.finished = False            # the choice's finish_reason reached the client
+        self._parsed: tuple[bytes, Any] | None = None
 
     def first_body(self) -> bytes:
         if not self.migratable or not self.strip_ids:
@@ -96,13 +100,19 @@ class StreamLedger:
         return json.dumps({**self.fields, "return_token_ids": True,
                            "resume_token_ids": resumed}).encode()
 
+    def parse(self, event: bytes) -> Any:
+        """payload(event), parsed once however often it is asked for (until relay() takes it)."""
+        if self._parsed is None or self._parsed[0] is not event:
+            self._parsed = (event, payload(event))
+        return self._parsed[1]
+
     def can_continue(self) -> bool:
         return self.migratable and not self.finished
 
     def is_held(self, event: bytes) -> bool:
         """Read but not yet content: chat's role chunk, or an "abort" finish chunk (an error event
         may follow, and the request is then retried from its prompt as if nothing was sent)."""
-        data = payload(event)
+        data = self.parse(event)
         return (self.chat and _is_role_only(data)) or _is_abort_only(data)
 
     def relay(self, event: bytes) -> bytes | None:
@@ -110,7 +120,7 @@ class StreamLedger:
         self.committed = self.committed or not self.is_held(event)
         if not self.migratable:
             return event
-        data = payload(event)
+        data, self._parsed = self.parse(event), None
         if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
             return event
         if _is_role_only(data):

@@ -10,6 +10,7 @@ import pytest
 from radixserve.router.app import build_app
 from radixserve.router.state import build_state
 from radixserve.router.config import RouterConfig
+from radixserve.router.proxy import Forwarder
 from radixserve.router.validate import worker_url
 
 W0, W1 = "http://w0:8000", "http://w1:8000"
@@ -62,7 +63,8 @@ def run_router(scenario, workers: FakeWorkers | None = None, urls=(W0, W1), **co
     async def main():
         await state.http.aclose()
         state.http = httpx.AsyncClient(transport=httpx.MockTransport(workers))
-        state.monitor.http = state.forwarder.http = state.http
+        state.monitor.http = state.http
+        state.forwarder = Forwarder(cfg, state.registry, state.policy, state.metrics, state.http)
         transport = httpx.ASGITransport(app=build_app(state))
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
             try:
