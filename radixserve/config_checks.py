@@ -126,7 +126,7 @@ def _check_pipeline(config: Any) -> None:
         if config.pp_micro_batches is not None:
             raise ValueError("--pp-micro-batches needs --pp-size > 1")
         return
-    unsupported = {"--tp-size > 1": config.tp_size > 1, "--cp-size > 1": config.cp_size > 1,
+    unsupported = {"--cp-size > 1": config.cp_size > 1,
                    f"--speculative-algorithm {config.speculative_algorithm}": config.speculative_algorithm is not None,
                    "--disaggregation-mode": config.disaggregation_mode != "null",
                    "--enable-hierarchical-cache": config.enable_hierarchical_cache,

@@ -134,8 +134,9 @@ class EngineConfig:
     enable_layer_split: bool = opt(False, "with --cp-size > 1: each rank stores only its own layers' KV plus "
                                           "one scratch layer, which the owner fills by broadcast before "
                                           "attention (GLM's LayerSplit)")
-    pp_size: int = opt(1, "pipeline-parallel stages, one engine process each: stage s holds consecutive layers "
-                          "(the first L %% N stages one more), activations go point to point (docs/parallel.md)")
+    pp_size: int = opt(1, "pipeline-parallel stages, each one engine process or a --tp-size group (rank = stage x "
+                          "--tp-size + tp rank): stage s holds consecutive layers (the first L %% N stages one "
+                          "more), activations go point to point (docs/parallel.md)")
     pp_micro_batches: int | None = opt(None, "--pp-size > 1: micro-batches (by sequences) each step is cut into so "
                                              "the stages overlap (None: --pp-size)")
     nnodes: int = opt(1, "machines the ranks (--tp-size x --cp-size x --pp-size) span (an equal share each)")

@@ -27,9 +27,9 @@ class DistError(RuntimeError):
 
 
 class Communicator:
-    """One process's handle on the group. Counters, per op name: `calls[op]` and `bytes[op]`, the bytes this rank
-    contributes (all_reduce, broadcast: the tensor's nbytes; all_gather: its input's; broadcast_object: 8 + the
-    pickle) or, for point-to-point ops, sends ("send") and receives ("recv") (the tensor's nbytes)."""
+    """One process's handle on the group (ranks numbered within it). Counters, per op: `calls[op]`, `bytes[op]`, the
+    bytes this rank contributes (all_reduce, broadcast: the tensor's nbytes; all_gather: its input's; broadcast_object:
+    8 + the pickle) or, point to point, sends ("send") and receives ("recv") (the tensor's nbytes)."""
 
     def __init__(self, rank: int, size: int, device: torch.device, group: Any = None, step_group: Any = None):
         self.rank, self.size, self.device = rank, size, device
@@ -58,27 +58,27 @@ class Communicator:
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s `x` into every rank's `x` (same shape and dtype everywhere), in place. Returns x."""
         self._count("broadcast", x.nelement() * x.element_size())
-        _run("broadcast", dist.broadcast, x, src, group=self.group)
+        _run("broadcast", dist.broadcast, x, group=self.group, group_src=src)
         return x
 
     def broadcast_async(self, x: torch.Tensor, src: int = 0) -> Pending:
         """broadcast() started in the background: `x` holds rank `src`'s values once the returned Pending's wait()
         returns (read it earlier and it may hold anything). Counted like broadcast."""
         self._count("broadcast", x.nelement() * x.element_size())
-        return Pending(_run("broadcast", dist.broadcast, x, src, group=self.group, async_op=True))
+        return Pending(_run("broadcast", dist.broadcast, x, group=self.group, async_op=True, group_src=src))
 
     def send_async(self, x: torch.Tensor, dst: int) -> Pending:
         """Send `x` to rank `dst` (its matching recv) in the background; keep `x` unchanged until the returned
         Pending's wait() returns. Counted as "send": x's nbytes."""
         x = x.contiguous()
         self._count("send", x.nelement() * x.element_size())
-        return Pending(_run("send", dist.isend, x, dst, group=self.group), "send", x)
+        return Pending(_run("send", dist.isend, x, group=self.group, group_dst=dst), "send", x)
 
     def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Rank `src`'s matching send into `x` (the same shape and dtype as sent), blocking; DistError when `src`
         exited or did not send within the group's timeout. Counted as "recv": x's nbytes. Returns x."""
         self._count("recv", x.nelement() * x.element_size())
-        _run("recv", dist.recv, x, src, group=self.group)
+        _run("recv", dist.recv, x, group=self.group, group_src=src)
         return x
 
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
@@ -96,8 +96,10 @@ class Communicator:
         return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
 
     def probe(self) -> None:
-        """All-reduce PROBE_VALUE on both groups; DistError unless each gives size * PROBE_VALUE."""
+        """All-reduce PROBE_VALUE on each group it has; DistError unless each gives size * PROBE_VALUE."""
         for name, group in (("group", self.group), ("step group", self.step_group)):
+            if group is None:
+                continue
             x = torch.full((1,), PROBE_VALUE, device=self.device if group is self.group else "cpu")
             _run("probe", dist.all_reduce, x, group=group)
             if x.item() != self.size * PROBE_VALUE:
@@ -147,3 +149,20 @@ def init_communicator(rank: int, size: int, init_addr: str, timeout_s: float, de
     logger.info("rank %d of %d joined the %s group at %s (collective timeout %.0f s)",
                 rank, size, backend, init_addr, timeout_s)
     return comm
+
+
+def split_group(comm: Communicator, group_size: int, timeout_s: float) -> Communicator:
+    """Collective over all of `comm`'s ranks: cut them into consecutive groups of `group_size` (rank // group_size),
+    each timed out after `timeout_s`, and return this rank's, probed, with its own counters and no step group."""
+    backend = "nccl" if comm.device.type == "cuda" else "gloo"
+    mine = None
+    try:
+        for first in range(0, comm.size, group_size):
+            group = dist.new_group(list(range(first, first + group_size)),
+                                   timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
+            mine = group if first <= comm.rank < first + group_size else mine
+    except (RuntimeError, ValueError) as exc:
+        raise DistError(f"rank {comm.rank} could not build its group of {group_size}: {exc}") from exc
+    sub = Communicator(comm.rank % group_size, group_size, comm.device, mine)
+    sub.probe()
+    return sub

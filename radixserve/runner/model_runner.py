@@ -129,7 +129,7 @@ class ModelRunner:
                         resolve_quantization(config.quantization, path, config.enable_deterministic_inference))
         model_config, weights = load_checkpoint(path, quantization)
         model = model_class(model_config)(model_config, tp=tp, ep_size=config.ep_size)
-        weights = cls.select_part(model, weights, **kwargs)
+        weights = cls.select_part(model, weights, tp=tp, **kwargs)
         draft_tensors: list[tuple[str, torch.Tensor]] = []
         if config.is_eagle:
             weights = nextn_tensors(weights, model_config.num_layers, draft_tensors)

@@ -3,17 +3,17 @@ activations go point to point from stage to stage, cut into micro-batches so the
 
     layers:  stage s holds owned_layers(L, N, s): n_s = L // N + (s < L % N) layers from s * (L // N) + min(s, L % N)
              (the first L % N stages one more); the embedding on stage 0, the final norm and LM head on stage N - 1
-    ranks:   rank = stage; rank 0 also schedules and samples, and broadcasts each step's batch to every stage
-             (runner/tp.py), so the page ids (and the page count, sized for the stage of most KV bytes) agree
+    ranks:   rank = stage * T + tp_rank (each stage a --tp-size T group); rank 0 also schedules, samples and
+             broadcasts each step to every rank (runner/tp.py): page ids and count (for the largest stage) agree
     a step:  the batch cut into M micro-batches of consecutive sequences (sizes differ by at most one sequence)
 
         stage 0    embed+layers(m0) ─send─► embed+layers(m1) ─send─► ...          recv logits(m0 .. m M-1)
         stage 1             recv(m0) ─► layers(m0) ─send─► recv(m1) ─► layers(m1) ─send─► ...
         stage N-1                     recv(m0) ─► layers+norm+head(m0) ─send logits to 0─► recv(m1) ...
 
-Sends are asynchronous (isend), so stage s computes micro-batch m + 1 while stage s + 1 computes m. DSA: a stage
-stores its full layers' index keys; one starting on an IndexShare layer also receives the top-k. Bytes moved and why M
-does not change any row's arithmetic: docs/parallel.md."""
+Sends are asynchronous (isend), so stage s computes micro-batch m + 1 while stage s + 1 computes m; under TP, tp_rank
+i sends its 1/T of the residual's columns to the next stage's tp_rank i. DSA: a stage stores its full layers' index
+keys; one starting on an IndexShare layer also receives the top-k. Bytes, and why M changes no row: docs/parallel.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +25,7 @@ from radixserve.dist.comm import Communicator, Pending
 from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.engine_config import EngineConfig
 from radixserve.layers.attention import SparseAttention
+from radixserve.layers.parallel import Collectives
 from radixserve.models.dsa import selection_rows
 from radixserve.models.model_config import ModelConfig
 from radixserve.runner.attention.base import create_backend
@@ -54,22 +55,24 @@ def stage_index_layers(mc: ModelConfig, layers: range) -> tuple[int, ...]:
 class PPModelRunner(ModelRunner):
     """A pipeline stage's ModelRunner: this stage's layers (and embedding / head) and a KVCache of its layers only;
     forward() as above. On rank 0 forward returns the whole step's logits (R, V) fp32 for run() to sample; on the
-    last stage its own logit rows; on a middle stage (0, V)."""
+    last stage's ranks its own logit rows; elsewhere (0, V). ValueError: a hidden size --tp-size does not divide."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
                  draft_model: torch.nn.Module | None = None, comm: Communicator | None = None):
-        assert comm is not None and comm.size == config.pp_size, "a pipeline stage needs its group"
-        self.comm = comm
-        self.layers = owned_layers(model_config.num_layers, comm.size, comm.rank)
-        self.is_first, self.is_last = comm.rank == 0, comm.rank == comm.size - 1
+        assert comm is not None and comm.size == config.pp_size * config.tp_size, "a pipeline stage needs its group"
+        self.comm, self.tp_size = comm, config.tp_size
+        self.stage, self.tp_rank = divmod(comm.rank, config.tp_size)
+        self.layers = owned_layers(model_config.num_layers, config.pp_size, self.stage)
+        self.is_first, self.is_last = self.stage == 0, self.stage == config.pp_size - 1
         self.num_micro_batches = config.pp_micro_batches or config.pp_size
         dsa = model_config.dsa
         self.receives_topk = dsa is not None and self.layers.start not in dsa.full_layers
         self.sends_topk = dsa is not None and not self.is_last and self.layers.stop not in dsa.full_layers
         if config.max_total_tokens is None:     # every stage the same pages: sized for the largest stage
-            stages = [owned_layers(model_config.num_layers, comm.size, s) for s in range(comm.size)]
-            pages = min(num_pages(config, model_config, None, len(r), stage_index_layers(model_config, r))
+            stages = [owned_layers(model_config.num_layers, config.pp_size, s) for s in range(config.pp_size)]
+            heads = getattr(model, "num_kv_heads", None)
+            pages = min(num_pages(config, model_config, heads, len(r), stage_index_layers(model_config, r))
                         for r in stages)
             config = dataclasses.replace(config, max_total_tokens=pages * config.page_size)
         super().__init__(model, model_config, config, checkpoint_kv_scales, draft_model)
@@ -80,12 +83,16 @@ class PPModelRunner(ModelRunner):
 
     @classmethod
     def select_part(cls, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                    comm: Communicator | None = None, **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
-        mc = model.config
-        if comm.size > mc.num_layers:
-            raise ValueError(f"--pp-size {comm.size} exceeds the model's {mc.num_layers} layers")
-        dropped = model.keep_stage(owned_layers(mc.num_layers, comm.size, comm.rank), comm.rank == 0,
-                                   comm.rank == comm.size - 1)
+                    comm: Communicator | None = None, tp: Collectives | None = None,
+                    **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
+        mc, tp_size = model.config, tp.size if tp is not None else 1
+        stage, stages = comm.rank // tp_size, comm.size // tp_size
+        if stages > mc.num_layers:
+            raise ValueError(f"--pp-size {stages} exceeds the model's {mc.num_layers} layers")
+        if mc.hidden_size % tp_size:
+            raise ValueError(f"--pp-size {stages} with --tp-size {tp_size}: the hidden size {mc.hidden_size} does not "
+                             "divide into the ranks' parts of the residual sent between stages")
+        dropped = model.keep_stage(owned_layers(mc.num_layers, stages, stage), stage == 0, stage == stages - 1)
         return ((name, tensor) for name, tensor in weights if not name.startswith(dropped))
 
     def kv_layers(self, model_config: ModelConfig) -> int:
@@ -101,7 +108,8 @@ class PPModelRunner(ModelRunner):
         if rows is None:
             return None
         sizes = [n or 0 for n in rows]
-        flat = self.comm.recv(torch.empty(sum(sizes), topk, dtype=torch.long, device=self.device), self.comm.rank - 1)
+        flat = self.comm.recv(torch.empty(sum(sizes), topk, dtype=torch.long, device=self.device),
+                             self.comm.rank - self.tp_size)
         return [part if n is not None else None for part, n in zip(flat.split(sizes), rows)]
 
     @torch.inference_mode()
@@ -109,7 +117,7 @@ class PPModelRunner(ModelRunner):
         step = build_step(batch, self.page_size, self.device)
         micro = split_micro_batches(batch, self.num_micro_batches)
         subs = [step] if len(micro) == 1 else [build_step(mb, self.page_size, self.device) for mb in micro]
-        rank, hidden = self.comm.rank, self.model_config.hidden_size
+        rank, width = self.comm.rank, self.model_config.hidden_size // self.tp_size
         sends: list[Pending] = []
         logits: list[torch.Tensor] = []
         for sub in subs:
@@ -117,25 +125,27 @@ class PPModelRunner(ModelRunner):
             if self.is_first:
                 residual = self.model.embed(sub.input_ids)                     # (T_m, hidden)
             else:
-                residual = self.comm.recv(torch.empty(sub.num_tokens, hidden, dtype=self.dtype, device=self.device),
-                                          rank - 1)
+                residual = self.comm.recv(torch.empty(sub.num_tokens, width, dtype=self.dtype, device=self.device),
+                                          rank - self.tp_size)
+                residual = residual if self.tp is None else self.tp.all_gather(residual, dim=-1)
                 if self.receives_topk:
                     attn.shared_selection = self._recv_selection(attn)
             residual = self.model.run_layers(residual, sub.positions, attn, self.layers)
             if not self.is_last:
-                sends.append(self.comm.send_async(residual, rank + 1))
+                part = residual.narrow(1, self.tp_rank * width, width)
+                sends.append(self.comm.send_async(part, rank + self.tp_size))
                 if self.sends_topk and attn.shared_selection is not None:
                     sends.append(self.comm.send_async(torch.cat([s for s in attn.shared_selection if s is not None]),
-                                                      rank + 1))
+                                                      rank + self.tp_size))
                 continue
-            out = self.model.head(residual, sub.logit_rows)                    # (R_m, V) fp32
-            logits.append(out)
-            if not self.is_first and out.shape[0]:
-                sends.append(self.comm.send_async(out, 0))
-        if self.is_first and not self.is_last:
-            logits = [self.comm.recv(torch.empty(sub.logit_rows.numel(), self.vocab_size, device=self.device),
-                                     self.comm.size - 1) if sub.logit_rows.numel() else
-                      torch.empty(0, self.vocab_size, device=self.device) for sub in subs]
+            if sub.logit_rows.numel():
+                logits.append(self.model.head(residual, sub.logit_rows))      # (R_m, V) fp32
+                if self.tp_rank == 0:
+                    sends.append(self.comm.send_async(logits[-1], 0))
+        if rank == 0:
+            last = self.comm.size - self.tp_size
+            logits = [self.comm.recv(torch.empty(sub.logit_rows.numel(), self.vocab_size, device=self.device), last)
+                      for sub in subs if sub.logit_rows.numel()]
         for pending in sends:
             pending.wait()
         if not logits:
@@ -143,5 +153,5 @@ class PPModelRunner(ModelRunner):
         return step, torch.cat(logits)
 
     def info(self) -> dict:
-        return {**super().info(), "pp_size": self.comm.size, "pp_stage_layers": [self.layers.start, self.layers.stop],
-                "pp_micro_batches": self.num_micro_batches}
+        return {**super().info(), "pp_size": self.config.pp_size, "pp_micro_batches": self.num_micro_batches,
+                "pp_stage_layers": [self.layers.start, self.layers.stop]}

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import weakref
 
-from radixserve.dist.comm import Communicator, DistError, init_communicator
+from radixserve.dist.comm import Communicator, DistError, init_communicator, split_group
 from radixserve.engine.runner_api import ScheduledSeq, SeqResult
 from radixserve.engine_config import EngineConfig
 from radixserve.runner.cp import CPModelRunner
@@ -127,10 +127,11 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 
 def rank_runner(config: EngineConfig, comm: Communicator) -> ModelRunner:
-    """This rank's runner: a CPModelRunner (whole weights) with --cp-size > 1, a PPModelRunner (its stage's layers)
-    with --pp-size > 1, else ModelRunner's TP shard."""
+    """This rank's runner: a CPModelRunner (whole weights) with --cp-size > 1, a PPModelRunner (its stage's layers,
+    its TP shard of them) with --pp-size > 1, else ModelRunner's TP shard. Collective over the group."""
     if config.pp_size > 1:
-        return PPModelRunner.from_config(config, comm=comm)
+        tp = split_group(comm, config.tp_size, config.dist_timeout) if config.tp_size > 1 else None
+        return PPModelRunner.from_config(config, tp, comm=comm)
     if config.cp_size > 1:
         return CPModelRunner.from_config(config, comm=comm)
     return ModelRunner.from_config(config, comm)

@@ -1,6 +1,6 @@
-"""`radixserve serve --tp-size 2`, `--cp-size 2 --enable-layer-split` and `--pp-size 2`: one follower process beside
-the engine; the same greedy text as the single-process tiny server, and a clean stop (the follower leaves on rank
-0's stop message, not on a broken connection)."""
+"""`radixserve serve --tp-size 2`, `--cp-size 2 --enable-layer-split`, `--pp-size 2` (one follower process beside the
+engine) and `--pp-size 2 --tp-size 2` (three): the same greedy text as the single-process tiny server, and a clean
+stop (the followers leave on rank 0's stop message, not on a broken connection)."""
 from __future__ import annotations
 
 import pytest
@@ -16,11 +16,12 @@ def completion_texts(server, model: str) -> list[str]:
             for p in PROMPTS]
 
 
-@pytest.mark.parametrize("flags, field", [(["--tp-size", "2"], "tp_size"),
-                                          (["--cp-size", "2", "--enable-layer-split"], "cp_size"),
-                                          (["--pp-size", "2"], "pp_size")],
-                         ids=["tp2", "cp2-layer-split", "pp2"])
-def test_two_rank_server_gives_one_ranks_text_and_stops_cleanly(request, tiny_server, flags, field):
+@pytest.mark.parametrize("flags, field, world", [(["--tp-size", "2"], "tp_size", 2),
+                                                 (["--cp-size", "2", "--enable-layer-split"], "cp_size", 2),
+                                                 (["--pp-size", "2"], "pp_size", 2),
+                                                 (["--pp-size", "2", "--tp-size", "2"], "pp_size", 4)],
+                         ids=["tp2", "cp2-layer-split", "pp2", "pp2-tp2"])
+def test_multi_rank_server_gives_one_ranks_text_and_stops_cleanly(request, tiny_server, flags, field, world):
     server = start_tiny_server(request, ["--context-length", str(TINY_CONTEXT), "--max-total-tokens", "16384",
                                          "--page-size", "16", "--served-model-name", "tiny", *flags],
                                api_key=API_KEY, log_level="info")
@@ -30,8 +31,8 @@ def test_two_rank_server_gives_one_ranks_text_and_stops_cleanly(request, tiny_se
         terminate(server.proc)
         assert server.proc.returncode == 0
         log = server.output(tail_chars=None)
-        assert "tensor-parallel rank 1 stops" not in log and "Traceback" not in log, log[-4000:]
-        assert "rank 1 of 2 joined" in log
+        assert "tensor-parallel rank" not in log and "Traceback" not in log, log[-4000:]
+        assert all(f"rank {r} of {world} joined" in log for r in range(1, world))
     finally:
         server.stop()
 

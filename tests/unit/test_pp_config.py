@@ -18,8 +18,12 @@ from tests.model.test_families import DSA_SHARED, build_family
     (dict(pp_size=2, pp_micro_batches=0), "positive"),
     (dict(pp_micro_batches=2), "--pp-micro-batches needs --pp-size > 1"),
     (dict(pp_size=3, nnodes=2, dist_init_addr="h:1"), "--nnodes must divide the 3 ranks"),
-    (dict(pp_size=2, tp_size=2), "--pp-size 2 cannot be combined with --tp-size > 1"),
-    (dict(pp_size=2, cp_size=2), "--cp-size > 1"),
+    (dict(pp_size=2, cp_size=2), "--pp-size 2 cannot be combined with --cp-size > 1"),
+    (dict(pp_size=2, tp_size=2, cp_size=2), "--cp-size > 1"),
+    (dict(pp_size=2, tp_size=4, ep_size=3), "--ep-size 3 must be a positive divisor of --tp-size 4"),
+    (dict(pp_size=2, tp_size=2, speculative_algorithm="draft", speculative_draft_layers=1), "draft"),
+    (dict(pp_size=2, tp_size=2, kv_cache_dtype="fp8_e4m3"), "fp8"),
+    (dict(pp_size=3, tp_size=2, nnodes=4, dist_init_addr="h:1"), "--nnodes must divide the 6 ranks"),
     (dict(pp_size=2, speculative_algorithm="ngram"), "--speculative-algorithm ngram"),
     (dict(pp_size=2, speculative_algorithm="draft", speculative_draft_layers=1), "--speculative-algorithm draft"),
     (dict(pp_size=2, speculative_algorithm="EAGLE"), "--speculative-algorithm EAGLE"),
@@ -39,6 +43,8 @@ def test_accepted():
     c = EngineConfig(pp_size=4, pp_micro_batches=8, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
     assert (c.world_size, c.pp_micro_batches) == (4, 8)
     assert EngineConfig(pp_size=2).pp_micro_batches is None
+    both = EngineConfig(pp_size=2, tp_size=4, ep_size=2, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
+    assert both.world_size == 8
 
 
 def test_micro_batches_are_consecutive_sequences_of_near_equal_count():
@@ -55,10 +61,14 @@ class Rank:
         self.rank, self.size = rank, size
 
 
-def test_more_stages_than_layers_are_refused(tmp_path):
+def test_more_stages_than_layers_and_an_indivisible_residual_are_refused(tmp_path):
     llama = ModelConfig.from_hf(read_hf_config(build_tiny_llama(tmp_path / "llama")))
     with pytest.raises(ValueError, match="--pp-size 3 exceeds the model's 2 layers"):
         PPModelRunner.select_part(model_class(llama)(llama), [], comm=Rank(0, 3))
+    with pytest.raises(ValueError, match="--pp-size 3 exceeds the model's 2 layers"):
+        PPModelRunner.select_part(model_class(llama)(llama), [], comm=Rank(5, 6), tp=Rank(1, 2))
+    with pytest.raises(ValueError, match="--tp-size 3: the hidden size 64 does not divide"):
+        PPModelRunner.select_part(model_class(llama)(llama), [], comm=Rank(0, 6), tp=Rank(0, 3))
 
 
 def test_dsa_stages_hold_their_latent_and_index_keys(tmp_path):
