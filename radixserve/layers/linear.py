@@ -128,6 +128,10 @@ class Linear(torch.nn.Module):
     def quantized(self) -> bool:
         return self._quant is not None
 
+    @property
+    def holds_quantized(self) -> bool:
+        return self.quantized or bool(self._quant_shards)
+
     def enable_screened_head(self, max_rows: int, exact_top: int) -> bool:
         """Run up to `max_rows` rows on screened_head.py; False where it cannot (not an fp32 CPU weight, no int8 kernel)."""
         w = self.weight.data

@@ -137,7 +137,7 @@ class ModelRunner:
         draft = None
         if config.is_eagle:
             head = config.speculative_draft_model_path
-            draft = load_draft_head(model, head) if head is not None else load_nextn(model, draft_tensors)
+            draft = load_draft_head(model, head) if head is not None else load_nextn(model, draft_tensors, path)
         elif config.speculative_draft_model_path is not None:
             draft_config, draft_weights = load_checkpoint(
                 resolve_model_path(config.speculative_draft_model_path))

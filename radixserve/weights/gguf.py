@@ -21,7 +21,7 @@ from radixserve.weights.gguf_names import FP32_ONLY, Piece, hf_pieces, merge_kv_
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = "2"   # bumped whenever the ModelConfig or the tensors derived from a file change
+_CACHE_VERSION = "3"   # bumped whenever the ModelConfig or the tensors derived from a file change
 _BIG_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                "tokenizer.ggml.merges"}
 
@@ -112,15 +112,17 @@ def _dequantized(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 def _quantized(path: str, mode: str) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight]]:
     """"int4": Q4_0 / Q4_1 / Q4_K linear weights as Int4Weight; "int8": every linear weight as Int8Weight.
     Everything else fp32: routed experts (the MoE layer has no quantized kernel), MLA's k_b / v_b halves (3-D; merged
-    into kv_b_proj) and FP32_ONLY."""
+    into kv_b_proj), FP32_ONLY and the NextN layer (weights/nextn_loader.py loads float tensors)."""
     config, reader = _read(path)
     tensors: dict[str, torch.Tensor | QuantWeight] = {}
     kept: dict[str, int] = {}
+    nextn = f"model.layers.{config.num_layers}."
     for pieces, t in _mapped_tensors(config, reader):
         kind = t.tensor_type.name
         linear = (all((p.name.endswith("_proj.weight") and not p.name.endswith(FP32_ONLY))
                       or p.name == "lm_head.weight" for p in pieces)
-                  and not any(isinstance(p.index, int) for p in pieces) and len(t.shape) == 2)
+                  and not any(isinstance(p.index, int) for p in pieces) and len(t.shape) == 2
+                  and not pieces[0].name.startswith(nextn))
         if linear and mode == "int4" and kind in INT4_TYPES:
             w = Int4Weight(*(torch.from_numpy(a) for a in decode_int4(kind, t.data, int(t.shape[0]))))
             tensors.update(_cut(config, pieces, w))

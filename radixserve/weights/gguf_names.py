@@ -53,6 +53,10 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     "glm4_moe_lite": _MLA,
     "glm_moe_dsa": {**_MLA, **_INDEXER},
 }
+# llama.cpp's NextN (MTP) extras of layer N = num_layers (gguf MODEL_TENSOR.NEXTN_*); its block is named as any layer's.
+NEXTN = {"nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm",
+         "nextn.shared_head_norm": "shared_head.norm", "nextn.embed_tokens": "embed_tokens",
+         "nextn.shared_head_head": "shared_head.head"}
 MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
 # Weights no quantized kernel reads: MLA's kv_b_proj is sliced per head, the indexer's weights_proj stays fp32.
 FP32_ONLY = ("self_attn.kv_b_proj.weight", "indexer.weights_proj.weight")
@@ -67,7 +71,7 @@ class Piece(NamedTuple):
 
 
 def hf_pieces(config: ModelConfig, gguf_name: str) -> list[Piece]:
-    """The transformers tensors `gguf_name` holds ([] for MTP blocks); ValueError for a tensor with no mapping."""
+    """The transformers tensors `gguf_name` holds ([] for NextN layers past the first); ValueError if unmapped."""
     family = config.architecture
     base, _, suffix = gguf_name.rpartition(".")
     if base in _TOP:
@@ -76,9 +80,11 @@ def hf_pieces(config: ModelConfig, gguf_name: str) -> list[Piece]:
     if m is None:
         raise _unmapped(family, gguf_name)
     layer, part, suffix = int(m[1]), m[2], m[3]
-    if layer >= config.num_layers:
+    if layer > config.num_layers:
         return []
     prefix = f"model.layers.{layer}"
+    if layer == config.num_layers and part in NEXTN:
+        return [Piece(f"{prefix}.{NEXTN[part]}.{suffix}")]
     if family in MOE_FAMILIES and part in EXPERTS:
         return [Piece(f"{prefix}.mlp.experts.{e}.{EXPERTS[part]}.{suffix}", e)
                 for e in range(config.moe.num_experts)]
@@ -92,6 +98,12 @@ def hf_pieces(config: ModelConfig, gguf_name: str) -> list[Piece]:
         return [Piece(f"{prefix}.self_attn.{p}_proj.{suffix}", rows)
                 for p, rows in (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, q + 2 * kv)))]
     return [Piece(f"{prefix}.{module}.{suffix}")]
+
+
+def nextn_gguf_name(layer: int, short: str) -> str:
+    module, _, suffix = short.rpartition(".")
+    part = next(p for p, m in NEXTN.items() if m == module)
+    return f"blk.{layer}.{part}.{suffix}"
 
 
 def _unmapped(family: str, gguf_name: str) -> ValueError:

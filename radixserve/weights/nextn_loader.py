@@ -16,7 +16,9 @@ from radixserve.layers.embedding import VocabEmbedding
 from radixserve.layers.linear import Linear
 from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.nextn import NEXTN_FAMILIES, NextNLayer
+from radixserve.weights.gguf_names import nextn_gguf_name
 from radixserve.weights.loader import load_weights
+from radixserve.weights.paths import is_gguf
 
 logger = logging.getLogger(__name__)
 # Extra tensors of the NextN layer next to the decoder block's own (checkpoint names under model.layers.N.).
@@ -35,16 +37,16 @@ def nextn_tensors(weights: Iterable[tuple[str, torch.Tensor]], num_layers: int,
             yield name, tensor
 
 
-def load_nextn(target: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> NextNLayer:
-    """The NextN layer from the checkpoint tensors named `model.layers.{num_layers}.*` (`tensors`: those,
-    full names). Raises ValueError for a family without one, a checkpoint without one, a missing, unknown
-    or misshapen tensor (never a layer left at its initial weights: C53)."""
+def load_nextn(target: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]],
+               origin: str = "the checkpoint") -> NextNLayer:
+    """The NextN layer from `tensors`, those named `model.layers.{num_layers}.*` of checkpoint `origin`. Raises
+    ValueError (GGUF names too) for a family or checkpoint without one, a missing, unknown or misshapen tensor (C53)."""
     c = target.config
     if c.architecture not in NEXTN_FAMILIES:
         raise ValueError(f"--speculative-algorithm EAGLE/NEXTN drafts with a checkpoint's NextN (MTP) layer; "
                          f"{c.architecture!r} has none here (supported: {', '.join(NEXTN_FAMILIES)}; "
                          f"or give a trained head with --speculative-draft-model-path)")
-    return _build(target, tensors, "the checkpoint")
+    return _build(target, tensors, origin)
 
 
 def load_draft_head(target: LlamaForCausalLM, path: str) -> NextNLayer:
@@ -79,12 +81,15 @@ def _build(target: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]]
             shared.append((name, tensor))
         else:
             own.append((short, target.checkpoint_tensor(name, tensor)))
+    gguf = is_gguf(origin)
     if not own:
-        raise ValueError(f"{origin} has no NextN (MTP) layer: no tensor named {prefix}* "
+        where = f"GGUF blk.{c.num_layers}.* (counted by nextn_predict_layers)" if gguf else f"named {prefix}*"
+        raise ValueError(f"{origin} has no NextN (MTP) layer: no tensor {where} "
                          f"(--speculative-algorithm EAGLE needs one)")
     missing = [n for n in OWN if n not in {s for s, _ in own}]
     if missing:
-        raise ValueError(f"{origin}'s NextN layer lacks {', '.join(prefix + n for n in missing)}")
+        raise ValueError(f"{origin}'s NextN layer lacks " + ", ".join(
+            prefix + n + (f" (GGUF {nextn_gguf_name(c.num_layers, n)})" if gguf else "") for n in missing))
     try:
         load_weights(layer, own)
     except ValueError as e:
@@ -100,10 +105,13 @@ def _build(target: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]]
 
 def _share_or_keep(layer: NextNLayer, part: str, tensor: torch.Tensor, name: str) -> None:
     """The layer's own embeddings or head: shared with the target's when equal, else kept as its own."""
-    current = layer.parts[part].weight
+    module = layer.parts[part]
+    current = module.weight
     if tuple(tensor.shape) != tuple(current.shape):
         raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} "
                          f"vs the target's {tuple(current.shape)}")
+    if isinstance(module, Linear) and module.holds_quantized:   # a GGUF head read as int4 / int8
+        current = module.weight_rows(torch.arange(module.out_features))
     if torch.equal(tensor.to(current.dtype), current.data):
         layer.sources[part] = f"{name} (equal to the target's, shared)"
         return

@@ -12,7 +12,8 @@ converter class writes. What the converter does per architecture, and this file 
 - GLM-4-0414, GLM-4.5, ChatGLM: `rope.dimension_count` = head_dim * partial_rotary_factor;
 - Qwen3-MoE, GLM-4.5: experts stacked per layer into one (E, rows, cols) tensor per projection;
   GLM-4.5 also writes its MoE keys, counts its MTP layers in `block_count` and renames
-  `e_score_correction_bias` to `e_score_correction.bias` (GGUF `exp_probs_b.bias`);
+  `e_score_correction_bias` to `e_score_correction.bias` (GGUF `exp_probs_b.bias`); the MTP layer N's extras
+  (`eh_proj`, `enorm`, `hnorm`, `shared_head.norm` / `.head`, `embed_tokens`) map to `blk.N.nextn.*` by the same map;
 - GLM-4.7-Flash (as DEEPSEEK2) and GLM-5 (as GLM_DSA), DeepseekV2Model's MLA rules: head_count_kv 1 (MLA as
   MQA), key_length / value_length kv_lora + rope / kv_lora, key_length_mla / value_length_mla nope + rope / v,
   q_lora_rank (when set), kv_lora_rank, rope dimension = qk_rope, leading_dense_block_count =

@@ -20,7 +20,8 @@ import torch
 from radixserve.layers.quant_linear import Int4Weight
 from radixserve.models.block_config import CORRECTION_BIAS_FAMILIES
 from radixserve.models.model_config import GGUF_FAMILIES, ModelConfig
-from radixserve.weights.gguf_names import EXPERTS, LAYER_NAMES, MOE_FAMILIES, hf_pieces
+from radixserve.models.nextn import NEXTN_FAMILIES
+from radixserve.weights.gguf_names import EXPERTS, LAYER_NAMES, MOE_FAMILIES, NEXTN, hf_pieces
 from radixserve.weights.loader import load_checkpoint
 from radixserve.weights.safetensors import read_hf_config
 from tests.model.gguf_convert import write_gguf
@@ -132,12 +133,10 @@ def test_config_equals_safetensors(case):
 
 def test_tensors_equal_safetensors(case):
     """Names, shapes and values: experts unstacked, q/k/v split, GLM's fused gate_up kept, no
-    row permuted, the MTP layer left out."""
+    row permuted, the MTP layer's blk.N.nextn.* mapped back (test_gguf_mtp.py)."""
     _, folder, _ = case
-    config, gguf_tensors = load_checkpoint(str(folder / "f32.gguf"))
-    got = dict(gguf_tensors)
-    mtp = f"model.layers.{config.num_layers}."
-    ref = {n: t for n, t in load_checkpoint(str(folder / "hf"))[1] if not n.startswith(mtp)}
+    got = dict(load_checkpoint(str(folder / "f32.gguf"))[1])
+    ref = dict(load_checkpoint(str(folder / "hf"))[1])
     assert sorted(got) == sorted(ref)
     for name, tensor in ref.items():
         assert torch.equal(got[name], tensor), name
@@ -190,7 +189,8 @@ def test_names_are_the_gguf_librarys(family):
     known = {gguf.TENSOR_NAMES[t].removeprefix("blk.{bid}.") for t in gguf.MODEL_TENSORS[arch]}
     names = gguf.get_tensor_name_map(arch, 1)
     parts = dict(LAYER_NAMES[family], **({p: f"mlp.experts.{m}" for p, m in EXPERTS.items()}
-                                          if family in MOE_FAMILIES else {}))
+                                          if family in MOE_FAMILIES else {}),
+                 **(NEXTN if family in NEXTN_FAMILIES else {}))
     assert set(parts) <= known, set(parts) - known
     if family in CORRECTION_BIAS_FAMILIES:
         assert names.get_name("model.layers.0.mlp.gate.e_score_correction.bias",
