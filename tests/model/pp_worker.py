@@ -4,7 +4,7 @@ Per model and micro-batch count M (MICRO: None = --pp-size), every rank builds i
 Engine over a TPRunner (tests/model/cp_worker.py's phases: prompts of 1, 2, 3, 37 and 38 tokens chunked by 32, then
 a 64-token prompt and the same 64 tokens + 7 new ones, a radix hit), the others follow. Each records its steps'
 logits, batch sizes and point-to-point counters, its parameter and KV bytes, every DSA indexer top-k, and the pages
-it sizes without --max-total-tokens; rank 0 then runs the same at PP=1. Last, a hung stage: rank 0 waits in a receive
+it sizes without --max-total-tokens; rank 0 then runs the same at PP=1. Last, at PP=2, a hung stage: rank 0 waits in a receive
 that the last stage never sends (it sleeps past the group's timeout). Results: OUT_DIR/rank{R}.pt, a dict per model."""
 from __future__ import annotations
 
@@ -97,13 +97,13 @@ def main(argv: list[str]) -> int:
             out["ref"]["tokens"] = generate(single)
         results.append(out)
     hung = {}
-    if rank == 0:
+    if size == 2 and rank == 0:
         start = time.monotonic()
         try:
             comm.recv(torch.empty(4), size - 1)
         except DistError as exc:
             hung = {"error": str(exc), "waited_s": time.monotonic() - start}
-    elif rank == size - 1:      # silent until rank 0 has waited out the timeout and saved (at most TIMEOUT_S + 5 s)
+    elif size == 2:             # silent until rank 0 has waited out the timeout and saved (at most TIMEOUT_S + 5 s)
         deadline = time.monotonic() + TIMEOUT_S + 5
         while time.monotonic() < deadline and not os.path.exists(os.path.join(out_dir, "rank0.pt")):
             time.sleep(0.1)
