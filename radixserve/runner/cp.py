@@ -34,7 +34,7 @@ from radixserve.runner.model_runner import ModelRunner
 
 # CPAttention's query rows per SDPA: each block reads keys only up to its last row's position, so a rank's
 # interleaved rows cost about the causal half of (rows x context), not all of it
-QUERY_BLOCK = 256
+QUERY_BLOCK = 128
 
 
 @dataclass(frozen=True, slots=True)
