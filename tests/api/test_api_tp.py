@@ -18,9 +18,8 @@ def completion_texts(server, model: str) -> list[str]:
 
 @pytest.mark.parametrize("flags, field, world", [(["--tp-size", "2"], "tp_size", 2),
                                                  (["--cp-size", "2", "--enable-layer-split"], "cp_size", 2),
-                                                 (["--pp-size", "2"], "pp_size", 2),
                                                  (["--pp-size", "2", "--tp-size", "2"], "pp_size", 4)],
-                         ids=["tp2", "cp2-layer-split", "pp2", "pp2-tp2"])
+                         ids=["tp2", "cp2-layer-split", "pp2-tp2"])
 def test_multi_rank_server_gives_one_ranks_text_and_stops_cleanly(request, tiny_server, flags, field, world):
     server = start_tiny_server(request, ["--context-length", str(TINY_CONTEXT), "--max-total-tokens", "16384",
                                          "--page-size", "16", "--served-model-name", "tiny", *flags],

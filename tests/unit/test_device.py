@@ -67,7 +67,7 @@ def test_freed_cpu_buffers_are_reused_without_page_faults():
 
     assert faults("default") > 500, "glibc's default maps fresh pages per allocation here"
     # The kernel may reclaim a kept block (seen once in a full-suite run): one clean run of three shows the effect.
-    assert min(faults("tuned") for _ in range(3)) < 50
+    assert any(faults("tuned") < 50 for _ in range(3))
     keep = subprocess.run([sys.executable, "-c", "from radixserve.runner.device import reuse_freed_cpu_buffers;"
                            "print(reuse_freed_cpu_buffers())"], env={**env, "MALLOC_MMAP_THRESHOLD_": "131072"},
                           capture_output=True, text=True, timeout=120)
