@@ -1,4 +1,4 @@
-"""The default model's 120 int4 matmuls a step, alone: torch's int4 kernel (bf16) against radixserve::int4_int8_mm per path.
+"""The default model's 120 int4 matmuls a step, alone: torch's int4 kernel (bf16) vs radixserve::int4_int8_mm per path.
 
     PYTHONPATH=. python benchmarks/int4_int8_mm.py [--rows 1,12,256] [--reps 20]
 

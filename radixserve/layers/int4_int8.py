@@ -1,9 +1,6 @@
-"""int4 weights x int8 activations on the CPU: radixserve/csrc/int4_int8.cpp, or its bit-identical torch reference.
-
-Weights: w[n, k] = d[n, b] * q + mn[n, b], q in 0..15, b = k // 32 (d = scale, mn = zero - 8 * scale of an Int4Weight).
-Activations, per row and block of 32: dx = amax / 127, q8 = round_half_even(x * (127 / amax)) (0 where amax = 0),
-sxf = dx * sum(q8). Output (fp32), blocks in order from acc = 0: acc = acc + (d * (isum * dx) + mn * sxf), isum the exact
-integer sum(q * q8), each operation one fp32 rounding (no FMA). Each row depends on that row alone: batch-invariant."""
+"""int4 weights x int8 activations on the CPU: radixserve/csrc/int4_int8.cpp, or reference_mm, its bit-identical torch
+form. w = d * q + mn per 32 columns; activations int8 per row and 32 columns; each output row in a fixed fp32 order that
+depends on that row alone (batch-invariant). Numerics and layout: docs/runner.md, "int4-int8"."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +14,7 @@ from radixserve.csrc import LIBRARY
 logger = logging.getLogger(__name__)
 
 BLOCK = 32
-COLS = 16   # output columns per packed group
+COLS = 16
 ISAS = ("scalar", "avx2", "avx512_vnni")
 ISA_ENV = "RADIXSERVE_INT4_INT8_ISA"
 _REFERENCE_ROWS = 256
@@ -64,22 +61,20 @@ def block_params(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def pack(codes: torch.Tensor, d: torch.Tensor, mn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes (N, K) uint8 in 0..15, d, mn (N, K / 32) -> packed (G, K / 32, 4, 64) uint8, scales (G, K / 32, 2, 16)
-    fp32 (fp16 where all are fp16 values), G = ceil(N / 16), zero-padded. packed[g, b, p, 4c + j]: low nibble
-    q[16g + c, 32b + 4p + j], high nibble the same at 32b + 4(p + 4) + j (a 4-byte word per lane, as vpdpbusd reads)."""
+    """codes (N, K) uint8, d, mn (N, K / 32) -> packed (ceil(N / 16), K / 32, 4, 64) uint8, scales (.., 2, 16)."""
     n, k = codes.shape
     pad = -n % COLS
     codes = torch.nn.functional.pad(codes, (0, 0, 0, pad)).view(-1, COLS, k // BLOCK, 8, 4)
     words = codes.permute(0, 2, 3, 1, 4)   # (G, B, word, column, byte)
     packed = (words[:, :, :4] | (words[:, :, 4:] << 4)).reshape(-1, k // BLOCK, 4, 64).contiguous()
     scales = torch.stack([torch.nn.functional.pad(t.float(), (0, 0, 0, pad)) for t in (d, mn)], dim=-1)
-    if torch.equal(scales.half().float(), scales):   # Q4_0 / Q4_1's f16 d and m: 0.125 bytes a weight less
+    if torch.equal(scales.half().float(), scales):
         scales = scales.half()
     return packed, scales.view(-1, COLS, k // BLOCK, 2).permute(0, 2, 3, 1).contiguous()
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (M, K) fp32 -> q8 (M, K / 32, 32) fp32 holding integers, dx and sxf (M, K / 32), as the module docstring."""
+    """x (M, K) fp32 -> q8 (M, K / 32, 32) fp32 integers, dx = amax / 127, sxf = dx * sum(q8) (M, K / 32) per block."""
     xb = x.reshape(x.shape[0], -1, BLOCK)
     amax = xb.abs().amax(dim=-1)
     dx = amax / 127.0
@@ -94,7 +89,7 @@ def reference_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, mn: torc
     qw = codes.float().view(codes.shape[0], -1, BLOCK).permute(1, 2, 0)   # (B, 32, N)
     for r0 in range(0, x.shape[0], _REFERENCE_ROWS):
         q8, dx, sxf = quantize_rows(x[r0:r0 + _REFERENCE_ROWS].float())
-        isum = torch.bmm(q8.transpose(0, 1), qw)   # (B, rows, N): integers below 2^24, exact in fp32
+        isum = torch.bmm(q8.transpose(0, 1), qw)
         acc = torch.zeros(q8.shape[0], codes.shape[0])
         for b in range(isum.shape[0]):
             acc = acc + (d[:, b] * (isum[b] * dx[:, b, None]) + mn[:, b] * sxf[:, b, None])
@@ -103,8 +98,7 @@ def reference_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, mn: torc
 
 
 class Int4Int8Matmul:
-    """x (M, K) @ W.T -> (M, N) fp32 (x's dtype with cast_back), W the shards' rows stacked (Int4Weight-like: codes,
-    scale, zero); the kernel where built and supported here, else reference_mm. ValueError unless shards share K."""
+    """x (M, K) @ W.T -> (M, N), W the Int4Weight shards stacked, on `isa` (None: reference_mm); ValueError on bad K."""
 
     BATCH_INVARIANT = True
 

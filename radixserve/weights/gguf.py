@@ -165,7 +165,7 @@ def _write_cache(path: str, config: ModelConfig, tensors: dict[str, torch.Tensor
 
 def load_gguf(path: str, quantization: str = "none") -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | QuantWeight]]]:
     """ModelConfig and (transformers name, tensor or quantized weight) pairs, from the variant's cache or cached now."""
-    if quantization == "int4-int8":   # the int4 weights and cache, on the int4 x int8 kernel
+    if quantization == "int4-int8":
         config, tensors = load_gguf(path, "int4")
         return config, ((n, Int4Int8Weight(t.codes, t.scale, t.zero) if isinstance(t, Int4Weight) else t)
                         for n, t in tensors)

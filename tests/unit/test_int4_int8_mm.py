@@ -129,3 +129,15 @@ def test_default_model_q4_1_blocks_round_trip():
         ggml = torch.from_numpy(gguf.quants.dequantize(rows, t.tensor_type).astype(np.float32))
         ours = codes.float() * d.repeat_interleave(32, 1) + mn.repeat_interleave(32, 1)
         assert torch.equal(ours, ggml), t.name
+
+
+def test_linear_runs_int4_int8_weights_on_the_kernel_even_when_batch_invariant():
+    from radixserve.layers.linear import Linear
+    from radixserve.layers.quant_linear import Int4Int8Weight
+    gen = torch.Generator().manual_seed(11)
+    w, x = random_weight(33, 64, gen), random_x(5, 64, gen)
+    layer = Linear(64, 33)
+    layer.load(Int4Int8Weight(w.codes, w.scale, w.zero))
+    layer.prepare(batch_invariant=True)
+    assert layer.quantized
+    assert torch.equal(layer(x), reference(w, x))
