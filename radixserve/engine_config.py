@@ -96,7 +96,9 @@ class EngineConfig:
                 "Q4_K weights exactly on torch's int4 kernel (~6x less linear-weight memory, faster at "
                 "batch 1, slower at batch >= 16 on AVX2: docs/benchmarks.md), int8 requantizes every "
                 "linear weight per row; auto = int4 for a GGUF (its stored 4-bit precision), none "
-                "otherwise and under --enable-deterministic-inference", ("none", "int8", "int4", "auto"))
+                "otherwise and under --enable-deterministic-inference; int4-int8 = int4's weights on "
+                "radixserve's int4 x int8-activation kernel, batch-invariant, at every step size "
+                "(docs/runner.md)", ("none", "int8", "int4", "int4-int8", "auto"))
     quantized_max_tokens: int = opt(
         0, "int4 / int8: steps of more than this many tokens run the quantized layers on their "
            "dequantization, kept alongside (bf16 where the CPU has native bf16, +2 bytes per "

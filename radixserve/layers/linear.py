@@ -149,9 +149,11 @@ class Linear(torch.nn.Module):
         kinds = {type(q) for q in self._quant_shards.values()}
         complete = all(s in self._quant_shards for s in order) and len(kinds) == 1
         w = self.weight.data
-        if complete and not batch_invariant and w.device.type == "cpu" and kernel_available(*kinds):
+        matmul = MATMULS[next(iter(kinds))]
+        invariant = not batch_invariant or getattr(matmul, "BATCH_INVARIANT", False)
+        if complete and invariant and w.device.type == "cpu" and kernel_available(*kinds):
             try:
-                self._quant = MATMULS[kinds.pop()]([self._quant_shards[s] for s in order])
+                self._quant = matmul([self._quant_shards[s] for s in order])
             except ValueError as exc:
                 logger.warning("quantized layer %dx%d kept in float: %s", self.out_features, self.in_features, exc)
             else:

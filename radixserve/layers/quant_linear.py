@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.layers.int4_int8 import Int4Int8Matmul
+
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
@@ -30,7 +32,7 @@ class Int4Weight:
         return tuple(self.codes.shape)
 
     def take_rows(self, index: torch.Tensor) -> Int4Weight:
-        return Int4Weight(*(t.index_select(0, index) for t in (self.codes, self.scale, self.zero)))
+        return type(self)(*(t.index_select(0, index) for t in (self.codes, self.scale, self.zero)))
 
     def dequantize(self) -> torch.Tensor:
         def expand(t: torch.Tensor) -> torch.Tensor:
@@ -122,13 +124,17 @@ def native_bf16() -> bool:
     return True
 
 
+class Int4Int8Weight(Int4Weight):
+    """An Int4Weight served by int4_int8.py (int8 activations; batch-invariant, fp32 out) instead of torch's kernel."""
+
+
 QuantWeight = Int4Weight | Int8Weight
-MATMULS = {Int4Weight: Int4Matmul, Int8Weight: Int8Matmul}
+MATMULS = {Int4Weight: Int4Matmul, Int8Weight: Int8Matmul, Int4Int8Weight: Int4Int8Matmul}
 
 
 def _probe_weight(kind: type, n: int, k: int, gen: torch.Generator) -> QuantWeight:
-    if kind is Int4Weight:
-        return Int4Weight(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+    if issubclass(kind, Int4Weight):
+        return kind(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
                           torch.rand(n, k // GROUP_SIZE, generator=gen) + 0.5,
                           torch.randn(n, k // GROUP_SIZE, generator=gen))
     return Int8Weight(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),

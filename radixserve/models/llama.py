@@ -184,11 +184,11 @@ class LlamaForCausalLM(torch.nn.Module):
     def prepare(self, dtype: torch.dtype, device: torch.device | str = "cpu",
                 batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
         """After loading: move to `device` and `dtype` (routers and keep_fp32 modules stay fp32), build the layers' fast paths or batch-invariant
-        form (ValueError where it cannot be built), screen a quantized model's head, time the single-row path."""
+        form (ValueError where it cannot be built), screen a quantized model's head unless batch-invariant, time the single-row path."""
         prepare_modules(self, dtype, device, batch_invariant, quantized_max_tokens)
         self.rotary.cos_cache = self.rotary.cos_cache.to(device=device, dtype=dtype)
         self.rotary.sin_cache = self.rotary.sin_cache.to(device=device, dtype=dtype)
-        if any(isinstance(m, Linear) and m.quantized for m in self.modules()):
+        if not batch_invariant and any(isinstance(m, Linear) and m.quantized for m in self.modules()):
             self.lm_head.enable_screened_head(HEAD_SCREEN_MAX_ROWS, HEAD_EXACT_TOP)
         row_path.choose([m for m in self.modules() if isinstance(m, Linear)])
 

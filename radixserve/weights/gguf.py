@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from radixserve.layers.quant_linear import Int4Weight, Int8Weight, QuantWeight
+from radixserve.layers.quant_linear import Int4Int8Weight, Int4Weight, Int8Weight, QuantWeight
 from radixserve.models.model_config import ModelConfig
 from radixserve.weights.gguf_blocks import INT4_TYPES, decode_int4
 from radixserve.weights.gguf_names import FP32_ONLY, Piece, hf_pieces, merge_kv_b
@@ -167,6 +167,10 @@ def _write_cache(path: str, config: ModelConfig, tensors: dict[str, torch.Tensor
 
 def load_gguf(path: str, quantization: str = "none") -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | QuantWeight]]]:
     """ModelConfig and (transformers name, tensor or quantized weight) pairs, from the variant's cache or cached now."""
+    if quantization == "int4-int8":
+        config, tensors = load_gguf(path, "int4")
+        return config, ((n, Int4Int8Weight(t.codes, t.scale, t.zero) if isinstance(t, Int4Weight) else t)
+                        for n, t in tensors)
     quantized = quantization != "none"
     cached = cache_path(path, quantization if quantized else "")
     if os.path.exists(cached):

@@ -1,5 +1,5 @@
 """install.sh says what it is doing: one line before each of its steps, then what to run next; its last step finds a
-C++ compiler for --compile, installs Debian's g++ as root on Debian, else leaves a note."""
+C++ compiler for --compile, installs Debian's g++ as root on Debian, else leaves a note; then builds radixserve/csrc."""
 from __future__ import annotations
 
 import os
@@ -31,12 +31,14 @@ def stub(folder: pathlib.Path, name: str, body: str) -> None:
 def test_install_prints_one_line_per_step(tmp_path):
     (tmp_path / "bin").mkdir()
     lines = run_install(tmp_path / "bin", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", CXX="sh")
-    assert [line[:len("install.sh: [1/6]")] for line in lines[0:10:2]] == [
-        f"install.sh: [{i}/6]" for i in range(1, 6)]
+    assert [line[:len("install.sh: [1/7]")] for line in lines[0:10:2]] == [
+        f"install.sh: [{i}/7]" for i in range(1, 6)]
     assert all(line.startswith("python -m pip install") for line in lines[1:10:2]), lines
-    assert lines[10].startswith("install.sh: [6/6] a C++ compiler")
+    assert lines[10].startswith("install.sh: [6/7] a C++ compiler")
     assert lines[11].startswith("install.sh: C++ compiler: /") and lines[11].endswith("/sh"), lines[11]
-    assert len(lines) == 13 and lines[-1].startswith("install.sh: done. Next: radixserve serve")
+    assert lines[12].startswith("install.sh: [7/7] radixserve's C++ kernels")
+    assert lines[13] == "python -m radixserve.csrc.build"
+    assert len(lines) == 15 and lines[-1].startswith("install.sh: done. Next: radixserve serve")
 
 
 @pytest.mark.parametrize("uid", ["0", "1000"])
@@ -49,7 +51,7 @@ def test_no_compiler_installs_debian_gxx_as_root_else_notes(tmp_path, uid):
     stub(bin_dir, "id", f"echo {uid}")
     stub(bin_dir, "apt-get", f'echo "apt-get $*" >> {tmp_path / "apt.log"}')
     lines = run_install(bin_dir, str(bin_dir))
-    compiler = lines[lines.index("install.sh: [6/6] a C++ compiler for --compile") + 1]
+    compiler = lines[lines.index("install.sh: [6/7] a C++ compiler for --compile") + 1]
     if uid == "0" and pathlib.Path("/etc/debian_version").exists():
         assert compiler == "install.sh: installed Debian's g++"
         assert (tmp_path / "apt.log").read_text().splitlines() == [
