@@ -22,7 +22,7 @@ def test_idle_then_busy_fleet_raises_no_false_alarm(tiny_model_dir, tmp_path):
     base = free_ports(11)   # router, workers from +1, agent on +10
     done = subprocess.run(
         [sys.executable, "benchmarks/agent_soak.py", "--model-path", str(tiny_model_dir),
-         "--num-workers", "2", "--idle-s", "6", "--noise-s", "4", "--concurrency", "2",
+         "--num-workers", "2", "--idle-s", "4", "--noise-s", "3", "--sweep-interval-s", "2", "--concurrency", "2",
          "--skip-hang", "--base-port", str(base), "--out-dir", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(REPO)})
