@@ -38,5 +38,6 @@ fi
 # radixserve's own C++ kernels (radixserve/csrc: the --quantization int4-int8 matmul), compiled once here, never at
 # run time; without a compiler those layers run their pure-torch reference (same numbers, slower; one log line).
 step 7 "radixserve's C++ kernels (python -m radixserve.csrc.build)"
+python -m pip install --quiet ninja==1.13.0          # torch's extension builder needs it
 python -m radixserve.csrc.build || echo "install.sh: note: C++ kernels not built; --quantization int4-int8 runs its torch reference"
 echo "install.sh: done. Next: radixserve serve (its first start converts the default model and caches it)"

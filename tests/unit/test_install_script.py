@@ -37,8 +37,8 @@ def test_install_prints_one_line_per_step(tmp_path):
     assert lines[10].startswith("install.sh: [6/7] a C++ compiler")
     assert lines[11].startswith("install.sh: C++ compiler: /") and lines[11].endswith("/sh"), lines[11]
     assert lines[12].startswith("install.sh: [7/7] radixserve's C++ kernels")
-    assert lines[13] == "python -m radixserve.csrc.build"
-    assert len(lines) == 15 and lines[-1].startswith("install.sh: done. Next: radixserve serve")
+    assert lines[13:15] == ["python -m pip install --quiet ninja==1.13.0", "python -m radixserve.csrc.build"]
+    assert len(lines) == 16 and lines[-1].startswith("install.sh: done. Next: radixserve serve")
 
 
 @pytest.mark.parametrize("uid", ["0", "1000"])
