@@ -97,7 +97,9 @@ def check_parallel(config: Any) -> None:
     unsupported = {f"--speculative-algorithm {config.speculative_algorithm}": speculative,
                    "--enable-hierarchical-cache": config.enable_hierarchical_cache,
                    "an fp8 --kv-cache-dtype": config.kv_cache_dtype.startswith("fp8"),
-                   "--enable-deterministic-inference": config.cp_size > 1 and config.enable_deterministic_inference}
+                   "--enable-deterministic-inference": config.cp_size > 1 and config.enable_deterministic_inference,
+                   f"--quantization {config.quantization}": config.tp_size > 1 and config.quantization not in ("none",
+                                                                                                      "auto")}
     named = [flag for flag, on in unsupported.items() if on]
     if named:
         raise ValueError(f"{ranks} cannot be combined with {', '.join(named)} yet")

@@ -29,6 +29,7 @@ IDLE_POLL_MS = 500
 GRAMMAR_POLL_MS = 20
 SEND_TIMEOUT_MS = 2000    # a blocked send re-checks the parent instead of hanging forever
 HEARTBEAT_S = 1.0
+GROUP_CHECK_S = 2.0
 CALL_METHODS = ("stats", "flush_cache", "check_invariants", "add_eos_token_ids",
                 "fault", "profile")
 # The calls EngineParts.calls may add, and the refusal (message, param) when it does not.
@@ -84,7 +85,7 @@ class EngineLoop:
         self.decoder = msgspec.msgpack.Decoder(ToEngine)
         self.encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         self.running = True
-        self.last_send_s = time.monotonic()
+        self.last_send_s = self.last_group_check_s = time.monotonic()
         # Groups whose grammars compile on a worker thread, so they never stall the other requests.
         self.compiling: list[tuple[list[AddReq], Future]] = []
         self.aborted_while_compiling: set[str] = set()
@@ -114,12 +115,21 @@ class EngineLoop:
             elif not _parent_alive():
                 logger.info("parent process is gone; engine exits")
                 return
+            else:
+                self.check_group()
             if self.running and self.engine.has_unfinished():
                 outputs = self.engine.step()
                 if outputs:
                     self.send(outputs)
             if self.running and time.monotonic() - self.last_send_s >= HEARTBEAT_S:
                 self.send(Heartbeat())
+
+    def check_group(self) -> None:
+        """Idle: the runner's optional `check_group()` every GROUP_CHECK_S; a dead rank raises, ending the engine."""
+        check = getattr(self.engine.runner, "check_group", None)
+        if check is not None and time.monotonic() - self.last_group_check_s >= GROUP_CHECK_S:
+            self.last_group_check_s = time.monotonic()
+            check()
 
     def drain(self) -> None:
         while self.running:

@@ -34,6 +34,8 @@ CONFIG_ENV = "RADIXSERVE_TP_CONFIG"     # the EngineConfig as JSON, for follower
 FOLLOWER_EXIT_S = 30.0
 
 
+PING = "ping"   # TPRunner.check_group's message, dropped by the followers
+
 def for_followers(batch: list[ScheduledSeq]) -> list[ScheduledSeq]:
     """The batch without what only sampling reads (output ids; prompt ids unless prompt logprobs need them)."""
     return [dataclasses.replace(s, output_ids=[], prompt_ids=s.prompt_ids if s.prompt_logprob_start is not None
@@ -98,6 +100,10 @@ class TPRunner:
         if self.runner.export_gathers:
             self.comm.broadcast_object(KVExport(page_ids))
         return self.runner.export_kv(page_ids)
+
+    def check_group(self) -> None:
+        """An idle engine's probe: a message every follower reads and drops; DistError if a rank is gone."""
+        self.comm.broadcast_object(PING)
 
     def info(self) -> dict:
         return {"tp_size": self.runner.config.tp_size, **self.runner.info()}
@@ -171,7 +177,7 @@ def follow(runner: ModelRunner, comm: Communicator) -> None:
             runner.import_kv(msg.page_ids, msg.data, msg.foreign)
         elif isinstance(msg, KVExport):
             runner.export_kv(msg.page_ids)
-        else:
+        elif msg != PING:
             runner.forward(msg)
 
 

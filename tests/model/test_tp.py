@@ -195,6 +195,7 @@ def test_serving_path_starts_and_stops_its_follower(group):
                           chunked_prefill_size=32, num_threads=1)
     runner = load_runner(config)
     try:
+        runner.check_group()                    # an idle engine's probe: the follower drops it and follows on
         tokens = generate(runner)
     finally:
         runner.close()
@@ -203,7 +204,8 @@ def test_serving_path_starts_and_stops_its_follower(group):
 
 
 def test_a_killed_follower_ends_rank_0s_step_with_an_error(group):
-    """C54: rank 1 dies between steps; rank 0's next step raises DistError (no hang), and close() still returns."""
+    """C54: rank 1 dies between steps; rank 0's idle probe and next step raise DistError (no hang), and close()
+    still returns."""
     from radixserve.dist.comm import DistError
     from radixserve.engine_config import EngineConfig
     from radixserve.runner.tp import load_runner
@@ -215,6 +217,8 @@ def test_a_killed_follower_ends_rank_0s_step_with_an_error(group):
         follower = runner.followers.processes[0]
         follower.kill()
         follower.wait(60)
+        with pytest.raises(DistError, match="rank 0"):
+            runner.check_group()                # found while idle, before any request
         with pytest.raises(DistError, match="rank 0"):
             generate(runner)
     finally:
