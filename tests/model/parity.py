@@ -12,6 +12,8 @@ PARITY_TEXTS = ["What is the capital of France?", "def fibonacci(n):", "Once upo
                 "The three primary colors are", "1, 2, 3, 4,", "Translate to French: I like apples.",
                 "Write a haiku about the sea.", "import numpy as np\n", "Q: Why is the sky blue?\nA:",
                 "Paris is"]
+# The default model (135M) costs ~20x the tiny one per token: 16 new tokens per prompt there.
+DEFAULT_NEW = 16
 
 
 @torch.inference_mode()

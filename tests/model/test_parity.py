@@ -14,11 +14,9 @@ import pytest
 
 from radixserve.engine.engine import Engine
 from radixserve.engine_config import EngineConfig
-from tests.model.parity import PARITY_TEXTS, assert_parity, engine_generate, hf_greedy, hf_greedy_batch
+from tests.model.parity import DEFAULT_NEW, assert_parity, engine_generate, hf_greedy, hf_greedy_batch
 
 NUM_NEW = 32
-# The default model (135M) costs ~20x the tiny one per token: 16 new tokens per prompt there.
-DEFAULT_NEW = 16
 
 
 def prompt_set(vocab: int, seed: int, lengths: list[int]) -> list[list[int]]:
@@ -100,21 +98,6 @@ def test_batched_reference_equals_one_prompt_at_a_time(tiny_llama_dir, tiny_case
 def test_tiny_llama_parity(tiny_llama_dir, tiny_case, name):
     prompts, refs = tiny_case
     run_scenario(tiny_llama_dir, prompts, refs, name)
-
-
-@pytest.fixture(scope="module")
-def default_case(default_tokenizer, default_hf):
-    tok = default_tokenizer.hf   # transformers' conversion of the GGUF vocabulary (cached)
-    texts = PARITY_TEXTS
-    rng = random.Random(1)
-    # Five of the texts as they are (the lengths below cover the chunk and page boundaries).
-    prompts = [tok.encode(t) for t in texts[::2]]
-    # Longer prompts from concatenated text, past two 128-token chunks.
-    corpus = " ".join(texts * 12)
-    for n in [1, 5, 16, 17, 64, 129, 200, 257, 300, 140]:
-        start = rng.randrange(0, 40)
-        prompts.append(tok.encode(corpus)[start:start + n])
-    return prompts, hf_greedy_batch(default_hf, prompts, DEFAULT_NEW)
 
 
 @pytest.mark.slow

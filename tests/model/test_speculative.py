@@ -16,8 +16,8 @@ import torch
 
 from radixserve.layers.sampler import Sampler
 from radixserve.sampling_params import SamplingParams
-from tests.model.parity import assert_parity, engine_generate, hf_greedy
-from tests.model.test_parity import DEFAULT_NEW, NUM_NEW, SCENARIOS, default_case, make_engine  # noqa: F401
+from tests.model.parity import DEFAULT_NEW, assert_parity, engine_generate, hf_greedy
+from tests.model.test_parity import NUM_NEW, SCENARIOS, make_engine
 
 SPEC = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4}
 
