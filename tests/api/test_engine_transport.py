@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import pytest_asyncio
 
 from radixserve.compose import EngineFactory
 from radixserve.engine.messages import AddReq
@@ -17,6 +18,7 @@ from tests.api.fake_runners import (FAKE_CONTEXT, WEDGE_TOKEN, crashing_runner, 
 from tests.unit.fake_runner import reference_next_token
 
 CONFIG = EngineConfig(page_size=4, chunked_prefill_size=64, max_running_requests=8)
+pytestmark = pytest.mark.asyncio(loop_scope="module")   # one event loop: `client` is shared by the module's tests
 
 
 async def collect(stream) -> dict[str, list[int]]:
@@ -34,8 +36,9 @@ def expected(prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client():
+    """One engine process for the tests that leave it idle (distinct request ids, every stream closed)."""
     c = await EngineClient.launch(CONFIG, EngineFactory(fake_runner), log_level="warning")
     yield c
     await c.close()
