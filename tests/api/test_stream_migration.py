@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import API_KEY
-from tests.api.router_fixtures import WAIT_S, Fleet, wait_for
+from tests.api.router_fixtures import ROUTER_FLAGS, WAIT_S, Fleet, wait_for
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HELD_STEP_MS = 500   # each engine step of a held worker sleeps this long
@@ -20,7 +20,8 @@ GREEDY = {"model": "tiny", "max_tokens": 20, "temperature": 0, "ignore_eos": Tru
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir):
-    f = Fleet(tiny_model_dir).wait_ready()
+    """Health checks time out after 2 s (5 s by default): a stopped worker is ejected after two of them."""
+    f = Fleet(tiny_model_dir, router_flags=[*ROUTER_FLAGS, "--health-check-timeout-s", "2"]).wait_ready()
     yield f
     f.stop()
 
