@@ -16,7 +16,7 @@ from radixserve.layers.linear import Linear
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 from radixserve.weights import gguf as gguf_weights
-from radixserve.weights.loader import resolve_quantization
+from radixserve.weights.checkpoint_config import resolve_quantization
 from tests.conftest import build_tiny_llama
 from tests.model.gguf_convert import write_gguf
 from tests.model.test_gguf import greedy
