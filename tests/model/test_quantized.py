@@ -125,7 +125,7 @@ def test_quantization_flag_validation(tiny_q4, caplog):
     EngineConfig(quantization="auto", enable_deterministic_inference=True)   # auto falls back instead
     assert resolve_quantization("auto", str(path)) == "int4"
     assert resolve_quantization("auto", str(hf_dir)) == "none"
-    with caplog.at_level(logging.INFO, logger="radixserve.weights.loader"):
+    with caplog.at_level(logging.INFO, logger="radixserve.weights.checkpoint_config"):
         assert resolve_quantization("auto", str(path), deterministic=True) == "none"
     assert "not proven batch-invariant" in caplog.text
     with pytest.raises(ValueError, match="not a .gguf file"):
