@@ -45,6 +45,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """`radixserve serve`: flags, model path and port are checked before loading. Returns 2 for a
     bad flag or model path, 1 for an unbindable port or a failed start-up, else serve()'s code."""
     from radixserve.http_common import PortUnavailable, bind_socket
+    from radixserve.weights.checkpoint_config import check_checkpoint
     from radixserve.weights.default_draft import with_default_draft
     from radixserve.weights.paths import ModelPathError, resolve_model_path
 
@@ -53,6 +54,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_config = from_args(EngineConfig, args)
         model_path = resolve_model_path(engine_config.model_path, need_tokenizer=True)
         engine_config = with_default_draft(engine_config)
+        check_checkpoint(engine_config, model_path)
         if server_config.warmup_prompts is not None:
             from radixserve.server.warmup import read_prompts
             read_prompts(server_config.warmup_prompts)   # a bad file fails now, not after loading

@@ -13,6 +13,9 @@ GRACE_HELP = ("seconds that SIGTERM/SIGINT lets requests in flight finish (new o
 REQUEST_BODY_TIMEOUT_S = 10.0   # s
 BODY_TIMEOUT_HELP = ("seconds a request body may stall between two reads (a Content-Length "
                      "larger than what arrives) before the request gets 408 request_timeout")
+REQUEST_READ_TIMEOUT_S = 60.0
+READ_TIMEOUT_HELP = ("seconds a request's headers and body may take to arrive, from the connection opening or the "
+                     "previous response ending; then it gets 408 request_timeout and the connection closes")
 
 
 def opt(default: Any, help: str, choices: tuple | None = None) -> Any:

@@ -141,6 +141,35 @@ def _check_pipeline(config: Any) -> None:
         raise ValueError(f"--pp-size {config.pp_size} cannot be combined with {', '.join(named)} yet")
 
 
+def check_model_fit(config: Any, model_config: Any) -> None:
+    """--pp-size and --tp-size against a ModelConfig: ValueError naming the flag, its value and the model's count."""
+    check_stages_fit(config.pp_size, config.tp_size, model_config.num_layers, model_config.hidden_size)
+    check_heads_fit(config.tp_size, model_config.num_heads, 1 if model_config.mla else model_config.num_kv_heads)
+    moe = model_config.moe
+    check_experts_fit(config.ep_size, moe.num_experts if moe else None, model_config.architecture)
+
+
+def check_stages_fit(pp_size: int, tp_size: int, num_layers: int, hidden_size: int) -> None:
+    if pp_size > num_layers:
+        raise ValueError(f"--pp-size {pp_size} exceeds the model's {num_layers} layers")
+    if pp_size > 1 and hidden_size % tp_size:
+        raise ValueError(f"--pp-size {pp_size} with --tp-size {tp_size}: the hidden size {hidden_size} does not "
+                         "divide into the ranks' parts of the residual sent between stages")
+
+
+def check_heads_fit(tp_size: int, num_heads: int, num_kv_heads: int) -> None:
+    if num_heads % tp_size or (num_kv_heads % tp_size if num_kv_heads >= tp_size else tp_size % num_kv_heads):
+        raise ValueError(f"--tp-size {tp_size} does not divide {num_heads} attention heads and {num_kv_heads} KV "
+                         "heads (the model's; KV heads fewer than ranks must divide --tp-size)")
+
+
+def check_experts_fit(ep_size: int, num_experts: int | None, architecture: str = "the model") -> None:
+    if ep_size > 1 and num_experts is None:
+        raise ValueError(f"--ep-size {ep_size} needs a mixture-of-experts model ({architecture} has no routed experts)")
+    if num_experts is not None and num_experts % ep_size:
+        raise ValueError(f"--ep-size {ep_size} does not divide the {num_experts} routed experts")
+
+
 def check_kv_history(config: Any) -> None:
     """--kv-history-dtype auto: an fp8 --kv-cache-dtype, a page fraction in (0, 1), and none of the paths that
     cannot carry pages of two dtypes yet (docs/runner.md lists them)."""

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import errno
 import hmac
+import json
 import logging
 import signal
 import socket
@@ -12,13 +13,16 @@ import threading
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
+import h11
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from radixserve.config import REQUEST_READ_TIMEOUT_S
 from radixserve.errors import BodyTooLarge, RadixServeError, RequestTimeout, Unauthorized, error_body
 
 logger = logging.getLogger(__name__)
@@ -161,6 +165,51 @@ class BodyTimeoutMiddleware:
             return message
 
         await self.app(scope, timed_receive, send)
+
+
+class ReadTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol where a request's headers and body arrive within `read_timeout_s` s of the connection
+    opening or the last response ending, or the connection closes (after a 408 if part came and no response began)."""
+
+    read_timeout_s = REQUEST_READ_TIMEOUT_S
+    _read_timer: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def bounded(cls, timeout_s: float) -> type[ReadTimeoutProtocol]:
+        return type(cls.__name__, (cls,), {"read_timeout_s": timeout_s})
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self._time_read()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._time_read()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._time_read()
+
+    def _time_read(self) -> None:
+        reading = self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing()
+        if reading and self._read_timer is None:
+            self._read_timer = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
+        elif not reading and self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _read_timed_out(self) -> None:
+        self._read_timer = None
+        if self.transport.is_closing():
+            return
+        started = self.conn.their_state is h11.SEND_BODY or self.conn.trailing_data[0]
+        if started and self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            error = RequestTimeout(f"the request was not received within {self.read_timeout_s:g} s "
+                                   "(--request-read-timeout)")
+            body = json.dumps(error.to_dict()).encode()
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
 
 def bearer_key_check(key: str | None, what: str = "API key") -> Callable[[Request], Any]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from radixserve.config import (BODY_TIMEOUT_HELP, GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S,
-                               REQUEST_BODY_TIMEOUT_S, opt)
+from radixserve.config import (BODY_TIMEOUT_HELP, GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S, READ_TIMEOUT_HELP,
+                               REQUEST_BODY_TIMEOUT_S, REQUEST_READ_TIMEOUT_S, opt)
 from radixserve.parsers.chat_output import NATIVE_TOOL_FORMATS, REASONING_PARSERS, TOOL_CALL_PARSERS
 
 
@@ -74,14 +74,15 @@ class ServerConfig:
               "line) prefilled into the prefix cache before /health turns 200 (docs/hicache.md)")
     graceful_shutdown_timeout: float = opt(GRACEFUL_SHUTDOWN_TIMEOUT_S, GRACE_HELP)
     request_body_timeout: float = opt(REQUEST_BODY_TIMEOUT_S, BODY_TIMEOUT_HELP)
+    request_read_timeout: float = opt(REQUEST_READ_TIMEOUT_S, READ_TIMEOUT_HELP)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_body_bytes < 1:
             raise ValueError("max_request_body_bytes must be >= 1")
-        if not self.request_body_timeout > 0:
-            raise ValueError("request_body_timeout must be > 0")
+        if not (self.request_body_timeout > 0 and self.request_read_timeout > 0):
+            raise ValueError("--request-body-timeout and --request-read-timeout must be > 0")
         if not self.graceful_shutdown_timeout >= 0:
             raise ValueError("graceful_shutdown_timeout must be >= 0")
         self._check_guard()

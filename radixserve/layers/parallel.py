@@ -11,6 +11,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from radixserve.config_checks import check_experts_fit, check_heads_fit
 from radixserve.layers.linear import Linear
 
 
@@ -40,9 +41,7 @@ def shard_heads(num_heads: int, num_kv_heads: int, tp: Collectives | None) -> He
     if tp is None or tp.size == 1:
         return Heads(num_heads, num_kv_heads, 0, 0)
     size, rank = tp.size, tp.rank
-    if num_heads % size or (num_kv_heads % size if num_kv_heads >= size else size % num_kv_heads):
-        raise ValueError(f"--tp-size {size} does not divide {num_heads} attention heads and "
-                         f"{num_kv_heads} KV heads (or KV heads into ranks)")
+    check_heads_fit(size, num_heads, num_kv_heads)
     heads = num_heads // size
     if num_kv_heads >= size:
         kv = num_kv_heads // size
@@ -78,8 +77,7 @@ def shard_experts(num_experts: int, intermediate_size: int, tp: Collectives | No
         return ExpertShard(0, num_experts, 0, intermediate_size)
     if ep_size < 1 or tp.size % ep_size:
         raise ValueError(f"--ep-size {ep_size} must divide --tp-size {tp.size}")
-    if num_experts % ep_size:
-        raise ValueError(f"--ep-size {ep_size} does not divide the {num_experts} routed experts")
+    check_experts_fit(ep_size, num_experts)
     slices = tp.size // ep_size
     if intermediate_size % slices:
         raise ValueError(f"--tp-size {tp.size} / --ep-size {ep_size} = {slices} does not divide the experts' "

@@ -27,12 +27,6 @@ def rope_inv_freq(head_dim: int, theta: float, rope_type: str | None = None, fac
     return inv_freq
 
 
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (Peng et al. 2023, arXiv 2309.00071, eq. 21, as
-    DeepSeek-V2 parameterises it with `mscale`); 1.0 for factor <= 1."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def yarn_inv_freq(head_dim: int, theta: float, factor: float, original_max_position: int,
                   beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True) -> torch.Tensor:
     """(head_dim // 2,) fp32 YaRN frequencies ("NTK-by-parts", arXiv 2309.00071 section 3.2): dims that turn more than

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.config_checks import check_experts_fit
 from radixserve.layers import row_path
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.attention import Attention
@@ -153,9 +154,7 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def __init__(self, config: ModelConfig, tp: Collectives | None = None, ep_size: int = 1):
         super().__init__()
-        if ep_size > 1 and config.moe is None:
-            raise ValueError(f"--ep-size {ep_size} needs a mixture-of-experts model ({config.architecture} has no "
-                             "routed experts)")
+        check_experts_fit(ep_size, config.moe.num_experts if config.moe else None, config.architecture)
         self.config = config
         if config.mla is not None:   # MLA's q_proj (no q LoRA) is a plain projection
             self.FUSED = {name: target for name, target in self.FUSED.items() if target[0] != "qkv_proj"}

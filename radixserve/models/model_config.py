@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from radixserve.layers.rotary import yarn_mscale
 from radixserve.models.block_config import (DSA_FAMILIES, DSAConfig, MLAConfig, MoEConfig, dsa_from_gguf, dsa_from_hf,
                                              mla_from_gguf, mla_from_hf, moe_from_gguf, moe_from_hf)
 
@@ -31,6 +31,12 @@ GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe
                  "glm-dsa": "glm_moe_dsa"}
 _REQUIRED = object()
 _GLM = ("glm", "glm4", "glm4_moe")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (Peng et al. 2023, arXiv 2309.00071, eq. 21, as
+    DeepSeek-V2 parameterises it with `mscale`); 1.0 for factor <= 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)

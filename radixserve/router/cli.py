@@ -7,7 +7,7 @@ import sys
 
 from radixserve.config import add_dataclass_args, from_args
 from radixserve.drain import FLUSH_S, GracefulServer
-from radixserve.http_common import SERVER_KEEP_ALIVE_S, quiet_signals, setup_logging
+from radixserve.http_common import SERVER_KEEP_ALIVE_S, ReadTimeoutProtocol, quiet_signals, setup_logging
 from radixserve.router.config import RouterConfig
 
 logger = logging.getLogger("radixserve.router")
@@ -59,7 +59,7 @@ def run(config: RouterConfig, worker_urls: list[str], prefill_urls: list[str] | 
     app = build_app(state)
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                         access_log=config.log_level == "debug", timeout_keep_alive=SERVER_KEEP_ALIVE_S,
-                        timeout_graceful_shutdown=FLUSH_S)
+                        timeout_graceful_shutdown=FLUSH_S, http=ReadTimeoutProtocol.bounded(config.request_read_timeout))
     print(f"radixserve: routing ({config.policy}) over {len(worker_urls)} worker(s) on "
           f"http://{config.host}:{config.port}", flush=True)
     with quiet_signals():

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.config import (BODY_TIMEOUT_HELP, GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S,
-                               REQUEST_BODY_TIMEOUT_S, opt)
+from radixserve.config import (BODY_TIMEOUT_HELP, GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S, READ_TIMEOUT_HELP,
+                               REQUEST_BODY_TIMEOUT_S, REQUEST_READ_TIMEOUT_S, opt)
 
 POLICIES = ("cache_aware", "power_of_two", "round_robin", "random", "session")
 
@@ -66,6 +66,7 @@ class RouterConfig:
     silence_timeout_s: float = opt(300.0, "a worker silent this long mid-request is a fault")
     request_body_timeout: float = opt(REQUEST_BODY_TIMEOUT_S, BODY_TIMEOUT_HELP + " (fleet: the "
                                       "workers get it too)")
+    request_read_timeout: float = opt(REQUEST_READ_TIMEOUT_S, READ_TIMEOUT_HELP + " (fleet: the workers get it too)")
     max_request_body_bytes: int = opt(64 << 20, "largest /v1 request body in bytes; larger get 413 "
                                                  "before the rest is read")
     admin_api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /admin routes; "
@@ -89,7 +90,7 @@ class RouterConfig:
             raise ValueError("health thresholds must be >= 1")
         if not self.graceful_shutdown_timeout >= 0:
             raise ValueError("graceful_shutdown_timeout must be >= 0")
-        if not self.request_body_timeout > 0:
-            raise ValueError("request_body_timeout must be > 0")
+        if not (self.request_body_timeout > 0 and self.request_read_timeout > 0):
+            raise ValueError("--request-body-timeout and --request-read-timeout must be > 0")
         if self.max_request_body_bytes < 1:
             raise ValueError("max_request_body_bytes must be >= 1")

@@ -107,6 +107,7 @@ def worker_commands(args: argparse.Namespace, config: RouterConfig,
                "--host", args.worker_host, "--port", str(port), "--log-level", config.log_level,
                "--graceful-shutdown-timeout", f"{config.graceful_shutdown_timeout:g}",
                "--request-body-timeout", f"{config.request_body_timeout:g}",
+               "--request-read-timeout", f"{config.request_read_timeout:g}",
                "--max-request-body-bytes", str(config.max_request_body_bytes)]
         if role != "null":
             cmd += ["--disaggregation-mode", role]

@@ -32,7 +32,8 @@ from radixserve.runner.mixed_kv import MixedKVCache
 from radixserve.runner.mtp import MTPDraft
 from radixserve.runner.structured import StructuredOutput
 from radixserve.sampling_params import SamplingParams
-from radixserve.weights.loader import load_checkpoint, load_weights, resolve_quantization
+from radixserve.weights.checkpoint_config import resolve_quantization
+from radixserve.weights.loader import load_checkpoint, load_weights
 from radixserve.weights.nextn_loader import load_draft_head, load_nextn, nextn_tensors
 from radixserve.weights.paths import resolve_model_path
 

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
+from radixserve.config_checks import check_stages_fit
 from radixserve.dist.comm import Communicator, Pending
 from radixserve.engine.runner_api import ScheduledSeq
 from radixserve.engine_config import EngineConfig
@@ -87,11 +88,7 @@ class PPModelRunner(ModelRunner):
                     **kwargs) -> Iterable[tuple[str, torch.Tensor]]:
         mc, tp_size = model.config, tp.size if tp is not None else 1
         stage, stages = comm.rank // tp_size, comm.size // tp_size
-        if stages > mc.num_layers:
-            raise ValueError(f"--pp-size {stages} exceeds the model's {mc.num_layers} layers")
-        if mc.hidden_size % tp_size:
-            raise ValueError(f"--pp-size {stages} with --tp-size {tp_size}: the hidden size {mc.hidden_size} does not "
-                             "divide into the ranks' parts of the residual sent between stages")
+        check_stages_fit(stages, tp_size, mc.num_layers, mc.hidden_size)
         dropped = model.keep_stage(owned_layers(mc.num_layers, stages, stage), stage == 0, stage == stages - 1)
         return ((name, tensor) for name, tensor in weights if not name.startswith(dropped))
 

@@ -16,8 +16,8 @@ from radixserve.drain import FLUSH_S, Drain, DrainMiddleware, GracefulServer
 from radixserve.engine.loop import PartsFactory
 from radixserve.engine_config import EngineConfig
 from radixserve.errors import InvalidRequest
-from radixserve.http_common import (SERVER_KEEP_ALIVE_S, BodyTimeoutMiddleware, bearer_key_check,
-                                    install_error_handlers, quiet_signals)
+from radixserve.http_common import (SERVER_KEEP_ALIVE_S, BodyTimeoutMiddleware, ReadTimeoutProtocol,
+                                    bearer_key_check, install_error_handlers, quiet_signals)
 from radixserve.server.admin_routes import install_admin_routes
 from radixserve.server.anomaly import GuardSettings
 from radixserve.server.engine_client import EngineClient
@@ -98,6 +98,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
                                 log_level=server_config.log_level,
                                 access_log=server_config.log_level == "debug",
                                 timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+                                http=ReadTimeoutProtocol.bounded(server_config.request_read_timeout),
                                 timeout_graceful_shutdown=FLUSH_S, lifespan="off")
         server = GracefulServer(config, app.state.drain)
         announce = asyncio.create_task(_announce(server, ctx, server_config, time.monotonic() - t0))

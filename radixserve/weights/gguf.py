@@ -16,14 +16,13 @@ from safetensors.torch import save_file
 
 from radixserve.layers.quant_linear import Int4Int8Weight, Int4Weight, Int8Weight, QuantWeight
 from radixserve.models.model_config import ModelConfig
+from radixserve.weights.checkpoint_config import read_gguf
 from radixserve.weights.gguf_blocks import INT4_TYPES, decode_int4
 from radixserve.weights.gguf_names import FP32_ONLY, Piece, hf_pieces, merge_kv_b
 
 logger = logging.getLogger(__name__)
 
 _CACHE_VERSION = "3"   # bumped whenever the ModelConfig or the tensors derived from a file change
-_BIG_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-               "tokenizer.ggml.merges"}
 
 
 def cache_dir() -> str:
@@ -44,25 +43,6 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Invert llama.cpp's q/k row permutation: rows (heads, D/2, 2) -> (heads, 2, D/2)."""
     dim = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _metadata(reader) -> dict[str, Any]:
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key in _BIG_ARRAYS:
-            meta[key + ".count"] = len(field.data)
-            continue
-        meta[key] = field.contents()
-    if "tokenizer.ggml.tokens.count" in meta:
-        meta.setdefault("tokenizer.ggml.tokens", range(meta["tokenizer.ggml.tokens.count"]))
-    return meta
-
-
-def _read(path: str) -> tuple[ModelConfig, Any]:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    return ModelConfig.from_gguf(_metadata(reader), {t.name for t in reader.tensors}), reader
 
 
 def _mapped_tensors(config: ModelConfig, reader) -> Iterator[tuple[list[Piece], Any]]:
@@ -103,7 +83,7 @@ def _fp32(t) -> torch.Tensor:
 
 
 def _dequantized(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    config, reader = _read(path)
+    config, reader = read_gguf(path)
     tensors = {name: w for pieces, t in _mapped_tensors(config, reader) for name, w in _cut(config, pieces, _fp32(t))}
     merge_kv_b(tensors)
     return config, tensors
@@ -113,7 +93,7 @@ def _quantized(path: str, mode: str) -> tuple[ModelConfig, dict[str, torch.Tenso
     """"int4": Q4_0 / Q4_1 / Q4_K linear weights as Int4Weight; "int8": every linear weight as Int8Weight.
     Everything else fp32: routed experts (the MoE layer has no quantized kernel), MLA's k_b / v_b halves (3-D; merged
     into kv_b_proj), FP32_ONLY and the NextN layer (weights/nextn_loader.py loads float tensors)."""
-    config, reader = _read(path)
+    config, reader = read_gguf(path)
     tensors: dict[str, torch.Tensor | QuantWeight] = {}
     kept: dict[str, int] = {}
     nextn = f"model.layers.{config.num_layers}."

@@ -1,7 +1,6 @@
 """Find a checkpoint, read its ModelConfig, and load its tensors into a model by name (shared by HF and GGUF)."""
 from __future__ import annotations
 
-import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -14,24 +13,10 @@ from radixserve.weights.gguf import load_gguf
 from radixserve.weights.paths import is_gguf
 from radixserve.weights.safetensors import iter_safetensors, read_hf_config
 
-logger = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # FP8 KV cache scales: handed back to the runner, not loaded into the model.
 KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
-
-
-def resolve_quantization(quantization: str, path: str, deterministic: bool = False) -> str:
-    """"none", "int4" or "int8"; auto: int4 for a GGUF file, else (and when deterministic) none. Raises ValueError for
-    int4 or int8 on an HF folder (only GGUF weights are read quantized)."""
-    if quantization == "auto":
-        if deterministic and is_gguf(path):
-            logger.info("--quantization auto: serving unquantized, because the int4 kernel is not "
-                        "proven batch-invariant for --enable-deterministic-inference")
-        return "int4" if is_gguf(path) and not deterministic else "none"
-    if quantization != "none" and not is_gguf(path):
-        raise ValueError(f"--quantization {quantization} reads GGUF blocks; {path!r} is not a .gguf file")
-    return quantization
 
 
 def load_checkpoint(path: str, quantization: str = "none") -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:

@@ -4,9 +4,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:
+    import torch
 
 
 def read_hf_config(folder: str) -> dict:

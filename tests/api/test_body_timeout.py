@@ -1,8 +1,9 @@
-"""Bodies that stall get 408 request_timeout (--request-body-timeout), bodies over --max-request-body-bytes 413, from a worker and a router; both close that connection and keep serving."""
+"""Bodies that stall get 408 request_timeout (--request-body-timeout), requests that trickle in past --request-read-timeout 408 too, bodies over --max-request-body-bytes 413, from a worker and a router; both close that connection and keep serving."""
 from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from tests.api.conftest import REPO, start_tiny_server, terminate
 
 WAIT_S = 60.0   # generous bound on every wait (never a pass/fail timing)
 MAX_BODY = 4096  # --max-request-body-bytes of both servers here
+READ_TIMEOUT_S = 3  # --request-read-timeout of both servers here
 
 
 def stalled_post(port: int, path: str) -> tuple[int, dict, bytes]:
@@ -68,6 +70,7 @@ def assert_timed_out(status: int, body: dict, headers: bytes) -> None:
 @pytest.fixture(scope="module")
 def server(request):
     server = start_tiny_server(request, ["--request-body-timeout", "1", "--enable-debug-endpoints",
+                                        "--request-read-timeout", str(READ_TIMEOUT_S),
                                         "--max-request-body-bytes", str(MAX_BODY)])
     yield server
     try:
@@ -83,12 +86,56 @@ def test_a_stalled_body_gets_408_from_the_worker_which_keeps_serving(server):
     server.assert_no_leak()
 
 
+def trickled_request(port: int, head: bytes, body: bytes, gap_s: float) -> tuple[bytes, int]:
+    """Send `head`, then `body` one byte per `gap_s` s until the server answers or closes; returns what it sent back
+    (read until it closes) and the number of body bytes sent."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(head)
+        sent = 0
+        while not select.select([sock], [], [], gap_s)[0]:
+            if sent < len(body):
+                sock.sendall(body[sent:sent + 1])
+                sent += 1
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data, sent
+
+
+@pytest.mark.parametrize("head, body", [
+    (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n", b"Content-Type: application/json\r\n" * 200),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+     b"Content-Length: 400\r\n\r\n", b" " * 400),
+])
+def test_a_request_trickled_in_past_the_read_timeout_gets_408_and_the_worker_keeps_serving(server, router, head,
+                                                                                           body):
+    """Slowloris: headers or a body sent a byte every 0.25 s (each gap under --request-body-timeout 1) hold the
+    connection only --request-read-timeout: then a 408 and the close, long before the whole request arrived."""
+    for port in (server.port, router[0]):
+        data, sent = trickled_request(port, head, body, 0.25)
+        headers, _, answer = data.partition(b"\r\n\r\n")
+        error = json.loads(answer)["error"]
+        assert int(headers.split()[1]) == 408, data
+        assert error["type"] == error["code"] == "request_timeout", error
+        assert f"within {READ_TIMEOUT_S} s (--request-read-timeout)" in error["message"], error
+        assert b"connection: close" in headers.lower() and sent < len(body)
+    r = server.post("/v1/completions", json={"model": server.model, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    server.assert_no_leak()
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_read_timeout(server, router):
+    assert trickled_request(server.port, b"", b"", 0.25) == (b"", 0)
+    assert trickled_request(router[0], b"", b"", 0.25) == (b"", 0)
+
+
 @pytest.fixture(scope="module")
 def router():
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen([sys.executable, "-m", "radixserve", "route", "--worker-urls",
                              "--port", str(port), "--request-body-timeout", "1",
+                             "--request-read-timeout", str(READ_TIMEOUT_S),
                              "--max-request-body-bytes", str(MAX_BODY),
                              "--log-level", "warning"], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

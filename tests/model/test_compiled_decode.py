@@ -6,9 +6,12 @@ from __future__ import annotations
 import pytest
 
 from radixserve.sampling_params import SamplingParams
+from tests.conftest import build_tiny_llama
+from tests.model.gguf_convert import write_gguf
 from tests.model.parity import TIE_GAP
 from tests.model.test_families import FAMILIES, build_family
 from tests.model.test_parity import make_engine, prompt_set
+from tests.model.test_quantized import TYPES
 
 pytestmark = pytest.mark.slow
 # Small chunks: prompts are chunked. A KV of 256 tokens does not hold 6 requests at once, so some are preempted and
@@ -85,6 +88,37 @@ def test_compiled_decode_matches_eager(request, compile_cache, family):
     assert info["recompiles"] == 0 and graphs.graphs == warm, info   # C63: nothing compiled after warm-up
 
 
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("q4")
+    write_gguf(build_tiny_llama(folder / "hf", vocab_size=384, num_attention_heads=4, num_key_value_heads=2),
+               folder / "tiny-q4.gguf", TYPES)
+    return folder / "tiny-q4.gguf"
+
+
+def test_compiled_int4_int8_decode_matches_eager(q4_gguf, compile_cache):
+    """--quantization int4-int8: its kernel (a custom op with a fake kernel for Inductor, layers/int4_int8.py) runs
+    inside the compiled graphs (no graph break), and greedy output is eager's, under preemption and radix hits."""
+    from torch._dynamo.utils import counters
+
+    from radixserve.csrc import LIBRARY
+    from radixserve.layers.int4_int8 import chosen_isa
+    assert chosen_isa() is not None or not LIBRARY.exists()     # built: the kernel runs, not reference_mm
+    counters.clear()
+    prompts = prompt_set(384, 5, [3, 40, 17, 70, 9, 33])
+    for kv_tokens in KV_TOKENS.values():
+        cfg = {**CFG, "max_total_tokens": kv_tokens, "quantization": "int4-int8"}
+        eager, compiled = make_engine(q4_gguf, **cfg), make_engine(q4_gguf, compile="on", **cfg)
+        mlp = compiled.runner.model.model.layers[0].mlp
+        assert all(layer.quantized for layer in mlp.children())
+        for round_ in range(2):
+            for i, (g, w) in enumerate(zip(generate(compiled, prompts), generate(eager, prompts))):
+                assert_same_greedy(g, w, f"int4-int8 {kv_tokens} round {round_} prompt {i} ({chosen_isa()})")
+        info = compiled.runner.info()["compile"]
+        assert info["steps"] > 0 and info["recompiles"] == 0, info
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 def test_compiled_decode_with_ngram_speculation(gqa_dir, compile_cache):
     """Steps that verify drafts are not plain decode steps: they run eagerly beside the compiled graphs (here every
     decode step carries a draft: the random model repeats itself), and greedy output is still eager's."""
@@ -123,6 +157,7 @@ FALLBACK = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
 from tests.model.test_parity import make_engine, prompt_set
+from tests.model.test_quantized import TYPES
 engine = make_engine(sys.argv[1], compile="on")
 assert engine.runner.decode_graphs is None
 print("tokens", len(__import__("tests.model.parity", fromlist=["x"]).engine_generate(

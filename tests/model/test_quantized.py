@@ -16,7 +16,7 @@ from radixserve.layers.linear import Linear
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 from radixserve.weights import gguf as gguf_weights
-from radixserve.weights.loader import resolve_quantization
+from radixserve.weights.checkpoint_config import resolve_quantization
 from tests.conftest import build_tiny_llama
 from tests.model.gguf_convert import write_gguf
 from tests.model.test_gguf import greedy
@@ -125,7 +125,7 @@ def test_quantization_flag_validation(tiny_q4, caplog):
     EngineConfig(quantization="auto", enable_deterministic_inference=True)   # auto falls back instead
     assert resolve_quantization("auto", str(path)) == "int4"
     assert resolve_quantization("auto", str(hf_dir)) == "none"
-    with caplog.at_level(logging.INFO, logger="radixserve.weights.loader"):
+    with caplog.at_level(logging.INFO, logger="radixserve.weights.checkpoint_config"):
         assert resolve_quantization("auto", str(path), deterministic=True) == "none"
     assert "not proven batch-invariant" in caplog.text
     with pytest.raises(ValueError, match="not a .gguf file"):

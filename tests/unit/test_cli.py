@@ -1,6 +1,7 @@
-"""`radixserve serve` fails fast and in one line on a taken port or a bad model path; `--version`."""
+"""`radixserve serve` fails fast and in one line on a taken port, a bad model path or flags the model cannot take."""
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import subprocess
@@ -120,3 +121,49 @@ def test_out_of_range_settings_are_exit_2_naming_the_flag(flags, names, no_servi
     assert cli.main(["serve", *flags]) == 2
     err = capsys.readouterr().err
     assert names in err and "Traceback" not in err, err
+
+
+def tiny_hf_folder(folder: pathlib.Path, layers: int = 2, heads: int = 4, kv_heads: int = 2) -> pathlib.Path:
+    """An HF folder whose config.json is a real Llama config (the weights and tokenizer files are empty)."""
+    hf_folder(folder, "model.safetensors", "tokenizer.json")
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads}))
+    return folder
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--pp-size", "3"], "--pp-size 3 exceeds the model's 2 layers"),
+    (["--tp-size", "3"], "--tp-size 3 does not divide 4 attention heads and 2 KV heads"),
+    (["--tp-size", "8"], "--tp-size 8 does not divide 4 attention heads"),
+    (["--pp-size", "2", "--tp-size", "3"], "--pp-size 2 with --tp-size 3: the hidden size 64 does not divide"),
+    (["--tp-size", "2", "--ep-size", "2"], "--ep-size 2 needs a mixture-of-experts model (llama has no routed"),
+    (["--quantization", "int4"], "--quantization int4 reads GGUF blocks"),
+    (["--quantization", "int8"], "--quantization int8 reads GGUF blocks"),
+    (["--quantization", "int4-int8"], "--quantization int4-int8 reads GGUF blocks"),
+])
+def test_parallel_sizes_and_quantization_the_model_cannot_take_are_exit_2_before_loading(tmp_path, flags, says,
+                                                                                         no_serving, capsys):
+    folder = tiny_hf_folder(tmp_path / "model")
+    assert cli.main(["serve", "--model-path", str(folder), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"radixserve serve: error: {says}") and err.count("\n") == 1, err
+
+
+def test_a_pipeline_deeper_than_a_gguf_model_is_exit_2_naming_its_layers(no_serving, capsys):
+    """The default model (a GGUF file of 30 layers): its metadata gives the count."""
+    assert cli.main(["serve", "--pp-size", "31"]) == 2
+    assert capsys.readouterr().err == "radixserve serve: error: --pp-size 31 exceeds the model's 30 layers\n"
+
+
+@pytest.mark.parametrize("flags", [["--pp-size", "2"], ["--tp-size", "2"], ["--tp-size", "4"],
+                                   ["--pp-size", "2", "--tp-size", "2"], ["--quantization", "none"]])
+def test_sizes_the_model_takes_reach_loading(tmp_path, flags, monkeypatch):
+    served = []
+
+    async def serve(*args):
+        served.append(args)
+        return 0
+    monkeypatch.setattr("radixserve.server.app.serve", serve)
+    assert cli.main(["serve", "--model-path", str(tiny_hf_folder(tmp_path / "model")), "--port", "0", *flags]) == 0
+    assert len(served) == 1

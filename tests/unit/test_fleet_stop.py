@@ -160,11 +160,13 @@ def test_workers_get_the_routers_graceful_shutdown_timeout():
     assert cmd[cmd.index("--graceful-shutdown-timeout") + 1] == "25"
 
 
-def test_workers_get_the_routers_request_body_timeout():
-    (_, cmd), = commands("--num-workers", "1", "--request-body-timeout", "2.5")
+def test_workers_get_the_routers_request_body_and_read_timeouts():
+    (_, cmd), = commands("--num-workers", "1", "--request-body-timeout", "2.5", "--request-read-timeout", "7")
     assert cmd[cmd.index("--request-body-timeout") + 1] == "2.5"
+    assert cmd[cmd.index("--request-read-timeout") + 1] == "7"
     (_, cmd), = commands("--num-workers", "1")
     assert cmd[cmd.index("--request-body-timeout") + 1] == "10"
+    assert cmd[cmd.index("--request-read-timeout") + 1] == "60"
 
 
 # A worker stand-in: says "ready" once its SIGTERM handler is in place; on SIGTERM it drains
