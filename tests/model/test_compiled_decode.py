@@ -106,16 +106,18 @@ def test_compiled_int4_int8_decode_matches_eager(q4_gguf, compile_cache):
     assert chosen_isa() is not None or not LIBRARY.exists()     # built: the kernel runs, not reference_mm
     counters.clear()
     prompts = prompt_set(384, 5, [3, 40, 17, 70, 9, 33])
-    for kv_tokens in KV_TOKENS.values():
-        cfg = {**CFG, "max_total_tokens": kv_tokens, "quantization": "int4-int8"}
-        eager, compiled = make_engine(q4_gguf, **cfg), make_engine(q4_gguf, compile="on", **cfg)
-        mlp = compiled.runner.model.model.layers[0].mlp
-        assert all(layer.quantized for layer in mlp.children())
-        for round_ in range(2):
-            for i, (g, w) in enumerate(zip(generate(compiled, prompts), generate(eager, prompts))):
-                assert_same_greedy(g, w, f"int4-int8 {kv_tokens} round {round_} prompt {i} ({chosen_isa()})")
-        info = compiled.runner.info()["compile"]
-        assert info["steps"] > 0 and info["recompiles"] == 0, info
+    cfg = {**CFG, "max_total_tokens": KV_TOKENS, "quantization": "int4-int8"}
+    eager, compiled = make_engine(q4_gguf, **cfg), make_engine(q4_gguf, compile="on", **cfg)
+    mlp = compiled.runner.model.model.layers[0].mlp
+    assert all(layer.quantized for layer in mlp.children())
+    cached = []
+    for round_ in range(2):
+        for i, (g, w) in enumerate(zip(generate(compiled, prompts), generate(eager, prompts))):
+            assert_same_greedy(g, w, f"int4-int8 round {round_} prompt {i} ({chosen_isa()})")
+        cached.append(compiled.counters["num_cached_tokens"])
+    assert compiled.scheduler.num_preemptions > 0 and cached[1] > cached[0], cached
+    info = compiled.runner.info()["compile"]
+    assert info["steps"] > 0 and info["recompiles"] == 0, info
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
@@ -157,7 +159,6 @@ FALLBACK = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
 from tests.model.test_parity import make_engine, prompt_set
-from tests.model.test_quantized import TYPES
 engine = make_engine(sys.argv[1], compile="on")
 assert engine.runner.decode_graphs is None
 print("tokens", len(__import__("tests.model.parity", fromlist=["x"]).engine_generate(
