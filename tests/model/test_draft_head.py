@@ -24,6 +24,7 @@ from training.train_draft_head import DraftHead, export_head
 
 EAGLE = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3}
 LENGTHS = [1, 9, 20, 47, 80]
+MIN_PROB = 0.009     # the random head's top probabilities spread over 0.006-0.015
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,35 @@ def test_greedy_output_equals_no_speculation(head_case):
     engine = make_engine(folder, **EAGLE, speculative_draft_model_path=str(path))
     assert engine_generate(engine, prompts, 24)[0] == plain
     assert engine.stats()["spec_num_verify_steps"] > 0
+
+
+def test_min_prob_ends_the_chain_before_an_unlikely_draft(head_case):
+    """--speculative-draft-min-prob P: every proposed draft is the training chain's prefix of tokens with draft
+    probability >= P, cut exactly before the first below P (some chains cut, some not); greedy output still equals no speculation."""
+    folder, model, head, token_map, path = head_case
+    prompts = prompt_set(512, 2, LENGTHS)
+    plain = engine_generate(make_engine(folder), prompts, 24)[0]
+    engine = make_engine(folder, **EAGLE, speculative_draft_model_path=str(path),
+                         speculative_draft_min_prob=MIN_PROB)
+    mtp, records = engine.runner.mtp, []
+    extend = mtp.extend
+
+    def recording(batch, step, hidden, results):
+        drafts = extend(batch, step, hidden, results)
+        records.extend(([*s.prompt_ids, *s.output_ids, *r.token_ids], d, s.propose)
+                       for s, r, d in zip(batch, results, drafts) if r.token_ids and s.propose)
+        return drafts
+    mtp.extend = recording
+    assert engine_generate(engine, prompts, 24)[0] == plain
+    cut = 0
+    for tokens, draft, wanted in records[::max(1, len(records) // 40)]:
+        ref, gaps, logits = training_chain(model, head, token_map, tokens, wanted)
+        probs = [float(torch.softmax(lg, -1).max()) for lg in logits]
+        n = next((j for j, p in enumerate(probs) if p < MIN_PROB), wanted)
+        if min(gaps[:n + 1]) > 1e-3 and min(abs(p - MIN_PROB) for p in probs[:n + 1]) > 1e-4:
+            assert draft == ref[:n], f"after {len(tokens)} tokens: {draft} vs {ref} with probs {probs}"
+            cut += n < wanted
+    assert 0 < cut < len(records[::max(1, len(records) // 40)]), "the threshold never or always cut a chain"
 
 
 def _runner(folder, path):
