@@ -61,7 +61,9 @@ class NextNLayer(LlamaDecoderLayer):
 
     def propose(self, hidden: torch.Tensor) -> tuple[list[int], list[float]]:
         """(R, hidden_size) -> R greedy draft token ids (through the token map if any), their draft probabilities."""
-        prob, best = torch.softmax(self.logits(hidden), dim=-1).max(-1)
+        logits = self.logits(hidden)
+        best = logits.argmax(-1)
+        prob = torch.softmax(logits, dim=-1).gather(1, best.unsqueeze(1)).squeeze(1)
         return (best if self.token_map is None else self.token_map[best]).tolist(), prob.tolist()
 
     def reduce_vocab(self, token_map: torch.Tensor) -> None:

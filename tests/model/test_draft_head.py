@@ -165,11 +165,14 @@ def test_eagle_on_the_default_model_takes_its_packaged_head(default_gguf, tiny_l
     assert eagle.speculative_draft_model_path == DEFAULT_DRAFT_HEAD and os.path.exists(DEFAULT_DRAFT_HEAD)
     given = with_default_draft(EngineConfig(model_path=str(default_gguf), speculative_algorithm="EAGLE"))
     assert given.speculative_draft_model_path == DEFAULT_DRAFT_HEAD
+    assert eagle.speculative_draft_min_prob == given.speculative_draft_min_prob == 0.4
+    chosen = with_default_draft(EngineConfig(speculative_algorithm="EAGLE", speculative_draft_min_prob=0.0))
+    assert chosen.speculative_draft_min_prob == 0.0
     assert with_default_draft(EngineConfig()).speculative_algorithm is None     # off by default
     assert with_default_draft(EngineConfig(speculative_algorithm="none")).speculative_algorithm is None
     assert with_default_draft(EngineConfig(speculative_algorithm="ngram")).speculative_algorithm == "ngram"
     other = with_default_draft(EngineConfig(model_path=str(tiny_llama_dir), speculative_algorithm="EAGLE"))
-    assert other.speculative_draft_model_path is None
+    assert other.speculative_draft_model_path is None and other.speculative_draft_min_prob is None
 
 
 def test_the_shipped_head_is_accepted_on_the_default_model():
