@@ -2,6 +2,7 @@
 
 Run:  python benchmarks/speculative.py [--algorithm ngram|eagle] [--reps 4] [--draft-tokens 8]
                                        [--break-even-tokens R] [--only chat]
+                                       [--num-steps S] [--draft-min-prob P] [--draft-model-path HEAD]
 
 `--algorithm eagle` is the default model's trained draft head (weights/default_draft.py); ngram is prompt lookup. The
 "off" side runs --speculative-algorithm none.
@@ -83,7 +84,9 @@ def build(spec: bool, args: argparse.Namespace):
     elif args.algorithm == "ngram":
         kwargs = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": args.draft_tokens, **gate}
     else:
-        kwargs = {"speculative_algorithm": "EAGLE", **gate}     # the default model's trained head
+        eagle = {"speculative_num_steps": args.num_steps, "speculative_draft_min_prob": args.draft_min_prob,
+                 "speculative_draft_model_path": args.draft_model_path}   # unset: the default model's trained head
+        kwargs = {"speculative_algorithm": "EAGLE", **gate, **{k: v for k, v in eagle.items() if v is not None}}
     llm = LLM(max_total_tokens=32768, max_running_requests=CONCURRENCY, **kwargs)
     llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=4, temperature=0),
              use_tqdm=False)   # warm-up
@@ -118,6 +121,9 @@ def main() -> None:
     ap.add_argument("--break-even-tokens", type=float, default=None,
                     help="--speculative-break-even-tokens (default: the engine's)")
     ap.add_argument("--only", default="", help="run only the workloads whose name contains this")
+    ap.add_argument("--num-steps", type=int, default=None, help="eagle: --speculative-num-steps")
+    ap.add_argument("--draft-min-prob", type=float, default=None, help="eagle: --speculative-draft-min-prob")
+    ap.add_argument("--draft-model-path", default=None, help="eagle: a head file other than the packaged one")
     args = ap.parse_args()
     llms = {False: build(False, args), True: build(True, args)}
     chosen = {name: w for name, w in workloads().items() if args.only in name}
@@ -127,7 +133,8 @@ def main() -> None:
             for name, (conversations, max_tokens) in chosen.items():
                 runs[name][spec].append(measure(llms[spec], name, conversations, max_tokens))
     print(f"load {os.getloadavg()[0]:.2f}; {args.algorithm}; draft tokens {args.draft_tokens}; break-even tokens "
-          f"{args.break_even_tokens or 'default'}; {args.reps} repetitions")
+          f"{args.break_even_tokens or 'default'}; {args.reps} repetitions; num steps {args.num_steps}; draft min "
+          f"prob {args.draft_min_prob}; head {args.draft_model_path or 'packaged'}")
     for name, sides in runs.items():
         off, on = ([r["tok_s"] for r in sides[s]] for s in (False, True))
         same = all(r["tokens"] == sides[False][0]["tokens"] for r in sides[True] + sides[False])

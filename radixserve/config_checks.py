@@ -28,7 +28,8 @@ def check_speculative(config: Any) -> None:
 
 def _check_eagle(config: Any) -> None:
     eagle_only = {"--speculative-num-steps": config.speculative_num_steps,
-                  "--speculative-eagle-topk": config.speculative_eagle_topk}
+                  "--speculative-eagle-topk": config.speculative_eagle_topk,
+                  "--speculative-draft-min-prob": config.speculative_draft_min_prob}
     if not config.is_eagle:
         given = [flag for flag, value in eagle_only.items() if value is not None]
         if given:
@@ -37,6 +38,8 @@ def _check_eagle(config: Any) -> None:
         return
     if config.speculative_num_steps is not None and not 1 <= config.speculative_num_steps <= 16:
         raise ValueError(f"--speculative-num-steps must be in [1, 16], got {config.speculative_num_steps}")
+    if config.speculative_draft_min_prob is not None and not 0 <= config.speculative_draft_min_prob < 1:
+        raise ValueError(f"--speculative-draft-min-prob must be in [0, 1), got {config.speculative_draft_min_prob}")
     if config.speculative_eagle_topk not in (None, 1):
         raise ValueError(f"--speculative-eagle-topk {config.speculative_eagle_topk}: only 1 is supported "
                          f"(a chain of drafts; tree drafts are not implemented)")

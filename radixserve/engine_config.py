@@ -79,6 +79,11 @@ class EngineConfig:
         None, "EAGLE: draft steps per verify step, i.e. most draft tokens verified (unset: 3)")
     speculative_eagle_topk: int | None = opt(
         None, "EAGLE: draft candidates per step; only 1 (a chain) is supported")
+    speculative_draft_min_prob: float | None = opt(
+        None, "EAGLE: the chain stops before a draft token the draft head gives a probability below "
+              "this (its confidence, as EAGLE-2's), so fewer tokens are verified where acceptance is "
+              "unlikely; 0: always --speculative-num-steps (unset: 0; 0.4 with the default model's "
+              "packaged head, measured in docs/speculative.md)")
     speculative_break_even_tokens: float = opt(
         16.0, "a step's fixed cost (reading the weights) in tokens of compute: with B requests "
               "decoding, a request drafts only while the fraction of its drafts accepted is above "

@@ -6,9 +6,10 @@ The head is models/nextn.py's structure, so the serving path is the one GLM's MT
     h'_i = norm(block(eh_proj(cat[enorm(embed(x_{i+1})), hnorm(h_i)])))     block: one Llama decoder layer
     draft logits = lm_head(h'_i) over the `token_map` rows only (the --vocab most frequent greedy tokens)
 Targets at row i: the target's greedy token at i + 1 (cross-entropy over the reduced vocabulary, rows whose token is
-outside it ignored) and its hidden state h_{i+1} (smooth L1, EAGLE's feature loss), so that a chain step fed h'_i
-sees what the target would have given it. A second pass feeds each row the first pass's h'_{i-1} in place of h_i
-(the input of chain steps after the first) with the same targets. The block starts as a copy of the target's last
+outside it ignored), or with --soft-labels the target's distribution softmax(lm_head(h_{i+1})) over those rows, and
+its hidden state h_{i+1} (smooth L1, EAGLE's feature loss), so that a chain step fed h'_i sees what the target would
+have given it. Pass k > 1 of --unroll feeds each row pass k - 1's h'_{i-1} in place of h_i (the input of chain
+step k) with the same targets. The block starts as a copy of the target's last
 decoder layer with its output projections zeroed (the identity), eh_proj as [0 | I]; AdamW, cosine schedule,
 seeded. Written: the NextN tensor names under
 `model.layers.{num_layers}.` in bf16 plus `token_map` (int64), with the recipe in the safetensors metadata."""
@@ -98,7 +99,7 @@ def pad(group: list[dict], key: str, width: int, value=0) -> torch.Tensor:
 
 
 def step_loss(head: DraftHead, embed: torch.nn.Embedding, lm_rows: torch.Tensor, remap: torch.Tensor,
-              group: list[dict], second_pass: bool) -> tuple[torch.Tensor, dict]:
+              group: list[dict], unroll: int, soft_labels: bool) -> tuple[torch.Tensor, dict]:
     width = max(len(s["tokens"]) for s in group)
     tokens = pad(group, "tokens", width)
     hidden = pad(group, "hidden", width).float()
@@ -110,41 +111,36 @@ def step_loss(head: DraftHead, embed: torch.nn.Embedding, lm_rows: torch.Tensor,
     labels = remap[argmax[:, 1:].clamp(min=0)]
     valid = torch.arange(width - 1).unsqueeze(0) < (lengths - 1).unsqueeze(1)
     labels = torch.where(valid & (argmax[:, 1:] >= 0), labels, torch.full_like(labels, -100))
-    out = head(emb, h_in)
-    loss, stats = 0.0, {}
-    passes = [("p1", out)]
-    if second_pass:
-        shifted = torch.cat([h_in[:, :1], out[:, :-1]], dim=1)     # h'_{i-1} in place of h_i
-        passes.append(("p2", head(emb, shifted)))
-    for name, o in passes:
-        logits = o @ lm_rows.T
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    keep = labels != -100
+    soft = torch.softmax(h_tgt[keep] @ lm_rows.T, dim=-1) if soft_labels else labels[keep]
+    loss, stats, o = 0.0, {}, h_in
+    for k in range(1, unroll + 1):
+        o = head(emb, o if k == 1 else torch.cat([h_in[:, :1], o[:, :-1]], dim=1))   # h'_{i-1} in place of h_i
+        logits = o[keep] @ lm_rows.T
+        ce = F.cross_entropy(logits, soft)
         feat = F.smooth_l1_loss(o[valid], h_tgt[valid])
-        weight = 1.0 if name == "p1" else 0.5
-        loss = loss + weight * (ce + feat)
+        loss = loss + (1.0 if k == 1 else 0.5) * (ce + feat)
         with torch.no_grad():
-            keep = labels != -100
-            stats[name + "_acc"] = float((logits.argmax(-1)[keep] == labels[keep]).float().mean())
-            stats[name + "_ce"], stats[name + "_feat"] = float(ce), float(feat)
+            stats[f"p{k}_acc"] = float((logits.argmax(-1) == labels[keep]).float().mean())
+            stats[f"p{k}_ce"], stats[f"p{k}_feat"] = float(ce), float(feat)
     return loss, stats
 
 
 @torch.no_grad()
 def answer_accuracy(head: DraftHead, embed: torch.nn.Embedding, lm_rows: torch.Tensor, token_map: torch.Tensor,
                     seqs: list[dict]) -> dict:
-    """Greedy-token accuracy of the first pass (chain step 1) and the second (later steps) at answer positions."""
-    n, hits = 0, [0, 0]     # chain step 1, later steps
+    """Greedy-token accuracy of passes 1, 2 and 3 (chain steps 1, 2 and 3) at answer positions."""
+    n, hits = 0, [0, 0, 0]
     for s in seqs:
         tokens, hidden, first = s["tokens"], s["hidden"].float()[None], s["prompt_len"] - 1
-        emb = embed(tokens[None, 1:])
-        out1 = head(emb, hidden[:, :-1])
-        out2 = head(emb, torch.cat([hidden[:, :1], out1[:, :-1]], dim=1))
+        emb, out = embed(tokens[None, 1:]), hidden[:, :-1]
         labels = s["argmax"][1:][first:]
-        for k, out in enumerate((out1, out2)):
+        for k in range(3):
+            out = head(emb, out if k == 0 else torch.cat([hidden[:, :1], out[:, :-1]], dim=1))
             hits[k] += int((token_map[(out[0, first:] @ lm_rows.T).argmax(-1)] == labels).sum())
         n += labels.numel()
     return {"answer_tokens": n, "step1_accuracy": round(hits[0] / max(1, n), 4),
-            "later_step_accuracy": round(hits[1] / max(1, n), 4)}
+            "later_step_accuracy": round(hits[1] / max(1, n), 4), "step3_accuracy": round(hits[2] / max(1, n), 4)}
 
 
 def main() -> None:
@@ -155,7 +151,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=float, default=3.0)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-tokens", type=int, default=4096)
-    ap.add_argument("--no-second-pass", action="store_true")
+    ap.add_argument("--unroll", type=int, default=2, help="training-time chain steps (1: the first only)")
+    ap.add_argument("--soft-labels", action="store_true", help="the target's distribution, not its argmax")
+    ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval", help="a held-out make_draft_data.py output: accuracy reported and kept in the recipe")
     args = ap.parse_args()
@@ -177,7 +175,7 @@ def main() -> None:
     lm_rows = target.lm_head.weight.detach()[token_map]
     head = DraftHead(target)
     params = [p for n, p in head.named_parameters() if "rotary" not in n]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     steps_per_epoch = len(batches(seqs, args.batch_tokens, random.Random(0)))
     total = max(1, int(args.epochs * steps_per_epoch))
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -189,7 +187,7 @@ def main() -> None:
         for group in batches(seqs, args.batch_tokens, rng):
             if step >= total:
                 break
-            loss, stats = step_loss(head, embed, lm_rows, remap, group, not args.no_second_pass)
+            loss, stats = step_loss(head, embed, lm_rows, remap, group, args.unroll, args.soft_labels)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -206,7 +204,8 @@ def main() -> None:
                 if args.eval else None)
     recipe = {"base": os.path.basename(path), "held_out": held_out, "data": [part["meta"] for part in parts], "vocab": len(token_map),
               "coverage": round(coverage, 4), "epochs": args.epochs, "lr": args.lr,
-              "batch_tokens": args.batch_tokens, "second_pass": not args.no_second_pass, "seed": args.seed,
+              "batch_tokens": args.batch_tokens, "unroll": args.unroll, "soft_labels": args.soft_labels,
+              "weight_decay": args.weight_decay, "seed": args.seed,
               "steps": total, "train_s": round(time.perf_counter() - t0)}
     export_head(head, token_map, target.config.num_hidden_layers, args.out, recipe)
     print("wrote", args.out, recipe)

@@ -59,10 +59,12 @@ class NextNLayer(LlamaDecoderLayer):
         """(R, hidden_size) -> (R, vocab_size) fp32, or (R, K) over the token map's rows."""
         return self.parts["head"](hidden).float()
 
-    def propose(self, hidden: torch.Tensor) -> list[int]:
-        """(R, hidden_size) -> R greedy draft token ids (vocabulary ids, through the token map if any)."""
-        best = self.logits(hidden).argmax(-1)
-        return (best if self.token_map is None else self.token_map[best]).tolist()
+    def propose(self, hidden: torch.Tensor) -> tuple[list[int], list[float]]:
+        """(R, hidden_size) -> R greedy draft token ids (through the token map if any), their draft probabilities."""
+        logits = self.logits(hidden)
+        best = logits.argmax(-1)
+        prob = torch.softmax(logits, dim=-1).gather(1, best.unsqueeze(1)).squeeze(1)
+        return (best if self.token_map is None else self.token_map[best]).tolist(), prob.tolist()
 
     def reduce_vocab(self, token_map: torch.Tensor) -> None:
         """Score only the head rows `token_map` ((K,) int64, distinct ids < vocab_size): a head of its own holding

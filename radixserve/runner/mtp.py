@@ -39,16 +39,16 @@ class _Extend:
 
 class MTPDraft:
     def __init__(self, layer: NextNLayer, kv: KVCache, page_size: int, device: torch.device,
-                 max_carried: int):
-        """`kv`: the target's KVCache with one layer more than the target (index layer.self_attn.layer_id);
-        `max_carried`: chunk-boundary hidden states kept (one per request between prefill chunks)."""
+                 max_carried: int, min_prob: float = 0.0):
+        """`kv`: the target's KVCache with one more layer (index layer.self_attn.layer_id); `max_carried`: hidden
+        states kept at chunk boundaries (one per request); `min_prob`: a chain ends before a draft below it."""
         assert kv.num_layers == layer.self_attn.layer_id + 1, "the draft's KV layer must be the last"
         self.layer, self.page_size, self.device = layer, page_size, device
         # No decode mirror: chain steps run ahead of the sequences a mirror tracks.
         self.backend = TorchAttentionBackend(kv, mirror_bytes=0)
         if getattr(layer.self_attn, "indexer", None) is not None:   # DSA: sparse over its own index keys
             self.backend = SparseBackend(self.backend)
-        self.max_carried = max_carried
+        self.max_carried, self.min_prob = max_carried, min_prob
         self._carry: OrderedDict[str, tuple[int, torch.Tensor]] = OrderedDict()
 
     @classmethod
@@ -58,7 +58,8 @@ class MTPDraft:
         if layer is None:
             raise ValueError("--speculative-algorithm EAGLE needs the checkpoint's NextN layer (from_config loads it)")
         prepare_nextn(layer, dtype, device, config.enable_deterministic_inference)
-        return cls(layer.eval(), kv, config.page_size, device, max_carried=2 * config.max_running_requests)
+        return cls(layer.eval(), kv, config.page_size, device, max_carried=2 * config.max_running_requests,
+                   min_prob=config.speculative_draft_min_prob or 0.0)
 
     def extend(self, batch: list[ScheduledSeq], step: StepBatch, hidden: torch.Tensor,
                results: list[SeqResult]) -> list[list[int]]:
@@ -112,11 +113,14 @@ class MTPDraft:
         return _Extend(draft_seq, torch.arange(first, first + n), carried, i, propose)
 
     def _chain(self, wanting: list[_Extend], hidden: torch.Tensor, drafts: list[list[int]]) -> None:
-        """Greedy chain from each extend's last row h' (hidden: (len(wanting), hidden_size)): draft 1 from
-        its logits, draft j + 1 from the layer run on (h'_j, draft j) at the extend's last position + j."""
+        """Greedy chain from each extend's last row h' (hidden: (len(wanting), hidden_size)): draft 1 from its logits,
+        draft j + 1 from the layer on (h'_j, draft j) at the last position + j; one below `min_prob` ends the chain."""
         while True:
-            for e, token in zip(wanting, self.layer.propose(hidden)):
-                drafts[e.index].append(token)
+            for e, token, prob in zip(wanting, *self.layer.propose(hidden)):
+                if prob < self.min_prob:
+                    e.propose = len(drafts[e.index])
+                else:
+                    drafts[e.index].append(token)
             live = [k for k, e in enumerate(wanting) if len(drafts[e.index]) < e.propose]
             if not live:
                 return

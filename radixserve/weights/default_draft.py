@@ -2,7 +2,8 @@
 
 `with_default_draft(config)` is what `radixserve serve` and the offline LLM call on their EngineConfig:
     EAGLE without --speculative-draft-model-path,
-      the default model served                        -> EAGLE with DEFAULT_DRAFT_HEAD
+      the default model served                        -> EAGLE with DEFAULT_DRAFT_HEAD and, unless set,
+                                                         --speculative-draft-min-prob DEFAULT_DRAFT_MIN_PROB
     anything else                                     -> unchanged
 Speculation stays off by default: measured on held-out prompts the head does not pay yet (docs/speculative.md)."""
 from __future__ import annotations
@@ -18,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_HEAD = os.path.join(os.path.dirname(__file__), "drafts",
                                   DEFAULT_MODEL_FILE.removesuffix(".gguf") + ".eagle.safetensors")
+DEFAULT_DRAFT_MIN_PROB = 0.4
 
 
 def serves_default_model(model_path: str | None) -> bool:
@@ -36,4 +38,7 @@ def with_default_draft(config: EngineConfig) -> EngineConfig:
             or not serves_default_model(config.model_path) or not os.path.exists(DEFAULT_DRAFT_HEAD)):
         return config
     logger.info("EAGLE drafts with the default model's trained head %s", DEFAULT_DRAFT_HEAD)
-    return dataclasses.replace(config, speculative_draft_model_path=DEFAULT_DRAFT_HEAD)
+    min_prob = config.speculative_draft_min_prob
+    min_prob = DEFAULT_DRAFT_MIN_PROB if min_prob is None else min_prob
+    return dataclasses.replace(config, speculative_draft_model_path=DEFAULT_DRAFT_HEAD,
+                               speculative_draft_min_prob=min_prob)

@@ -24,6 +24,7 @@ from training.train_draft_head import DraftHead, export_head
 
 EAGLE = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3}
 LENGTHS = [1, 9, 20, 47, 80]
+MIN_PROB = 0.009     # the random head's top probabilities spread over 0.006-0.015
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,35 @@ def test_greedy_output_equals_no_speculation(head_case):
     assert engine.stats()["spec_num_verify_steps"] > 0
 
 
+def test_min_prob_ends_the_chain_before_an_unlikely_draft(head_case):
+    """--speculative-draft-min-prob P: every proposed draft is the training chain's prefix of tokens with draft
+    probability >= P, cut exactly before the first below P (some chains cut, some not); greedy output still equals no speculation."""
+    folder, model, head, token_map, path = head_case
+    prompts = prompt_set(512, 2, LENGTHS)
+    plain = engine_generate(make_engine(folder), prompts, 24)[0]
+    engine = make_engine(folder, **EAGLE, speculative_draft_model_path=str(path),
+                         speculative_draft_min_prob=MIN_PROB)
+    mtp, records = engine.runner.mtp, []
+    extend = mtp.extend
+
+    def recording(batch, step, hidden, results):
+        drafts = extend(batch, step, hidden, results)
+        records.extend(([*s.prompt_ids, *s.output_ids, *r.token_ids], d, s.propose)
+                       for s, r, d in zip(batch, results, drafts) if r.token_ids and s.propose)
+        return drafts
+    mtp.extend = recording
+    assert engine_generate(engine, prompts, 24)[0] == plain
+    cut = 0
+    for tokens, draft, wanted in records[::max(1, len(records) // 40)]:
+        ref, gaps, logits = training_chain(model, head, token_map, tokens, wanted)
+        probs = [float(torch.softmax(lg, -1).max()) for lg in logits]
+        n = next((j for j, p in enumerate(probs) if p < MIN_PROB), wanted)
+        if min(gaps[:n + 1]) > 1e-3 and min(abs(p - MIN_PROB) for p in probs[:n + 1]) > 1e-4:
+            assert draft == ref[:n], f"after {len(tokens)} tokens: {draft} vs {ref} with probs {probs}"
+            cut += n < wanted
+    assert 0 < cut < len(records[::max(1, len(records) // 40)]), "the threshold never or always cut a chain"
+
+
 def _runner(folder, path):
     return ModelRunner.from_config(EngineConfig(model_path=str(folder), max_total_tokens=512, **EAGLE,
                                                 speculative_draft_model_path=str(path)))
@@ -135,11 +165,14 @@ def test_eagle_on_the_default_model_takes_its_packaged_head(default_gguf, tiny_l
     assert eagle.speculative_draft_model_path == DEFAULT_DRAFT_HEAD and os.path.exists(DEFAULT_DRAFT_HEAD)
     given = with_default_draft(EngineConfig(model_path=str(default_gguf), speculative_algorithm="EAGLE"))
     assert given.speculative_draft_model_path == DEFAULT_DRAFT_HEAD
+    assert eagle.speculative_draft_min_prob == given.speculative_draft_min_prob == 0.4
+    chosen = with_default_draft(EngineConfig(speculative_algorithm="EAGLE", speculative_draft_min_prob=0.0))
+    assert chosen.speculative_draft_min_prob == 0.0
     assert with_default_draft(EngineConfig()).speculative_algorithm is None     # off by default
     assert with_default_draft(EngineConfig(speculative_algorithm="none")).speculative_algorithm is None
     assert with_default_draft(EngineConfig(speculative_algorithm="ngram")).speculative_algorithm == "ngram"
     other = with_default_draft(EngineConfig(model_path=str(tiny_llama_dir), speculative_algorithm="EAGLE"))
-    assert other.speculative_draft_model_path is None
+    assert other.speculative_draft_model_path is None and other.speculative_draft_min_prob is None
 
 
 def test_the_shipped_head_is_accepted_on_the_default_model():

@@ -293,6 +293,7 @@ def test_a_family_without_a_nextn_layer_is_refused(tiny_llama_dir):
 
 @pytest.mark.parametrize("cfg, error", [
     ({"speculative_eagle_topk": 2}, "only 1 is supported"),
+    ({"speculative_draft_min_prob": 1.0}, "must be in \\[0, 1\\)"),
     ({"speculative_num_draft_tokens": 3}, "must be --speculative-num-steps \\+ 1 = 4"),
     ({"hicache_storage_dir": "/tmp/x", "enable_hierarchical_cache": True},
      "cannot be combined with --hicache-storage-dir"),
@@ -310,6 +311,8 @@ def test_nextn_is_an_alias_and_eagle_flags_need_eagle():
     assert EngineConfig(model_path="x", speculative_algorithm="EAGLE").spec_max_draft == 3
     with pytest.raises(ValueError, match="needs? --speculative-algorithm EAGLE"):
         EngineConfig(model_path="x", speculative_algorithm="ngram", speculative_num_steps=2)
+    with pytest.raises(ValueError, match="needs? --speculative-algorithm EAGLE"):
+        EngineConfig(model_path="x", speculative_algorithm="ngram", speculative_draft_min_prob=0.5)
 
 
 def test_kv_corrupt_fault_changes_the_target_layers_only(mtp_case):
