@@ -44,10 +44,10 @@ class StreamWatch:
                 self._reader = None
         raise Ejected(f"worker {self.worker.url} was ejected (failed health checks)")
 
-    async def events(self, source: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def events(self, source: AsyncIterator[T]) -> AsyncIterator[T]:
         while True:
             try:
-                event = await self.read(source.__anext__)
+                item = await self.read(source.__anext__)
             except StopAsyncIteration:
                 return
-            yield event
+            yield item

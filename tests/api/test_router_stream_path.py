@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import httpx
 
 from radixserve.router.app import build_app
 from radixserve.router.config import RouterConfig
+from radixserve.router.policy import RouteKey
 from radixserve.router.proxy import Forwarder
 from radixserve.router.state import build_state
 from tests.api.test_router_eject import Stalls
+from tests.api.test_router_migration import SSE, Chunks, events, make, migrations, sse, text_chunk
 
 WAIT_S = 60.0   # generous bound on every wait for a state change (never pass/fail timing)
 URL = "http://w0:8000"
@@ -174,3 +177,34 @@ def test_prompt_over_the_body_limit_is_a_413_and_never_tokenized():
         assert not tokenizer.started.is_set()
         await state.http.aclose()
     asyncio.run(main())
+
+
+def test_events_read_together_go_out_together_and_a_cut_among_them_keeps_the_ones_before():
+    """One worker chunk with two content events and a fault event: the two reach the client as one
+    chunk, are counted as delivered (the continuation resumes after both), and nothing after the
+    fault is sent from that worker."""
+    fault = {"error": {"message": "x", "type": "internal_error", "param": None, "code": 500}}
+
+    def handler(url, n, body):
+        if n == 1:
+            return httpx.Response(200, headers=SSE, stream=Chunks([b"".join([
+                text_chunk("a", "He", [1]), text_chunk("a", "l", [2]), sse(fault),
+                text_chunk("a", "never", [9]), b"data: [DONE]\n\n"])]))
+        return httpx.Response(200, headers=SSE, stream=Chunks(
+            [text_chunk("b", "lo", [5], "stop") + b"data: [DONE]\n\n"]))
+
+    async def main():
+        fwd, registry, calls = make(handler)
+        raw = json.dumps({"prompt": "hi", "stream": True, "return_token_ids": True}).encode()
+        response = await fwd.forward("/v1/completions", raw, {}, RouteKey("hi"), True,
+                                     time.perf_counter())
+        chunks = [chunk async for chunk in response.body_iterator]
+        assert all(w.in_flight == 0 for w in registry.list())
+        return chunks, calls, fwd
+
+    chunks, calls, fwd = asyncio.run(main())
+    assert [len(events(chunk)) for chunk in chunks] == [2, 2]  # one send per batch read
+    assert calls[1][1]["resume_token_ids"] == [1, 2]
+    got = events(b"".join(chunks))
+    assert [c["choices"][0]["token_ids"] for c in got[:-1]] == [[1], [2], [5]]
+    assert got[-1] == b"[DONE]" and migrations(fwd) == {"success": 1.0}
