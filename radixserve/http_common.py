@@ -119,9 +119,7 @@ async def race_disconnect(receive: Receive, work: Awaitable[T]) -> T:
 
 
 class ClosingStreamingResponse(Response):
-    """Sends `content`'s chunks (str as UTF-8) as one response and calls `close` (sync or async)
-    however it ends, even before the first chunk. A client that leaves cancels the stream: one task
-    waits for the disconnect (no task group, no cancel scope); the iterator sees CancelledError."""
+    """Streams `content` (str as UTF-8), calls `close` (sync or async) however it ends; a disconnect cancels it."""
 
     def __init__(self, content: AsyncIterable[str | bytes],
                  close: Callable[[], Awaitable[None] | None], status_code: int = 200,
@@ -154,7 +152,7 @@ class ClosingStreamingResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not cut or task.uncancel() > 0:
-                raise  # cancelled from elsewhere (a drain cut-off, shutdown)
+                raise
             logger.debug("client left %s mid-stream", scope.get("path"))
         finally:
             ended = True

@@ -101,7 +101,7 @@ def build_app(state: RouterState) -> FastAPI:
         session = session if isinstance(session, str) else None
         if state.tokenizer is None:
             key = route_key(path, body, None, session)
-        else:  # a long prompt tokenizes for seconds: off the event loop
+        else:
             key = await asyncio.to_thread(route_key, path, body, state.tokenizer, session)
         headers = forwarded_headers(request, FORWARDED_HEADERS)
         if state.pd is not None:

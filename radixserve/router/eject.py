@@ -12,9 +12,8 @@ class Ejected(Exception):
 
 
 class StreamWatch:
-    """Reads of one worker stream, in `worker.streams` until close(). eject() cuts the read in
-    progress (it cancels the reading task), or else the next one: it raises Ejected. The caller
-    still closes the upstream."""
+    """Reads of one worker stream, in `worker.streams` until close(). eject() cancels the task of the
+    read in progress, or else marks the next one: it raises Ejected. The caller closes the upstream."""
 
     def __init__(self, worker: Any):
         self.worker = worker

@@ -41,8 +41,7 @@ class Forwarding(Protocol):
 
 @dataclass
 class Opened:
-    """A committable worker stream; `pending`: events read up to commit, sent first; `more`: the
-    events read with the last of them, sent with them once checked; `batches`: the rest (sse_batches)."""
+    """A committable worker stream; `pending`: events read up to commit, sent first with `more`, those read with them."""
 
     lease: Lease
     upstream: httpx.Response
@@ -107,7 +106,6 @@ class Relay:
             await self.close()
 
     async def _relay(self) -> AsyncIterator[bytes]:
-        """The client's bytes, one chunk per batch of events read together (one send for them)."""
         opened, ledger = self.opened, self.ledger
         pending, opened.pending = opened.pending, []
         batch, opened.more = opened.more, []
@@ -134,7 +132,6 @@ class Relay:
             raise httpx.RemoteProtocolError("the worker's stream ended without data: [DONE]")
 
     def _cut_by(self, event: bytes) -> StreamCut | None:
-        """A worker error event that ends this worker's part: an anomaly, or retryable with migration on."""
         error = error_in(self.ledger.parse(event))
         if error is None:
             return None

@@ -11,8 +11,7 @@ CHAT_PATH = "/v1/chat/completions"
 
 
 async def sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
-    """The whole SSE events each chunk completes (never an empty list), each with its closing
-    blank line; a transport error drops the cut one."""
+    """Per chunk, the whole SSE events it completes (never none), each with its closing blank line."""
     buf = b""
     async for chunk in chunks:
         buf += chunk
