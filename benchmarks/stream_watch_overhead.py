@@ -1,4 +1,4 @@
-"""Cost of the router's per-read cancel scope (router/eject.py StreamWatch) on its SSE loop.
+"""Cost of making each read of the router's SSE loop cuttable on ejection (router/eject.py StreamWatch).
 
     PYTHONPATH=. python benchmarks/stream_watch_overhead.py [--reads 200000]
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import h11
 import httpx
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -101,15 +101,15 @@ def install_error_handlers(app: FastAPI, who: str) -> None:
                                        "internal_error", 500), status_code=500)
 
 
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def race_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     """Await `work`, or cancel it and raise ClientDisconnected when the client disconnects first."""
     task = asyncio.ensure_future(work)
-
-    async def client_gone() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(client_gone())
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -122,18 +122,45 @@ async def race_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     return task.result()
 
 
-class ClosingStreamingResponse(StreamingResponse):
-    """Calls `close` (sync or async) however it ends, even before the first chunk."""
+class ClosingStreamingResponse(Response):
+    """Streams `content` (str as UTF-8), calls `close` (sync or async) however it ends; a disconnect cancels it."""
 
     def __init__(self, content: AsyncIterable[str | bytes],
-                 close: Callable[[], Awaitable[None] | None], **kwargs: Any):
-        super().__init__(content, **kwargs)
+                 close: Callable[[], Awaitable[None] | None], status_code: int = 200,
+                 headers: dict[str, str] | None = None, media_type: str | None = None):
+        self.body_iterator = content
+        self.status_code = status_code
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
         self._close = close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None, "an ASGI app runs in a task"
+        ended = cut = False
+
+        def on_disconnect(watcher: asyncio.Task) -> None:
+            nonlocal cut
+            if not ended and not watcher.cancelled() and watcher.exception() is None:
+                cut = task.cancel()
+
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher.add_done_callback(on_disconnect)
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                body = chunk if isinstance(chunk, bytes) else chunk.encode()
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not cut or task.uncancel() > 0:
+                raise
+            logger.debug("client left %s mid-stream", scope.get("path"))
         finally:
+            ended = True
+            watcher.cancel()
             closing = self._close()
             if closing is not None:
                 await closing

@@ -1,6 +1,7 @@
 """The router's FastAPI app: OpenAI routes relayed to workers, GETs from a healthy worker, /health, /metrics, admin."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -97,7 +98,11 @@ def build_app(state: RouterState) -> FastAPI:
         raw = await read_body(request, state.config.max_request_body_bytes)
         body = json_object(raw)
         session = request.headers.get(state.config.session_header) or body.get("user")
-        key = route_key(path, body, state.tokenizer, session if isinstance(session, str) else None)
+        session = session if isinstance(session, str) else None
+        if state.tokenizer is None:
+            key = route_key(path, body, None, session)
+        else:
+            key = await asyncio.to_thread(route_key, path, body, state.tokenizer, session)
         headers = forwarded_headers(request, FORWARDED_HEADERS)
         if state.pd is not None:
             return await race_disconnect(request.receive, state.pd.forward(

@@ -33,7 +33,8 @@ class RouterConfig:
                                       "are evicted past it")
     tree_ttl_s: float = opt(300.0, "tree entries not used for this long are dropped")
     tokenizer_path: str | None = opt(None, "tokenizer (HF folder or .gguf) to key the prefix "
-                                           "trees by token ids; default: by characters")
+                                           "trees by token ids, tokenized in a thread off the "
+                                           "event loop; default: by characters")
     session_header: str = opt("x-session-id", "header the session policy hashes (falls back "
                                               "to the body's `user` field)")
     load_poll_interval_s: float = opt(1.0, "how often each worker's queue and KV usage are read")

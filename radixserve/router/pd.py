@@ -5,7 +5,7 @@ import asyncio
 import json
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
 
@@ -17,7 +17,7 @@ from radixserve.router.eject import Ejected
 from radixserve.router.outcome import anomaly_kind, classify, error_kind, error_of_body, event_status
 from radixserve.router.lease import Attempts, Lease
 from radixserve.router.relay import Opened, Relay, RelayResponse
-from radixserve.router.stream import StreamLedger, error_of, sse_events
+from radixserve.router.stream import StreamLedger, error_of, sse_batches
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +45,13 @@ class LegFailed:
 @dataclass
 class DecodeOpened:
     """`head`: the whole body (not a 200 stream) or the stream's first content or error event;
-    `pending`: the events read up to it; `events`: the rest of the stream."""
+    `pending`: the events read up to it; `more`: those read with it; `batches`: the rest (sse_batches)."""
 
     resp: httpx.Response
     head: bytes
     pending: list[bytes]
-    events: AsyncIterator[bytes] | None = None
+    batches: AsyncIterator[list[bytes]] | None = None
+    more: list[bytes] = field(default_factory=list)
 
 
 class PDRouter:
@@ -207,8 +208,8 @@ class PDRouter:
             return answer
         self.prefill.forwarder.record(p, 200, False)
         self._keep(p_leg)
-        if answer.events is not None:   # the relay records the decode outcome at its end
-            return Opened(lease, answer.resp, answer.events, answer.pending)
+        if answer.batches is not None:   # the relay records the decode outcome at its end
+            return Opened(lease, answer.resp, answer.batches, answer.pending, answer.more)
         self.decode.forwarder.record(d, answer.resp.status_code, False)
         lease.release()
         return Response(answer.head, status_code=answer.resp.status_code,
@@ -224,13 +225,14 @@ class PDRouter:
                 body_bytes = await resp.aread()
                 await resp.aclose()
                 return DecodeOpened(resp, body_bytes, [])
-            events = lease.watch().events(sse_events(resp.aiter_raw()))
+            batches = lease.watch().events(sse_batches(resp.aiter_raw()))
             pending: list[bytes] = []
-            async for event in events:
-                pending.append(event)
-                if not ledger.is_held(event):
-                    break
-            return DecodeOpened(resp, pending[-1] if pending else b"", pending, events)
+            async for batch in batches:
+                for i, event in enumerate(batch):
+                    pending.append(event)
+                    if not ledger.is_held(event):
+                        return DecodeOpened(resp, event, pending, batches, batch[i + 1:])
+            return DecodeOpened(resp, pending[-1] if pending else b"", pending, batches)
         except BaseException:
             await resp.aclose()
             raise

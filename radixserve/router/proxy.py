@@ -20,7 +20,7 @@ from radixserve.router.lease import Attempts, Lease
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.outcome import anomaly_kind, classify, error_kind, error_of_body, event_status
 from radixserve.router.relay import Opened, Relay, RelayResponse, wire_header
-from radixserve.router.stream import StreamLedger, error_in, sse_events
+from radixserve.router.stream import StreamLedger, error_in, sse_batches
 
 logger = logging.getLogger(__name__)
 
@@ -202,23 +202,22 @@ class Forwarder:
                     ledger: StreamLedger) -> Opened | Failure:
         """Read up to the first content event, so earlier failures retry from the prompt as if
         nothing was sent: a retryable error event is a Failure; transport errors and Ejected propagate."""
-        events = lease.watch().events(sse_events(upstream.aiter_raw()))
+        batches = lease.watch().events(sse_batches(upstream.aiter_raw()))
         pending: list[bytes] = []
-        async for event in events:
-            error = error_in(ledger.parse(event))
-            if error is not None:
-                status, kind = event_status(error), error.get("type")
-                if classify(status, False, kind).retry:
-                    self.record(lease.worker, status, False, kind)
-                    return Failure(lease.worker.url, status, f"{lease.worker.url} failed before "
-                                   f"any content ({kind})", json.dumps({"error": error}).encode(),
-                                   anomaly=anomaly_kind(error))
-            if ledger.is_held(event):
+        async for batch in batches:
+            for i, event in enumerate(batch):
+                error = error_in(ledger.parse(event))
+                if error is not None:
+                    status, kind = event_status(error), error.get("type")
+                    if classify(status, False, kind).retry:
+                        self.record(lease.worker, status, False, kind)
+                        return Failure(lease.worker.url, status, f"{lease.worker.url} failed before "
+                                       f"any content ({kind})", json.dumps({"error": error}).encode(),
+                                       anomaly=anomaly_kind(error))
                 pending.append(event)
-                continue
-            pending.append(event)
-            break
-        return Opened(lease, upstream, events, pending)
+                if not ledger.is_held(event):
+                    return Opened(lease, upstream, batches, pending, batch[i + 1:])
+        return Opened(lease, upstream, batches, pending)
 
 
 async def _call(step: Callable[[], Awaitable[Any]]) -> Any:

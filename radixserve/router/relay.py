@@ -41,12 +41,13 @@ class Forwarding(Protocol):
 
 @dataclass
 class Opened:
-    """A committable worker stream; `pending`: events read before commit, sent first."""
+    """A committable worker stream; `pending`: events read up to commit, sent first with `more`, those read with them."""
 
     lease: Lease
     upstream: httpx.Response
-    events: AsyncIterator[bytes]
+    batches: AsyncIterator[list[bytes]]
     pending: list[bytes] = field(default_factory=list)
+    more: list[bytes] = field(default_factory=list)
 
 
 class StreamCut(Exception):
@@ -107,22 +108,37 @@ class Relay:
     async def _relay(self) -> AsyncIterator[bytes]:
         opened, ledger = self.opened, self.ledger
         pending, opened.pending = opened.pending, []
-        for event in pending:
-            if (out := ledger.relay(event)) is not None:
-                yield out
+        batch, opened.more = opened.more, []
+        outs = [out for event in pending if (out := ledger.relay(event)) is not None]
         last = pending[-1] if pending else b""
-        async for event in opened.events:
-            last = event
-            error = error_in(ledger.parse(event))
-            if error is not None:
-                status, kind, anomaly = event_status(error), error.get("type"), anomaly_kind(error)
-                if anomaly is not None or (self.forwarder.migration_on
-                                           and classify(status, False, kind).retry):
-                    raise StreamCut(f"error event {kind}", event, status, kind, anomaly)
-            if (out := ledger.relay(event)) is not None:
-                yield out
+        while True:
+            cut = None
+            for event in batch:
+                last = event
+                if (cut := self._cut_by(event)) is not None:
+                    break
+                if (out := ledger.relay(event)) is not None:
+                    outs.append(out)
+            if outs:
+                yield b"".join(outs)
+                outs = []
+            if cut is not None:
+                raise cut
+            try:
+                batch = await anext(opened.batches)
+            except StopAsyncIteration:
+                break
         if last.strip() != DONE.strip():
             raise httpx.RemoteProtocolError("the worker's stream ended without data: [DONE]")
+
+    def _cut_by(self, event: bytes) -> StreamCut | None:
+        error = error_in(self.ledger.parse(event))
+        if error is None:
+            return None
+        status, kind, anomaly = event_status(error), error.get("type"), anomaly_kind(error)
+        if anomaly is not None or (self.forwarder.migration_on and classify(status, False, kind).retry):
+            return StreamCut(f"error event {kind}", event, status, kind, anomaly)
+        return None
 
     async def _continued(self) -> bool:
         metrics = self.forwarder.metrics.migrations

@@ -10,16 +10,20 @@ DONE = b"data: [DONE]\n\n"
 CHAT_PATH = "/v1/chat/completions"
 
 
-async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Whole SSE events, each with its closing blank line; a transport error drops the cut one."""
+async def sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
+    """Per chunk, the whole SSE events it completes (never none), each with its closing blank line."""
     buf = b""
     async for chunk in chunks:
         buf += chunk
-        while (cut := buf.find(b"\n\n")) >= 0:
-            yield buf[:cut + 2]
-            buf = buf[cut + 2:]
+        events, start = [], 0
+        while (cut := buf.find(b"\n\n", start)) >= 0:
+            events.append(buf[start:cut + 2])
+            start = cut + 2
+        if events:
+            buf = buf[start:]
+            yield events
     if buf.strip():
-        yield buf.rstrip(b"\n") + b"\n\n"
+        yield [buf.rstrip(b"\n") + b"\n\n"]
 
 
 def payload(event: bytes) -> Any:
