@@ -3,8 +3,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import pathlib
 from dataclasses import field
 from typing import Any, get_type_hints
+
+
+def cache_root() -> pathlib.Path:
+    """$RADIXSERVE_CACHE_DIR, else $XDG_CACHE_HOME/radixserve, else ~/.cache/radixserve: every on-disk cache."""
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(os.environ.get("RADIXSERVE_CACHE_DIR") or pathlib.Path(base) / "radixserve")
 
 
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 25.0   # s; under Kubernetes' default 30 s grace period (docs/drain.md)

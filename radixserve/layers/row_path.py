@@ -16,11 +16,12 @@ from typing import Callable, Sequence
 
 import torch
 
+from radixserve.config import cache_root
+
 logger = logging.getLogger(__name__)
 
 PATHS = ("split", "linear", "packed")
 ENV = "RADIXSERVE_SINGLE_ROW_PATH"
-CACHE_ENV = "RADIXSERVE_CACHE_DIR"   # default $XDG_CACHE_HOME/radixserve, else ~/.cache/radixserve
 # Weight bytes a timed pass reads at most: above any last-level cache seen (480 MB), so it streams as decode does.
 MAX_TIMED_BYTES = 1 << 30
 
@@ -49,11 +50,6 @@ def choose(layers: Sequence, rounds: int = 3, clock: Callable[[], float] = time.
     return chosen
 
 
-def cache_dir() -> pathlib.Path:
-    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-    return pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path(base) / "radixserve")
-
-
 def cpu_identity() -> dict[str, str]:
     """This CPU's model name and flags from /proc/cpuinfo (empty where there is none): part of any key for
     choices a CPU can change."""
@@ -77,7 +73,7 @@ def decision_key(layers: Sequence, offered: Sequence[str]) -> str:
 @contextlib.contextmanager
 def _locked_decisions() -> Iterator[tuple[dict, Callable[[dict], None]] | None]:
     """The machine's decisions {key: path} and a saver, under an exclusive lock; None where the cache dir is unusable."""
-    folder = cache_dir()
+    folder = cache_root()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         lock = open(folder / "row_path.lock", "a")
@@ -107,7 +103,7 @@ def _kept_or_timed(layers: Sequence, offered: Sequence[str], rounds: int,
     key = decision_key(layers, offered)
     with _locked_decisions() as kept:
         if kept is not None and kept[0].get(key) in offered:
-            return kept[0][key], f"kept in {cache_dir() / 'row_path.json'}"
+            return kept[0][key], f"kept in {cache_root() / 'row_path.json'}"
         best = _time_paths(layers, offered, rounds, clock)
         chosen = min(best, key=best.get)
         if kept is not None:

@@ -16,7 +16,8 @@ import torch
 
 from radixserve.layers import opaque_attention
 from radixserve.layers.attention import Attention
-from radixserve.layers.row_path import cache_dir, cpu_identity
+from radixserve.config import cache_root
+from radixserve.layers.row_path import cpu_identity
 from radixserve.runner.batch import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class DecodeGraphs:
                  root: pathlib.Path | None = None):
         self.model = model
         self.buckets = buckets(max_bs)
-        self.folder = (root or cache_dir() / "compile") / key
+        self.folder = (root or cache_root() / "compile") / key
         self.device = device
         self.graphs = 0
         self.recompiles = 0

@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from radixserve.config import cache_root
 from radixserve.errors import InvalidRequest
 from radixserve.tokenizer.messages import normalize_messages
 from radixserve.tokenizer.text_bound import TextBound
@@ -26,7 +27,7 @@ _TURN_PROBE = "radixserve-turn-probe-7f3a"
 
 
 def default_cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "radixserve", "tokenizers")
+    return str(cache_root() / "tokenizers")
 
 
 class Tokenizer:

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from radixserve.config import cache_root
 from radixserve.layers.quant_linear import Int4Int8Weight, Int4Weight, Int8Weight, QuantWeight
 from radixserve.models.model_config import ModelConfig
 from radixserve.weights.checkpoint_config import read_gguf
@@ -25,18 +26,13 @@ logger = logging.getLogger(__name__)
 _CACHE_VERSION = "3"   # bumped whenever the ModelConfig or the tensors derived from a file change
 
 
-def cache_dir() -> str:
-    """$RADIXSERVE_CACHE_DIR or ~/.cache/radixserve: where dequantized GGUF weights are kept."""
-    return os.environ.get("RADIXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
-
-
 def cache_path(gguf_path: str, variant: str = "") -> str:
     """Keyed by the file's absolute path, size and mtime; `variant`: "" (fp32), "int4" or "int8"."""
     st = os.stat(gguf_path)
     key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{_CACHE_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(gguf_path))[0] + (f".{variant}" if variant else "")
-    return os.path.join(cache_dir(), "gguf", f"{stem}-{digest}.safetensors")
+    return os.path.join(cache_root(), "gguf", f"{stem}-{digest}.safetensors")
 
 
 def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -61,7 +61,7 @@ def test_choose_takes_the_fastest_path_and_sets_it_on_every_layer(monkeypatch, t
     monkeypatch.delenv(row_path.ENV, raising=False)
     for n, costs in enumerate(({"split": 3.0, "linear": 1.0, "packed": 2.0}, {"split": 1.0, "linear": 3.0, "packed": 2.0},
                                {"split": 2.0, "linear": 3.0, "packed": 1.0})):
-        monkeypatch.setenv(row_path.CACHE_ENV, str(tmp_path / str(n)))   # nothing kept from the last table
+        monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / str(n)))   # nothing kept from the last table
         made = layers()
         chosen = row_path.choose(made, clock=costing(made, costs))
         assert chosen == min(costs, key=costs.get)
@@ -72,7 +72,7 @@ def test_a_machine_keeps_its_first_decision_so_every_server_there_rounds_alike(m
     """A second server on the machine, whose own timing would pick another path, takes the kept
     one untimed; other layer shapes are a decision of their own; a broken file is re-decided."""
     monkeypatch.delenv(row_path.ENV, raising=False)
-    monkeypatch.setenv(row_path.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
     first = layers()
     assert row_path.choose(first, clock=costing(first, {"split": 3.0, "linear": 1.0, "packed": 2.0})) == "linear"
     second = layers()
@@ -91,7 +91,7 @@ def test_a_server_starting_while_another_decides_waits_and_takes_its_decision(mo
     """The decision is made under a file lock: a server that arrives while it is held gets the
     holder's path, never a timing of its own."""
     monkeypatch.delenv(row_path.ENV, raising=False)
-    monkeypatch.setenv(row_path.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
     made = layers()
     key = row_path.decision_key(made, row_path.PATHS)
     got: dict[str, str] = {}
@@ -106,7 +106,7 @@ def test_a_server_starting_while_another_decides_waits_and_takes_its_decision(mo
 def test_an_unusable_cache_dir_still_times_the_paths(monkeypatch, tmp_path):
     monkeypatch.delenv(row_path.ENV, raising=False)
     (tmp_path / "file").write_text("")
-    monkeypatch.setenv(row_path.CACHE_ENV, str(tmp_path / "file" / "sub"))
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "file" / "sub"))
     made = layers()
     assert row_path.choose(made, clock=costing(made, {"split": 2.0, "linear": 1.0, "packed": 3.0})) == "linear"
 
