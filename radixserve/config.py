@@ -42,8 +42,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, action="store_true", help=meta.get("help"))
             continue
         kind = next((t for t in (int, float) if hint is t or t in getattr(hint, "__args__", ())), str)
-        parser.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"),
-                            help=f"{meta.get('help')} (default: {f.default})")
+        text = meta.get("help")
+        if "default" not in text and "unset" not in text:   # a help that explains its default keeps it
+            text = f"{text} (default: {f.default})"
+        parser.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"), help=text)
 
 
 def from_args(cls: type, args: argparse.Namespace) -> Any:
