@@ -68,6 +68,8 @@ def normalize_messages(messages: Any) -> list[dict]:
                                          param="messages")
                 parts.append(part["text"])
             content = "".join(parts)
+        elif content is None and role != "assistant":   # OpenAI: only an assistant turn may omit it
+            raise InvalidRequest(f"messages[{i}].content is required for role {role!r}", param="messages")
         elif content is None:
             content = ""
         elif not isinstance(content, str):
