@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import pathlib
 from dataclasses import field
@@ -13,6 +14,12 @@ def cache_root() -> pathlib.Path:
     """$RADIXSERVE_CACHE_DIR, else $XDG_CACHE_HOME/radixserve, else ~/.cache/radixserve: every on-disk cache."""
     base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
     return pathlib.Path(os.environ.get("RADIXSERVE_CACHE_DIR") or pathlib.Path(base) / "radixserve")
+
+
+def check_timeouts(body_s: float, read_s: float) -> None:
+    """ValueError unless --request-body-timeout and --request-read-timeout are finite and > 0."""
+    if not (0 < body_s < math.inf and 0 < read_s < math.inf):
+        raise ValueError("--request-body-timeout and --request-read-timeout must be finite and > 0")
 
 
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 25.0   # s; under Kubernetes' default 30 s grace period (docs/drain.md)

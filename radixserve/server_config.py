@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from radixserve.config import (BODY_TIMEOUT_HELP, GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S, READ_TIMEOUT_HELP,
+from radixserve.config import (BODY_TIMEOUT_HELP, check_timeouts, GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S, READ_TIMEOUT_HELP,
                                REQUEST_BODY_TIMEOUT_S, REQUEST_READ_TIMEOUT_S, opt)
 from radixserve.parsers.chat_output import NATIVE_TOOL_FORMATS, REASONING_PARSERS, TOOL_CALL_PARSERS
 
@@ -81,8 +81,7 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_body_bytes < 1:
             raise ValueError("max_request_body_bytes must be >= 1")
-        if not (self.request_body_timeout > 0 and self.request_read_timeout > 0):
-            raise ValueError("--request-body-timeout and --request-read-timeout must be > 0")
+        check_timeouts(self.request_body_timeout, self.request_read_timeout)
         if not self.graceful_shutdown_timeout >= 0:
             raise ValueError("graceful_shutdown_timeout must be >= 0")
         self._check_guard()

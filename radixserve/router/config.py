@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.config import (BODY_TIMEOUT_HELP, GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S, READ_TIMEOUT_HELP,
+from radixserve.config import (BODY_TIMEOUT_HELP, check_timeouts, GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S, READ_TIMEOUT_HELP,
                                REQUEST_BODY_TIMEOUT_S, REQUEST_READ_TIMEOUT_S, opt)
 
 POLICIES = ("cache_aware", "power_of_two", "round_robin", "random", "session")
@@ -91,7 +91,6 @@ class RouterConfig:
             raise ValueError("health thresholds must be >= 1")
         if not self.graceful_shutdown_timeout >= 0:
             raise ValueError("graceful_shutdown_timeout must be >= 0")
-        if not (self.request_body_timeout > 0 and self.request_read_timeout > 0):
-            raise ValueError("--request-body-timeout and --request-read-timeout must be > 0")
+        check_timeouts(self.request_body_timeout, self.request_read_timeout)
         if self.max_request_body_bytes < 1:
             raise ValueError("max_request_body_bytes must be >= 1")
