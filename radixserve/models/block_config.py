@@ -8,6 +8,7 @@ from typing import Any
 
 DSA_FAMILIES = ("glm_moe_dsa", "deepseek_v32")
 # Sigmoid routing with a selection-only correction bias (GGUF exp_probs_b).
+NEXTN_FAMILIES = ("glm4_moe", "glm_moe_dsa", "deepseek_v32")   # checkpoints that carry a NextN (MTP) layer
 CORRECTION_BIAS_FAMILIES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
 # A full DSA layer's indexer tensors in a glm-dsa GGUF file (gguf.TENSOR_NAMES' blk.{bid}.indexer.*), weight or bias.
 INDEXER_TENSORS = ("attn_k.weight", "attn_q_b.weight", "k_norm.weight", "k_norm.bias", "proj.weight")
@@ -169,3 +170,11 @@ def moe_from_gguf(arch: str, family: str, get: Callable[..., Any], num_layers: i
         num_shared_experts=get("expert_shared_count", 0), num_groups=get("expert_group_count", 1),
         topk_groups=get("expert_group_used_count", 1),
         dense_layers=tuple(range(min(get("leading_dense_block_count", 0), num_layers))))
+
+
+def check_nextn_family(architecture: str) -> None:
+    """ValueError unless `architecture`'s checkpoints carry a NextN layer for --speculative-algorithm EAGLE/NEXTN."""
+    if architecture not in NEXTN_FAMILIES:
+        raise ValueError(f"--speculative-algorithm EAGLE/NEXTN drafts with a checkpoint's NextN (MTP) layer; "
+                         f"{architecture!r} has none here (supported: {', '.join(NEXTN_FAMILIES)}; "
+                         f"or give a trained head with --speculative-draft-model-path)")

@@ -17,8 +17,6 @@ from radixserve.layers.norm import RMSNorm
 from radixserve.models.dsa import Indexer
 from radixserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, prepare_modules
 
-NEXTN_FAMILIES = ("glm4_moe", "glm_moe_dsa", "deepseek_v32")
-
 
 class SharedHead(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float):

@@ -6,6 +6,7 @@ from typing import Any
 
 from radixserve.config_checks import check_model_fit
 from radixserve.engine_config import EngineConfig
+from radixserve.models.block_config import check_nextn_family
 from radixserve.models.model_config import ModelConfig
 from radixserve.weights.paths import is_gguf
 from radixserve.weights.safetensors import read_hf_config
@@ -58,7 +59,12 @@ def resolve_quantization(quantization: str, path: str, deterministic: bool = Fal
 
 
 def check_checkpoint(config: EngineConfig, path: str) -> None:
-    """ValueError naming the flag: a --quantization mode or (config_checks.check_model_fit) a size `path` refuses."""
+    """ValueError naming the flag: a --quantization mode, (config_checks.check_model_fit) a size, or EAGLE on a
+    checkpoint without a NextN layer and no draft head file, that `path` refuses."""
     resolve_quantization(config.quantization, path, config.enable_deterministic_inference)
-    if config.pp_size > 1 or config.tp_size > 1:
-        check_model_fit(config, read_model_config(path))
+    eagle_on_checkpoint = config.is_eagle and config.speculative_draft_model_path is None
+    if config.pp_size > 1 or config.tp_size > 1 or eagle_on_checkpoint:
+        model_config = read_model_config(path)
+        check_model_fit(config, model_config)
+        if eagle_on_checkpoint:
+            check_nextn_family(model_config.architecture)

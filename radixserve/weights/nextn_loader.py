@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from radixserve.layers.embedding import VocabEmbedding
 from radixserve.layers.linear import Linear
 from radixserve.models.llama import LlamaForCausalLM
-from radixserve.models.nextn import NEXTN_FAMILIES, NextNLayer
+from radixserve.models.block_config import check_nextn_family
+from radixserve.models.nextn import NextNLayer
 from radixserve.weights.gguf_names import nextn_gguf_name
 from radixserve.weights.loader import load_weights
 from radixserve.weights.paths import is_gguf
@@ -41,11 +42,7 @@ def load_nextn(target: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tens
                origin: str = "the checkpoint") -> NextNLayer:
     """The NextN layer from `tensors`, those named `model.layers.{num_layers}.*` of checkpoint `origin`. Raises
     ValueError (GGUF names too) for a family or checkpoint without one, a missing, unknown or misshapen tensor (C53)."""
-    c = target.config
-    if c.architecture not in NEXTN_FAMILIES:
-        raise ValueError(f"--speculative-algorithm EAGLE/NEXTN drafts with a checkpoint's NextN (MTP) layer; "
-                         f"{c.architecture!r} has none here (supported: {', '.join(NEXTN_FAMILIES)}; "
-                         f"or give a trained head with --speculative-draft-model-path)")
+    check_nextn_family(target.config.architecture)
     return _build(target, tensors, origin)
 
 

@@ -20,7 +20,7 @@ import torch
 from radixserve.layers.quant_linear import Int4Weight
 from radixserve.models.block_config import CORRECTION_BIAS_FAMILIES
 from radixserve.models.model_config import GGUF_FAMILIES, ModelConfig
-from radixserve.models.nextn import NEXTN_FAMILIES
+from radixserve.models.block_config import NEXTN_FAMILIES
 from radixserve.weights.gguf_names import EXPERTS, LAYER_NAMES, MOE_FAMILIES, NEXTN, hf_pieces
 from radixserve.weights.loader import load_checkpoint
 from radixserve.weights.safetensors import read_hf_config

@@ -141,6 +141,7 @@ def tiny_hf_folder(folder: pathlib.Path, layers: int = 2, heads: int = 4, kv_hea
     (["--quantization", "int4"], "--quantization int4 reads GGUF blocks"),
     (["--quantization", "int8"], "--quantization int8 reads GGUF blocks"),
     (["--quantization", "int4-int8"], "--quantization int4-int8 reads GGUF blocks"),
+    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE/NEXTN drafts with a checkpoint's NextN"),
 ])
 def test_parallel_sizes_and_quantization_the_model_cannot_take_are_exit_2_before_loading(tmp_path, flags, says,
                                                                                          no_serving, capsys):
@@ -157,7 +158,8 @@ def test_a_pipeline_deeper_than_a_gguf_model_is_exit_2_naming_its_layers(no_serv
 
 
 @pytest.mark.parametrize("flags", [["--pp-size", "2"], ["--tp-size", "2"], ["--tp-size", "4"],
-                                   ["--pp-size", "2", "--tp-size", "2"], ["--quantization", "none"]])
+                                   ["--pp-size", "2", "--tp-size", "2"], ["--quantization", "none"],
+                                   ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "head.st"]])
 def test_sizes_the_model_takes_reach_loading(tmp_path, flags, monkeypatch):
     served = []
 
