@@ -57,12 +57,16 @@ class NextNLayer(LlamaDecoderLayer):
         """(R, hidden_size) -> (R, vocab_size) fp32, or (R, K) over the token map's rows."""
         return self.parts["head"](hidden).float()
 
-    def propose(self, hidden: torch.Tensor) -> tuple[list[int], list[float]]:
-        """(R, hidden_size) -> R greedy draft token ids (through the token map if any), their draft probabilities."""
+    def propose(self, hidden: torch.Tensor, min_prob: float = 0.0) -> list[int | None]:
+        """(R, hidden_size) -> R greedy draft token ids (through the token map if any); None where the draft's
+        probability of its token is below `min_prob` (the softmax is computed only when min_prob > 0)."""
         logits = self.logits(hidden)
         best = logits.argmax(-1)
-        prob = torch.softmax(logits, dim=-1).gather(1, best.unsqueeze(1)).squeeze(1)
-        return (best if self.token_map is None else self.token_map[best]).tolist(), prob.tolist()
+        ids = (best if self.token_map is None else self.token_map[best]).tolist()
+        if min_prob <= 0:
+            return ids
+        probs = torch.softmax(logits, dim=-1).gather(1, best.unsqueeze(1)).squeeze(1).tolist()
+        return [token if prob >= min_prob else None for token, prob in zip(ids, probs)]
 
     def reduce_vocab(self, token_map: torch.Tensor) -> None:
         """Score only the head rows `token_map` ((K,) int64, distinct ids < vocab_size): a head of its own holding

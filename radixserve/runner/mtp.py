@@ -116,8 +116,8 @@ class MTPDraft:
         """Greedy chain from each extend's last row h' (hidden: (len(wanting), hidden_size)): draft 1 from its logits,
         draft j + 1 from the layer on (h'_j, draft j) at the last position + j; one below `min_prob` ends the chain."""
         while True:
-            for e, token, prob in zip(wanting, *self.layer.propose(hidden)):
-                if prob < self.min_prob:
+            for e, token in zip(wanting, self.layer.propose(hidden, self.min_prob)):
+                if token is None:
                     e.propose = len(drafts[e.index])
                 else:
                     drafts[e.index].append(token)
