@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from radixserve.config import (BODY_TIMEOUT_HELP, check_timeouts, GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S, READ_TIMEOUT_HELP,
-                               REQUEST_BODY_TIMEOUT_S, REQUEST_READ_TIMEOUT_S, opt)
+from radixserve.config import (BODY_TIMEOUT_HELP, GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S, READ_TIMEOUT_HELP,
+                               REQUEST_BODY_TIMEOUT_S, REQUEST_READ_TIMEOUT_S, check_timeouts, opt)
 from radixserve.parsers.chat_output import NATIVE_TOOL_FORMATS, REASONING_PARSERS, TOOL_CALL_PARSERS
 
 

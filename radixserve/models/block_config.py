@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 DSA_FAMILIES = ("glm_moe_dsa", "deepseek_v32")
-# Sigmoid routing with a selection-only correction bias (GGUF exp_probs_b).
 NEXTN_FAMILIES = ("glm4_moe", "glm_moe_dsa", "deepseek_v32")   # checkpoints that carry a NextN (MTP) layer
+# Sigmoid routing with a selection-only correction bias (GGUF exp_probs_b).
 CORRECTION_BIAS_FAMILIES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
 # A full DSA layer's indexer tensors in a glm-dsa GGUF file (gguf.TENSOR_NAMES' blk.{bid}.indexer.*), weight or bias.
 INDEXER_TENSORS = ("attn_k.weight", "attn_q_b.weight", "k_norm.weight", "k_norm.bias", "proj.weight")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.config import (BODY_TIMEOUT_HELP, check_timeouts, GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S, READ_TIMEOUT_HELP,
-                               REQUEST_BODY_TIMEOUT_S, REQUEST_READ_TIMEOUT_S, opt)
+from radixserve.config import (BODY_TIMEOUT_HELP, GRACE_HELP, GRACEFUL_SHUTDOWN_TIMEOUT_S, READ_TIMEOUT_HELP,
+                               REQUEST_BODY_TIMEOUT_S, REQUEST_READ_TIMEOUT_S, check_timeouts, opt)
 
 POLICIES = ("cache_aware", "power_of_two", "round_robin", "random", "session")
 

@@ -32,9 +32,8 @@ logger = logging.getLogger(__name__)
 
 CONFIG_ENV = "RADIXSERVE_TP_CONFIG"     # the EngineConfig as JSON, for follower processes
 FOLLOWER_EXIT_S = 30.0
-
-
 PING = "ping"   # TPRunner.check_group's message, dropped by the followers
+
 
 def for_followers(batch: list[ScheduledSeq]) -> list[ScheduledSeq]:
     """The batch without what only sampling reads (output ids; prompt ids unless prompt logprobs need them)."""
