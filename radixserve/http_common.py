@@ -23,7 +23,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from radixserve.config import REQUEST_READ_TIMEOUT_S
-from radixserve.errors import BodyTooLarge, RadixServeError, RequestTimeout, Unauthorized, error_body
+from radixserve.errors import (BodyTooLarge, InvalidRequest, RadixServeError, RequestTimeout, Unauthorized,
+                               error_body)
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,13 @@ class ClientDisconnected(Exception):
 
 LINGER_BYTES = 1 << 20   # bytes of a refused body read and dropped before its 413
 LINGER_GAP_S = 0.5       # s; the drop stops at a gap this long between chunks
+
+
+def check_json_content_type(request: Request) -> None:
+    """Raises InvalidRequest (400) unless the request says its body is application/json."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise InvalidRequest("Content-Type must be application/json", param="content-type")
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:

@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse, Response
 
 from radixserve.drain import DrainMiddleware
 from radixserve.errors import InvalidRequest, ModelNotFound, error_body
-from radixserve.http_common import BodyTimeoutMiddleware, install_error_handlers, race_disconnect, read_body
+from radixserve.http_common import (BodyTimeoutMiddleware, check_json_content_type, install_error_handlers,
+                                    race_disconnect, read_body)
 from radixserve.router.admin import build_admin_router
 from radixserve.router.metrics import CONTENT_TYPE
 from radixserve.router.policy import RouteKey
@@ -95,6 +96,7 @@ def build_app(state: RouterState) -> FastAPI:
 
     async def relay_post(request: Request, path: str) -> Response:
         t_start = time.perf_counter()
+        check_json_content_type(request)   # as the worker: before the body is read
         raw = await read_body(request, state.config.max_request_body_bytes)
         body = json_object(raw)
         session = request.headers.get(state.config.session_header) or body.get("user")

@@ -16,16 +16,27 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 # a DNS name or an IPv4 address; underscores allowed (container service names)
 LABEL = r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?"
 HOST_NAME = re.compile(rf"{LABEL}(\.{LABEL})*")
+JSON_KINDS = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
 
 
 def json_object(raw: bytes, what: str = "request body") -> dict:
-    """Raises InvalidRequest (400) unless `raw` is a JSON object within the recursion limit."""
+    """`raw` parsed; raises InvalidRequest (400), its message about the body (never an exception's
+    name), unless it is UTF-8 JSON whose top level is an object within the recursion limit."""
     try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise InvalidRequest(f"{what} must be a JSON object ({type(exc).__name__})") from None
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"the {what} is not valid UTF-8: byte 0x{raw[exc.start]:02x} at "
+                             f"offset {exc.start}") from None
+    except json.JSONDecodeError as exc:
+        if not raw.strip():
+            raise InvalidRequest(f"the {what} is empty; send a JSON object") from None
+        raise InvalidRequest(f"the {what} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                             f"column {exc.colno}") from None
+    except RecursionError:
+        raise InvalidRequest(f"the {what} is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
-        raise InvalidRequest(f"{what} must be a JSON object")
+        kind = JSON_KINDS.get(type(body), "a number")
+        raise InvalidRequest(f"the {what} must be a JSON object, not {kind}")
     return body
 
 

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ValidationError
 from radixserve.engine.messages import AddReq, PDTarget
 from radixserve.errors import (ContextLengthExceeded, InvalidRequest, ModelNotFound, OutputAnomaly,
                                Overloaded, RadixServeError, error_body)
-from radixserve.http_common import ClosingStreamingResponse, race_disconnect, read_body
+from radixserve.http_common import (ClosingStreamingResponse, check_json_content_type, race_disconnect,
+                                    read_body)
 from radixserve.outputs import KV_CHECKSUM_ERROR, EngineOutput, RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.engine_client import EngineClient, RequestStream
@@ -282,9 +283,7 @@ def sse(event: BaseModel) -> str:
 
 async def parse_body(request: Request, model: type[Req], max_bytes: int = MAX_BODY_BYTES) -> Req:
     """`model` from a JSON body; InvalidRequest (400), or BodyTooLarge (413) over `max_bytes`."""
-    content_type = request.headers.get("content-type", "")
-    if content_type.split(";")[0].strip().lower() != "application/json":
-        raise InvalidRequest("Content-Type must be application/json", param="content-type")
+    check_json_content_type(request)
     body = await read_body(request, max_bytes)
     try:
         return model.model_validate_json(body)

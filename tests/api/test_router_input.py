@@ -87,8 +87,9 @@ def assert_error(r: httpx.Response, status: int, kind: str, param: str | None = 
                                   "/admin/add_worker", "/admin/set_policy_params"])
 def test_deeply_nested_json_is_a_400(path):
     async def scenario(client, state, workers):
-        r = await client.post(path, content=NESTED, headers=ADMIN)
-        assert_error(r, 400, "invalid_request_error")
+        r = await client.post(path, content=NESTED, headers={**ADMIN, "content-type": "application/json"})
+        error = assert_error(r, 400, "invalid_request_error")
+        assert "nested too deeply" in error["message"], error
         assert workers.client_calls() == []
     run_router(scenario)
 
@@ -223,4 +224,63 @@ def test_oversized_admin_body_is_a_413_and_head_works():
         assert not state.registry.get(W0).draining
         for path in ("/health", "/v1/models"):
             assert (await client.head(path)).status_code == 200, path
+    run_router(scenario)
+
+
+EXCEPTION_WORDS = ("Error", "Exception", "object has no attribute", "Traceback", "KeyError")
+ROUTES = ["/v1/completions", "/v1/chat/completions"]
+
+
+@pytest.mark.parametrize("path", ROUTES + ["/admin/drain", "/admin/add_worker"])
+@pytest.mark.parametrize("raw,says", [
+    (b"{not json", "is not valid JSON: Expecting property name enclosed in double quotes at line 1 column 2"),
+    (b"", "is empty"),
+    (b'{"prompt": "hi"', "is not valid JSON: Expecting ',' delimiter at line 1 column 16"),
+    (b'{"prompt": "\xff\xfe"}', "is not valid UTF-8: byte 0xff at offset 12"),
+    (b"[1, 2]", "must be a JSON object, not an array"),
+    (b'"hi"', "must be a JSON object, not a string"),
+    (b"null", "must be a JSON object, not null"),
+    (b"3", "must be a JSON object, not a number"),
+])
+def test_a_body_that_is_not_a_json_object_is_a_400_about_the_body(path, raw, says):
+    """The message speaks of the body, never of the exception that found it; no worker is asked."""
+    async def scenario(client, state, workers):
+        r = await client.post(path, content=raw, headers={**ADMIN, "content-type": "application/json"})
+        error = assert_error(r, 400, "invalid_request_error")
+        assert says in error["message"] and "body" in error["message"], error
+        assert not any(word in error["message"] for word in EXCEPTION_WORDS), error
+        assert workers.client_calls() == []
+    run_router(scenario)
+
+
+@pytest.mark.parametrize("path", ROUTES)
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_is_the_workers_400(path, content_type):
+    """As the worker answers (server/serving.py parse_body), before the body is read."""
+    async def scenario(client, state, workers):
+        headers = {"content-type": content_type} if content_type else {}
+        r = await client.post(path, content=b'{"model": "tiny", "prompt": "hi"}', headers=headers)
+        error = assert_error(r, 400, "invalid_request_error", param="content-type")
+        assert error["message"] == "Content-Type must be application/json", error
+        assert workers.client_calls() == []
+    run_router(scenario)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model", 5), ("prompt", {"a": 1}), ("prompt", [[1, "a"]]), ("prompt", [None]), ("stream", "yes"),
+    ("n", [1]), ("n", {}), ("max_tokens", "5"), ("user", [1]), ("resume_token_ids", "ab"),
+    ("messages", 5), ("messages", [1, "hi"]), ("messages", [{"role": 5, "content": {"a": 1}}]),
+    ("messages", [{"role": "user", "content": [1, {"text": 2}]}]), ("messages", {"role": "user"}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_fields_of_the_wrong_type_go_to_the_worker_which_judges_them(field, value, stream):
+    """The router reads these fields to route; a wrong type routes by what is left and the worker
+    answers it (its 400 is relayed), never a router 500."""
+    async def scenario(client, state, workers):
+        for path in ROUTES:
+            body = {"model": "tiny", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}],
+                    "stream": stream, field: value}
+            r = await client.post(path, json=body)
+            assert r.status_code == 200, (path, r.text)
+        assert len(workers.client_calls()) == 2
     run_router(scenario)
