@@ -13,6 +13,7 @@ import threading
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
+import anyio
 import h11
 import httpx
 from fastapi import FastAPI
@@ -115,16 +116,26 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 async def race_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work`, or cancel it and raise ClientDisconnected when the client disconnects first."""
+    """Await `work`, or cancel it and raise ClientDisconnected when the client disconnects first.
+    Cancelled itself (a drain cut-off), it cancels `work` and closes the ClosingStreamingResponse
+    `work` may have made all the same, which then has no taker (it holds a worker's stream)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    except BaseException:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
+        task.cancel()
+        with anyio.CancelScope(shield=True):
             await asyncio.gather(task, return_exceptions=True)
+            made = None if task.cancelled() or task.exception() else task.result()
+            if isinstance(made, ClosingStreamingResponse):
+                await made.close()
+        raise
+    watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
         raise ClientDisconnected()
     return task.result()
@@ -169,9 +180,13 @@ class ClosingStreamingResponse(Response):
         finally:
             ended = True
             watcher.cancel()
-            closing = self._close()
-            if closing is not None:
-                await closing
+            await self.close()
+
+    async def close(self) -> None:
+        """Calls the `close` given at construction."""
+        closing = self._close()
+        if closing is not None:
+            await closing
 
 
 class BodyTimeoutMiddleware:

@@ -185,13 +185,12 @@ class PDRouter:
         p_body = {**body, **extra, "stream": False}
         p_body.pop("stream_options", None)
         d_body = {**body, **extra}
-        self.prefill.registry.acquire(p.url)
-        lease = Lease(self.decode.registry, d)
+        p_lease, lease = Lease(self.prefill.registry, p), Lease(self.decode.registry, d)
         p_leg = asyncio.create_task(self.http.post(p.url + path, json=p_body, headers=headers),
                                     name=f"pd-prefill-{room}")
+        p_leg.add_done_callback(lambda _: p_lease.release())   # however the leg ends
         d_leg = asyncio.create_task(self._open_decode(d.url + path, d_body, headers, lease, ledger),
                                     name=f"pd-decode-{room}")
-        p_leg.add_done_callback(lambda _: self.prefill.registry.release(p.url))
         try:
             answer = await self._race(p_leg, d_leg, p.url, d.url)
         except BaseException:

@@ -225,32 +225,17 @@ class WorkerRegistry:
             w for w in self._workers.values() if w.url not in exclude and w.is_in_rotation()
             and w.breaker.state == HALF_OPEN]
 
-    def acquire(self, url: str) -> WorkerState:
-        """Raises KeyError if unknown. Prefer `dispatch`, which cannot leak."""
-        worker = self._workers[url]
-        worker.in_flight += 1
-        worker.num_requests += 1
-        return worker
-
-    def release(self, url: str) -> None:
-        worker = self._workers.get(url)
-        if worker is not None:
-            _release(worker)
-
     @contextlib.contextmanager
     def dispatch(self, worker: WorkerState) -> Iterator[WorkerState]:
-        """Counts one request in flight until the block ends, however it ends, and holds the
-        breaker's half-open probe slot meanwhile."""
+        """Counts one request in flight on `worker` (the object, so a worker removed and re-added
+        under its URL meanwhile is not miscounted) until the block ends, however it ends, and
+        holds the breaker's half-open probe slot meanwhile. The only place in_flight changes."""
+        token = worker.breaker.begin()
         worker.in_flight += 1
         worker.num_requests += 1
-        token = worker.breaker.begin()
         try:
             yield worker
         finally:
             worker.breaker.end(token)
-            _release(worker)
-
-
-def _release(worker: WorkerState) -> None:
-    assert worker.in_flight > 0, f"in-flight count of {worker.url} would go negative"
-    worker.in_flight -= 1
+            assert worker.in_flight > 0, f"in-flight count of {worker.url} would go negative"
+            worker.in_flight -= 1

@@ -43,8 +43,8 @@ class AsgiClient:
     """One POST to the app as a server would send it; `sent`: the app's messages; `leave()`: the
     client disconnects."""
 
-    def __init__(self, app, body: dict):
-        self.app, self.sent, self._gone = app, [], asyncio.Event()
+    def __init__(self, app, body: dict, path: str = "/v1/completions"):
+        self.app, self.path, self.sent, self._gone = app, path, [], asyncio.Event()
         self._body = json.dumps(body).encode()
         self.first_body = asyncio.Event()
 
@@ -66,7 +66,7 @@ class AsgiClient:
     def run(self) -> asyncio.Task:
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
                  "http_version": "1.1", "method": "POST", "scheme": "http",
-                 "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "path": self.path, "raw_path": self.path.encode(), "query_string": b"",
                  "root_path": "", "headers": [(b"content-type", b"application/json")],
                  "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}}
         return asyncio.create_task(self.app(scope, self.receive, self.send))

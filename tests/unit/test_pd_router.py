@@ -23,12 +23,6 @@ class Registry:
     def routable(self, exclude=frozenset()):
         return [w for w in self.workers if w.url not in exclude]
 
-    def acquire(self, url):
-        self.in_flight += 1
-
-    def release(self, url):
-        self.in_flight -= 1
-
     @contextlib.contextmanager
     def dispatch(self, worker):
         self.in_flight += 1

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from radixserve.router.config import RouterConfig
+from radixserve.router.lease import Lease
 from radixserve.router.policy import REASONS, RouteKey, make_policy
 from radixserve.router.prefix_tree import ApproxPrefixTree
 from radixserve.router.worker import WorkerRegistry
@@ -33,12 +34,15 @@ def setup(policy="cache_aware", n=3, seed=0, **cfg):
     return reg, tree, make_policy(config, reg, tree, rng=random.Random(seed)), clock
 
 
+HELD: list[Lease] = []   # a Lease dropped unreleased is released when collected
+
+
 def route(reg, pol, key, session=None, hold=False):
     """Select among routable workers; with hold, leave the request in flight."""
     decision = pol.select(RouteKey(key, session), reg.routable())
     assert decision.reason in REASONS
     if hold:
-        reg.acquire(decision.worker.url)
+        HELD.append(Lease(reg, decision.worker))   # until the test releases it
     return decision
 
 
@@ -50,9 +54,8 @@ def test_each_group_sticks_to_one_worker_and_groups_spread():
         for g, prefix in enumerate(groups):
             d = route(reg, pol, prefix + f"question {turn}", hold=True)
             seen[g].append((d.worker.url, d.reason))
-        for w in reg.list():  # requests finish between turns; the band never trips
-            while w.in_flight:
-                reg.release(w.url)
+        while HELD:  # requests finish between turns; the band never trips
+            HELD.pop().release()
     for g in range(3):
         urls = {url for url, _ in seen[g]}
         assert len(urls) == 1, seen[g]
