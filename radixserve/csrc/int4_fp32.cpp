@@ -54,32 +54,70 @@ void group_scalar(const uint8_t* w, const S* s, const Rows& a, int64_t r0, int64
     }
 }
 
+// AVX2: 8 columns (half h of the group) a vector; as the AVX-512 path below, product and add in one asm statement.
+template <bool FIRST>
+__attribute__((target("avx2"), always_inline)) inline void mul_add8(__m256& part, __m256 q, const float* x) {
+  __m256 prod;
+  if (FIRST)
+    asm("vbroadcastss %2, %0\n\tvmulps %0, %1, %0" : "=&x"(part) : "x"(q), "m"(*x));
+  else
+    asm("vbroadcastss %3, %1\n\tvmulps %1, %2, %1\n\tvaddps %1, %0, %0" : "+x"(part), "=&x"(prod) : "x"(q), "m"(*x));
+}
+
+__attribute__((target("avx2"), always_inline)) inline __m256 codes8(const __m256i* raw, int k) {
+  const __m256i q = _mm256_srli_epi32(raw[k % 16 / 4], 8 * (k % 4) + 4 * (k / 16));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15)));
+}
+
+// Rows r .. r + R - 1, columns 8h .. 8h + 7 of acc + the block's term; codes from raw (this half's 4 words) or,
+// BUFFERED, from wf (16 floats per k, this half's 8 at wf + 8h).
+template <int R, bool BUFFERED, typename S>
+__attribute__((target("avx2,f16c"), always_inline)) inline void add_block8(float* o, const __m256i* raw, const float* wf,
+                                                                        const Rows& a, int64_t r, int64_t b,
+                                                                        const S* sb, int h) {
+  __m256 part[R][4];
+#pragma GCC unroll 32
+  for (int k = 0; k < BLOCK; ++k) {
+    const __m256 q = BUFFERED ? _mm256_load_ps(wf + k * COLS + 8 * h) : codes8(raw, k);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const float* x = a.x + (r + i) * a.k + b * BLOCK + k;
+      if (k < 4)
+        mul_add8<true>(part[i][k % 4], q, x);
+      else
+        mul_add8<false>(part[i][k % 4], q, x);
+    }
+  }
+  const __m256 d = load8(sb + 8 * h), mn = load8(sb + COLS + 8 * h);
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    const __m256 dot = _mm256_add_ps(_mm256_add_ps(part[i][0], part[i][1]), _mm256_add_ps(part[i][2], part[i][3]));
+    const __m256 v = _mm256_mul_ps(mn, _mm256_set1_ps(a.xs[(r + i) * a.nb + b]));
+    float* oi = o + i * COLS + 8 * h;
+    _mm256_storeu_ps(oi, _mm256_add_ps(_mm256_loadu_ps(oi), _mm256_add_ps(_mm256_mul_ps(d, dot), v)));
+  }
+}
+
 template <typename S>
 __attribute__((target("avx2,f16c"))) void group_avx2(const uint8_t* w, const S* s, const Rows& a, int64_t r0,
                                                      int64_t r1, float* acc) {
-  const __m256i low = _mm256_set1_epi32(15);
-  for (int64_t r = r0; r < r1; ++r)
-    for (int h = 0; h < 2; ++h) {   // columns 8h .. 8h + 7
-      __m256 o = _mm256_loadu_ps(acc + (r - r0) * COLS + h * 8);
-      for (int64_t b = 0; b < a.nb; ++b) {
-        __m256i raw[4];
-        for (int p = 0; p < 4; ++p)
-          raw[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * BLOCK_BYTES + p * 64 + h * 32));
-        const float* xb = a.x + r * a.k + b * BLOCK;
-        __m256 part[4];
-#pragma GCC unroll 32
-        for (int k = 0; k < BLOCK; ++k) {
-          const __m256i q = _mm256_and_si256(_mm256_srli_epi32(raw[k % 16 / 4], 8 * (k % 4) + 4 * (k / 16)), low);
-          const __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(xb[k]));
-          part[k % 4] = k < 4 ? prod : _mm256_add_ps(part[k % 4], prod);
-        }
-        const __m256 dot = _mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3]));
-        const S* sb = s + b * 2 * COLS + h * 8;
-        const __m256 v = _mm256_mul_ps(load8(sb + COLS), _mm256_set1_ps(a.xs[r * a.nb + b]));
-        o = _mm256_add_ps(o, _mm256_add_ps(_mm256_mul_ps(load8(sb), dot), v));
+  alignas(32) float wf[BLOCK * COLS];
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const S* sb = s + b * 2 * COLS;
+    for (int h = 0; h < 2; ++h) {
+      __m256i raw[4];
+      for (int p = 0; p < 4; ++p)
+        raw[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * BLOCK_BYTES + p * 64 + h * 32));
+      if (r1 - r0 <= DIRECT_ROWS) {
+        for (int64_t r = r0; r < r1; ++r) add_block8<1, false>(acc + (r - r0) * COLS, raw, wf, a, r, b, sb, h);
+        continue;
       }
-      _mm256_storeu_ps(acc + (r - r0) * COLS + h * 8, o);
+      for (int k = 0; k < BLOCK; ++k) _mm256_store_ps(wf + k * COLS + 8 * h, codes8(raw, k));
+      int64_t r = r0;
+      for (; r + 2 <= r1; r += 2) add_block8<2, true>(acc + (r - r0) * COLS, raw, wf, a, r, b, sb, h);
+      for (; r < r1; ++r) add_block8<1, true>(acc + (r - r0) * COLS, raw, wf, a, r, b, sb, h);
     }
+  }
 }
 
 // One 32-bit lane per column: the code of k is the low 4 bits of (lane >> shift), and vpermps reads only those 4
