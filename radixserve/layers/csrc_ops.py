@@ -29,13 +29,25 @@ def library_loaded() -> bool:
         logger.warning("int4 kernels: cannot load %s (%s); using the torch references", LIBRARY, exc)
         return False
     for op in OPS:
-        torch.library.register_fake(f"radixserve::{op}")(lambda x, packed, scales, n, isa: x.new_empty(x.shape[0], n))
+        if has_op(op):
+            torch.library.register_fake(f"radixserve::{op}")(
+                lambda x, packed, scales, n, isa: x.new_empty(x.shape[0], n))
     return True
 
 
+@functools.cache
+def has_op(op: str) -> bool:
+    """Whether the loaded library defines `op` (a library built before the op was added does not: logged once)."""
+    if hasattr(torch.ops.radixserve, op):
+        return True
+    logger.warning("int4 kernels: %s lacks radixserve::%s (built before it was added; rebuild with python -m "
+                   "radixserve.csrc.build); using its torch reference", LIBRARY, op)
+    return False
+
+
 def supported_isas(op: str, isas: tuple[str, ...]) -> tuple[str, ...]:
-    """The paths of `op` (isas[i] is its ISA number i; "scalar" first) this CPU runs; () without the library."""
-    if not library_loaded():
+    """The paths of `op` (isas[i] is its ISA number i; "scalar" first) this CPU runs; () without the op built."""
+    if not library_loaded() or not has_op(op):
         return ()
     supported = getattr(torch.ops.radixserve, f"{op.removesuffix('_mm')}_supported")
     return tuple(name for i, name in enumerate(isas) if supported(i))

@@ -145,3 +145,11 @@ def test_config_allows_deterministic_but_not_with_a_float_copy():
     assert EngineConfig(quantization="int4-fp32", enable_deterministic_inference=True).quantization == "int4-fp32"
     with pytest.raises(ValueError, match="--quantized-max-tokens cannot be combined"):
         EngineConfig(quantization="int4-fp32", quantized_max_tokens=8, enable_deterministic_inference=True)
+
+
+def test_a_library_built_before_an_op_was_added_leaves_that_op_on_its_reference():
+    from radixserve.layers import csrc_ops
+    if not kernel_isas():
+        pytest.skip("radixserve/csrc not built (python -m radixserve.csrc.build)")
+    assert csrc_ops.has_op("int4_fp32_mm") and not csrc_ops.has_op("int4_missing_mm")
+    assert csrc_ops.supported_isas("int4_missing_mm", fp.ISAS) == ()
