@@ -35,9 +35,9 @@ elif [ -z "${CXX:-}" ] && [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ] && co
 else
   echo "install.sh: note: no C++ compiler (${CXX:-g++}); --compile auto decodes eagerly (install g++ or set CXX)"
 fi
-# radixserve's own C++ kernels (radixserve/csrc: the --quantization int4-int8 matmul), compiled once here, never at
-# run time; without a compiler those layers run their pure-torch reference (same numbers, slower; one log line).
+# radixserve's own C++ kernels (radixserve/csrc: the --quantization int4-int8 and int4-fp32 matmuls), compiled once
+# here, never at run time; without a compiler those layers run their pure-torch reference (same numbers, slower; one log line).
 step 7 "radixserve's C++ kernels (python -m radixserve.csrc.build)"
 python -m pip install --quiet ninja==1.13.0          # torch's extension builder needs it
-python -m radixserve.csrc.build || echo "install.sh: note: C++ kernels not built; --quantization int4-int8 runs its torch reference"
+python -m radixserve.csrc.build || echo "install.sh: note: C++ kernels not built; --quantization int4-int8 / int4-fp32 run their torch references"
 echo "install.sh: done. Next: radixserve serve (its first start converts the default model and caches it)"

@@ -115,7 +115,7 @@ def quality(ref: LLM, runs: dict[str, LLM], num_tokens: int, peer=None) -> None:
 def _row(name: str, agree: int, total: int, delta: float, outs: list[list[int]],
          reference: list[list[int]], num_tokens: int) -> None:
     first = [next((j for j, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(outs, reference)]
-    print(f"| {name} | {agree / total:.2%} | {delta / total:.4f} | {', '.join(map(str, first))} (of {num_tokens}) |")
+    print(f"| {name} | {agree / total:.2%} | {delta / total:.3g} | {', '.join(map(str, first))} (of {num_tokens}) |")
 
 
 def linear_bytes(llm: LLM) -> int:

@@ -123,7 +123,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--num-threads", type=int, default=None)
-    ap.add_argument("--quantization", default="none", help="none | int8 | int4 | int4-int8 | auto (EngineConfig)")
+    ap.add_argument("--quantization", default="none", help="none | int8 | int4 | int4-int8 | int4-fp32 | auto (EngineConfig)")
     ap.add_argument("--quantized-max-tokens", type=int, default=0)
     ap.add_argument("--enable-deterministic-inference", action="store_true")
     ap.add_argument("--py-spy", default=None, help="flame graph of the timed steps (svg path)")

@@ -102,12 +102,13 @@ class EngineConfig:
                 "batch 1, slower at batch >= 16 on AVX2: docs/benchmarks.md), int8 requantizes every "
                 "linear weight per row; auto = int4 for a GGUF (its stored 4-bit precision), none "
                 "otherwise and under --enable-deterministic-inference; int4-int8 = int4's weights on "
-                "radixserve's int4 x int8-activation kernel, batch-invariant, at every step size "
-                "(docs/runner.md)", ("none", "int8", "int4", "int4-int8", "auto"))
+                "radixserve's int4 x int8-activation kernel, batch-invariant, at every step size; "
+                "int4-fp32 = the same weights x fp32 activations, fp32 out, batch-invariant "
+                "(docs/runner.md)", ("none", "int8", "int4", "int4-int8", "int4-fp32", "auto"))
     quantized_max_tokens: int = opt(
-        0, "int4 / int8: steps of more than this many tokens run the quantized layers on their "
-           "dequantization, kept alongside (bf16 where the CPU has native bf16, +2 bytes per "
-           "weight; else fp32, +4): the quantized kernels beat fp32 "
+        0, "int4 / int8 / int4-fp32: steps of more than this many tokens run the quantized layers on "
+           "their dequantization, kept alongside (bf16 where the CPU has native bf16, +2 bytes per "
+           "weight; else, and always for int4-fp32, fp32, +4): the quantized kernels beat fp32 "
            "only for a few tokens per step (measured crossover ~12-16 on AVX2, docs/benchmarks.md); "
            "0 = the quantized kernel at every size, no float copy")
     compile: str = opt(
@@ -203,6 +204,9 @@ class EngineConfig:
             raise ValueError(f"--quantization {self.quantization} cannot be combined with "
                              f"--enable-deterministic-inference: the quantized kernels are not "
                              f"proven batch-invariant (use --quantization none or auto)")
+        if self.quantized_max_tokens and self.enable_deterministic_inference:
+            raise ValueError("--quantized-max-tokens cannot be combined with --enable-deterministic-inference: a "
+                             "row would take the kernel or the float copy by its step's token count")
         check_disaggregation(self)
         check_parallel(self)
         check_kv_history(self)

@@ -24,6 +24,6 @@ if __name__ == "__main__":
     try:
         build()
     except (RuntimeError, OSError, ImportError, ValueError) as exc:
-        print(f"radixserve.csrc.build: not built ({exc}); the int4-int8 layers run their torch reference")
+        print(f"radixserve.csrc.build: not built ({exc}); the int4-int8 and int4-fp32 layers run their torch references")
         sys.exit(1)
     print(f"radixserve.csrc.build: built {LIBRARY}")

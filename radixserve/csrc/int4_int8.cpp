@@ -1,16 +1,13 @@
 // radixserve::int4_int8_mm: layout, numerics and the fixed float order are radixserve/layers/int4_int8.py's.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
-#include <algorithm>
 #include <cmath>
-#include <cstring>
+
+#include "int4_layout.h"
 
 namespace {
 
-constexpr int COLS = 16, BLOCK = 32, TILE = 32;
+using namespace radixserve_int4;
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512_VNNI = 2 };
 
 struct Acts {
@@ -51,9 +48,6 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* dx, f
   });
 }
 
-inline float to_float(float v) { return v; }
-inline float to_float(at::Half v) { return static_cast<float>(v); }
-
 // Column group g, rows [r0, r1): acc[r][c] += d[c] * (isum * dx) + mn[c] * sxf, blocks in order.
 template <typename S>
 void group_scalar(const uint8_t* w, const S* s, const Acts& a, int64_t r0, int64_t r1, float* acc) {
@@ -75,15 +69,6 @@ void group_scalar(const uint8_t* w, const S* s, const Acts& a, int64_t r0, int64
       }
     }
   }
-}
-
-__attribute__((target("avx2,f16c"))) __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,f16c"))) __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-__attribute__((target("avx512f"))) __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f"))) __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 template <typename S>
@@ -152,31 +137,16 @@ template <typename S>
 void run(const uint8_t* w, const S* s, const Acts& a, int64_t m, int64_t n, int64_t groups, int64_t isa, float* y) {
   auto group = isa == AVX512_VNNI ? group_vnni<S> : isa == AVX2 ? group_avx2<S> : group_scalar<S>;
   const int64_t nb = a.nb;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    float acc[TILE * COLS];
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t cols = std::min<int64_t>(COLS, n - g * COLS);
-      for (int64_t r0 = 0; r0 < m; r0 += TILE) {
-        const int64_t r1 = std::min(m, r0 + TILE);
-        std::fill(acc, acc + TILE * COLS, 0.f);
-        group(w + g * nb * 256, s + g * nb * 2 * COLS, a, r0, r1, acc);
-        for (int64_t r = r0; r < r1; ++r)
-          std::memcpy(y + r * n + g * COLS, acc + (r - r0) * COLS, cols * sizeof(float));
-      }
-    }
-  });
+  run_groups([&](int64_t g, int64_t r0, int64_t r1, float* acc) {
+    group(w + g * nb * BLOCK_BYTES, s + g * nb * 2 * COLS, a, r0, r1, acc);
+  }, m, n, groups, y);
 }
 
 // x (M, K) fp32; packed (G, K / 32, 4, 64) uint8; scales (G, K / 32, 2, 16) fp32 or fp16 -> (M, n) fp32.
 at::Tensor int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
                         int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (M, K) float32");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.is_contiguous(), "bad packed");
-  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous(),
-              "scales must be float32 or float16");
+  check_operands("int4_int8_mm", x, packed, scales, n);
   const int64_t m = x.size(0), k = x.size(1), groups = packed.size(0), nb = k / BLOCK;
-  TORCH_CHECK(k % BLOCK == 0 && packed.size(1) == nb && scales.numel() == groups * nb * 2 * COLS, "bad K");
-  TORCH_CHECK(n > (groups - 1) * COLS && n <= groups * COLS, "bad n");
   TORCH_CHECK(supported(isa), "int4_int8_mm: this CPU lacks ISA ", isa);
   const at::Tensor xc = x.contiguous();
   at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));

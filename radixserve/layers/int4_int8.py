@@ -4,14 +4,10 @@ depends on that row alone (batch-invariant). Numerics and layout: docs/runner.md
 from __future__ import annotations
 
 import functools
-import logging
-import os
 
 import torch
 
-from radixserve.csrc import LIBRARY
-
-logger = logging.getLogger(__name__)
+from radixserve.layers import csrc_ops
 
 BLOCK = 32
 COLS = 16
@@ -20,39 +16,15 @@ ISA_ENV = "RADIXSERVE_INT4_INT8_ISA"
 _REFERENCE_ROWS = 256
 
 
-@functools.cache
-def _library_loaded() -> bool:
-    if not LIBRARY.exists():
-        logger.warning("int4-int8: %s not built (python -m radixserve.csrc.build); using the torch reference", LIBRARY)
-        return False
-    try:
-        torch.ops.load_library(str(LIBRARY))
-    except OSError as exc:
-        logger.warning("int4-int8: cannot load %s (%s); using the torch reference", LIBRARY, exc)
-        return False
-    torch.library.register_fake("radixserve::int4_int8_mm")(
-        lambda x, packed, scales, n, isa: x.new_empty(x.shape[0], n))
-    return True
-
-
 def supported_isas() -> tuple[str, ...]:
     """The kernel's paths this CPU runs ("scalar" first); () without the built library."""
-    if not _library_loaded():
-        return ()
-    return tuple(name for i, name in enumerate(ISAS) if torch.ops.radixserve.int4_int8_supported(i))
+    return csrc_ops.supported_isas("int4_int8_mm", ISAS)
 
 
 @functools.cache
 def chosen_isa() -> str | None:
     """$RADIXSERVE_INT4_INT8_ISA if this CPU runs it, else the widest path; None: the torch reference (logged once)."""
-    isas = supported_isas()
-    wanted = os.environ.get(ISA_ENV)
-    if wanted and wanted not in isas:
-        logger.warning("int4-int8: %s=%s not available here (have %s)", ISA_ENV, wanted, ", ".join(isas) or "none")
-    isa = wanted if wanted in isas else (isas[-1] if isas else None)
-    if isa != ISAS[-1]:
-        logger.info("int4-int8: running the %s path", isa or "torch reference")
-    return isa
+    return csrc_ops.choose_isa("int4-int8", "int4_int8_mm", ISAS, ISA_ENV)
 
 
 def block_params(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

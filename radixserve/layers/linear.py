@@ -84,7 +84,8 @@ class Linear(torch.nn.Module):
             return
         if w.device.type != "cpu":
             return
-        if self._quant_max_rows and w.dtype == torch.float32 and native_bf16():
+        fp32_copy = getattr(self._quant, "FLOAT_COPY_DTYPE", None) == torch.float32
+        if self._quant_max_rows and w.dtype == torch.float32 and not fp32_copy and native_bf16():
             self._pack(w.to(torch.bfloat16))
         else:
             splits = next((s for s in (4, 2) if self.out_features % s == 0), 0)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.layers.int4_fp32 import Int4F32Matmul
 from radixserve.layers.int4_int8 import Int4Int8Matmul
 
 logger = logging.getLogger(__name__)
@@ -128,8 +129,13 @@ class Int4Int8Weight(Int4Weight):
     """An Int4Weight served by int4_int8.py (int8 activations; batch-invariant, fp32 out) instead of torch's kernel."""
 
 
+class Int4F32Weight(Int4Weight):
+    """An Int4Weight served by int4_fp32.py (fp32 activations; batch-invariant, fp32 out) instead of torch's kernel."""
+
+
 QuantWeight = Int4Weight | Int8Weight
-MATMULS = {Int4Weight: Int4Matmul, Int8Weight: Int8Matmul, Int4Int8Weight: Int4Int8Matmul}
+MATMULS = {Int4Weight: Int4Matmul, Int8Weight: Int8Matmul, Int4Int8Weight: Int4Int8Matmul,
+           Int4F32Weight: Int4F32Matmul}
 
 
 def _probe_weight(kind: type, n: int, k: int, gen: torch.Generator) -> QuantWeight:

@@ -45,7 +45,7 @@ def read_model_config(path: str) -> ModelConfig:
 
 
 def resolve_quantization(quantization: str, path: str, deterministic: bool = False) -> str:
-    """"none", "int4", "int8" or "int4-int8"; auto: int4 for a GGUF file, else (and when deterministic) none. Raises
+    """"none", "int4", "int8", "int4-int8" or "int4-fp32"; auto: int4 for a GGUF file, else (and when deterministic) none. Raises
     ValueError for a quantized mode on an HF folder (only GGUF weights are read quantized)."""
     if quantization == "auto":
         if deterministic and is_gguf(path):

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from radixserve.config import cache_root
-from radixserve.layers.quant_linear import Int4Int8Weight, Int4Weight, Int8Weight, QuantWeight
+from radixserve.layers.quant_linear import Int4F32Weight, Int4Int8Weight, Int4Weight, Int8Weight, QuantWeight
 from radixserve.models.model_config import ModelConfig
 from radixserve.weights.checkpoint_config import read_gguf
 from radixserve.weights.gguf_blocks import INT4_TYPES, decode_int4
@@ -143,9 +143,10 @@ def _write_cache(path: str, config: ModelConfig, tensors: dict[str, torch.Tensor
 
 def load_gguf(path: str, quantization: str = "none") -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | QuantWeight]]]:
     """ModelConfig and (transformers name, tensor or quantized weight) pairs, from the variant's cache or cached now."""
-    if quantization == "int4-int8":
+    own_kernel = {"int4-int8": Int4Int8Weight, "int4-fp32": Int4F32Weight}.get(quantization)
+    if own_kernel is not None:   # int4's weights and cache, served by radixserve's own kernel
         config, tensors = load_gguf(path, "int4")
-        return config, ((n, Int4Int8Weight(t.codes, t.scale, t.zero) if isinstance(t, Int4Weight) else t)
+        return config, ((n, own_kernel(t.codes, t.scale, t.zero) if isinstance(t, Int4Weight) else t)
                         for n, t in tensors)
     quantized = quantization != "none"
     cached = cache_path(path, quantization if quantized else "")

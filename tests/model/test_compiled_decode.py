@@ -96,24 +96,27 @@ def q4_gguf(tmp_path_factory):
     return folder / "tiny-q4.gguf"
 
 
-def test_compiled_int4_int8_decode_matches_eager(q4_gguf, compile_cache):
-    """--quantization int4-int8: its kernel (a custom op with a fake kernel for Inductor, layers/int4_int8.py) runs
-    inside the compiled graphs (no graph break), and greedy output is eager's, under preemption and radix hits."""
+@pytest.mark.parametrize("quantization", ["int4-int8", "int4-fp32"])
+def test_compiled_own_int4_kernel_decode_matches_eager(q4_gguf, compile_cache, quantization):
+    """--quantization int4-int8 / int4-fp32: its kernel (a custom op with a fake kernel for Inductor,
+    layers/csrc_ops.py) runs inside the compiled graphs (no graph break), and greedy output is eager's, under
+    preemption and radix hits."""
     from torch._dynamo.utils import counters
 
     from radixserve.csrc import LIBRARY
-    from radixserve.layers.int4_int8 import chosen_isa
+    from radixserve.layers import int4_fp32, int4_int8
+    chosen_isa = (int4_int8 if quantization == "int4-int8" else int4_fp32).chosen_isa
     assert chosen_isa() is not None or not LIBRARY.exists()     # built: the kernel runs, not reference_mm
     counters.clear()
     prompts = prompt_set(384, 5, [3, 40, 17, 70, 9, 33])
-    cfg = {**CFG, "max_total_tokens": KV_TOKENS, "quantization": "int4-int8"}
+    cfg = {**CFG, "max_total_tokens": KV_TOKENS, "quantization": quantization}
     eager, compiled = make_engine(q4_gguf, **cfg), make_engine(q4_gguf, compile="on", **cfg)
     mlp = compiled.runner.model.model.layers[0].mlp
     assert all(layer.quantized for layer in mlp.children())
     cached = []
     for round_ in range(2):
         for i, (g, w) in enumerate(zip(generate(compiled, prompts), generate(eager, prompts))):
-            assert_same_greedy(g, w, f"int4-int8 round {round_} prompt {i} ({chosen_isa()})")
+            assert_same_greedy(g, w, f"{quantization} round {round_} prompt {i} ({chosen_isa()})")
         cached.append(compiled.counters["num_cached_tokens"])
     assert compiled.scheduler.num_preemptions > 0 and cached[1] > cached[0], cached
     info = compiled.runner.info()["compile"]

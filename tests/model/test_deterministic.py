@@ -118,10 +118,11 @@ def test_deterministic_mode_is_refused_where_it_cannot_hold(gqa_dir, config, mes
         ModelRunner.from_config(EngineConfig(model_path=str(gqa_dir), max_total_tokens=512, **DET, **config))
 
 
-@pytest.mark.parametrize("quantization", ["none", "int4-int8"])
+@pytest.mark.parametrize("quantization", ["none", "int4-int8", "int4-fp32"])
 def test_seeded_sampling_same_alone_and_beside_other_streams(default_gguf, quantization):
     """The issue's recipe on the default model: a seeded T=1.0 request alone, then beside three
-    other streams with a small token budget (different chunking, its prefix now cached); int4-int8: on its kernel."""
+    other streams with a small token budget (different chunking, its prefix now cached); int4-int8 / int4-fp32: on
+    its kernel."""
     llm = LLM(max_total_tokens=4096, chunked_prefill_size=48, quantization=quantization, **DET)
     if quantization != "none":
         assert all(layer.quantized for layer in llm.engine.runner.model.model.layers[0].mlp.children())

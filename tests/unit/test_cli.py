@@ -141,6 +141,7 @@ def tiny_hf_folder(folder: pathlib.Path, layers: int = 2, heads: int = 4, kv_hea
     (["--quantization", "int4"], "--quantization int4 reads GGUF blocks"),
     (["--quantization", "int8"], "--quantization int8 reads GGUF blocks"),
     (["--quantization", "int4-int8"], "--quantization int4-int8 reads GGUF blocks"),
+    (["--quantization", "int4-fp32"], "--quantization int4-fp32 reads GGUF blocks"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE/NEXTN drafts with a checkpoint's NextN"),
 ])
 def test_parallel_sizes_and_quantization_the_model_cannot_take_are_exit_2_before_loading(tmp_path, flags, says,

@@ -17,7 +17,7 @@ from radixserve.layers.parallel import Heads, shard_heads, vocab_part
     (dict(tp_size=2, cp_size=2, disaggregation_mode="decode"), "decode with --tp-size 2 --cp-size 2 is not built"),
     (dict(tp_size=2, speculative_algorithm="draft", speculative_draft_layers=1), "draft"),
     *[(dict(tp_size=3, quantization=q), f"--tp-size 3 cannot be combined with --quantization {q}")
-      for q in ("int4", "int8", "int4-int8")],
+      for q in ("int4", "int8", "int4-int8", "int4-fp32")],
 ])
 def test_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -1,0 +1,85 @@
+"""int4 weights x fp32 activations on the CPU: radixserve/csrc/int4_fp32.cpp, or reference_mm, its bit-identical torch
+form. w = d * q + mn per 32 columns (int4_int8.py's block_params and pack); per output and block b,
+dot_b = block_sum(q * x), xs_b = block_sum(x), acc = acc + (d * dot_b + mn * xs_b) over the blocks in order, where
+block_sum adds 32 values as four partial sums over k % 4 (each in k order, from its first term) combined as
+(s0 + s1) + (s2 + s3). Every mul and add rounds to fp32 once, none fused into an FMA, so every ISA path and the
+reference agree bit for bit; a row's result reads only that row (batch-invariant). docs/runner.md, "int4-fp32"."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from radixserve.layers import csrc_ops
+from radixserve.layers.int4_int8 import BLOCK, block_params, pack
+
+ISAS = ("scalar", "avx2", "avx512")
+ISA_ENV = "RADIXSERVE_INT4_FP32_ISA"
+_REFERENCE_ROWS = 32
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The kernel's paths this CPU runs ("scalar" first); () without the built library."""
+    return csrc_ops.supported_isas("int4_fp32_mm", ISAS)
+
+
+@functools.cache
+def chosen_isa() -> str | None:
+    """$RADIXSERVE_INT4_FP32_ISA if this CPU runs it, else the widest path; None: the torch reference (logged once)."""
+    return csrc_ops.choose_isa("int4-fp32", "int4_fp32_mm", ISAS, ISA_ENV)
+
+
+def block_sum(v: torch.Tensor) -> torch.Tensor:
+    """v (..., 32) -> (...): the kernel's fixed order of adding a block's 32 values."""
+    s = v[..., 0:4]
+    for i in range(1, BLOCK // 4):
+        s = s + v[..., 4 * i:4 * i + 4]
+    return (s[..., 0] + s[..., 1]) + (s[..., 2] + s[..., 3])
+
+
+def reference_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """x (M, K) fp32, codes (N, K) uint8, d, mn (N, K / 32) fp32 -> (M, N) fp32, bit for bit the kernel's result."""
+    out = torch.empty(x.shape[0], codes.shape[0])
+    qw = codes.float().view(codes.shape[0], -1, BLOCK)   # (N, B, 32)
+    for r0 in range(0, x.shape[0], _REFERENCE_ROWS):
+        xb = x[r0:r0 + _REFERENCE_ROWS].float().reshape(-1, qw.shape[1], BLOCK)   # (R, B, 32)
+        part = [xb[:, None, :, k] * qw[:, :, k] for k in range(4)]   # (R, N, B) each
+        for k in range(4, BLOCK):
+            part[k % 4] = part[k % 4] + xb[:, None, :, k] * qw[:, :, k]
+        dot = (part[0] + part[1]) + (part[2] + part[3])
+        xs = block_sum(xb)   # (R, B)
+        acc = torch.zeros(xb.shape[0], codes.shape[0])
+        for b in range(qw.shape[1]):
+            acc = acc + (d[:, b] * dot[:, :, b] + mn[:, b] * xs[:, b, None])
+        out[r0:r0 + _REFERENCE_ROWS] = acc
+    return out
+
+
+class Int4F32Matmul:
+    """x (M, K) @ W.T -> (M, N) fp32, W the Int4Weight shards stacked, on `isa` (None: reference_mm); ValueError on
+    bad K. No float copy of W is kept."""
+
+    BATCH_INVARIANT = True
+    FLOAT_COPY_DTYPE = torch.float32   # a --quantized-max-tokens copy stays fp32: numerics stay fp32-class
+
+    def __init__(self, weights: list, isa: str | None = "auto"):
+        if len({w.codes.shape[1] for w in weights}) != 1 or weights[0].codes.shape[1] % BLOCK:
+            raise ValueError("int4-fp32 shards of one layer must share their columns, a multiple of 32")
+        codes = torch.cat([w.codes for w in weights])
+        d, mn = block_params(torch.cat([w.scale for w in weights]), torch.cat([w.zero for w in weights]))
+        self.n = codes.shape[0]
+        self.isa = chosen_isa() if isa == "auto" else isa
+        if self.isa is not None and self.isa not in supported_isas():
+            raise ValueError(f"int4-fp32 path {self.isa!r} not available here (have {supported_isas()})")
+        if self.isa is None:
+            self.codes, self.d, self.mn = codes, d, mn
+        else:
+            self.packed, self.scales = pack(codes, d, mn)
+
+    def __call__(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
+        xf = x.float()
+        if self.isa is None:
+            y = reference_mm(xf, self.codes, self.d, self.mn)
+        else:
+            y = torch.ops.radixserve.int4_fp32_mm(xf, self.packed, self.scales, self.n, ISAS.index(self.isa))
+        return y.to(x.dtype) if cast_back else y
