@@ -97,20 +97,19 @@ class EngineConfig:
         None, "draft: a separate draft model (HF folder or .gguf) with the target's vocabulary; "
               "EAGLE: a trained draft head file (.safetensors, training/train_draft_head.py)")
     quantization: str = opt(
-        "none", "weight-only quantized linear layers for a GGUF model: int4 serves its Q4_0 / Q4_1 / "
-                "Q4_K weights exactly on torch's int4 kernel (~6x less linear-weight memory, faster at "
-                "batch 1, slower at batch >= 16 on AVX2: docs/benchmarks.md), int8 requantizes every "
-                "linear weight per row; auto = int4 for a GGUF (its stored 4-bit precision), none "
-                "otherwise and under --enable-deterministic-inference; int4-int8 = int4's weights on "
-                "radixserve's int4 x int8-activation kernel, batch-invariant, at every step size; "
-                "int4-fp32 = the same weights x fp32 activations, fp32 out, batch-invariant "
-                "(docs/runner.md)", ("none", "int8", "int4", "int4-int8", "int4-fp32", "auto"))
-    quantized_max_tokens: int = opt(
-        0, "int4 / int8 / int4-fp32: steps of more than this many tokens run the quantized layers on "
-           "their dequantization, kept alongside (bf16 where the CPU has native bf16, +2 bytes per "
-           "weight; else, and always for int4-fp32, fp32, +4): the quantized kernels beat fp32 "
-           "only for a few tokens per step (measured crossover ~12-16 on AVX2, docs/benchmarks.md); "
-           "0 = the quantized kernel at every size, no float copy")
+        "auto", "weight-only quantized linear layers for a GGUF model (docs/runner.md): auto (default) = "
+                "int4-fp32 for a GGUF where its kernel runs (built, on a CPU), else none; int4-fp32 = the "
+                "file's Q4_0 / Q4_1 / Q4_K weights x fp32 activations on radixserve's kernel, batch-invariant, "
+                "fp32-class numerics; int4 = torch's int4 kernel (bf16 activations); int4-int8 = int8 "
+                "activations (llama.cpp's kind of rounding), batch-invariant; int8 requantizes every linear "
+                "weight per row; none = fp32 dequantization", ("none", "int8", "int4", "int4-int8", "int4-fp32",
+                                                               "auto"))
+    quantized_max_tokens: int | None = opt(
+        None, "int4 / int8 / int4-fp32: steps of more than this many tokens run the quantized layers on "
+              "their dequantization, kept alongside (bf16 where the CPU has native bf16, +2 bytes per "
+              "weight; else, and always for int4-fp32, fp32, +4): the kernels beat fp32 only for a few "
+              "tokens per step (docs/benchmarks.md); 0 = the kernel at every size, no float copy; unset: 16 "
+              "where --quantization auto picks a kernel (0 under --enable-deterministic-inference), else 0")
     compile: str = opt(
         "off", "compile the decode forward with torch.compile (Inductor, C++; one graph per batch "
                "size up to --torch-compile-max-bs, built at start-up and cached on disk): on = fail "
@@ -198,12 +197,12 @@ class EngineConfig:
         check_speculative(self)
         if self.torch_compile_max_bs < 1:
             raise ValueError("torch_compile_max_bs must be >= 1")
-        if self.quantized_max_tokens < 0:
+        if self.quantized_max_tokens is not None and self.quantized_max_tokens < 0:
             raise ValueError("quantized_max_tokens must be >= 0")
         if self.quantization in ("int4", "int8") and self.enable_deterministic_inference:
             raise ValueError(f"--quantization {self.quantization} cannot be combined with "
                              f"--enable-deterministic-inference: the quantized kernels are not "
-                             f"proven batch-invariant (use --quantization none or auto)")
+                             f"proven batch-invariant (use --quantization none, int4-fp32 or auto)")
         if self.quantized_max_tokens and self.enable_deterministic_inference:
             raise ValueError("--quantized-max-tokens cannot be combined with --enable-deterministic-inference: a "
                              "row would take the kernel or the float copy by its step's token count")

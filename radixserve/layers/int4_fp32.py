@@ -14,6 +14,7 @@ from radixserve.layers import csrc_ops
 from radixserve.layers.int4_int8 import BLOCK, block_params, pack
 
 ISAS = ("scalar", "avx2", "avx512")
+VECTOR_ISAS = ISAS[1:]   # the paths --quantization auto serves (the scalar one is slower than fp32 dense)
 ISA_ENV = "RADIXSERVE_INT4_FP32_ISA"
 _REFERENCE_ROWS = 32
 

@@ -11,6 +11,7 @@ import torch
 
 from radixserve.engine.runner_api import ScheduledSeq, SeqResult
 from radixserve.engine_config import EngineConfig
+from radixserve.layers import int4_fp32
 from radixserve.layers.batch_invariant import check_row_invariance
 from radixserve.layers.parallel import Collectives
 from radixserve.layers.sampler import Sampler, token_logprobs
@@ -32,7 +33,7 @@ from radixserve.runner.mixed_kv import MixedKVCache
 from radixserve.runner.mtp import MTPDraft
 from radixserve.runner.structured import StructuredOutput
 from radixserve.sampling_params import SamplingParams
-from radixserve.weights.checkpoint_config import resolve_quantization
+from radixserve.weights.checkpoint_config import resolve_quantization, resolve_quantized_max_tokens
 from radixserve.weights.loader import load_checkpoint, load_weights
 from radixserve.weights.nextn_loader import load_draft_head, load_nextn, nextn_tensors
 from radixserve.weights.paths import resolve_model_path
@@ -69,7 +70,7 @@ class ModelRunner:
         if deterministic:
             check_row_invariance(self.dtype, self.device)
         self.model.prepare(self.dtype, self.device, batch_invariant=deterministic,
-                           quantized_max_tokens=config.quantized_max_tokens)
+                           quantized_max_tokens=config.quantized_max_tokens or 0)
         self.model.eval()
         heads, head_dim, latent = model_config.kv_shape
         if not latent:
@@ -126,8 +127,11 @@ class ModelRunner:
         path = resolve_model_path(config.model_path)
         start = time.perf_counter()
         logger.info("loading the model from %s", path)
+        own_kernel = resolve_device(config.device).type == "cpu" and int4_fp32.chosen_isa() in int4_fp32.VECTOR_ISAS
         quantization = ("none" if (tp is not None or config.pp_size > 1) and config.quantization == "auto" else
-                        resolve_quantization(config.quantization, path, config.enable_deterministic_inference))
+                        resolve_quantization(config.quantization, path, own_kernel))
+        config = dataclasses.replace(config, quantization=quantization,
+                                     quantized_max_tokens=resolve_quantized_max_tokens(config, quantization))
         model_config, weights = load_checkpoint(path, quantization)
         model = model_class(model_config)(model_config, tp=tp, ep_size=config.ep_size)
         weights = cls.select_part(model, weights, tp=tp, **kwargs)

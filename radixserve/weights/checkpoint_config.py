@@ -12,6 +12,9 @@ from radixserve.weights.paths import is_gguf
 from radixserve.weights.safetensors import read_hf_config
 
 logger = logging.getLogger(__name__)
+
+# --quantization auto's --quantized-max-tokens: int4-fp32 beats the fp32 copy up to ~16 rows (docs/benchmarks.md)
+AUTO_QUANTIZED_MAX_TOKENS = 16
 _BIG_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                "tokenizer.ggml.merges"}
 
@@ -44,24 +47,34 @@ def read_model_config(path: str) -> ModelConfig:
         raise ValueError(f"model path {path!r}: its config lacks {exc}") from None
 
 
-def resolve_quantization(quantization: str, path: str, deterministic: bool = False) -> str:
-    """"none", "int4", "int8", "int4-int8" or "int4-fp32"; auto: int4 for a GGUF file, else (and when deterministic) none. Raises
-    ValueError for a quantized mode on an HF folder (only GGUF weights are read quantized)."""
+def resolve_quantization(quantization: str, path: str, own_int4_kernel: bool = False) -> str:
+    """"none", "int4", "int8", "int4-int8" or "int4-fp32"; auto: int4-fp32 for a GGUF file where radixserve's int4-fp32
+    kernel runs (`own_int4_kernel`: built, on a CPU), else none. Raises ValueError for a quantized mode on an HF folder
+    (only GGUF weights are read quantized)."""
     if quantization == "auto":
-        if deterministic and is_gguf(path):
-            logger.info("--quantization auto: serving unquantized, because the int4 kernel is not "
-                        "proven batch-invariant for --enable-deterministic-inference")
-        return "int4" if is_gguf(path) and not deterministic else "none"
+        if is_gguf(path) and not own_int4_kernel:
+            logger.info("--quantization auto: serving fp32, since the int4-fp32 kernel does not run here "
+                        "(python -m radixserve.csrc.build builds it; CPU only)")
+        return "int4-fp32" if is_gguf(path) and own_int4_kernel else "none"
     if quantization != "none" and not is_gguf(path):
         raise ValueError(f"--quantization {quantization} reads GGUF blocks; {path!r} is not a .gguf file "
                          f"(serve it with --quantization none or auto)")
     return quantization
 
 
+def resolve_quantized_max_tokens(config: EngineConfig, quantization: str) -> int:
+    """--quantized-max-tokens, unset: AUTO_QUANTIZED_MAX_TOKENS where --quantization auto chose a quantized mode
+    outside --enable-deterministic-inference (whose rows must not change path with the step's size), else 0."""
+    if config.quantized_max_tokens is not None:
+        return config.quantized_max_tokens
+    auto = config.quantization == "auto" and quantization != "none"
+    return AUTO_QUANTIZED_MAX_TOKENS if auto and not config.enable_deterministic_inference else 0
+
+
 def check_checkpoint(config: EngineConfig, path: str) -> None:
     """ValueError naming the flag: a --quantization mode, (config_checks.check_model_fit) a size, or EAGLE on a
     checkpoint without a NextN layer and no draft head file, that `path` refuses."""
-    resolve_quantization(config.quantization, path, config.enable_deterministic_inference)
+    resolve_quantization(config.quantization, path)
     eagle_on_checkpoint = config.is_eagle and config.speculative_draft_model_path is None
     if config.pp_size > 1 or config.tp_size > 1 or eagle_on_checkpoint:
         model_config = read_model_config(path)

@@ -70,6 +70,7 @@ def run_scenario(model_path, prompts, refs, name, num_new=NUM_NEW, **cfg):
         assert engine.stats()["num_preemptions"] > 0
     s = engine.stats()
     assert s["num_free_pages"] + s["num_cached_pages"] == s["num_pages"]
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +113,18 @@ def test_default_model_parity(default_gguf, default_case, name):
     # budget that still holds the longest prompt (300) and its new tokens.
     cfg = {"max_total_tokens": 448} if name == "e_preemption" else {}
     run_scenario(default_gguf, prompts, refs, name, DEFAULT_NEW, **cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["b_all_at_once", "c_warm_cache", "e_preemption"])
+def test_default_model_parity_at_the_served_defaults(default_gguf, default_case, name):
+    """--quantization auto as served: int4-fp32 where its kernel has a vector path here (decode steps of <= 16 tokens
+    on the kernel, larger ones on the fp32 copy), else fp32; the same bound against transformers' fp32."""
+    from radixserve.layers import int4_fp32
+
+    prompts, refs = default_case
+    cfg = {"max_total_tokens": 448} if name == "e_preemption" else {}
+    engine = run_scenario(default_gguf, prompts, refs, name, DEFAULT_NEW, quantization="auto", **cfg)
+    served = engine.runner.config
+    own = int4_fp32.chosen_isa() in int4_fp32.VECTOR_ISAS
+    assert (served.quantization, served.quantized_max_tokens) == (("int4-fp32", 16) if own else ("none", 0))

@@ -16,7 +16,8 @@ from radixserve.layers.linear import Linear
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 from radixserve.weights import gguf as gguf_weights
-from radixserve.weights.checkpoint_config import resolve_quantization
+from radixserve.weights.checkpoint_config import (AUTO_QUANTIZED_MAX_TOKENS, resolve_quantization,
+                                                 resolve_quantized_max_tokens)
 from tests.conftest import build_tiny_llama
 from tests.model.gguf_convert import write_gguf
 from tests.model.test_gguf import greedy
@@ -122,12 +123,18 @@ def test_quantization_flag_validation(tiny_q4, caplog):
     path, hf_dir = tiny_q4
     with pytest.raises(ValueError, match="cannot be combined with --enable-deterministic-inference"):
         EngineConfig(quantization="int4", enable_deterministic_inference=True)
-    EngineConfig(quantization="auto", enable_deterministic_inference=True)   # auto falls back instead
-    assert resolve_quantization("auto", str(path)) == "int4"
-    assert resolve_quantization("auto", str(hf_dir)) == "none"
+    EngineConfig(quantization="auto", enable_deterministic_inference=True)   # int4-fp32 is batch-invariant
+    assert resolve_quantization("auto", str(path), own_int4_kernel=True) == "int4-fp32"
+    assert resolve_quantization("auto", str(hf_dir), own_int4_kernel=True) == "none"
     with caplog.at_level(logging.INFO, logger="radixserve.weights.checkpoint_config"):
-        assert resolve_quantization("auto", str(path), deterministic=True) == "none"
-    assert "not proven batch-invariant" in caplog.text
+        assert resolve_quantization("auto", str(path)) == "none"   # the kernel not built, or not on a CPU
+    assert "int4-fp32 kernel does not run here" in caplog.text
+    auto, det = EngineConfig(), EngineConfig(enable_deterministic_inference=True)
+    assert resolve_quantized_max_tokens(auto, "int4-fp32") == AUTO_QUANTIZED_MAX_TOKENS
+    assert resolve_quantized_max_tokens(det, "int4-fp32") == 0   # a row must not change path with the step
+    assert resolve_quantized_max_tokens(auto, "none") == 0
+    assert resolve_quantized_max_tokens(EngineConfig(quantization="int4"), "int4") == 0
+    assert resolve_quantized_max_tokens(EngineConfig(quantized_max_tokens=0), "int4-fp32") == 0
     with pytest.raises(ValueError, match="not a .gguf file"):
         resolve_quantization("int4", str(hf_dir))
     args = build_parser().parse_args(["serve", "--quantization", "int8"])
