@@ -1,11 +1,15 @@
 """EngineConfig: everything the engine process needs, as frozen flags (cross-flag checks: config_checks.py)."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
 from radixserve.config import opt
 from radixserve.config_checks import check_disaggregation, check_kv_history, check_parallel, check_speculative
+
+# The environment variable that sets --compile's default (tests/conftest.py pins it off for the suite).
+COMPILE_ENV = "RADIXSERVE_COMPILE"
 
 
 @dataclass(frozen=True)
@@ -111,12 +115,16 @@ class EngineConfig:
               "tokens per step (docs/benchmarks.md); 0 = the kernel at every size, no float copy; unset: 16 "
               "where --quantization auto picks a kernel (0 under --enable-deterministic-inference), else 0")
     compile: str = opt(
-        "off", "compile the decode forward with torch.compile (Inductor, C++; one graph per batch "
-               "size up to --torch-compile-max-bs, built at start-up and cached on disk): on = fail "
-               "over to eager with one log line if it cannot compile, auto = on where a C++ compiler "
-               "is found, off = eager (docs/runner.md)", ("auto", "on", "off"))
+        os.environ.get(COMPILE_ENV, "auto"),
+        "compile the decode forward with torch.compile (Inductor, C++; one graph per batch size up to "
+        "--torch-compile-max-bs, built at start-up, about a minute on a cold cache, seconds from the disk "
+        "cache): on = fail over to eager with one log line if it cannot compile, auto = on where a C++ "
+        f"compiler is found, off = eager (docs/runner.md); default auto, or ${COMPILE_ENV} (the test suite "
+        "pins off)", ("auto", "on", "off"))
     enable_torch_compile: bool = opt(False, "SGLang's flag: the same as --compile on")
-    torch_compile_max_bs: int = opt(8, "--compile: largest decode batch run compiled (larger steps run eagerly)")
+    torch_compile_max_bs: int = opt(
+        1, "--compile: largest decode batch run compiled (larger steps run eagerly; each further bucket 2, "
+           "4, .. adds to a cold start); default 1, a single stream, where compiling gains most")
     enable_deterministic_inference: bool = opt(
         False, "batch-invariant matmul and attention: a greedy or seeded request gives the same "
                "tokens whatever else is batched, chunked or cached (CPU only; slower, see docs)")
@@ -197,6 +205,8 @@ class EngineConfig:
         check_speculative(self)
         if self.torch_compile_max_bs < 1:
             raise ValueError("torch_compile_max_bs must be >= 1")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"--compile (or ${COMPILE_ENV}) must be auto, on or off, got {self.compile!r}")
         if self.quantized_max_tokens is not None and self.quantized_max_tokens < 0:
             raise ValueError("quantized_max_tokens must be >= 0")
         if self.quantization in ("int4", "int8") and self.enable_deterministic_inference:

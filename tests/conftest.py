@@ -12,6 +12,9 @@ import pytest
 # paths round differently, so the suite pins one: numerics that do not depend on timing, in
 # this process and in the servers it starts.
 os.environ.setdefault("RADIXSERVE_SINGLE_ROW_PATH", "split")
+# --compile's default is auto (a minute's cold compile per new configuration): the suite's dozens of engines and
+# servers decode eagerly unless a test asks for --compile; tests/model/test_compiled_decode.py covers the compiled path.
+os.environ.setdefault("RADIXSERVE_COMPILE", "off")
 
 
 def pytest_sessionstart(session) -> None:

@@ -3,6 +3,9 @@ another configuration's artifact; and which runners compile at all (runner/compi
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -81,3 +84,15 @@ def test_auto_without_a_compiler_decodes_eagerly(model_dir, monkeypatch, tmp_pat
     assert got is None
     assert [r.getMessage() for r in caplog.records if "compiled decode" in r.getMessage()] == [
         "compiled decode off, decoding eagerly: no C++ compiler (g++, clang++, c++) on PATH"]
+
+
+def test_compile_default_is_auto_unless_the_environment_sets_it():
+    """--compile's default comes from $RADIXSERVE_COMPILE (the suite pins off), else auto; a bad value is refused."""
+    code = "from radixserve.engine_config import EngineConfig as E; print(E().compile, E().torch_compile_max_bs)"
+    env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_COMPILE"}
+    run = lambda extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra},   # noqa: E731
+                                       capture_output=True, text=True)
+    assert run({}).stdout.split() == ["auto", "1"]
+    assert run({"RADIXSERVE_COMPILE": "off"}).stdout.split() == ["off", "1"]
+    bad = run({"RADIXSERVE_COMPILE": "yes"})
+    assert bad.returncode != 0 and "must be auto, on or off" in bad.stderr
