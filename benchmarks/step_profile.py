@@ -78,7 +78,7 @@ def ablate(kernels: list[str]) -> None:
                 x.shape[0], _rows(self), dtype=x.dtype if cast_back else quant_linear.ACTIVATION_DTYPE)
         elif kernel == "attention":
             decode_mirror.decode_attention = torch_backend.decode_attention = \
-                lambda q, *_args: torch.zeros_like(q)                    # (q, k, v, mask)
+                decode_mirror.decode_attention_lens = lambda q, *_args: torch.zeros_like(q)   # (q, k, v, mask | lens)
             decode_mirror.cascade_attend = lambda _plan, q, *_args: torch.zeros_like(q)
         else:
             raise SystemExit(f"--ablate: unknown kernel {kernel!r} (int4, int8, attention)")

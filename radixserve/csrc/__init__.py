@@ -5,3 +5,4 @@ import pathlib
 
 LIBRARY = pathlib.Path(__file__).with_name("_radixserve_ops.so")
 SOURCES = [pathlib.Path(__file__).with_name("int4_int8.cpp")]
+SOURCES.append(pathlib.Path(__file__).with_name("decode_attention.cpp"))

@@ -1,0 +1,79 @@
+"""Decode attention on the CPU by radixserve/csrc/decode_attention.cpp (`radixserve::decode_attention`) for fp32 KV.
+
+out[b, h] = softmax(q[b, h] . k[b, h // (H / KV), :lens[b]] / sqrt(D)) @ v[b, h // (H / KV), :lens[b]], fp32, with max
+subtraction. Paths: "avx512" (D % 16 == 0), "avx2" (D % 8 == 0, with FMA), else "scalar" (std::exp); chosen from what
+this CPU supports, or $RADIXSERVE_DECODE_ATTENTION_ISA ("sdpa": never use the kernel). The vector paths' exp has a
+relative error <= EXP_REL_ERROR on [-87, 0] (inputs below -87 count as -87, < 2e-38 of the row maximum's weight); the
+output is within OUTPUT_ATOL + OUTPUT_RTOL * |SDPA| of F.scaled_dot_product_attention for |q|, |k|, |v| <= 10 (tests).
+Elsewhere (library not built, other dtype or device) callers keep their SDPA call; `runs` says which, logged once."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from radixserve.csrc import LIBRARY
+
+logger = logging.getLogger(__name__)
+
+ISAS = ("scalar", "avx2", "avx512")
+ISA_ENV = "RADIXSERVE_DECODE_ATTENTION_ISA"
+EXP_REL_ERROR = 1e-6
+OUTPUT_ATOL, OUTPUT_RTOL = 2e-5, 1e-4
+
+
+@functools.cache
+def _library_loaded() -> bool:
+    if not LIBRARY.exists():
+        logger.warning("decode attention: %s not built (python -m radixserve.csrc.build); using SDPA", LIBRARY)
+        return False
+    try:
+        torch.ops.load_library(str(LIBRARY))
+        torch.ops.radixserve.decode_attention_supported
+    except (OSError, AttributeError, RuntimeError) as exc:
+        logger.warning("decode attention: %s has no decode_attention (%s); using SDPA", LIBRARY, exc)
+        return False
+    torch.library.register_fake("radixserve::decode_attention")(lambda q, k, v, lens, isa: torch.empty_like(q))
+    return True
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The kernel's paths this CPU runs ("scalar" first); () without the built library."""
+    if not _library_loaded():
+        return ()
+    return tuple(name for i, name in enumerate(ISAS) if torch.ops.radixserve.decode_attention_supported(i))
+
+
+@functools.cache
+def chosen_isa() -> str | None:
+    """$RADIXSERVE_DECODE_ATTENTION_ISA if this CPU runs it, else the widest path; None: SDPA."""
+    wanted = os.environ.get(ISA_ENV)
+    if wanted == "sdpa":
+        logger.info("decode attention: %s=sdpa, using SDPA", ISA_ENV)
+        return None
+    isas = supported_isas()
+    if wanted and wanted not in isas:
+        logger.warning("decode attention: %s=%s not available here (have %s)", ISA_ENV, wanted, ", ".join(isas) or "none")
+    return wanted if wanted in isas else (isas[-1] if isas else None)
+
+
+@functools.cache
+def runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decode attention over a KV of `dtype` on `device` runs the kernel (else SDPA; logged once per pair)."""
+    isa = chosen_isa() if device.type == "cpu" and dtype == torch.float32 else None
+    logger.info("decode attention over %s on %s: %s", dtype, device, f"the {isa} kernel" if isa else "SDPA")
+    return isa is not None
+
+
+def decode_attention_lens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
+                          isa: str | None = None) -> torch.Tensor:
+    """q (B, H, D) fp32, k and v (B, KV, L, D) fp32 CPU views with unit stride in D and equal strides, lens (B,) int64
+    in [1, L] -> (B, H, D) fp32; position t of row b is read iff t < lens[b]. Only where `runs` is True."""
+    return torch.ops.radixserve.decode_attention(q, k, v, lens, ISAS.index(isa or chosen_isa()))
+
+
+def fast_exp(x: torch.Tensor, isa: str) -> torch.Tensor:
+    """The vector path `isa`'s exp on x (fp32, contiguous), for tests of EXP_REL_ERROR."""
+    return torch.ops.radixserve.decode_attention_exp(x, ISAS.index(isa))
