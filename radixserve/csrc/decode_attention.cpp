@@ -12,7 +12,7 @@
 namespace {
 
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
-constexpr int64_t MIN_TASK_ROWS = 4096;   // K rows per thread below which a call stays on one thread
+constexpr int64_t MIN_TASK_ROWS = 1024;   // K rows per thread (about 0.5 MB of fp32 K and V at D 64); fewer: one thread
 
 bool supported(int64_t isa) {
   __builtin_cpu_init();
@@ -72,7 +72,8 @@ __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
 
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
   __m256 p = _mm256_set1_ps(TAYLOR[7]);
@@ -252,7 +253,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  const int64_t tasks = batch * kv, grain = rows <= MIN_TASK_ROWS ? tasks : std::max<int64_t>(1, tasks * MIN_TASK_ROWS / rows);
+  const int64_t tasks = batch * kv;
+  const int64_t grain = rows <= MIN_TASK_ROWS ? tasks : std::max<int64_t>(1, tasks * MIN_TASK_ROWS / rows);
   auto work = [&](int64_t i0, int64_t i1) {
     std::vector<float> scratch(rep * max_len);
     for (int64_t i = i0; i < i1; ++i) {

@@ -27,6 +27,12 @@ def sdpa_reference(q, k, v, lens):
     return decode_attention(q, k, v, mask)
 
 
+def assert_within_bound(out, expected, v):
+    assert out.shape == expected.shape and out.dtype == torch.float32
+    error = (out - expected).abs().max().item()
+    assert error <= decode_kernel.OUTPUT_TOL * v.abs().max().item(), error
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("batch,heads,num_kv,head_dim", [
     (1, 9, 3, 64), (3, 8, 8, 64), (5, 12, 2, 128), (2, 16, 2, 80), (4, 4, 1, 24), (2, 6, 3, 20)])
@@ -39,7 +45,7 @@ def test_matches_sdpa(isa, batch, heads, num_kv, head_dim, length):
     lens[0] = length
     out = decode_kernel.decode_attention_lens(q, k, v, lens, isa)
     expected = sdpa_reference(q, k, v, lens)
-    torch.testing.assert_close(out, expected, atol=decode_kernel.OUTPUT_ATOL, rtol=decode_kernel.OUTPUT_RTOL)
+    assert_within_bound(out, expected, v)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -53,7 +59,7 @@ def test_peaked_scores_and_non_contiguous_q(isa):
     lens = torch.tensor([100, 1, 63])
     out = decode_kernel.decode_attention_lens(q, k, v, lens, isa)
     expected = sdpa_reference(q, k, v, lens)
-    torch.testing.assert_close(out, expected, atol=decode_kernel.OUTPUT_ATOL * 25, rtol=decode_kernel.OUTPUT_RTOL)
+    assert_within_bound(out, expected, v)
 
 
 @pytest.mark.parametrize("isa", ISAS)
