@@ -78,7 +78,7 @@ def ablate(kernels: list[str]) -> None:
                 x.shape[0], _rows(self), dtype=x.dtype if cast_back else quant_linear.ACTIVATION_DTYPE)
         elif kernel == "attention":
             decode_mirror.decode_attention = torch_backend.decode_attention = \
-                lambda q, *_args: torch.zeros_like(q)                    # (q, k, v, mask)
+                decode_mirror.decode_attention_lens = lambda q, *_args: torch.zeros_like(q)   # (q, k, v, mask | lens)
             decode_mirror.cascade_attend = lambda _plan, q, *_args: torch.zeros_like(q)
         else:
             raise SystemExit(f"--ablate: unknown kernel {kernel!r} (int4, int8, attention)")
@@ -89,7 +89,7 @@ def profile(engine: Engine, batch: int, steps: int, prompt_len: int, py_spy: str
     for i in range(batch):
         prompt = [(i * 7919 + j * 31) % 1000 + 10 for j in range(prompt_len)]
         engine.add_request(f"r{batch}-{i}", prompt, SamplingParams(
-            max_tokens=steps + 16, temperature=0.0, ignore_eos=True))
+            max_tokens=steps + 16 + batch, temperature=0.0, ignore_eos=True))   # early ones decode while others prefill
     while any(r.is_prefilling for r in engine.requests.values()) or len(engine.scheduler.running) < batch:
         engine.step()
     for _ in range(3):   # warm the decode path

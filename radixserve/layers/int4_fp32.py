@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from radixserve.layers import csrc_ops
+from radixserve.csrc import ops as csrc_ops
 from radixserve.layers.int4_int8 import BLOCK, block_params, pack
 
 ISAS = ("scalar", "avx2", "avx512")

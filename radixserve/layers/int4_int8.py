@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from radixserve.layers import csrc_ops
+from radixserve.csrc import ops as csrc_ops
 
 BLOCK = 32
 COLS = 16

@@ -99,7 +99,7 @@ def q4_gguf(tmp_path_factory):
 @pytest.mark.parametrize("quantization", ["int4-int8", "int4-fp32"])
 def test_compiled_own_int4_kernel_decode_matches_eager(q4_gguf, compile_cache, quantization):
     """--quantization int4-int8 / int4-fp32: its kernel (a custom op with a fake kernel for Inductor,
-    layers/csrc_ops.py) runs inside the compiled graphs (no graph break), and greedy output is eager's, under
+    csrc/ops.py) runs inside the compiled graphs (no graph break), and greedy output is eager's, under
     preemption and radix hits."""
     from torch._dynamo.utils import counters
 

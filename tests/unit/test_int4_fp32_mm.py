@@ -148,7 +148,7 @@ def test_config_allows_deterministic_but_not_with_a_float_copy():
 
 
 def test_a_library_built_before_an_op_was_added_leaves_that_op_on_its_reference():
-    from radixserve.layers import csrc_ops
+    from radixserve.csrc import ops as csrc_ops
     if not kernel_isas():
         pytest.skip("radixserve/csrc not built (python -m radixserve.csrc.build)")
     assert csrc_ops.has_op("int4_fp32_mm") and not csrc_ops.has_op("int4_missing_mm")

@@ -144,8 +144,9 @@ def test_every_module_has_a_docstring():
 
 def test_attention_backends_import_only_runner_and_the_attention_protocol():
     """Backends see the step (runner/batch.py), the KV accessor (runner/kv_cache.py) and each
-    other; never the engine, models or weights (docs/runner.md: one KV accessor)."""
-    allowed = ("radixserve.runner.", "radixserve.layers.attention")
+    other, and the built C++ kernels (radixserve/csrc, a leaf); never the engine, models or weights (docs/runner.md:
+    one KV accessor)."""
+    allowed = ("radixserve.runner.", "radixserve.layers.attention", "radixserve.csrc")
     for path in files_of("runner/attention"):
         for name in imports_of(path):
             if name.startswith("radixserve"):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixserve.runner.attention import decode_kernel
 from radixserve.runner.attention.cascade import CascadePlan, cascade_attend, common_pages, plan_cascade
 from radixserve.runner.attention.torch_metadata import DecodeGroup, additive_mask
 from radixserve.runner.device import zeros
@@ -201,12 +202,15 @@ class MirrorStep:
         self.slot_idx = torch.tensor(slot_idx, dtype=torch.long, device=device)
         lens_t = torch.tensor(lens, dtype=torch.long, device=device)
         self.write_idx = self.slot_idx * mirror.capacity + lens_t - 1
-        self.mask = None
+        self.mask = self.slot_len = None   # the kernel reads slot_len (num_used,), SDPA the additive mask
         if cascade is None:
             slot_len = torch.ones(self.num_used, dtype=torch.long, device=device)  # holes attend to t=0
             slot_len[self.slot_idx] = lens_t
-            visible = torch.arange(self.ctx, device=device)[None, :] < slot_len[:, None]
-            self.mask = additive_mask(visible, kv.compute_dtype)[:, None, None]
+            if decode_kernel.runs(kv.compute_dtype, device):
+                self.slot_len = slot_len
+            else:
+                visible = torch.arange(self.ctx, device=device)[None, :] < slot_len[:, None]
+                self.mask = additive_mask(visible, kv.compute_dtype)[:, None, None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (B, H, D), k and v: (B, KV, D) of the decode group -> (B, H, D)."""
@@ -222,8 +226,12 @@ class MirrorStep:
         v_all = m.v[layer][:, :self.num_used, :self.ctx].transpose(0, 1)
         if not self.in_order:
             q = torch.zeros(self.num_used, *q.shape[1:], dtype=q.dtype, device=q.device).index_copy_(0, self.slot_idx, q)
-        out = decode_attention(q, k_all, v_all, self.mask)
+        out = (decode_attention(q, k_all, v_all, self.mask) if self.slot_len is None
+               else decode_attention_lens(q, k_all, v_all, self.slot_len))
         return out if self.in_order and self.num_used == q.shape[0] else out.index_select(0, self.slot_idx)
+
+
+decode_attention_lens = decode_kernel.decode_attention_lens   # a module name, so benchmarks can replace it
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

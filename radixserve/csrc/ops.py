@@ -1,5 +1,5 @@
-"""radixserve/csrc's library (radixserve::int4_int8_mm, radixserve::int4_fp32_mm): loaded once, fake kernels for
-torch.compile, and each op's ISA path chosen from what this CPU runs."""
+"""radixserve/csrc's library (radixserve::int4_int8_mm, int4_fp32_mm, decode_attention): loaded once, fake kernels
+for torch.compile, and each op's ISA path chosen from what this CPU runs."""
 from __future__ import annotations
 
 import functools
@@ -12,26 +12,34 @@ from radixserve.csrc import LIBRARY
 
 logger = logging.getLogger(__name__)
 
-# every op: (x (M, K) fp32, packed, scales, n, isa) -> (M, n) fp32
-OPS = ("int4_int8_mm", "int4_fp32_mm")
+
+
+def _mm_fake(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int, isa: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)   # every matmul op: (x (M, K) fp32, packed, scales, n, isa) -> (M, n) fp32
+
+
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, isa: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+# op -> its fake kernel (shapes and dtypes only), for torch.compile
+FAKES = {"int4_int8_mm": _mm_fake, "int4_fp32_mm": _mm_fake, "decode_attention": _attention_fake}
 
 
 @functools.cache
 def library_loaded() -> bool:
     """Whether the built library is loaded (its ops registered, with fakes); logged once when it is not."""
     if not LIBRARY.exists():
-        logger.warning("int4 kernels: %s not built (python -m radixserve.csrc.build); using the torch references",
-                       LIBRARY)
+        logger.warning("C++ kernels: %s not built (python -m radixserve.csrc.build); using their torch forms", LIBRARY)
         return False
     try:
         torch.ops.load_library(str(LIBRARY))
     except OSError as exc:
-        logger.warning("int4 kernels: cannot load %s (%s); using the torch references", LIBRARY, exc)
+        logger.warning("C++ kernels: cannot load %s (%s); using their torch forms", LIBRARY, exc)
         return False
-    for op in OPS:
+    for op, fake in FAKES.items():
         if has_op(op):
-            torch.library.register_fake(f"radixserve::{op}")(
-                lambda x, packed, scales, n, isa: x.new_empty(x.shape[0], n))
+            torch.library.register_fake(f"radixserve::{op}")(fake)
     return True
 
 
@@ -40,8 +48,8 @@ def has_op(op: str) -> bool:
     """Whether the loaded library defines `op` (a library built before the op was added does not: logged once)."""
     if hasattr(torch.ops.radixserve, op):
         return True
-    logger.warning("int4 kernels: %s lacks radixserve::%s (built before it was added; rebuild with python -m "
-                   "radixserve.csrc.build); using its torch reference", LIBRARY, op)
+    logger.warning("C++ kernels: %s lacks radixserve::%s (built before it was added; rebuild with python -m "
+                   "radixserve.csrc.build); using its torch form", LIBRARY, op)
     return False
 
 

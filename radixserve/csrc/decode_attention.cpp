@@ -1,0 +1,303 @@
+// radixserve::decode_attention: one query token per sequence over its first lens[b] mirrored tokens, fp32.
+// Contract and numerics bound: radixserve/runner/attention/decode_kernel.py and docs/runner.md, "Decode attention".
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+constexpr int64_t MIN_TASK_ROWS = 1024;   // K rows per thread (about 0.5 MB of fp32 K and V at D 64); fewer: one thread
+
+bool supported(int64_t isa) {
+  __builtin_cpu_init();
+  if (isa == AVX512) return __builtin_cpu_supports("avx512f");
+  if (isa == AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return isa == SCALAR;
+}
+
+// One (sequence, KV head): rep query rows q (rep, D) over len rows of k and v (row stride st), s a (rep, len)
+// scratch; writes out (rep, D).
+struct Head {
+  const float* q;
+  const float* k;
+  const float* v;
+  int64_t st, len, rep, d;
+  float scale;
+  float* s;
+  float* out;
+};
+
+// ---- scalar: std::exp, the reference order ----
+void head_scalar(const Head& h) {
+  for (int64_t r = 0; r < h.rep; ++r) {
+    float* s = h.s + r * h.len;
+    const float* q = h.q + r * h.d;
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < h.len; ++t) {
+      float acc = 0.f;
+      for (int64_t c = 0; c < h.d; ++c) acc += q[c] * h.k[t * h.st + c];
+      s[t] = acc * h.scale;
+      mx = std::max(mx, s[t]);
+    }
+    for (int64_t t = 0; t < h.len; ++t) sum += (s[t] = std::exp(s[t] - mx));
+    float* o = h.out + r * h.d;
+    std::fill(o, o + h.d, 0.f);
+    for (int64_t t = 0; t < h.len; ++t)
+      for (int64_t c = 0; c < h.d; ++c) o[c] += s[t] * h.v[t * h.st + c];
+    for (int64_t c = 0; c < h.d; ++c) o[c] /= sum;
+  }
+}
+
+// ---- exp for x <= 0: 2^n * p(r), n = round(x log2 e), r = x - n ln2 (ln2 split in two), p the degree-7 Taylor
+// polynomial; x < -87 is taken as -87. Relative error bound stated and tested in decode_kernel.py. ----
+constexpr float LOG2E = 1.44269504f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f, EXP_MIN = -87.f;
+constexpr float TAYLOR[8] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720, 1.f / 5040};
+
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+  __m512 p = _mm512_set1_ps(TAYLOR[7]);
+  for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(TAYLOR[i]));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN));
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+  __m256 p = _mm256_set1_ps(TAYLOR[7]);
+  for (int i = 6; i >= 0; --i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(TAYLOR[i]));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// ---- AVX-512 (D % 16 == 0): up to 4 query rows share each K and V row load ----
+template <int NR>
+__attribute__((target("avx512f"))) void scores512(const Head& h, int64_t r0) {
+  for (int64_t t = 0; t < h.len; ++t) {
+    const float* k = h.k + t * h.st;
+    __m512 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < h.d; c += 16) {
+      const __m512 kc = _mm512_loadu_ps(k + c);
+      for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(h.q + (r0 + r) * h.d + c), kc, acc[r]);
+    }
+    for (int r = 0; r < NR; ++r) h.s[(r0 + r) * h.len + t] = _mm512_reduce_add_ps(acc[r]) * h.scale;
+  }
+}
+
+__attribute__((target("avx512f"))) float softmax512(float* s, int64_t len) {   // s <- exp(s - max); returns the sum
+  const int64_t full = len & ~int64_t{15};
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len - full)) - 1);
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < full; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+  mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + full));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < full; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), m));
+  _mm512_mask_storeu_ps(s + full, tail, e);
+  sum = _mm512_mask_add_ps(sum, tail, sum, e);
+  return _mm512_reduce_add_ps(sum);
+}
+
+template <int NR>
+__attribute__((target("avx512f"))) void weighted512(const Head& h, int64_t r0, const float* inv) {
+  for (int64_t c0 = 0; c0 < h.d; c0 += 64) {
+    const int nc = static_cast<int>(std::min<int64_t>(4, (h.d - c0) / 16));
+    __m512 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < h.len; ++t) {
+      const float* v = h.v + t * h.st + c0;
+      for (int c = 0; c < 4; ++c) {
+        if (c >= nc) break;
+        const __m512 vc = _mm512_loadu_ps(v + 16 * c);
+        for (int r = 0; r < NR; ++r)
+          acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(h.s[(r0 + r) * h.len + t]), vc, acc[r][c]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < nc; ++c)
+        _mm512_storeu_ps(h.out + (r0 + r) * h.d + c0 + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r0 + r])));
+  }
+}
+
+// ---- AVX2 (D % 8 == 0): the same structure on 8 lanes ----
+template <int NR>
+__attribute__((target("avx2,fma"))) void scores256(const Head& h, int64_t r0) {
+  for (int64_t t = 0; t < h.len; ++t) {
+    const float* k = h.k + t * h.st;
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < h.d; c += 8) {
+      const __m256 kc = _mm256_loadu_ps(k + c);
+      for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(h.q + (r0 + r) * h.d + c), kc, acc[r]);
+    }
+    for (int r = 0; r < NR; ++r) h.s[(r0 + r) * h.len + t] = hsum8(acc[r]) * h.scale;
+  }
+}
+
+__attribute__((target("avx2,fma"))) float softmax256(float* s, int64_t len) {
+  const int64_t full = len & ~int64_t{7};
+  float mx = -INFINITY;
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < full; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  for (float x : lanes) mx = std::max(mx, x);
+  for (int64_t t = full; t < len; ++t) mx = std::max(mx, s[t]);
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < full; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  alignas(32) float rest[8] = {};
+  for (int64_t t = full; t < len; ++t) rest[t - full] = s[t] - mx;
+  const __m256 e = exp8(_mm256_load_ps(rest));
+  _mm256_store_ps(rest, e);
+  float total = hsum8(sum);
+  for (int64_t t = full; t < len; ++t) total += (s[t] = rest[t - full]);
+  return total;
+}
+
+template <int NR>
+__attribute__((target("avx2,fma"))) void weighted256(const Head& h, int64_t r0, const float* inv) {
+  for (int64_t c0 = 0; c0 < h.d; c0 += 32) {
+    const int nc = static_cast<int>(std::min<int64_t>(4, (h.d - c0) / 8));
+    __m256 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < h.len; ++t) {
+      const float* v = h.v + t * h.st + c0;
+      for (int c = 0; c < 4; ++c) {
+        if (c >= nc) break;
+        const __m256 vc = _mm256_loadu_ps(v + 8 * c);
+        for (int r = 0; r < NR; ++r)
+          acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(h.s[(r0 + r) * h.len + t]), vc, acc[r][c]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < nc; ++c)
+        _mm256_storeu_ps(h.out + (r0 + r) * h.d + c0 + 8 * c, _mm256_mul_ps(acc[r][c], _mm256_set1_ps(inv[r0 + r])));
+  }
+}
+
+// Query rows in groups of at most 4 (each group one pass over K and one over V).
+template <void (*S1)(const Head&, int64_t), void (*S2)(const Head&, int64_t), void (*S3)(const Head&, int64_t),
+          void (*S4)(const Head&, int64_t), float (*Softmax)(float*, int64_t),
+          void (*W1)(const Head&, int64_t, const float*), void (*W2)(const Head&, int64_t, const float*),
+          void (*W3)(const Head&, int64_t, const float*), void (*W4)(const Head&, int64_t, const float*)>
+void head_vector(const Head& h) {
+  float inv[64];
+  for (int64_t r0 = 0; r0 < h.rep; r0 += 4) {
+    const int64_t nr = std::min<int64_t>(4, h.rep - r0);
+    (nr == 4 ? S4 : nr == 3 ? S3 : nr == 2 ? S2 : S1)(h, r0);
+    for (int64_t r = r0; r < r0 + nr; ++r) inv[r] = 1.f / Softmax(h.s + r * h.len, h.len);
+    (nr == 4 ? W4 : nr == 3 ? W3 : nr == 2 ? W2 : W1)(h, r0, inv);
+  }
+}
+
+constexpr auto head_avx512 = head_vector<scores512<1>, scores512<2>, scores512<3>, scores512<4>, softmax512,
+                                         weighted512<1>, weighted512<2>, weighted512<3>, weighted512<4>>;
+constexpr auto head_avx2 = head_vector<scores256<1>, scores256<2>, scores256<3>, scores256<4>, softmax256,
+                                       weighted256<1>, weighted256<2>, weighted256<3>, weighted256<4>>;
+
+// q (B, H, D) fp32; k, v (B, KV, L, D) fp32 with unit stride in D and equal strides; lens (B,) int64 in [1, L]
+// -> (B, H, D) fp32. Query head h reads KV head h / (H / KV).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
+                            int64_t isa) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && k.strides() == v.strides(),
+              "decode_attention: q (B, H, D), k and v (B, KV, L, D) with the same strides");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "decode_attention: float32 only");
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2), kv = k.size(1), max_len = k.size(2);
+  TORCH_CHECK(k.size(0) == batch && k.size(3) == d && kv > 0 && heads % kv == 0 && heads / kv <= 64 &&
+              k.stride(3) == 1, "decode_attention: bad shapes or strides");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.dim() == 1 && lens.size(0) == batch, "lens must be (B,) int64");
+  TORCH_CHECK(supported(isa), "decode_attention: this CPU lacks ISA ", isa);
+  const at::Tensor qc = q.contiguous(), lc = lens.contiguous();
+  const int64_t* len = lc.data_ptr<int64_t>();
+  int64_t rows = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(len[b] >= 1 && len[b] <= max_len, "decode_attention: lens[", b, "] = ", len[b], " not in [1, L]");
+    rows += len[b] * kv;
+  }
+  const int64_t rep = heads / kv;
+  const bool vec = (isa == AVX512 && d % 16 == 0) || (isa == AVX2 && d % 8 == 0);
+  auto head = !vec ? head_scalar : isa == AVX512 ? head_avx512 : head_avx2;
+  at::Tensor out = at::empty({batch, heads, d}, q.options());
+  const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const int64_t tasks = batch * kv;
+  const int64_t grain = rows <= MIN_TASK_ROWS ? tasks : std::max<int64_t>(1, tasks * MIN_TASK_ROWS / rows);
+  auto work = [&](int64_t i0, int64_t i1) {
+    std::vector<float> scratch(rep * max_len);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / kv, g = i % kv, off = b * k.stride(0) + g * k.stride(1);
+      head(Head{qp + (b * heads + g * rep) * d, kp + off, vp + off, k.stride(2), len[b], rep, d, scale,
+                scratch.data(), op + (b * heads + g * rep) * d});
+    }
+  };
+  if (grain >= tasks)
+    work(0, tasks);
+  else
+    at::parallel_for(0, tasks, grain, work);
+  return out;
+}
+
+__attribute__((target("avx512f"))) void exp_block512(float* p) { _mm512_storeu_ps(p, exp16(_mm512_loadu_ps(p))); }
+__attribute__((target("avx2,fma"))) void exp_block256(float* p) { _mm256_storeu_ps(p, exp8(_mm256_loadu_ps(p))); }
+
+at::Tensor fast_exp(const at::Tensor& x, int64_t isa) {   // the vector paths' exp, for tests: x fp32 contiguous
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && supported(isa) && isa != SCALAR, "bad fast_exp");
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t n = x.numel(), step = isa == AVX512 ? 16 : 8;
+  std::vector<float> buf(step);
+  for (int64_t i = 0; i < n; i += step) {
+    std::fill(buf.begin(), buf.end(), 0.f);
+    std::copy(xp + i, xp + std::min(n, i + step), buf.begin());
+    (isa == AVX512 ? exp_block512 : exp_block256)(buf.data());
+    std::copy(buf.begin(), buf.begin() + std::min(step, n - i), op + i);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, int isa) -> Tensor");
+  m.def("decode_attention_supported(int isa) -> bool", &supported);
+  m.def("decode_attention_exp(Tensor x, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
+  m.impl("decode_attention", decode_attention);
+  m.impl("decode_attention_exp", fast_exp);
+}

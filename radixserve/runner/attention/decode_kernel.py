@@ -1,0 +1,60 @@
+"""Decode attention on the CPU by radixserve/csrc/decode_attention.cpp (`radixserve::decode_attention`) for fp32 KV.
+
+out[b, h] = softmax(q[b, h] . k[b, h // (H / KV), :lens[b]] / sqrt(D)) @ v[b, h // (H / KV), :lens[b]], fp32, with max
+subtraction. Paths: "avx512" (D % 16 == 0), "avx2" (D % 8 == 0, with FMA), else "scalar" (std::exp); chosen from what
+this CPU supports, or $RADIXSERVE_DECODE_ATTENTION_ISA ("sdpa": never use the kernel). The vector paths' exp has a
+relative error <= EXP_REL_ERROR on [-87, 0] (inputs below -87 count as -87, < 2e-38 of the row maximum's weight); every
+output element is within OUTPUT_TOL * max|v| of F.scaled_dot_product_attention's
+(tests/unit/test_decode_attention_kernel.py).
+Elsewhere (library not built, other dtype or device) callers keep their SDPA call; `runs` says which, logged once."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from radixserve.csrc import ops
+
+logger = logging.getLogger(__name__)
+
+ISAS = ("scalar", "avx2", "avx512")
+ISA_ENV = "RADIXSERVE_DECODE_ATTENTION_ISA"
+EXP_REL_ERROR = 2e-7   # measured 7.6e-8 on [-87, 0]
+OUTPUT_TOL = 2e-5   # per unit of max|v|; measured <= 6.6e-6 (docs/runner.md)
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The kernel's paths this CPU runs ("scalar" first); () without the built library."""
+    return ops.supported_isas("decode_attention", ISAS)
+
+
+@functools.cache
+def chosen_isa() -> str | None:
+    """$RADIXSERVE_DECODE_ATTENTION_ISA if this CPU runs it, else the widest path; None: SDPA."""
+    if os.environ.get(ISA_ENV) == "sdpa":
+        logger.info("decode attention: %s=sdpa, using SDPA", ISA_ENV)
+        return None
+    return ops.choose_isa("decode attention", "decode_attention", ISAS, ISA_ENV)
+
+
+@functools.cache
+def runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decode attention over a KV of `dtype` on `device` runs the kernel (else SDPA; logged once per pair)."""
+    isa = chosen_isa() if device.type == "cpu" and dtype == torch.float32 else None
+    logger.info("decode attention over %s on %s: %s", dtype, device, f"the {isa} kernel" if isa else "SDPA")
+    return isa is not None
+
+
+def decode_attention_lens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
+                          isa: str | None = None) -> torch.Tensor:
+    """q (B, H, D) fp32, k and v (B, KV, L, D) fp32 CPU views with unit stride in D and equal strides, lens (B,) int64
+    in [1, L] -> (B, H, D) fp32; position t of row b is read iff t < lens[b]. Only where `runs` is True."""
+    return torch.ops.radixserve.decode_attention(q, k, v, lens, ISAS.index(isa or chosen_isa()))
+
+
+def fast_exp(x: torch.Tensor, isa: str) -> torch.Tensor:
+    """The vector path `isa`'s exp on x (fp32, contiguous), for tests of EXP_REL_ERROR."""
+    assert supported_isas(), "radixserve/csrc not built"
+    return torch.ops.radixserve.decode_attention_exp(x, ISAS.index(isa))
