@@ -6,8 +6,9 @@
 llama-server is built from the llama-cpp-python source distribution (fetched with pip, the only
 registry this project reaches) with a portable AVX2 build: ggml's AMX-INT8 path crashes on
 quantized models on this CPU, so AMX and AVX-512 are off. The peer computes with
-the GGUF's 4-bit weights (Q4_1 kernels), radixserve dequantizes them to float at load time, so
-the ratio compares engines *and* number formats.
+the GGUF's 4-bit weights and 8-bit activations (Q4_1 x Q8 kernels); radixserve at its defaults with the same
+4-bit weights and fp32 activations (--quantization auto: int4-fp32; --compile auto), so the ratio compares
+engines *and* activation formats.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def main() -> int:
         fb = "-" if b is None else f"{b:.2f}"
         print(f"| {w} | {c} | {label} | {fa} | {fb} | {r} |")
     print("\nllama.cpp computes with the GGUF's 4-bit (Q4_1) weights; radixserve serve flags: "
-          + (args.radixserve_args or "none (fp32: the weights dequantized at load)"))
+          + (args.radixserve_args or "none (the defaults: --quantization auto = int4-fp32, --compile auto)"))
     return 0
 
 
