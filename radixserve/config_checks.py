@@ -1,8 +1,7 @@
 """The cross-flag checks of EngineConfig (speculative decoding, PD, parallelism): each raises ValueError.
 
 `config` is the EngineConfig being built (engine_config.py calls these from its __post_init__); it is
-typed Any because importing EngineConfig here would make an import cycle.
-"""
+typed Any because importing EngineConfig here would make an import cycle."""
 from __future__ import annotations
 
 from typing import Any

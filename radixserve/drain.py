@@ -1,8 +1,7 @@
 """Graceful drain of our HTTP servers (worker and router): stop admitting, let what is in flight finish, cut off what the grace period leaves, then exit (docs/drain.md).
 
     admitting --/admin/drain--> draining --/admin/undrain--> admitting
-    admitting, draining --SIGTERM/SIGINT--> shutting down --idle or grace_s--> exit 0
-"""
+    admitting, draining --SIGTERM/SIGINT--> shutting down --idle or grace_s--> exit 0"""
 from __future__ import annotations
 
 import asyncio

@@ -52,10 +52,9 @@ def check_json_content_type(request: Request) -> None:
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole request body; BodyTooLarge (413) once its declared or received size passes
-    `max_bytes`. A refused body up to LINGER_BYTES is read on and dropped first, so the client
-    reads the 413 and not a reset from a socket closed with unread bytes in it; a longer one
-    is refused unread."""
+    """The whole request body; BodyTooLarge (413) once its declared or received size passes `max_bytes`. A refused body
+    up to LINGER_BYTES is read on and dropped first, so the client reads the 413 and not a reset from a socket closed
+    with unread bytes in it; a longer one is refused unread."""
     declared = request.headers.get("content-length", "")
     size = int(declared) if declared.isdigit() else 0
     chunks: list[bytes] = []

@@ -26,10 +26,9 @@ class SpecCounts:
 
     @property
     def accept_length(self) -> float:
-        """Tokens a verify step emits, the bonus token counted: (accepted + steps) / steps, in
-        [1, 1 + K]; 0.0 before the first. SGLang's per-request spec_accept_length (completion
-        tokens / verify steps) where every decode step verifies, less its 1 / steps for the token
-        sampled at prefill."""
+        """Tokens a verify step emits, the bonus token counted: (accepted + steps) / steps, in [1, 1 + K]; 0.0 before
+        the first. SGLang's per-request spec_accept_length (completion tokens / verify steps) where every decode step
+        verifies, less its 1 / steps for the token sampled at prefill."""
         v = self.verify_steps
         return (self.accepted_tokens + v) / v if v else 0.0
 

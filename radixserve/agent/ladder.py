@@ -6,8 +6,7 @@ base x n (capped), a capped share of the fleet out (at least one), panic (alert 
     observe --finding--> suspect --held confirm_sweeps--> (gates) --+--> draining (slow) --probes ok--+
        ^  <--quiet clear_sweeps--'                                  +--> draining (hung) --> restarted --+
        |                                                            +--> isolated (errors) --time out--+
-       +---- quiet reintegrate_sweeps ---- reintegrating <---- undrain <----------------------------+
-"""
+       +---- quiet reintegrate_sweeps ---- reintegrating <---- undrain <----------------------------+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

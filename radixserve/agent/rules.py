@@ -138,9 +138,8 @@ def error_rate(hist: History, cfg: RuleConfig) -> Finding | None:
 
 def latency_outlier(url: str, fleet: dict[str, History], cfg: RuleConfig,
                     which: str) -> Finding | None:
-    """`which` "ttft" | "itl": window mean above `latency_ratio` x the peers' median and an absolute
-    floor (Envoy success-rate detector, on latency); a worker with far more requests is a hot spot
-    (fleet_ttft_spread), not slow."""
+    """`which` "ttft" | "itl": window mean above `latency_ratio` x the peers' median and an absolute floor (Envoy
+    success-rate detector, on latency); a worker with far more requests is a hot spot (fleet_ttft_spread), not slow."""
     pair, min_samples, floor = ((TTFT, cfg.ttft_min_samples, cfg.ttft_min_abs_s) if which == "ttft"
                                 else (ITL, cfg.itl_min_samples, cfg.itl_min_abs_s))
     means = {u: window_mean(h, pair, cfg.window_sweeps) for u, h in fleet.items()}

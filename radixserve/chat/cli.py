@@ -42,8 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class ChatSession:
-    """The conversation and read-reply loop over one backend; a failed or stopped turn leaves the
-    history unchanged."""
+    """The conversation and read-reply loop over one backend; a failed or stopped turn leaves the history unchanged."""
 
     def __init__(self, backend: ChatBackend, system: str | None, temperature: float,
                  max_tokens: int, out: TextIO, err: TextIO):

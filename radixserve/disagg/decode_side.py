@@ -1,8 +1,7 @@
 """Decode side of PD: page preallocation, landing writes, and the waiting half of the abort handshake.
 
 Invariant (docs/disaggregation.md): a page a KVWrite may still target (room WAITING_FOR_KV or
-quarantined) is owned by that room alone and is freed only on SafeToFree / PrefillFailed.
-"""
+quarantined) is owned by that room alone and is freed only on SafeToFree / PrefillFailed."""
 from __future__ import annotations
 
 import logging

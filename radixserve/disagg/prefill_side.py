@@ -3,8 +3,7 @@
     BOOTSTRAP --Expect--+
                         +--> [STARTING] --> PREFILLING --finish--> SENT --drained--> CLOSED (tombstone)
     EXPECTED --request--+    (fault hold)   page-chunk writes      KVDone queued
-    any state --AbortRoom / failure--> closing --in-flight drained--> SafeToFree / PrefillFailed, CLOSED
-"""
+    any state --AbortRoom / failure--> closing --in-flight drained--> SafeToFree / PrefillFailed, CLOSED"""
 from __future__ import annotations
 
 import logging

@@ -2,8 +2,7 @@
 
 decode -> prefill: Expect (pages preallocated, fill them), AbortRoom (decode gave up).
 prefill -> decode: KVWrite (one page chunk), KVDone (all writes sent, first token), SafeToFree
-(answers AbortRoom: no write of the room in flight or to come), PrefillFailed (implies SafeToFree).
-"""
+(answers AbortRoom: no write of the room in flight or to come), PrefillFailed (implies SafeToFree)."""
 from __future__ import annotations
 
 import array

@@ -25,10 +25,9 @@ ERROR_CODE = "kv_transfer_failed"   # EngineOutput.error_code of PD failures (HT
 
 
 class PDWorker:
-    """Drives an Engine and its PD side; single-threaded (step, add_request, abort and
-    has_unfinished run on the engine thread and do the PD I/O). The runner also
-    offers kv_layout() -> dict, export_kv(page_ids) -> bytes and import_kv(page_ids, data,
-    foreign). `endpoint`: transport.py's (default: TCP). `clock`: seconds, monotonic."""
+    """Drives an Engine and its PD side; single-threaded (step, add_request, abort and has_unfinished run on the engine
+    thread and do the PD I/O). The runner also offers kv_layout() -> dict, export_kv(page_ids) -> bytes and
+    import_kv(page_ids, data, foreign). `endpoint`: transport.py's (default: TCP). `clock`: seconds, monotonic."""
 
     def __init__(self, config: EngineConfig, runner: Runner,
                  extra_eos_token_ids: frozenset[int] = frozenset(), hooks: Sequence[EngineHooks] = (),

@@ -1,5 +1,4 @@
-"""Collectives and point-to-point ops for one parallel group over torch.distributed (gloo on CPU, NCCL on CUDA),
-counted and timed out.
+"""Counted, timed-out collectives and point-to-point ops of one torch.distributed group (gloo on CPU, NCCL on CUDA).
 
 Two groups over the same ranks: `group` (the forward's collectives and sends) times out after `timeout_s`, so a dead or
 stuck peer ends every rank with DistError, never a hang; `step_group` (gloo, no practical timeout) carries rank 0's step
@@ -62,14 +61,12 @@ class Communicator:
         return x
 
     def broadcast_async(self, x: torch.Tensor, src: int = 0) -> Pending:
-        """broadcast() started in the background: `x` holds rank `src`'s values once the returned Pending's wait()
-        returns (read it earlier and it may hold anything). Counted like broadcast."""
+        """broadcast() in the background: `x` holds rank `src`'s values once the Pending's wait() returns; counted."""
         self._count("broadcast", x.nelement() * x.element_size())
         return Pending(_run("broadcast", dist.broadcast, x, group=self.group, async_op=True, group_src=src))
 
     def send_async(self, x: torch.Tensor, dst: int) -> Pending:
-        """Send `x` to rank `dst` (its matching recv) in the background; keep `x` unchanged until the returned
-        Pending's wait() returns. Counted as "send": x's nbytes."""
+        """Send `x` to rank `dst` in the background; keep `x` unchanged until Pending.wait(). Counted as "send"."""
         x = x.contiguous()
         self._count("send", x.nelement() * x.element_size())
         return Pending(_run("send", dist.isend, x, group=self.group, group_dst=dst), "send", x)

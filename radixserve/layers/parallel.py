@@ -67,10 +67,9 @@ class ExpertShard(NamedTuple):
 
 
 def shard_experts(num_experts: int, intermediate_size: int, tp: Collectives | None, ep_size: int = 1) -> ExpertShard:
-    """Expert parallelism inside the tensor-parallel group (SGLang's layout): with m = size / ep_size, rank r is
-    expert-parallel rank r // m, which owns num_experts / ep_size consecutive whole experts, and slices each one's
-    intermediate rows I / m ways at r % m. ep_size 1 is plain TP (every expert, I / size rows each); ep_size ==
-    size gives whole experts. Raises ValueError when ep_size does not divide size, the experts or I / m."""
+    """Expert parallelism inside the TP group (SGLang's layout): with m = size / ep_size, rank r is expert-parallel
+    rank r // m, owning num_experts / ep_size consecutive whole experts, and slices each one's intermediate rows I / m
+    ways at r % m (ep_size 1: plain TP). Raises ValueError when ep_size does not divide size, the experts or I / m."""
     if tp is None or tp.size == 1:
         if ep_size != 1:
             raise ValueError(f"--ep-size {ep_size} needs --tp-size >= {ep_size}")
@@ -95,9 +94,8 @@ def vocab_part(vocab_size: int, tp: Collectives) -> tuple[int, int]:
 @dataclass(frozen=True)
 class TPSplit:
     """The part of a checkpoint tensor one rank holds: `ranges[shard]` = (start, length) along `dim` (0: output rows,
-    column-parallel; 1: input columns, row-parallel); a tensor of all shards at once holds them in equal parts, in
-    order. Rows past the tensor's end are zeros (a padded vocabulary);
-    a row-parallel bias is kept on rank 0 only, so the all-reduce adds it once."""
+    column-parallel; 1: input columns, row-parallel); an all-shards tensor holds them in equal parts, in order. Rows
+    past the tensor's end are zeros (padded vocabulary); a row-parallel bias stays on rank 0 only (added once)."""
 
     dim: int
     ranges: dict[str | None, tuple[int, int]]

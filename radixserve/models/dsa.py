@@ -38,9 +38,8 @@ class FP32Weight(torch.nn.Module):
 
 def select_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start_pos: int, topk: int,
                 stride: int = 1) -> torch.Tensor:
-    """The lightning indexer's choice for n query rows at positions start_pos + stride * j over keys of positions
-    [0, ctx): I[t, s] = sum_h weights[t, h] * relu(q[t, h] . keys[s] * Di^-0.5), s <= t; the min(topk, ctx) largest
-    per row.
+    """The lightning indexer's choice for n query rows at start_pos + stride * j over keys of positions [0, ctx): per
+    row the min(topk, ctx) largest I[t, s] = sum_h weights[t, h] * relu(q[t, h] . keys[s] * Di^-0.5), s <= t.
 
     q (n, Hi, Di), weights (n, Hi) fp32 (already x Hi^-0.5), keys (ctx, Di); computed in fp32. Returns (n, K) int64
     positions, -1 where fewer than K positions are causal (transformers selects masked ones there, then masks them)."""
@@ -72,10 +71,8 @@ def selection_rows(segments: list[Segment], topk: int) -> list[int | None] | Non
 
 class Indexer(torch.nn.Module):
     """transformers' GlmMoeDsaIndexer: q = wq_b(q_resid) (Hi, Di), k = LayerNorm(wk(x)) (Di,), both rotated on their
-    first qk_rope_head_dim dims (interleaved in the checkpoint; the loader de-interleaves, index_rope_rows), head
-    weights = weights_proj(x) * Hi^-0.5 in fp32. Forward writes every token's key and returns the selection per segment
-    (select_topk; None for a segment with context_len <= index_topk: all causal), or None for a step where every
-    segment is such (dense: plain MLA through the backend)."""
+    first qk_rope_head_dim dims (de-interleaved at load, index_rope_rows), head weights = weights_proj(x) * Hi^-0.5 in
+    fp32. Forward writes every token's key and returns select_topk per segment, None where selection_rows says."""
 
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
@@ -109,9 +106,8 @@ class Indexer(torch.nn.Module):
 
 class DSAAttention(MLAAttention):
     """transformers' GlmMoeDsaAttention: a full layer (config.dsa.full_layers) runs its Indexer, a shared one reuses
-    attn.shared_selection; a dense step (selection None) attends through the plain MLA path. Under tensor
-    parallelism `tp` the heads split as MLA's; the Indexer is replicated, so every rank computes the same top-k bits
-    from the same (all-reduced) input."""
+    attn.shared_selection; a dense step (selection None) attends through the plain MLA path. Under TP `tp` the heads
+    split as MLA's; the Indexer is replicated: every rank gets the same top-k from the same (all-reduced) input."""
 
     def __init__(self, config: ModelConfig, layer_id: int, tp: Collectives | None = None):
         super().__init__(config, layer_id, tp)

@@ -219,8 +219,7 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def run_layers(self, residual: torch.Tensor, positions: torch.Tensor, attn: Attention,
                    layers: range) -> torch.Tensor:
-        """residual (T, hidden) through decoder layers `layers` (in place); positions (T,) int64. A pipeline stage
-        (runner/pp.py) runs its own range on the residual the previous stage sent."""
+        """residual (T, hidden) through decoder `layers` in place (a pp stage: its range); positions (T,) int64."""
         cos, sin = self.rotary.cos_sin(positions)
         for i in layers:
             residual = self.model.layers[i](residual, cos, sin, self.rotary, attn)

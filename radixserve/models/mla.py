@@ -34,9 +34,8 @@ class Weight(torch.nn.Module):
 class MLAAttention(torch.nn.Module):
     """transformers' DeepseekV3Attention / Glm4MoeLiteAttention; rope rows arrive de-interleaved (rope_rows).
 
-    Under tensor parallelism `tp` (docs/parallel.md, MLA): this rank's H / size query heads (q_proj or q_b_proj and
-    kv_b_proj by head rows, o_proj row-parallel and all-reduced); the LoRA down-projections, their norms and so the
-    one latent cache head are replicated: every rank computes and stores every token's full latent."""
+    Under TP `tp` (docs/parallel.md, MLA): this rank's H / size query heads (q_proj or q_b_proj and kv_b_proj by head
+    rows, o_proj row-parallel, all-reduced); replicated: the LoRA down-projections, their norms and the latent head."""
 
     def __init__(self, config: ModelConfig, layer_id: int, tp: Collectives | None = None):
         super().__init__()

@@ -3,10 +3,9 @@
 One step (DeepSeek-V3's multi-token prediction module; transformers' MtpLayer):
     h' = eh_proj(cat[enorm(embed(next token)), hnorm(h)]) -> decoder block (MoE) -> shared_head.norm
     logits = lm_head(h')
-h is the target's hidden state after its final norm (the LM head's input) for the first step, and the previous
-step's h' after that. Embeddings and LM head are the target's unless the checkpoint gives the layer its own.
-glm_moe_dsa, deepseek_v32: the block is a DSA layer with a full indexer of its own, its index keys at layer N. A trained
-head file (weights/nextn_loader.py) has the same structure and may bring a `token_map`, a reduced draft vocabulary."""
+h: the target's hidden state after its final norm for the first step, the previous step's h' after that. Embeddings
+and LM head are the target's unless the checkpoint has the layer's own. DSA models: a full indexer of its own (layer N).
+A trained head file (weights/nextn_loader.py) has this structure and may bring a `token_map`, a reduced vocabulary."""
 from __future__ import annotations
 
 import torch
@@ -88,6 +87,5 @@ class NextNLayer(LlamaDecoderLayer):
 
 def prepare_nextn(layer: NextNLayer, dtype: torch.dtype, device: torch.device,
                   batch_invariant: bool = False) -> None:
-    """After loading: the layer's own modules to `dtype` on `device` with their fast paths (the target's
-    embeddings, head and rotary it shares are prepared with the target)."""
+    """After loading: the layer's own modules to `dtype` on `device`, fast paths built (shared parts: the target's)."""
     prepare_modules(layer, dtype, device, batch_invariant)

@@ -17,10 +17,9 @@ class CircuitBreaker:
         closed --failure_threshold failures--> open --timeout_s--> half_open
         half_open --success_threshold successes--> closed;  --a failure--> open
 
-    "neutral" changes no count; outcomes recorded while open are ignored. Half_open admits one
-    probe: begin() claims it, record() or end(token) frees it, and it lapses after timeout_s;
-    probe_passed() (a health check) counts as a success without claiming it.
-    Raises ValueError on thresholds < 1 or a negative timeout."""
+    "neutral" changes no count; outcomes recorded while open are ignored. Half_open admits one probe: begin() claims it,
+    record() or end(token) frees it, and it lapses after timeout_s; probe_passed() (a health check) counts as a success
+    without claiming it. Raises ValueError on thresholds < 1 or a negative timeout."""
 
     def __init__(self, failure_threshold: int, success_threshold: int, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic, disabled: bool = False,

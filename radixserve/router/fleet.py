@@ -91,9 +91,8 @@ def spawn_worker(argv: list[str], url: str, log_path: str) -> WorkerProc:
 
 def worker_commands(args: argparse.Namespace, config: RouterConfig,
                     worker_args: list[str]) -> list[tuple[str, list[str]]]:
-    """(URL, argv) of each worker, on ports from --worker-base-port (default --port + 1), with the
-    router's log level, --graceful-shutdown-timeout and --request-body-timeout. Raises ValueError
-    when a port would pass 65535."""
+    """(URL, argv) of each worker, on ports from --worker-base-port (default --port + 1), with the router's log level,
+    --graceful-shutdown-timeout and --request-body-timeout. Raises ValueError when a port would pass 65535."""
     roles = worker_roles(args)
     base = config.port + 1 if args.worker_base_port is None else args.worker_base_port
     last = base + len(roles) - 1 + roles.count("prefill")
@@ -120,8 +119,7 @@ def worker_commands(args: argparse.Namespace, config: RouterConfig,
 
 
 def worker_roles(args: argparse.Namespace) -> list[str]:
-    """Raises ValueError unless exactly one of --num-workers, --num-prefill + --num-decode is
-    given, each >= 1."""
+    """Raises ValueError unless exactly one of --num-workers, --num-prefill + --num-decode is given, each >= 1."""
     pd = args.num_prefill or args.num_decode
     if pd and args.num_workers is not None:
         raise ValueError("give --num-workers, or --num-prefill and --num-decode, not both")
@@ -192,8 +190,7 @@ def stop_workers(workers: list[WorkerProc], grace_s: float) -> None:
 
 
 def stop_adopted(manifest_path: str | None, workers: list[WorkerProc], grace_s: float) -> None:
-    """Stop, as stop_workers does, the manifest's workers this fleet did not start (restarted
-    by the ops agent)."""
+    """Stop, as stop_workers does, the manifest's workers this fleet did not start (restarted by the ops agent)."""
     if not manifest_path or not os.path.exists(manifest_path):
         return
     ours = {w.proc.pid for w in workers}

@@ -26,9 +26,8 @@ UNREACHABLE = (httpx.TransportError, httpx.InvalidURL)
 
 @dataclass
 class LegFailed:
-    """`side`: "prefill" or "decode"; `status` None: transport error; `kind`: the error type;
-    `response`: the client's answer if no other pair does better; `anomaly`: the detector of an
-    output_anomaly."""
+    """`side`: "prefill" or "decode"; `status` None: transport error; `kind`: the error type; `response`: the client's
+    answer if no other pair does better; `anomaly`: the detector of an output_anomaly."""
 
     side: str
     url: str

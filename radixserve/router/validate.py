@@ -54,9 +54,8 @@ def finite_number(value: Any, name: str) -> float:
 
 
 def worker_url(url: Any) -> str:
-    """Canonical `scheme://host:port` (http/https, lower-case, port always written, IPv6 in
-    brackets). Raises ValueError on a bad host or port, a path but "/", a query, a fragment,
-    user info, whitespace or control characters."""
+    """Canonical `scheme://host:port` (http/https, lower-case, port always written, IPv6 in brackets). Raises ValueError
+    on a bad host or port, a path but "/", a query, a fragment, user info, whitespace or control characters."""
     if not isinstance(url, str):
         raise ValueError("worker url must be a string like http://host:port")
     if any(c.isspace() or not c.isprintable() for c in url):

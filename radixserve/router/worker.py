@@ -25,10 +25,9 @@ class WorkerState:
 
         load(now) = in_flight + ema_external + kv_term + stale_penalty    (requests)
 
-    in_flight: from dispatch to finish (SGLang WorkerLoadGuard). ema_external: EMA (weight
-    `smoothing`) of reported running + queued minus our in_flight, >= 0. kv_term: above
-    KV_HIGH. stale_penalty: when the reading is older than stale_s (llm-d: stale = saturated).
-    A worker never polled is judged by in_flight alone."""
+    in_flight: from dispatch to finish (SGLang WorkerLoadGuard). ema_external: EMA (weight `smoothing`) of reported
+    running + queued minus our in_flight, >= 0. kv_term: above KV_HIGH. stale_penalty: when the reading is older than
+    stale_s (llm-d: stale = saturated). A worker never polled is judged by in_flight alone."""
 
     url: str
     weight: float = 1.0
@@ -100,8 +99,7 @@ class WorkerState:
         return old is not None and old != instance_id
 
     def rejoin(self) -> None:
-        """A new process on this URL starts afresh: healthy, breaker closed, no load reading.
-        Requests in flight to the old process fail on their own and release as usual."""
+        """A new process on this URL: healthy, breaker closed, no load reading; old requests release as usual."""
         self.healthy = True
         self.health_failures, self.health_successes = 0, 0
         self.breaker.reset()

@@ -32,8 +32,7 @@ from radixserve.runner.kv_sizing import index_key_layers, num_pages
 from radixserve.runner.layer_split import LayerSplit, PendingKV, page_slots
 from radixserve.runner.model_runner import ModelRunner
 
-# CPAttention's query rows per SDPA: each block reads keys only up to its last row's position, so a rank's
-# interleaved rows cost about the causal half of (rows x context), not all of it
+# CPAttention's query rows per SDPA: a block reads keys up to its last row only, about the causal half of rows x ctx
 QUERY_BLOCK = 128
 
 
@@ -104,8 +103,7 @@ def plan_split(step: StepBatch, page_size: int, rank: int, size: int) -> CPSplit
 
 
 class CPAttention:
-    """The Attention protocol for one context-parallel step: q (M, H, D), k, v (M, KV, D) of this rank's rows ->
-    (M, H * D); padding rows give zeros."""
+    """Attention for one CP step: q (M, H, D), k, v (M, KV, D) of this rank's rows -> (M, H * D); padding rows: 0."""
 
     def __init__(self, kv: KVCache, step: StepBatch, split: CPSplit, comm: Communicator,
                  layer_split: LayerSplit | None):
@@ -117,8 +115,7 @@ class CPAttention:
         return layer_id if self.layer_split is None else self.layer_split.storage(layer_id)
 
     def post_kv(self, layer_id: int) -> None:
-        """LayerSplit: start layer `layer_id`'s KV broadcast, once per layer (a DSA layer starts it before its
-        indexer scores, so the two overlap)."""
+        """LayerSplit: start layer `layer_id`'s KV broadcast, once per layer (DSA: before its indexer, to overlap)."""
         if self.layer_split is not None and layer_id not in self._pending:
             self._pending[layer_id] = self.layer_split.post(self.kv, layer_id, self.split.prefix_pages)
 
@@ -211,10 +208,9 @@ class CPSparseAttention(CPAttention):
 
 
 class CPModelRunner(ModelRunner):
-    """A context-parallel rank's ModelRunner: whole weights, forward() split as above; with --enable-layer-split a
-    KVCache of this rank's layers plus scratch (pages sized for ceil(L / R) + 1 layers, equal on every rank). MLA runs
-    as MQA over its latent head (models/mla.py); DSA through CPSparseAttention, its index keys in the storage layers
-    of the full indexer layers."""
+    """A CP rank's ModelRunner: whole weights, forward() split as above; with --enable-layer-split a KVCache of this
+    rank's layers plus scratch (pages sized for ceil(L / R) + 1 layers, equal on every rank). MLA runs as MQA over its
+    latent head (models/mla.py); DSA through CPSparseAttention (index keys in full indexer layers' storage layers)."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,

@@ -1,8 +1,7 @@
 """HostKV: the host-memory KV tier (--enable-hierarchical-cache): synchronous backups, layer-wise asynchronous loads (SGLang's HiCache).
 
 A load marks every layer as filling (KVCache.begin_fill) before load() returns, and each layer's
-fill ends even when its copy fails, so a reader (KVCache.wait_ready) never runs ahead or hangs.
-"""
+fill ends even when its copy fails, so a reader (KVCache.wait_ready) never runs ahead or hangs."""
 from __future__ import annotations
 
 import logging

@@ -139,8 +139,7 @@ class KVCache:
 
     def round_trip(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                    slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v (T, KV, D) as a later read returns them (lossy for FP8), for caches of caches (DecodeMirror); `slots`
-        (T,) int64 where they are stored, unused here (one dtype for every slot)."""
+        """k, v (T, KV, D) as a later read returns them (lossy for FP8), for DecodeMirror; `slots` unused here."""
         if not self.is_fp8 and self.dtype == self.compute_dtype:
             return k, v
         out = []

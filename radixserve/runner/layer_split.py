@@ -66,8 +66,7 @@ class LayerSplit:
         return layer - self.owned.start if layer in self.owned else self.scratch
 
     def post(self, kv: KVCache, layer: int, page_ids: torch.Tensor, side: str | None = None) -> PendingKV:
-        """Start layer `layer`'s broadcast of `page_ids` (n,) int64 from its owner: their KV, or side buffer `side`'s
-        rows; nothing moves when n is 0."""
+        """Post layer `layer`'s broadcast of `page_ids` (n,) int64 from its owner, KV or side `side` (n = 0: none)."""
         self.events.append((layer, f"broadcast {side or 'kv'}"))
         owner = self.owners[layer]
         receiver = owner != self.comm.rank
@@ -89,9 +88,8 @@ class LayerSplit:
         return PendingKV(layer, page_ids, buffer, self.comm.broadcast_async(buffer, owner), receiver)
 
     def wait(self, kv: KVCache, pending: PendingKV) -> None:
-        """The wait(KV) step: after it, scratch holds the owner's pages (receivers). Dropped by the fault, the
-        broadcast lands only in finish(), after attention has read the scratch. A side buffer's wait is never
-        dropped."""
+        """The wait(KV) step: after it, scratch holds the owner's pages (receivers). Dropped by the fault, the broadcast
+        lands only in finish(), after attention has read the scratch. A side buffer's wait is never dropped."""
         if pending.side is not None:
             self.events.append((pending.layer, f"wait {pending.side}"))
             self._land(kv, pending)

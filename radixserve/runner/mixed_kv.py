@@ -100,8 +100,7 @@ class MixedKVCache:
         self.fp8.wait_ready(layer, side)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (T, KV, D) compute dtype at global `slots` (T,) int64: model-dtype pages store them as they are,
-        FP8 pages quantised."""
+        """Store k, v (T, KV, D) compute dtype at global `slots` (T,) int64, quantised in FP8 pages."""
         boundary = self.num_model_pages * self.page_size
         in_fp8 = slots >= boundary
         if not bool(in_fp8.any()):

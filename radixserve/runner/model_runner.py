@@ -50,10 +50,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
                  draft_model: torch.nn.Module | None = None):
-        """`model` (and `draft_model`, with EAGLE the NextNLayer): loaded on CPU, not yet prepared; under tensor
-        parallelism this rank's shard. Raises ValueError for a
-        missing device, bad FP8 scales, a context longer than the model's, deterministic inference
-        without a batch-invariant matmul here, or a draft vocabulary that is not the target's."""
+        """`model` (and `draft_model`, with EAGLE the NextNLayer): loaded on CPU, not yet prepared; under TP this rank's
+        shard. Raises ValueError for a missing device, bad FP8 scales, a context longer than the model's, deterministic
+        inference without a batch-invariant matmul here, or a draft vocabulary that is not the target's."""
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
@@ -279,9 +278,8 @@ class ModelRunner:
         return b"" if pages is None else kv_transfer.pack_pages(pages)
 
     def import_kv(self, page_ids: list[int], data: bytes, foreign: bool) -> None:
-        """Write another worker's export_kv bytes (every KV head of the model) into `page_ids`, keeping this rank's
-        KV heads under tensor parallelism; `foreign` (pages of a sequence that already ran) drops the DecodeMirror.
-        Raises ValueError when the bytes do not fit."""
+        """Write another worker's export_kv bytes (every KV head) into `page_ids`, keeping this rank's KV heads under
+        TP; `foreign` (pages of a sequence that already ran) drops the DecodeMirror. ValueError if they do not fit."""
         heads = (self.model_config.kv_shape.num_heads, self.kv_head_start)
         self.kv.import_pages(page_ids, kv_transfer.unpack_pages(self.kv, len(page_ids), data, heads))
         mirror = getattr(self.backend, "mirror", None)

@@ -63,9 +63,8 @@ class MTPDraft:
 
     def extend(self, batch: list[ScheduledSeq], step: StepBatch, hidden: torch.Tensor,
                results: list[SeqResult]) -> list[list[int]]:
-        """Write draft KV for every row of the target's step whose next token is known, then draft the
-        seqs[i].propose tokens after each sampled token. hidden: (T, hidden_size), the step's rows
-        after the final norm. Returns each sequence's drafts ([] where none were asked)."""
+        """Write draft KV for every row of the target's step (hidden (T, hidden_size) after the final norm) whose next
+        token is known, then draft seqs[i].propose tokens after each sampled one; each sequence's drafts ([]: none)."""
         drafts: list[list[int]] = [[] for _ in batch]
         extends = [e for e in (self._plan(i, seq, step, hidden, res)
                                for i, (seq, res) in enumerate(zip(batch, results))) if e is not None]

@@ -18,9 +18,8 @@ logger = logging.getLogger(__name__)
 
 
 class ProfilerHooks(EngineHooks):
-    """One trace at a time, recorded on the engine thread from `profile("start")` until
-    `profile("stop")` or `num_steps` steps with a batch, written as a gzipped Chrome trace
-    (chrome://tracing, Perfetto) into `output_dir`."""
+    """One trace at a time, recorded on the engine thread from `profile("start")` until `profile("stop")` or `num_steps`
+    steps with a batch, written as a gzipped Chrome trace (chrome://tracing, Perfetto) into `output_dir`."""
 
     def __init__(self, output_dir: str):
         """Creates `output_dir`; ValueError where it cannot."""

@@ -6,8 +6,7 @@
       runner.run(batch): forward + sample          (the same collectives, no sampling)
     close(): broadcast_object(None) ──────────►   exits 0
 
-Only rank 0 samples (the next batch carries the tokens). The same processes carry --cp-size (runner/cp.py) and
---pp-size (runner/pp.py)."""
+Only rank 0 samples (the next batch carries the tokens). Also --cp-size (runner/cp.py) and --pp-size (runner/pp.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -72,8 +71,7 @@ class Followers:
 
 
 class TPRunner:
-    """Rank 0's Runner: ModelRunner's attributes, with run() broadcasting the batch first; close() (also at
-    interpreter exit) stops the followers and leaves the group."""
+    """Rank 0's Runner: run() broadcasts the batch first; close() (also at exit) ends the followers and the group."""
 
     def __init__(self, runner: ModelRunner, followers: Followers):
         self.runner, self.followers, self.comm = runner, followers, followers.comm
@@ -89,8 +87,7 @@ class TPRunner:
         return self.runner.run(batch)
 
     def import_kv(self, page_ids: list[int], data: bytes, foreign: bool) -> None:
-        """A PD decode worker's KV import (ModelRunner.import_kv): rank 0 first (a ValueError for bytes that do not
-        fit stops here), then the same bytes to the followers, each keeping its own KV heads."""
+        """ModelRunner.import_kv on rank 0 (ValueError: bytes do not fit), then on the followers (each its KV heads)."""
         self.runner.import_kv(page_ids, data, foreign)
         self.comm.broadcast_object(KVImport(page_ids, data, foreign))
 
@@ -169,8 +166,7 @@ def serve_node(config: EngineConfig) -> int:
 
 
 def follow(runner: ModelRunner, comm: Communicator) -> None:
-    """A follower's loop: run each broadcast batch's forward (or KV import, export) until rank 0 sends None; DistError
-    if a peer fails."""
+    """A follower's loop: each broadcast batch's forward (or KV import, export) to None; DistError if a peer fails."""
     while (msg := comm.broadcast_object()) is not None:
         if isinstance(msg, KVImport):
             runner.import_kv(msg.page_ids, msg.data, msg.foreign)

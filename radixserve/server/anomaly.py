@@ -212,8 +212,7 @@ class AnomalyGuard:
 
 
 ACTIONS = ("report", "abort")
-# --speculative-algorithm values whose draft is trained to predict the target (its own KV, a
-# proposal every step): only then is collapsed acceptance evidence enough to act on.
+# --speculative-algorithm values whose draft is trained on the target: only then does collapsed acceptance act.
 TRAINED_DRAFTS = frozenset({"EAGLE", "EAGLE3", "NEXTN"})
 
 

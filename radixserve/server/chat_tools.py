@@ -8,8 +8,7 @@
     {"function": f}    yes              JSON array of calls to f     json, f only         "stop"
 
 Enforced JSON arrays (tool_schema.py) are read with the `json` parser, no thinking split (as vLLM, SGLang);
-`--tool-call-constraint native` or "auto" strict tools enforce the native format (native_tools.py). docs/tool_calls.md.
-"""
+`--tool-call-constraint native` or "auto" strict tools force the native format (native_tools.py). docs/tool_calls.md."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

@@ -2,8 +2,7 @@
 
     baseline = mean top logprob of the first `baseline_tokens` tokens; then over each last `window`:
       mean < `min_mean_logprob` and mean < baseline - `min_drop`  -> "low_confidence"
-Judged only at temperature <= `max_temperature` and without a grammar. Rationale, rates: docs/anomaly_guard.md.
-"""
+Judged only at temperature <= `max_temperature` and without a grammar. Rationale, rates: docs/anomaly_guard.md."""
 from __future__ import annotations
 
 import math

@@ -4,8 +4,7 @@
     glm45, glm47    <tool_call>f <arg_key>k</arg_key><arg_value>v</arg_value>... </tool_call>   (glm_xml)
     qwen3_coder     <tool_call>\n<function=f>\n<parameter=k>\nv\n</parameter>...\n</function>\n</tool_call>   (qwen_xml)
 
-Unforced ("auto" + strict, as SGLang): free text, calls after the trigger; forced: only calls (docs/tool_calls.md).
-"""
+Unforced ("auto" + strict, as SGLang): free text, calls after the trigger; forced: only calls (docs/tool_calls.md)."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,6 @@
 """--warmup-prompts FILE: prefill known prompts into the radix cache before /health answers.
 
-JSONL: a string, {"prompt": text or token ids} or {"messages": [...]}; each runs with max_tokens=1.
-"""
+JSONL: a string, {"prompt": text or token ids} or {"messages": [...]}; each runs with max_tokens=1."""
 from __future__ import annotations
 
 import asyncio

@@ -108,9 +108,8 @@ class StopCheck(NamedTuple):
 
 
 class StopStringMatcher:
-    """Finds stop strings in streamed text, holding back what could still become one. The stop whose
-    first occurrence ends earliest wins (ties: starts earliest), whatever the chunking; the text is
-    cut at its start (its end with `include_stop_str_in_output`)."""
+    """Finds stop strings in a stream, holding back what could still become one. The stop whose first occurrence ends
+    earliest wins (ties: starts earliest) at any chunking; cut at its start (end: include_stop_str_in_output)."""
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False):
         self._stops = tuple(s for s in stop if s)

@@ -21,8 +21,7 @@ GATHER_BLOCK_VALUES = 1 << 24
 
 
 def index_bytes_per_token(full_layers: tuple[int, ...], head_dim: int, dtype: torch.dtype, fp8: bool = False) -> int:
-    """Index-key bytes per token over all layers: full layers x (index_head_dim x dtype bytes, or index_head_dim + 4
-    with fp8); shared layers store none."""
+    """Index-key bytes per token: len(full_layers) x (index_head_dim x dtype bytes, or index_head_dim + 4 with fp8)."""
     per_layer = head_dim + SCALE_BYTES if fp8 else head_dim * torch.empty((), dtype=dtype).element_size()
     return len(full_layers) * per_layer
 
@@ -119,9 +118,8 @@ def read_index_keys(kv: KVCache, layer: int, slots: torch.Tensor) -> torch.Tenso
 
 def attend_chosen(kv: KVCache, layer: int, q: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor | None,
                   positions: torch.Tensor) -> torch.Tensor:
-    """q (n, H, D) rows at `positions` (n,) int64 attend to the latent of `layer` at slots[chosen] (slots (ctx,) int64
-    of the sequence's positions [0, ctx); chosen (n, K) int64 positions, -1 none; None: every causal position).
-    Returns (n, H, D) in q's dtype; scores scaled by D^-0.5."""
+    """q (n, H, D) at `positions` (n,) int64 -> (n, H, D) q's dtype, attending (scale D^-0.5) to `layer`'s latent at
+    slots[chosen] (slots (ctx,) int64 of positions [0, ctx); chosen (n, K) int64, -1 none; None: all causal)."""
     n, _, dim = q.shape
     if chosen is None:      # a short sequence in a sparse step: every causal position
         chosen = torch.arange(slots.numel(), device=q.device).expand(n, -1)
