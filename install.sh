@@ -17,7 +17,7 @@ python -m pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.p
 # interpreter (TRITON_INTERPRET=1) in tests/model/test_triton_backend.py, which fails without it in CI.
 step 5 "triton 3.7.1, for the Triton kernels' interpreter tests"
 python -m pip install --quiet triton==3.7.1
-# --compile on|auto (off by default; auto compiles where a C++ compiler works) has torch's Inductor build C++
+# --compile auto (the default; compiles where a C++ compiler works) or on has torch's Inductor build C++
 # at start-up; without a compiler the engine decodes eagerly. Debian's g++ when running as root (as .ci/run installs its tools).
 step 6 "a C++ compiler for --compile"
 if command -v "${CXX:-g++}" >/dev/null 2>&1; then
@@ -35,9 +35,9 @@ elif [ -z "${CXX:-}" ] && [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ] && co
 else
   echo "install.sh: note: no C++ compiler (${CXX:-g++}); --compile auto decodes eagerly (install g++ or set CXX)"
 fi
-# radixserve's own C++ kernels (radixserve/csrc: the --quantization int4-int8 and int4-fp32 matmuls), compiled once
-# here, never at run time; without a compiler those layers run their pure-torch reference (same numbers, slower; one log line).
+# radixserve's own C++ kernels (radixserve/csrc: the int4-fp32 / int4-int8 / Q8_0 matmuls, decode attention), compiled
+# once here, never at run time; without them --quantization auto serves fp32 and attention runs SDPA (one log line each).
 step 7 "radixserve's C++ kernels (python -m radixserve.csrc.build)"
 python -m pip install --quiet ninja==1.13.0          # torch's extension builder needs it
-python -m radixserve.csrc.build || echo "install.sh: note: C++ kernels not built; --quantization int4-int8 / int4-fp32 run their torch references"
+python -m radixserve.csrc.build || echo "install.sh: note: C++ kernels not built; --quantization auto serves fp32, int4-int8 / int4-fp32 run their torch references"
 echo "install.sh: done. Next: radixserve serve (its first start converts the default model and caches it)"
