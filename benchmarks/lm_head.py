@@ -1,12 +1,12 @@
-"""A quantized model's screened LM head (layers/screened_head.py) against the fp32 head, in one run.
+"""A quantized model's small-step LM head (layers/q8_fp32.py or screened_head.py) against the fp32 head, in one run.
 
     PYTHONPATH=. python benchmarks/lm_head.py [--rows 1,2,4,8,16] [--batches 1,4] [--quantization int4]
 
 1. The default model's head alone (49152 x 576, random weights): median ms per call of the
-   fp32 paths (split bmm at M = 1, oneDNN-packed above) and of the screened head, for each
-   number of logit rows M, alternating the two.
+   fp32 paths (split bmm at M = 1, oneDNN-packed above), of the screened head and of the q8_fp32
+   head (the weight a Q8_0 grid), for each number of logit rows M, alternating the three.
 2. The engine (default model, `--quantization`, `--quantized-max-tokens 12`): decode steps of
-   `--batches` running requests with the screen switched on and off every 6 steps, median ms
+   `--batches` running requests with the small-step head switched on and off every 6 steps, median ms
    per step of each. The ratio is fp32 head time / screened head time.
 3. Quality: the hidden states the head saw while the engine sampled 48 tokens for each parity
    prompt (temperature 0.8, seeded), through the fp32 head and the screened one: greedy
@@ -42,32 +42,36 @@ def median_ms(fn, reps: int) -> float:
 
 
 def head_alone(rows: list[int], reps: int) -> None:
-    fp32, screened = Linear(576, 49152), Linear(576, 49152)
-    fp32.weight.data.normal_(0, 0.02)
-    screened.weight = fp32.weight
-    fp32.prepare()
-    screened.prepare()
-    if not screened.enable_screened_head(max(rows), HEAD_EXACT_TOP):
-        sys.exit("no int8 weight kernel on this CPU")
+    fp32, screened, q8 = Linear(576, 49152), Linear(576, 49152), Linear(576, 49152)
+    gen = torch.Generator().manual_seed(0)   # a Q8_0 grid, as the default model's head: w = d * q
+    codes = torch.randint(-127, 128, (49152, 576), generator=gen, dtype=torch.int8)
+    codes[:, ::32] = 127   # ggml's quantizer puts a +-127 in every block
+    d = (torch.rand(49152, 18, generator=gen) * 2e-4).half().float()
+    fp32.weight.data.copy_((codes.float().view(49152, 18, 32) * d[..., None]).view(49152, 576))
+    screened.weight = q8.weight = fp32.weight
+    for head in (fp32, screened, q8):
+        head.prepare()
+    if not screened.enable_screened_head(max(rows), HEAD_EXACT_TOP) or not q8.enable_q8_head(max(rows)):
+        sys.exit("no int8 weight kernel or no q8_fp32 vector path on this CPU")
     print(f"\n## head alone, 49152 x 576, top {HEAD_EXACT_TOP} recomputed (load {os.getloadavg()[0]:.2f})\n")
-    print("| rows | fp32 ms | screened ms | fp32 / screened |\n|---:|---:|---:|---:|")
+    print("| rows | fp32 ms | screened ms | q8_fp32 ms | fp32 / q8_fp32 |\n|---:|---:|---:|---:|---:|")
     for m in rows:
         x = torch.randn(m, 576)
-        a, b = [], []
+        times: list[list[float]] = [[], [], []]
         for _ in range(reps):
-            a.append(median_ms(lambda: fp32(x), 3))
-            b.append(median_ms(lambda: screened(x), 3))
-        a_ms, b_ms = statistics.median(a), statistics.median(b)
-        print(f"| {m} | {a_ms:.2f} | {b_ms:.2f} | {a_ms / b_ms:.2f}x |")
+            for i, head in enumerate((fp32, screened, q8)):
+                times[i].append(median_ms(lambda: head(x), 3))
+        a_ms, b_ms, c_ms = (statistics.median(t) for t in times)
+        print(f"| {m} | {a_ms:.2f} | {b_ms:.2f} | {c_ms:.2f} | {a_ms / c_ms:.2f}x |")
 
 
 def engine_steps(engine: Engine, batches: list[int], rounds: int) -> None:
     head = engine.runner.model.lm_head
-    screen = head._screen
+    screen = head._small_head
     if screen is None:
-        sys.exit("the head has no screen (only quantized models have one)")
+        sys.exit("the head has no small-step path (only quantized models have one)")
     print("\n## engine decode steps, --quantized-max-tokens 12\n")
-    print("| batch | fp32 head ms/step | screened head ms/step | fp32 / screened | load |\n|---:|---:|---:|---:|---:|")
+    print("| batch | fp32 head ms/step | small-step head ms/step | fp32 / small | load |\n|---:|---:|---:|---:|---:|")
     for batch in batches:
         for i in range(batch):
             prompt = [(i * 7919 + j * 31) % 1000 + 10 for j in range(64)]
@@ -78,13 +82,13 @@ def engine_steps(engine: Engine, batches: list[int], rounds: int) -> None:
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(rounds):
             for on in (True, False):
-                head._screen = screen if on else None
+                head._small_head = screen if on else None
                 engine.step()                               # one untimed step after each switch
                 for _ in range(6):
                     start = time.perf_counter()
                     engine.step()
                     times[on].append(time.perf_counter() - start)
-        head._screen = screen
+        head._small_head = screen
         for rid in list(engine.requests):
             engine.abort(rid)
         on, off = (1000 * statistics.median(times[k]) for k in (True, False))

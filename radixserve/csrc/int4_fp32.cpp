@@ -7,7 +7,7 @@
 namespace {
 
 using namespace radixserve_int4;
-enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+using namespace radixserve_fp32;
 constexpr int64_t DIRECT_ROWS = 2;   // tiles of at most this many rows convert codes per row, larger ones once a block
 constexpr int ROWS_AT_ONCE = 4;      // rows sharing each load of a converted block
 
@@ -16,20 +16,6 @@ struct Rows {
   const float* xs;   // (M, B): each block's sum of x, in block_sum's order
   int64_t k, nb;
 };
-
-bool supported(int64_t isa) {
-  __builtin_cpu_init();
-  if (isa == AVX512) return __builtin_cpu_supports("avx512f");
-  if (isa == AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return isa == SCALAR;
-}
-
-// Four partial sums over k % 4, each in k order from its first term, then (s0 + s1) + (s2 + s3).
-float block_sum(const float* v) {
-  float s[4] = {v[0], v[1], v[2], v[3]};
-  for (int k = 4; k < BLOCK; ++k) s[k % 4] = s[k % 4] + v[k];
-  return (s[0] + s[1]) + (s[2] + s[3]);
-}
 
 inline int code(const uint8_t* wb, int c, int k) {
   const int byte = wb[(k % 16) / 4 * 64 + c * 4 + k % 4];
@@ -52,16 +38,6 @@ void group_scalar(const uint8_t* w, const S* s, const Rows& a, int64_t r0, int64
         o = o + (d * block_sum(prod) + mn * a.xs[r * a.nb + b]);
       }
     }
-}
-
-// AVX2: 8 columns (half h of the group) a vector; as the AVX-512 path below, product and add in one asm statement.
-template <bool FIRST>
-__attribute__((target("avx2"), always_inline)) inline void mul_add8(__m256& part, __m256 q, const float* x) {
-  __m256 prod;
-  if (FIRST)
-    asm("vbroadcastss %2, %0\n\tvmulps %0, %1, %0" : "=&x"(part) : "x"(q), "m"(*x));
-  else
-    asm("vbroadcastss %3, %1\n\tvmulps %1, %2, %1\n\tvaddps %1, %0, %0" : "+x"(part), "=&x"(prod) : "x"(q), "m"(*x));
 }
 
 __attribute__((target("avx2"), always_inline)) inline __m256 codes8(const __m256i* raw, int k) {
@@ -124,19 +100,6 @@ __attribute__((target("avx2,f16c"))) void group_avx2(const uint8_t* w, const S* 
 // bits, so a permute of the table 0..15 turns it into its float.
 __attribute__((target("avx512f"))) inline __m512 codes16(const __m512i* raw, int k, __m512 table) {
   return _mm512_permutexvar_ps(_mm512_srli_epi32(raw[k % 16 / 4], 8 * (k % 4) + 4 * (k / 16)), table);
-}
-
-// part = q * x (FIRST) or part + q * x, x broadcast from memory: two instructions, each rounding once. Written as
-// intrinsics, GCC hoists all of a block's multiplies ahead of the adds and spills the products to the stack
-// (measured 2-2.5x slower at 4 rows a pass); one asm statement keeps each product beside its add.
-template <bool FIRST>
-__attribute__((target("avx512f"), always_inline)) inline void mul_add(__m512& part, __m512 q, const float* x) {
-  if (FIRST) {
-    asm("vmulps %2%{1to16%}, %1, %0" : "=v"(part) : "v"(q), "m"(*x));
-  } else {
-    __m512 prod;
-    asm("vmulps %3%{1to16%}, %2, %1\n\tvaddps %1, %0, %0" : "+v"(part), "=&v"(prod) : "v"(q), "m"(*x));
-  }
 }
 
 // Rows r .. r + R - 1 of acc (o, COLS apart) + the block's term: codes from `raw` (unpacked here) or, BUFFERED,

@@ -1,5 +1,6 @@
 // Shared by the int4 kernels: the packed layout of radixserve/layers/int4_int8.py's pack(), scale loads, and the
-// thread / row-tile loop. Columns go in groups of COLS, K in blocks of BLOCK; a group's block is 256 code bytes
+// thread / row-tile loop (q8_fp32.cpp uses COLS, BLOCK, TILE, the loads and run_groups).
+// Columns go in groups of COLS, K in blocks of BLOCK; a group's block is 256 code bytes
 // (4 words x 64 bytes: byte 4c + j of word p holds column c's codes 4p + j (low nibble) and 4(p + 4) + j (high)).
 #pragma once
 #include <ATen/ATen.h>
@@ -57,3 +58,49 @@ void run_groups(const Group& group, int64_t m, int64_t n, int64_t groups, float*
 }
 
 }  // namespace radixserve_int4
+
+// Shared by the fp32-activation kernels (int4_fp32.cpp, q8_fp32.cpp): ISA numbers, the fixed block order, and the
+// product-and-add step that keeps each mul and add rounding once (never an FMA).
+namespace radixserve_fp32 {
+
+using radixserve_int4::BLOCK;
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+inline bool supported(int64_t isa) {
+  __builtin_cpu_init();
+  if (isa == AVX512) return __builtin_cpu_supports("avx512f");
+  if (isa == AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return isa == SCALAR;
+}
+
+// Four partial sums over k % 4, each in k order from its first term, then (s0 + s1) + (s2 + s3).
+inline float block_sum(const float* v) {
+  float s[4] = {v[0], v[1], v[2], v[3]};
+  for (int k = 4; k < BLOCK; ++k) s[k % 4] = s[k % 4] + v[k];
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+// part = q * x (FIRST) or part + q * x, x broadcast from memory: two instructions, each rounding once. Written as
+// intrinsics, GCC hoists all of a block's multiplies ahead of the adds and spills the products to the stack
+// (measured 2-2.5x slower at 4 rows a pass); one asm statement keeps each product beside its add.
+template <bool FIRST>
+__attribute__((target("avx512f"), always_inline)) inline void mul_add(__m512& part, __m512 q, const float* x) {
+  if (FIRST) {
+    asm("vmulps %2%{1to16%}, %1, %0" : "=v"(part) : "v"(q), "m"(*x));
+  } else {
+    __m512 prod;
+    asm("vmulps %3%{1to16%}, %2, %1\n\tvaddps %1, %0, %0" : "+v"(part), "=&v"(prod) : "v"(q), "m"(*x));
+  }
+}
+
+// AVX2 form of mul_add (8 lanes, x broadcast first).
+template <bool FIRST>
+__attribute__((target("avx2"), always_inline)) inline void mul_add8(__m256& part, __m256 q, const float* x) {
+  __m256 prod;
+  if (FIRST)
+    asm("vbroadcastss %2, %0\n\tvmulps %0, %1, %0" : "=&x"(part) : "x"(q), "m"(*x));
+  else
+    asm("vbroadcastss %3, %1\n\tvmulps %1, %2, %1\n\tvaddps %1, %0, %0" : "+x"(part), "=&x"(prod) : "x"(q), "m"(*x));
+}
+
+}  // namespace radixserve_fp32

@@ -13,7 +13,6 @@ from radixserve.csrc import LIBRARY
 logger = logging.getLogger(__name__)
 
 
-
 def _mm_fake(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int, isa: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], n)   # every matmul op: (x (M, K) fp32, packed, scales, n, isa) -> (M, n) fp32
 
@@ -23,7 +22,8 @@ def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tor
 
 
 # op -> its fake kernel (shapes and dtypes only), for torch.compile
-FAKES = {"int4_int8_mm": _mm_fake, "int4_fp32_mm": _mm_fake, "decode_attention": _attention_fake}
+FAKES = {"int4_int8_mm": _mm_fake, "int4_fp32_mm": _mm_fake, "decode_attention": _attention_fake,
+         "q8_fp32_mm": _mm_fake}
 
 
 @functools.cache

@@ -38,8 +38,9 @@ def block_sum(v: torch.Tensor) -> torch.Tensor:
     return (s[..., 0] + s[..., 1]) + (s[..., 2] + s[..., 3])
 
 
-def reference_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
-    """x (M, K) fp32, codes (N, K) uint8, d, mn (N, K / 32) fp32 -> (M, N) fp32, bit for bit the kernel's result."""
+def reference_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, mn: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) fp32, codes (N, K) uint8 (int8 for q8_fp32.py), d, mn (N, K / 32) fp32 -> (M, N) fp32, bit for bit
+    the kernel's result; mn None (q8_fp32.py's kernel): acc = acc + d * dot_b."""
     out = torch.empty(x.shape[0], codes.shape[0])
     qw = codes.float().view(codes.shape[0], -1, BLOCK)   # (N, B, 32)
     for r0 in range(0, x.shape[0], _REFERENCE_ROWS):
@@ -48,10 +49,11 @@ def reference_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, mn: torc
         for k in range(4, BLOCK):
             part[k % 4] = part[k % 4] + xb[:, None, :, k] * qw[:, :, k]
         dot = (part[0] + part[1]) + (part[2] + part[3])
-        xs = block_sum(xb)   # (R, B)
+        xs = block_sum(xb) if mn is not None else None   # (R, B)
         acc = torch.zeros(xb.shape[0], codes.shape[0])
         for b in range(qw.shape[1]):
-            acc = acc + (d[:, b] * dot[:, :, b] + mn[:, b] * xs[:, b, None])
+            term = d[:, b] * dot[:, :, b]
+            acc = acc + (term if mn is None else term + mn[:, b] * xs[:, b, None])
         out[r0:r0 + _REFERENCE_ROWS] = acc
     return out
 

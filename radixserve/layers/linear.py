@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from radixserve.layers import batch_invariant as bi
 from radixserve.layers.quant_linear import MATMULS, Int8Weight, QuantWeight, kernel_available, native_bf16
+from radixserve.layers.q8_fp32 import Q8Head
 from radixserve.layers.screened_head import ScreenedHead
 
 logger = logging.getLogger(__name__)
@@ -35,8 +36,8 @@ class Linear(torch.nn.Module):
         self._quant_shards: dict[str | None, QuantWeight] = {}
         self._quant = None
         self._quant_max_rows = 0
-        self._screen: ScreenedHead | None = None
-        self._screen_max_rows = 0
+        self._small_head: ScreenedHead | Q8Head | None = None   # an LM head's path for steps of few rows
+        self._small_head_max_rows = 0
         self.tp_split = None   # layers/parallel.py TPSplit: the part of each checkpoint tensor this rank holds
 
     def local_part(self, tensor: torch.Tensor, shard: str | None = None, is_bias: bool = False) -> torch.Tensor:
@@ -71,7 +72,7 @@ class Linear(torch.nn.Module):
     def prepare(self, batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
         """Build the fast paths (ValueError where `batch_invariant` cannot be met); a quantized layer runs up to
         `quantized_max_tokens` rows (0: all) on its kernel, more on a kept dequantized copy."""
-        self._split, self._packed, self._packed_dtype, self._screen = None, None, None, None
+        self._split, self._packed, self._packed_dtype, self._small_head = None, None, None, None
         self._row = None
         if self._quant_shards:
             if self._prepare_quant(batch_invariant, keep_float=quantized_max_tokens > 0):
@@ -100,7 +101,7 @@ class Linear(torch.nn.Module):
 
     def row_paths(self) -> tuple[str, ...]:
         """Single-row paths this layer can take (row_path.PATHS); () where M = 1 does not run on its float weight."""
-        if self._row is None or self._screen is not None:
+        if self._row is None or self._small_head is not None:
             return ()
         return tuple(p for p, ok in (("split", self._split is not None), ("linear", True),
                                      ("packed", self._packed_dtype == self.weight.dtype)) if ok)
@@ -135,14 +136,23 @@ class Linear(torch.nn.Module):
 
     def enable_screened_head(self, max_rows: int, exact_top: int) -> bool:
         """Run up to `max_rows` rows on screened_head.py; False where it cannot (not an fp32 CPU weight, no int8 kernel)."""
-        w = self.weight.data
-        if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() == 0:
+        if not self._fp32_cpu_weight() or not kernel_available(Int8Weight):
             return False
-        if not kernel_available(Int8Weight):
-            return False
-        self._screen = ScreenedHead(w, exact_top)
-        self._screen_max_rows = max_rows
+        self._small_head, self._small_head_max_rows = ScreenedHead(self.weight.data, exact_top), max_rows
         return True
+
+    def enable_q8_head(self, max_rows: int) -> bool:
+        """Run up to `max_rows` rows on q8_fp32.py's kernel; False where it cannot (not an fp32 CPU weight that is a
+        Q8_0 grid, or no vector path of the kernel here)."""
+        head = Q8Head.build(self.weight.data) if self._fp32_cpu_weight() else None
+        if head is None:
+            return False
+        self._small_head, self._small_head_max_rows = head, max_rows
+        return True
+
+    def _fp32_cpu_weight(self) -> bool:
+        w = self.weight.data
+        return w.device.type == "cpu" and w.dtype == torch.float32 and w.numel() > 0
 
     def _prepare_quant(self, batch_invariant: bool, keep_float: bool = False) -> bool:
         """Pack the quantized shards (dropping the float weight unless `keep_float`), else dequantize; whether it packed."""
@@ -175,8 +185,8 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
         """x (M, in) -> (M, out) in x's dtype, or with `cast_back=False` in the dtype the path computed in."""
-        if self._screen is not None and x.shape[0] <= self._screen_max_rows and x.dtype == torch.float32:
-            return self._screen(x, self.weight, self.bias)
+        if self._small_head is not None and x.shape[0] <= self._small_head_max_rows and x.dtype == torch.float32:
+            return self._small_head(x, self.weight, self.bias)
         if self._quant is not None and (not self._quant_max_rows or x.shape[0] <= self._quant_max_rows):
             y = self._quant(x, cast_back)
             return y if self.bias is None else y.add_(self.bias)

@@ -22,9 +22,11 @@ from radixserve.models.model_config import ModelConfig
 from radixserve.models.moe import Experts, MoE, Router
 
 
-# A quantized model's LM head screens up to this many rows in int8, HEAD_EXACT_TOP logits exact (layers/screened_head.py).
+# A quantized model's LM head screens up to this many rows in int8, HEAD_EXACT_TOP logits exact (layers/screened_head.py),
+# or, where its fp32 weight is a Q8_0 grid (a GGUF Q8_0 head), runs up to HEAD_Q8_MAX_ROWS rows on layers/q8_fp32.py.
 HEAD_SCREEN_MAX_ROWS = 4
 HEAD_EXACT_TOP = 64
+HEAD_Q8_MAX_ROWS = 8
 
 
 def prepare_modules(root: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -183,12 +185,14 @@ class LlamaForCausalLM(torch.nn.Module):
     def prepare(self, dtype: torch.dtype, device: torch.device | str = "cpu",
                 batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
         """After loading: move to `device` and `dtype` (routers and keep_fp32 modules stay fp32), build the layers' fast paths or batch-invariant
-        form (ValueError where it cannot be built), screen a quantized model's head unless batch-invariant, time the single-row path."""
+        form (ValueError where it cannot be built), give a quantized model's head its small-step path (Q8_0 kernel, else the
+        screen) unless batch-invariant, time the single-row path."""
         prepare_modules(self, dtype, device, batch_invariant, quantized_max_tokens)
         self.rotary.cos_cache = self.rotary.cos_cache.to(device=device, dtype=dtype)
         self.rotary.sin_cache = self.rotary.sin_cache.to(device=device, dtype=dtype)
         if not batch_invariant and any(isinstance(m, Linear) and m.quantized for m in self.modules()):
-            self.lm_head.enable_screened_head(HEAD_SCREEN_MAX_ROWS, HEAD_EXACT_TOP)
+            if not self.lm_head.enable_q8_head(HEAD_Q8_MAX_ROWS):
+                self.lm_head.enable_screened_head(HEAD_SCREEN_MAX_ROWS, HEAD_EXACT_TOP)
         row_path.choose([m for m in self.modules() if isinstance(m, Linear)])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,

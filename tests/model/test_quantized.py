@@ -58,8 +58,8 @@ def test_int4_logits_match_the_dequantized_twin(tiny_q4, monkeypatch, tmp_path):
     fp32, int4 = runner(path, "none"), runner(path, "int4")
     quantized = [m for m in int4.model.modules() if isinstance(m, Linear) and m._quant is not None]
     assert len(quantized) == 2 * 4, "qkv, o, gate_up and down of both layers run on the int4 kernel"
-    assert fp32.model.lm_head._screen is None, "the unquantized model's head stays fp32-exact"
-    assert int4.model.lm_head._screen is not None, "a quantized model's head screens small steps"
+    assert fp32.model.lm_head._small_head is None, "the unquantized model's head stays fp32-exact"
+    assert int4.model.lm_head._small_head is not None, "a quantized model's head screens small steps"
     ref, got = prompt_logits(fp32, PROMPT), prompt_logits(int4, PROMPT)
     assert got.shape == ref.shape == (len(PROMPT), 256)
     # bf16 activations and scales inside the kernel: a few 1e-3 of the logits' scale.
