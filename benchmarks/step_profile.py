@@ -124,15 +124,18 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--quantization", default="none", help="none | int8 | int4 | int4-int8 | int4-fp32 | auto (EngineConfig)")
-    ap.add_argument("--quantized-max-tokens", type=int, default=0)
+    ap.add_argument("--quantized-max-tokens", type=int, default=None)
     ap.add_argument("--enable-deterministic-inference", action="store_true")
     ap.add_argument("--py-spy", default=None, help="flame graph of the timed steps (svg path)")
     ap.add_argument("--ablate", default="", help="kernels to replace by zeros: int4,int8,attention")
+    # The phase timers wrap the model's forward, which a compiled graph would trace (and re-trace as they record).
+    ap.add_argument("--compile", default="off", choices=("off",), help="eager only: see the comment above")
     args = ap.parse_args()
     config = EngineConfig(model_path=args.model_path, num_threads=args.num_threads,
                           max_running_requests=256, quantization=args.quantization,
                           quantized_max_tokens=args.quantized_max_tokens,
-                          enable_deterministic_inference=args.enable_deterministic_inference)
+                          enable_deterministic_inference=args.enable_deterministic_inference,
+                          compile=args.compile)
     engine = Engine(config, build_runner(config))
     ablate([k for k in args.ablate.split(",") if k])
     print(f"load {os.getloadavg()[0]:.2f} at start; threads {args.num_threads or os.cpu_count()}")

@@ -137,7 +137,8 @@ def _check_pipeline(config: Any) -> None:
                    "an fp8 --kv-cache-dtype": config.kv_cache_dtype.startswith("fp8"),
                    "--enable-deterministic-inference": config.enable_deterministic_inference,
                    "--enable-kv-checksum": config.enable_kv_checksum,
-                   f"--compile {config.compile_mode}": config.compile_mode != "off"}
+                   f"--quantization {config.quantization}": config.quantization not in ("none", "auto"),
+                   "--compile on": config.compile_mode == "on"}   # auto decodes eagerly (compile_setup)
     named = [flag for flag, on in unsupported.items() if on]
     if named:
         raise ValueError(f"--pp-size {config.pp_size} cannot be combined with {', '.join(named)} yet")
@@ -189,7 +190,7 @@ def check_kv_history(config: Any) -> None:
                    "--enable-hierarchical-cache": config.enable_hierarchical_cache,
                    "--disaggregation-mode": config.disaggregation_mode != "null",
                    "--attention-backend triton": config.attention_backend == "triton",
-                   f"--compile {config.compile_mode}": config.compile_mode != "off",
+                   "--compile on": config.compile_mode == "on",
                    "--enable-deterministic-inference": config.enable_deterministic_inference,
                    "--enable-kv-checksum": config.enable_kv_checksum}
     named = [flag for flag, on in unsupported.items() if on]

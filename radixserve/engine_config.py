@@ -204,11 +204,11 @@ class EngineConfig:
             raise ValueError("kv_checksum_interval must be >= 1")
         check_speculative(self)
         if self.torch_compile_max_bs < 1:
-            raise ValueError("torch_compile_max_bs must be >= 1")
+            raise ValueError("--torch-compile-max-bs must be >= 1")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"--compile (or ${COMPILE_ENV}) must be auto, on or off, got {self.compile!r}")
         if self.quantized_max_tokens is not None and self.quantized_max_tokens < 0:
-            raise ValueError("quantized_max_tokens must be >= 0")
+            raise ValueError("--quantized-max-tokens must be >= 0")
         if self.quantization in ("int4", "int8") and self.enable_deterministic_inference:
             raise ValueError(f"--quantization {self.quantization} cannot be combined with "
                              f"--enable-deterministic-inference: the quantized kernels are not "

@@ -30,8 +30,10 @@ def _unsupported(config: EngineConfig, device: torch.device, model: torch.nn.Mod
     """Why this runner's decode cannot be compiled (None: it can)."""
     if device.type != "cpu":
         return f"device {device} (CPU only)"
-    if config.tp_size > 1:
-        return "--tp-size > 1"
+    if config.tp_size > 1 or config.pp_size > 1:
+        return "--tp-size or --pp-size > 1"
+    if config.kv_history_dtype == "auto":
+        return "--kv-history-dtype auto"
     if config.enable_deterministic_inference:
         return "--enable-deterministic-inference (its batch-invariant matmuls are eager-only)"
     if getattr(model.config, "mla", None) is not None:

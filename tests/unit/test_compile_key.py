@@ -65,11 +65,17 @@ def test_off_and_unsupported_runners_decode_eagerly(model_dir, caplog):
     model = torch.nn.Linear(4, 4)
     model.config = type("C", (), {"mla": None})()
     cpu = torch.device("cpu")
-    assert compile_setup.load_decode_graphs(model, EngineConfig(model_path=str(model_dir)), cpu) is None
+    assert compile_setup.load_decode_graphs(model, EngineConfig(model_path=str(model_dir), compile="off"), cpu) is None
     det = EngineConfig(model_path=str(model_dir), compile="auto", enable_deterministic_inference=True)
     with caplog.at_level("INFO"):
         assert compile_setup.load_decode_graphs(model, det, cpu) is None
     assert "compiled decode off, decoding eagerly: --enable-deterministic-inference" in caplog.text
+    for flags, why in [(dict(pp_size=2), "--pp-size > 1"), (dict(kv_cache_dtype="fp8_e4m3", kv_history_dtype="auto"),
+                                                            "--kv-history-dtype auto")]:
+        with caplog.at_level("INFO"):
+            assert compile_setup.load_decode_graphs(model, EngineConfig(model_path=str(model_dir), compile="auto", **flags),
+                                                      cpu) is None
+        assert why in caplog.text
     assert EngineConfig(enable_torch_compile=True).compile_mode == "on"
 
 

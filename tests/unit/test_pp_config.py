@@ -33,6 +33,8 @@ from tests.model.test_families import DSA_SHARED, build_family
     (dict(pp_size=2, enable_deterministic_inference=True), "--enable-deterministic-inference"),
     (dict(pp_size=2, enable_kv_checksum=True), "--enable-kv-checksum"),
     (dict(pp_size=2, compile="on"), "--compile on"),
+    (dict(pp_size=2, quantization="int4-fp32"), "--quantization int4-fp32"),
+    (dict(pp_size=2, quantization="int4"), "--quantization int4"),
 ])
 def test_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -43,6 +45,7 @@ def test_accepted():
     c = EngineConfig(pp_size=4, pp_micro_batches=8, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
     assert (c.world_size, c.pp_micro_batches) == (4, 8)
     assert EngineConfig(pp_size=2).pp_micro_batches is None
+    assert EngineConfig(pp_size=2, compile="auto").compile_mode == "auto"   # auto decodes eagerly under PP
     both = EngineConfig(pp_size=2, tp_size=4, ep_size=2, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
     assert both.world_size == 8
 
