@@ -142,3 +142,10 @@ def test_quantization_flag_validation(tiny_q4, caplog):
     assert build_parser().parse_args(["serve"]).quantization == EngineConfig().quantization
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "fp4"])
+
+
+def test_quantized_max_tokens_without_a_quantized_layer_says_so(tiny_q4, caplog):
+    _, hf_dir = tiny_q4
+    with caplog.at_level(logging.WARNING, logger="radixserve.runner.model_runner"):
+        ModelRunner.from_config(EngineConfig(model_path=str(hf_dir), quantized_max_tokens=8, max_total_tokens=512))
+    assert "--quantized-max-tokens 8 has no effect" in caplog.text
