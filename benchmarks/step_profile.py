@@ -128,14 +128,12 @@ def main() -> int:
     ap.add_argument("--enable-deterministic-inference", action="store_true")
     ap.add_argument("--py-spy", default=None, help="flame graph of the timed steps (svg path)")
     ap.add_argument("--ablate", default="", help="kernels to replace by zeros: int4,int8,attention")
-    # The phase timers wrap the model's forward, which a compiled graph would trace (and re-trace as they record).
-    ap.add_argument("--compile", default="off", choices=("off",), help="eager only: see the comment above")
     args = ap.parse_args()
     config = EngineConfig(model_path=args.model_path, num_threads=args.num_threads,
                           max_running_requests=256, quantization=args.quantization,
                           quantized_max_tokens=args.quantized_max_tokens,
                           enable_deterministic_inference=args.enable_deterministic_inference,
-                          compile=args.compile)
+                          compile="off")   # the phase timers wrap the forward a compiled graph would trace
     engine = Engine(config, build_runner(config))
     ablate([k for k in args.ablate.split(",") if k])
     print(f"load {os.getloadavg()[0]:.2f} at start; threads {args.num_threads or os.cpu_count()}")

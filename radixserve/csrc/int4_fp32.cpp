@@ -178,10 +178,9 @@ at::Tensor int4_fp32_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   });
   const Rows a{xp, xsp, k, nb};
   at::Tensor out = at::empty({m, n}, x.options());
-  if (scales.scalar_type() == at::kHalf)
-    run(packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), a, m, n, groups, isa, out.data_ptr<float>());
-  else
-    run(packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), a, m, n, groups, isa, out.data_ptr<float>());
+  with_scales(scales, [&](const auto* s) {
+    run(packed.data_ptr<uint8_t>(), s, a, m, n, groups, isa, out.data_ptr<float>());
+  });
   return out;
 }
 

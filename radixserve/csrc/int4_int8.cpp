@@ -154,10 +154,9 @@ at::Tensor int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   quantize_rows(xc.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), dx.data_ptr<float>(), sxf.data_ptr<float>());
   const Acts a{q.data_ptr<int8_t>(), dx.data_ptr<float>(), sxf.data_ptr<float>(), k, nb};
   at::Tensor out = at::empty({m, n}, x.options());
-  if (scales.scalar_type() == at::kHalf)
-    run(packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), a, m, n, groups, isa, out.data_ptr<float>());
-  else
-    run(packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), a, m, n, groups, isa, out.data_ptr<float>());
+  with_scales(scales, [&](const auto* s) {
+    run(packed.data_ptr<uint8_t>(), s, a, m, n, groups, isa, out.data_ptr<float>());
+  });
   return out;
 }
 

@@ -38,6 +38,15 @@ inline void check_operands(const char* op, const at::Tensor& x, const at::Tensor
   TORCH_CHECK(n > (groups - 1) * COLS && n <= groups * COLS, op, ": bad n");
 }
 
+// f(s) with s the scales' data as `const float*` or `const at::Half*` (each op's checks allow only those two).
+template <typename F>
+void with_scales(const at::Tensor& scales, const F& f) {
+  if (scales.scalar_type() == at::kHalf)
+    f(scales.data_ptr<at::Half>());
+  else
+    f(scales.data_ptr<float>());
+}
+
 // Threads split the column groups; rows go in tiles of TILE. group(g, r0, r1, acc) adds group g's columns of rows
 // [r0, r1) into the zeroed acc (TILE x COLS fp32); the first n columns of y (M, n) receive them.
 template <typename Group>

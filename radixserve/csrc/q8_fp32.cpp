@@ -140,10 +140,9 @@ at::Tensor q8_fp32_mm(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const at::Tensor xc = x.contiguous();
   const Rows a{xc.data_ptr<float>(), k, nb};
   at::Tensor out = at::empty({m, n}, x.options());
-  if (scales.scalar_type() == at::kHalf)
-    run(codes.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), a, m, n, groups, isa, out.data_ptr<float>());
-  else
-    run(codes.data_ptr<int8_t>(), scales.data_ptr<float>(), a, m, n, groups, isa, out.data_ptr<float>());
+  with_scales(scales, [&](const auto* s) {
+    run(codes.data_ptr<int8_t>(), s, a, m, n, groups, isa, out.data_ptr<float>());
+  });
   return out;
 }
 

@@ -11,7 +11,7 @@ import functools
 import torch
 
 from radixserve.csrc import ops as csrc_ops
-from radixserve.layers.int4_int8 import BLOCK, block_params, pack
+from radixserve.layers.int4_int8 import BLOCK, OwnInt4Matmul
 
 ISAS = ("scalar", "avx2", "avx512")
 VECTOR_ISAS = ISAS[1:]   # the paths --quantization auto serves (the scalar one is slower than fp32 dense)
@@ -58,31 +58,11 @@ def reference_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, mn: torc
     return out
 
 
-class Int4F32Matmul:
-    """x (M, K) @ W.T -> (M, N) fp32, W the Int4Weight shards stacked, on `isa` (None: reference_mm); ValueError on
-    bad K. No float copy of W is kept."""
+class Int4F32Matmul(OwnInt4Matmul):
+    """fp32 activations (module docstring); no float copy of W is kept."""
 
-    BATCH_INVARIANT = True
     FLOAT_COPY_DTYPE = torch.float32   # a --quantized-max-tokens copy stays fp32: numerics stay fp32-class
-
-    def __init__(self, weights: list, isa: str | None = "auto"):
-        if len({w.codes.shape[1] for w in weights}) != 1 or weights[0].codes.shape[1] % BLOCK:
-            raise ValueError("int4-fp32 shards of one layer must share their columns, a multiple of 32")
-        codes = torch.cat([w.codes for w in weights])
-        d, mn = block_params(torch.cat([w.scale for w in weights]), torch.cat([w.zero for w in weights]))
-        self.n = codes.shape[0]
-        self.isa = chosen_isa() if isa == "auto" else isa
-        if self.isa is not None and self.isa not in supported_isas():
-            raise ValueError(f"int4-fp32 path {self.isa!r} not available here (have {supported_isas()})")
-        if self.isa is None:
-            self.codes, self.d, self.mn = codes, d, mn
-        else:
-            self.packed, self.scales = pack(codes, d, mn)
-
-    def __call__(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
-        xf = x.float()
-        if self.isa is None:
-            y = reference_mm(xf, self.codes, self.d, self.mn)
-        else:
-            y = torch.ops.radixserve.int4_fp32_mm(xf, self.packed, self.scales, self.n, ISAS.index(self.isa))
-        return y.to(x.dtype) if cast_back else y
+    MODE, OP, ISAS = "int4-fp32", "int4_fp32_mm", ISAS
+    reference = staticmethod(reference_mm)
+    chosen_isa = staticmethod(chosen_isa)
+    supported_isas = staticmethod(supported_isas)

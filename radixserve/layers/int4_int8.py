@@ -69,20 +69,35 @@ def reference_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, mn: torc
     return out
 
 
-class Int4Int8Matmul:
-    """x (M, K) @ W.T -> (M, N), W the Int4Weight shards stacked, on `isa` (None: reference_mm); ValueError on bad K."""
+class OwnInt4Matmul:
+    """x (M, K) @ W.T -> (M, N), W the Int4Weight shards stacked, on radixserve's op OP at `isa` (None: REFERENCE, its
+    bit-identical torch form); ValueError on bad K or an ISA this CPU lacks. Subclasses name the op and its helpers."""
 
     BATCH_INVARIANT = True
+    MODE = OP = ""
+    ISAS: tuple[str, ...] = ()
+
+    @staticmethod
+    def reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def chosen_isa() -> str | None:
+        raise NotImplementedError
+
+    @staticmethod
+    def supported_isas() -> tuple[str, ...]:
+        raise NotImplementedError
 
     def __init__(self, weights: list, isa: str | None = "auto"):
         if len({w.codes.shape[1] for w in weights}) != 1 or weights[0].codes.shape[1] % BLOCK:
-            raise ValueError("int4-int8 shards of one layer must share their columns, a multiple of 32")
+            raise ValueError(f"{self.MODE} shards of one layer must share their columns, a multiple of 32")
         codes = torch.cat([w.codes for w in weights])
         d, mn = block_params(torch.cat([w.scale for w in weights]), torch.cat([w.zero for w in weights]))
         self.n = codes.shape[0]
-        self.isa = chosen_isa() if isa == "auto" else isa
-        if self.isa is not None and self.isa not in supported_isas():
-            raise ValueError(f"int4-int8 path {self.isa!r} not available here (have {supported_isas()})")
+        self.isa = self.chosen_isa() if isa == "auto" else isa
+        if self.isa is not None and self.isa not in self.supported_isas():
+            raise ValueError(f"{self.MODE} path {self.isa!r} not available here (have {self.supported_isas()})")
         if self.isa is None:
             self.codes, self.d, self.mn = codes, d, mn
         else:
@@ -91,7 +106,16 @@ class Int4Int8Matmul:
     def __call__(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
         xf = x.float()
         if self.isa is None:
-            y = reference_mm(xf, self.codes, self.d, self.mn)
+            y = self.reference(xf, self.codes, self.d, self.mn)
         else:
-            y = torch.ops.radixserve.int4_int8_mm(xf, self.packed, self.scales, self.n, ISAS.index(self.isa))
+            y = getattr(torch.ops.radixserve, self.OP)(xf, self.packed, self.scales, self.n, self.ISAS.index(self.isa))
         return y.to(x.dtype) if cast_back else y
+
+
+class Int4Int8Matmul(OwnInt4Matmul):
+    """int8 activations per row and block (module docstring)."""
+
+    MODE, OP, ISAS = "int4-int8", "int4_int8_mm", ISAS
+    reference = staticmethod(reference_mm)
+    chosen_isa = staticmethod(chosen_isa)
+    supported_isas = staticmethod(supported_isas)

@@ -86,7 +86,8 @@ def test_op_registration_and_fake_kernel():
     """torch.library.opcheck: schema, fake kernel (shape, dtype, strides) and tracing agree with the CPU kernel."""
     q, k = torch.randn(2, 6, 32), torch.randn(2, 3, 7, 32)
     isa = decode_kernel.ISAS.index(ISAS[-1])
-    torch.library.opcheck(torch.ops.radixserve.decode_attention.default, (q, k, k, torch.tensor([7, 2]), isa))
+    results = torch.library.opcheck(torch.ops.radixserve.decode_attention.default, (q, k, k, torch.tensor([7, 2]), isa))
+    assert results and set(results.values()) == {"SUCCESS"}, results
 
 
 def test_runs_only_for_fp32_on_cpu():

@@ -11,6 +11,7 @@ import torch
 
 from radixserve.engine_config import EngineConfig
 from radixserve.layers import int4_fp32 as fp
+from radixserve.layers.int4_int8 import block_params
 from radixserve.layers.quant_linear import Int4F32Weight, Int4Weight
 from tests.unit.test_int4_int8_mm import random_weight, random_x
 
@@ -19,7 +20,7 @@ SHAPES = [(1, 32, 1), (3, 96, 17), (17, 576, 45), (64, 160, 33), (2, 64, 31), (3
 
 
 def reference(w: Int4Weight, x: torch.Tensor) -> torch.Tensor:
-    return fp.reference_mm(x, w.codes, *fp.block_params(w.scale, w.zero))
+    return fp.reference_mm(x, w.codes, *block_params(w.scale, w.zero))
 
 
 def kernel_isas() -> list[str]:
@@ -29,7 +30,7 @@ def kernel_isas() -> list[str]:
 def fp32_bound(w: Int4Weight, x: torch.Tensor) -> torch.Tensor:
     """(B + 16) * 2^-24 * sum over blocks of (|d| * sum q|x| + |mn| * sum |x|): each term of d * dot + mn * xs passes
     through at most 12 roundings inside its block and B in the running sum over blocks."""
-    d, mn = fp.block_params(w.scale, w.zero)
+    d, mn = block_params(w.scale, w.zero)
     nb = d.shape[1]
     w_abs = w.codes.double() * d.abs().double().repeat_interleave(32, 1) + mn.abs().double().repeat_interleave(32, 1)
     return (nb + 16) * 2.0 ** -24 * (x.double().abs() @ w_abs.t())
