@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from radixserve.runner.attention import decode_kernel
 from radixserve.runner.attention.decode_mirror import decode_attention
