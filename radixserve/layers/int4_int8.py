@@ -102,13 +102,14 @@ class OwnInt4Matmul:
             self.codes, self.d, self.mn = codes, d, mn
         else:
             self.packed, self.scales = pack(codes, d, mn)
+            self.op, self.isa_index = getattr(torch.ops.radixserve, self.OP), self.ISAS.index(self.isa)
 
     def __call__(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
         xf = x.float()
         if self.isa is None:
             y = self.reference(xf, self.codes, self.d, self.mn)
         else:
-            y = getattr(torch.ops.radixserve, self.OP)(xf, self.packed, self.scales, self.n, self.ISAS.index(self.isa))
+            y = self.op(xf, self.packed, self.scales, self.n, self.isa_index)
         return y.to(x.dtype) if cast_back else y
 
 
