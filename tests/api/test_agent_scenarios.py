@@ -36,14 +36,16 @@ AGENT_FLAGS = ["--sweep-interval-s", "0.5", "--request-timeout-s", "1", "--windo
                "--heartbeat-sweeps", "1000", "--kill-grace-s", "1"]
 
 
-def wait_for(check, what: str, timeout_s: float = WAIT_S):
+def wait_for(check, what: str, timeout_s: float = WAIT_S, seen=lambda: None):
+    """`check()`'s first truthy value; fails after `timeout_s`, naming `seen()` if it says anything."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}")
+    last = seen()
+    pytest.fail(f"timed out waiting for {what}" + (f"; last seen: {last}" if last else ""))
 
 
 class Fleet:
@@ -71,15 +73,23 @@ class Fleet:
             {"url": w.base_url, "pid": w.proc.pid, "argv": list(w.proc.args), "log": w.log.name,
              "cwd": str(REPO)} for w in self.workers]}))
         self.agent_proc: subprocess.Popen | None = None
+        self.last_seen: object = None   # the router's last listing (or why there was none)
 
     def _routable(self) -> int:
         try:
-            return sum(w["healthy"] and not w["draining"] for w in self.router_workers())
-        except httpx.HTTPError:
+            workers = self.router_workers()
+        except httpx.HTTPError as exc:
+            self.last_seen = repr(exc)
             return 0
+        self.last_seen = [{k: w[k] for k in ("url", "healthy", "draining", "breaker")}
+                          for w in workers]
+        return sum(w["healthy"] and not w["draining"] for w in workers)
 
     def router_workers(self) -> list[dict]:
         return self.http.get("/admin/workers").json()["workers"]
+
+    def router_worker(self, url: str) -> dict:
+        return next(w for w in self.router_workers() if w["url"] == url)
 
     def agent(self, *extra: str) -> pathlib.Path:
         """Start a fresh agent; returns its decision log path."""
@@ -111,7 +121,21 @@ class Fleet:
             httpx.delete(url + "/admin/fault", timeout=10)
 
     def all_back(self) -> None:
-        wait_for(lambda: self._routable() == 3, "every worker back in rotation")
+        wait_for(lambda: self._routable() == 3, "every worker back in rotation",
+                 seen=lambda: self.last_seen)
+
+    def reset(self) -> None:
+        """The fleet whole before a test. The previous test's agent is stopped first: it may
+        still act after that test's last check (an error window still full isolates again).
+        Stopped mid-ejection, it leaves its drain at the router (agent state is in memory:
+        docs/ops_agent.md), so every worker is undrained; then faults are cleared and every
+        worker must be healthy and in rotation."""
+        self.stop_agent()
+        self.clear()
+        for url in self.urls:
+            r = self.http.post("/admin/undrain", json={"url": url})
+            assert r.status_code == 200, r.text
+        self.all_back()
 
     def stop(self) -> None:
         self.stop_agent()
@@ -180,8 +204,7 @@ def test_corrupted_output_is_caught_retried_and_the_client_sees_correct_text(fle
     """Worker 0 garbles every output; round robin sends it one request in three. Requests go on
     (at least 6, at most 30) until one has reached worker 0: health checks that time out on a
     loaded machine may take it out of rotation for a while, which must not fail the test."""
-    fleet.all_back()
-    fleet.clear()
+    fleet.reset()
     fleet.fault(0, kind="corrupt", mode="garble")
     before = fleet.anomalies(0)
     try:
@@ -202,7 +225,7 @@ def test_corrupted_output_is_caught_retried_and_the_client_sees_correct_text(fle
 
 
 def test_slow_worker_is_drained_not_restarted_and_returns(fleet):
-    fleet.all_back()
+    fleet.reset()
     log = fleet.agent("--supervise", "--fleet-manifest", str(fleet.manifest))
     load = Load(fleet.url)
     slow = fleet.urls[1]
@@ -221,7 +244,7 @@ def test_slow_worker_is_drained_not_restarted_and_returns(fleet):
 
 
 def test_errors_on_two_of_three_isolate_at_most_the_allowed_share(fleet):
-    fleet.all_back()
+    fleet.reset()
     log = fleet.agent()
     load = Load(fleet.url)
     max_out = 0
@@ -250,10 +273,11 @@ def test_errors_on_two_of_three_isolate_at_most_the_allowed_share(fleet):
 
 
 def test_hung_worker_is_drained_and_restarted_while_the_fleet_serves(fleet):
-    fleet.all_back()
+    fleet.reset()
     log = fleet.agent("--supervise", "--fleet-manifest", str(fleet.manifest))
     hung = fleet.urls[2]
     old_pid = fleet.workers[2].proc.pid
+    old_instance = fleet.router_worker(hung)["instance_id"]
     load = Load(fleet.url)
     try:
         time.sleep(2)
@@ -268,5 +292,7 @@ def test_hung_worker_is_drained_and_restarted_while_the_fleet_serves(fleet):
     new_pid = json.loads(fleet.manifest.read_text())["workers"][2]["pid"]
     assert new_pid != old_pid
     assert httpx.get(hung + "/health", timeout=10).status_code == 200
+    back = fleet.router_worker(hung)   # issue 41 item 7: rejoined as a new process, breaker closed
+    assert back["instance_id"] not in (None, old_instance) and back["breaker"] == "closed", back
     assert failed == [], failed[:3]
     assert len(load.results) > 0
