@@ -10,6 +10,7 @@ from radixserve.config_checks import check_disaggregation, check_kv_history, che
 
 # The environment variable that sets --compile's default (tests/conftest.py pins it off for the suite).
 COMPILE_ENV = "RADIXSERVE_COMPILE"
+DISK_TIER_PAGE_SIZE = 16   # the default --page-size with a disk tier
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ class EngineConfig:
     quantization_param_path: str | None = opt(
         None, "JSON file of FP8 KV scales {\"k_scale\": [...], \"v_scale\": [...]}, one per layer "
               "(default: the checkpoint's k_scale/v_scale, else calibrated at start-up)")
-    page_size: int = opt(16, "KV page size in tokens")
+    page_size: int | None = opt(
+        None, "KV page size in tokens; unset: 1 (the radix cache reuses a prefix to the token, as SGLang), or "
+              f"{DISK_TIER_PAGE_SIZE} with --hicache-storage-dir (the disk tier keeps one file per page)")
     max_total_tokens: int | None = opt(None, "KV capacity in tokens (overrides --kv-cache-memory-gb)")
     kv_cache_memory_gb: float = opt(1.0, "KV capacity in GiB when --max-total-tokens is not set")
     chunked_prefill_size: int = opt(1024, "token budget of one step (decode tokens + prefill chunk)")
@@ -185,6 +188,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative_algorithm == "none":    # the flag's explicit off is the field's None
             object.__setattr__(self, "speculative_algorithm", None)
+        if self.page_size is None:
+            object.__setattr__(self, "page_size", 1 if self.hicache_storage_dir is None else DISK_TIER_PAGE_SIZE)
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.chunked_prefill_size < self.page_size:

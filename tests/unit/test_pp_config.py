@@ -90,9 +90,10 @@ def test_dsa_stages_hold_their_latent_and_index_keys(tmp_path):
     mc = stages[0].model_config
     latent, index = 4 * (mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim), 4 * mc.dsa.index_head_dim
     per_token = [2 * latent + 2 * index, 2 * latent, latent + index]
-    pages = int(0.001 * 2**30) // (16 * max(per_token))
+    size = config.page_size
+    pages = int(0.001 * 2**30) // (size * max(per_token))
     assert [r.num_pages for r in stages] == [pages] * 3
-    assert [r.kv.allocated_bytes() for r in stages] == [pages * 16 * b for b in per_token]
+    assert [r.kv.allocated_bytes() for r in stages] == [pages * size * b for b in per_token]
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -113,4 +114,5 @@ def test_each_stage_holds_only_its_layers_and_their_kv(tmp_path, tied):
     assert [r.kv.num_layers for r in stages] == [2, 2, 1]
     assert len({r.num_pages for r in stages}) == 1
     token = 2 * stages[0].kv.num_kv_heads * stages[0].kv.head_dim * 4
-    assert [r.kv.allocated_bytes() for r in stages] == [n * stages[0].num_pages * 16 * token for n in (2, 2, 1)]
+    assert [r.kv.allocated_bytes() for r in stages] == [n * stages[0].num_pages * config.page_size * token
+                                                         for n in (2, 2, 1)]
