@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
     results = []
     for folder in folders:
         config = EngineConfig(model_path=folder, cp_size=size, max_total_tokens=4096, quantization="none",
-                              chunked_prefill_size=32, num_threads=1)
+                              page_size=16, chunked_prefill_size=32, num_threads=1)
         out = {name: run_mode(dataclasses.replace(config, **extra), comm, rank, False) for name, extra in MODES.items()}
         out["dropped_wait"] = run_mode(dataclasses.replace(config, enable_layer_split=True), comm, rank, True)
         if rank == 0:

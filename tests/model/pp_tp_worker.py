@@ -64,7 +64,8 @@ def main(argv: list[str]) -> int:
     results = []
     for folder, ep in zip(cases[::2], map(int, cases[1::2])):
         config = EngineConfig(model_path=folder, pp_size=PP, tp_size=TP, ep_size=ep, max_total_tokens=4096,
-                              quantization="none", chunked_prefill_size=32, num_threads=1, dist_timeout=TIMEOUT_S)
+                              quantization="none", chunked_prefill_size=32, num_threads=1, dist_timeout=TIMEOUT_S,
+                              page_size=16)
         runner = rank_runner(config, comm)
         out = {"param_bytes": sum(p.nbytes for p in runner.model.parameters()), "kv_bytes": runner.kv.allocated_bytes(),
                "num_pages": runner.num_pages, "kv_layers": runner.kv.num_layers, "steps": recording(runner, comm),

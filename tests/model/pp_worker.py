@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
     results = []
     for folder in folders:
         config = EngineConfig(model_path=folder, pp_size=size, max_total_tokens=4096, quantization="none",
-                              chunked_prefill_size=32, num_threads=1)
+                              page_size=16, chunked_prefill_size=32, num_threads=1)
         out = {m: run_micro(dataclasses.replace(config, pp_micro_batches=m), comm, rank) for m in MICRO}
         sized = PPModelRunner.from_config(dataclasses.replace(config, max_total_tokens=None, kv_cache_memory_gb=0.001),
                                           comm=comm)

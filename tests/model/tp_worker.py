@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
     results, keep = [], []
     for folder in folders:
         config = EngineConfig(model_path=folder, tp_size=tp_size, max_total_tokens=4096, quantization="none",
-                              chunked_prefill_size=32, num_threads=1, ep_size=ep_size)
+                              page_size=16, chunked_prefill_size=32, num_threads=1, ep_size=ep_size)
         runner = ModelRunner.from_config(config, comm)
         out = {"param_bytes": sum(p.nbytes for p in runner.model.parameters()),
                "expert_bytes": sum(p.nbytes for name, p in runner.model.named_parameters() if ".mlp.experts." in name)}
