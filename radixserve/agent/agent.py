@@ -25,9 +25,11 @@ logger = logging.getLogger("radixserve.agent")
 
 
 def _drained(snap: FleetSnapshot, by_agent: bool) -> list[str]:
-    """Workers the router lists as drained through its admin API by the agent (or by anyone else)."""
-    return [u for u, s in snap.workers.items() if (s.router or {}).get("draining") is True
-            and ((s.router or {}).get("drained_by") == AGENT) == by_agent]
+    """Workers the router lists as drained through its admin API: by the agent, or by anyone else
+    (a router that does not list `drained_by`: all of them by someone else)."""
+    listed = {u: s.router or {} for u, s in snap.workers.items()}
+    return [u for u, r in listed.items()
+            if r.get("draining") is True and (r.get("drained_by") == AGENT) == by_agent]
 
 
 def _count(value: object) -> int:
