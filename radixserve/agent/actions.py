@@ -13,6 +13,7 @@ from typing import Any
 
 from radixserve.agent.ladder import Decision
 from radixserve.router.client import AsyncRouterAdminClient
+from radixserve.router.worker import AGENT
 
 logger = logging.getLogger("radixserve.agent")
 
@@ -68,7 +69,7 @@ class Actions:
     async def apply(self, d: Decision, engine_pid: int | None = None) -> Any:
         """Carry out one acting decision; returns the router's or the restart's answer."""
         if d.action in ("drain", "isolate"):
-            return await self.admin.drain(d.worker)
+            return await self.admin.drain(d.worker, by=AGENT)   # a later agent adopts it
         if d.action == "undrain":
             return await self.admin.undrain(d.worker)
         if d.action == "set_policy_params":

@@ -19,8 +19,17 @@ from radixserve.agent.metrics import AgentMetrics
 from radixserve.agent.observe import FleetSnapshot, History, Observer
 from radixserve.agent.timeline import Timeline
 from radixserve.router.client import AsyncRouterAdminClient
+from radixserve.router.worker import AGENT
 
 logger = logging.getLogger("radixserve.agent")
+
+
+def _drained(snap: FleetSnapshot, by_agent: bool) -> list[str]:
+    """Workers the router lists as drained through its admin API: by the agent, or by anyone else
+    (a router that does not list `drained_by`: all of them by someone else)."""
+    listed = {u: s.router or {} for u, s in snap.workers.items()}
+    return [u for u, r in listed.items()
+            if r.get("draining") is True and (r.get("drained_by") == AGENT) == by_agent]
 
 
 def _count(value: object) -> int:
@@ -69,6 +78,7 @@ class Agent:
         self.last: FleetSnapshot | None = None
         self.findings: list[rules.Finding] = []
         self._router_note: str | None = None
+        self._adopted = False   # the first sweep that reads the router adopts the agent's drains
 
     def state(self) -> dict:
         return {"workers": {u: t.state for u, t in self.ladder.tracks.items()},
@@ -103,7 +113,9 @@ class Agent:
         self.findings = rules.evaluate(hists, self.rule_cfg, snap.gpus)
         for f in self.findings:
             self.metrics.findings.labels(kind=f.kind).inc()
-        decisions = self.ladder.step(snap.t, self._view(snap, hists), self.findings)
+        adopted = [] if self._adopted else self.ladder.adopt(snap.t, _drained(snap, by_agent=True))
+        self._adopted = True
+        decisions = adopted + self.ladder.step(snap.t, self._view(snap, hists), self.findings)
         records = [await self._apply(d, snap) for d in decisions]
         self.timeline.record(self.last_sweep_at, hists, sum(d.acts for d in decisions))
         if not records and self.num_sweeps % self.cfg.heartbeat_sweeps == 1:
@@ -121,7 +133,8 @@ class Agent:
                        for u, s in snap.workers.items()},
             recovered=frozenset(u for u in probed if rules.probe_recovered(hists.get(u, []),
                                                                            self.rule_cfg)),
-            supervised=self.actions.supervised(), policy=snap.policy)
+            supervised=self.actions.supervised(), policy=snap.policy,
+            operator_drained=frozenset(_drained(snap, by_agent=False)))
 
     def _quiet_reason(self, snap: FleetSnapshot) -> str:
         if self.findings:

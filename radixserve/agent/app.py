@@ -43,6 +43,7 @@ def fleet_table(agent: Agent) -> list[dict]:
             "health_error": s.health_error if s else None,
             "alive": rules.answering(hist) if hist else None,
             "router_healthy": router.get("healthy"), "draining": router.get("draining"),
+            "drained_by": router.get("drained_by"),
             "breaker": router.get("breaker"), "in_flight": router.get("in_flight"),
             "queue": metrics.get(rules.QUEUE), "token_usage": metrics.get(rules.KV_USAGE),
             "cache_hit_rate": metrics.get("radixserve:cache_hit_rate"),

@@ -22,7 +22,7 @@ SEVERITY = ("watch", "slow", "faulty", "leak", "hung")
 OUT_STATES = ("draining", "restarted", "isolated")
 # Every Decision.action (metrics start each at 0), and those that change the fleet.
 ACTIONS = ("none", "suspect", "clear", "drain", "isolate", "restart", "undrain", "alert",
-           "set_policy_params")
+           "set_policy_params", "adopt")
 ACTING = ("drain", "isolate", "restart", "undrain", "set_policy_params")
 
 
@@ -50,7 +50,8 @@ class Decision:
 
 @dataclass(frozen=True)
 class FleetView:
-    """One sweep's view: workers, those answering /health, in-flight counts, recovered and supervised."""
+    """One sweep's view: workers, those answering /health, in-flight counts, recovered and supervised;
+    `operator_drained`: drained at the router by someone other than the agent (never acted on)."""
 
     urls: tuple[str, ...]
     responsive: frozenset[str]
@@ -58,6 +59,7 @@ class FleetView:
     recovered: frozenset[str] = frozenset()
     supervised: frozenset[str] = frozenset()
     policy: dict | None = None
+    operator_drained: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -110,6 +112,18 @@ class Ladder:
             decisions += self._step_worker(track, by_url[track.url], now, view, gate)
         fleet = [f for f in findings if f.url is None]
         return decisions + self._fleet(fleet, now, view)
+
+    def adopt(self, now: float, urls: list[str]) -> list[Decision]:
+        """At start-up, before the first `step`: workers the router lists as drained by the agent
+        (an earlier agent's, its reason lost) are isolated as if just ejected once: they return by
+        the isolation path (the ejection time, then /health answering) and count as out."""
+        hold = self.ejection_s(1)
+        for url in urls:
+            self.tracks[url] = Track(url, "isolated", ejections=1, since=now, out_until=now + hold,
+                                     forgive_at=now + self.cfg.max_ejection_s)
+        return [Decision("adopt", url, "drained at the router by an earlier agent: isolated for "
+                         f"{hold:.0f} s, then back once /health answers", "observe", "isolated")
+                for url in urls]
 
     def wants_probe(self) -> set[str]:
         """Drained slow workers, which the agent probes each sweep."""
@@ -187,7 +201,9 @@ class Ladder:
     def _act(self, t: Track, fault: str, found: list[Finding], now: float, view: FleetView,
              gate: _Gate) -> list[Decision]:
         why = None
-        if gate.panic:
+        if t.url in view.operator_drained:
+            why = "the operator drained it at the router (the agent leaves that drain alone)"
+        elif gate.panic:
             why = "panic (too few workers answer /health)"
         elif gate.out >= gate.allowed:
             why = (f"max share out of rotation reached ({gate.out} of {len(view.urls)} out, "

@@ -144,7 +144,8 @@ def _why_out(row: dict) -> str:
         return row["state"] + (f" ({row['fault']})" if row.get("fault") else "")
     place = rotation(row)
     if place == "draining":
-        return "drained, not by the agent"
+        who = row.get("drained_by")   # None from a router that does not say
+        return f"drained by the {who}" if isinstance(who, str) else "drained, not by the agent"
     if place == "out":
         return "unhealthy at the router"
     return f"/health failing ({row.get('health_error') or 'no answer'})"

@@ -12,7 +12,7 @@ from radixserve.errors import InvalidRequest, RadixServeError
 from radixserve.http_common import bearer_key_check, read_body
 from radixserve.router.state import RouterState
 from radixserve.router.validate import finite_number, json_object, worker_url
-from radixserve.router.worker import check_weight
+from radixserve.router.worker import DRAIN_OWNERS, OPERATOR, check_weight
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,16 @@ def _url(body: dict) -> str:
         return worker_url(body.get("url"))
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="url") from None
+
+
+def _drained_by(body: dict) -> str:
+    """POST /admin/drain's "by": one of DRAIN_OWNERS, the operator when absent or null; else 400."""
+    by = body.get("by")
+    if by is None:
+        return OPERATOR
+    if not isinstance(by, str) or by not in DRAIN_OWNERS:
+        raise InvalidRequest(f"by must be one of {', '.join(DRAIN_OWNERS)}", param="by")
+    return by
 
 
 def _number(body: dict, name: str) -> float:
@@ -124,15 +134,17 @@ def _membership_routes(admin: APIRouter, state: RouterState) -> None:
 def _worker_routes(admin: APIRouter, state: RouterState) -> None:
     @admin.post("/drain")
     async def drain(request: Request) -> Response:
-        worker = _worker_of(state, await _body(request))
-        worker.draining = True
-        logger.info("admin: draining %s (%d in flight)", worker.url, worker.in_flight)
+        body = await _body(request)
+        worker = _worker_of(state, body)
+        worker.drain(_drained_by(body))
+        logger.info("admin: draining %s by the %s (%d in flight)", worker.url, worker.drained_by,
+                    worker.in_flight)
         return _listing(state, worker)
 
     @admin.post("/undrain")
     async def undrain(request: Request) -> Response:
         worker = _worker_of(state, await _body(request))
-        worker.draining = False
+        worker.undrain()
         logger.info("admin: undrained %s", worker.url)
         return _listing(state, worker)
 

@@ -58,8 +58,10 @@ class _AdminCalls:
     def remove_worker(self, url: str) -> Any:
         return self._call("POST", "/admin/remove_worker", {"url": url}, _same)
 
-    def drain(self, url: str) -> Any:
-        return self._call("POST", "/admin/drain", {"url": url}, _same)
+    def drain(self, url: str, by: str | None = None) -> Any:
+        """`by`: who drains (router/worker.py DRAIN_OWNERS); None: the operator."""
+        body = {"url": url} if by is None else {"url": url, "by": by}
+        return self._call("POST", "/admin/drain", body, _same)
 
     def undrain(self, url: str) -> Any:
         return self._call("POST", "/admin/undrain", {"url": url}, _same)

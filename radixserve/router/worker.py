@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KV_HIGH = 0.8  # KV usage above which a worker is under pressure (llm-d saturation default)
+# Who drained a worker through the admin API (POST /admin/drain's "by"; absent: the operator).
+OPERATOR, AGENT = "operator", "agent"
+DRAIN_OWNERS = (OPERATOR, AGENT)
 
 
 @dataclass(slots=True)
@@ -32,6 +35,7 @@ class WorkerState:
     url: str
     weight: float = 1.0
     draining: bool = False         # by the router's admin API
+    drained_by: str | None = None  # DRAIN_OWNERS while drained through it (`drain`), else None
     reports_draining: bool = False  # by the worker's own /health
     healthy: bool = True
     breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(5, 2, 30.0))
@@ -69,6 +73,16 @@ class WorkerState:
         """Healthy, not draining, weight > 0: routable whatever its breaker says."""
         return (self.healthy and not self.draining and not self.reports_draining
                 and self.weight > 0)
+
+    def drain(self, by: str) -> None:
+        """Out of rotation, owned by `by` (DRAIN_OWNERS); the operator's drain is never taken
+        over: the agent re-admits only what it drained (docs/ops_agent.md)."""
+        if self.drained_by != OPERATOR:
+            self.drained_by = by
+        self.draining = True
+
+    def undrain(self) -> None:
+        self.draining, self.drained_by = False, None
 
     def is_routable(self) -> bool:
         return self.is_in_rotation() and self.breaker.can_execute()
@@ -144,7 +158,7 @@ class WorkerState:
         age = None if self.reported_at is None else round(now - self.reported_at, 3)
         return {
             "url": self.url, "healthy": self.healthy, "draining": self.draining,
-            "reports_draining": self.reports_draining,
+            "drained_by": self.drained_by, "reports_draining": self.reports_draining,
             "weight": self.weight, "in_flight": self.in_flight,
             "load": round(self.load(now), 3), "breaker": self.breaker.state,
             "reported": {"num_running": self.num_running, "num_queue": self.num_queue,

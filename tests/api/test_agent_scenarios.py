@@ -127,9 +127,9 @@ class Fleet:
     def reset(self) -> None:
         """The fleet whole before a test. The previous test's agent is stopped first: it may
         still act after that test's last check (an error window still full isolates again).
-        Stopped mid-ejection, it leaves its drain at the router (agent state is in memory:
-        docs/ops_agent.md), so every worker is undrained; then faults are cleared and every
-        worker must be healthy and in rotation."""
+        Stopped mid-ejection, it leaves its drain at the router (the next agent would adopt it
+        and hold the worker out one ejection: docs/ops_agent.md), so every worker is undrained;
+        then faults are cleared and every worker must be healthy and in rotation."""
         self.stop_agent()
         self.clear()
         for url in self.urls:

@@ -66,11 +66,14 @@ class FakeFleet:
         self.traffic = traffic or {}
         self.urls = urls or URLS
         self.router_down = False
-        self.draining: set[str] = set()
+        self.draining: set[str] = set()     # drained by the operator unless in by_agent
+        self.by_agent: set[str] = set()
         self.posts: list[tuple[str, dict]] = []
 
     def entry(self, url: str) -> dict:
-        return {"url": url, "healthy": url not in self.hung, "draining": url in self.draining,
+        drained = url in self.draining
+        return {"url": url, "healthy": url not in self.hung, "draining": drained,
+                "drained_by": ("agent" if url in self.by_agent else "operator") if drained else None,
                 "in_flight": 0, "breaker": "closed", "num_requests": 10, "num_failures": 0}
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -84,7 +87,14 @@ class FakeFleet:
                 body = json.loads(request.content)
                 self.posts.append((path, body))
                 if path == "/admin/drain":
+                    if body.get("by") != "agent":         # the router's rule: the operator's
+                        self.by_agent.discard(body["url"])   # drain wins, the agent's never does
+                    elif body["url"] not in self.draining:
+                        self.by_agent.add(body["url"])
                     self.draining.add(body["url"])
+                if path == "/admin/undrain":
+                    self.draining.discard(body["url"])
+                    self.by_agent.discard(body["url"])
                 return httpx.Response(200, json=self.entry(body["url"]))
             if path == "/admin/policy":
                 return httpx.Response(200, json={"policy": "cache_aware", "cache_threshold": 0.3})
@@ -99,10 +109,10 @@ class FakeFleet:
         return httpx.Response(200, json={"status": "ok"})
 
 
-def make_agent(tmp_path, fake: FakeFleet, wall_clock=None, **cfg) -> Agent:
+def make_agent(tmp_path, fake: FakeFleet, wall_clock=None, ladder_cfg=None, **cfg) -> Agent:
     """An agent over `fake`, its decisions logged to tmp_path/d.jsonl."""
     agent = Agent(ROUTER, AgentConfig(decision_log=str(tmp_path / "d.jsonl"), **cfg),
-                  **({"wall_clock": wall_clock} if wall_clock else {}))
+                  ladder_cfg=ladder_cfg, **({"wall_clock": wall_clock} if wall_clock else {}))
     transport = httpx.MockTransport(fake)
     agent.admin.http = httpx.AsyncClient(transport=transport, base_url=ROUTER)
     agent.observer.http = httpx.AsyncClient(transport=transport)

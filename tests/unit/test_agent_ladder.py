@@ -179,3 +179,33 @@ def test_a_drained_slow_worker_that_stops_answering_is_restarted_or_isolated():
         hung = view(responsive=URLS[1:], supervised=supervised)
         out = run(ladder, [[f("unresponsive")]] * 2, start=10, v=hung)
         assert acts(out) == [(action, "http://w0")]
+
+
+def test_an_adopted_worker_is_isolated_and_returns_by_the_isolation_path():
+    """A new agent's start-up: w0 drained at the router by an earlier agent is held out for one
+    ejection (30 s), counts towards the share cap, and returns only after an ejection at whose
+    end /health answers."""
+    ladder = Ladder(CFG)
+    out = ladder.adopt(0.0, ["http://w0"])
+    assert [(d.action, d.worker, d.state_to) for d in out] == [("adopt", "http://w0", "isolated")]
+    t = ladder.tracks["http://w0"]
+    assert (t.state, t.ejections, t.out_until) == ("isolated", 1, 30.0)
+    found = [f("error_rate", "http://w1")]
+    out = run(ladder, [found] * 3)                  # t = 0, 5, 10: w0 answers, ejection not over
+    assert acts(out) == [] and any("max share" in d.reason for d in out)
+    assert acts(ladder.step(30, view(responsive=URLS[1:]), [])) == []   # over, /health fails:
+    assert ladder.tracks["http://w0"].out_until == 60.0                  # one ejection more
+    assert acts(ladder.step(55, view(), [])) == []
+    assert acts(ladder.step(60, view(), [])) == [("undrain", "http://w0")]
+    assert ladder.tracks["http://w0"].state == "reintegrating"
+
+
+def test_a_worker_the_operator_drained_is_never_acted_on():
+    ladder = Ladder(CFG)
+    sup = frozenset(URLS)
+    held = view(responsive=URLS[1:], supervised=sup, operator_drained=frozenset({"http://w0"}))
+    out = run(ladder, [[f("unresponsive")]] * 4, v=held)
+    assert acts(out) == []
+    assert any("the operator drained it" in d.reason for d in out if d.action == "none")
+    undrained = view(responsive=URLS[1:], supervised=sup)   # the operator returned it, still hung
+    assert acts(ladder.step(20, undrained, [f("unresponsive")])) == [("drain", "http://w0")]

@@ -14,6 +14,7 @@ import httpx
 from radixserve.agent import ladder, rules
 from radixserve.agent.actions import Actions
 from radixserve.agent.app import status_json
+from radixserve.agent.config import LadderConfig
 from radixserve.agent.page import status_html
 from tests.unit.agent_fakes import URLS, FakeFleet, make_agent, sweeps
 
@@ -21,7 +22,7 @@ def test_a_hung_worker_is_isolated_and_every_step_is_logged(tmp_path):
     fake = FakeFleet(hung={"http://w1"})
     agent = make_agent(tmp_path, fake)
     records = sweeps(agent, 6)
-    assert fake.posts == [("/admin/drain", {"url": "http://w1"})]
+    assert fake.posts == [("/admin/drain", {"url": "http://w1", "by": "agent"})]
     actions = [r["action"] for r in records if r["worker"] == "http://w1"]
     assert actions[:2] == ["suspect", "isolate"] and "none" in actions  # then waits, logged
     iso = next(r for r in records if r["action"] == "isolate")
@@ -187,3 +188,39 @@ def test_actions_reap_exited_restarted_workers():
         time.sleep(0.05)
     assert child.pid not in actions.children
     assert child.returncode == 0  # waited for: no zombie left
+
+
+def test_a_new_agent_adopts_its_predecessors_drain_and_leaves_the_operators_alone(tmp_path):
+    """An agent isolates hung w1 (drained "by": "agent") and stops; w0 is drained by the
+    operator. A new agent (ejection time 0, so no waiting) adopts w1 as isolated, keeps it
+    out while it does not answer, returns it once it does, and never touches w0."""
+    fake = FakeFleet(hung={"http://w1"})
+    sweeps(make_agent(tmp_path / "a", fake), 6)
+    assert fake.entry("http://w1")["drained_by"] == "agent"
+    fake.draining.add("http://w0")                 # the operator's POST /admin/drain
+    fake.posts.clear()
+    agent = make_agent(tmp_path / "b", fake, ladder_cfg=LadderConfig(base_ejection_s=0.0))
+    records = sweeps(agent, 3, between=lambda k: fake.hung.clear() if k == 1 else None)
+    assert fake.posts == [("/admin/undrain", {"url": "http://w1"})]
+    w1 = [(r["sweep"], r["action"], r["state_to"]) for r in records if r["worker"] == "http://w1"]
+    assert w1[0] == (1, "adopt", "isolated") and w1[-1] == (3, "undrain", "reintegrating")
+    assert "drained at the router by an earlier agent" in records[0]["reason"]
+    assert not any(r["worker"] == "http://w0" for r in records)
+    assert fake.entry("http://w0")["drained_by"] == "operator"
+    assert agent.ladder.tracks["http://w0"].state == "observe"
+
+
+def test_only_the_first_sweep_that_reads_the_router_adopts(tmp_path):
+    """The router unreachable at start-up: adoption waits for the first listing, and happens
+    once (a drain by the agent seen later is this agent's own)."""
+    fake = FakeFleet(hung=set())
+    fake.draining.add("http://w2")
+    fake.by_agent.add("http://w2")
+    fake.router_down = True
+    agent = make_agent(tmp_path, fake, ladder_cfg=LadderConfig(base_ejection_s=60.0))
+
+    def between(k: int) -> None:
+        fake.router_down = False
+    records = sweeps(agent, 4, between)
+    assert [r["sweep"] for r in records if r["action"] == "adopt"] == [2]
+    assert agent.ladder.tracks["http://w2"].state == "isolated" and fake.posts == []

@@ -140,7 +140,7 @@ def test_a_worker_drained_by_hand_is_draining_and_the_banner_says_who_drained_it
     sweeps(agent, 2)
     view = read_page(status_html(status_json(agent)))
     assert view.tiles["Draining"] == "1" and view.tiles["In rotation"] == "2/3"
-    assert "2 of 3 workers in rotation. http://w0: drained, not by the agent." in view.text
+    assert "2 of 3 workers in rotation. http://w0: drained by the operator." in view.text
     assert view.rows_with("http://w0", "observe", "draining")
 
 
