@@ -120,7 +120,8 @@ class RequestTracker:
             else:
                 parts.append(choice.stops.flush())
                 reason = out.finish_reason or "stop"
-                self._finish(choice, update, reason, out.stop_token_id if reason == "stop" else None)
+                asked = reason == "stop" and out.stop_token_id in self.params.stop_token_ids
+                self._finish(choice, update, reason, out.stop_token_id if asked else None)   # EOS: None, as vLLM
                 update.error = out.error
 
         update.text = "".join(parts)

@@ -71,7 +71,7 @@ def test_n3_usage_counts_prompt_and_cache_once(tok):
     assert [c.index for c in result.outputs] == [0, 1, 2]
     assert [c.finish_reason for c in result.outputs] == ["length", "length", "stop"]
     assert result.outputs[2].text == " Meow" and result.outputs[2].token_ids[-1] == EOS
-    assert result.outputs[2].stop_reason == EOS
+    assert result.outputs[2].stop_reason is None      # EOS, as vLLM: only a stop_token_ids match is named
     assert result.outputs[0].text == tok.decode(texts[0][:4])
     assert all(len(c.logprobs) == len(c.token_ids) for c in result.outputs)
     assert result.num_cached_tokens == 4 and result.prompt_token_ids == prompt
@@ -89,9 +89,15 @@ def test_eos_ends_choice_without_text_even_unskipped(tok):
     ids = tok.encode("Hello there") + [EOS]
     ups = drive(tracker, "r-0", ids, final_reason="stop", stop_token_id=EOS)
     assert "".join(u.text for u in ups) == "Hello there"
-    assert ups[-1].finish_reason == "stop" and ups[-1].stop_reason == EOS and ups[-1].abort_child is None
+    assert ups[-1].finish_reason == "stop" and ups[-1].stop_reason is None and ups[-1].abort_child is None
     assert tracker.result().outputs[0].token_ids == ids
     assert tracker.result().outputs[0].logprobs is None  # not requested
+
+
+def test_a_stop_token_id_the_client_named_is_the_stop_reason(tok):
+    tracker = RequestTracker("r", [1], SamplingParams(stop_token_ids=(EOS,)), tok)
+    ups = drive(tracker, "r-0", tok.encode("Hi") + [EOS], final_reason="stop", stop_token_id=EOS)
+    assert (ups[-1].finish_reason, ups[-1].stop_reason) == ("stop", EOS)
 
 
 def test_stop_string_aborts_child_and_ignores_late_tokens(tok):
