@@ -17,7 +17,7 @@ ISAS = ("scalar", "avx2", "avx512")
 VECTOR_ISAS = ISAS[1:]   # the paths the LM head takes (the scalar one is slower than the fp32 head)
 ISA_ENV = "RADIXSERVE_Q8_FP32_ISA"
 COLS = 16   # columns a group (q8_fp32.cpp's lanes)
-_CHECK_ROWS = 4096
+_CHECK_ROWS = 1024   # rows per pass: small temporaries, reused (a fresh process pays page faults per new buffer)
 
 
 def supported_isas() -> tuple[str, ...]:
@@ -43,8 +43,9 @@ def q8_0_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     for r0 in range(0, n, _CHECK_ROWS):
         w = weight[r0:r0 + _CHECK_ROWS].reshape(-1, k // BLOCK, BLOCK)
         db = w.abs().amax(-1) / 127
-        q = torch.where(db[..., None] > 0, w / db[..., None], 0.0)
-        if not (torch.isfinite(db).all() and torch.equal(q.round(), q) and torch.equal(q * db[..., None], w)):
+        # an all-zero block gives 0 / 0: code 0; round(q) * d == w exactly holds only where q was an integer already
+        q = (w / db[..., None]).nan_to_num_(nan=0.0).round_()
+        if not (torch.isfinite(db).all() and torch.equal(q * db[..., None], w)):
             return None
         codes[r0:r0 + _CHECK_ROWS] = q.reshape(-1, k).to(torch.int8)
         d[r0:r0 + _CHECK_ROWS] = db
@@ -56,10 +57,11 @@ def pack(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     (G, K / 32, 16), fp16 where every d is exact in fp16 (GGUF's own scales are), else fp32; N padded to 16G."""
     n, k = codes.shape
     pad = -n % COLS
-    codes = torch.cat([codes, codes.new_zeros(pad, k)])
-    d = torch.cat([d, d.new_zeros(pad, d.shape[1])])
-    packed = codes.view(-1, COLS, k // BLOCK, BLOCK).permute(0, 2, 3, 1).contiguous()
-    scales = d.view(-1, COLS, k // BLOCK).transpose(1, 2)
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        d = torch.cat([d, d.new_zeros(pad, d.shape[1])])
+    packed = codes.reshape(-1, COLS, k // BLOCK, BLOCK).permute(0, 2, 3, 1).contiguous()
+    scales = d.reshape(-1, COLS, k // BLOCK).transpose(1, 2)
     half = scales.half()
     return packed, (half if torch.equal(half.float(), scales) else scales).contiguous()
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -86,6 +87,12 @@ def test_a_stalled_body_gets_408_from_the_worker_which_keeps_serving(server):
     server.assert_no_leak()
 
 
+def on_each(ports: tuple[int, ...], call) -> list:
+    """`call(port)` for every port at once (each waits out a server's read timeout), results in port order."""
+    with ThreadPoolExecutor(len(ports)) as pool:
+        return list(pool.map(call, ports))
+
+
 def trickled_request(port: int, head: bytes, body: bytes, gap_s: float) -> tuple[bytes, int]:
     """Send `head`, then `body` one byte per `gap_s` s until the server answers or closes; returns what it sent back
     (read until it closes) and the number of body bytes sent."""
@@ -111,8 +118,7 @@ def test_a_request_trickled_in_past_the_read_timeout_gets_408_and_the_worker_kee
                                                                                            body):
     """Slowloris: headers or a body sent a byte every 0.25 s (each gap under --request-body-timeout 1) hold the
     connection only --request-read-timeout: then a 408 and the close, long before the whole request arrived."""
-    for port in (server.port, router[0]):
-        data, sent = trickled_request(port, head, body, 0.25)
+    for data, sent in on_each((server.port, router[0]), lambda port: trickled_request(port, head, body, 0.25)):
         headers, _, answer = data.partition(b"\r\n\r\n")
         error = json.loads(answer)["error"]
         assert int(headers.split()[1]) == 408, data
@@ -125,8 +131,7 @@ def test_a_request_trickled_in_past_the_read_timeout_gets_408_and_the_worker_kee
 
 
 def test_a_connection_that_sends_nothing_is_closed_after_the_read_timeout(server, router):
-    assert trickled_request(server.port, b"", b"", 0.25) == (b"", 0)
-    assert trickled_request(router[0], b"", b"", 0.25) == (b"", 0)
+    assert on_each((server.port, router[0]), lambda port: trickled_request(port, b"", b"", 0.25)) == [(b"", 0)] * 2
 
 
 @pytest.fixture(scope="module")

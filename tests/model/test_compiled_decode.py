@@ -100,7 +100,7 @@ def q4_gguf(tmp_path_factory):
 def test_compiled_own_int4_kernel_decode_matches_eager(q4_gguf, compile_cache, quantization):
     """--quantization int4-int8 / int4-fp32: its kernel (a custom op with a fake kernel for Inductor,
     csrc/ops.py) runs inside the compiled graphs (no graph break), and greedy output is eager's, under
-    preemption and radix hits."""
+    preemption and radix hits. Buckets 1 and 2 (one row and several): padding is the family test's."""
     from torch._dynamo.utils import counters
 
     from radixserve.csrc import LIBRARY
@@ -109,8 +109,9 @@ def test_compiled_own_int4_kernel_decode_matches_eager(q4_gguf, compile_cache, q
     assert chosen_isa() is not None or not LIBRARY.exists()     # built: the kernel runs, not reference_mm
     counters.clear()
     prompts = prompt_set(384, 5, [3, 40, 17, 70, 9, 33])
-    cfg = {**CFG, "max_total_tokens": KV_TOKENS, "quantization": quantization}
+    cfg = {**CFG, "torch_compile_max_bs": 2, "max_total_tokens": KV_TOKENS, "quantization": quantization}
     eager, compiled = make_engine(q4_gguf, **cfg), make_engine(q4_gguf, compile="on", **cfg)
+    assert compiled.runner.decode_graphs.buckets == [1, 2]
     mlp = compiled.runner.model.model.layers[0].mlp
     assert all(layer.quantized for layer in mlp.children())
     cached = []
