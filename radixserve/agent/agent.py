@@ -25,8 +25,7 @@ logger = logging.getLogger("radixserve.agent")
 
 
 def _drained(snap: FleetSnapshot, by_agent: bool) -> list[str]:
-    """Workers the router lists as drained through its admin API: by the agent, or by anyone else
-    (a router that does not list `drained_by`: all of them by someone else)."""
+    """Workers the router lists as drained by the agent, or else by anyone else (`drained_by` absent: else)."""
     listed = {u: s.router or {} for u, s in snap.workers.items()}
     return [u for u, r in listed.items()
             if r.get("draining") is True and (r.get("drained_by") == AGENT) == by_agent]

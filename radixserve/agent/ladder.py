@@ -50,8 +50,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class FleetView:
-    """One sweep's view: workers, those answering /health, in-flight counts, recovered and supervised;
-    `operator_drained`: drained at the router by someone other than the agent (never acted on)."""
+    """One sweep's view; `operator_drained`: drained at the router by someone else (never acted on)."""
 
     urls: tuple[str, ...]
     responsive: frozenset[str]
@@ -114,9 +113,8 @@ class Ladder:
         return decisions + self._fleet(fleet, now, view)
 
     def adopt(self, now: float, urls: list[str]) -> list[Decision]:
-        """At start-up, before the first `step`: workers the router lists as drained by the agent
-        (an earlier agent's, its reason lost) are isolated as if just ejected once: they return by
-        the isolation path (the ejection time, then /health answering) and count as out."""
+        """Before the first `step`: workers an earlier agent drained are isolated as if ejected once (they
+        return by the isolation path and count as out)."""
         hold = self.ejection_s(1)
         for url in urls:
             self.tracks[url] = Track(url, "isolated", ejections=1, since=now, out_until=now + hold,

@@ -75,8 +75,7 @@ class WorkerState:
                 and self.weight > 0)
 
     def drain(self, by: str) -> None:
-        """Out of rotation, owned by `by` (DRAIN_OWNERS); the operator's drain is never taken
-        over: the agent re-admits only what it drained (docs/ops_agent.md)."""
+        """Out of rotation, owned by `by` (DRAIN_OWNERS); an operator's drain stays the operator's."""
         if self.drained_by != OPERATOR:
             self.drained_by = by
         self.draining = True
