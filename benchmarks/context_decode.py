@@ -6,7 +6,8 @@
 The engines run the defaults (--quantization auto, fp32 KV) but for --compile. For each context length and round
 (engines alternating, ABBA) one greedy request of a random prompt of that length decodes --tokens tokens. Printed
 per length and engine: TPOT (median ms per decode step), the decode attention kernel's ms per step (all layers; the
-module function decode_mirror.decode_attention_lens wrapped with a timer), the attention backend's `prepare` ms per
+module functions decode_mirror.decode_attention_lens and decode_kernel.decode_attention_paged wrapped with a
+timer), the attention backend's `prepare` ms per
 step, the fp32 KV bytes the kernel reads per step with the rate that implies, and the first decode step's ms (TPOT
 includes it, as a serving benchmark's does)."""
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import defaultdict
 
 from radixserve.engine.engine import Engine
 from radixserve.engine_config import EngineConfig
-from radixserve.runner.attention import decode_mirror
+from radixserve.runner.attention import decode_kernel, decode_mirror
 from radixserve.runner.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams
 
@@ -73,6 +74,8 @@ def main() -> None:
     args = ap.parse_args()
     timers = Timers()
     decode_mirror.decode_attention_lens = timers.wrap("attention", decode_mirror.decode_attention_lens)
+    if hasattr(decode_kernel, "decode_attention_paged"):   # absent before the paged kernel (run on older trees)
+        decode_kernel.decode_attention_paged = timers.wrap("attention", decode_kernel.decode_attention_paged)
     engines = {}
     for mode in args.compile.split(","):
         config = EngineConfig(model_path=args.model, compile=mode)
