@@ -1,7 +1,7 @@
 """Batch-1 decode TPOT against context length, eager and compiled, with decode attention's share of each step.
 
     PYTHONPATH=. python benchmarks/context_decode.py [--lens 64,300,600,1200] [--tokens 32] [--rounds 2]
-        [--compile on,off] [--mirror] [--calls] [--model PATH]
+        [--compile on,off] [--kv-cache-dtypes auto,bfloat16] [--mirror] [--calls] [--model PATH]
 
 The engines run the defaults (--quantization auto, fp32 KV) but for --compile. For each context length and round
 (engines alternating, ABBA) one greedy request of a random prompt of that length decodes --tokens tokens. Printed
@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--compile", default="on,off")
     ap.add_argument("--mirror", action="store_true", help="also each --compile mode with paged reads off (-m)")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="engines for each: auto (fp32), bfloat16 (-bflo)")
     ap.add_argument("--calls", action="store_true", help="only time one step's attention calls, paged vs mirror")
     args = ap.parse_args()
     timers = Timers()
@@ -121,11 +122,13 @@ def main() -> None:
     if hasattr(decode_kernel, "decode_attention_paged"):   # absent before the paged kernel (run on older trees)
         decode_kernel.decode_attention_paged = timers.wrap("attention", decode_kernel.decode_attention_paged)
     engines = {}
-    names = [(mode, mode, True) for mode in args.compile.split(",")]
-    if args.mirror:
-        names += [(f"{mode}-m", mode, False) for mode in args.compile.split(",")]
-    for name, mode, paged in names:
-        config = EngineConfig(model_path=args.model, compile=mode)
+    kv_dtypes = args.kv_cache_dtypes.split(",")
+    names = [(mode + ("" if dtype == "auto" else f"-{dtype[:4]}"), mode, dtype, paged)
+             for paged in ((True, False) if args.mirror else (True,)) for dtype in kv_dtypes
+             for mode in args.compile.split(",")]
+    names = [(name + ("" if paged else "-m"), mode, dtype, paged) for name, mode, dtype, paged in names]
+    for name, mode, dtype, paged in names:
+        config = EngineConfig(model_path=args.model, compile=mode, kv_cache_dtype=dtype)
         engines[name] = Engine(config, ModelRunner.from_config(config))
         backend = engines[name].runner.backend
         backend.reads_pages = paged and getattr(backend, "reads_pages", False)
@@ -136,7 +139,8 @@ def main() -> None:
     lens = [int(n) for n in args.lens.split(",")]
     for engine in engines.values():   # warm-up at the longest context: buffers sized as in a serving steady state
         decode(engine, [rng.randrange(100, 30000) for _ in range(max(lens))], 8, timers)
-    print(f"load {os.getloadavg()[0]:.2f} at start; KV {token_bytes / 1024:.0f} KiB per token ({kv.dtype})")
+    print(f"load {os.getloadavg()[0]:.2f} at start; KV {token_bytes / 1024:.0f} KiB per token ({kv.dtype}, the first "
+          f"engine's)")
     if args.calls:
         for length in lens:
             times = attention_calls(next(iter(engines.values())), length, rng)
@@ -144,7 +148,7 @@ def main() -> None:
                   + " ms per step (best of 2)", flush=True)
         print(f"load {os.getloadavg()[0]:.2f} at end")
         return
-    print(f"{'ctx':>5} {'engine':>6} {'TPOT ms':>8} {'attn ms':>8} {'prep ms':>8} {'KV MB':>6} {'attn GB/s':>9} {'1st ms':>7}  rounds")
+    print(f"{'ctx':>5} {'engine':>9} {'TPOT ms':>8} {'attn ms':>8} {'prep ms':>8} {'KV MB':>6} {'attn GB/s':>9} {'1st ms':>7}  rounds")
     for length in lens:
         results: dict[str, list[tuple[float, dict[str, float]]]] = defaultdict(list)
         for r in range(args.rounds):
@@ -152,14 +156,15 @@ def main() -> None:
             for mode, engine in (order if r % 2 == 0 else order[::-1]):
                 prompt = [rng.randrange(100, 30000) for _ in range(length)]
                 results[mode].append(decode(engine, prompt, args.tokens, timers))
-        kv_mb = token_bytes * (length + args.tokens / 2) / 1e6   # mean context over the decode steps
         for mode, runs in results.items():
+            # stored KV at the mean context over the decode steps (a mirror reads it as fp32)
+            kv_mb = engines[mode].runner.kv.token_bytes * (length + args.tokens / 2) / 1e6
             tpot = statistics.median(t for t, _ in runs)
             attn = statistics.median(p.get("attention", 0.0) for _, p in runs)
             prep = statistics.median(p.get("prepare", 0.0) for _, p in runs)
             first = statistics.median(p["first"] for _, p in runs)
             rate = kv_mb / attn if attn else 0.0
-            print(f"{length:>5} {mode:>6} {tpot:>8.2f} {attn:>8.2f} {prep:>8.2f} {kv_mb:>6.1f} {rate:>9.1f} {first:>7.2f}  "
+            print(f"{length:>5} {mode:>9} {tpot:>8.2f} {attn:>8.2f} {prep:>8.2f} {kv_mb:>6.1f} {rate:>9.1f} {first:>7.2f}  "
                   + ", ".join(f"{t:.2f}" for t, _ in runs), flush=True)
     print(f"load {os.getloadavg()[0]:.2f} at end")
 

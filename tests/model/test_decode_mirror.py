@@ -74,12 +74,13 @@ def test_mirror_matches_gather_through_churn(gqa_dir, page_size):
 
 
 @pytest.mark.skipif(not decode_kernel.supported_isas(), reason="radixserve/csrc not built")
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_paged_reads_match_gather_and_hand_over_to_the_mirror(gqa_dir, page_size):
+@pytest.mark.parametrize("page_size,kv_dtype", [(1, "auto"), (16, "auto"), (16, "bfloat16")])
+def test_paged_reads_match_gather_and_hand_over_to_the_mirror(gqa_dir, page_size, kv_dtype):
     """A lone decode reads the cache's pages in place (no mirror step), also inside a step with a prefill, with the
     decode row first or not; joining a batch hands it to the mirror (its stale slot topped up), leaving hands it back;
-    with cascade off a whole batch reads pages. Every step agrees with the gather path and transformers."""
-    h = Harness(gqa_dir, page_size, seed=11)
+    with cascade off a whole batch reads pages. Every step agrees with the gather path (bf16 storage: read in place
+    as bf16, widened in the kernel)."""
+    h = Harness(gqa_dir, page_size, seed=11, kv_cache_dtype=kv_dtype)
     backend, gather = TorchAttentionBackend(h.runner.kv), TorchAttentionBackend(h.runner.kv, mirror_bytes=0)
     assert backend.reads_pages
     a, b, c = h.new_seq("a", 40), h.new_seq("b", 9), h.new_seq("c", 23)

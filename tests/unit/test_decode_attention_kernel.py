@@ -131,6 +131,24 @@ def test_paged_equals_the_mirror_path(isa, batch, heads, num_kv, head_dim, page_
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("heads,num_kv,head_dim", [(9, 3, 64), (8, 2, 128), (6, 3, 20)])
+@pytest.mark.parametrize("length", [1, 33, 700])
+def test_paged_bf16_equals_the_mirror_path_over_its_values(isa, heads, num_kv, head_dim, length):
+    """bf16 K and V pages are widened exactly: the result is bitwise the fp32 kernel's over k.float(), v.float()."""
+    gen = torch.Generator().manual_seed(length + head_dim)
+    q = torch.randn(2, heads, head_dim, generator=gen)
+    k, v = (x.bfloat16().float() for x in mirror_views(2, num_kv, length, head_dim, gen))
+    lens = torch.tensor([length, max(1, length // 3)])
+    k_pool, v_pool, table = paged_copy(k, v, lens, 16, gen)
+    out = decode_kernel.decode_attention_paged(q, k_pool.bfloat16(), v_pool.bfloat16(), table, lens, isa)
+    assert torch.equal(out, decode_kernel.decode_attention_lens(q, k, v, lens, isa))
+    with pytest.raises(RuntimeError):   # one dtype for K and V; the mirror form stays fp32-only
+        decode_kernel.decode_attention_paged(q, k_pool.bfloat16(), v_pool, table, lens, isa)
+    with pytest.raises(RuntimeError):
+        decode_kernel.decode_attention_lens(q, k.bfloat16(), v.bfloat16(), lens, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_paged_refuses_bad_pages_and_lens(isa):
     q, pool = torch.randn(2, 4, 16), torch.randn(2, 5, 4, 16)
     table = torch.tensor([[0, 1], [2, 3]])

@@ -56,18 +56,21 @@ def decode_attention_lens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, len
 
 
 def paged_runs(kv: object) -> bool:
-    """Whether decode attention can read `kv` (the step's KV cache, any kind) in place by `decode_attention_paged`: the kernel runs for its
-    dtype and device, it stores that dtype (not FP8, not a lossy storage dtype) and has separate K and V."""
-    return (isinstance(kv, KVCache) and not kv.latent and not kv.is_fp8 and kv.dtype == kv.compute_dtype
+    """Whether decode attention can read `kv` (the step's KV cache, any kind) in place by `decode_attention_paged`: a
+    plain KVCache with separate K and V whose compute dtype the kernel runs, storing that dtype or bf16 (fp32 compute;
+    not FP8)."""
+    stored = kv.dtype if isinstance(kv, KVCache) else None
+    return (stored is not None and not kv.latent and stored in (kv.compute_dtype, torch.bfloat16)
             and runs(kv.compute_dtype, kv.device) and ops.has_op("decode_attention_paged"))
 
 
 def decode_attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor,
                            lens: torch.Tensor, isa: str | None = None) -> torch.Tensor:
-    """q (B, H, D) fp32; k, v (KV, P, S, D) fp32 cache pages (KVCache.kernel_view) with unit stride in D and equal
+    """q (B, H, D) fp32; k, v (KV, P, S, D) fp32 or bf16 cache pages (KVCache.kernel_view) with unit stride in D and equal
     strides; page_table (B, M) int64 page ids in [0, P); lens (B,) int64 in [1, M * S] -> (B, H, D) fp32, token t of
     row b read from row t % S of page page_table[b, t // S]; the same arithmetic as decode_attention_lens. Only where
-    `runs` is True. RuntimeError on a page id out of range or a length out of [1, M * S]."""
+    `runs` is True; bf16 pages are read as their exact fp32 values. RuntimeError on a page id out of range or a length
+    out of [1, M * S]."""
     return torch.ops.radixserve.decode_attention_paged(q, k, v, page_table, lens, ISAS.index(isa or chosen_isa()))
 
 
