@@ -68,7 +68,7 @@ def wrap(engine: Engine, times: dict[str, list[float]]) -> None:
 def ablate(kernels: list[str]) -> None:
     """Replace each named kernel by zeros of its output's shape and dtype (see the docstring)."""
     from radixserve.layers import quant_linear
-    from radixserve.runner.attention import decode_mirror, torch_backend
+    from radixserve.runner.attention import decode_kernel, decode_mirror, torch_backend
 
     for kernel in kernels:
         if kernel in ("int4", "int8"):
@@ -78,7 +78,8 @@ def ablate(kernels: list[str]) -> None:
                 x.shape[0], _rows(self), dtype=x.dtype if cast_back else quant_linear.ACTIVATION_DTYPE)
         elif kernel == "attention":
             decode_mirror.decode_attention = torch_backend.decode_attention = \
-                decode_mirror.decode_attention_lens = lambda q, *_args: torch.zeros_like(q)   # (q, k, v, mask | lens)
+                decode_mirror.decode_attention_lens = decode_kernel.decode_attention_paged = \
+                lambda q, *_args: torch.zeros_like(q)   # (q, k, v, mask | lens | page table and lens)
             decode_mirror.cascade_attend = lambda _plan, q, *_args: torch.zeros_like(q)
         else:
             raise SystemExit(f"--ablate: unknown kernel {kernel!r} (int4, int8, attention)")

@@ -21,8 +21,14 @@ def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tor
     return torch.empty_like(q)
 
 
+def _paged_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor,
+                          lens: torch.Tensor, isa: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
 # op -> its fake kernel (shapes and dtypes only), for torch.compile
 FAKES = {"int4_int8_mm": _mm_fake, "int4_fp32_mm": _mm_fake, "decode_attention": _attention_fake,
+         "decode_attention_paged": _paged_attention_fake,
          "q8_fp32_mm": _mm_fake}
 
 

@@ -4,14 +4,17 @@ A random scenario drives one runner: sequences join (after a prefill), leave, sk
 have their pages remapped with new content (what radix dedup or a recompute may do), and
 grow past the mirror's capacity; holes force out-of-order slots and compaction. Every step
 runs with the mirror, then again with the gather path (the reference: the paged cache is the
-source of truth); outputs must agree. A mirror over its byte budget must fall back.
+source of truth); outputs must agree. A mirror over its byte budget must fall back. A lone
+decode reads the pages in place instead (decode_attention_paged), handing over to the mirror
+and back as the batch changes.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from radixserve.runner.attention.torch_backend import TorchAttentionBackend
+from radixserve.runner.attention import decode_kernel
+from radixserve.runner.attention.torch_backend import TorchAttentionBackend, TorchStepAttention
 from tests.model.test_runner import Harness, Seq
 
 
@@ -70,6 +73,41 @@ def test_mirror_matches_gather_through_churn(gqa_dir, page_size):
     assert len(a.output) == 8 and len(d.output) == 4
 
 
+@pytest.mark.skipif(not decode_kernel.supported_isas(), reason="radixserve/csrc not built")
+@pytest.mark.parametrize("page_size,kv_dtype", [(1, "auto"), (16, "auto"), (16, "bfloat16")])
+def test_paged_reads_match_gather_and_hand_over_to_the_mirror(gqa_dir, page_size, kv_dtype):
+    """A lone decode reads the cache's pages in place (no mirror step), also inside a step with a prefill, with the
+    decode row first or not; joining a batch hands it to the mirror (its stale slot topped up), leaving hands it back;
+    with cascade off a whole batch reads pages. Every step agrees with the gather path (bf16 storage: read in place
+    as bf16, widened in the kernel)."""
+    h = Harness(gqa_dir, page_size, seed=11, kv_cache_dtype=kv_dtype)
+    backend, gather = TorchAttentionBackend(h.runner.kv), TorchAttentionBackend(h.runner.kv, mirror_bytes=0)
+    assert backend.reads_pages
+    a, b, c = h.new_seq("a", 40), h.new_seq("b", 9), h.new_seq("c", 23)
+
+    def step(*seqs: Seq, through: TorchAttentionBackend = backend) -> TorchStepAttention:
+        """run_both on `through`; its prepared step attention."""
+        prepared, real = [], through.prepare
+        through.prepare = lambda s: prepared.append(real(s)) or prepared[-1]
+        try:
+            run_both(h, through, gather, [(s, s.chunk()) for s in seqs])
+        finally:
+            through.prepare = real
+        return prepared[0]
+
+    step(a)                                      # prefill
+    assert step(a).paged is not None             # a decodes alone
+    step(a, b)                                   # a decodes, b prefills (decode row first)
+    assert step(b, a).paged is None              # both decode: the mirror
+    assert backend.mirror.slots["a"].length == len(a.tokens) - 1
+    assert step(c, a).paged is not None          # b left; c prefills before a's decode row
+    assert step(a).paged is not None and set(backend.mirror.slots) == {"a"}   # a's slot kept, stale
+    assert step(a, c).paged is None              # the mirror again: a's slot tops up
+    no_cascade = TorchAttentionBackend(h.runner.kv, cascade=False)
+    assert step(c, a, through=no_cascade).paged is not None
+    assert len(a.output) == 8 and len(c.output) == 3
+
+
 def test_mirror_grows_and_compacts(gqa_dir):
     h = Harness(gqa_dir, 16, seed=3)
     mirror, gather = TorchAttentionBackend(h.runner.kv), TorchAttentionBackend(h.runner.kv, mirror_bytes=0)
@@ -100,7 +138,7 @@ def test_mirror_over_budget_falls_back_to_gather(gqa_dir):
 
 def test_mirror_is_dropped_when_no_decode(gqa_dir):
     h = Harness(gqa_dir, 16, seed=5)
-    backend = TorchAttentionBackend(h.runner.kv)
+    backend = TorchAttentionBackend(h.runner.kv, paged=False)   # a decodes alone: mirrored only without paged
     h.runner.backend = backend
     a, b = h.new_seq("a", 10), h.new_seq("b", 20)
     h.step([(a, a.chunk())])

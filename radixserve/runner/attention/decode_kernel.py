@@ -16,6 +16,7 @@ import os
 import torch
 
 from radixserve.csrc import ops
+from radixserve.runner.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,25 @@ def decode_attention_lens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, len
     """q (B, H, D) fp32, k and v (B, KV, L, D) fp32 CPU views with unit stride in D and equal strides, lens (B,) int64
     in [1, L] -> (B, H, D) fp32; position t of row b is read iff t < lens[b]. Only where `runs` is True."""
     return torch.ops.radixserve.decode_attention(q, k, v, lens, ISAS.index(isa or chosen_isa()))
+
+
+def paged_runs(kv: object) -> bool:
+    """Whether decode attention can read `kv` (the step's KV cache, any kind) in place by `decode_attention_paged`: a
+    plain KVCache with separate K and V whose compute dtype the kernel runs, storing that dtype or bf16 (fp32 compute;
+    not FP8)."""
+    stored = kv.dtype if isinstance(kv, KVCache) else None
+    return (stored is not None and not kv.latent and stored in (kv.compute_dtype, torch.bfloat16)
+            and runs(kv.compute_dtype, kv.device) and ops.has_op("decode_attention_paged"))
+
+
+def decode_attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor,
+                           lens: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """q (B, H, D) fp32; k, v (KV, P, S, D) fp32 or bf16 cache pages (KVCache.kernel_view) with unit stride in D and equal
+    strides; page_table (B, M) int64 page ids in [0, P); lens (B,) int64 in [1, M * S] -> (B, H, D) fp32, token t of
+    row b read from row t % S of page page_table[b, t // S]; the same arithmetic as decode_attention_lens. Only where
+    `runs` is True; bf16 pages are read as their exact fp32 values. RuntimeError on a page id out of range or a length
+    out of [1, M * S]."""
+    return torch.ops.radixserve.decode_attention_paged(q, k, v, page_table, lens, ISAS.index(isa or chosen_isa()))
 
 
 def fast_exp(x: torch.Tensor, isa: str) -> torch.Tensor:

@@ -1,53 +1,73 @@
 """Attention with torch ops only (CPU or any device): one SDPA per layer for all decodes, over a mirror or a gather.
 
-Without the DecodeMirror decodes gather their pages per layer in cache-sized sub-batches; prefill chunks go one by one."""
+On the CPU with the decode kernel and a plain KV cache of its dtype, a decode step that would not use cascade
+attention (one sequence, or cascade off) reads the cache's pages in place (decode_attention_paged): no mirror copy to
+fill or append to. Without the DecodeMirror decodes gather their pages per layer in cache-sized sub-batches; prefill
+chunks go one by one."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from radixserve.runner.attention import decode_kernel
 from radixserve.runner.attention.decode_mirror import DecodeMirror, MirrorStep, decode_attention
 from radixserve.runner.attention.torch_metadata import DecodeGroup, PrefillSeq, split_step
 from radixserve.runner.batch import StepBatch
 from radixserve.runner.kv_cache import KVCache
 
 
+class PagedDecode(NamedTuple):
+    """A decode group read in place: page_table (B, max_pages) int64 padded with page 0, lens (B,) int64."""
+
+    page_table: torch.Tensor
+    lens: torch.Tensor
+
+
 class TorchAttentionBackend:
     """`mirror_bytes`: the DecodeMirror's budget (0: always gather); `decode_chunk_bytes`: gathered K + V per
-    decode sub-batch (0: one sub-batch); `cascade`: mirrored decodes read shared prefixes once."""
+    decode sub-batch (0: one sub-batch); `cascade`: mirrored decodes read shared prefixes once; `paged`: with a
+    mirror, decode steps without cascade read the cache in place where decode_kernel.paged_runs (False: mirror)."""
 
     name = "torch"
 
     def __init__(self, kv: KVCache, decode_chunk_bytes: int = 4 << 20, mirror_bytes: int = 2 << 30,
-                 cascade: bool = True):
+                 cascade: bool = True, paged: bool = True):
         self.kv = kv
         self.decode_chunk_bytes = decode_chunk_bytes
         self.mirror = DecodeMirror(mirror_bytes, cascade) if mirror_bytes else None
+        self.reads_pages = paged and self.mirror is not None and decode_kernel.paged_runs(kv)
 
     def prepare(self, step: StepBatch) -> TorchStepAttention:
         decode, prefills = split_step(step, self.kv.page_size, self.kv.compute_dtype)
-        mirror_step = None
+        mirror_step = paged = None
         if self.mirror is not None:
             continuing = {rid: context - n for rid, n, context in
                           zip(step.request_ids, step.query_lens, step.context_lens_host) if n > 1}
             if decode is None:
                 self.mirror.retain(continuing)
+            elif self.reads_pages and (len(decode.lens) == 1 or not self.mirror.cascade):
+                # slots kept go stale; a later mirrored step copies in only what they lack
+                self.mirror.retain(continuing, frozenset(decode.request_ids))
+                paged = PagedDecode(decode.page_table.view(len(decode.lens), decode.max_pages),
+                                    torch.tensor(decode.lens, dtype=torch.long, device=self.kv.device))
             else:
                 mirror_step = self.mirror.plan(self.kv, decode, continuing)
-        return TorchStepAttention(self.kv, step, decode, prefills, self.decode_chunk_bytes, mirror_step)
+        return TorchStepAttention(self.kv, step, decode, prefills, self.decode_chunk_bytes, mirror_step, paged)
 
 
 class TorchStepAttention:
     def __init__(self, kv: KVCache, step: StepBatch, decode: DecodeGroup | None,
                  prefills: list[PrefillSeq], decode_chunk_bytes: int = 0,
-                 mirror_step: MirrorStep | None = None):
-        self.kv, self.step, self.mirror_step = kv, step, mirror_step
+                 mirror_step: MirrorStep | None = None, paged: PagedDecode | None = None):
+        self.kv, self.step, self.mirror_step, self.paged = kv, step, mirror_step, paged
         self.decode, self.prefills = decode, prefills
         self.num_tokens = step.num_tokens
         d = decode
         self.chunks: list[tuple[int, int]] = [(0, d.mask.shape[0])] if d is not None else []
         self.prefill_rows = [None if p.page_ids is None else kv.head_rows(p.page_ids) for p in prefills]
-        if d is not None and mirror_step is None:
+        if d is not None and mirror_step is None and paged is None:
             batch = d.mask.shape[0]
             itemsize = torch.empty((), dtype=kv.compute_dtype).element_size()
             seq_bytes = (1 if kv.latent else 2) * d.max_pages * kv.page_size * kv.num_kv_heads * kv.head_dim * itemsize
@@ -65,21 +85,22 @@ class TorchStepAttention:
         num_heads, head_dim = q.shape[1], q.shape[2]
         d = self.decode
         ms = self.mirror_step
-        if d is not None and d.row_slice == (0, self.num_tokens) and len(self.chunks) == 1:
-            res = ms.attend(layer_id, q, k, v) if ms is not None else self._decode_chunk(layer_id, q, 0)
-            return res.view(self.num_tokens, -1)
+        one_chunk = len(self.chunks) == 1
+        if d is not None and d.row_slice == (0, self.num_tokens) and one_chunk:
+            return self._attend(layer_id, q, k, v).view(self.num_tokens, -1)
         out = torch.empty(self.num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if d is not None:
             if d.row_slice is not None:
                 a, b = d.row_slice
-                if ms is not None:
-                    out[a:b] = ms.attend(layer_id, q[a:b], k[a:b], v[a:b])
+                if one_chunk:
+                    out[a:b] = self._attend(layer_id, q[a:b], k[a:b], v[a:b])
                 else:
                     self._decode(layer_id, q[a:b], out[a:b])
             else:
                 q_d = q.index_select(0, d.rows)
-                if ms is not None:
-                    res = ms.attend(layer_id, q_d, k.index_select(0, d.rows), v.index_select(0, d.rows))
+                if one_chunk:
+                    kv_d = (k.index_select(0, d.rows), v.index_select(0, d.rows)) if ms is not None else (k, v)
+                    res = self._attend(layer_id, q_d, *kv_d)
                 else:
                     res = torch.empty_like(q_d)
                     self._decode(layer_id, q_d, res)
@@ -87,6 +108,16 @@ class TorchStepAttention:
         for p, rows in zip(self.prefills, self.prefill_rows):
             out[p.row_start:p.row_end] = self._prefill(layer_id, p, rows, q, k, v)
         return out.view(self.num_tokens, num_heads * head_dim)
+
+    def _attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The whole decode group in one call: q (B, H, D), k and v (B, KV, D) its new tokens (read by the mirror
+        only) -> (B, H, D); the new tokens are already in the cache."""
+        if self.paged is not None:
+            view = self.kv.kernel_view(layer_id)
+            return decode_kernel.decode_attention_paged(q, view.k, view.v, *self.paged)
+        if self.mirror_step is not None:
+            return self.mirror_step.attend(layer_id, q, k, v)
+        return self._decode_chunk(layer_id, q, 0)
 
     def _decode(self, layer_id: int, q: torch.Tensor, out: torch.Tensor) -> None:
         """q (B, H, D) of the decode group; writes the attention output into out (B, H, D)."""
