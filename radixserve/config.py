@@ -25,7 +25,7 @@ def check_timeouts(body_s: float, read_s: float) -> None:
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 25.0   # s; under Kubernetes' default 30 s grace period (docs/drain.md)
 GRACE_HELP = ("seconds that SIGTERM/SIGINT lets requests in flight finish (new ones get 503, "
               "/health says draining); then the rest end with a 503 error and the process exits")
-REQUEST_BODY_TIMEOUT_S = 10.0   # s
+REQUEST_BODY_TIMEOUT_S = 10.0
 BODY_TIMEOUT_HELP = ("seconds a request body may stall between two reads (a Content-Length "
                      "larger than what arrives) before the request gets 408 request_timeout")
 REQUEST_READ_TIMEOUT_S = 60.0

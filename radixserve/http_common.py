@@ -304,8 +304,7 @@ def fresh_client(trust_env: bool = True) -> httpx.AsyncClient:
 
 async def send_resending_once(client: httpx.AsyncClient, fresh: httpx.AsyncClient, method: str,
                               url: str, **kwargs: Any) -> httpx.Response:
-    """The request, resent once through `fresh` on DEAD_CONNECTION_ERRORS (not on timeouts).
-    Only for idempotent requests (health, metrics, probes)."""
+    """The request, resent once through `fresh` on DEAD_CONNECTION_ERRORS (not timeouts); idempotent requests only."""
     request = client.build_request(method, url, **kwargs)
     try:
         return await client.send(request)

@@ -38,8 +38,7 @@ class _StateCollector(Collector):
 
 
 class AgentMetrics:
-    """Counters the loop updates, each action and finding kind exported at 0 from the start (a series
-    first seen at 1 shows no increase() in Prometheus)."""
+    """Counters the loop updates, each action and finding kind at 0 from the start (so increase() sees the first)."""
 
     def __init__(self, state: Callable[[], dict]):
         self.registry = CollectorRegistry(auto_describe=False)

@@ -291,8 +291,7 @@ def fleet_hit_rate_collapsed(fleet: dict[str, History], cfg: RuleConfig) -> Find
 
 
 def fleet_ttft_spread(fleet: dict[str, History], cfg: RuleConfig) -> Finding | None:
-    """Slowest / fastest mean TTFT >= spread_ratio, the slowest with imbalance_ratio x the least
-    requests: affinity made a hot spot."""
+    """Slowest/fastest mean TTFT >= spread_ratio, the slowest with imbalance_ratio x the least requests: a hot spot."""
     means = {u: window_mean(h, TTFT, cfg.window_sweeps) for u, h in fleet.items()}
     means = {u: m for u, m in means.items() if m and m[1] >= cfg.ttft_min_samples}
     if len(means) < 2:

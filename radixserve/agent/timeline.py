@@ -26,8 +26,7 @@ def bucket_increase(a: WorkerSnapshot, b: WorkerSnapshot) -> dict[float, float] 
 
 
 def quantile(q: float, cumulative: dict[float, float]) -> float | None:
-    """The q-quantile of cumulative bucket counts, as Prometheus' histogram_quantile computes it;
-    None without a +Inf bucket or observations."""
+    """The q-quantile of cumulative bucket counts (Prometheus' histogram_quantile); None: no +Inf bucket or counts."""
     bounds = sorted(cumulative)
     if not bounds or not math.isinf(bounds[-1]) or cumulative[bounds[-1]] <= 0:
         return None

@@ -73,8 +73,7 @@ def chunk_text(chunk: dict, backend: str) -> str:
 
 async def send_request(http: httpx.AsyncClient, cfg: ClientConfig, req: BenchRequest, model: str,
                        max_tokens: int | None = None) -> RequestResult:
-    """Send one streaming request and time it (RequestResult); HTTP or stream errors come back as
-    success=False with `error`, never raised."""
+    """Send one streaming request and time it: a RequestResult, errors as success=False with `error` (never raised)."""
     path = "/v1/chat/completions" if cfg.backend == "chat" else "/v1/completions"
     max_tokens = req.output_len if max_tokens is None else max_tokens
     result = RequestResult(prompt_len=req.prompt_len)

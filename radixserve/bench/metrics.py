@@ -9,10 +9,9 @@ import numpy as np
 
 @dataclass(slots=True)
 class RequestResult:
-    """One request as the client measured it, times in s: start_s at send (client queueing excluded),
-    ttft_s to the first non-empty chunk, itl_s between non-empty chunks, latency_s to the stream's
-    end; output_len is the server's completion_tokens, else the requested length (SGLang's fallback);
-    usage and spec_* fields None when the server did not send them."""
+    """One request as the client measured it, times in s: start_s at send (client queueing excluded), ttft_s to the
+    first non-empty chunk, itl_s between non-empty chunks, latency_s to the stream's end; output_len is the server's
+    completion_tokens, else the requested length (SGLang's fallback); usage and spec_* fields None if not sent."""
 
     prompt_len: int
     output_len: int = 0

@@ -185,8 +185,7 @@ class FaultInjector:
                 pass
 
     async def on_accepted(self) -> None:
-        """Once the engine holds a request, before its response: sleeps for first_token_latency;
-        raises InjectedFault for the "fail" share."""
+        """Once the engine holds a request: InjectedFault for the "fail" share, else first_token_latency's sleep."""
         fail = self.get("fail")
         if fail is not None and self.rng.random() < fail.params["fraction"]:
             raise InjectedFault("injected fault: this request failed on purpose (fault 'fail')")

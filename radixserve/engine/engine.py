@@ -169,9 +169,8 @@ class Engine:
 
     def emit(self, req: Request, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None,
              computed: Callable[[int], int] | None = None) -> EngineOutput:
-        """Append tokens one by one until one finishes `req` (the rest are dropped); `logprobs`: one per token,
-        kept only if the request wants them. `computed(kept)`: num_computed_tokens after `kept` tokens, set
-        before a finish commits the pages."""
+        """Append tokens one by one until one finishes `req` (the rest dropped); `logprobs`: one per token, kept if
+        wanted. `computed(kept)`: num_computed_tokens after `kept` tokens, set before a finish commits the pages."""
         ids: list[int] = []
         reason = None
         for t in token_ids:

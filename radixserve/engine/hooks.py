@@ -26,8 +26,7 @@ class EngineHooks:
 
     def on_tokens(self, req: Request, token_ids: list[int], logprobs: Sequence[TokenLogprob] | None
                   ) -> tuple[list[int], Sequence[TokenLogprob] | None]:
-        """`req`'s tokens of one step and their logprobs (None: not wanted), maybe cut, or replaced in the last
-        one only."""
+        """`req`'s tokens of one step and their logprobs (None: not wanted), maybe cut or the last one replaced."""
         return token_ids, logprobs
 
     def on_finish(self, req: Request, out: EngineOutput) -> EngineOutput:

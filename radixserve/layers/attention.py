@@ -18,8 +18,7 @@ class Attention(Protocol):
 @dataclass(frozen=True, slots=True)
 class Segment:
     """One sequence of a step: token rows [row_start, row_end), row row_start + j at position start_pos + stride * j
-    (stride > 1: a context-parallel rank's round-robin rows, runner/cp.py), context positions [0, context_len) (the
-    rows' own tokens included)."""
+    (stride > 1: CP round-robin rows, runner/cp.py), context positions [0, context_len) (own rows included)."""
 
     row_start: int
     row_end: int

@@ -1,8 +1,7 @@
 """GGUF Q8_0 weights x fp32 activations on the CPU: radixserve/csrc/q8_fp32.cpp, or reference_mm, its bit-identical
-torch form. w = d * q per 32 columns, q int8 in -127..127 (ggml's Q8_0); per output and block b, dot_b = block_sum(q * x)
-(int4_fp32.block_sum's order), acc = acc + d * dot_b over the blocks in order, every mul and add rounded to fp32 once,
-none fused: every ISA path and the reference agree bit for bit, and a row's result reads only that row
-(batch-invariant). docs/runner.md, "q8_fp32"."""
+torch form. w = d * q per 32 columns, q int8 in -127..127 (ggml's Q8_0); per output and block b,
+dot_b = block_sum(q * x), acc = acc + d * dot_b over the blocks in order, summed and rounded as int4_fp32.py: every ISA
+path and the reference agree bit for bit, a row reads only itself (batch-invariant). docs/runner.md, "q8_fp32"."""
 from __future__ import annotations
 
 import functools

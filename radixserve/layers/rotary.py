@@ -1,5 +1,4 @@
-"""Rotary position embedding (RoPE, Su et al. 2021) in the rotate-half layout; linear, llama3 and YaRN scaling; partial
-rotary (GLM)."""
+"""RoPE (Su et al. 2021) in the rotate-half layout; linear, llama3 and YaRN scaling; partial rotary (GLM)."""
 from __future__ import annotations
 
 import math

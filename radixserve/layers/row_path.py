@@ -51,8 +51,7 @@ def choose(layers: Sequence, rounds: int = 3, clock: Callable[[], float] = time.
 
 
 def cpu_identity() -> dict[str, str]:
-    """This CPU's model name and flags from /proc/cpuinfo (empty where there is none): part of any key for
-    choices a CPU can change."""
+    """This CPU's model name and flags from /proc/cpuinfo ({} without it), in any key for choices a CPU can change."""
     cpu = {}
     with contextlib.suppress(OSError):
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():

@@ -153,11 +153,10 @@ class Sampler:
 
     def verify(self, logits: torch.Tensor, row: SampleRow,
                draft: Sequence[int]) -> tuple[list[int], list[TokenLogprob] | None]:
-        """`logits` (k + 1, V) raw, row i the step after draft[:i] -> the tokens to emit (the accepted drafts, then
-        the next token) and, if the row asked, their logprobs. Row i is sampled as the ordinary step at output
-        position len(output_ids) + i would be (its penalties, its (seed, position) draw); draft[i] is accepted
-        exactly when it equals row i's token, so the tokens equal those of k + 1 ordinary steps, whatever the draft
-        (docs/speculative.md, "Sampling")."""
+        """`logits` (k + 1, V) raw, row i the step after draft[:i] -> the tokens to emit (the accepted drafts, then the
+        next token) and, if the row asked, their logprobs. Row i samples as the ordinary step at output position
+        len(output_ids) + i would (its penalties, its (seed, position) draw); draft[i] is accepted iff it equals row i's
+        token, so the tokens equal k + 1 ordinary steps', whatever the draft (docs/speculative.md, "Sampling")."""
         k = len(draft)
         picks = self._pick(logits, [_Shifted(row, list(draft[:i])) for i in range(k + 1)]).tolist()
         j = next((i for i in range(k) if picks[i] != draft[i]), k)

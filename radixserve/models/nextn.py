@@ -4,8 +4,7 @@ One step (DeepSeek-V3's multi-token prediction module; transformers' MtpLayer):
     h' = eh_proj(cat[enorm(embed(next token)), hnorm(h)]) -> decoder block (MoE) -> shared_head.norm
     logits = lm_head(h')
 h: the target's hidden state after its final norm for the first step, the previous step's h' after that. Embeddings
-and LM head are the target's unless the checkpoint has the layer's own. DSA models: a full indexer of its own (layer N).
-A trained head file (weights/nextn_loader.py) has this structure and may bring a `token_map`, a reduced vocabulary."""
+and LM head are the target's unless the checkpoint has the layer's own. DSA models: its own full indexer (layer N)."""
 from __future__ import annotations
 
 import torch

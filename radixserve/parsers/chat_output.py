@@ -18,8 +18,7 @@ from radixserve.parsers.xml_calls import GlmToolParser, Qwen3CoderToolParser
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     "glm45": GlmToolParser, "glm47": GlmToolParser, "qwen25": Qwen25ToolParser,
     "qwen3_coder": Qwen3CoderToolParser, "json": JsonToolParser}
-# --tool-call-parser names whose calls a grammar can enforce in the model's own format
-# (server/native_tools.py)
+# --tool-call-parser names whose calls a grammar can enforce in the model's own format (server/native_tools.py)
 NATIVE_TOOL_FORMATS = ("qwen25", "glm45", "glm47", "qwen3_coder")
 __all__ = ["ChatOutputParser", "NATIVE_TOOL_FORMATS", "REASONING_PARSERS", "TOOL_CALL_PARSERS",
            "new_call_id"]

@@ -1,8 +1,7 @@
 """Reasoning output (`--reasoning-parser glm45|qwen3`): `<think>` ... `</think>` text becomes reasoning, the rest content.
 
-GLM-4.5+ and Qwen3 mark thinking alike. The reply opens `<think>` itself, or the prompt did
-(`opens_thinking`), or there is no block (all content); an unclosed block is all reasoning.
-Whitespace at the reasoning's edges and before the content is dropped."""
+The reply opens `<think>` itself, or the prompt did (`opens_thinking`), or there is no block (all content); an unclosed
+block is all reasoning. Whitespace at the reasoning's edges and before the content is dropped."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

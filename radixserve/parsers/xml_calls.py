@@ -198,8 +198,7 @@ class XmlToolParser(ToolCallParser):
         self._state = "args"
 
     def _value_end(self, final: bool) -> tuple[int | None, int]:
-        """(end, safe): where the value ends (its real closing tag; None while unknown), and the
-        length of `_buf` surely inside the value."""
+        """(end, safe): the value's end (its real closing tag; None: not yet known), the `_buf` length surely in it."""
         buf, start = self._buf, self._scan_from
         close, after = self.tags.value_close, self.tags.after_value
         while True:

@@ -205,8 +205,7 @@ def stop_adopted(manifest_path: str | None, workers: list[WorkerProc], grace_s: 
 
 
 def manifest_pids(manifest_path: str) -> list[int]:
-    """The manifest's worker pids; none if it is unreadable. Pids <= 1 and our own group are
-    skipped (killpg would signal init or the fleet)."""
+    """The manifest's worker pids (none if unreadable), except pids <= 1 and our group (killpg: init, the fleet)."""
     try:
         with open(manifest_path) as f:
             body = json.load(f)

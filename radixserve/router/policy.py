@@ -162,8 +162,7 @@ class RandomPolicy(Policy):
 
 
 class SessionPolicy(Policy):
-    """Consistent hashing of the session key (Karger et al. 1997; SGLang consistent_hashing);
-    no session key: the least loaded."""
+    """Consistent hashing of the session key (Karger et al. 1997; SGLang consistent_hashing); none: the least loaded."""
 
     name = "session"
 

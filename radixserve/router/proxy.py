@@ -43,8 +43,7 @@ def outcome_label(status: int | None, transport_error: bool, kind: str | None = 
 
 @dataclass
 class Failure:
-    """A retryable failed attempt; `status` None: no response; `anomaly`: the detector when the
-    worker stopped it as an output anomaly."""
+    """A retryable failed attempt; `status` None: no response; `anomaly`: the detector of the worker's anomaly stop."""
 
     url: str
     status: int | None

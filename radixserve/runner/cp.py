@@ -1,8 +1,7 @@
 """Context-parallel prefill (--cp-size R): every rank holds the whole model and runs 1/R of a prefill step's tokens.
 
     step rows g = 0 .. N-1 (all sequences' new tokens, build_step's order)
-    round-robin: row g -> rank g % R, local row g // R;  each rank runs M = ceil(N / R) rows (a short rank pads with
-    row 0, whose output is dropped)
+    round-robin: row g -> rank g % R, local row g // R;  each rank runs M = ceil(N / R) rows (short ranks pad: row 0)
     per layer:  k|v (M, 2KV, D) ──all_gather──► (R*M) ──order──► (N) rows: every rank writes ALL new tokens' KV at the
                 step's slots, then attends its own queries over each sequence's whole context (cached prefix included);
                 MLA's latent layout (V = K) gathers k (M, 1, r + rope) only

@@ -105,13 +105,11 @@ class ModelRunner:
                                            self.eos_token_ids)
 
     def kv_layers(self, model_config: ModelConfig) -> int:
-        """Layers of KV storage this runner holds (runner/cp.py's LayerSplit holds fewer); with EAGLE the NextN
-        draft's KV is one more layer (runner/mtp.py)."""
+        """KV storage layers this runner holds (fewer under LayerSplit, runner/cp.py; +1 for EAGLE, runner/mtp.py)."""
         return model_config.num_layers + self.config.is_eagle
 
     def index_key_layers(self, full_layers: tuple[int, ...]) -> tuple[int, ...]:
-        """The KV storage layers holding DSA index keys, for the model's full indexer layers (runner/cp.py's
-        LayerSplit maps them to its own layers and the scratch)."""
+        """Storage layers of `full_layers`' DSA index keys (LayerSplit, runner/cp.py: its own layers or the scratch)."""
         return full_layers
 
     @classmethod

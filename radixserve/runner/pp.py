@@ -1,8 +1,7 @@
 """Pipeline parallelism (--pp-size N): stage s holds consecutive decoder layers and only their KV; each step's
 activations go point to point from stage to stage, cut into micro-batches so the stages overlap.
 
-    layers:  stage s holds owned_layers(L, N, s): n_s = L // N + (s < L % N) layers from s * (L // N) + min(s, L % N)
-             (the first L % N stages one more); the embedding on stage 0, the final norm and LM head on stage N - 1
+    layers:  stage s holds owned_layers(L, N, s) (layer_split.py); embedding on stage 0, final norm and LM head on N - 1
     ranks:   rank = stage * T + tp_rank (each stage a --tp-size T group); rank 0 also schedules, samples and
              broadcasts each step to every rank (runner/tp.py): page ids and count (for the largest stage) agree
     a step:  the batch cut into M micro-batches of consecutive sequences (sizes differ by at most one sequence)

@@ -41,8 +41,7 @@ async def on_validation_error(request: Request, exc: Exception) -> Response:
 
 def build_app(ctx: ServingContext, server_config: ServerConfig,
               speculative_algorithm: str | None = None) -> FastAPI:
-    """The worker's app over `ctx` (whose engine runs `speculative_algorithm`); `app.state.drain`
-    is its Drain (drain.py)."""
+    """The worker's app over `ctx` (engine running `speculative_algorithm`); `app.state.drain`: its Drain (drain.py)."""
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, "server")
     app.add_exception_handler(RequestValidationError, on_validation_error)

@@ -69,8 +69,7 @@ class RequestStream:
             raise error_from_wire(item.error)
 
     async def get(self) -> EngineOutput:
-        """The next output of an unfinished request. Raises EngineDead, and KVTransferFailed for a
-        failed PD handoff (an error, never text)."""
+        """The next output of an unfinished request; raises EngineDead, or KVTransferFailed on a failed PD handoff."""
         while True:
             item = await self.queue.get()
             if isinstance(item, _Dead):

@@ -103,9 +103,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None,
                             template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-        """Exactly HF `apply_chat_template(..., tokenize=True)`. messages: OpenAI-style dicts, `content` a
-        string, None or text parts (joined), other fields passed on; template_kwargs: template variables.
-        Raises InvalidRequest for malformed messages, a reserved variable or a template error."""
+        """Exactly HF `apply_chat_template(..., tokenize=True)` over normalize_messages(messages), template_kwargs as
+        template variables. Raises InvalidRequest for malformed messages, a reserved variable or a template error."""
         return self._chat(messages, add_generation_prompt, True, tools, template_kwargs)
 
     def _chat(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool,

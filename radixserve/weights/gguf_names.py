@@ -6,11 +6,8 @@ Names as the `gguf` library's `constants.MODEL_TENSORS` encodes them (tests/mode
     blk.{i}.attn_qkv                  rows [q | k | v] (ChatGLM)      -> self_attn.{q,k,v}_proj
     blk.{i}.ffn_up  (chatglm, glm4)   rows [gate | up]               -> mlp.gate_up_proj (loaded fused)
 
-Merged (MLA, llama.cpp's DeepseekV2 converter splits kv_b_proj (H * (nope + v), rank) per head for absorbed attention):
-
-    blk.{i}.attn_k_b (H, rank, nope)  the key part, transposed       \
-    blk.{i}.attn_v_b (H, v, rank)     the value part                 -> self_attn.kv_b_proj (merge_kv_b)
-    blk.{i}.attn_kv_b                 older files: kept whole        /"""
+Merged (MLA: llama.cpp's DeepseekV2 converter splits kv_b_proj (H * (nope + v), rank) per head): attn_k_b (H, rank,
+nope; K transposed) and attn_v_b (H, v, rank) -> self_attn.kv_b_proj (merge_kv_b); attn_kv_b (older files) stays."""
 from __future__ import annotations
 
 import re

@@ -2,11 +2,8 @@
 
 out[b, h] = softmax(q[b, h] . k[b, h // (H / KV), :lens[b]] / sqrt(D)) @ v[b, h // (H / KV), :lens[b]], fp32, with max
 subtraction. Paths: "avx512" (D % 16 == 0), "avx2" (D % 8 == 0, with FMA), else "scalar" (std::exp); chosen from what
-this CPU supports, or $RADIXSERVE_DECODE_ATTENTION_ISA ("sdpa": never use the kernel). The vector paths' exp has a
-relative error <= EXP_REL_ERROR on [-87, 0] (inputs below -87 count as -87, < 2e-38 of the row maximum's weight); every
-output element is within OUTPUT_TOL * max|v| of F.scaled_dot_product_attention's
-(tests/unit/test_decode_attention_kernel.py).
-Elsewhere (library not built, other dtype or device) callers keep their SDPA call; `runs` says which, logged once."""
+this CPU supports, or $RADIXSERVE_DECODE_ATTENTION_ISA ("sdpa": never use the kernel). Elsewhere (library not built,
+other dtype or device) callers keep SDPA; `runs` says which (logged once)."""
 from __future__ import annotations
 
 import functools
@@ -22,8 +19,8 @@ logger = logging.getLogger(__name__)
 
 ISAS = ("scalar", "avx2", "avx512")
 ISA_ENV = "RADIXSERVE_DECODE_ATTENTION_ISA"
-EXP_REL_ERROR = 2e-7   # measured 7.6e-8 on [-87, 0]
-OUTPUT_TOL = 2e-5   # per unit of max|v|; measured <= 6.6e-6 (docs/runner.md)
+EXP_REL_ERROR = 2e-7   # relative, of the vector paths' exp on [-87, 0]; inputs below count as -87 (docs/runner.md)
+OUTPUT_TOL = 2e-5   # every output element's distance from SDPA's, per unit of max|v| (test_decode_attention_kernel.py)
 
 
 def supported_isas() -> tuple[str, ...]:
@@ -56,9 +53,8 @@ def decode_attention_lens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, len
 
 
 def paged_runs(kv: object) -> bool:
-    """Whether decode attention can read `kv` (the step's KV cache, any kind) in place by `decode_attention_paged`: a
-    plain KVCache with separate K and V whose compute dtype the kernel runs, storing that dtype or bf16 (fp32 compute;
-    not FP8)."""
+    """Whether `decode_attention_paged` can read `kv` (the step's KV cache, any kind) in place: a plain KVCache with
+    separate K and V, a compute dtype `runs` takes (fp32), stored as that or bf16 (not FP8)."""
     stored = kv.dtype if isinstance(kv, KVCache) else None
     return (stored is not None and not kv.latent and stored in (kv.compute_dtype, torch.bfloat16)
             and runs(kv.compute_dtype, kv.device) and ops.has_op("decode_attention_paged"))
@@ -66,11 +62,10 @@ def paged_runs(kv: object) -> bool:
 
 def decode_attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor,
                            lens: torch.Tensor, isa: str | None = None) -> torch.Tensor:
-    """q (B, H, D) fp32; k, v (KV, P, S, D) fp32 or bf16 cache pages (KVCache.kernel_view) with unit stride in D and equal
-    strides; page_table (B, M) int64 page ids in [0, P); lens (B,) int64 in [1, M * S] -> (B, H, D) fp32, token t of
-    row b read from row t % S of page page_table[b, t // S]; the same arithmetic as decode_attention_lens. Only where
-    `runs` is True; bf16 pages are read as their exact fp32 values. RuntimeError on a page id out of range or a length
-    out of [1, M * S]."""
+    """q (B, H, D) fp32; k, v (KV, P, S, D) fp32 or bf16 cache pages (KVCache.kernel_view) with unit stride in D and
+    equal strides; page_table (B, M) int64 page ids in [0, P); lens (B,) int64 in [1, M * S] -> (B, H, D) fp32, token t
+    of row b read from row t % S of page page_table[b, t // S]; the same arithmetic as decode_attention_lens, bf16 read
+    as its exact fp32 values. Only where `runs` is True. RuntimeError on a page id or length out of its range."""
     return torch.ops.radixserve.decode_attention_paged(q, k, v, page_table, lens, ISAS.index(isa or chosen_isa()))
 
 

@@ -1,9 +1,8 @@
 """Attention with torch ops only (CPU or any device): one SDPA per layer for all decodes, over a mirror or a gather.
 
-On the CPU with the decode kernel and a plain KV cache of its dtype, a decode step that would not use cascade
-attention (one sequence, or cascade off) reads the cache's pages in place (decode_attention_paged): no mirror copy to
-fill or append to. Without the DecodeMirror decodes gather their pages per layer in cache-sized sub-batches; prefill
-chunks go one by one."""
+On the CPU with the decode kernel and a plain KV cache of its dtype, a decode step without cascade attention (one
+sequence, or cascade off) reads the cache's pages in place (decode_attention_paged), with no mirror to fill. Without the
+DecodeMirror decodes gather their pages per layer in cache-sized sub-batches; prefill chunks go one by one."""
 from __future__ import annotations
 
 from typing import NamedTuple
