@@ -1,9 +1,11 @@
 """Router test fixtures: a `radixserve fleet` of two tiny workers behind a router, with worker kill and restart."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,6 +63,7 @@ class Fleet:
     def __init__(self, model_dir: pathlib.Path, router_flags: list[str] = ROUTER_FLAGS,
                  num_workers: int = 2, worker_flags: tuple[str, ...] = ()):
         self.tmp = tempfile.mkdtemp(prefix="radixserve-router-test-")
+        atexit.register(shutil.rmtree, self.tmp, True)   # logs stay readable until the test process ends
         self.manifest_path = os.path.join(self.tmp, "manifest.json")
         self.num_workers = num_workers
         base = free_ports(1 + num_workers)  # router, worker 0, worker 1, ...
