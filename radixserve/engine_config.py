@@ -117,8 +117,8 @@ class EngineConfig:
               "weight; else, and always for int4-fp32, fp32, +4): the kernels beat fp32 only for a few "
               "tokens per step (docs/benchmarks.md); 0 = the kernel at every size, no float copy; unset: 16 "
               "where --quantization auto picks a kernel (0 under --enable-deterministic-inference), else 0")
-    compile: str = opt(
-        os.environ.get(COMPILE_ENV, "auto"),
+    compile: str | None = opt(
+        None,
         "compile the decode forward with torch.compile (Inductor, C++; one graph per batch size up to "
         "--torch-compile-max-bs, built at start-up, about a minute on a cold cache, seconds from the disk "
         "cache): on = fail over to eager with one log line if it cannot compile, auto = on where a C++ "
@@ -188,6 +188,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative_algorithm == "none":    # the flag's explicit off is the field's None
             object.__setattr__(self, "speculative_algorithm", None)
+        if self.compile is None:    # read when a config is made, not when the module is imported
+            object.__setattr__(self, "compile", os.environ.get(COMPILE_ENV, "auto"))
         if self.page_size is None:
             object.__setattr__(self, "page_size", 1 if self.hicache_storage_dir is None else DISK_TIER_PAGE_SIZE)
         if self.page_size < 1:

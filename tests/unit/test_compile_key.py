@@ -93,7 +93,8 @@ def test_auto_without_a_compiler_decodes_eagerly(model_dir, monkeypatch, tmp_pat
 
 
 def test_compile_default_is_auto_unless_the_environment_sets_it():
-    """--compile's default comes from $RADIXSERVE_COMPILE (the suite pins off), else auto; a bad value is refused."""
+    """--compile's default comes from $RADIXSERVE_COMPILE as it is when a config is made (the suite pins off), else
+    auto; a bad value is refused."""
     code = "from radixserve.engine_config import EngineConfig as E; print(E().compile, E().torch_compile_max_bs)"
     env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_COMPILE"}
     run = lambda extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra},   # noqa: E731
@@ -102,3 +103,7 @@ def test_compile_default_is_auto_unless_the_environment_sets_it():
     assert run({"RADIXSERVE_COMPILE": "off"}).stdout.split() == ["off", "1"]
     bad = run({"RADIXSERVE_COMPILE": "yes"})
     assert bad.returncode != 0 and "must be auto, on or off" in bad.stderr
+    late = ("import os; from radixserve.engine_config import EngineConfig as E; "
+            "os.environ['RADIXSERVE_COMPILE'] = 'on'; print(E().compile)")
+    got = subprocess.run([sys.executable, "-c", late], env=env, capture_output=True, text=True)
+    assert got.stdout.split() == ["on"], got.stderr
