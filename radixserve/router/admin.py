@@ -42,7 +42,8 @@ def admin_key_check(admin_api_key: str | None) -> Callable[[Request], Any]:
 
 
 async def _body(request: Request) -> dict:
-    return json_object(await read_body(request, MAX_ADMIN_BODY_BYTES), "body")
+    return json_object(await read_body(request, MAX_ADMIN_BODY_BYTES, "the admin API's fixed limit"),
+                       "body")
 
 
 def _url(body: dict) -> str:

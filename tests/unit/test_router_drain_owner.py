@@ -76,3 +76,11 @@ def test_the_agents_undrain_of_an_operators_drain_is_a_409_and_leaves_it():
     error = answers[2].json()["error"]
     assert (error["type"], error["code"], error["param"]) == ("conflict_error", "drained_by_operator", "by")
     assert owners(listing) == {W0: (True, "operator"), W1: (False, None)}
+
+
+def test_a_huge_drain_body_is_a_413_naming_the_admin_limit_not_a_flag_that_does_not_change_it():
+    answer, listing = admin_calls([("/admin/drain", {"url": W0, "by": "x" * 100_000})])
+    assert answer.status_code == 413, answer.text
+    assert answer.json()["error"]["message"] == (
+        "request body is larger than 65536 bytes (the admin API's fixed limit)")
+    assert owners(listing) == {W0: (False, None), W1: (False, None)}
