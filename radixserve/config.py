@@ -52,7 +52,17 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         text = meta.get("help")
         if "default" not in text and "unset" not in text:   # a help that explains its default keeps it
             text = f"{text} (default: {f.default})"
-        parser.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"), help=text)
+        choices = meta.get("choices")
+        if kind is str and choices:
+            kind = _any_case(choices)
+        parser.add_argument(flag, type=kind, default=f.default, choices=choices, help=text)
+
+
+def _any_case(choices: tuple) -> Any:
+    """A flag type that spells a value as its choice does whatever its case (NGRAM, as SGLang
+    writes it, is ngram); other values pass through for argparse's invalid-choice error."""
+    by_lower = {str(c).lower(): c for c in choices}
+    return lambda value: by_lower.get(value.lower(), value)
 
 
 def from_args(cls: type, args: argparse.Namespace) -> Any:

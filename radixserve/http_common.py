@@ -51,10 +51,12 @@ def check_json_content_type(request: Request) -> None:
         raise InvalidRequest("Content-Type must be application/json", param="content-type")
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole request body; BodyTooLarge (413) once its declared or received size passes `max_bytes`. A refused body
-    up to LINGER_BYTES is read on and dropped first, so the client reads the 413 and not a reset from a socket closed
-    with unread bytes in it; a longer one is refused unread."""
+async def read_body(request: Request, max_bytes: int,
+                    limit: str = "--max-request-body-bytes") -> bytes:
+    """The whole request body; BodyTooLarge (413), naming `limit` (what sets `max_bytes`), once its declared or
+    received size passes `max_bytes`. A refused body up to LINGER_BYTES is read on and dropped first, so the
+    client reads the 413 and not a reset from a socket closed with unread bytes in it; a longer one is refused
+    unread."""
     declared = request.headers.get("content-length", "")
     size = int(declared) if declared.isdigit() else 0
     chunks: list[bytes] = []
@@ -69,7 +71,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     if size > max_bytes:
         if size <= LINGER_BYTES:
             await _drop_rest(stream, LINGER_BYTES - size)
-        raise BodyTooLarge(f"request body is larger than {max_bytes} bytes (--max-request-body-bytes)")
+        raise BodyTooLarge(f"request body is larger than {max_bytes} bytes ({limit})")
     return b"".join(chunks)
 
 

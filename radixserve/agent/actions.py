@@ -71,7 +71,7 @@ class Actions:
         if d.action in ("drain", "isolate"):
             return await self.admin.drain(d.worker, by=AGENT)   # a later agent adopts it
         if d.action == "undrain":
-            return await self.admin.undrain(d.worker)
+            return await self.admin.undrain(d.worker, by=AGENT)   # never the operator's drain
         if d.action == "set_policy_params":
             return await self.admin.set_policy_params(**d.params)
         if d.action == "restart":

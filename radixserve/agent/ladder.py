@@ -139,6 +139,9 @@ class Ladder:
     def _step_worker(self, t: Track, found: list[Finding], now: float, view: FleetView,
                      gate: _Gate) -> list[Decision]:
         fault = _worst(found)
+        if t.state in OUT_STATES and t.url in view.operator_drained:
+            return [self._move(t, "none", "observe", now, found, "the operator drained it at the "
+                               "router too: left to the operator (no undrain, no restart)")]
         if t.state in ("observe", "reintegrating", "suspect"):
             return self._watch(t, found, fault, now, view, gate)
         if t.state == "draining":

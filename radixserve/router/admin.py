@@ -12,7 +12,7 @@ from radixserve.errors import InvalidRequest, RadixServeError
 from radixserve.http_common import bearer_key_check, read_body
 from radixserve.router.state import RouterState
 from radixserve.router.validate import finite_number, json_object, worker_url
-from radixserve.router.worker import DRAIN_OWNERS, OPERATOR, check_weight
+from radixserve.router.worker import AGENT, DRAIN_OWNERS, OPERATOR, check_weight
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +28,22 @@ class WorkerNotFound(RadixServeError):
     code = "worker_not_found"
 
 
+class DrainedByOperator(RadixServeError):
+    """HTTP 409: the agent's undrain of a worker the operator drained."""
+
+    status = 409
+    type = "conflict_error"
+    code = "drained_by_operator"
+
+
 def admin_key_check(admin_api_key: str | None) -> Callable[[Request], Any]:
     """`Authorization: Bearer <admin_api_key>` or Unauthorized (401); no key allows all."""
     return bearer_key_check(admin_api_key, "admin key")
 
 
 async def _body(request: Request) -> dict:
-    return json_object(await read_body(request, MAX_ADMIN_BODY_BYTES), "body")
+    return json_object(await read_body(request, MAX_ADMIN_BODY_BYTES, "the admin API's fixed limit"),
+                       "body")
 
 
 def _url(body: dict) -> str:
@@ -143,7 +152,11 @@ def _worker_routes(admin: APIRouter, state: RouterState) -> None:
 
     @admin.post("/undrain")
     async def undrain(request: Request) -> Response:
-        worker = _worker_of(state, await _body(request))
+        body = await _body(request)
+        worker = _worker_of(state, body)
+        if body.get("by") is not None and _drained_by(body) == AGENT and worker.drained_by == OPERATOR:
+            raise DrainedByOperator(f"{worker.url} was drained by the operator; the agent leaves it",
+                                    param="by")
         worker.undrain()
         logger.info("admin: undrained %s", worker.url)
         return _listing(state, worker)

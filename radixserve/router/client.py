@@ -63,8 +63,10 @@ class _AdminCalls:
         body = {"url": url} if by is None else {"url": url, "by": by}
         return self._call("POST", "/admin/drain", body, _same)
 
-    def undrain(self, url: str) -> Any:
-        return self._call("POST", "/admin/undrain", {"url": url}, _same)
+    def undrain(self, url: str, by: str | None = None) -> Any:
+        """`by`: who undrains; "agent" is refused (409) on a worker the operator drained."""
+        body = {"url": url} if by is None else {"url": url, "by": by}
+        return self._call("POST", "/admin/undrain", body, _same)
 
     def set_weight(self, url: str, weight: float) -> Any:
         """Load is divided by `weight`; 0 takes the worker out of routing."""

@@ -125,7 +125,8 @@ async def chat_chunks(run: GenerationRun, req: ChatCompletionRequest, created: i
                                              logprobs=lp, **ids))
             if u.finish_reason is not None:
                 reason = outputs.finish_reason(index, u.finish_reason)
-                yield chunk(ChatStreamChoice(index=index, delta={}, finish_reason=reason))
+                yield chunk(ChatStreamChoice(index=index, delta={}, finish_reason=reason,
+                                             stop_reason=u.stop_reason))
         if req.include_usage:
             yield sse(ChatCompletionChunk(id=rid, created=created, model=ctx.model_name,
                                           choices=[], usage=run.usage(run.reasoning_tokens(outputs))))

@@ -308,6 +308,7 @@ class ChatStreamChoice(BaseModel):
     delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None   # on the finish chunk, as ChatChoice's
 
 
 class ChatCompletionChunk(BaseModel):

@@ -123,3 +123,20 @@ def test_content_parts_and_roles(server):
     convo = [*MESSAGES, {"role": "assistant", "content": "Red."}, {"role": "user", "content": "More"}]
     assert chat(server, messages=convo, max_tokens=2)["usage"]["prompt_tokens"] > \
         chat(server, max_tokens=2)["usage"]["prompt_tokens"]
+
+
+def test_streamed_stop_reason_names_the_stop_token_id_as_the_collected_one(server):
+    """The finish chunk of a stream carries stop_reason as the collected choice does: the id of a
+    stop_token_ids match (vLLM), null at the length limit."""
+    body = {"model": server.model, "messages": MESSAGES, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    ids = [i for c in post_stream(server.http, "/v1/chat/completions", body).chunks
+           for ch in c["choices"] for i in ch.get("token_ids") or []]
+    stop = {**body, "stop_token_ids": [ids[1]]}
+    full = chat(server, **{k: v for k, v in stop.items() if k not in ("model", "messages")})
+    assert (full["choices"][0]["finish_reason"], full["choices"][0]["stop_reason"]) == ("stop", ids[1])
+    for fields, want in ((stop, ids[1]), (body, None)):
+        res = post_stream(server.http, "/v1/chat/completions", fields)
+        last = [ch for c in res.chunks for ch in c["choices"] if ch["finish_reason"]]
+        assert [(ch["finish_reason"], ch["stop_reason"]) for ch in last] == [
+            ("stop" if want is not None else "length", want)]

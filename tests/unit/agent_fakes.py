@@ -93,6 +93,8 @@ class FakeFleet:
                         self.by_agent.add(body["url"])
                     self.draining.add(body["url"])
                 if path == "/admin/undrain":
+                    if body.get("by") == "agent" and body["url"] in self.draining - self.by_agent:
+                        return httpx.Response(409, json={"error": {"type": "conflict_error"}})
                     self.draining.discard(body["url"])
                     self.by_agent.discard(body["url"])
                 return httpx.Response(200, json=self.entry(body["url"]))

@@ -209,3 +209,14 @@ def test_a_worker_the_operator_drained_is_never_acted_on():
     assert any("the operator drained it" in d.reason for d in out if d.action == "none")
     undrained = view(responsive=URLS[1:], supervised=sup)   # the operator returned it, still hung
     assert acts(ladder.step(20, undrained, [f("unresponsive")])) == [("drain", "http://w0")]
+
+
+def test_a_worker_the_agent_holds_out_and_the_operator_drains_is_left_to_the_operator():
+    ladder = Ladder(CFG)
+    hung = view(responsive=URLS[1:])
+    assert acts(run(ladder, [[f("unresponsive")]] * 2, v=hung)) == [("isolate", "http://w0")]
+    taken = view(operator_drained=frozenset({"http://w0"}))   # answers again, the operator's now
+    assert acts(ladder.step(100, taken, [])) == []              # past the ejection: no undrain
+    assert ladder.tracks["http://w0"].state == "observe"
+    assert acts(ladder.step(105, taken, [f("unresponsive")] * 2)) == []
+    assert acts(ladder.step(110, taken, [f("unresponsive")])) == []

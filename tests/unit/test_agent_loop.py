@@ -201,7 +201,7 @@ def test_a_new_agent_adopts_its_predecessors_drain_and_leaves_the_operators_alon
     fake.posts.clear()
     agent = make_agent(tmp_path / "b", fake, ladder_cfg=LadderConfig(base_ejection_s=0.0))
     records = sweeps(agent, 3, between=lambda k: fake.hung.clear() if k == 1 else None)
-    assert fake.posts == [("/admin/undrain", {"url": "http://w1"})]
+    assert fake.posts == [("/admin/undrain", {"url": "http://w1", "by": "agent"})]
     w1 = [(r["sweep"], r["action"], r["state_to"]) for r in records if r["worker"] == "http://w1"]
     assert w1[0] == (1, "adopt", "isolated") and w1[-1] == (3, "undrain", "reintegrating")
     assert "drained at the router by an earlier agent" in records[0]["reason"]

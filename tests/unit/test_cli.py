@@ -170,3 +170,17 @@ def test_sizes_the_model_takes_reach_loading(tmp_path, flags, monkeypatch):
     monkeypatch.setattr("radixserve.server.app.serve", serve)
     assert cli.main(["serve", "--model-path", str(tiny_hf_folder(tmp_path / "model")), "--port", "0", *flags]) == 0
     assert len(served) == 1
+
+
+@pytest.mark.parametrize("value, parsed", [("NGRAM", "ngram"), ("ngram", "ngram"), ("eagle", "EAGLE"),
+                                           ("None", None)])
+def test_a_choice_is_taken_in_any_case(value, parsed):
+    import argparse
+    from radixserve.config import add_dataclass_args, from_args
+    from radixserve.engine_config import EngineConfig
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, EngineConfig)
+    args = parser.parse_args(["--speculative-algorithm", value])
+    assert from_args(EngineConfig, args).speculative_algorithm == parsed
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-algorithm", "ngrams"])

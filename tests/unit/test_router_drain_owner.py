@@ -63,3 +63,24 @@ def test_an_unknown_owner_is_a_400_about_by_and_drains_nothing(by):
     assert error["type"] == "invalid_request_error" and error["param"] == "by"
     assert error["message"] == "by must be one of operator, agent"
     assert owners(listing) == {W0: (False, None), W1: (False, None)}
+
+
+def test_the_agents_undrain_of_an_operators_drain_is_a_409_and_leaves_it():
+    *answers, listing = admin_calls([("/admin/drain", {"url": W0, "by": "agent"}),
+                                     ("/admin/drain", {"url": W0}),     # the operator takes it over
+                                     ("/admin/undrain", {"url": W0, "by": "agent"}),
+                                     ("/admin/drain", {"url": W1, "by": "agent"}),
+                                     ("/admin/undrain", {"url": W1, "by": "agent"}),
+                                     ("/admin/undrain", {"url": W1, "by": "robot"})])
+    assert [a.status_code for a in answers] == [200, 200, 409, 200, 200, 400]
+    error = answers[2].json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("conflict_error", "drained_by_operator", "by")
+    assert owners(listing) == {W0: (True, "operator"), W1: (False, None)}
+
+
+def test_a_huge_drain_body_is_a_413_naming_the_admin_limit_not_a_flag_that_does_not_change_it():
+    answer, listing = admin_calls([("/admin/drain", {"url": W0, "by": "x" * 100_000})])
+    assert answer.status_code == 413, answer.text
+    assert answer.json()["error"]["message"] == (
+        "request body is larger than 65536 bytes (the admin API's fixed limit)")
+    assert owners(listing) == {W0: (False, None), W1: (False, None)}
