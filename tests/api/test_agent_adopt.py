@@ -6,7 +6,6 @@ import pathlib
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -14,8 +13,8 @@ import pytest
 
 from radixserve.bench.launch import free_port
 from tests.api.conftest import REPO, terminate
+from tests.api.router_fixtures import wait_for
 
-WAIT_S = 60.0   # a bound against hangs only; nothing here asserts a duration
 METRICS = b"# TYPE radixserve:num_requests counter\nradixserve:num_requests_total 0.0\n"
 ROUTER_FLAGS = ["--health-check-interval-s", "0.3", "--log-level", "warning"]
 AGENT_FLAGS = ["--sweep-interval-s", "0.2", "--request-timeout-s", "2", "--base-ejection-s",
@@ -43,16 +42,6 @@ class StubWorker(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:
         pass
-
-
-def wait_for(check, what: str):
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 @pytest.fixture
