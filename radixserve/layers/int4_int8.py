@@ -4,6 +4,7 @@ depends on that row alone (batch-invariant). Numerics and layout: docs/runner.md
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -76,18 +77,9 @@ class OwnInt4Matmul:
     BATCH_INVARIANT = True
     MODE = OP = ""
     ISAS: tuple[str, ...] = ()
-
-    @staticmethod
-    def reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    @staticmethod
-    def chosen_isa() -> str | None:
-        raise NotImplementedError
-
-    @staticmethod
-    def supported_isas() -> tuple[str, ...]:
-        raise NotImplementedError
+    reference: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    chosen_isa: Callable[[], str | None]
+    supported_isas: Callable[[], tuple[str, ...]]
 
     def __init__(self, weights: list, isa: str | None = "auto"):
         if len({w.codes.shape[1] for w in weights}) != 1 or weights[0].codes.shape[1] % BLOCK:
