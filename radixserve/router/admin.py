@@ -154,7 +154,7 @@ def _worker_routes(admin: APIRouter, state: RouterState) -> None:
     async def undrain(request: Request) -> Response:
         body = await _body(request)
         worker = _worker_of(state, body)
-        if body.get("by") is not None and _drained_by(body) == AGENT and worker.drained_by == OPERATOR:
+        if _drained_by(body) == AGENT and worker.drained_by == OPERATOR:
             raise DrainedByOperator(f"{worker.url} was drained by the operator; the agent leaves it",
                                     param="by")
         worker.undrain()
