@@ -188,6 +188,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative_algorithm == "none":    # the flag's explicit off is the field's None
             object.__setattr__(self, "speculative_algorithm", None)
+        if self.compile == "off" and self.enable_torch_compile:
+            raise ValueError("--enable-torch-compile (compile on) contradicts --compile off: give one of them")
         if self.compile is None:    # read when a config is made, not when the module is imported
             object.__setattr__(self, "compile", os.environ.get(COMPILE_ENV, "auto"))
         if self.page_size is None:

@@ -77,6 +77,9 @@ def test_off_and_unsupported_runners_decode_eagerly(model_dir, caplog):
                                                       cpu) is None
         assert why in caplog.text
     assert EngineConfig(enable_torch_compile=True).compile_mode == "on"
+    assert EngineConfig(enable_torch_compile=True, compile="on").compile_mode == "on"
+    with pytest.raises(ValueError, match="contradicts --compile off"):
+        EngineConfig(enable_torch_compile=True, compile="off")
 
 
 def test_auto_without_a_compiler_decodes_eagerly(model_dir, monkeypatch, tmp_path, caplog):
