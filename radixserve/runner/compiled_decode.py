@@ -9,6 +9,7 @@ import logging
 import os
 import pathlib
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -52,6 +53,17 @@ def compiler_missing() -> str | None:
     if any(shutil.which(c) for c in ("g++", "clang++", "c++")):
         return None
     return "no C++ compiler (g++, clang++, c++) on PATH"
+
+
+def _tqdm_thread_lock() -> None:
+    """Give tqdm (whose bar torch.fx's interpreter opens while tracing) a thread lock before it makes a
+    multiprocessing one: the engine process ends with os._exit (engine/loop.py), which skips the finalizer that
+    unlinks such a semaphore, and the resource tracker then warns of a leak at shutdown."""
+    try:
+        import tqdm
+    except ImportError:
+        return
+    tqdm.tqdm.set_lock(threading.RLock())
 
 
 @contextlib.contextmanager
@@ -106,6 +118,7 @@ class DecodeGraphs:
         """Compile (or load from the disk cache) every bucket, one log line each; raises what Inductor raises.
         Attention is stubbed (zeros) here: warm-up writes no KV."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        _tqdm_thread_lock()
         logger.info("compiled decode: building batch sizes %s in %s (minutes on a cold cache, seconds from it)",
                     ", ".join(map(str, self.buckets)), self.folder)
 
