@@ -12,7 +12,7 @@ def check_speculative(config: Any) -> None:
     _check_eagle(config)
     if not 1 <= config.spec_max_draft <= 16:
         raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
-    if config.speculative_break_even_tokens < 0:
+    if config.speculative_break_even_tokens is not None and config.speculative_break_even_tokens < 0:
         raise ValueError("speculative_break_even_tokens must be >= 0")
     draft_given = (config.speculative_draft_layers is not None
                    or config.speculative_draft_model_path is not None)

@@ -91,11 +91,12 @@ class EngineConfig:
               "this (its confidence, as EAGLE-2's), so fewer tokens are verified where acceptance is "
               "unlikely; 0: always --speculative-num-steps (unset: 0; 0.4 with the default model's "
               "packaged head, measured in docs/speculative.md)")
-    speculative_break_even_tokens: float = opt(
-        16.0, "a step's fixed cost (reading the weights) in tokens of compute: with B requests "
+    speculative_break_even_tokens: float | None = opt(
+        None, "a step's fixed cost (reading the weights) in tokens of compute: with B requests "
               "decoding, a request drafts only while the fraction of its drafts accepted is above "
-              "B / (B + this), where drafting still raises throughput (0: always draft; "
-              "measured 16 on a 2-core AVX2 CPU, larger on a GPU)")
+              "B / (B + this), where drafting still raises throughput (0: always draft; unset: 16 "
+              "for float weights, 4 where --quantization runs a CPU int4/int8 kernel, whose cost "
+              "grows with every token; measured in docs/speculative.md)")
     speculative_draft_layers: int | None = opt(
         None, "draft: how many of the target's first layers (with its final norm and LM head) "
               "make the self-draft model (with --speculative-draft-model-path: of that model's; "

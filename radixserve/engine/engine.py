@@ -11,6 +11,7 @@ from radixserve.engine.kv_manager import KVManager
 from radixserve.engine.request import Request, Status
 from radixserve.engine.runner_api import Runner, ScheduledSeq, SeqResult
 from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.speculative import resolve_break_even
 from radixserve.engine_config import EngineConfig
 from radixserve.errors import ContextLengthExceeded, InvalidRequest
 from radixserve.outputs import EngineOutput, SpecCounts, TokenLogprob
@@ -32,7 +33,8 @@ class Engine:
         self.kv = KVManager(runner.num_pages, runner.page_size, not config.disable_radix_cache,
                             getattr(runner, "host_kv", None), config.hicache_write_policy,
                             paired_keys=config.is_eagle, num_fp8_pages=getattr(runner, "num_fp8_pages", 0))
-        self.scheduler = Scheduler(config, self.kv, self.max_request_tokens)
+        self.scheduler = Scheduler(config, self.kv, self.max_request_tokens, resolve_break_even(
+            config.speculative_break_even_tokens, runner.info().get("quantization")))
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.random_seed)
         self.counters = {"num_prompt_tokens": 0, "num_cached_tokens": 0, "num_generated_tokens": 0,

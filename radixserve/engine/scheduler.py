@@ -15,7 +15,8 @@ from radixserve.engine_config import EngineConfig
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVManager, max_request_tokens: int):
+    def __init__(self, config: EngineConfig, kv: KVManager, max_request_tokens: int, break_even_tokens: float = 16.0):
+        """`break_even_tokens`: the speculative batch gate's R (speculative.resolve_break_even)."""
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -25,7 +26,7 @@ class Scheduler:
         k = config.spec_max_draft
         # Deterministic inference: drafts depend on the request alone (no batch gate, no shared table).
         alone = config.enable_deterministic_inference
-        gate = 0.0 if alone else config.speculative_break_even_tokens
+        gate = 0.0 if alone else break_even_tokens
         self.proposer: NgramProposer | ModelDraftProposer | None = (
             NgramProposer(k, shared_entries=0 if alone else 1 << 16, break_even_tokens=gate)
             if config.speculative_algorithm == "ngram"

@@ -14,6 +14,20 @@ PRIOR_EMA = 0.05     # EMA weight of the all-requests rate a new request starts 
 MIN_USEFUL = 0.15    # stop drafting below this many accepted tokens per step, but probe every RETRY_EVERY
 RETRY_EVERY = 16
 SHARED_CONTINUATION = 16
+# The batch gate's R when --speculative-break-even-tokens is unset: float weights read once per step cost about 16
+# tokens of compute (docs/speculative.md); the CPU int4/int8 kernels are compute-bound, each token costs nearly as
+# much as the step's fixed part does over 4.
+FLOAT_BREAK_EVEN = 16.0
+KERNEL_BREAK_EVEN = 4.0
+KERNEL_QUANTIZATIONS = frozenset({"int4", "int8", "int4-int8", "int4-fp32"})
+
+
+def resolve_break_even(configured: float | None, quantization: str | None) -> float:
+    """R of the batch gate: `configured` (--speculative-break-even-tokens) if set, else by the runner's resolved
+    --quantization (None where the runner does not say: float)."""
+    if configured is not None:
+        return configured
+    return KERNEL_BREAK_EVEN if quantization in KERNEL_QUANTIZATIONS else FLOAT_BREAK_EVEN
 
 
 @dataclass(slots=True)
@@ -32,6 +46,7 @@ class _AdaptiveProposer:
         self.max_draft = max_draft
         self.break_even_tokens = break_even_tokens
         self._min_rate = 0.0
+        self._batch = 1
         self._prior_rate = 1.0
         self._states: dict[str, _State] = {}
 
@@ -43,6 +58,7 @@ class _AdaptiveProposer:
 
     def set_batch(self, num_decoding: int) -> None:
         r = self.break_even_tokens
+        self._batch = max(1, num_decoding)
         self._min_rate = num_decoding / (num_decoding + r) if r > 0 and num_decoding > 1 else 0.0
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
@@ -56,9 +72,13 @@ class _AdaptiveProposer:
     def flush(self) -> None:
         """Forget the shared table; the acceptance prior stays (it describes the traffic)."""
 
+    def _retry_every(self) -> int:
+        """Steps a backing-off request waits before it probes again."""
+        return RETRY_EVERY
+
     def _paying(self, state: _State) -> bool:
         return ((state.avg_accepted >= MIN_USEFUL and state.rate >= self._min_rate)
-                or state.steps_since_draft >= RETRY_EVERY)
+                or state.steps_since_draft >= self._retry_every())
 
     def _draft_len(self, state: _State, limit: int) -> int:
         k = min(self.max_draft, max(1, round(state.avg_accepted) + 1, state.last_full + 1), limit)
@@ -132,6 +152,11 @@ class ModelDraftProposer(_AdaptiveProposer):
     def __init__(self, max_draft: int, break_even_tokens: float = 16.0):
         super().__init__(max_draft, break_even_tokens)
         self._offers: dict[str, tuple[int, tuple[int, ...]]] = {}
+
+    def _retry_every(self) -> int:
+        """A model draft's probe runs its chain too: with the gate on, B decoding requests probe B times less often
+        each, about one probe per RETRY_EVERY steps in all."""
+        return RETRY_EVERY * (self._batch if self.break_even_tokens > 0 else 1)
 
     def offer(self, request_id: str, draft: tuple[int, ...], num_tokens: int) -> None:
         self._offers[request_id] = (num_tokens, draft)

@@ -201,7 +201,8 @@ class ModelRunner:
     def info(self) -> dict:
         out = {"device": str(self.device), "attention_backend": self.backend.name,
                "kv_cache_dtype": str(self.kv.dtype).removeprefix("torch."),
-               "deterministic_inference": self.config.enable_deterministic_inference}
+               "deterministic_inference": self.config.enable_deterministic_inference,
+               "quantization": self.config.quantization}
         if self.num_fp8_pages:
             out["kv_history_dtype"] = str(self.kv.history_dtype).removeprefix("torch.")
             out["kv_pages"] = {"history": self.num_pages - self.num_fp8_pages, "fp8": self.num_fp8_pages}

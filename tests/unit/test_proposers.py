@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.engine.speculative import RETRY_EVERY, ModelDraftProposer, NgramProposer
+from radixserve.engine.speculative import (FLOAT_BREAK_EVEN, KERNEL_BREAK_EVEN, RETRY_EVERY, ModelDraftProposer,
+                                           NgramProposer, resolve_break_even)
 
 
 def test_prompt_lookup_copies_what_followed_the_last_three_tokens():
@@ -85,7 +86,8 @@ def test_a_backing_off_model_draft_is_not_asked_for_until_its_probe():
 @pytest.mark.parametrize("cls", [NgramProposer, ModelDraftProposer])
 def test_batch_gate_drafts_only_where_acceptance_pays_at_this_batch_size(cls):
     """With a/b = 16, a request accepting 40 % of its drafts drafts at batch 1 and 8 (bound
-    8/24 = 0.33) but not at batch 32 (bound 0.67), where it only probes every RETRY_EVERY steps."""
+    8/24 = 0.33) but not at batch 32 (bound 0.67), where it only probes: every RETRY_EVERY steps for n-grams,
+    every 32 x RETRY_EVERY for a model draft (its probe runs the draft's chain too)."""
     p = cls(max_draft=4, break_even_tokens=16)
     tokens = [1, 2, 3, 8, 9, 1, 2, 3]
 
@@ -101,7 +103,8 @@ def test_batch_gate_drafts_only_where_acceptance_pays_at_this_batch_size(cls):
         p.set_batch(batch)
         assert drafts() is expected, batch
     p.set_batch(32)
-    assert [drafts() for _ in range(RETRY_EVERY)] == [False] * (RETRY_EVERY - 1) + [True]
+    wait = RETRY_EVERY * (32 if cls is ModelDraftProposer else 1)
+    assert [drafts() for _ in range(wait)] == [False] * (wait - 1) + [True]
     for gate, expected in ((16, False), (0, True)):      # 0: the gate is off
         p = cls(max_draft=4, break_even_tokens=gate)
         drafts()
@@ -109,6 +112,13 @@ def test_batch_gate_drafts_only_where_acceptance_pays_at_this_batch_size(cls):
         p.record("a", 3, 0)                              # rate 0.49, avg 0.49 >= MIN_USEFUL
         p.set_batch(64)                                  # bound 64 / 80 = 0.8
         assert drafts() is expected, gate
+
+
+def test_the_gate_defaults_by_what_a_token_costs_the_runner():
+    assert resolve_break_even(None, "int4-fp32") == resolve_break_even(None, "int4-int8") == KERNEL_BREAK_EVEN
+    assert resolve_break_even(None, "none") == resolve_break_even(None, None) == FLOAT_BREAK_EVEN
+    assert resolve_break_even(7.0, "int4-fp32") == 7.0 and resolve_break_even(0.0, "none") == 0.0
+    assert KERNEL_BREAK_EVEN < FLOAT_BREAK_EVEN
 
 
 def test_a_new_request_starts_from_the_acceptance_of_earlier_ones():

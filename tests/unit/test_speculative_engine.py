@@ -165,3 +165,13 @@ def test_deterministic_inference_drafts_depend_only_on_the_request(deterministic
 
     alone, crowded = drafts_of_r0(0), drafts_of_r0(31)
     assert (alone == crowded) is deterministic
+
+
+@pytest.mark.parametrize("quantization, flag, expected", [(None, None, 16.0), ("int4-fp32", None, 4.0),
+                                                          ("int4-fp32", 9.0, 9.0)])
+def test_the_batch_gate_takes_the_runners_cost_model_unless_set(quantization, flag, expected):
+    runner = FakeRunner(64, 4, VOCAB)
+    if quantization is not None:
+        runner.info = lambda: {"device": "none (fake runner)", "quantization": quantization}
+    engine = Engine(EngineConfig(page_size=4, speculative_break_even_tokens=flag, **SPEC), runner)
+    assert engine.scheduler.proposer.break_even_tokens == expected
