@@ -6,10 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# transformers 5.25's class defaults where config.json omits the key: MistralConfig / Qwen2Config / Qwen3Config /
-# Qwen3MoeConfig `sliding_window` 4096, Qwen2Config / Qwen3Config `max_window_layers` 28.
-_DEFAULT_WINDOW = 4096
-_DEFAULT_MAX_WINDOW_LAYERS = 28
+_DEFAULT_WINDOW, _DEFAULT_MAX_WINDOW_LAYERS = 4096, 28   # transformers 5.25's config classes', for an omitted key
 # config class (model_type) -> how its modeling code places the window; `architectures[0]` when model_type is absent
 _RULES = {"mistral": "every", "qwen3_moe": "every_if_used", "qwen2": "layer_types", "qwen3": "layer_types"}
 _ARCH_TYPES = {"MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -32,13 +29,10 @@ class SlidingWindow:
 
 
 def window_from_hf(cfg: dict[str, Any], num_layers: int) -> SlidingWindow | None:
-    """The window of a config.json dict as transformers 5.25 applies it (None: every layer attends in full):
-    - MistralConfig: `sliding_window` (absent: 4096) on every layer; `layer_types` is ignored (transformers warns);
-    - Qwen3MoeConfig: `sliding_window` on every layer when `use_sliding_window`;
-    - Qwen2Config / Qwen3Config: the window is `sliding_window` when `use_sliding_window`, else none; layers are the
-      "sliding_attention" entries of `layer_types`, or without it those from `max_window_layers` (absent: 28) on;
-    - LlamaConfig and the GLM / DeepSeek configs: no window (their modeling code reads none).
-    Raises ValueError for `layer_types` of the wrong length or with other entries, and for "sliding_attention"
+    """The window of a config.json dict as transformers 5.25 applies it (None: full attention everywhere). Mistral:
+    `sliding_window` on every layer, `layer_types` ignored; Qwen3-MoE: on every layer if `use_sliding_window`; Qwen2 /
+    Qwen3: if `use_sliding_window`, on the "sliding_attention" entries of `layer_types`, else from `max_window_layers`
+    on; Llama, GLM, DeepSeek: none. ValueError for `layer_types` of another length or kind, or "sliding_attention"
     layers without a window size (transformers cannot build their mask either)."""
     model_type = cfg.get("model_type") or _ARCH_TYPES.get((cfg.get("architectures") or [""])[0], "")
     rule = _RULES.get(model_type)

@@ -93,6 +93,21 @@ def test_c64_a_window_that_binds_is_refused_at_start_up(tmp_path, case, refuse_l
     assert our_windows(folder) == hf_windows(AutoModelForCausalLM.from_pretrained(folder))
 
 
+@pytest.mark.parametrize("written, says", [
+    (dict(layer_types=[SLIDE, FULL], use_sliding_window=False, sliding_window=16),
+     "config.json layer_types marks layer 0 sliding_attention, but use_sliding_window is false or sliding_window "
+     "null: no window size"),   # transformers fails to build that layer's mask
+    (dict(layer_types=[FULL, "chunked_attention"]), "config.json layer_types ['full_attention', 'chunked_attention']: "
+                                                    "qwen2 takes 2 entries, each full_attention or sliding_attention"),
+])
+def test_c64_layer_types_without_a_window_or_of_other_kinds_are_refused(tmp_path, written, says, refuse_loading,
+                                                                         capsys):
+    folder = build(tmp_path / "model", QWEN2, {}, written)
+    capsys.readouterr()
+    assert cli.main(["serve", "--model-path", str(folder)]) == 2
+    assert capsys.readouterr().err == f"radixserve serve: error: {says}\n"
+
+
 def test_c64_a_window_the_context_cannot_outgrow_is_served(tmp_path, monkeypatch):
     """--context-length 16 with a 16-token window: no sequence outgrows it, full attention is exact."""
     classes, kwargs, _ = REFUSED["a_mistral"]
