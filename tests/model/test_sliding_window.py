@@ -3,8 +3,9 @@ transformers' own model), is refused at start-up where it can bind within the co
 one line, ModelRunner, which the offline LLM loads, raises ValueError): (a) a 16-token window on every layer, Mistral
 and Qwen2 `use_sliding_window`; (b) `layer_types` interleaving sliding and full; GGUF `attention.sliding_window`.
 Served with full attention, logits within 1e-3 of transformers at prompt lengths 8, 16, 17, 64 and 200, through
-chunked prefill and a prefix hit (test_mla_yarn.check_every_path): (c) `sliding_window` set over all-full layers (Qwen2 `use_sliding_window: false`,
-Qwen2 / Qwen3 `layer_types` all full_attention, vllm #49795) and a window no shorter than the context."""
+chunked prefill and a prefix hit (test_mla_yarn.check_every_path): (c) `sliding_window` set over all-full layers
+(Qwen2 `use_sliding_window: false`, Qwen2 / Qwen3 `layer_types` all full_attention, vllm #49795) and a window no
+shorter than the context."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ from radixserve.runner.model_runner import ModelRunner
 from radixserve.weights.safetensors import read_hf_config
 from tests.model.test_families import FAMILIES, build_family
 from tests.model.test_mla_yarn import PAGE, check_every_path
+from tests.unit.test_cli import no_serving  # noqa: F401 (a fixture: serve() fails the test)
 
 LENGTHS = [8, 16, 17, 64, 200]
 SLIDE, FULL = "sliding_attention", "full_attention"
@@ -26,16 +28,17 @@ DENSE = FAMILIES["qwen3"][2]   # intermediate 128, 2 KV heads, head_dim 16
 QWEN2, QWEN3 = ("Qwen2Config", "Qwen2ForCausalLM"), ("Qwen3Config", "Qwen3ForCausalLM")
 MISTRAL = ("MistralConfig", "MistralForCausalLM")
 WINDOW = dict(sliding_window=16, num_hidden_layers=4)
-REFUSED = {   # case -> (config and model class, config kwargs, what the refusal names)
-    "a_mistral": (MISTRAL, WINDOW, "layers 0-3 use a 16-token sliding window (config.json sliding_window; "
-                                   "MistralForCausalLM: every layer)"),
-    "a_qwen2_use_sliding_window": (QWEN2, dict(WINDOW, use_sliding_window=True, max_window_layers=0),
+REFUSED = {   # case -> (config and model class, config kwargs, config.json keys written, what the refusal names)
+    "a_mistral": (MISTRAL, WINDOW, {}, "layers 0-3 use a 16-token sliding window (config.json sliding_window; "
+                                       "MistralForCausalLM: every layer)"),
+    "a_qwen2_use_sliding_window": (QWEN2, dict(WINDOW, use_sliding_window=True, max_window_layers=0), {},
                                    "layers 0-3 use a 16-token sliding window (config.json sliding_window, "
                                    "use_sliding_window, layer_types)"),
     "a_qwen2_max_window_layers": (QWEN2, dict(WINDOW, use_sliding_window=True, max_window_layers=1),
-                                  "layers 1-3 use a 16-token"),
+                                  dict(layer_types=None), "layers 1-3 use a 16-token sliding window (config.json "
+                                                          "sliding_window, use_sliding_window, max_window_layers)"),
     "b_qwen3_interleaved": (QWEN3, dict(WINDOW, use_sliding_window=True, layer_types=[SLIDE, FULL, SLIDE, SLIDE]),
-                            "layers 0, 2-3 use a 16-token sliding window"),
+                            {}, "layers 0, 2-3 use a 16-token sliding window"),
 }
 SERVED = {   # case -> (config and model class, config kwargs, config.json keys written over save_pretrained's)
     "c_qwen2_use_sliding_window_false": (QWEN2, {}, dict(sliding_window=16, use_sliding_window=False,
@@ -70,19 +73,12 @@ def our_windows(folder) -> list[int | None]:
     return [window.size if window and i in window.layers else None for i in range(mc.num_layers)]
 
 
-@pytest.fixture
-def refuse_loading(monkeypatch):
-    def serve(*args, **kwargs):
-        raise AssertionError("serve() was called: the model would have loaded")
-    monkeypatch.setattr("radixserve.server.app.serve", serve)
-
-
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_c64_a_window_that_binds_is_refused_at_start_up(tmp_path, case, refuse_loading, capsys):
+def test_c64_a_window_that_binds_is_refused_at_start_up(tmp_path, case, no_serving, capsys):
     from transformers import AutoModelForCausalLM
 
-    classes, kwargs, says = REFUSED[case]
-    folder = build(tmp_path / "model", classes, kwargs)
+    classes, kwargs, written, says = REFUSED[case]
+    folder = build(tmp_path / "model", classes, kwargs, written)
     capsys.readouterr()   # transformers' progress bars
     assert cli.main(["serve", "--model-path", str(folder)]) == 2
     err = capsys.readouterr().err
@@ -100,7 +96,7 @@ def test_c64_a_window_that_binds_is_refused_at_start_up(tmp_path, case, refuse_l
     (dict(layer_types=[FULL, "chunked_attention"]), "config.json layer_types ['full_attention', 'chunked_attention']: "
                                                     "qwen2 takes 2 entries, each full_attention or sliding_attention"),
 ])
-def test_c64_layer_types_without_a_window_or_of_other_kinds_are_refused(tmp_path, written, says, refuse_loading,
+def test_c64_layer_types_without_a_window_or_of_other_kinds_are_refused(tmp_path, written, says, no_serving,
                                                                          capsys):
     folder = build(tmp_path / "model", QWEN2, {}, written)
     capsys.readouterr()
@@ -110,7 +106,7 @@ def test_c64_layer_types_without_a_window_or_of_other_kinds_are_refused(tmp_path
 
 def test_c64_a_window_the_context_cannot_outgrow_is_served(tmp_path, monkeypatch):
     """--context-length 16 with a 16-token window: no sequence outgrows it, full attention is exact."""
-    classes, kwargs, _ = REFUSED["a_mistral"]
+    classes, kwargs, _, _ = REFUSED["a_mistral"]
     folder = build(tmp_path / "model", classes, kwargs)
     served = []
 
@@ -159,7 +155,7 @@ def write_gguf_header(path, window: int, pattern: int | list[bool] | None) -> st
 
 @pytest.mark.parametrize("pattern, layers", [(None, "layers 0-3"), (0, "layers 0-3"), (2, "layers 0, 2"),
                                              ([True, False, False, True], "layers 0, 3")])
-def test_c64_a_gguf_window_that_binds_is_refused_at_start_up(tmp_path, pattern, layers, refuse_loading, capsys):
+def test_c64_a_gguf_window_that_binds_is_refused_at_start_up(tmp_path, pattern, layers, no_serving, capsys):
     """An int pattern n as llama.cpp's set_swa_pattern (every n-th layer full), a list per layer, none: every layer."""
     path = write_gguf_header(tmp_path / "m.gguf", 16, pattern)
     assert cli.main(["serve", "--model-path", path]) == 2
