@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 from radixserve.models.block_config import (DSA_FAMILIES, DSAConfig, MLAConfig, MoEConfig, dsa_from_gguf, dsa_from_hf,
                                              mla_from_gguf, mla_from_hf, moe_from_gguf, moe_from_hf)
+from radixserve.models.sliding_window import SlidingWindow, window_from_gguf, window_from_hf
 
 # HF `architectures[0]` (or `model_type`) -> our family name.
 _FAMILIES = {
@@ -91,7 +92,8 @@ class ModelConfig:
     """A Llama-family decoder; head counts per layer, sizes in elements. Relatives' flags: `qk_norm` (RMSNorm per q/k
     head after the bias, before RoPE), `rotary_dim` (RoPE over the first dims only; None: all), `rope_interleaved`
     (pairs (2i, 2i+1), permuted at load), `post_norms` (GLM-4-0414: RMSNorm on each sublayer's output), `moe`, `mla`
-    (MLA attention; head_dim is then the rope head dim, as transformers' attribute_map has it)."""
+    (MLA attention; head_dim is then the rope head dim, as transformers' attribute_map has it), `sliding_window` (the
+    checkpoint's declared window, never applied: sliding_window.check_window refuses one that can bind)."""
 
     architecture: str
     vocab_size: int
@@ -119,6 +121,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
     dsa: DSAConfig | None = None
+    sliding_window: SlidingWindow | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -182,7 +185,8 @@ class ModelConfig:
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             rope_interleaved=family in ("glm", "glm4") or bool(
                 mla and (family in DSA_FAMILIES or cfg.get("rope_interleave", True))),   # DSA: always (HF)
-            post_norms=family == "glm4", moe=moe_from_hf(family, cfg), mla=mla, dsa=dsa_from_hf(family, cfg))
+            post_norms=family == "glm4", moe=moe_from_hf(family, cfg), mla=mla, dsa=dsa_from_hf(family, cfg),
+            sliding_window=window_from_hf(cfg, cfg["num_hidden_layers"]))
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], tensor_names: Collection[str]) -> ModelConfig:
@@ -242,7 +246,8 @@ class ModelConfig:
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             rope_interleaved=family in ("glm", "glm4") or mla is not None, post_norms=family == "glm4",
             moe=moe_from_gguf(arch, family, get, num_layers), mla=mla,
-            dsa=dsa_from_gguf(family, get, num_layers, tensor_names))
+            dsa=dsa_from_gguf(family, get, num_layers, tensor_names),
+            sliding_window=window_from_gguf(get, arch, num_layers))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -258,6 +263,8 @@ class ModelConfig:
             d["mla"] = MLAConfig(**d["mla"])
         if d.get("dsa"):
             d["dsa"] = DSAConfig(**{**d["dsa"], "full_layers": tuple(d["dsa"]["full_layers"])})
+        if window := d.get("sliding_window"):
+            d["sliding_window"] = SlidingWindow(**{**window, "layers": tuple(window["layers"])})
         return cls(**d)
 
 

@@ -17,6 +17,7 @@ from radixserve.layers.parallel import Collectives
 from radixserve.layers.sampler import Sampler, token_logprobs
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.registry import model_class
+from radixserve.models.sliding_window import check_window
 from radixserve.outputs import TokenLogprob
 from radixserve.runner import kv_scales, kv_transfer
 from radixserve.runner.attention.base import AttentionBackend, create_backend
@@ -51,8 +52,9 @@ class ModelRunner:
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,
                  draft_model: torch.nn.Module | None = None):
         """`model` (and `draft_model`, with EAGLE the NextNLayer): loaded on CPU, not yet prepared; under TP this rank's
-        shard. Raises ValueError for a missing device, bad FP8 scales, a context longer than the model's, deterministic
-        inference without a batch-invariant matmul here, or a draft vocabulary that is not the target's."""
+        shard. Raises ValueError for a missing device, bad FP8 scales, a context longer than the model's or than its
+        sliding window (models/sliding_window.py: radixserve has no windowed attention), deterministic inference
+        without a batch-invariant matmul here, or a draft vocabulary that is not the target's."""
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
@@ -62,6 +64,7 @@ class ModelRunner:
         if self.max_context_len > model_config.max_position_embeddings:
             raise ValueError(f"context_length {self.max_context_len} exceeds the model's "
                              f"{model_config.max_position_embeddings} positions")
+        check_window(model_config.sliding_window, self.max_context_len)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.model = model

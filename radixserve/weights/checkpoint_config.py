@@ -7,7 +7,8 @@ from typing import Any
 from radixserve.config_checks import check_model_fit
 from radixserve.engine_config import EngineConfig
 from radixserve.models.block_config import check_nextn_family
-from radixserve.models.model_config import ModelConfig
+from radixserve.models.model_config import GGUF_FAMILIES, ModelConfig
+from radixserve.models.sliding_window import check_window
 from radixserve.weights.paths import is_gguf
 from radixserve.weights.safetensors import read_hf_config
 
@@ -72,12 +73,23 @@ def resolve_quantized_max_tokens(config: EngineConfig, quantization: str) -> int
 
 
 def check_checkpoint(config: EngineConfig, path: str) -> None:
-    """ValueError naming the flag: a --quantization mode, (config_checks.check_model_fit) a size, or EAGLE on a
-    checkpoint without a NextN layer and no draft head file, that `path` refuses."""
+    """ValueError naming the flag or key: a --quantization mode, (config_checks.check_model_fit) a size, a sliding
+    window that can bind within the context (sliding_window.check_window), or EAGLE on a checkpoint without a NextN
+    layer and no draft head file, that `path` refuses."""
     resolve_quantization(config.quantization, path)
     eagle_on_checkpoint = config.is_eagle and config.speculative_draft_model_path is None
-    if config.pp_size > 1 or config.tp_size > 1 or eagle_on_checkpoint:
+    if config.pp_size > 1 or config.tp_size > 1 or eagle_on_checkpoint or _may_slide(path):
         model_config = read_model_config(path)
         check_model_fit(config, model_config)
+        check_window(model_config.sliding_window, config.context_length or model_config.max_position_embeddings)
         if eagle_on_checkpoint:
             check_nextn_family(model_config.architecture)
+
+
+def _may_slide(path: str) -> bool:
+    """False for a GGUF file without `<arch>.attention.sliding_window`, found without GGUFReader (which builds the
+    vocabulary arrays: ~2 s on the default model); True for an HF folder (its config.json costs nothing to read)."""
+    if not is_gguf(path):
+        return True
+    from radixserve.weights.gguf_header import read_scalars
+    return bool(read_scalars(path, [f"{arch}.attention.sliding_window" for arch in GGUF_FAMILIES]))

@@ -23,7 +23,7 @@ from radixserve.weights.gguf_names import FP32_ONLY, Piece, hf_pieces, merge_kv_
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = "3"   # bumped whenever the ModelConfig or the tensors derived from a file change
+_CACHE_VERSION = "4"   # bumped whenever the ModelConfig or the tensors derived from a file change
 
 
 def cache_path(gguf_path: str, variant: str = "") -> str:

@@ -57,6 +57,26 @@ def check(hf, seq: Seq, ours: torch.Tensor, first: int, label: str) -> None:
     assert float(err.max()) <= ATOL, f"{label}: max |dlogit| {float(err.max()):.3g} at row {int(err.argmax())}"
 
 
+def check_every_path(hf, runner: ModelRunner, lengths: list[int], label: str = "") -> None:
+    """`runner`'s (page size PAGE) logits within ATOL of `hf`'s at every position: a one-shot prefill of each length then 4 decodes;
+    a 200-token prompt in chunks ending at 17, 33 and 200, then 3 decodes; a prefix hit reading its first 64 tokens
+    from the pages of that prompt, 40 more, then 3 decodes. Prompt ids are in [3, 512)."""
+    free = list(range(runner.num_pages))[::-1]
+
+    def new_seq(tokens: list[int], shared: list[int] = ()) -> Seq:
+        pages = list(shared) + [free.pop() for _ in range(-(-(len(tokens) + 8) // PAGE) - len(shared))]
+        return Seq(f"s{len(free)}", tokens, pages)
+
+    for n in lengths:                                          # one-shot prefill, then decodes
+        seq = new_seq(prompt(n, seed=n))
+        check(hf, seq, run(runner, seq, [n], decodes=4), 0, f"{label}prefill {n}")
+    long = new_seq(prompt(200, seed=7))                        # chunked prefill: chunks end at 17, 33, 200
+    check(hf, long, run(runner, long, [17, 16, 167], decodes=3), 0, f"{label}chunked")
+    hit = new_seq(long.prompt[:64] + prompt(40, seed=8), shared=long.pages[:64 // PAGE])
+    hit.computed = 64                                          # a prefix hit: 64 tokens read from long's pages
+    check(hf, hit, run(runner, hit, [40], decodes=3), 64, f"{label}prefix hit")
+
+
 @pytest.mark.parametrize("family,mscales", [("glm4_moe_lite", m) for m in MSCALES]
                          + [("deepseek_v32", MSCALES[2])])
 @torch.inference_mode()
@@ -70,20 +90,7 @@ def test_c44_yarn_logits_equal_transformers_on_every_path(tmp_path, family, msca
     # the debug view: the softmax scale actually used, and the cos / sin scale (cos at position 0)
     assert attn.softmax_scale == hf.model.layers[0].self_attn.scaling > (attn.nope + attn.rope) ** -0.5
     assert float(runner.model.rotary.cos_cache[0, 0]) == pytest.approx(hf.model.rotary_emb.attention_scaling, 1e-7)
-    free = list(range(runner.num_pages))[::-1]
-
-    def new_seq(tokens: list[int], shared: list[int] = ()) -> Seq:
-        pages = list(shared) + [free.pop() for _ in range(-(-(len(tokens) + 8) // PAGE) - len(shared))]
-        return Seq(f"s{len(free)}", tokens, pages)
-
-    for n in LENGTHS:                                          # one-shot prefill, then decodes
-        seq = new_seq(prompt(n, seed=n))
-        check(hf, seq, run(runner, seq, [n], decodes=4), 0, f"prefill {n}")
-    long = new_seq(prompt(200, seed=7))                        # chunked prefill: chunks end at 17, 33, 200
-    check(hf, long, run(runner, long, [17, 16, 167], decodes=3), 0, "chunked")
-    hit = new_seq(long.prompt[:64] + prompt(40, seed=8), shared=long.pages[:64 // PAGE])
-    hit.computed = 64                                          # a prefix hit: 64 tokens read from long's pages
-    check(hf, hit, run(runner, hit, [40], decodes=3), 64, "prefix hit")
+    check_every_path(hf, runner, LENGTHS)
 
 
 @pytest.mark.parametrize("family", ["glm4_moe_lite", "glm_moe_dsa"])
