@@ -23,23 +23,30 @@ def bound(attn: Attention, num_tokens: int) -> Iterator[None]:
         _BOUND.pop()
 
 
-@torch.library.custom_op("radixserve::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
     """q (Tp, H, D), k (Tp, KV, D), v (Tp, KV, Dv) -> (Tp, H * Dv): the bound Attention over the first T rows
-    (its KV writes included), zeros for the Tp - T padding rows."""
+    (its KV writes included), zeros for the Tp - T padding rows. A fresh tensor: never an alias of an input."""
     assert _BOUND, "radixserve::attention called outside bound()"
     attn, n = _BOUND[-1]
-    out = attn(layer_id, q[:n], k[:n], v[:n])
     if n == q.shape[0]:
+        out = attn(layer_id, q, k, v)
         return out.clone() if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) else out
+    out = attn(layer_id, q[:n], k[:n], v[:n])
     padded = out.new_zeros(q.shape[0], out.shape[1])
     padded[:n] = out
     return padded
 
 
-@attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * v.shape[2])
+
+
+# Defined with torch.library.Library rather than torch.library.custom_op: the op runs once per layer per compiled
+# step, and custom_op's Python wrapper (its alias check included) costs a few microseconds more per call.
+_LIB = torch.library.Library("radixserve", "FRAGMENT")
+_LIB.define("attention(Tensor q, Tensor k, Tensor v, int layer_id) -> Tensor")
+_LIB.impl("attention", attention, "CompositeExplicitAutograd")
+torch.library.register_fake("radixserve::attention", _attention_fake, lib=_LIB)
 
 
 class OpaqueAttention:

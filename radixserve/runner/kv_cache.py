@@ -174,6 +174,14 @@ class KVCache:
         shape = (self.num_kv_heads, -1, self.head_dim)
         return k.view(shape), v.view(shape)
 
+    def plain_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Plain storage only (not FP8, not latent): the layer's K, V (KV, num_pages, page_size, D) and the same storage
+        as (KV, num_pages * page_size, D), for a per-step caller that writes them as `write` does (index_copy_ on dim 1
+        at slots of values cast to the stored dtype) and reads them as kernel_view does (after wait_ready)."""
+        assert not self.is_fp8 and not self.latent, "plain_views: FP8 or latent storage goes through write"
+        flat = (self.num_kv_heads, self.num_pages * self.page_size, self.head_dim)
+        return self._k[layer], self._v[layer], self._k[layer].view(flat), self._v[layer].view(flat)
+
     def kernel_view(self, layer: int) -> KernelView:
         self.wait_ready(layer)
         return KernelView(self._k[layer], self._v[layer], self.k_scale[layer], self.v_scale[layer])

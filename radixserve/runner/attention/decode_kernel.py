@@ -69,6 +69,12 @@ def decode_attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
     return torch.ops.radixserve.decode_attention_paged(q, k, v, page_table, lens, ISAS.index(isa or chosen_isa()))
 
 
+def paged_op() -> tuple[torch._ops.OpOverload, int]:
+    """(op, isa): op(q, k, v, page_table, lens, isa) is decode_attention_paged with the chosen ISA, without its Python
+    wrapper, for a caller that binds both once per step and calls the op once per layer."""
+    return torch.ops.radixserve.decode_attention_paged.default, ISAS.index(chosen_isa())
+
+
 def fast_exp(x: torch.Tensor, isa: str) -> torch.Tensor:
     """The vector path `isa`'s exp on x (fp32, contiguous), for tests of EXP_REL_ERROR."""
     assert supported_isas(), "radixserve/csrc not built"

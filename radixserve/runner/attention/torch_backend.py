@@ -24,6 +24,31 @@ class PagedDecode(NamedTuple):
     lens: torch.Tensor
 
 
+class PagedDecodeCall:
+    """The per-layer call of a pure decode step read in place (every row a decode, pages read by
+    decode_attention_paged): the KV write and the kernel only, all that is per step bound once. The same ops and order
+    as the general path (KVCache.write's index_copy_ of K then V, kernel_view's wait, decode_attention_paged)."""
+
+    __slots__ = ("kv", "views", "slots", "page_table", "lens", "op", "isa", "cast")
+
+    def __init__(self, kv: KVCache, views: list[tuple[torch.Tensor, ...]], slots: torch.Tensor, paged: PagedDecode):
+        self.kv, self.views, self.slots = kv, views, slots
+        self.page_table, self.lens = paged
+        self.op, self.isa = decode_kernel.paged_op()
+        self.cast = kv.dtype if kv.dtype != kv.compute_dtype else None
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, H, D), k, v (B, KV, D) compute dtype -> (B, H * D)."""
+        k_pages, v_pages, k_flat, v_flat = self.views[layer_id]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if self.cast is not None:
+            k, v = k.to(self.cast), v.to(self.cast)
+        k_flat.index_copy_(1, self.slots, k)
+        v_flat.index_copy_(1, self.slots, v)
+        self.kv.wait_ready(layer_id)
+        return self.op(q, k_pages, v_pages, self.page_table, self.lens, self.isa).view(q.shape[0], -1)
+
+
 class TorchAttentionBackend:
     """`mirror_bytes`: the DecodeMirror's budget (0: always gather); `decode_chunk_bytes`: gathered K + V per
     decode sub-batch (0: one sub-batch); `cascade`: mirrored decodes read shared prefixes once; `paged`: with a
@@ -37,6 +62,8 @@ class TorchAttentionBackend:
         self.decode_chunk_bytes = decode_chunk_bytes
         self.mirror = DecodeMirror(mirror_bytes, cascade) if mirror_bytes else None
         self.reads_pages = paged and self.mirror is not None and decode_kernel.paged_runs(kv)
+        # per layer KVCache.plain_views, for PagedDecodeCall
+        self.plain_views = [kv.plain_views(i) for i in range(kv.num_layers)] if self.reads_pages else None
 
     def prepare(self, step: StepBatch) -> TorchStepAttention:
         decode, prefills = split_step(step, self.kv.page_size, self.kv.compute_dtype)
@@ -53,7 +80,10 @@ class TorchAttentionBackend:
                                     torch.tensor(decode.lens, dtype=torch.long, device=self.kv.device))
             else:
                 mirror_step = self.mirror.plan(self.kv, decode, continuing)
-        return TorchStepAttention(self.kv, step, decode, prefills, self.decode_chunk_bytes, mirror_step, paged)
+        attn = TorchStepAttention(self.kv, step, decode, prefills, self.decode_chunk_bytes, mirror_step, paged)
+        if paged is not None and not prefills and decode.row_slice == (0, step.num_tokens) and self.plain_views:
+            attn.lean = PagedDecodeCall(self.kv, self.plain_views, step.slot_mapping, paged)
+        return attn
 
 
 class TorchStepAttention:
@@ -63,6 +93,7 @@ class TorchStepAttention:
         self.kv, self.step, self.mirror_step, self.paged = kv, step, mirror_step, paged
         self.decode, self.prefills = decode, prefills
         self.num_tokens = step.num_tokens
+        self.lean: PagedDecodeCall | None = None   # set by prepare for a pure decode step read in place
         d = decode
         self.chunks: list[tuple[int, int]] = [(0, d.mask.shape[0])] if d is not None else []
         self.prefill_rows = [None if p.page_ids is None else kv.head_rows(p.page_ids) for p in prefills]
@@ -79,6 +110,8 @@ class TorchStepAttention:
             self.v_buf = None if kv.latent else torch.empty(numel, dtype=kv.compute_dtype, device=kv.device)
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.lean is not None:
+            return self.lean(layer_id, q, k, v)
         kv, step = self.kv, self.step
         kv.write(layer_id, step.slot_mapping, k, v)
         num_heads, head_dim = q.shape[1], q.shape[2]
