@@ -117,7 +117,8 @@ class EngineConfig:
               "their dequantization, kept alongside (bf16 where the CPU has native bf16, +2 bytes per "
               "weight; else, and always for int4-fp32, fp32, +4): the kernels beat fp32 only for a few "
               "tokens per step (docs/benchmarks.md); 0 = the kernel at every size, no float copy; unset: 16 "
-              "where --quantization auto picks a kernel (0 under --enable-deterministic-inference), else 0")
+              "(its AVX-512 path) or 8 (AVX2) where --quantization auto picks a kernel (0 under "
+              "--enable-deterministic-inference), else 0")
     compile: str | None = opt(
         None,
         "compile the decode forward with torch.compile (Inductor, C++; one graph per batch size up to "

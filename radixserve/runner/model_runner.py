@@ -127,14 +127,15 @@ class ModelRunner:
         path = resolve_model_path(config.model_path)
         start = time.perf_counter()
         logger.info("loading the model from %s", path)
-        own_kernel = resolve_device(config.device).type == "cpu" and int4_fp32.chosen_isa() in int4_fp32.VECTOR_ISAS
+        isa = int4_fp32.chosen_isa() if resolve_device(config.device).type == "cpu" else None
+        own_kernel = isa in int4_fp32.VECTOR_ISAS
         quantization = ("none" if (tp is not None or config.pp_size > 1) and config.quantization == "auto" else
                         resolve_quantization(config.quantization, path, own_kernel))
         if quantization == "none" and config.quantized_max_tokens:
             logger.warning("--quantized-max-tokens %d has no effect: no layer runs quantized (--quantization %s "
                            "serves %s fp32 here)", config.quantized_max_tokens, config.quantization, path)
         config = dataclasses.replace(config, quantization=quantization,
-                                     quantized_max_tokens=resolve_quantized_max_tokens(config, quantization))
+                                     quantized_max_tokens=resolve_quantized_max_tokens(config, quantization, isa))
         model_config, weights = load_checkpoint(path, quantization)
         model = model_class(model_config)(model_config, tp=tp, ep_size=config.ep_size)
         weights = cls.select_part(model, weights, tp=tp, **kwargs)

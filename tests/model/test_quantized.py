@@ -130,7 +130,8 @@ def test_quantization_flag_validation(tiny_q4, caplog):
         assert resolve_quantization("auto", str(path)) == "none"   # the kernel not built, or not on a CPU
     assert "int4-fp32 kernel does not run here" in caplog.text
     auto, det = EngineConfig(), EngineConfig(enable_deterministic_inference=True)
-    assert resolve_quantized_max_tokens(auto, "int4-fp32") == AUTO_QUANTIZED_MAX_TOKENS
+    assert resolve_quantized_max_tokens(auto, "int4-fp32", "avx512") == AUTO_QUANTIZED_MAX_TOKENS["avx512"] == 16
+    assert resolve_quantized_max_tokens(auto, "int4-fp32", "avx2") == AUTO_QUANTIZED_MAX_TOKENS["avx2"] == 8
     assert resolve_quantized_max_tokens(det, "int4-fp32") == 0   # a row must not change path with the step
     assert resolve_quantized_max_tokens(auto, "none") == 0
     assert resolve_quantized_max_tokens(EngineConfig(quantization="int4"), "int4") == 0
