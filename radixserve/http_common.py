@@ -53,10 +53,9 @@ def check_json_content_type(request: Request) -> None:
 
 async def read_body(request: Request, max_bytes: int,
                     limit: str = "--max-request-body-bytes") -> bytes:
-    """The whole request body; BodyTooLarge (413), naming `limit` (what sets `max_bytes`), once its declared or
-    received size passes `max_bytes`. A refused body up to LINGER_BYTES is read on and dropped first, so the
-    client reads the 413 and not a reset from a socket closed with unread bytes in it; a longer one is refused
-    unread."""
+    """The whole request body; BodyTooLarge (413), naming `limit` (what sets `max_bytes`), once its declared or received
+    size passes `max_bytes`. A refused body up to LINGER_BYTES is read on and dropped first, so the client reads the 413
+    and not a reset from a socket closed with unread bytes in it; a longer one is refused unread."""
     declared = request.headers.get("content-length", "")
     size = int(declared) if declared.isdigit() else 0
     chunks: list[bytes] = []
@@ -76,8 +75,7 @@ async def read_body(request: Request, max_bytes: int,
 
 
 async def _drop_rest(stream: AsyncIterator[bytes], budget: int) -> None:
-    """Read and drop up to `budget` more bytes of `stream`, stopping early at its end, at a gap of
-    LINGER_GAP_S, or when the client leaves or stalls."""
+    """Drop up to `budget` more bytes of `stream` until its end, a LINGER_GAP_S gap, or the client leaves or stalls."""
     with contextlib.suppress(StopAsyncIteration, asyncio.TimeoutError, RequestTimeout, ClientDisconnect):
         while budget > 0:
             budget -= len(await asyncio.wait_for(anext(stream), LINGER_GAP_S))

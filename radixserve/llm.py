@@ -54,8 +54,7 @@ class LLM:
 
     def stream_chat(self, messages: list[dict],
                     sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield one reply's text, one delta per engine step (n must be 1: ValueError). Closing the
-        generator early aborts the request. Raises like `chat`."""
+        """Yields a reply's text, one delta per step (n > 1: ValueError); closing early aborts. Raises as `chat`."""
         from radixserve.server.tracker import RequestTracker
 
         params = sampling_params or SamplingParams()

@@ -27,8 +27,7 @@ MAX_TIMED_BYTES = 1 << 30
 
 
 def choose(layers: Sequence, rounds: int = 3, clock: Callable[[], float] = time.perf_counter) -> str | None:
-    """Set the fastest single-row path all `layers` offer on each and return it (None: none to choose); ValueError for
-    an unknown pinned path."""
+    """Set the fastest single-row path all `layers` offer on each, return it (None: none); ValueError: unknown pin."""
     layers = [m for m in layers if m.row_paths()]
     if not layers:
         return None
