@@ -1,5 +1,4 @@
-"""The attention protocols: what a model layer calls with its q, k, v (implemented by the runner's backends), and the
-sparse form DSA models call (runner/attention/sparse.py)."""
+"""Attention protocols: what a layer calls with q, k, v (the runner's backends implement it) and DSA's sparse form."""
 from __future__ import annotations
 
 from dataclasses import dataclass

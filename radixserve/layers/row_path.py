@@ -1,6 +1,5 @@
-"""Which kernel multiplies a single row (batch-1 decode) by a float weight: timed on the model's own linear layers at
-start-up, as the fastest differs from CPU to CPU, then kept per machine so every server there rounds alike
-(docs/runner.md); `RADIXSERVE_SINGLE_ROW_PATH` pins it untimed."""
+"""Which kernel multiplies one row by a float weight: timed on the model's linear layers at start-up (the fastest
+differs by CPU), kept per machine so its servers round alike (docs/runner.md); RADIXSERVE_SINGLE_ROW_PATH pins it."""
 from __future__ import annotations
 
 import contextlib
