@@ -73,9 +73,8 @@ def _is_blank(choice: dict) -> bool:
 
 
 class StreamLedger:
-    """What the client of one stream has been sent, so another worker can continue it
-    (docs/stream_migration.md). Every event passes `relay()` in order; `committed` turns true
-    at the first that is not a held role chunk. Migratable: migration on and one choice."""
+    """What one stream's client was sent, for another worker to continue (docs/stream_migration.md); events pass
+    `relay()` in order, `committed` from the first not a held role chunk. Migratable: migration on, one choice."""
 
     def __init__(self, path: str, body: bytes, migrate: bool):
         self.chat = path == CHAT_PATH

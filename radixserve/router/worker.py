@@ -238,9 +238,8 @@ class WorkerRegistry:
 
     @contextlib.contextmanager
     def dispatch(self, worker: WorkerState) -> Iterator[WorkerState]:
-        """Counts one request in flight on `worker` (the object, so a worker removed and re-added
-        under its URL meanwhile is not miscounted) until the block ends, however it ends, and
-        holds the breaker's half-open probe slot meanwhile. The only place in_flight changes."""
+        """Holds a request in flight on `worker` (the object: one re-added under its URL is not miscounted) and its
+        breaker's half-open probe slot until the block exits. The only place in_flight changes."""
         token = worker.breaker.begin()
         worker.in_flight += 1
         worker.num_requests += 1

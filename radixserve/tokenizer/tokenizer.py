@@ -207,8 +207,7 @@ _GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
 def _from_folder(folder: str) -> Any:
-    """The HF tokenizer in `folder`; the generic `tokenizers` backend loads directly, since
-    `AutoTokenizer` imports torch, which the HTTP process does not need."""
+    """The HF tokenizer in `folder`, loaded by `tokenizers` directly (AutoTokenizer imports torch, unneeded by HTTP)."""
     try:
         with open(os.path.join(folder, "tokenizer_config.json")) as f:
             tokenizer_class = json.load(f).get("tokenizer_class")
