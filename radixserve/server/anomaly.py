@@ -1,6 +1,5 @@
-"""The output-anomaly guard: O(1)-state text detectors over one choice's text, AnomalyGuard, which runs a choice's
-detectors, and a worker's GuardSettings (which detectors run, which act, which only report) with the per-request
-OutputFilter built from them, GuardFilter (docs/anomaly_guard.md)."""
+"""The output-anomaly guard: O(1)-state text detectors, AnomalyGuard (one choice's detectors), a worker's GuardSettings
+(which run, act, only report) and GuardFilter, the per-request OutputFilter built from them (docs/anomaly_guard.md)."""
 from __future__ import annotations
 
 import dataclasses

@@ -2,8 +2,7 @@
 
     [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]
 
-Read back by parsers/json_calls.py. `$defs` / `definitions` move to the array's root; other `#...`
-references to a function schema's root do not survive the nesting."""
+Read by parsers/json_calls.py. `$defs` / `definitions` move to the array's root; other `#...` root references break."""
 from __future__ import annotations
 
 import copy
