@@ -177,8 +177,7 @@ class DrainMiddleware:
 
 
 class GracefulServer(uvicorn.Server):
-    """The first SIGINT/SIGTERM starts `drain`'s shutdown; a second SIGINT stops at once.
-    Needs uvicorn.Config(timeout_graceful_shutdown=FLUSH_S)."""
+    """SIGINT/SIGTERM starts `drain`'s shutdown, a 2nd SIGINT stops at once; needs timeout_graceful_shutdown=FLUSH_S."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain):
         super().__init__(config)

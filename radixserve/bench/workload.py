@@ -98,8 +98,7 @@ def schedule(workload: Workload, request_rate: float, seed: int) -> list[float]:
 
 
 def reuse_ratio(prompts: Sequence[Sequence[int]], page_size: int = 1) -> float:
-    """Ideal hit rate with no eviction: sum of each prompt's longest earlier-shared prefix (page-aligned
-    down, at most len - 1) / sum of lengths."""
+    """No-eviction hit rate: sum of longest earlier-shared prefixes (page-aligned down, <= len - 1) / sum of lengths."""
     root: dict[int, dict] = {}
     hit = total = 0
     for ids in prompts:

@@ -56,8 +56,7 @@ def split_even(n: int, tp: Collectives) -> tuple[int, int]:
 
 
 class ExpertShard(NamedTuple):
-    """This rank's routed experts: checkpoint experts [first, first + count), each holding intermediate rows
-    [row_start, row_start + rows)."""
+    """Routed experts here: [first, first + count) of the checkpoint's, each's rows [row_start, row_start + rows)."""
 
     first: int
     count: int

@@ -137,8 +137,7 @@ class PDRouter:
     async def _dispatch(self, path: str, body: dict, headers: dict[str, bytes], key: Any,
                         ledger: StreamLedger | None, tried: dict[str, set[str]],
                         attempts: Attempts) -> Response | Opened | LegFailed | None:
-        """Attempts on untried pairs: an answer, an Opened stream, the last LegFailed when the
-        budget or the workers ran out, or None when no pair was tried."""
+        """Tries untried pairs -> answer, Opened stream, last LegFailed (budget or workers out), None if none tried."""
         forwarder = self.prefill.forwarder
         last: LegFailed | None = None
         while attempts.made < forwarder.max_attempts:

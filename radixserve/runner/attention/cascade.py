@@ -93,8 +93,7 @@ def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int
 
 
 def cascade_attend(plan: CascadePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q (B, H, D) decode queries; k, v: one layer's mirror (KV, slots, capacity, D) with the new tokens
-    appended -> (B, H, D) in q's dtype."""
+    """q (B, H, D) decode queries, k, v (KV, slots, capacity, D) a layer's mirror + new tokens -> (B, H, D), q dtype."""
     batch, num_heads, head_dim = q.shape
     num_kv = k.shape[0]
     rep = num_heads // num_kv
