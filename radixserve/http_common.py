@@ -82,8 +82,7 @@ async def _drop_rest(stream: AsyncIterator[bytes], budget: int) -> None:
 
 
 def install_error_handlers(app: FastAPI, who: str) -> None:
-    """OpenAI error bodies: RadixServeError as itself (408 and 413 close the connection: the
-    body was not read to its end), bugs a logged 500, gone clients 499."""
+    """OpenAI error bodies: RadixServeError as is (408/413 also close: body unread), bugs a logged 500, gone: 499."""
 
     @app.exception_handler(RadixServeError)
     async def on_error(request: Request, exc: RadixServeError) -> Response:

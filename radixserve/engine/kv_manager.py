@@ -116,8 +116,7 @@ class KVManager:
         return True
 
     def commit(self, req: Request) -> None:
-        """Give the full pages of req's computed tokens to the tree; duplicates of tree pages are freed
-        and replaced by the tree's, and the lock moves to the new path."""
+        """Give req's computed full pages to the tree (duplicates freed for the tree's); the lock moves along."""
         if not self.enable_cache:
             return
         num_full = self.num_settled_tokens(req) // self.page_size

@@ -65,8 +65,7 @@ class PDRouter:
         self._background: set[asyncio.Task] = set()
 
     async def bootstrap_of(self, url: str) -> tuple[str, int]:
-        """The prefill worker's bootstrap (host, port), cached; concurrent callers share one
-        lookup. Raises LookupError when it is not a prefill worker or cannot say."""
+        """Prefill worker's bootstrap (host, port), cached, lookups shared; LookupError: not prefill or cannot say."""
         cached = self._bootstrap.get(url)
         if cached is not None:
             return cached
@@ -171,8 +170,7 @@ class PDRouter:
 
     async def _attempt(self, path: str, body: dict, headers: dict[str, bytes],
                        ledger: StreamLedger | None, p: Any, d: Any) -> Response | Opened | LegFailed:
-        """Both legs with a fresh bootstrap room: an answer, an Opened stream (it owns the
-        decode lease) or the failed leg, the other cancelled."""
+        """Both legs, new bootstrap room -> answer, Opened stream (owns decode lease), failed leg (other cancelled)."""
         try:
             host, port = await self.bootstrap_of(p.url)
         except LookupError as exc:

@@ -59,8 +59,7 @@ def _is_role_only(data: Any) -> bool:
 
 
 def _is_abort_only(data: Any) -> bool:
-    """A chunk that only ends its choices with finish_reason "abort", no text: what a worker sends
-    just before the error event of a request it stopped."""
+    """Text-less chunk ending choices with finish_reason "abort": a worker's last before a stopped request's error."""
     choices = data.get("choices") if isinstance(data, dict) else None
     return bool(choices) and all(
         isinstance(c, dict) and c.get("finish_reason") == "abort" and not c.get("text")

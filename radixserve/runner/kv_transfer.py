@@ -76,8 +76,7 @@ def gather_kv_heads(pages: KVPages, tp, model_config) -> KVPages | None:
 
 
 def first_kv_head(model_config, tp) -> int:
-    """The first of the model's KV heads a rank of tensor-parallel group `tp` (None: no TP) caches; 0 for MLA, whose
-    one latent head is replicated on every rank."""
+    """First model KV head a rank of TP group `tp` (None: no TP) caches; 0 for MLA (latent head on every rank)."""
     if model_config.kv_shape.latent:
         return 0
     return shard_heads(model_config.num_heads, model_config.num_kv_heads, tp).kv_start

@@ -268,8 +268,7 @@ class GuardSettings:
 
     @classmethod
     def from_config(cls, c: ServerConfig, speculative_algorithm: str | None = None) -> GuardSettings | None:
-        """The guard the flags ask for; None with --disable-anomaly-guard. The acceptance detector
-        runs whenever `speculative_algorithm` (the engine's) is set."""
+        """The flags' guard (None: --disable-anomaly-guard); acceptance detector iff speculative_algorithm set."""
         if c.disable_anomaly_guard:
             return None
         acceptance = AcceptanceConfig(

@@ -37,8 +37,7 @@ class CascadePlan:
 def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int]], page_size: int,
                  dtype: torch.dtype, device: torch.device,
                  borrowed: list[int] | None = None) -> CascadePlan | None:
-    """Group sequences (slot, length incl. new token, pages) by leading pages, each read from its least-`borrowed` slot;
-    None if it saves too little."""
+    """Groups (slot, len + new token, pages) by leading pages, each read at its least-`borrowed` slot; None: no gain."""
     buckets: dict[int, list[int]] = {}
     for i, pages in enumerate(page_lists):
         if pages and lens[i] - 1 >= MIN_PREFIX_TOKENS:
