@@ -14,8 +14,7 @@ from radixserve.sampling_params import SamplingParams
 
 
 class LLM:
-    """`model_path`: HF directory or .gguf file (None: the embedded default); other keyword
-    arguments are EngineConfig fields. Raises ModelPathError naming what a bad path lacks."""
+    """`model_path`: HF folder, .gguf or None (embedded); kwargs: EngineConfig fields; ModelPathError: what it lacks."""
 
     def __init__(self, model_path: str | None = None, **engine_kwargs):
         from radixserve.runner.tp import load_runner

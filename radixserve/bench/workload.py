@@ -71,8 +71,7 @@ ROLE_MARK = {"system": "", "user": "\n\nUser:", "assistant": "\n\nAssistant:", "
 
 
 def render(messages: Sequence[dict[str, str]]) -> str:
-    """A conversation as plain text with role markers, ending with the assistant marker; a longer
-    conversation's rendering extends a shorter one's (turns reuse prefixes)."""
+    """Plain text with role markers, ending in the assistant marker; a longer conversation extends a shorter one's."""
     return "".join(ROLE_MARK[m["role"]] + m["content"] for m in messages) + ROLE_MARK["assistant"]
 
 

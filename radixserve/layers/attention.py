@@ -39,8 +39,7 @@ class SparseAttention(Attention, Protocol):
         ...
 
     def index_keys(self, layer_id: int, seq: int) -> torch.Tensor:
-        """Segment `seq`'s index keys of positions [0, context_len), (context_len, Di) compute dtype, after the
-        layer's readiness wait (a host-tier load of that layer has landed)."""
+        """Segment `seq`'s index keys, (context_len, Di) compute dtype, read after the layer's host-tier load landed."""
         ...
 
     def attend_selected(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,

@@ -179,8 +179,7 @@ def check_weight(weight: float) -> float:
 
 
 class WorkerRegistry:
-    """Workers by URL, in the order added. `on_remove(url)` callbacks run on removal; `clock`
-    is in seconds; `stale_penalty` (requests) follows balance_abs_threshold."""
+    """Workers by URL in add order; `on_remove(url)` on removal; `clock` in s; stale_penalty = balance_abs_threshold."""
 
     def __init__(self, config: RouterConfig | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
