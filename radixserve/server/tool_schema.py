@@ -18,7 +18,7 @@ DEFINITION_KEYS = ("$defs", "definitions")
 
 
 def calls_schema(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """JSON schema text of 1+ calls to `tools` (<= 1 unless `parallel`); 400: non-object parameters, clashing $defs."""
+    """JSON schema of 1+ calls to `tools` (<= 1 unless `parallel`); InvalidRequest: non-object params, $defs clash."""
     assert tools, "a call schema needs at least one function"
     definitions: dict[str, dict[str, Any]] = {key: {} for key in DEFINITION_KEYS}
     items = [_call_item(tool, definitions) for tool in tools]

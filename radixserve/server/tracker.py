@@ -136,7 +136,8 @@ class RequestTracker:
         return update
 
     def resume(self, token_ids: list[int]) -> str:
-        """Continue choice 0 as if another worker's tokens were ours -> their text; 400 if they end in a stop string."""
+        """Continue choice 0 after tokens another worker delivered, as if made here; returns their
+        text. InvalidRequest (400) when they already end with a stop string."""
         choice = self._choices[0]
         parts = []
         for tid in token_ids:
