@@ -123,8 +123,7 @@ class Drain:
 
 
 class DrainMiddleware:
-    """While draining, POST /v1/* and /health get 503; else tracks POST /v1/* and answers cut-offs
-    with a JSON 503, or an SSE error event and `data: [DONE]` mid-stream."""
+    """Draining: 503 to POST /v1/*, /health; else tracks POST /v1/*; cut-off: JSON 503 or SSE error + `data: [DONE]`."""
 
     def __init__(self, app: Any, drain: Drain):
         self.app = app
