@@ -35,9 +35,8 @@ def pack_pages(pages: KVPages) -> bytes:
 
 
 def unpack_pages(kv: KVCache, num_pages: int, data: bytes, heads: tuple[int, int] | None = None) -> KVPages:
-    """Inverse of pack_pages. `heads` (total, first): the bytes hold `total` KV heads and `kv` keeps its
-    kv.num_kv_heads of them from `first` on (a tensor-parallel rank's share; None: the bytes hold kv's heads). Raises
-    ValueError when the byte count does not fit `num_pages` of that layout."""
+    """Inverse of pack_pages. `heads` (total, first): bytes hold `total` KV heads, `kv` keeps kv.num_kv_heads from
+    `first` on (a TP rank's share; None: kv's own). ValueError: bytes not fitting `num_pages` of that layout."""
     total, first = heads or (kv.num_kv_heads, 0)
     kv_shape = (kv.num_layers, total, num_pages, kv.page_size, kv.head_dim)
     v_shape = (kv.num_layers, 0 if kv.latent else total, num_pages, kv.page_size, kv.head_dim)
