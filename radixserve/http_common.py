@@ -276,9 +276,8 @@ class PortUnavailable(RuntimeError):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound as uvicorn binds (SO_REUSEADDR), not yet listening; raises PortUnavailable.
-    Its proto is IPPROTO_TCP, not 0, so that asyncio sets TCP_NODELAY on the connections it accepts: without it
-    a response written in two parts (headers, body) waits for the client's delayed ACK (Nagle)."""
+    """A TCP socket bound like uvicorn's (SO_REUSEADDR), not listening (raises PortUnavailable). Proto IPPROTO_TCP (not
+    0), so asyncio sets TCP_NODELAY on accepted connections (or a two-part response awaits a delayed ACK: Nagle)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
