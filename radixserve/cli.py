@@ -34,8 +34,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_runner(config: EngineConfig) -> Any:
-    """EngineFactory's runner factory; runs in the engine process, so only it imports torch. With --tp-size > 1 it
-    starts this machine's other ranks (runner/tp.py)."""
+    """EngineFactory's runner factory, in the engine process (only it imports torch); starts this node's TP ranks."""
     from radixserve.runner.tp import load_runner
 
     return load_runner(config)

@@ -123,8 +123,7 @@ class Drain:
 
 
 class DrainMiddleware:
-    """While draining, POST /v1/* and /health get 503; else tracks POST /v1/* and answers cut-offs
-    with a JSON 503, or an SSE error event and `data: [DONE]` mid-stream."""
+    """Draining: 503 to POST /v1/*, /health; else tracks POST /v1/*; cut-off: JSON 503 or SSE error + `data: [DONE]`."""
 
     def __init__(self, app: Any, drain: Drain):
         self.app = app
@@ -177,8 +176,7 @@ class DrainMiddleware:
 
 
 class GracefulServer(uvicorn.Server):
-    """The first SIGINT/SIGTERM starts `drain`'s shutdown; a second SIGINT stops at once.
-    Needs uvicorn.Config(timeout_graceful_shutdown=FLUSH_S)."""
+    """SIGINT/SIGTERM starts `drain`'s shutdown, a 2nd SIGINT stops at once; needs timeout_graceful_shutdown=FLUSH_S."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain):
         super().__init__(config)

@@ -53,10 +53,9 @@ def check_json_content_type(request: Request) -> None:
 
 async def read_body(request: Request, max_bytes: int,
                     limit: str = "--max-request-body-bytes") -> bytes:
-    """The whole request body; BodyTooLarge (413), naming `limit` (what sets `max_bytes`), once its declared or
-    received size passes `max_bytes`. A refused body up to LINGER_BYTES is read on and dropped first, so the
-    client reads the 413 and not a reset from a socket closed with unread bytes in it; a longer one is refused
-    unread."""
+    """The whole request body; BodyTooLarge (413), naming `limit` (what sets `max_bytes`), once its declared or received
+    size passes `max_bytes`. A refused body up to LINGER_BYTES is read on and dropped first, so the client reads the 413
+    and not a reset from a socket closed with unread bytes in it; a longer one is refused unread."""
     declared = request.headers.get("content-length", "")
     size = int(declared) if declared.isdigit() else 0
     chunks: list[bytes] = []
@@ -76,16 +75,14 @@ async def read_body(request: Request, max_bytes: int,
 
 
 async def _drop_rest(stream: AsyncIterator[bytes], budget: int) -> None:
-    """Read and drop up to `budget` more bytes of `stream`, stopping early at its end, at a gap of
-    LINGER_GAP_S, or when the client leaves or stalls."""
+    """Drop up to `budget` more bytes of `stream` until its end, a LINGER_GAP_S gap, or the client leaves or stalls."""
     with contextlib.suppress(StopAsyncIteration, asyncio.TimeoutError, RequestTimeout, ClientDisconnect):
         while budget > 0:
             budget -= len(await asyncio.wait_for(anext(stream), LINGER_GAP_S))
 
 
 def install_error_handlers(app: FastAPI, who: str) -> None:
-    """OpenAI error bodies: RadixServeError as itself (408 and 413 close the connection: the
-    body was not read to its end), bugs a logged 500, gone clients 499."""
+    """OpenAI error bodies: RadixServeError as is (408/413 also close: body unread), bugs a logged 500, gone: 499."""
 
     @app.exception_handler(RadixServeError)
     async def on_error(request: Request, exc: RadixServeError) -> Response:
@@ -279,9 +276,8 @@ class PortUnavailable(RuntimeError):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound as uvicorn binds (SO_REUSEADDR), not yet listening; raises PortUnavailable.
-    Its proto is IPPROTO_TCP, not 0, so that asyncio sets TCP_NODELAY on the connections it accepts: without it
-    a response written in two parts (headers, body) waits for the client's delayed ACK (Nagle)."""
+    """A TCP socket bound like uvicorn's (SO_REUSEADDR), not listening (raises PortUnavailable). Proto IPPROTO_TCP (not
+    0), so asyncio sets TCP_NODELAY on accepted connections (or a two-part response awaits a delayed ACK: Nagle)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

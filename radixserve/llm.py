@@ -14,8 +14,7 @@ from radixserve.sampling_params import SamplingParams
 
 
 class LLM:
-    """`model_path`: HF directory or .gguf file (None: the embedded default); other keyword
-    arguments are EngineConfig fields. Raises ModelPathError naming what a bad path lacks."""
+    """`model_path`: HF folder, .gguf or None (embedded); kwargs: EngineConfig fields; ModelPathError: what it lacks."""
 
     def __init__(self, model_path: str | None = None, **engine_kwargs):
         from radixserve.runner.tp import load_runner
@@ -54,8 +53,7 @@ class LLM:
 
     def stream_chat(self, messages: list[dict],
                     sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield one reply's text, one delta per engine step (n must be 1: ValueError). Closing the
-        generator early aborts the request. Raises like `chat`."""
+        """Yields a reply's text, one delta per step (n > 1: ValueError); closing early aborts. Raises as `chat`."""
         from radixserve.server.tracker import RequestTracker
 
         params = sampling_params or SamplingParams()

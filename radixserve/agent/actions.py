@@ -48,8 +48,7 @@ class Manifest:
 
 
 class Actions:
-    """Applies decisions; supervising when `manifest_path` is set. Raises RouterAdminError / httpx
-    errors from the router, OSError or KeyError from a restart."""
+    """Applies decisions (supervises if `manifest_path`); raises RouterAdminError, httpx, OSError/KeyError (restart)."""
 
     def __init__(self, admin: AsyncRouterAdminClient, manifest_path: str | None,
                  kill_grace_s: float = 5.0):

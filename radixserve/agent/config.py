@@ -1,7 +1,6 @@
 """Ops agent settings: rule thresholds, ladder timings and the loop's own flags, each with its source.
 
-Defaults start from Envoy outlier detection and SGLang's health checks; each help text says where
-one is adapted. Every field is a `radixserve agent` flag."""
+Every field is a `radixserve agent` flag; defaults start from Envoy outlier detection and SGLang's health checks."""
 from __future__ import annotations
 
 from dataclasses import dataclass

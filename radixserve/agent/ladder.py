@@ -113,8 +113,7 @@ class Ladder:
         return decisions + self._fleet(fleet, now, view)
 
     def adopt(self, now: float, urls: list[str]) -> list[Decision]:
-        """Before the first `step`: workers an earlier agent drained are isolated as if ejected once (they
-        return by the isolation path and count as out)."""
+        """Before the first `step`: isolate the workers an earlier agent drained, as if ejected once (counted out)."""
         hold = self.ejection_s(1)
         for url in urls:
             self.tracks[url] = Track(url, "isolated", ejections=1, since=now, out_until=now + hold,

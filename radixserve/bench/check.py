@@ -104,8 +104,7 @@ def _report(counts: dict[str, int], tie_gap: float, examples: list[dict]) -> dic
 
 
 def merge(reports: Sequence[dict]) -> dict:
-    """One report over several runs' reports (counts summed, rates recomputed, examples' `index`
-    within their own run). Raises ValueError on none or on different tie gaps."""
+    """Runs' reports merged (counts summed, rates recomputed, `index` per run); ValueError: none, or tie gaps differ."""
     if not reports or len({r["tie_gap"] for r in reports}) != 1:
         raise ValueError("merge needs at least one report, all with the same tie_gap")
     keys = ("identical", "tie", "corrupted", "guard_abort", "failed", "no_reference")

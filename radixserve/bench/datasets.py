@@ -68,8 +68,7 @@ def _chain_reuse(prompt_lens: list[list[int]], first_hits: list[int]) -> float:
 
 def multi_turn_dataset(source: WordSource, num_clients: int, num_rounds: int, system_prompt_len: int,
                        user_len: int, output_len: int, seed: int) -> Workload:
-    """`num_clients` chats of `num_rounds` rounds, each prompt the conversation so far plus a user
-    turn: L_k = S + k(m_u + U) + (k-1)(m_a + O) + m_a."""
+    """`num_clients` chats x `num_rounds` rounds, prompt = history + user turn: L_k = S+k(m_u+U)+(k-1)(m_a+O)+m_a."""
     rng = random.Random(seed)
     sessions = []
     for _ in range(num_clients):

@@ -16,8 +16,7 @@ def free_port() -> int:
 
 
 def free_ports(n: int, low: int = 20000, high: int = 32000) -> int:
-    """First of n consecutive free loopback ports in [low, high), below the ephemeral range, from a
-    random start. Raises RuntimeError when 200 tries find none."""
+    """First of n consecutive free loopback ports in [low, high), from a random start; RuntimeError after 200 tries."""
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(low, high - n)

@@ -9,8 +9,7 @@ from radixserve.bench.workload import BenchRequest, Session, Workload, WordSourc
 
 def sharegpt_dataset(path: str, source: WordSource, num_prompts: int, seed: int,
                      output_len: int | None = None, context_len: int = 4096) -> Workload:
-    """ShareGPT JSON: prompt = turn 0, output length = turn 1's tokens (or `output_len`), filtered as
-    SGLang does (under 2 tokens or over `context_len` dropped)."""
+    """Prompt = turn 0, output len = turn 1's tokens (or `output_len`), filtered as SGLang (< 2, > context_len)."""
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     convs = [d["conversations"] for d in data if len(d.get("conversations", [])) >= 2]

@@ -71,8 +71,7 @@ ROLE_MARK = {"system": "", "user": "\n\nUser:", "assistant": "\n\nAssistant:", "
 
 
 def render(messages: Sequence[dict[str, str]]) -> str:
-    """A conversation as plain text with role markers, ending with the assistant marker; a longer
-    conversation's rendering extends a shorter one's (turns reuse prefixes)."""
+    """Plain text with role markers, ending in the assistant marker; a longer conversation extends a shorter one's."""
     return "".join(ROLE_MARK[m["role"]] + m["content"] for m in messages) + ROLE_MARK["assistant"]
 
 
@@ -98,8 +97,7 @@ def schedule(workload: Workload, request_rate: float, seed: int) -> list[float]:
 
 
 def reuse_ratio(prompts: Sequence[Sequence[int]], page_size: int = 1) -> float:
-    """Ideal hit rate with no eviction: sum of each prompt's longest earlier-shared prefix (page-aligned
-    down, at most len - 1) / sum of lengths."""
+    """No-eviction hit rate: sum of longest earlier-shared prefixes (page-aligned down, <= len - 1) / sum of lengths."""
     root: dict[int, dict] = {}
     hit = total = 0
     for ids in prompts:

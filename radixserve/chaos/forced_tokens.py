@@ -48,9 +48,8 @@ class ForcedTokens:
 def force_run(forced_ids: tuple[int, ...] | None, num_output_ids: int, sampled: Sequence[int],
               logprobs: Sequence[TokenLogprob] | None = None
               ) -> tuple[list[int], list[TokenLogprob] | None]:
-    """Step samples (from output position `num_output_ids`; `logprobs` one per sample, or None) with
-    forced_ids[position] in place (logprob 0.0, the model's `top`), cut after the first replaced one; returns
-    the ids and their logprobs (None if none came)."""
+    """Step samples from output position `num_output_ids` (`logprobs`: one per sample, or None), forced_ids[position]
+    put in (logprob 0.0, the model's `top`), cut after the first replaced -> (ids, logprobs or None)."""
     ids: list[int] = []
     lps: list[TokenLogprob] | None = None if logprobs is None else []
     for k, token in enumerate(sampled):

@@ -132,8 +132,7 @@ class FaultInjector:
         self._leaked: list[bytes] = []
 
     async def inject(self, spec: FaultSpec) -> Fault:
-        """Start a fault, replacing one of its kind. Raises InvalidRequest for bad parameters and
-        EngineDead when an ENGINE_FAULTS kind cannot reach the engine."""
+        """Start a fault (replacing its kind's); InvalidRequest: bad params; EngineDead: ENGINE_FAULTS, no engine."""
         fault = Fault(spec.kind, spec.params(), spec.duration_s)
         await self.clear(fault.kind)
         if fault.kind in ENGINE_FAULTS:

@@ -39,8 +39,7 @@ class PrefillSide(BootstrapHandler):
         self.held_expects: list[tuple[float, bytes, Expect]] = []
 
     def add(self, req: Request, target: PDTarget) -> None:
-        """`req` (already in the engine) for `target.room`. Raises InvalidRequest for a room in
-        use, KVTransferFailed for a room the decode side already ended."""
+        """Engine request `req` for `target.room`; InvalidRequest: room in use; KVTransferFailed: decode ended it."""
         room = self.rooms.get(target.room)
         if room is not None and room.state is RoomState.CLOSED:
             raise KVTransferFailed(f"room {target.room} already ended on the prefill worker "

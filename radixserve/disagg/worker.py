@@ -80,8 +80,7 @@ class PDWorker:
         return self.engine.abort(request_id, reason)
 
     def end_request(self, req: Request, error: str | None) -> None:
-        """Engine.abort for a request in any queue or PD state; `error`: its final output
-        carries it with ERROR_CODE. The output comes from the next step()."""
+        """Engine.abort in any queue or PD state; the final output (next step()) carries `error` with ERROR_CODE."""
         out = self.engine.abort(req.request_id)
         if out is not None:
             if error is not None:

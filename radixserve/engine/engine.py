@@ -58,8 +58,7 @@ class Engine:
         return min(self.max_context_len, self.kv.num_model_pages * self.page_size)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; the one validator of client input. Raises InvalidRequest (bad ids or
-        params) or ContextLengthExceeded, queueing nothing."""
+        """Queues a request (the one client-input validator); InvalidRequest or ContextLengthExceeded queue nothing."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         params.validate(self.runner.vocab_size)

@@ -142,8 +142,7 @@ class HostTier:
 
     def start_load(self, host_path: list[RadixNode], take_device_pages: Callable[[int], list[int] | None],
                    max_pages: int | None = None) -> Load | None:
-        """Load a matched host-only path (at most its first `max_pages` pages, splitting there) back to
-        the device; None when no device pages can be had."""
+        """Load a matched host-only path (first `max_pages` pages; split there) to the device; None: no device pages."""
         partial = max_pages is not None and sum(len(n.host_ids) for n in host_path) > max_pages
         if partial:
             host_path = self._head(host_path, max_pages)

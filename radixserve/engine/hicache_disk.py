@@ -25,8 +25,7 @@ class DiskIO(Protocol):
 
 
 def page_names(token_ids: list[int] | tuple[int, ...], page_size: int, start_page: int = 0) -> list[str]:
-    """Names of the full pages of `token_ids` from `start_page` on: name_i =
-    sha256(name_{i-1} + tokens of page i as little-endian int32), name_{-1} = ''."""
+    """Full pages' names from `start_page`: name_i = sha256(name_{i-1} + page i's tokens, int32 LE), name_{-1} = ''."""
     names, prev = [], b""
     for i in range(len(token_ids) // page_size):
         page = token_ids[i * page_size:(i + 1) * page_size]

@@ -9,9 +9,8 @@ from radixserve.outputs import EngineOutput, TokenLogprob
 
 
 class EngineHooks:
-    """No-op base; engine thread only. A request sees on_add, per step before_schedule, on_tokens,
-    after_step, then on_finish or on_abort while it still holds its KV. A hook may abort other
-    requests from on_finish or after_step (their on_abort runs inside that call)."""
+    """No-op base; engine thread only. A request sees on_add, per step before_schedule, on_tokens, after_step, then
+    on_finish or on_abort, KV still held. on_finish and after_step may abort others (their on_abort runs inside)."""
 
     def attach(self, engine: Any) -> None:
         """Once, from Engine.__init__; raises ValueError when the engine lacks what it needs."""

@@ -14,11 +14,10 @@ def paired_key(token_ids: list[int]) -> list[int]:
 
 
 class KVManager:
-    """Every page has exactly one owner: the free list, the radix tree, or one request's private tail
-    (page_ids[num_tree_pages:]); check_invariants verifies it. `host_io`: the host tier (hicache.py).
-    `paired_keys`: pages hold an EAGLE draft's KV too (runner/mtp.py), keyed by paired_key; a page enters
-    the tree once the token after it is known and its draft KV written. `num_fp8_pages` (--kv-history-dtype
-    auto): decode steps take FP8 pages, and the tree gets only the pages before a request's first FP8 page."""
+    """Each page has one owner (check_invariants): the free list, the radix tree, or a request's private tail
+    page_ids[num_tree_pages:]. `host_io`: hicache.py's host tier. `paired_keys`: pages also hold EAGLE draft KV
+    (runner/mtp.py), keyed by paired_key; a page joins the tree once its next token and draft KV exist. `num_fp8_pages`
+    (--kv-history-dtype auto): decode steps take FP8 pages; the tree gets a request's pages before its first FP8 one."""
 
     def __init__(self, num_pages: int, page_size: int, enable_cache: bool = True,
                  host_io: KVTierIO | None = None, write_policy: str = "write_through",
@@ -117,8 +116,7 @@ class KVManager:
         return True
 
     def commit(self, req: Request) -> None:
-        """Give the full pages of req's computed tokens to the tree; duplicates of tree pages are freed
-        and replaced by the tree's, and the lock moves to the new path."""
+        """Give req's computed full pages to the tree (duplicates freed for the tree's); the lock moves along."""
         if not self.enable_cache:
             return
         num_full = self.num_settled_tokens(req) // self.page_size

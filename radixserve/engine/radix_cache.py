@@ -1,9 +1,8 @@
-"""PagePool, the free list of KV page ids, and RadixCache: a radix tree over page-aligned token prefixes mapping
-them to KV page ids (SGLang's RadixAttention).
+"""PagePool (free KV page ids) and RadixCache (SGLang's RadixAttention): page-aligned token prefixes -> KV page ids.
 
-Keys are page-aligned; children are keyed by their first page of tokens. KVManager alone calls it (scheduler
-thread): `match` may split nodes, the caller frees its own pages of an `insert`'s overlap, locked paths are never
-evicted. Tiers (docs/hicache.md): device nodes form a subtree at the root; a match is device, then host-only nodes."""
+Children are keyed by their first page of tokens. KVManager alone calls it (scheduler thread): `match` may split nodes,
+the caller frees its own pages of an `insert`'s overlap, locked paths are never evicted. Tiers (docs/hicache.md): device
+nodes form a subtree at the root; a match is device, then host-only nodes."""
 from __future__ import annotations
 
 import heapq
@@ -193,8 +192,7 @@ class RadixCache:
         return list(host_ids[:have - start])
 
     def evict(self, num_pages: int, demote: Callable[[RadixNode], bool] | None = None) -> list[int]:
-        """Free num_pages device pages of LRU unlocked leaves (fewer if none left); a leaf with a host copy
-        (or one `demote` makes) stays host-only."""
+        """Frees <= num_pages device pages of LRU unlocked leaves; ones with a host copy (or demoted) stay host-only."""
         heap = [(n.last_access_s, id(n), n) for n in self._nodes()
                 if n.lock_ref == 0 and self._is_device_leaf(n)]
         heapq.heapify(heap)

@@ -1,5 +1,4 @@
-"""The attention protocols: what a model layer calls with its q, k, v (implemented by the runner's backends), and the
-sparse form DSA models call (runner/attention/sparse.py)."""
+"""Attention protocols: what a layer calls with q, k, v (the runner's backends implement it) and DSA's sparse form."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,8 +39,7 @@ class SparseAttention(Attention, Protocol):
         ...
 
     def index_keys(self, layer_id: int, seq: int) -> torch.Tensor:
-        """Segment `seq`'s index keys of positions [0, context_len), (context_len, Di) compute dtype, after the
-        layer's readiness wait (a host-tier load of that layer has landed)."""
+        """Segment `seq`'s index keys, (context_len, Di) compute dtype, read after the layer's host-tier load landed."""
         ...
 
     def attend_selected(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,

@@ -60,8 +60,7 @@ class Linear(torch.nn.Module):
             target.copy_(tensor)
 
     def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows `index` ((K,) int64) of the loaded weight in float (dequantized where a quantized weight was
-        loaded); before prepare(), and only for an unfused weight."""
+        """Rows `index` ((K,) int64) of the loaded weight, dequantized to float; before prepare(), unfused only."""
         q = self._quant_shards.get(None)
         return q.take_rows(index).dequantize() if q is not None else self.weight.data.index_select(0, index)
 
@@ -142,8 +141,7 @@ class Linear(torch.nn.Module):
         return True
 
     def enable_q8_head(self, max_rows: int) -> bool:
-        """Run up to `max_rows` rows on q8_fp32.py's kernel; False where it cannot (not an fp32 CPU weight that is a
-        Q8_0 grid, or no vector path of the kernel here)."""
+        """Run <= `max_rows` rows on q8_fp32.py's kernel; False if no vector path or not an fp32 CPU Q8_0 grid."""
         head = Q8Head.build(self.weight.data) if self._fp32_cpu_weight() else None
         if head is None:
             return False

@@ -1,8 +1,7 @@
 """Tensor-parallel layers (vLLM's Column/Row/VocabParallel): which heads and rows a rank holds, cut at load time.
 
-Column-parallel (QKV by heads, gate/up by intermediate rows, the LM head by vocabulary rows) needs no collective
-until the LM head's all-gather; row-parallel (o_proj, down_proj) and the vocabulary-parallel embedding all-reduce
-their output. KV heads are replicated when fewer than ranks (docs/parallel.md)."""
+Column-parallel (QKV by heads, gate/up by rows, LM head by vocabulary) needs no collective until the head's all-gather;
+row-parallel (o_proj, down_proj) and the vocab-parallel embedding all-reduce their output (docs/parallel.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,8 +56,7 @@ def split_even(n: int, tp: Collectives) -> tuple[int, int]:
 
 
 class ExpertShard(NamedTuple):
-    """This rank's routed experts: checkpoint experts [first, first + count), each holding intermediate rows
-    [row_start, row_start + rows)."""
+    """Routed experts here: [first, first + count) of the checkpoint's, each's rows [row_start, row_start + rows)."""
 
     first: int
     count: int
@@ -163,8 +161,7 @@ class ParallelLMHead(Linear):
 
 
 class VocabParallelEmbedding(torch.nn.Module):
-    """weight: this rank's (ceil(V / size), hidden) rows. forward: ids (T,) int64 -> all-reduced (T, hidden); a rank
-    looks up the ids in its range and contributes zeros for the rest."""
+    """weight: this rank's (ceil(V / size), hidden) rows; forward: ids (T,) int64 -> all-reduced (T, hidden)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: Collectives):
         super().__init__()

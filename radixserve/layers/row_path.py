@@ -1,6 +1,5 @@
-"""Which kernel multiplies a single row (batch-1 decode) by a float weight: timed on the model's own linear layers at
-start-up, as the fastest differs from CPU to CPU, then kept per machine so every server there rounds alike
-(docs/runner.md); `RADIXSERVE_SINGLE_ROW_PATH` pins it untimed."""
+"""Which kernel multiplies one row by a float weight: timed on the model's linear layers at start-up (the fastest
+differs by CPU), kept per machine so its servers round alike (docs/runner.md); RADIXSERVE_SINGLE_ROW_PATH pins it."""
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +26,7 @@ MAX_TIMED_BYTES = 1 << 30
 
 
 def choose(layers: Sequence, rounds: int = 3, clock: Callable[[], float] = time.perf_counter) -> str | None:
-    """Set the fastest single-row path all `layers` offer on each and return it (None: none to choose); ValueError for
-    an unknown pinned path."""
+    """Set the fastest single-row path all `layers` offer on each, return it (None: none); ValueError: unknown pin."""
     layers = [m for m in layers if m.row_paths()]
     if not layers:
         return None

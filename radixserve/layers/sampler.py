@@ -1,9 +1,8 @@
 """Sampling: penalties, min-tokens masking, temperature / min-p / top-k / top-p, seeded draws, and logprobs.
 
-Per row (vLLM v1 order): logprobs of the RAW logits; logit_bias, repetition (CTRL / HF), frequency and presence (OpenAI)
+Per row (vLLM v1 order): logprobs of the RAW logits; logit_bias, repetition (CTRL / HF), frequency, presence (OpenAI)
 penalties, EOS and stop ids masked while min_tokens_left > 0; argmax, or temperature, min-p, top-k, top-p and an
-inverse-CDF draw seeded by (seed, output length) alone, so a speculative verify step samples its rows exactly as the
-ordinary steps would. A drawn token always has probability > 0 where it was drawn."""
+inverse-CDF draw seeded by (seed, output length) only: verify() samples as ordinary steps. A drawn token has p > 0."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

@@ -1,5 +1,4 @@
-"""The optional blocks of a ModelConfig and their readers from HF config.json / GGUF metadata: routed experts (MoE),
-multi-head latent attention (MLA) and DeepSeek sparse attention's indexer (DSA)."""
+"""ModelConfig's optional blocks, read from config.json / GGUF metadata: MoE (routed experts), MLA and DSA's indexer."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
@@ -125,9 +124,8 @@ def mla_from_gguf(family: str, get: Callable[..., Any]) -> MLAConfig | None:
 
 def dsa_from_gguf(family: str, get: Callable[..., Any], num_layers: int,
                   tensor_names: Collection[str]) -> DSAConfig | None:
-    """glm-dsa's indexer (attention.indexer.head_count / key_length / top_k). The gguf library (0.19) has no key for
-    IndexShare's layer types, so a layer is full iff the file holds its indexer tensors (a shared layer has none);
-    ValueError when layer 0 has none or a layer holds only some of them."""
+    """glm-dsa's indexer (attention.indexer.head_count / key_length / top_k). gguf (0.19) has no IndexShare layer-type
+    key: a layer is full iff the file holds its indexer tensors; ValueError: layer 0 has none, or a layer only some."""
     if family != "glm_moe_dsa":
         return None
     full = []

@@ -31,8 +31,7 @@ HEAD_Q8_MAX_ROWS = 8
 
 def prepare_modules(root: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu",
                     batch_invariant: bool = False, quantized_max_tokens: int = 0) -> None:
-    """Move `root` to `dtype` on `device` (MoE routers and modules marked `keep_fp32` stay fp32) and build its Linear,
-    Router and Experts fast paths."""
+    """Cast `root` to `dtype`, `device` (routers, keep_fp32 modules: fp32); build Linear/Router/Experts fast paths."""
     routers = [m for m in root.modules() if isinstance(m, Router) or getattr(m, "keep_fp32", False)]
     kept = [[p.data.float() for p in r.parameters()] for r in routers]
     root.to(device=device, dtype=dtype)

@@ -19,10 +19,9 @@ class HealthMonitor:
     """Health checks every health_check_interval_s, load polls every load_poll_interval_s.
 
     Consecutive-check thresholds as SGLang's router (Kubernetes readiness); a check fails on anything but a 200. A
-    never-checked worker turns healthy at its first pass, and so does a restarted one (a new `instance_id` in its 200),
-    which also rejoins with a closed breaker. Every pass counts as a half-open breaker success (C40). A worker turning
-    healthy drops its old load reading and is polled at once. A 503 "draining" only takes the worker out of rotation; a
-    "degraded" one fails but never ejects."""
+    never-checked worker turns healthy at its first pass; a restarted one (new `instance_id` in its 200) too, with a
+    closed breaker. Every pass counts as a half-open breaker success (C40). Turning healthy drops its load reading and
+    polls it at once. A 503 "draining" only takes it out of rotation; a "degraded" one fails but never ejects."""
 
     def __init__(self, config: RouterConfig, registry: Any, metrics: RouterMetrics,
                  http: httpx.AsyncClient):

@@ -65,8 +65,7 @@ class PDRouter:
         self._background: set[asyncio.Task] = set()
 
     async def bootstrap_of(self, url: str) -> tuple[str, int]:
-        """The prefill worker's bootstrap (host, port), cached; concurrent callers share one
-        lookup. Raises LookupError when it is not a prefill worker or cannot say."""
+        """Prefill worker's bootstrap (host, port), cached, lookups shared; LookupError: not prefill or cannot say."""
         cached = self._bootstrap.get(url)
         if cached is not None:
             return cached
@@ -137,8 +136,7 @@ class PDRouter:
     async def _dispatch(self, path: str, body: dict, headers: dict[str, bytes], key: Any,
                         ledger: StreamLedger | None, tried: dict[str, set[str]],
                         attempts: Attempts) -> Response | Opened | LegFailed | None:
-        """Attempts on untried pairs: an answer, an Opened stream, the last LegFailed when the
-        budget or the workers ran out, or None when no pair was tried."""
+        """Tries untried pairs -> answer, Opened stream, last LegFailed (budget or workers out), None if none tried."""
         forwarder = self.prefill.forwarder
         last: LegFailed | None = None
         while attempts.made < forwarder.max_attempts:
@@ -172,8 +170,7 @@ class PDRouter:
 
     async def _attempt(self, path: str, body: dict, headers: dict[str, bytes],
                        ledger: StreamLedger | None, p: Any, d: Any) -> Response | Opened | LegFailed:
-        """Both legs with a fresh bootstrap room: an answer, an Opened stream (it owns the
-        decode lease) or the failed leg, the other cancelled."""
+        """Both legs, new bootstrap room -> answer, Opened stream (owns decode lease), failed leg (other cancelled)."""
         try:
             host, port = await self.bootstrap_of(p.url)
         except LookupError as exc:

@@ -40,10 +40,9 @@ def _common_len(a: str | tuple, b: str | tuple) -> int:
 
 
 class ApproxPrefixTree:
-    """Radix tree over str or list[int] keys of which worker (tenant) was *sent* which prefix (SGLang router
-    `policies/tree.rs`). A tenant on a node is on all its ancestors, whose access times are never older. Size (the sum
-    of edge lengths) stays <= max_size: past it, LRU tenant leaves go down to 7/8 of it. Entries unused for ttl_s
-    seconds never match. Raises ValueError on max_size < 1 or ttl_s <= 0."""
+    """Radix tree of which worker (tenant) was *sent* which prefix (SGLang router `policies/tree.rs`). A tenant on a
+    node is on all its ancestors, whose access times are never older. Size (sum of edge lengths) <= max_size: past it,
+    LRU tenant leaves go down to 7/8 of it. Entries idle ttl_s s never match. ValueError: max_size < 1, ttl_s <= 0."""
 
     def __init__(self, max_size: int, ttl_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:

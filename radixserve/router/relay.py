@@ -61,9 +61,8 @@ class StreamCut(Exception):
 
 
 class Relay:
-    """One client stream through `ledger`, continued on other workers when one breaks or is ejected;
-    when none can go on it ends with an error event and `data: [DONE]` (never a silent replay). An
-    output anomaly after content is never continued: the delivered tokens are what the worker suspected."""
+    """One client stream via `ledger`, continued on other workers when one breaks or is ejected, else ended by an error
+    event and `data: [DONE]` (never a silent replay). An output anomaly after content is never continued."""
 
     def __init__(self, forwarder: Forwarding, ledger: StreamLedger, opened: Opened,
                  resend: Any):

@@ -59,8 +59,7 @@ def _is_role_only(data: Any) -> bool:
 
 
 def _is_abort_only(data: Any) -> bool:
-    """A chunk that only ends its choices with finish_reason "abort", no text: what a worker sends
-    just before the error event of a request it stopped."""
+    """Text-less chunk ending choices with finish_reason "abort": a worker's last before a stopped request's error."""
     choices = data.get("choices") if isinstance(data, dict) else None
     return bool(choices) and all(
         isinstance(c, dict) and c.get("finish_reason") == "abort" and not c.get("text")
@@ -73,9 +72,8 @@ def _is_blank(choice: dict) -> bool:
 
 
 class StreamLedger:
-    """What the client of one stream has been sent, so another worker can continue it
-    (docs/stream_migration.md). Every event passes `relay()` in order; `committed` turns true
-    at the first that is not a held role chunk. Migratable: migration on and one choice."""
+    """What one stream's client was sent, for another worker to continue (docs/stream_migration.md); events pass
+    `relay()` in order, `committed` from the first not a held role chunk. Migratable: migration on, one choice."""
 
     def __init__(self, path: str, body: bytes, migrate: bool):
         self.chat = path == CHAT_PATH

@@ -69,8 +69,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                                timeout.get("read"), request)
 
     def poster(self, connect_s: float, read_s: float) -> Callable[..., Awaitable[httpx.Response]]:
-        """post(url, body, headers as bytes) -> the response, its body unread; what
-        Forwarder.post is without httpx's request and cookie handling."""
+        """post(url, body, bytes headers) -> response, body unread: Forwarder.post minus httpx request/cookie logic."""
         async def post(url: str, body: bytes, headers: dict[str, bytes]) -> httpx.Response:
             return await self.send("POST", url, [(k, _text(v)) for k, v in headers.items()],
                                    body, connect_s, connect_s, read_s)

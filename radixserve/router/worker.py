@@ -179,8 +179,7 @@ def check_weight(weight: float) -> float:
 
 
 class WorkerRegistry:
-    """Workers by URL, in the order added. `on_remove(url)` callbacks run on removal; `clock`
-    is in seconds; `stale_penalty` (requests) follows balance_abs_threshold."""
+    """Workers by URL in add order; `on_remove(url)` on removal; `clock` in s; stale_penalty = balance_abs_threshold."""
 
     def __init__(self, config: RouterConfig | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -238,9 +237,8 @@ class WorkerRegistry:
 
     @contextlib.contextmanager
     def dispatch(self, worker: WorkerState) -> Iterator[WorkerState]:
-        """Counts one request in flight on `worker` (the object, so a worker removed and re-added
-        under its URL meanwhile is not miscounted) until the block ends, however it ends, and
-        holds the breaker's half-open probe slot meanwhile. The only place in_flight changes."""
+        """Holds a request in flight on `worker` (the object: one re-added under its URL is not miscounted) and its
+        breaker's half-open probe slot until the block exits. The only place in_flight changes."""
         token = worker.breaker.begin()
         worker.in_flight += 1
         worker.num_requests += 1

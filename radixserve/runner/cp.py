@@ -1,15 +1,12 @@
 """Context-parallel prefill (--cp-size R): every rank holds the whole model and runs 1/R of a prefill step's tokens.
 
-    step rows g = 0 .. N-1 (all sequences' new tokens, build_step's order)
-    round-robin: row g -> rank g % R, local row g // R;  each rank runs M = ceil(N / R) rows (short ranks pad: row 0)
-    per layer:  k|v (M, 2KV, D) ──all_gather──► (R*M) ──order──► (N) rows: every rank writes ALL new tokens' KV at the
-                step's slots, then attends its own queries over each sequence's whole context (cached prefix included);
-                MLA's latent layout (V = K) gathers k (M, 1, r + rope) only
-    end:        each rank's logit rows (padded to K per rank) ──all_gather──► the step's logit rows, in order
+    rows:       step row g < N (build_step's order) -> rank g % R, local row g // R; M = ceil(N / R) rows (pad: row 0)
+    per layer:  k|v (M, 2KV, D) ──all_gather──► (R*M) ──order──► (N): every rank writes ALL new KV at the step's slots,
+                then attends its own queries over each whole context; MLA (V = K) gathers k (M, 1, r + rope) only
+    end:        each rank's logit rows (padded to K) ──all_gather──► the step's logit rows, in order
 
-A step without prefill (decode) runs unsplit on every rank, so every rank's cache stays whole. Attention is computed
-here (CPAttention, CPSparseAttention for DSA), not by the runner's backends, which assume a sequence's queries are one
-contiguous block (why round-robin, and the DSA order: docs/parallel.md)."""
+A decode step runs unsplit on every rank (every cache stays whole). Attention is computed here, not by the runner's
+backends, which assume one contiguous query block per sequence (why round-robin, the DSA order: docs/parallel.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -119,8 +116,7 @@ class CPAttention:
             self._pending[layer_id] = self.layer_split.post(self.kv, layer_id, self.split.prefix_pages)
 
     def store_new_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """The step's new KV at its slots: this rank's k, v (M, KV, D) all-gathered on a split step, written after
-        LayerSplit's wait(KV). Returns the storage layer."""
+        """k, v (M, KV, D), all-gathered if split, written at the step's slots after wait(KV) -> the storage layer."""
         kv, split, ls = self.kv, self.split, self.layer_split
         self.post_kv(layer_id)
         store = self.storage(layer_id)
@@ -163,10 +159,9 @@ def segment(seq: SeqRows, stride: int) -> Segment:
 
 
 class CPSparseAttention(CPAttention):
-    """SparseAttention (layers/attention.py) for one context-parallel step of a DSA model: one Segment per sequence
-    of the step, over this rank's rows (stride R on a split step; possibly none: every rank takes the same dense or
-    sparse path). Per full layer, with LayerSplit: broadcast index_k -> all_gather new index_k -> wait index_k ->
-    broadcast kv -> indexer -> all_gather new kv -> wait kv -> attention (the KV moves while the indexer scores)."""
+    """SparseAttention for a CP step of a DSA model: a Segment per sequence over this rank's rows (stride R if split;
+    maybe none: every rank takes the same path). Per full layer under LayerSplit: broadcast index_k -> all_gather new
+    index_k -> wait index_k -> broadcast kv -> indexer -> all_gather new kv -> wait kv -> attention."""
 
     def __init__(self, kv: KVCache, step: StepBatch, split: CPSplit, comm: Communicator,
                  layer_split: LayerSplit | None):
@@ -208,8 +203,7 @@ class CPSparseAttention(CPAttention):
 
 class CPModelRunner(ModelRunner):
     """A CP rank's ModelRunner: whole weights, forward() split as above; with --enable-layer-split a KVCache of this
-    rank's layers plus scratch (pages sized for ceil(L / R) + 1 layers, equal on every rank). MLA runs as MQA over its
-    latent head (models/mla.py); DSA through CPSparseAttention (index keys in full indexer layers' storage layers)."""
+    rank's layers plus scratch, pages sized for ceil(L / R) + 1 layers (equal on every rank)."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,

@@ -26,10 +26,9 @@ def index_key_layers(mc: ModelConfig, num_layers: int | None = None) -> tuple[in
 
 def num_pages(config: EngineConfig, mc: ModelConfig, num_kv_heads: int | None = None,
                num_layers: int | None = None, index_layers: tuple[int, ...] | None = None) -> int:
-    """Pages of `config.page_size` tokens the KV cache gets: --max-total-tokens, else --kv-cache-memory-gb over the bytes
-    per token (every stored layer, index keys included). `num_kv_heads`: this rank's under TP (None: the model's);
-    `num_layers`: of KV stored (None: the model's); `index_layers`: with index keys (None: index_key_layers); ValueError
-    below two pages."""
+    """The KV cache's pages: --max-total-tokens, else --kv-cache-memory-gb over the bytes per token (every stored layer,
+    index keys included). `num_kv_heads`: this rank's under TP (None: the model's); `num_layers`: of KV stored (None:
+    the model's); `index_layers`: with index keys (None: index_key_layers); ValueError below two pages."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens // config.page_size
     per_token = _bytes_per_token(mc, kv_storage_dtype(config), num_kv_heads, num_layers) + \

@@ -35,9 +35,8 @@ def pack_pages(pages: KVPages) -> bytes:
 
 
 def unpack_pages(kv: KVCache, num_pages: int, data: bytes, heads: tuple[int, int] | None = None) -> KVPages:
-    """Inverse of pack_pages. `heads` (total, first): the bytes hold `total` KV heads and `kv` keeps its
-    kv.num_kv_heads of them from `first` on (a tensor-parallel rank's share; None: the bytes hold kv's heads). Raises
-    ValueError when the byte count does not fit `num_pages` of that layout."""
+    """Inverse of pack_pages. `heads` (total, first): bytes hold `total` KV heads, `kv` keeps kv.num_kv_heads from
+    `first` on (a TP rank's share; None: kv's own). ValueError: bytes not fitting `num_pages` of that layout."""
     total, first = heads or (kv.num_kv_heads, 0)
     kv_shape = (kv.num_layers, total, num_pages, kv.page_size, kv.head_dim)
     v_shape = (kv.num_layers, 0 if kv.latent else total, num_pages, kv.page_size, kv.head_dim)
@@ -76,8 +75,7 @@ def gather_kv_heads(pages: KVPages, tp, model_config) -> KVPages | None:
 
 
 def first_kv_head(model_config, tp) -> int:
-    """The first of the model's KV heads a rank of tensor-parallel group `tp` (None: no TP) caches; 0 for MLA, whose
-    one latent head is replicated on every rank."""
+    """First model KV head a rank of TP group `tp` (None: no TP) caches; 0 for MLA (latent head on every rank)."""
     if model_config.kv_shape.latent:
         return 0
     return shard_heads(model_config.num_heads, model_config.num_kv_heads, tp).kv_start

@@ -1,13 +1,9 @@
-"""LayerSplit (--enable-layer-split, GLM's; SGLang's --enable-cp-cache-layer-split): each context-parallel rank stores
-only its own layers' KV plus one scratch layer, which a layer's owner fills by broadcast before attention reads it.
-
-    ownership (contiguous, SGLang's): n_r = L // R + (r < L % R) layers from start_r = r * (L // R) + min(r, L % R)
-    rank r's KVCache: storage layers [owned start_r .. start_r + n_r - 1 | scratch]  = n_r + 1 layers of S slots
+"""LayerSplit (--enable-layer-split, GLM's; SGLang's --enable-cp-cache-layer-split): a context-parallel rank's KVCache
+holds its owned_layers' KV, then one scratch layer, which a layer's owner fills by broadcast before attention reads it.
 
     per layer l, in CPAttention:   post(l) ──► (all-gather of the new tokens' KV) ──► wait(l) ──► attention(l)
       post: the owner sends layer l's pages holding the step's cached prefix (async), the others receive a buffer
-      wait: the explicit step; receivers copy the buffer into scratch. Until it returns, scratch holds an older
-            layer's KV (a fault, `fault.drop_kv_wait`, lets attention read it: GLM's read-before-ready class)
+      wait: receivers copy it into scratch, until then an older layer's KV (fault.drop_kv_wait: read-before-ready)
 Bytes per rank and per broadcast, MLA's one store and DSA's index keys first: docs/parallel.md."""
 from __future__ import annotations
 
@@ -25,7 +21,7 @@ def page_slots(kv: KVCache, page_ids: torch.Tensor) -> torch.Tensor:
 
 
 def owned_layers(num_layers: int, size: int, rank: int) -> range:
-    """Rank `rank`'s contiguous layers of `num_layers` over `size` ranks (the first L % R ranks hold one more)."""
+    """Rank `rank`'s contiguous layers of `num_layers` over `size` ranks (SGLang's; the first L % R hold one more)."""
     base, rem = divmod(num_layers, size)
     start = rank * base + min(rank, rem)
     return range(start, start + base + (rank < rem))

@@ -260,8 +260,7 @@ class ModelRunner:
         return self.kv.slot_checksums(slots)
 
     def kv_layout(self) -> dict:
-        """disagg.protocol.KVLayout's fields: this rank's cache (export_kv's bytes hold its layers 0..num_layers-1 in
-        order) and the group's layout."""
+        """KVLayout fields: this rank's cache (export_kv holds its layers 0..num_layers-1 in order) and the group's."""
         if getattr(self, "_identity", None) is None:
             self._identity = kv_transfer.model_identity(self.model_config, self.model)
         kv, config = self.kv, self.config

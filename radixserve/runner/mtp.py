@@ -1,15 +1,13 @@
 """MTPDraft: EAGLE-style drafting (`--speculative-algorithm EAGLE`, topk 1) with a NextN layer (models/nextn.py).
 
-The draft's KV is layer N of the target's KVCache (N = the target's layer count), so pages, the radix cache, the
-host tier and preemption carry it with the target's. Draft KV at position q is computed from (h_q, x_{q+1}): the
-target's hidden state at q and the token after it. After each target step (`extend`):
+The draft's KV is layer N of the target's KVCache (N: its layer count): pages, radix cache, host tier and preemption
+carry it. Draft KV at q comes from (h_q, x_{q+1}), the target's hidden state at q and the next token. After each step:
 
     step rows      q = s ........................ s+n-1
-    known next     x_{s+1} .. x_{s+n-1}, then the sampled token (a verify step: accepted drafts + the
-                   token after them, rows past them are dropped); a prefill chunk that samples nothing
-                   carries h_{s+n-1} to the request's next chunk (`_carry`, prepended at q = s-1)
-    draft chain    from the last row: draft 1 = argmax logits; draft j at position p+j-1 from (h'_{j-1},
-                   draft j-1), h' the layer's own output (written KV past p is rewritten next step)
+    known next     x_{s+1} .. x_{s+n-1}, then the sampled token (a verify step: accepted drafts + the token after them,
+                   later rows dropped); a chunk sampling nothing carries h_{s+n-1} to the next (`_carry`, at q = s-1)
+    draft chain    from the last row: draft 1 = argmax logits; draft j at position p+j-1 from (h'_{j-1}, draft j-1),
+                   h' the layer's own output (written KV past p is rewritten next step)
 
 Draft KV reused by a radix hit: docs/speculative.md."""
 from __future__ import annotations

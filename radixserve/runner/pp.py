@@ -10,9 +10,8 @@ activations go point to point from stage to stage, cut into micro-batches so the
         stage 1             recv(m0) ─► layers(m0) ─send─► recv(m1) ─► layers(m1) ─send─► ...
         stage N-1                     recv(m0) ─► layers+norm+head(m0) ─send logits to 0─► recv(m1) ...
 
-Sends are asynchronous (isend), so stage s computes micro-batch m + 1 while stage s + 1 computes m; under TP, tp_rank
-i sends its 1/T of the residual's columns to the next stage's tp_rank i. DSA: a stage stores its full layers' index
-keys; one starting on an IndexShare layer also receives the top-k. Bytes, and why M changes no row: docs/parallel.md."""
+Sends are asynchronous (isend): stage s computes micro-batch m + 1 while s + 1 computes m; under TP, tp_rank i sends its
+1/T of the residual's columns to the next stage's tp_rank i. Bytes, DSA, why M changes no row: docs/parallel.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -53,9 +52,8 @@ def stage_index_layers(mc: ModelConfig, layers: range) -> tuple[int, ...]:
 
 
 class PPModelRunner(ModelRunner):
-    """A pipeline stage's ModelRunner: this stage's layers (and embedding / head) and a KVCache of its layers only;
-    forward() as above. On rank 0 forward returns the whole step's logits (R, V) fp32 for run() to sample; on the
-    last stage's ranks its own logit rows; elsewhere (0, V). ValueError: a hidden size --tp-size does not divide."""
+    """A stage's ModelRunner: its layers (and embedding / head) and their KVCache; forward() -> rank 0: the step's
+    logits (R, V) fp32, the last stage: its rows, others: (0, V). ValueError: hidden size not divisible by --tp-size."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  checkpoint_kv_scales: dict[str, torch.Tensor] | None = None,

@@ -35,8 +35,7 @@ class ProfilerHooks(EngineHooks):
         self.last_trace: str | None = None
 
     def profile(self, action: str = "start", num_steps: int | None = None) -> dict[str, Any]:
-        """`action` "start" or "stop"; InvalidRequest (400) for a bad one, a start while
-        recording, a stop while idle or a `num_steps` below 1."""
+        """InvalidRequest (400): bad `action` ("start" | "stop"), start if recording, stop if idle, num_steps < 1."""
         if action == "start":
             return self._start(num_steps)
         if action == "stop":

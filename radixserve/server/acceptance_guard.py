@@ -3,9 +3,9 @@
 Over the choice's cumulative SpecCounts, with SGLang's definitions (outputs.SpecCounts):
     accept length = tokens emitted per verify step, the bonus token counted
     accept rate   = accepted drafts / proposed drafts
-Once `min_tokens` tokens were generated and `min_verify_steps` steps verified: accept length < `min_accept_length`
-(corrupted KV: the target no longer agrees with its draft) or, sampled choices only, accept rate > `max_accept_rate`
-(a loop). Whether a detection acts: server/anomaly.py. Rates: docs/anomaly_guard.md."""
+
+After `min_tokens` tokens and `min_verify_steps` verify steps: accept length < `min_accept_length` (corrupted KV) or,
+sampled choices only, accept rate > `max_accept_rate` (a loop). Acting: anomaly.py; rates: docs/anomaly_guard.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,5 @@
-"""The output-anomaly guard: O(1)-state text detectors over one choice's text, AnomalyGuard, which runs a choice's
-detectors, and a worker's GuardSettings (which detectors run, which act, which only report) with the per-request
-OutputFilter built from them, GuardFilter (docs/anomaly_guard.md)."""
+"""The output-anomaly guard: O(1)-state text detectors, AnomalyGuard (one choice's detectors), a worker's GuardSettings
+(which run, act, only report) and GuardFilter, the per-request OutputFilter built from them (docs/anomaly_guard.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -269,8 +268,7 @@ class GuardSettings:
 
     @classmethod
     def from_config(cls, c: ServerConfig, speculative_algorithm: str | None = None) -> GuardSettings | None:
-        """The guard the flags ask for; None with --disable-anomaly-guard. The acceptance detector
-        runs whenever `speculative_algorithm` (the engine's) is set."""
+        """The flags' guard (None: --disable-anomaly-guard); acceptance detector iff speculative_algorithm set."""
         if c.disable_anomaly_guard:
             return None
         acceptance = AcceptanceConfig(

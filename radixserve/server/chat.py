@@ -1,6 +1,5 @@
-"""POST /v1/chat/completions: the chat template, tools and reasoning planned, its GenerationRun, and the answer
-(collected, or SSE: per choice a role delta, content deltas, one empty delta with finish_reason; joined deltas equal
-the collected message byte for byte)."""
+"""POST /v1/chat/completions: template, tools, reasoning planned; a GenerationRun; the answer (collected, or SSE: per
+choice a role delta, content deltas, an empty finish_reason delta; joined: the collected message byte for byte)."""
 from __future__ import annotations
 
 import asyncio

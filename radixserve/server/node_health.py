@@ -1,6 +1,5 @@
-"""`serve --node-rank K > 0`: a machine that runs only tensor-parallel ranks (node 0 serves the API) still answers
-GET /health and /live on --port, 200 while this process runs its ranks, so one probe set fits every pod of a
-multi-node group (deploy/k8s/tp/). Every other path is 404: it serves no API."""
+"""`serve --node-rank K > 0`: a machine running only TP ranks still answers GET /health and /live on --port, 200 while
+its ranks run, so one probe set fits every pod of a multi-node group (deploy/k8s/tp/). Other paths: 404 (no API)."""
 from __future__ import annotations
 
 import json
@@ -31,8 +30,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 @contextmanager
 def node_health(sock: socket.socket) -> Iterator[None]:
-    """Answer the health paths on `sock` (bound, not listening: http_common.bind_socket) in a background thread
-    until the block ends; the socket is closed then."""
+    """Serve the health paths on `sock` (bound, not listening) from a thread until the block ends, then close it."""
     server = ThreadingHTTPServer(sock.getsockname()[:2], _Handler, bind_and_activate=False)
     server.socket.close()
     server.socket = sock

@@ -42,8 +42,7 @@ def install_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        """200 `ok` with this process's `instance_id`; 503 `degraded` (all slots held: route
-        away, not sick), `engine_dead`, or `draining`."""
+        """200 `ok` + `instance_id`, 503 `degraded` (slots full: route away, not sick), `engine_dead`, `draining`."""
         if not ctx.client.is_alive:
             raise EngineDead(f"engine is dead: {ctx.client.dead_reason}")
         num_open = ctx.client.num_open_requests

@@ -81,8 +81,7 @@ class ServingContext:
 
     def filters_for(self, params: SamplingParams,
                     report: Reporter | None = None) -> tuple[list[OutputFilter], SamplingParams]:
-        """One request's filters in order (corrupt fault, anomaly guard), and `params` as they need
-        them; `report` receives the detections the guard only reports."""
+        """Filters in order (corrupt fault, anomaly guard), `params` as they need; `report`: report-only detections."""
         filters: list[OutputFilter] = []
         corrupter = self.faults.corrupter() if self.faults is not None else None
         if corrupter is not None:

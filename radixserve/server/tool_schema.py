@@ -2,8 +2,7 @@
 
     [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]
 
-Read back by parsers/json_calls.py. `$defs` / `definitions` move to the array's root; other `#...`
-references to a function schema's root do not survive the nesting."""
+Read by parsers/json_calls.py. `$defs` / `definitions` move to the array's root; other `#...` root references break."""
 from __future__ import annotations
 
 import copy
@@ -19,8 +18,7 @@ DEFINITION_KEYS = ("$defs", "definitions")
 
 
 def calls_schema(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """JSON schema text of 1+ calls to `tools` (<= 1 unless `parallel`); InvalidRequest (400) for
-    non-object parameters or one definition name with two schemas."""
+    """JSON schema of 1+ calls to `tools` (<= 1 unless `parallel`); InvalidRequest: non-object params, $defs clash."""
     assert tools, "a call schema needs at least one function"
     definitions: dict[str, dict[str, Any]] = {key: {} for key in DEFINITION_KEYS}
     items = [_call_item(tool, definitions) for tool in tools]

@@ -31,9 +31,8 @@ def default_cache_dir() -> str:
 
 
 class Tokenizer:
-    """A transformers tokenizer plus what serving needs. eos_token_ids: the tokenizer's eos, the
-    config's or GGUF's eos/eot/eom, and the token the chat template ends an assistant turn with;
-    byte_token_ids: `<0xNN>` tokens when the decoder has ByteFallback, else empty."""
+    """A transformers tokenizer plus serving's needs. eos_token_ids: the tokenizer's, config's or GGUF's eos/eot/eom and
+    the template's assistant-turn end; byte_token_ids: `<0xNN>` tokens with ByteFallback, else empty."""
 
     def __init__(self, hf: Any, eos_token_ids: Sequence[int] = (), loaded_from_cache: bool = False):
         self.hf = hf
@@ -207,8 +206,7 @@ _GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
 def _from_folder(folder: str) -> Any:
-    """The HF tokenizer in `folder`; the generic `tokenizers` backend loads directly, since
-    `AutoTokenizer` imports torch, which the HTTP process does not need."""
+    """The HF tokenizer in `folder`, loaded by `tokenizers` directly (AutoTokenizer imports torch, unneeded by HTTP)."""
     try:
         with open(os.path.join(folder, "tokenizer_config.json")) as f:
             tokenizer_class = json.load(f).get("tokenizer_class")

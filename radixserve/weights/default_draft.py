@@ -1,9 +1,8 @@
 """The default model's trained draft head (training/train_draft_head.py), shipped in the package.
 
-`with_default_draft(config)`, which `radixserve serve` and the offline LLM call, turns EAGLE without
---speculative-draft-model-path on the default model into EAGLE with DEFAULT_DRAFT_HEAD and, unless set,
---speculative-draft-min-prob DEFAULT_DRAFT_MIN_PROB; anything else is unchanged. Off by default: the head does not pay
-yet (docs/speculative.md)."""
+`with_default_draft(config)` (`radixserve serve`, the offline LLM) turns EAGLE on the default model without
+--speculative-draft-model-path into EAGLE with DEFAULT_DRAFT_HEAD and, unless set, --speculative-draft-min-prob
+DEFAULT_DRAFT_MIN_PROB; anything else is unchanged. Off by default: the head does not pay yet (docs/speculative.md)."""
 from __future__ import annotations
 
 import dataclasses

@@ -31,8 +31,7 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 
 def decode_int4(type_name: str, data: np.ndarray, num_cols: int) -> Int4Blocks:
-    """data (N, bytes per row) uint8 as `gguf.GGUFReader` gives it -> Int4Blocks.
-    Raises ValueError for another type or a row size that does not fit `num_cols`."""
+    """data (N, row bytes) uint8 (GGUFReader's) -> Int4Blocks; ValueError: another type, rows not fitting `num_cols`."""
     data = np.asarray(data, dtype=np.uint8)
     rows = data.shape[0]
     if type_name in ("Q4_0", "Q4_1"):

@@ -16,8 +16,7 @@ _SCALAR = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UI
 
 
 def read_scalars(path: str, keys: Iterable[str]) -> dict[str, Any]:
-    """Values of `keys` the file holds as scalars or strings (arrays and absent keys left out).
-    Raises ValueError for a file that is not a little-endian GGUF v2/v3 file or ends early."""
+    """Scalar/string values of `keys` (arrays, absent keys omitted); ValueError: not LE GGUF v2/v3, or cut short."""
     wanted = set(keys)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:

@@ -109,9 +109,8 @@ def _unmapped(family: str, gguf_name: str) -> ValueError:
 
 
 def merge_kv_b(tensors: dict) -> None:
-    """In place: each layer's self_attn.{k_b,v_b}_proj.weight pair -> self_attn.kv_b_proj.weight, rows per head
-    [k_b[h].T (nope, rank) | v_b[h] (v, rank)]; both dropped where the file also holds attn_kv_b. fp32 tensors only.
-    Raises ValueError for a layer holding one half."""
+    """In place: each layer's self_attn.{k_b,v_b}_proj.weight -> self_attn.kv_b_proj.weight, per head [k_b[h].T (nope,
+    rank) | v_b[h] (v, rank)], both dropped if the file has attn_kv_b too. fp32 only; ValueError: one half only."""
     for k_name in [n for n in tensors if n.endswith(".self_attn.k_b_proj.weight")]:
         v_name, kv_name = (k_name.replace(".k_b_proj.", p) for p in (".v_b_proj.", ".kv_b_proj."))
         if v_name not in tensors:

@@ -37,8 +37,7 @@ class CascadePlan:
 def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int]], page_size: int,
                  dtype: torch.dtype, device: torch.device,
                  borrowed: list[int] | None = None) -> CascadePlan | None:
-    """Group sequences (slot, length incl. new token, pages) by leading pages, each read from its least-`borrowed` slot;
-    None if it saves too little."""
+    """Groups (slot, len + new token, pages) by leading pages, each read at its least-`borrowed` slot; None: no gain."""
     buckets: dict[int, list[int]] = {}
     for i, pages in enumerate(page_lists):
         if pages and lens[i] - 1 >= MIN_PREFIX_TOKENS:
@@ -93,8 +92,7 @@ def plan_cascade(slot_idx: list[int], lens: list[int], page_lists: list[list[int
 
 
 def cascade_attend(plan: CascadePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q (B, H, D) decode queries; k, v: one layer's mirror (KV, slots, capacity, D) with the new tokens
-    appended -> (B, H, D) in q's dtype."""
+    """q (B, H, D) decode queries, k, v (KV, slots, capacity, D) a layer's mirror + new tokens -> (B, H, D), q dtype."""
     batch, num_heads, head_dim = q.shape
     num_kv = k.shape[0]
     rep = num_heads // num_kv
