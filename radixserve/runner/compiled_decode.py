@@ -84,7 +84,12 @@ class DecodeGraphs:
     """Compiled decode of `model` (a LlamaForCausalLM) for steps of up to `max_bs` single-token sequences.
 
     `run(step, attn)` -> logits (B, V) fp32, or None for a step it does not take (eager runs it). `graphs` counts the
-    graphs Inductor compiled, `recompiles` those compiled after warm-up (0 in steady state, C63)."""
+    graphs Inductor compiled, `recompiles` those compiled after warm-up (0 in steady state, C63).
+
+    After warm-up a bucket's graph is called directly, without Dynamo's frame entry, guards and argument gathering
+    (1.6-1.9 ms a batch-1 step, docs/benchmarks.md): every argument Dynamo passes is fixed for the bucket (the model's
+    tensors and the bucket's own input buffers, which `run` fills), so warm-up records them once. A bucket whose
+    recorded arguments or output do not check out keeps the Dynamo call."""
 
     def __init__(self, model: torch.nn.Module, max_bs: int, key: str, device: torch.device,
                  root: pathlib.Path | None = None):
@@ -96,6 +101,9 @@ class DecodeGraphs:
         self.recompiles = 0
         self.steps = 0
         self.warm = False
+        self._recording: int | None = None
+        # bucket -> (Inductor's compiled function, the arguments Dynamo called it with)
+        self._direct: dict[int, tuple[Callable, tuple]] = {}
         self._opaque = opaque_attention.OpaqueAttention()
         self._inputs = {b: (torch.zeros(b, dtype=torch.int64, device=device),
                             torch.zeros(b, dtype=torch.int64, device=device)) for b in self.buckets}
@@ -112,7 +120,28 @@ class DecodeGraphs:
         if self.warm:
             self.recompiles += 1
             logger.warning("compiled decode: recompiling after warm-up (%d so far)", self.recompiles)
-        return compile_fx(gm, example_inputs, config_patches=INDUCTOR_OPTIONS)
+        compiled = compile_fx(gm, example_inputs, config_patches=INDUCTOR_OPTIONS)
+
+        def call(*args: object) -> object:
+            if self._recording is not None:
+                self._direct.setdefault(self._recording, (compiled, args))
+            return compiled(*args)
+        return call
+
+    def _check_direct(self, b: int) -> None:
+        """Keep bucket b's recorded call only if it reads the bucket's input buffers and returns what Dynamo does."""
+        fn, args = self._direct.pop(b, (None, ()))
+        ids, pos = self._inputs[b]
+        if sum(a is ids for a in args) != 1 or sum(a is pos for a in args) != 1:
+            logger.info("compiled decode: batch %d keeps the Dynamo call (its inputs are not the buffers)", b)
+            return
+        ids.copy_(torch.arange(b, device=ids.device) + 1)
+        pos.copy_(torch.arange(b, device=pos.device))
+        expected, got = self._compiled(ids, pos), fn(*args)
+        if not (isinstance(got, (list, tuple)) and len(got) == 1 and torch.equal(got[0], expected)):
+            logger.info("compiled decode: batch %d keeps the Dynamo call (its output differs)", b)
+            return
+        self._direct[b] = (fn, args)
 
     def warm_up(self) -> None:
         """Compile (or load from the disk cache) every bucket, one log line each; raises what Inductor raises.
@@ -127,10 +156,16 @@ class DecodeGraphs:
         with _inductor_cache(self.folder), torch.inference_mode():
             for b in self.buckets:
                 start, before = time.perf_counter(), self.graphs
-                with opaque_attention.bound(stub, b):
-                    self._compiled(*self._inputs[b])
+                self._recording = b
+                try:
+                    with opaque_attention.bound(stub, b):
+                        self._compiled(*self._inputs[b])
+                finally:
+                    self._recording = None
                 if self.graphs == before:
                     raise RuntimeError(f"batch {b}: torch.compile ran eagerly (no graph compiled)")
+                with opaque_attention.bound(stub, b):
+                    self._check_direct(b)
                 logger.info("compiled decode: batch %d ready in %.1f s (%d graph(s))", b,
                             time.perf_counter() - start, self.graphs - before)
         self.warm = True
@@ -153,11 +188,16 @@ class DecodeGraphs:
         ids, pos = self._inputs[b]
         ids[:n].copy_(step.input_ids)
         pos[:n].copy_(step.positions)
-        with opaque_attention.bound(attn, n), _inductor_cache(self.folder):
-            logits = self._compiled(ids, pos)
+        direct = self._direct.get(b)
+        with opaque_attention.bound(attn, n):
+            if direct is not None:
+                logits = direct[0](*direct[1])[0]
+            else:
+                with _inductor_cache(self.folder):
+                    logits = self._compiled(ids, pos)
         self.steps += 1
         return logits[:n]
 
     def info(self) -> dict:
         return {"buckets": self.buckets, "graphs": self.graphs, "recompiles": self.recompiles, "steps": self.steps,
-                "cache": str(self.folder)}
+                "direct": sorted(self._direct), "cache": str(self.folder)}

@@ -85,7 +85,12 @@ def test_compiled_decode_matches_eager(request, compile_cache, family):
     assert compiled.scheduler.num_preemptions > 0 and cached[1] > cached[0], cached   # round 2 hits the radix cache
     info = compiled.runner.info()["compile"]
     assert info["steps"] > 0, info                     # the compiled graphs ran
+    assert info["direct"] == graphs.buckets, info      # called directly, past Dynamo
     assert info["recompiles"] == 0 and graphs.graphs == warm, info   # C63: nothing compiled after warm-up
+    graphs._direct.clear()                              # the Dynamo call (a bucket whose check failed) gives the same
+    for i, (g, w) in enumerate(zip(generate(compiled, prompts), generate(eager, prompts))):
+        assert_same_greedy(g, w, f"{family} through Dynamo, prompt {i}")
+    assert graphs.recompiles == 0 and graphs.graphs == warm, graphs.info()
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +126,7 @@ def test_compiled_own_int4_kernel_decode_matches_eager(q4_gguf, compile_cache, q
         cached.append(compiled.counters["num_cached_tokens"])
     assert compiled.scheduler.num_preemptions > 0 and cached[1] > cached[0], cached
     info = compiled.runner.info()["compile"]
-    assert info["steps"] > 0 and info["recompiles"] == 0, info
+    assert info["steps"] > 0 and info["recompiles"] == 0 and info["direct"] == [1, 2], info
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
