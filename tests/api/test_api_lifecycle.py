@@ -92,7 +92,7 @@ def test_flush_cache_and_server_info(tiny_server):
     assert set(tiny_server.get("/server_info").json()) == set(info)
     assert info["engine"]["runner"] == {"device": "cpu", "attention_backend": "torch",
                                         "kv_cache_dtype": "float32",
-                                        "deterministic_inference": False}
+                                        "deterministic_inference": False, "quantization": "none"}
     assert tiny_server.get("/health_generate").status_code == 200
 
 
