@@ -115,6 +115,8 @@ def test_version_prints_the_package_version():
     (["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "0"], "--speculative-num-steps must be in [1, 16]"),
     (["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "100"], "--speculative-num-steps must be in [1, 16]"),
     (["--speculative-num-steps", "2"], "--speculative-num-steps needs --speculative-algorithm EAGLE"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-break-even-tokens", "nan"], "speculative_break_even_tokens"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-break-even-tokens", "-1"], "speculative_break_even_tokens"),
 ])
 def test_out_of_range_settings_are_exit_2_naming_the_flag(flags, names, no_serving, capsys):
     """A threshold no rule can use (a zero window divided by, a rate above 1, NaN) fails at start-up, in one line."""
