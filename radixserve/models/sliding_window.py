@@ -33,8 +33,10 @@ def window_from_hf(cfg: dict[str, Any], num_layers: int) -> SlidingWindow | None
     `sliding_window` on every layer, `layer_types` ignored; Qwen3-MoE: on every layer if `use_sliding_window`; Qwen2 /
     Qwen3: if `use_sliding_window`, on the "sliding_attention" entries of `layer_types`, else from `max_window_layers`
     on; Llama, GLM, DeepSeek: none. ValueError for `layer_types` of another length or kind, or "sliding_attention"
-    layers without a window size (transformers cannot build their mask either)."""
-    model_type = cfg.get("model_type") or _ARCH_TYPES.get((cfg.get("architectures") or [""])[0], "")
+    layers without a window size (transformers cannot build their mask either), or `max_window_layers` not an int under a window."""
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        model_type = _ARCH_TYPES.get(str((cfg.get("architectures") or [""])[0]), "")
     rule = _RULES.get(model_type)
     if rule is None:
         return None
@@ -48,8 +50,12 @@ def window_from_hf(cfg: dict[str, Any], num_layers: int) -> SlidingWindow | None
     types = cfg.get("layer_types")
     if types is None:
         first = cfg.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS)
-        return _window(size, range(first, num_layers),
+        if size is not None and (isinstance(first, bool) or not isinstance(first, int)):
+            raise ValueError(f"config.json max_window_layers {first!r} is not a layer index")
+        return _window(size, range(max(first, 0), num_layers),   # transformers: layer i slides if i >= it
                        "config.json sliding_window, use_sliding_window, max_window_layers")
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ValueError(f"config.json layer_types {types!r} is not a list of layer kinds")
     types = [_LEGACY_TYPES.get(t, t) for t in types]
     if len(types) != num_layers or not set(types) <= {"full_attention", "sliding_attention"}:
         raise ValueError(f"config.json layer_types {types}: {model_type} takes {num_layers} entries, each "
@@ -82,7 +88,12 @@ def window_from_gguf(get: Callable[[str, Any], Any], arch: str, num_layers: int)
 def check_window(window: SlidingWindow | None, context_len: int) -> None:
     """ValueError naming the layers, the size and the keys when `window` can bind within `context_len` tokens (the
     engine's --context-length, else the model's max_position_embeddings); a window that cannot bind changes nothing."""
-    if window is None or not window.can_bind(context_len):
+    if window is None:
+        return
+    if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 1:
+        raise ValueError(f"context length {context_len!r} (--context-length, else max_position_embeddings) is not a "
+                         "positive token count")
+    if not window.can_bind(context_len):
         return
     verb = "uses" if len(window.layers) == 1 else "use"
     raise ValueError(f"{_layer_names(window.layers)} {verb} a {window.size}-token sliding window ({window.source}), "

@@ -170,3 +170,33 @@ def test_c64_a_gguf_window_as_long_as_the_context_is_served(tmp_path, monkeypatc
     path = write_gguf_header(tmp_path / "m.gguf", 1024, None)
     assert read_model_config(path).sliding_window.layers == (0, 1, 2, 3)
     check_checkpoint(EngineConfig(model_path=path), path)
+
+
+ODD = dict(use_sliding_window=True, sliding_window=16, layer_types=None)   # max_window_layers placing the window
+
+
+@pytest.mark.parametrize("written, says", [
+    (dict(ODD, max_window_layers=1.0), "config.json max_window_layers 1.0 is not a layer index"),
+    (dict(ODD, max_window_layers="1"), "config.json max_window_layers '1' is not a layer index"),
+    (dict(ODD, layer_types=5), "config.json layer_types 5 is not a list of layer kinds"),
+    (dict(ODD, layer_types=[[SLIDE], FULL]), "config.json layer_types [['sliding_attention'], 'full_attention'] is "
+                                             "not a list of layer kinds"),
+    (dict(ODD, max_window_layers=0, max_position_embeddings="1024"),
+     "context length '1024' (--context-length, else max_position_embeddings) is not a positive token count"),
+    (dict(num_hidden_layers="2"), "its config has a value of the wrong type"),
+])
+def test_c64_config_values_of_the_wrong_type_are_refused_in_one_line(tmp_path, written, says, no_serving, capsys):
+    """Values transformers' strict config classes refuse as well: exit 2 naming the key, not a TypeError traceback."""
+    folder = build(tmp_path / "model", QWEN2, {}, written)
+    capsys.readouterr()
+    assert cli.main(["serve", "--model-path", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixserve serve: error: ") and says in err and err.count("\n") == 1, err
+
+
+def test_c64_a_negative_max_window_layers_slides_every_layer(tmp_path):
+    """transformers slides layer i where i >= max_window_layers: every layer, named from 0."""
+    folder = build(tmp_path / "model", QWEN2, {}, dict(ODD, max_window_layers=-1))
+    assert our_windows(folder) == [16, 16]
+    with pytest.raises(ValueError, match=r"^layers 0-1 use a 16-token sliding window"):
+        ModelRunner.from_config(EngineConfig(model_path=str(folder), max_total_tokens=512))
