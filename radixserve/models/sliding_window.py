@@ -70,8 +70,8 @@ def window_from_hf(cfg: dict[str, Any], num_layers: int) -> SlidingWindow | None
 def window_from_gguf(get: Callable[[str, Any], Any], arch: str, num_layers: int) -> SlidingWindow | None:
     """`<arch>.attention.sliding_window` (gguf's Keys.Attention.SLIDING_WINDOW) on the layers its
     `sliding_window_pattern` names: a list of bools per layer, or an int n as llama.cpp's `set_swa_pattern(n)` (layer
-    i slides unless i % n == n - 1; n = 0: every layer); without a pattern, every layer. `get(key, default)` reads
-    `<arch>.<key>`."""
+    i slides unless i % n == n - 1; n = 0: every layer); without a pattern, every layer; ValueError for a pattern of
+    another type. `get(key, default)` reads `<arch>.<key>`."""
     size = get("attention.sliding_window", None)
     if size is None:
         return None
@@ -80,8 +80,10 @@ def window_from_gguf(get: Callable[[str, Any], Any], arch: str, num_layers: int)
     if pattern is None:
         return _window(size, range(num_layers), source)
     source += f", {arch}.attention.sliding_window_pattern"
-    if isinstance(pattern, int):
+    if isinstance(pattern, int) and pattern >= 0:
         return _window(size, [i for i in range(num_layers) if pattern == 0 or i % pattern < pattern - 1], source)
+    if not isinstance(pattern, list):
+        raise ValueError(f"{source}: sliding_window_pattern {pattern!r} is neither a layer count >= 0 nor a list")
     return _window(size, [i for i, on in enumerate(pattern[:num_layers]) if on], source)
 
 

@@ -134,9 +134,10 @@ def test_c64_full_attention_layers_are_served_equal_to_transformers(tmp_path, ca
     assert our_windows(folder) == hf_windows(hf)
 
 
-def write_gguf_header(path, window: int, pattern: int | list[bool] | None) -> str:
+def write_gguf_header(path, window: int, pattern: int | list[bool] | None, add_pattern: str = "") -> str:
     """A tensor-less 4-layer `llama` GGUF file whose metadata carries gguf's `attention.sliding_window` (and
-    `attention.sliding_window_pattern` unless None), context length 1024."""
+    `attention.sliding_window_pattern` unless None, of the type GGUFWriter's `add_pattern` method writes, e.g.
+    "add_int32", else the type add_sliding_window_pattern gives it), context length 1024."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -144,7 +145,9 @@ def write_gguf_header(path, window: int, pattern: int | list[bool] | None) -> st
                        (writer.add_feed_forward_length, 128), (writer.add_context_length, 1024),
                        (writer.add_vocab_size, 256), (writer.add_sliding_window, window)]:
         add(value)
-    if pattern is not None:
+    if add_pattern:
+        getattr(writer, add_pattern)("llama.attention.sliding_window_pattern", pattern)
+    elif pattern is not None:
         writer.add_sliding_window_pattern(pattern)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -200,3 +203,14 @@ def test_c64_a_negative_max_window_layers_slides_every_layer(tmp_path):
     assert our_windows(folder) == [16, 16]
     with pytest.raises(ValueError, match=r"^layers 0-1 use a 16-token sliding window"):
         ModelRunner.from_config(EngineConfig(model_path=str(folder), max_total_tokens=512))
+
+
+@pytest.mark.parametrize("add_pattern, pattern", [("add_int32", -2), ("add_float32", 2.0), ("add_string", "abc")])
+def test_c64_a_gguf_window_pattern_of_another_type_is_refused(tmp_path, add_pattern, pattern, no_serving, capsys):
+    """Neither llama.cpp's layer count n >= 0 nor a per-layer list: refused even where the window cannot bind."""
+    path = write_gguf_header(tmp_path / "m.gguf", 16, pattern, add_pattern)
+    assert cli.main(["serve", "--model-path", path, "--context-length", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixserve serve: error: GGUF llama.attention.sliding_window, llama.attention."
+                          f"sliding_window_pattern: sliding_window_pattern {pattern!r} is neither") and \
+        err.count("\n") == 1, err
