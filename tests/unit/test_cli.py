@@ -117,6 +117,7 @@ def test_version_prints_the_package_version():
     (["--speculative-num-steps", "2"], "--speculative-num-steps needs --speculative-algorithm EAGLE"),
     (["--speculative-algorithm", "NGRAM", "--speculative-break-even-tokens", "nan"], "speculative_break_even_tokens"),
     (["--speculative-algorithm", "NGRAM", "--speculative-break-even-tokens", "-1"], "speculative_break_even_tokens"),
+    (["--context-length", "-5"], "--context-length must be >= 0"),   # every request was refused as too long
 ])
 def test_out_of_range_settings_are_exit_2_naming_the_flag(flags, names, no_serving, capsys):
     """A threshold no rule can use (a zero window divided by, a rate above 1, NaN) fails at start-up, in one line."""
