@@ -135,6 +135,19 @@ def tiny_hf_folder(folder: pathlib.Path, layers: int = 2, heads: int = 4, kv_hea
     return folder
 
 
+@pytest.mark.parametrize("text, says", [("[]", "config.json: a JSON object of settings expected, not list"),
+                                         ("null", "config.json: a JSON object of settings expected, not NoneType"),
+                                         ("{bad", "config.json: not valid JSON (Expecting property name")])
+def test_a_config_json_that_is_not_an_object_is_exit_2_naming_the_file(tmp_path, text, says, no_serving, capsys):
+    """serve reads every HF folder's config.json before loading (the sliding-window check): no AttributeError."""
+    folder = tiny_hf_folder(tmp_path / "model")
+    (folder / "config.json").write_text(text)
+    assert cli.main(["serve", "--model-path", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"radixserve serve: error: {folder / 'config.json'}") and says in err, err
+    assert err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--pp-size", "3"], "--pp-size 3 exceeds the model's 2 layers"),
     (["--tp-size", "3"], "--tp-size 3 does not divide 4 attention heads and 2 KV heads"),
