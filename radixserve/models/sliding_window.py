@@ -12,6 +12,8 @@ _RULES = {"mistral": "every", "qwen3_moe": "every_if_used", "qwen2": "layer_type
 _ARCH_TYPES = {"MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                "Qwen3MoeForCausalLM": "qwen3_moe"}
 _LEGACY_TYPES = {"attention": "full_attention"}   # transformers' remap_legacy_layer_types, the entry that applies
+# config classes of our other families, whose modeling code has no window (a `sliding_window` key there is ignored)
+_WINDOWLESS = {"llama", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32"}
 
 
 @dataclass(frozen=True)
@@ -32,13 +34,18 @@ def window_from_hf(cfg: dict[str, Any], num_layers: int) -> SlidingWindow | None
     """The window of a config.json dict as transformers 5.25 applies it (None: full attention everywhere). Mistral:
     `sliding_window` on every layer, `layer_types` ignored; Qwen3-MoE: on every layer if `use_sliding_window`; Qwen2 /
     Qwen3: if `use_sliding_window`, on the "sliding_attention" entries of `layer_types`, else from `max_window_layers`
-    on; Llama, GLM, DeepSeek: none. ValueError for `layer_types` of another length or kind, or "sliding_attention"
-    layers without a window size (transformers cannot build their mask either), or `max_window_layers` not an int under a window."""
+    on; Llama, GLM, DeepSeek: none. ValueError for another model_type with a `sliding_window` (transformers picks the
+    config class, e.g. Ministral's, by model_type, not `architectures`), `layer_types` of another length or kind,
+    "sliding_attention" layers without a window size (transformers cannot build their mask either), or
+    `max_window_layers` not an int under a window."""
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         model_type = _ARCH_TYPES.get(str((cfg.get("architectures") or [""])[0]), "")
     rule = _RULES.get(model_type)
     if rule is None:
+        if model_type and model_type not in _WINDOWLESS and cfg.get("sliding_window") is not None:
+            raise ValueError(f"config.json model_type {model_type!r} with sliding_window {cfg['sliding_window']!r}: "
+                             "radixserve does not know which layers its config class windows")
         return None
     size = cfg.get("sliding_window", _DEFAULT_WINDOW)
     if rule == "every":

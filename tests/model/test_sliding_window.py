@@ -214,3 +214,16 @@ def test_c64_a_gguf_window_pattern_of_another_type_is_refused(tmp_path, add_patt
     assert err.startswith("radixserve serve: error: GGUF llama.attention.sliding_window, llama.attention."
                           f"sliding_window_pattern: sliding_window_pattern {pattern!r} is neither") and \
         err.count("\n") == 1, err
+
+
+def test_c64_a_model_type_whose_window_radixserve_cannot_place_is_refused(tmp_path, no_serving, capsys):
+    """MistralForCausalLM weights under model_type ministral: transformers builds MinistralForCausalLM, which windows
+    every layer by its layer_types; served windowless before."""
+    from transformers import AutoModelForCausalLM
+
+    folder = build(tmp_path / "model", MISTRAL, WINDOW, dict(model_type="ministral"))
+    assert hf_windows(AutoModelForCausalLM.from_pretrained(folder)) == [16] * 4
+    capsys.readouterr()
+    assert cli.main(["serve", "--model-path", str(folder)]) == 2
+    assert capsys.readouterr().err == ("radixserve serve: error: config.json model_type 'ministral' with sliding_window "
+                                       "16: radixserve does not know which layers its config class windows\n")
