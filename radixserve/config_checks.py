@@ -12,8 +12,9 @@ def check_speculative(config: Any) -> None:
     _check_eagle(config)
     if not 1 <= config.spec_max_draft <= 16:
         raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
-    if config.speculative_break_even_tokens is not None and config.speculative_break_even_tokens < 0:
-        raise ValueError("speculative_break_even_tokens must be >= 0")
+    r = config.speculative_break_even_tokens
+    if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not r >= 0):   # nan fails >=
+        raise ValueError(f"speculative_break_even_tokens must be a number >= 0, got {r!r}")
     draft_given = (config.speculative_draft_layers is not None
                    or config.speculative_draft_model_path is not None)
     head_given = config.is_eagle and config.speculative_draft_layers is None

@@ -176,7 +176,8 @@ class DrainMiddleware:
 
 
 class GracefulServer(uvicorn.Server):
-    """SIGINT/SIGTERM starts `drain`'s shutdown, a 2nd SIGINT stops at once; needs timeout_graceful_shutdown=FLUSH_S."""
+    """SIGINT/SIGTERM starts `drain`'s shutdown, a 2nd SIGINT cuts off what is in flight and stops; needs
+    timeout_graceful_shutdown=FLUSH_S."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain):
         super().__init__(config)
@@ -196,6 +197,7 @@ class GracefulServer(uvicorn.Server):
         if self.drain.is_shutting_down:
             if sig == signal.SIGINT:
                 logger.warning("second interrupt: stopping now, without waiting")
+                self._loop.call_soon_threadsafe(self.drain.cut_off)   # 503s now, not uvicorn's cancelled 500s
                 super().handle_exit(sig, frame)
             return
         self._loop.call_soon_threadsafe(self.drain.shut_down, signal.Signals(sig).name)

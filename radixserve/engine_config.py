@@ -202,6 +202,8 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size must be >= page_size")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.context_length is not None and self.context_length < 0:   # 0: the model's, as unset
+            raise ValueError(f"--context-length must be >= 0, got {self.context_length}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError("max_total_tokens must hold at least two pages")
         if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):

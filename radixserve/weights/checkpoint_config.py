@@ -48,6 +48,8 @@ def read_model_config(path: str) -> ModelConfig:
         return read_gguf(path)[0] if is_gguf(path) else ModelConfig.from_hf(read_hf_config(path))
     except KeyError as exc:
         raise ValueError(f"model path {path!r}: its config lacks {exc}") from None
+    except TypeError as exc:   # a value of another JSON type than the key takes: "2" layers, a list model_type
+        raise ValueError(f"model path {path!r}: its config has a value of the wrong type ({exc})") from None
 
 
 def resolve_quantization(quantization: str, path: str, own_int4_kernel: bool = False) -> str:

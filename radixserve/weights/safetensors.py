@@ -13,18 +13,28 @@ if TYPE_CHECKING:
 
 
 def read_hf_config(folder: str) -> dict:
-    """config.json (FileNotFoundError if absent), eos_token_id widened to a list with generation_config.json's ids."""
-    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
+    """config.json (FileNotFoundError if absent; ValueError naming the file if it is not a JSON object), eos_token_id
+    widened to a list with generation_config.json's ids."""
+    cfg = _json_object(os.path.join(folder, "config.json"))
     gen_path = os.path.join(folder, "generation_config.json")
     if os.path.exists(gen_path):
-        with open(gen_path, encoding="utf-8") as f:
-            gen_eos = json.load(f).get("eos_token_id")
+        gen_eos = _json_object(gen_path).get("eos_token_id")
         eos = cfg.get("eos_token_id")
         ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
         ids += [e for e in (gen_eos if isinstance(gen_eos, list) else [gen_eos]) if e is not None and e not in ids]
         cfg["eos_token_id"] = ids
     return cfg
+
+
+def _json_object(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        try:
+            value = json.load(f)
+        except ValueError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: a JSON object of settings expected, not {type(value).__name__}")
+    return value
 
 
 def safetensors_files(folder: str) -> list[str]:

@@ -134,9 +134,10 @@ def test_c64_full_attention_layers_are_served_equal_to_transformers(tmp_path, ca
     assert our_windows(folder) == hf_windows(hf)
 
 
-def write_gguf_header(path, window: int, pattern: int | list[bool] | None) -> str:
+def write_gguf_header(path, window: int, pattern: int | list[bool] | None, add_pattern: str = "") -> str:
     """A tensor-less 4-layer `llama` GGUF file whose metadata carries gguf's `attention.sliding_window` (and
-    `attention.sliding_window_pattern` unless None), context length 1024."""
+    `attention.sliding_window_pattern` unless None, of the type GGUFWriter's `add_pattern` method writes, e.g.
+    "add_int32", else the type add_sliding_window_pattern gives it), context length 1024."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -144,7 +145,9 @@ def write_gguf_header(path, window: int, pattern: int | list[bool] | None) -> st
                        (writer.add_feed_forward_length, 128), (writer.add_context_length, 1024),
                        (writer.add_vocab_size, 256), (writer.add_sliding_window, window)]:
         add(value)
-    if pattern is not None:
+    if add_pattern:
+        getattr(writer, add_pattern)("llama.attention.sliding_window_pattern", pattern)
+    elif pattern is not None:
         writer.add_sliding_window_pattern(pattern)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -170,3 +173,57 @@ def test_c64_a_gguf_window_as_long_as_the_context_is_served(tmp_path, monkeypatc
     path = write_gguf_header(tmp_path / "m.gguf", 1024, None)
     assert read_model_config(path).sliding_window.layers == (0, 1, 2, 3)
     check_checkpoint(EngineConfig(model_path=path), path)
+
+
+ODD = dict(use_sliding_window=True, sliding_window=16, layer_types=None)   # max_window_layers placing the window
+
+
+@pytest.mark.parametrize("written, says", [
+    (dict(ODD, max_window_layers=1.0), "config.json max_window_layers 1.0 is not a layer index"),
+    (dict(ODD, max_window_layers="1"), "config.json max_window_layers '1' is not a layer index"),
+    (dict(ODD, layer_types=5), "config.json layer_types 5 is not a list of layer kinds"),
+    (dict(ODD, layer_types=[[SLIDE], FULL]), "config.json layer_types [['sliding_attention'], 'full_attention'] is "
+                                             "not a list of layer kinds"),
+    (dict(ODD, max_window_layers=0, max_position_embeddings="1024"),
+     "context length '1024' (--context-length, else max_position_embeddings) is not a positive token count"),
+    (dict(num_hidden_layers="2"), "its config has a value of the wrong type"),
+])
+def test_c64_config_values_of_the_wrong_type_are_refused_in_one_line(tmp_path, written, says, no_serving, capsys):
+    """Values transformers' strict config classes refuse as well: exit 2 naming the key, not a TypeError traceback."""
+    folder = build(tmp_path / "model", QWEN2, {}, written)
+    capsys.readouterr()
+    assert cli.main(["serve", "--model-path", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixserve serve: error: ") and says in err and err.count("\n") == 1, err
+
+
+def test_c64_a_negative_max_window_layers_slides_every_layer(tmp_path):
+    """transformers slides layer i where i >= max_window_layers: every layer, named from 0."""
+    folder = build(tmp_path / "model", QWEN2, {}, dict(ODD, max_window_layers=-1))
+    assert our_windows(folder) == [16, 16]
+    with pytest.raises(ValueError, match=r"^layers 0-1 use a 16-token sliding window"):
+        ModelRunner.from_config(EngineConfig(model_path=str(folder), max_total_tokens=512))
+
+
+@pytest.mark.parametrize("add_pattern, pattern", [("add_int32", -2), ("add_float32", 2.0), ("add_string", "abc")])
+def test_c64_a_gguf_window_pattern_of_another_type_is_refused(tmp_path, add_pattern, pattern, no_serving, capsys):
+    """Neither llama.cpp's layer count n >= 0 nor a per-layer list: refused even where the window cannot bind."""
+    path = write_gguf_header(tmp_path / "m.gguf", 16, pattern, add_pattern)
+    assert cli.main(["serve", "--model-path", path, "--context-length", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixserve serve: error: GGUF llama.attention.sliding_window, llama.attention."
+                          f"sliding_window_pattern: sliding_window_pattern {pattern!r} is neither") and \
+        err.count("\n") == 1, err
+
+
+def test_c64_a_model_type_whose_window_radixserve_cannot_place_is_refused(tmp_path, no_serving, capsys):
+    """MistralForCausalLM weights under model_type ministral: transformers builds MinistralForCausalLM, which windows
+    every layer by its layer_types; served windowless before."""
+    from transformers import AutoModelForCausalLM
+
+    folder = build(tmp_path / "model", MISTRAL, WINDOW, dict(model_type="ministral"))
+    assert hf_windows(AutoModelForCausalLM.from_pretrained(folder)) == [16] * 4
+    capsys.readouterr()
+    assert cli.main(["serve", "--model-path", str(folder)]) == 2
+    assert capsys.readouterr().err == ("radixserve serve: error: config.json model_type 'ministral' with sliding_window "
+                                       "16: radixserve does not know which layers its config class windows\n")

@@ -115,6 +115,9 @@ def test_version_prints_the_package_version():
     (["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "0"], "--speculative-num-steps must be in [1, 16]"),
     (["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "100"], "--speculative-num-steps must be in [1, 16]"),
     (["--speculative-num-steps", "2"], "--speculative-num-steps needs --speculative-algorithm EAGLE"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-break-even-tokens", "nan"], "speculative_break_even_tokens"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-break-even-tokens", "-1"], "speculative_break_even_tokens"),
+    (["--context-length", "-5"], "--context-length must be >= 0"),   # every request was refused as too long
 ])
 def test_out_of_range_settings_are_exit_2_naming_the_flag(flags, names, no_serving, capsys):
     """A threshold no rule can use (a zero window divided by, a rate above 1, NaN) fails at start-up, in one line."""
@@ -130,6 +133,19 @@ def tiny_hf_folder(folder: pathlib.Path, layers: int = 2, heads: int = 4, kv_hea
         "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads}))
     return folder
+
+
+@pytest.mark.parametrize("text, says", [("[]", "config.json: a JSON object of settings expected, not list"),
+                                         ("null", "config.json: a JSON object of settings expected, not NoneType"),
+                                         ("{bad", "config.json: not valid JSON (Expecting property name")])
+def test_a_config_json_that_is_not_an_object_is_exit_2_naming_the_file(tmp_path, text, says, no_serving, capsys):
+    """serve reads every HF folder's config.json before loading (the sliding-window check): no AttributeError."""
+    folder = tiny_hf_folder(tmp_path / "model")
+    (folder / "config.json").write_text(text)
+    assert cli.main(["serve", "--model-path", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"radixserve serve: error: {folder / 'config.json'}") and says in err, err
+    assert err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("flags, says", [

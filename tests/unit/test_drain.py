@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 
 import pytest
 import uvicorn
@@ -145,6 +146,25 @@ def test_shutdown_exits_at_once_when_idle_and_cuts_off_after_the_grace_period():
         assert body_of(sent).endswith(b"data: [DONE]\n\n")
 
     asyncio.run(scenario())
+
+
+def test_a_second_sigint_answers_the_requests_in_flight_with_a_503_before_stopping():
+    """Not left to uvicorn, whose forced stop cancels them into a 500 and an ASGI traceback."""
+    async def scenario() -> list[dict]:
+        drain = Drain(grace_s=600.0)
+        server = GracefulServer(uvicorn.Config(lambda *a: None), drain)
+        server._loop = asyncio.get_running_loop()
+        app, hooks = make_app(drain)
+        request, sent = start_request(app, "/v1/slow")
+        await asyncio.wait_for(hooks["sent"].wait(), 30)
+        drain.shut_down("SIGINT")
+        server.handle_exit(signal.SIGINT, None)
+        await asyncio.wait_for(request, 30)   # not the 600 s grace
+        assert server.should_exit and drain.num_in_flight == 0
+        return sent
+
+    sent = asyncio.run(scenario())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 503
 
 
 def test_a_negative_grace_period_is_refused():

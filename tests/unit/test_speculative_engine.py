@@ -175,3 +175,10 @@ def test_the_batch_gate_takes_the_runners_cost_model_unless_set(quantization, fl
         runner.info = lambda: {"device": "none (fake runner)", "quantization": quantization}
     engine = Engine(EngineConfig(page_size=4, speculative_break_even_tokens=flag, **SPEC), runner)
     assert engine.scheduler.proposer.break_even_tokens == expected
+
+
+@pytest.mark.parametrize("flag", [float("nan"), -1.0, "16", True])
+def test_a_break_even_that_is_not_a_number_at_least_0_is_refused(flag):
+    """NaN would fail every comparison and turn the gate off unannounced; a str or bool is not a token count."""
+    with pytest.raises(ValueError, match="speculative_break_even_tokens must be a number >= 0"):
+        EngineConfig(page_size=4, speculative_break_even_tokens=flag, **SPEC)
