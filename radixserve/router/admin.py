@@ -112,8 +112,12 @@ def _membership_routes(admin: APIRouter, state: RouterState) -> None:
 
     @admin.get("/workers")
     async def list_workers() -> Response:
+        """Every worker; in PD mode the prefill workers then the decode ones, each with its "role"."""
         now = state.registry.clock()
-        return JSONResponse({"workers": [w.to_json(now) for w in state.registry.list()]})
+        if state.pd is None:
+            return JSONResponse({"workers": [w.to_json(now) for w in state.registry.list()]})
+        sides = (("prefill", state.registry), ("decode", state.pd.decode.registry))
+        return JSONResponse({"workers": [{**w.to_json(now), "role": role} for role, reg in sides for w in reg.list()]})
 
     @admin.post("/add_worker")
     async def add_worker(request: Request) -> Response:

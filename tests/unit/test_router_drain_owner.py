@@ -84,3 +84,19 @@ def test_a_huge_drain_body_is_a_413_naming_the_admin_limit_not_a_flag_that_does_
     assert answer.json()["error"]["message"] == (
         "request body is larger than 65536 bytes (the admin API's fixed limit)")
     assert owners(listing) == {W0: (False, None), W1: (False, None)}
+
+
+def test_pd_listing_holds_both_sides_with_their_roles():
+    """A new user's finding: in PD mode GET /admin/workers listed the prefill workers only."""
+    from radixserve.router.state import build_pd_state
+    state = build_pd_state(RouterConfig(), [W0], [W1])
+
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=build_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            listing = await client.get("/admin/workers")
+        await state.http.aclose()
+        await state.pd.decode.http.aclose()
+        return listing
+    listing = asyncio.run(main())
+    assert [(w["url"], w["role"]) for w in listing.json()["workers"]] == [(W0, "prefill"), (W1, "decode")]
