@@ -53,6 +53,7 @@ class Drain:
     _active: set[anyio.CancelScope] = field(default_factory=set, init=False, repr=False)
     _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
     _shutdown: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    _forced: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.grace_s >= 0:
@@ -98,15 +99,18 @@ class Drain:
             return False
         return True
 
-    def cut_off(self) -> int:
-        """Cancel every request in flight (DrainMiddleware answers them); returns how many."""
+    def cut_off(self, forced: bool = False) -> int:
+        """Cancel every request in flight (DrainMiddleware answers them; `forced`: a second interrupt, not the grace
+        period, ended them); returns how many."""
+        self._forced = self._forced or forced
         for scope in self._active:
             scope.cancel()
         return len(self._active)
 
     def cut_off_error(self) -> Draining:
-        return Draining(f"The server shut down before this request finished: its grace period "
-                        f"of {self.grace_s:g} s (--graceful-shutdown-timeout) ran out. Retry it.")
+        why = ("a second interrupt stopped it at once" if self._forced else
+               f"its grace period of {self.grace_s:g} s (--graceful-shutdown-timeout) ran out")
+        return Draining(f"The server shut down before this request finished: {why}. Retry it.")
 
     def to_json(self) -> dict:
         return {"status": "draining" if self.is_draining else "ok", "reason": self.reason,
@@ -197,7 +201,7 @@ class GracefulServer(uvicorn.Server):
         if self.drain.is_shutting_down:
             if sig == signal.SIGINT:
                 logger.warning("second interrupt: stopping now, without waiting")
-                self._loop.call_soon_threadsafe(self.drain.cut_off)   # 503s now, not uvicorn's cancelled 500s
+                self._loop.call_soon_threadsafe(self.drain.cut_off, True)   # 503s now, not uvicorn's cancelled 500s
                 super().handle_exit(sig, frame)
             return
         self._loop.call_soon_threadsafe(self.drain.shut_down, signal.Signals(sig).name)

@@ -165,6 +165,7 @@ def test_a_second_sigint_answers_the_requests_in_flight_with_a_503_before_stoppi
 
     sent = asyncio.run(scenario())
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 503
+    assert b"a second interrupt stopped it at once" in body_of(sent)   # not "its grace period ran out"
 
 
 def test_a_negative_grace_period_is_refused():
