@@ -122,12 +122,13 @@ class ModelRunner:
         `kwargs` go to the constructor (a subclass's own arguments)."""
         local_ranks = config.world_size // config.nnodes
         torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // local_ranks))
-        if resolve_device(config.device).type == "cpu":
+        on_cpu = resolve_device(config.device).type == "cpu"
+        if on_cpu:
             reuse_freed_cpu_buffers()
         path = resolve_model_path(config.model_path)
         start = time.perf_counter()
         logger.info("loading the model from %s", path)
-        isa = int4_fp32.chosen_isa() if resolve_device(config.device).type == "cpu" else None
+        isa = int4_fp32.chosen_isa() if on_cpu else None
         own_kernel = isa in int4_fp32.VECTOR_ISAS
         quantization = ("none" if (tp is not None or config.pp_size > 1) and config.quantization == "auto" else
                         resolve_quantization(config.quantization, path, own_kernel))

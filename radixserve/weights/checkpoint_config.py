@@ -67,10 +67,10 @@ def resolve_quantization(quantization: str, path: str, own_int4_kernel: bool = F
     return quantization
 
 
-def resolve_quantized_max_tokens(config: EngineConfig, quantization: str, isa: str | None = "avx512") -> int:
-    """--quantized-max-tokens, unset: AUTO_QUANTIZED_MAX_TOKENS[isa] (the int4-fp32 path; 16 for one not listed) where
-    --quantization auto chose a quantized mode outside --enable-deterministic-inference (whose rows must not change
-    path with the step's size), else 0."""
+def resolve_quantized_max_tokens(config: EngineConfig, quantization: str, isa: str | None = None) -> int:
+    """--quantized-max-tokens, unset: AUTO_QUANTIZED_MAX_TOKENS[isa] (the int4-fp32 path; 16 for None or another)
+    where --quantization auto chose a quantized mode outside --enable-deterministic-inference (whose rows must not
+    change path with the step's size), else 0."""
     if config.quantized_max_tokens is not None:
         return config.quantized_max_tokens
     auto = config.quantization == "auto" and quantization != "none"
