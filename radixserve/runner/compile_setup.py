@@ -23,6 +23,11 @@ NOT_IN_KEY = frozenset({
     "enable_kv_checksum", "kv_checksum_interval", "torch_profiler_dir", "dist_init_addr", "dist_timeout",
     "disaggregation_mode", "disaggregation_bootstrap_port", "disaggregation_bootstrap_host",
     "disaggregation_transfer_timeout", "disaggregation_chunk_pages", "quantization_param_path",
+    # speculation changes which steps reach a graph, not the graph: drafts are verified in eager multi-token steps,
+    # and an EAGLE / NextN draft's one difference, the hidden-state output, is keyed as "hidden"
+    "speculative_algorithm", "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
+    "speculative_draft_min_prob", "speculative_break_even_tokens", "speculative_draft_layers",
+    "speculative_draft_model_path",
 })
 
 
@@ -53,6 +58,7 @@ def key_fields(config: EngineConfig, model: torch.nn.Module, max_bs: int) -> dic
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in NOT_IN_KEY}
     row_paths = sorted({str(getattr(m, "row_path", None)) for m in model.modules() if hasattr(m, "row_paths")})
     return {"config": fields, "model": model_files(config.model_path), "max_bs": max_bs, "row_paths": row_paths,
+            "hidden": config.is_eagle,
             "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]}
 
 
@@ -71,7 +77,7 @@ def load_decode_graphs(model: torch.nn.Module, config: EngineConfig, device: tor
     quantized = any(getattr(m, "quantized", False) for m in model.modules())
     cap = config.quantized_max_tokens if quantized and config.quantized_max_tokens else 1 << 30
     max_bs = min(config.torch_compile_max_bs, config.max_running_requests, cap)
-    graphs = DecodeGraphs(model, max_bs, graph_key(key_fields(config, model, max_bs)), device)
+    graphs = DecodeGraphs(model, max_bs, graph_key(key_fields(config, model, max_bs)), device, hidden=config.is_eagle)
     try:
         graphs.warm_up()
     except Exception as exc:   # Inductor raises many kinds (no compiler, a lowering it lacks); each means eager

@@ -83,7 +83,8 @@ def _inductor_cache(folder: pathlib.Path) -> Iterator[None]:
 class DecodeGraphs:
     """Compiled decode of `model` (a LlamaForCausalLM) for steps of up to `max_bs` single-token sequences.
 
-    `run(step, attn)` -> logits (B, V) fp32, or None for a step it does not take (eager runs it). `graphs` counts the
+    `run(step, attn)` -> (logits (B, V) fp32,) or, with `hidden` (an EAGLE / NextN draft reads it), (logits, the
+    final hidden state (B, hidden_size)); None for a step it does not take (eager runs it). `graphs` counts the
     graphs Inductor compiled, `recompiles` those compiled after warm-up (0 in steady state, C63).
 
     After warm-up a bucket's graph is called directly, without Dynamo's frame entry, guards and argument gathering
@@ -92,8 +93,9 @@ class DecodeGraphs:
     recorded arguments or output do not check out keeps the Dynamo call."""
 
     def __init__(self, model: torch.nn.Module, max_bs: int, key: str, device: torch.device,
-                 root: pathlib.Path | None = None):
+                 root: pathlib.Path | None = None, hidden: bool = False):
         self.model = model
+        self.hidden = hidden
         self.buckets = buckets(max_bs)
         self.folder = (root or cache_root() / "compile") / key
         self.device = device
@@ -111,8 +113,11 @@ class DecodeGraphs:
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT))
         self._compiled = torch.compile(self._forward, backend=self._backend, dynamic=False)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions, self._opaque)
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self.hidden:
+            return (self.model(input_ids, positions, self._opaque),)
+        h = self.model.final_hidden(input_ids, positions, self._opaque)
+        return self.model.lm_head(h).float(), h
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx
@@ -138,7 +143,8 @@ class DecodeGraphs:
         ids.copy_(torch.arange(b, device=ids.device) + 1)
         pos.copy_(torch.arange(b, device=pos.device))
         expected, got = self._compiled(ids, pos), fn(*args)
-        if not (isinstance(got, (list, tuple)) and len(got) == 1 and torch.equal(got[0], expected)):
+        if not (isinstance(got, (list, tuple)) and len(got) == len(expected)
+                and all(torch.equal(g, e) for g, e in zip(got, expected))):
             logger.info("compiled decode: batch %d keeps the Dynamo call (its output differs)", b)
             return
         self._direct[b] = (fn, args)
@@ -179,8 +185,9 @@ class DecodeGraphs:
             return None
         return next(b for b in self.buckets if b >= n)
 
-    def run(self, step: StepBatch, attn: Attention) -> torch.Tensor | None:
-        """Logits (B, V) fp32 of a pure decode step through its bucket's graph, `attn` bound; None: not one."""
+    def run(self, step: StepBatch, attn: Attention) -> tuple[torch.Tensor, ...] | None:
+        """The outputs (class docstring) of a pure decode step through its bucket's graph, `attn` bound, each cut to
+        the step's B rows; None: not one."""
         b = self.bucket(step)
         if b is None:
             return None
@@ -191,12 +198,12 @@ class DecodeGraphs:
         direct = self._direct.get(b)
         with opaque_attention.bound(attn, n):
             if direct is not None:
-                logits = direct[0](*direct[1])[0]
+                out = direct[0](*direct[1])
             else:
                 with _inductor_cache(self.folder):
-                    logits = self._compiled(ids, pos)
+                    out = self._compiled(ids, pos)
         self.steps += 1
-        return logits[:n]
+        return tuple(t[:n] for t in out)
 
     def info(self) -> dict:
         return {"buckets": self.buckets, "graphs": self.graphs, "recompiles": self.recompiles, "steps": self.steps,

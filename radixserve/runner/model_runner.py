@@ -297,11 +297,13 @@ class ModelRunner:
         """One forward pass over a non-empty batch: the step and its logits (R, V) fp32 (a TP follower's whole step)."""
         step = build_step(batch, self.page_size, self.device)
         attn = self.backend.prepare(step)
+        if self.decode_graphs is not None and (out := self.decode_graphs.run(step, attn)) is not None:
+            if self.mtp is not None:
+                self._hidden = out[1]
+            return step, out[0]
         if self.mtp is not None:   # the draft reads every row's hidden state
             self._hidden = self.model.final_hidden(step.input_ids, step.positions, attn)
             return step, self.model.lm_head(self._hidden.index_select(0, step.logit_rows)).float()
-        if self.decode_graphs is not None and (logits := self.decode_graphs.run(step, attn)) is not None:
-            return step, logits
         return step, self.model(step.input_ids, step.positions, attn, step.logit_rows)
 
     @torch.inference_mode()

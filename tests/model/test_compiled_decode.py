@@ -142,6 +142,28 @@ def test_compiled_decode_with_ngram_speculation(gqa_dir, compile_cache):
     assert compiled.runner.decode_graphs.recompiles == 0
 
 
+def test_compiled_decode_with_eagle_returns_the_hidden_state(tmp_path, compile_cache):
+    """EAGLE / NextN: a decode step whose sequences carry no draft (a draft under --speculative-draft-min-prob is not
+    proposed) runs a graph that also returns the final hidden state, which the MTP layer drafts from; greedy output
+    is eager's, with speculation and without."""
+    from tests.model.mtp_checkpoint import build_glm_mtp
+    from tests.model.test_mtp import EAGLE
+    build_glm_mtp(tmp_path)
+    prompts = prompt_set(256, 6, [12, 30, 5, 50])
+    cfg = {**CFG, "max_total_tokens": 2048}
+    spec = {**EAGLE, "speculative_draft_min_prob": 0.006}
+    plain = generate(make_engine(tmp_path, **cfg), prompts)
+    eager, compiled = make_engine(tmp_path, **cfg, **spec), make_engine(tmp_path, compile="on", **cfg, **spec)
+    assert compiled.runner.decode_graphs.hidden
+    for i, (g, w, p) in enumerate(zip(generate(compiled, prompts), generate(eager, prompts), plain)):
+        assert_same_greedy(g, w, f"EAGLE prompt {i}")
+        assert_same_greedy(g, p, f"EAGLE against no speculation, prompt {i}")
+    info = compiled.runner.info()["compile"]
+    assert compiled.counters["spec_num_verify_steps"] > 0, dict(compiled.counters)
+    assert info["steps"] > 0, info
+    assert info["recompiles"] == 0 and info["direct"] == compiled.runner.decode_graphs.buckets, info
+
+
 def test_steady_state_soak_compiles_nothing(gqa_dir, compile_cache):
     """C63: after warm-up, 60 requests of varied lengths, arrival waves and sampling (greedy, seeded, penalties,
     logprobs) compile no graph: every decode step of <= 4 sequences runs a start-up graph, larger ones run eagerly."""

@@ -19,7 +19,6 @@ from tests.conftest import build_tiny_llama
 GRAPH_SETTINGS = {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3", "page_size": 32, "quantization": "int4",
                   "quantized_max_tokens": 12, "attention_backend": "torch", "disable_cascade_attention": True,
                   "context_length": 256, "num_threads": 1, "torch_compile_max_bs": 2, "device": "cpu",
-                  "speculative_algorithm": "ngram", "speculative_num_draft_tokens": 3,
                   "enable_deterministic_inference": True}
 
 
@@ -55,6 +54,21 @@ def test_model_files_weights_and_buckets_are_in_the_key(model_dir, tmp_path):
     other = build_tiny_llama(tmp_path, vocab_size=128)       # same shapes, another checkpoint
     assert key(dataclasses.replace(base, model_path=str(other)), torch.nn.Linear(4, 4)) != first
     assert key(base, torch.nn.Linear(4, 4)) == first         # and nothing else: a restart reuses it
+
+
+def test_speculation_keys_only_the_hidden_output(model_dir):
+    """Drafts are verified in eager steps, so a graph is the same with or without speculation; an EAGLE / NextN
+    draft's graphs also return the final hidden state, a graph of their own."""
+    base = EngineConfig(model_path=str(model_dir))
+    model = torch.nn.Linear(4, 4)
+    plain = key(base, model)
+    for flags in (dict(speculative_algorithm="ngram", speculative_num_draft_tokens=3),
+                  dict(speculative_algorithm="draft", speculative_draft_layers=1)):
+        assert key(dataclasses.replace(base, **flags), model) == plain, flags
+    eagle = dataclasses.replace(base, speculative_algorithm="EAGLE")
+    assert key(eagle, model) != plain
+    assert key(dataclasses.replace(eagle, speculative_num_steps=2, speculative_num_draft_tokens=3), model) == key(
+        eagle, model)
 
 
 def test_buckets():
