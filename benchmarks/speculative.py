@@ -1,6 +1,6 @@
 """Speculative decoding on vs off on the default model, same process, output tok/s and the ratio.
 
-Run:  python benchmarks/speculative.py [--algorithm ngram|eagle] [--reps 4] [--draft-tokens 8]
+Run:  python benchmarks/speculative.py [--algorithm ngram|eagle] [--reps 4] [--draft-tokens 8] [--torch-compile-max-bs N]
                                        [--break-even-tokens R] [--only chat]
                                        [--num-steps S] [--draft-min-prob P] [--draft-model-path HEAD]
 
@@ -87,6 +87,8 @@ def build(spec: bool, args: argparse.Namespace):
         eagle = {"speculative_num_steps": args.num_steps, "speculative_draft_min_prob": args.draft_min_prob,
                  "speculative_draft_model_path": args.draft_model_path}   # unset: the default model's trained head
         kwargs = {"speculative_algorithm": "EAGLE", **gate, **{k: v for k, v in eagle.items() if v is not None}}
+    if spec and args.torch_compile_max_bs is not None:
+        kwargs["torch_compile_max_bs"] = args.torch_compile_max_bs
     llm = LLM(max_total_tokens=32768, max_running_requests=CONCURRENCY, **kwargs)
     llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=4, temperature=0),
              use_tqdm=False)   # warm-up
@@ -124,6 +126,8 @@ def main() -> None:
     ap.add_argument("--num-steps", type=int, default=None, help="eagle: --speculative-num-steps")
     ap.add_argument("--draft-min-prob", type=float, default=None, help="eagle: --speculative-draft-min-prob")
     ap.add_argument("--draft-model-path", default=None, help="eagle: a head file other than the packaged one")
+    ap.add_argument("--torch-compile-max-bs", type=int, default=None,
+                    help="the spec side's --torch-compile-max-bs (unset: the default; the off side keeps it)")
     args = ap.parse_args()
     llms = {False: build(False, args), True: build(True, args)}
     chosen = {name: w for name, w in workloads().items() if args.only in name}
@@ -134,7 +138,8 @@ def main() -> None:
                 runs[name][spec].append(measure(llms[spec], name, conversations, max_tokens))
     print(f"load {os.getloadavg()[0]:.2f}; {args.algorithm}; draft tokens {args.draft_tokens}; break-even tokens "
           f"{args.break_even_tokens or 'default'}; {args.reps} repetitions; num steps {args.num_steps}; draft min "
-          f"prob {args.draft_min_prob}; head {args.draft_model_path or 'packaged'}")
+          f"prob {args.draft_min_prob}; head {args.draft_model_path or 'packaged'}; spec side's compile max bs "
+          f"{args.torch_compile_max_bs or 'default'}")
     for name, sides in runs.items():
         off, on = ([r["tok_s"] for r in sides[s]] for s in (False, True))
         same = all(r["tokens"] == sides[False][0]["tokens"] for r in sides[True] + sides[False])

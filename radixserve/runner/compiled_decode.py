@@ -1,5 +1,5 @@
 """The decode forward compiled by torch.compile (Inductor, C++), one graph per batch-size bucket, cached on disk
-(`--compile auto|on|off`, docs/runner.md "Compiled decode"). Prefill, mixed and speculative steps stay eager."""
+(`--compile auto|on|off`, docs/runner.md "Compiled decode"). Prefill, mixed and larger steps stay eager."""
 from __future__ import annotations
 
 import contextlib
@@ -102,6 +102,7 @@ class DecodeGraphs:
         self.graphs = 0
         self.recompiles = 0
         self.steps = 0
+        self.verify_steps = 0   # of `steps`: those verifying drafts (some sequence has more than one row)
         self.warm = False
         self._recording: int | None = None
         # bucket -> (Inductor's compiled function, the arguments Dynamo called it with)
@@ -177,9 +178,10 @@ class DecodeGraphs:
         self.warm = True
 
     def bucket(self, step: StepBatch) -> int | None:
-        """The bucket a pure decode step of B <= max_bs sequences pads to; None for any other step."""
+        """The bucket a step of T <= max_bs tokens whose every row is a logit row pads to (decodes, and drafts being
+        verified: attention is the bound backend's, whatever the step's shape); None for any other step."""
         n = step.num_tokens
-        if n > self.buckets[-1] or len(step.query_lens) != n or len(step.logit_rows) != n:
+        if n > self.buckets[-1] or len(step.logit_rows) != n:   # rows are distinct and in order: all of them
             return None
         if any(p is not None for p in step.prompt_rows):
             return None
@@ -203,8 +205,10 @@ class DecodeGraphs:
                 with _inductor_cache(self.folder):
                     out = self._compiled(ids, pos)
         self.steps += 1
+        self.verify_steps += len(step.query_lens) != n
         return tuple(t[:n] for t in out)
 
     def info(self) -> dict:
         return {"buckets": self.buckets, "graphs": self.graphs, "recompiles": self.recompiles, "steps": self.steps,
+                "verify_steps": self.verify_steps,
                 "direct": sorted(self._direct), "cache": str(self.folder)}

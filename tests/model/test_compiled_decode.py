@@ -131,20 +131,22 @@ def test_compiled_own_int4_kernel_decode_matches_eager(q4_gguf, compile_cache, q
 
 
 def test_compiled_decode_with_ngram_speculation(gqa_dir, compile_cache):
-    """Steps that verify drafts are not plain decode steps: they run eagerly beside the compiled graphs (here every
-    decode step carries a draft: the random model repeats itself), and greedy output is still eager's."""
+    """A step verifying drafts whose rows fit a bucket (every row a logit row) runs the bucket's graph, larger ones
+    eagerly beside it (here most decode steps carry drafts: the random model repeats itself); greedy output is
+    still eager's."""
     prompts = prompt_set(384, 6, [12, 30, 5, 50])
-    cfg = {**CFG, "max_total_tokens": 2048, "speculative_algorithm": "ngram"}
+    cfg = {**CFG, "max_total_tokens": 2048, "speculative_algorithm": "ngram", "speculative_num_draft_tokens": 3}
     eager, compiled = make_engine(gqa_dir, **cfg), make_engine(gqa_dir, compile="on", **cfg)
     for i, (g, w) in enumerate(zip(generate(compiled, prompts), generate(eager, prompts))):
         assert_same_greedy(g, w, f"ngram prompt {i}")
-    assert compiled.counters["spec_num_verify_steps"] > 0
-    assert compiled.runner.decode_graphs.recompiles == 0
+    info = compiled.runner.info()["compile"]
+    assert compiled.counters["spec_num_verify_steps"] > info["verify_steps"] > 0, (dict(compiled.counters), info)
+    assert info["recompiles"] == 0, info
 
 
 def test_compiled_decode_with_eagle_returns_the_hidden_state(tmp_path, compile_cache):
-    """EAGLE / NextN: a decode step whose sequences carry no draft (a draft under --speculative-draft-min-prob is not
-    proposed) runs a graph that also returns the final hidden state, which the MTP layer drafts from; greedy output
+    """EAGLE / NextN: the graphs also return the final hidden state, which the MTP layer drafts from, for decode steps
+    (a draft under --speculative-draft-min-prob is not proposed) and verify steps that fit a bucket; greedy output
     is eager's, with speculation and without."""
     from tests.model.mtp_checkpoint import build_glm_mtp
     from tests.model.test_mtp import EAGLE
@@ -158,9 +160,11 @@ def test_compiled_decode_with_eagle_returns_the_hidden_state(tmp_path, compile_c
     for i, (g, w, p) in enumerate(zip(generate(compiled, prompts), generate(eager, prompts), plain)):
         assert_same_greedy(g, w, f"EAGLE prompt {i}")
         assert_same_greedy(g, p, f"EAGLE against no speculation, prompt {i}")
+    alone = prompt_set(256, 7, [20])   # one sequence: its verify steps (4 rows) fit bucket 4
+    assert_same_greedy(generate(compiled, alone)[0], generate(eager, alone)[0], "EAGLE, one sequence")
     info = compiled.runner.info()["compile"]
     assert compiled.counters["spec_num_verify_steps"] > 0, dict(compiled.counters)
-    assert info["steps"] > 0, info
+    assert info["steps"] > info["verify_steps"] > 0, info   # plain steps and verify steps of one sequence
     assert info["recompiles"] == 0 and info["direct"] == compiled.runner.decode_graphs.buckets, info
 
 
