@@ -23,8 +23,8 @@ NOT_IN_KEY = frozenset({
     "enable_kv_checksum", "kv_checksum_interval", "torch_profiler_dir", "dist_init_addr", "dist_timeout",
     "disaggregation_mode", "disaggregation_bootstrap_port", "disaggregation_bootstrap_host",
     "disaggregation_transfer_timeout", "disaggregation_chunk_pages", "quantization_param_path",
-    # speculation changes which steps reach a graph, not the graph: drafts are verified in eager multi-token steps,
-    # and an EAGLE / NextN draft's one difference, the hidden-state output, is keyed as "hidden"
+    # speculation changes which steps reach a graph, not the graph (a verify step that fits a bucket is one more
+    # input to it); an EAGLE / NextN draft's one difference, the hidden-state output, is keyed as "hidden"
     "speculative_algorithm", "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
     "speculative_draft_min_prob", "speculative_break_even_tokens", "speculative_draft_layers",
     "speculative_draft_model_path",

@@ -81,10 +81,10 @@ def _inductor_cache(folder: pathlib.Path) -> Iterator[None]:
 
 
 class DecodeGraphs:
-    """Compiled decode of `model` (a LlamaForCausalLM) for steps of up to `max_bs` single-token sequences.
+    """Compiled forward of `model` (a LlamaForCausalLM) for steps of up to `max_bs` tokens, every row a logit row.
 
-    `run(step, attn)` -> (logits (B, V) fp32,) or, with `hidden` (an EAGLE / NextN draft reads it), (logits, the
-    final hidden state (B, hidden_size)); None for a step it does not take (eager runs it). `graphs` counts the
+    `run(step, attn)` -> (logits (T, V) fp32,) or, with `hidden` (an EAGLE / NextN draft reads it), (logits, the
+    final hidden state (T, hidden_size)); None for a step it does not take (eager runs it). `graphs` counts the
     graphs Inductor compiled, `recompiles` those compiled after warm-up (0 in steady state, C63).
 
     After warm-up a bucket's graph is called directly, without Dynamo's frame entry, guards and argument gathering
@@ -188,8 +188,8 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= n)
 
     def run(self, step: StepBatch, attn: Attention) -> tuple[torch.Tensor, ...] | None:
-        """The outputs (class docstring) of a pure decode step through its bucket's graph, `attn` bound, each cut to
-        the step's B rows; None: not one."""
+        """The outputs (class docstring) of a step `bucket` takes, through its bucket's graph, `attn` bound, each cut
+        to the step's T rows; None: a step it does not take."""
         b = self.bucket(step)
         if b is None:
             return None
