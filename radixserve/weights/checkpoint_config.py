@@ -14,7 +14,6 @@ from radixserve.weights.safetensors import read_hf_config
 
 logger = logging.getLogger(__name__)
 
-# --quantization auto's --quantized-max-tokens: int4-fp32 beats the fp32 copy up to ~16 rows (docs/benchmarks.md)
 # --quantized-max-tokens under --quantization auto, by the int4-fp32 kernel's path (layers/int4_fp32.chosen_isa):
 # the largest step it beats oneDNN's fp32 GEMM on its copy (docs/benchmarks.md, "int4-fp32 rows by ISA").
 AUTO_QUANTIZED_MAX_TOKENS = {"avx512": 16, "avx2": 8}
@@ -68,13 +67,14 @@ def resolve_quantization(quantization: str, path: str, own_int4_kernel: bool = F
 
 
 def resolve_quantized_max_tokens(config: EngineConfig, quantization: str, isa: str | None = None) -> int:
-    """--quantized-max-tokens, unset: AUTO_QUANTIZED_MAX_TOKENS[isa] (the int4-fp32 path; 16 for None or another)
+    """--quantized-max-tokens, unset: AUTO_QUANTIZED_MAX_TOKENS[isa] (the int4-fp32 path; avx512's for None or another)
     where --quantization auto chose a quantized mode outside --enable-deterministic-inference (whose rows must not
     change path with the step's size), else 0."""
     if config.quantized_max_tokens is not None:
         return config.quantized_max_tokens
-    auto = config.quantization == "auto" and quantization != "none"
-    return AUTO_QUANTIZED_MAX_TOKENS.get(isa, 16) if auto and not config.enable_deterministic_inference else 0
+    if config.quantization != "auto" or quantization == "none" or config.enable_deterministic_inference:
+        return 0
+    return AUTO_QUANTIZED_MAX_TOKENS.get(isa, AUTO_QUANTIZED_MAX_TOKENS["avx512"])
 
 
 def check_checkpoint(config: EngineConfig, path: str) -> None:
