@@ -1,7 +1,8 @@
 """Acceptance and confidence as anomaly detectors: detection rate, tokens to detection and false positives of the text, acceptance, confidence and combined detectors.
 
 Run:  PYTHONPATH=. python benchmarks/spec_anomaly.py [--algorithm eagle|ngram|draft|none] [--draft-layers L]
-          [--num-normal 2000] [--num-faulted 200] [--max-tokens 160] [--concurrency 32] [--out DIR]
+          [--num-normal 2000] [--num-faulted 300] [--num-ready 100] [--max-tokens 160] [--concurrency 32]
+          [--draft-min-prob P] [--break-even-tokens B] [--out DIR]
 
 In-process on the embedded SmolLM2-135M-Instruct with speculation on (its trained EAGLE head, S=3; n-gram
 drafts, or a self-draft of the first L of its 30 layers; K=4) and the radix cache off (a corrupted page then
@@ -12,9 +13,13 @@ belongs to one request only):
    paragraph with one name changed) and multilingual (translate into eight languages); half
    greedy, half temperature 0.7 with a seed. Every detection here is a false positive.
 2. faulted: `--num-faulted` more requests from the same mix, run twice: clean, then with the
-   engine's kv_corrupt fault armed for all of them (half noise, half swap, fraction 0.5, after
-   16 generated tokens). A request counts as corrupted when the fault hit it and its output then
+   engine's kv_corrupt fault armed for all of them (a third each of noise, swap and stale: another
+   running request's KV, or a free page's, what a finished request left; fraction 0.5, after 16
+   generated tokens). A request counts as corrupted when the fault hit it and its output then
    differs from its clean run (same seed); the detection rate is over those.
+3. ready: `--num-ready` requests behind long shared preambles on an engine with the host KV tier,
+   clean and then with the forward reading host-tier loads before they land
+   (benchmarks/spec_anomaly_ready.py; mode "ready", hit at token 0).
 
 Every request's stream (text deltas, token ids, cumulative acceptance counts, each token's
 confidence) is recorded and the detectors are replayed over it, exactly as the server feeds
@@ -40,6 +45,7 @@ import random
 import sys
 import time
 
+from radixserve.chaos.kv_corrupt import MODES as KV_MODES
 from radixserve.outputs import KV_CHECKSUM_ERROR, SpecCounts
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.acceptance_guard import AcceptanceConfig, AcceptanceDetector
@@ -113,6 +119,9 @@ def conversation(rng: random.Random, category: str) -> list[dict]:
     else:
         text = f"Translate to {rng.choice(LANGS)}: '{rng.choice(SENTENCES).format(t=t)}'"
     return [{"role": "user", "content": text}]
+
+
+MODES = (*KV_MODES, "ready")   # kv_corrupt's modes, then read-before-ready (benchmarks/spec_anomaly_ready.py)
 
 
 def workload(rng: random.Random, num: int, max_tokens: int) -> list[tuple[str, list[dict], SamplingParams]]:
@@ -214,7 +223,7 @@ def summarize(normal: list[dict], clean: list[dict], faulted: list[dict],
     corrupted = [f for c, f in zip(clean, faulted)
                  if f["hit_at"] is not None and f["tokens"] != c["tokens"]]
     out = {"num_normal": len(normal), "num_faulted": len(faulted), "num_corrupted": len(corrupted),
-           "num_corrupted_by_mode": {m: sum(t.get("mode") == m for t in corrupted) for m in ("noise", "swap")},
+           "num_corrupted_by_mode": {m: sum(t.get("mode") == m for t in corrupted) for m in MODES},
            "acceptance_config": dataclasses.asdict(acc), "confidence_config": dataclasses.asdict(conf)}
     for detectors in SETS:
         fp = [detect(t, detectors, acc, conf) for t in normal]
@@ -231,7 +240,7 @@ def summarize(normal: list[dict], clean: list[dict], faulted: list[dict],
             "false_positive_rate": sum(f is not None for f in fp) / max(len(normal), 1),
             "false_positives_by_category": {k: sum(v) for k, v in by_cat.items()},
             "detected": len(caught), "detection_rate": len(caught) / max(len(corrupted), 1),
-            "detected_by_mode": {m: sum(mode == m for _, mode in caught) for m in ("noise", "swap")},
+            "detected_by_mode": {m: sum(mode == m for _, mode in caught) for m in MODES},
             "tokens_to_detection_median": delays[len(delays) // 2] if delays else None,
         }
     if any(t.get("checksum") for t in normal):   # a --kv-checksum run
@@ -241,7 +250,7 @@ def summarize(normal: list[dict], clean: list[dict], faulted: list[dict],
             "false_positives": sum(t.get("checksum_at") is not None for t in normal),
             "num_hit": len(hit), "detected": len(delays),
             "detected_by_mode": {m: sum(t.get("mode") == m and t.get("checksum_at") is not None for t in hit)
-                                 for m in ("noise", "swap")},
+                                 for m in MODES},
             "tokens_to_detection_median": delays[len(delays) // 2] if delays else None}
         # Every detector at once: the combined output-side set or the checksum. Over the hit
         # requests (the checksum ends one before its output can be compared with the clean run).
@@ -277,7 +286,9 @@ def load_traces(path: str) -> tuple[list[dict], list[dict], list[dict]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-normal", type=int, default=2000)
-    ap.add_argument("--num-faulted", type=int, default=200)
+    ap.add_argument("--num-faulted", type=int, default=300, help="a third each of kv_corrupt's noise, swap, stale")
+    ap.add_argument("--num-ready", type=int, default=100, help="read-before-ready requests (0: no such phase)")
+    ap.add_argument("--ready-concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--out", default="/tmp/spec_anomaly")
@@ -286,6 +297,10 @@ def main() -> None:
                          "speculation (the acceptance detector then sees nothing)")
     ap.add_argument("--draft-layers", type=int, default=8, help="draft: self-draft depth")
     ap.add_argument("--kv-checksum", action="store_true", help="run the engine with --enable-kv-checksum")
+    ap.add_argument("--draft-min-prob", type=float, default=None,
+                    help="--speculative-draft-min-prob (unset: the engine's default; 0 drafts every step)")
+    ap.add_argument("--break-even-tokens", type=float, default=None,
+                    help="--speculative-break-even-tokens (unset: the engine's default; 0 never holds drafts back)")
     ap.add_argument("--summarize", metavar="TRACES", help="only recompute the summary of a "
                     "traces.jsonl written before (e.g. with other detector settings)")
     ap.add_argument("--confidence-window", type=int, default=ConfidenceConfig.window)
@@ -307,7 +322,9 @@ def main() -> None:
     spec = ({"speculative_algorithm": "none"} if args.algorithm == "none"
             else {"speculative_algorithm": "EAGLE"} if args.algorithm == "eagle"
             else {"speculative_algorithm": args.algorithm, "speculative_num_draft_tokens": 4})
-    llm = LLM(**spec, enable_kv_checksum=args.kv_checksum,
+    gates = {k: v for k, v in (("speculative_draft_min_prob", args.draft_min_prob),
+                               ("speculative_break_even_tokens", args.break_even_tokens)) if v is not None}
+    llm = LLM(**spec, **gates, enable_kv_checksum=args.kv_checksum,
               disable_radix_cache=True, max_total_tokens=65536, **draft)
     llm.faults = with_faults(llm)
     start = time.monotonic()
@@ -317,12 +334,20 @@ def main() -> None:
     (out / "normal.json").write_text(json.dumps(normal))   # kept if a later phase fails
     print(f"normal phase done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     faulted_items = workload(random.Random(2), args.num_faulted, args.max_tokens)
-    half = len(faulted_items) // 2
+    third = -(-len(faulted_items) // len(KV_MODES))
     clean, faulted = [], []
-    for mode, part in (("noise", faulted_items[:half]), ("swap", faulted_items[half:])):
+    for k, mode in enumerate(KV_MODES):
+        part = faulted_items[k * third:(k + 1) * third]
         clean += run(llm, part, args.concurrency)
         faulted += [dict(t, mode=mode) for t in run(llm, part, args.concurrency, corrupt=mode)]
         print(f"{mode} phase done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    if args.num_ready:
+        llm.close()
+        from benchmarks import spec_anomaly_ready as ready
+        work = ready.items(workload(random.Random(4), args.num_ready, args.max_tokens), TOPICS)
+        c, f = ready.ready_traces({**spec, **gates, **draft}, run, with_faults, work, args.ready_concurrency)
+        clean, faulted = clean + c, faulted + f
+        print(f"ready phase done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     with open(out / "traces.jsonl", "w") as f:
         for phase, traces in (("normal", normal), ("clean", clean), ("faulted", faulted)):
             for t in traces:

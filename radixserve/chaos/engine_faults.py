@@ -82,7 +82,8 @@ class EngineFaults(EngineHooks):
         if self.kv_corrupt is None:
             return
         engine = self.engine
-        hit = self.kv_corrupt.next(engine.scheduler.running, engine.page_size, time.monotonic())
+        free = engine.kv.pool.free_ids() if self.kv_corrupt.mode == "stale" else []
+        hit = self.kv_corrupt.next(engine.scheduler.running, engine.page_size, time.monotonic(), free)
         if hit is not None:
             engine.runner.corrupt_kv(hit.page_ids, hit.mode, hit.source_page_ids, hit.seed)
             engine.counters["num_kv_corruptions"] += 1

@@ -1,4 +1,5 @@
-"""The `kv_corrupt` fault: overwrite part of a running request's KV with noise or another request's KV (docs/anomaly_guard.md)."""
+"""The `kv_corrupt` fault: overwrite part of a running request's KV with noise, another running request's KV, or a free
+page's stale KV (what a finished request left there; a lost write) (docs/anomaly_guard.md)."""
 from __future__ import annotations
 
 import random
@@ -8,12 +9,12 @@ from dataclasses import dataclass, field
 from radixserve.engine.request import Request
 from radixserve.errors import InvalidRequest
 
-MODES = ("noise", "swap")
+MODES = ("noise", "swap", "stale")
 
 
 @dataclass(frozen=True, slots=True)
 class Corruption:
-    """`page_ids` get `mode`; for swap, `source_page_ids` (same length) are copied over them."""
+    """`page_ids` get `mode`; for swap and stale, `source_page_ids` (same length) are copied over them."""
 
     request_id: str
     page_ids: list[int]
@@ -45,8 +46,10 @@ class KVCorruptFault:
         ends_s = None if duration_s is None else time.monotonic() + duration_s
         return cls(mode, fraction, after_tokens, count, ends_s, random.Random(seed))
 
-    def next(self, running: list[Request], page_size: int, now_s: float) -> Corruption | None:
-        """The corruption due now among `running` (None: not yet, spent or expired); marks it hit."""
+    def next(self, running: list[Request], page_size: int, now_s: float,
+             free_page_ids: list[int] = ()) -> Corruption | None:
+        """The corruption due now among `running` (None: not yet, spent or expired); marks it hit. `free_page_ids`
+        (stale only): the pool's free pages, the most recently freed last."""
         if self.is_spent or (self.ends_s is not None and now_s >= self.ends_s):
             self.num_left = 0
             return None
@@ -66,6 +69,10 @@ class KVCorruptFault:
             if not others:
                 return None       # nothing to cross with yet
             source = [others[i % len(others)] for i in range(num)]
+        elif self.mode == "stale":
+            if len(free_page_ids) < num:
+                return None
+            source = list(free_page_ids[-num:])
         self.hit.append((victim.request_id, len(victim.output_ids)))
         self.num_left -= 1
         return Corruption(victim.request_id, chosen, self.mode, source, self.rng.getrandbits(31))

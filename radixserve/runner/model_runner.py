@@ -233,8 +233,8 @@ class ModelRunner:
     def corrupt_kv(self, page_ids: list[int], mode: str, source_page_ids: list[int] | None,
                    seed: int) -> None:
         """chaos/kv_corrupt.py: overwrite `page_ids` in every target layer with Gaussian noise of their own
-        mean and std ("noise") or `source_page_ids`' KV ("swap"); the DecodeMirror is dropped."""
-        if mode == "swap":
+        mean and std ("noise") or `source_page_ids`' KV ("swap", "stale"); the DecodeMirror is dropped."""
+        if mode in ("swap", "stale"):
             data = self.kv.export_pages(list(source_page_ids or ()))
         else:
             data = self.kv.export_pages(page_ids)

@@ -1,6 +1,6 @@
 """The kv_corrupt fault point on the real runner (ModelRunner.corrupt_kv): the damage reaches the
 next step (the torch backend's DecodeMirror copy is dropped), only the hit request changes,
-for noise and swap, in fp32 and FP8 KV, and the pages stay accounted for."""
+for noise, swap and stale, in fp32 and FP8 KV, and the pages stay accounted for."""
 from __future__ import annotations
 
 import pytest
@@ -26,7 +26,7 @@ def generate(engine, prompts, arm=None) -> dict[str, list[tuple[int, float]]]:
     return tokens
 
 
-@pytest.mark.parametrize("mode,kv_dtype", [("noise", "auto"), ("swap", "auto"),
+@pytest.mark.parametrize("mode,kv_dtype", [("noise", "auto"), ("swap", "auto"), ("stale", "auto"),
                                            ("noise", "fp8_e4m3")])
 def test_corruption_changes_the_hit_request_from_the_next_step_on(tiny_llama_dir, mode, kv_dtype):
     prompts = [[(13 * i + 7 * j) % 200 + 3 for j in range(40 + 9 * i)] for i in range(3)]

@@ -109,14 +109,14 @@ class FakeRunner:
 
     def corrupt_kv(self, page_ids: list[int], mode: str, source_page_ids: list[int] | None,
                    seed: int) -> None:
-        """The kv_corrupt fault point: noise puts other tokens in the pages' slots, swap copies
+        """The kv_corrupt fault point: noise puts other tokens in the pages' slots, swap and stale copy
         the source pages' tokens (positions stay right: the fake checks them, real KV cannot)."""
         for n, page in enumerate(page_ids):
             for offset in range(self.page_size):
                 slot = page * self.page_size + offset
                 if self.slots[slot] is None:
                     continue
-                if mode == "swap":
+                if mode in ("swap", "stale"):
                     src = self.slots[source_page_ids[n] * self.page_size + offset]
                     token = src[0] if src is not None else 0
                 else:

@@ -60,7 +60,7 @@ def run(engine: Engine, arm=None, arm_at_step: int = 0) -> tuple[dict, dict]:
     return tokens, outs
 
 
-@pytest.mark.parametrize("mode", ["noise", "swap"])
+@pytest.mark.parametrize("mode", ["noise", "swap", "stale"])
 def test_the_fault_hits_one_request_past_after_tokens_and_only_its_output_changes(mode):
     clean, _ = run(make_engine())
     engine = make_engine()
@@ -69,7 +69,7 @@ def test_the_fault_hits_one_request_past_after_tokens_and_only_its_output_change
     assert at >= 5
     (pages, got_mode, source), = engine.runner.corruptions
     assert got_mode == mode and engine.stats()["num_kv_corruptions"] == 1
-    if mode == "swap":
+    if mode != "noise":
         assert source is not None and len(source) == len(pages) and not set(source) & set(pages)
     assert hurt[victim][:at] == clean[victim][:at] and hurt[victim] != clean[victim]
     assert {rid: t for rid, t in hurt.items() if rid != victim} == \
@@ -100,3 +100,16 @@ def test_disarm_stops_it_and_bad_arguments_or_runners_are_refused():
 
     with pytest.raises(InvalidRequest, match="cannot corrupt"):
         faults_of(make_engine(runner=NoCorruption(64, 4, VOCAB))).arm_kv_corrupt("noise")
+
+
+def test_stale_copies_the_most_recently_freed_pages_and_waits_for_enough_of_them():
+    from radixserve.chaos.kv_corrupt import KVCorruptFault
+    from radixserve.engine.request import Request
+
+    victim = Request("v", list(range(16)), GREEDY, seed=0, max_tokens=8, arrival_s=0.0)
+    victim.page_ids, victim.num_computed_tokens, victim.output_ids = [4, 5, 6, 7], 16, [1, 2]
+    fault = KVCorruptFault.armed("stale", fraction=0.5, after_tokens=1, count=1, duration_s=None, seed=0)
+    assert fault.next([victim], 4, 0.0, free_page_ids=[9]) is None and fault.hit == []
+    hit = fault.next([victim], 4, 0.0, free_page_ids=[9, 12, 3])
+    assert hit.mode == "stale" and len(hit.page_ids) == 2 and set(hit.page_ids) <= {4, 5, 6, 7}
+    assert hit.source_page_ids == [12, 3] and fault.hit == [("v", 2)] and fault.is_spent
