@@ -25,12 +25,16 @@ from radixserve.weights.paths import resolve_model_path
 from training.prompt_mix import prompts
 
 
-def generate(items: list[tuple[str, str]], max_tokens: int, temperature: float) -> list[tuple[list[int], list[int]]]:
+def generate(items: list[tuple[str, str]], max_tokens: int, temperature: float,
+             gen_dtype: str = "auto") -> list[tuple[list[int], list[int]]]:
     """(prompt ids, answer ids) per item, from radixserve's engine on the default model without speculation;
-    greedy at temperature 0, else sampled with seed = the item's index."""
+    greedy at temperature 0, else sampled with seed = the item's index. `gen_dtype` "bfloat16": the engine on
+    dequantized bf16 weights (faster where the CPU has AMX; the answers may part from the int4 engine's after a
+    near-tie, the labels stay the fp32 target's)."""
     from radixserve.llm import LLM
     from radixserve.sampling_params import SamplingParams
-    llm = LLM(None, max_running_requests=64, speculative_algorithm="none")
+    dtype = {} if gen_dtype == "auto" else {"quantization": "none", "dtype": gen_dtype}
+    llm = LLM(None, max_running_requests=64, speculative_algorithm="none", **dtype)
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i) for i in range(len(items))]
     try:
         outs = llm.chat([[{"role": "user", "content": text}] for _, text in items], params, use_tqdm=False)
@@ -82,19 +86,21 @@ def main() -> None:
     ap.add_argument("--exclude-mix1", type=int, default=0, metavar="N",
                     help="leave out the first N prompts of mix 1 (seed 0): another data set's")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers, else sampled")
+    ap.add_argument("--gen-dtype", default="auto", choices=("auto", "bfloat16"),
+                    help="the answering engine's weights: auto (the served int4) or bf16")
     args = ap.parse_args()
     torch.manual_seed(0)
     exclude = frozenset(text for _, text in prompts(args.exclude_mix1, args.split, 0)) if args.exclude_mix1 else frozenset()
     items = prompts(args.prompts, args.split, args.seed, args.mix, exclude)
     t0 = time.perf_counter()
-    pairs = generate(items, args.max_tokens, args.temperature)
+    pairs = generate(items, args.max_tokens, args.temperature, args.gen_dtype)
     t1 = time.perf_counter()
     seqs = hidden_states(pairs)
     t2 = time.perf_counter()
     answers = sum(len(a) for _, a in pairs)
     agree = sum(int((s["argmax"][s["prompt_len"] - 1:-1] == s["tokens"][s["prompt_len"]:]).sum()) for s in seqs)
     meta = {"prompts": len(items), "split": args.split, "seed": args.seed, "mix": args.mix,
-            "exclude_mix1": args.exclude_mix1, "temperature": args.temperature, "max_tokens": args.max_tokens,
+            "exclude_mix1": args.exclude_mix1, "temperature": args.temperature, "max_tokens": args.max_tokens, "gen_dtype": args.gen_dtype,
             "answer_tokens": answers, "tokens": sum(len(s["tokens"]) for s in seqs),
             "transformers_agrees_with_engine": agree / max(1, answers),
             "generate_s": round(t1 - t0, 1), "hidden_s": round(t2 - t1, 1)}

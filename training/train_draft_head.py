@@ -75,6 +75,21 @@ def export_head(head: DraftHead, token_map: torch.Tensor, num_layers: int, path:
     save_file(tensors, path, metadata={"radixserve_draft": "eagle-nextn", "recipe": json.dumps(recipe)})
 
 
+def load_head(path: str, target: torch.nn.Module) -> tuple[DraftHead, torch.Tensor]:
+    """(DraftHead, token_map) from a file export_head wrote (for --eval-only); raises KeyError on a missing tensor."""
+    from safetensors.torch import load_file
+
+    tensors, prefix = load_file(path), f"model.layers.{target.config.num_hidden_layers}."
+    head = DraftHead(target)
+    names = {"enorm.weight": head.enorm.weight, "hnorm.weight": head.hnorm.weight,
+             "eh_proj.weight": head.eh_proj.weight, "shared_head.norm.weight": head.norm.weight}
+    names.update(head.block.state_dict(keep_vars=True))
+    with torch.no_grad():
+        for name, param in names.items():
+            param.copy_(tensors[prefix + name].float())
+    return head.eval(), tensors["token_map"]
+
+
 def batches(seqs: list[dict], max_tokens: int, rng: random.Random) -> list[list[dict]]:
     """Length-sorted groups of about `max_tokens` padded tokens, in a seeded random order."""
     order = sorted(seqs, key=lambda s: len(s["tokens"]))
@@ -156,11 +171,22 @@ def main() -> None:
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval", help="a held-out make_draft_data.py output: accuracy reported and kept in the recipe")
+    ap.add_argument("--eval-only", metavar="HEAD", help="report HEAD's accuracy on --eval (DATA and OUT unused)")
+    ap.add_argument("--bf16", action="store_true", help="train under bf16 autocast (fast where the CPU has AMX)")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
+    if args.eval_only:
+        path = resolve_model_path(None)
+        target = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                      dtype=torch.float32).eval()
+        head, token_map = load_head(args.eval_only, target)
+        lm_rows = target.lm_head.weight.detach()[token_map]
+        print(answer_accuracy(head, target.model.embed_tokens, lm_rows, token_map,
+                              torch.load(args.eval, weights_only=False)["sequences"]))
+        return
     parts = [torch.load(path, weights_only=False) for path in args.data.split(",")]
     seqs = [s for part in parts for s in part["sequences"]]
     path = resolve_model_path(None)
@@ -187,7 +213,8 @@ def main() -> None:
         for group in batches(seqs, args.batch_tokens, rng):
             if step >= total:
                 break
-            loss, stats = step_loss(head, embed, lm_rows, remap, group, args.unroll, args.soft_labels)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                loss, stats = step_loss(head, embed, lm_rows, remap, group, args.unroll, args.soft_labels)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -205,7 +232,7 @@ def main() -> None:
     recipe = {"base": os.path.basename(path), "held_out": held_out, "data": [part["meta"] for part in parts], "vocab": len(token_map),
               "coverage": round(coverage, 4), "epochs": args.epochs, "lr": args.lr,
               "batch_tokens": args.batch_tokens, "unroll": args.unroll, "soft_labels": args.soft_labels,
-              "weight_decay": args.weight_decay, "seed": args.seed,
+              "weight_decay": args.weight_decay, "seed": args.seed, "bf16": args.bf16,
               "steps": total, "train_s": round(time.perf_counter() - t0)}
     export_head(head, token_map, target.config.num_hidden_layers, args.out, recipe)
     print("wrote", args.out, recipe)

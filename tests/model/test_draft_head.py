@@ -195,3 +195,13 @@ def test_the_shipped_head_is_accepted_on_the_default_model():
     for o in outs["EAGLE"][1:]:
         spec = spec + o.spec
     assert spec.verify_steps > 0 and spec.accept_length > 1.3
+
+
+def test_load_head_reads_back_what_export_head_wrote(head_case):
+    from training.train_draft_head import load_head
+
+    _, model, head, token_map, path = head_case
+    loaded, loaded_map = load_head(str(path), model)
+    assert torch.equal(loaded_map, token_map)
+    want, got = dict(head.named_parameters()), dict(loaded.named_parameters())
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
