@@ -3,6 +3,7 @@ page's stale KV (what a finished request left there; a lost write) (docs/anomaly
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 import time
 from dataclasses import dataclass, field
 
@@ -47,9 +48,9 @@ class KVCorruptFault:
         return cls(mode, fraction, after_tokens, count, ends_s, random.Random(seed))
 
     def next(self, running: list[Request], page_size: int, now_s: float,
-             free_page_ids: list[int] = ()) -> Corruption | None:
+             free_page_ids: Sequence[int] = ()) -> Corruption | None:
         """The corruption due now among `running` (None: not yet, spent or expired); marks it hit. `free_page_ids`
-        (stale only): the pool's free pages, the most recently freed last."""
+        (stale only): PagePool.free_ids(), whose tail are the pages freed last; stale copies the last ones."""
         if self.is_spent or (self.ends_s is not None and now_s >= self.ends_s):
             self.num_left = 0
             return None
