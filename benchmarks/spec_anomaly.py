@@ -345,7 +345,8 @@ def main() -> None:
         llm.close()
         from benchmarks import spec_anomaly_ready as ready
         work = ready.items(workload(random.Random(4), args.num_ready, args.max_tokens), TOPICS)
-        c, f = ready.ready_traces({**spec, **gates, **draft}, run, with_faults, work, args.ready_concurrency)
+        c, f = ready.ready_traces({**spec, **gates, **draft, "enable_kv_checksum": args.kv_checksum}, run, with_faults,
+                                  work, args.ready_concurrency)
         clean, faulted = clean + c, faulted + f
         print(f"ready phase done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     with open(out / "traces.jsonl", "w") as f:
