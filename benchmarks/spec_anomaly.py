@@ -338,6 +338,8 @@ def main() -> None:
     clean, faulted = [], []
     for k, mode in enumerate(KV_MODES):
         part = faulted_items[k * third:(k + 1) * third]
+        if not part:
+            continue
         clean += run(llm, part, args.concurrency)
         faulted += [dict(t, mode=mode) for t in run(llm, part, args.concurrency, corrupt=mode)]
         print(f"{mode} phase done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)

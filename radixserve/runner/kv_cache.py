@@ -270,13 +270,14 @@ class KVCache:
         return KVPages(k, k[:, :0] if self.latent else take(self._v, 1),
                        {name: take(bufs, 0) for name, bufs in self._side.items()})
 
-    def slot_checksums(self, slots: list[int]) -> list[int]:
-        """Per slot, its K and V bits summed as signed ints over all layers, in int32 per layer (mod 2^32 for 4-byte
-        storage), so equal bytes give equal sums in any order (engine/kv_checksum.py). No readiness wait."""
+    def slot_checksums(self, slots: list[int], num_layers: int | None = None) -> list[int]:
+        """Per slot, its K and V bits summed as signed ints over layers [0, num_layers) (all by default), in int32 per
+        layer (mod 2^32 for 4-byte storage), so equal bytes give equal sums in any order (engine/kv_checksum.py). No
+        readiness wait."""
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         bits = {4: torch.int32, 2: torch.int16, 1: torch.int8}[self._k[0].element_size()]
         total = torch.zeros(len(idx), dtype=torch.int64, device=self.device)
-        for layer in range(self.num_layers):
+        for layer in range(self.num_layers if num_layers is None else num_layers):
             for store in (stores[layer] for stores in self._stores):
                 rows = store.view(bits).view(self.num_kv_heads, -1, self.head_dim).index_select(1, idx)
                 total += rows.sum(dim=(0, 2), dtype=torch.int32)

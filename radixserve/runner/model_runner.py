@@ -258,7 +258,8 @@ class ModelRunner:
             mirror.reset()
 
     def kv_slot_checksums(self, slots: list[int]) -> list[int]:
-        return self.kv.slot_checksums(slots)
+        """The target's layers only: an MTP / EAGLE draft rewrites its own KV layer (the last) by design."""
+        return self.kv.slot_checksums(slots, self.kv.num_layers - 1 if self.mtp is not None else None)
 
     def kv_layout(self) -> dict:
         """KVLayout fields: this rank's cache (export_kv holds its layers 0..num_layers-1 in order) and the group's."""

@@ -142,3 +142,19 @@ def test_deepseek_v32_missing_mtp_weights_fail_the_load(tmp_path):
     rewrite(tmp_path, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("model.layers.3.")]])
     with pytest.raises(ValueError, match="no NextN"):
         runner(tmp_path)
+
+
+@torch.inference_mode()
+def test_kv_checksums_cover_the_targets_layers_only(dsa_mtp_case):
+    """--enable-kv-checksum re-checks the target's KV; the draft rewrites its own layer (the last) by design, so a
+    change there is not a corruption (it ended a normal EAGLE request as kv_checksum before)."""
+    r = runner(dsa_mtp_case[0])
+    slots = list(range(r.page_size))
+    before = r.kv_slot_checksums(slots)
+    data = r.kv.export_pages([0])
+    data.k[-1] += 1.0
+    r.kv.import_pages([0], data)
+    assert r.kv_slot_checksums(slots) == before
+    data.k[0] += 1.0
+    r.kv.import_pages([0], data)
+    assert r.kv_slot_checksums(slots) != before
