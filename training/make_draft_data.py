@@ -100,7 +100,8 @@ def main() -> None:
     answers = sum(len(a) for _, a in pairs)
     agree = sum(int((s["argmax"][s["prompt_len"] - 1:-1] == s["tokens"][s["prompt_len"]:]).sum()) for s in seqs)
     meta = {"prompts": len(items), "split": args.split, "seed": args.seed, "mix": args.mix,
-            "exclude_mix1": args.exclude_mix1, "temperature": args.temperature, "max_tokens": args.max_tokens, "gen_dtype": args.gen_dtype,
+            "exclude_mix1": args.exclude_mix1, "temperature": args.temperature, "max_tokens": args.max_tokens,
+            "gen_dtype": args.gen_dtype,
             "answer_tokens": answers, "tokens": sum(len(s["tokens"]) for s in seqs),
             "transformers_agrees_with_engine": agree / max(1, answers),
             "generate_s": round(t1 - t0, 1), "hidden_s": round(t2 - t1, 1)}

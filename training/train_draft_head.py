@@ -63,14 +63,20 @@ class DraftHead(torch.nn.Module):
         return self.norm(out[0] if isinstance(out, tuple) else out)
 
 
+def nextn_params(head: DraftHead) -> dict[str, torch.Tensor]:
+    """The head's parameters by their NextN names (below `model.layers.{num_layers}.`)."""
+    names = {"enorm.weight": head.enorm.weight, "hnorm.weight": head.hnorm.weight,
+             "eh_proj.weight": head.eh_proj.weight, "shared_head.norm.weight": head.norm.weight}
+    names.update(head.block.state_dict(keep_vars=True))
+    return names
+
+
 def export_head(head: DraftHead, token_map: torch.Tensor, num_layers: int, path: str, recipe: dict,
                 dtype: torch.dtype = torch.bfloat16) -> None:
     """Write `head` as weights/nextn_loader.py's load_draft_head reads it: NextN names under
     `model.layers.{num_layers}.` in `dtype`, `token_map` int64, the recipe as JSON metadata."""
-    names = {"enorm.weight": head.enorm.weight, "hnorm.weight": head.hnorm.weight,
-             "eh_proj.weight": head.eh_proj.weight, "shared_head.norm.weight": head.norm.weight}
-    names.update(head.block.state_dict())
-    tensors = {f"model.layers.{num_layers}.{k}": v.detach().to(dtype).contiguous() for k, v in names.items()}
+    tensors = {f"model.layers.{num_layers}.{k}": v.detach().to(dtype).contiguous()
+               for k, v in nextn_params(head).items()}
     tensors["token_map"] = token_map.to(torch.int64).contiguous()
     save_file(tensors, path, metadata={"radixserve_draft": "eagle-nextn", "recipe": json.dumps(recipe)})
 
@@ -81,11 +87,8 @@ def load_head(path: str, target: torch.nn.Module) -> tuple[DraftHead, torch.Tens
 
     tensors, prefix = load_file(path), f"model.layers.{target.config.num_hidden_layers}."
     head = DraftHead(target)
-    names = {"enorm.weight": head.enorm.weight, "hnorm.weight": head.hnorm.weight,
-             "eh_proj.weight": head.eh_proj.weight, "shared_head.norm.weight": head.norm.weight}
-    names.update(head.block.state_dict(keep_vars=True))
     with torch.no_grad():
-        for name, param in names.items():
+        for name, param in nextn_params(head).items():
             param.copy_(tensors[prefix + name].float())
     return head.eval(), tensors["token_map"]
 
@@ -178,20 +181,17 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
+    path = resolve_model_path(None)
+    target = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                  dtype=torch.float32).eval()
     if args.eval_only:
-        path = resolve_model_path(None)
-        target = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                      dtype=torch.float32).eval()
         head, token_map = load_head(args.eval_only, target)
         lm_rows = target.lm_head.weight.detach()[token_map]
         print(answer_accuracy(head, target.model.embed_tokens, lm_rows, token_map,
                               torch.load(args.eval, weights_only=False)["sequences"]))
         return
-    parts = [torch.load(path, weights_only=False) for path in args.data.split(",")]
+    parts = [torch.load(part, weights_only=False) for part in args.data.split(",")]
     seqs = [s for part in parts for s in part["sequences"]]
-    path = resolve_model_path(None)
-    target = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                  dtype=torch.float32).eval()
     counts = torch.bincount(torch.cat([s["argmax"] for s in seqs]), minlength=target.config.vocab_size)
     token_map = counts.argsort(descending=True)[:args.vocab].sort().values
     coverage = float(counts[token_map].sum() / counts.sum())

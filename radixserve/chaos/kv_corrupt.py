@@ -3,8 +3,8 @@ page's stale KV (what a finished request left there; a lost write) (docs/anomaly
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from radixserve.engine.request import Request
